@@ -1,0 +1,67 @@
+# kernapprox — the two commands users need are `make test` and `make figures`.
+# Everything installs itself into .venv on first use (Python >= 3.11 and pip are the only prerequisites).
+SHELL := /bin/bash
+.DELETE_ON_ERROR:
+.SUFFIXES:
+
+PYTHON_SYSTEM ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PRESET ?= default
+DEVICE ?= auto
+# The torch pinned when none is importable: the CPU-friendly build. An existing torch is never replaced.
+TORCH_PIN ?= torch==2.13.0
+EXTRAS ?= dev,dask,real
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+comma  := ,
+
+EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
+RESULTS     := $(patsubst %,results/%.nc,$(EXPERIMENTS))
+FIGURES     := $(patsubst %,figures/%.png,$(EXPERIMENTS))
+LIBRARY     := $(wildcard kernapprox/*.py kernapprox/*/*.py)
+
+.PHONY: install test test-slow lint figures results bench clean distclean help
+help:
+	@echo "make test     - install what is missing, run the test suite (what CI runs)"
+	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE)), build figures/*.png"
+	@echo "make lint     - ruff"
+	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
+	@echo "make test-slow - the long statistical tests (marker 'slow')"
+
+$(PY):
+	$(PYTHON_SYSTEM) -m venv $(VENV)
+
+install: $(STAMP)
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $@
+
+test: install
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+
+test-slow: install
+	$(PY) -m pytest -q -n 2 -m slow
+
+lint: install
+	$(PY) -m ruff check kernapprox experiments tests benchmarks
+
+results: $(RESULTS)
+figures: $(FIGURES)
+
+# A dataset depends on its experiment and the library; a figure depends on its dataset only.
+results/%.nc: experiments/%.py $(LIBRARY) | $(STAMP)
+	@mkdir -p results
+	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --out $@
+
+figures/%.png: results/%.nc | $(STAMP)
+	$(PY) -m experiments.$* --plot-only --out $< --figure $@
+
+bench: install
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf results
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

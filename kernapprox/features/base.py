@@ -1,0 +1,168 @@
+"""The estimator protocol every kernel approximation shares.
+
+An estimator approximates ``SM_s(q, k) = exp(s · qᵀk)`` by ``φ(q)ᵀ φ(k)`` with a finite map ``φ: R^d → R^r``.
+Subclasses implement :meth:`FeatureMap._fit` (draw or derive what they need) and
+:meth:`FeatureMap._log_features` (stabilised features and their log-scale); everything else — validation,
+scaling, dtype handling, the exact-scale features, the approximate kernel matrix and the state size — lives here.
+
+Stabilised features
+-------------------
+``features(x, role, log_scale=True)`` returns ``(φ̃, ℓ)`` with ``φ(x) = φ̃(x) · exp(ℓ(x))``, where ``φ̃`` has
+entries of order one (for exponential maps: the per-row maximum is subtracted inside the exponent) and ``ℓ`` has
+shape ``(..., n)``. Attention code uses this split to apply one shift per (batch, head) to the keys, a per-row
+shift to the queries (both cancel in the normalised output) and a running shift in the recurrent mode, so that
+``exp`` never overflows. ``features(x, role)`` returns the exact-scale ``φ(x)`` (which may overflow for large
+norms; that is what was asked for).
+
+Precision: float16/bfloat16 inputs are computed in float32 and returned in the input dtype; float32 and float64
+stay as they are. Parameters (projections, landmarks) are kept in float64 on the CPU and cast on use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from .._rng import as_generator
+from .._validation import (
+    NotFittedError,
+    check_choice,
+    check_positive_int,
+    check_same_kind,
+    check_tensor,
+    compute_dtype,
+)
+from ..kernel import resolve_scale
+
+ROLES = ("query", "key")
+
+
+class FeatureMap:
+    """Base class of all estimators of the softmax kernel.
+
+    Class attributes describe the estimator (and fill the README table): ``unbiased`` (``E φ(x)ᵀφ(y) =
+    SM(x, y)``), ``positive`` (features and hence normalisers are positive), ``data_dependent`` (``fit`` looks
+    at the data, not just its shape), ``causal_fit`` (fitting on the sequence it is applied to uses no future
+    tokens), ``modes`` (the attention modes it supports) and ``reference`` (the paper, with equation/lemma).
+    """
+
+    unbiased: ClassVar[bool] = False
+    positive: ClassVar[bool] = False
+    data_dependent: ClassVar[bool] = False
+    causal_fit: ClassVar[bool] = True
+    modes: ClassVar[tuple[str, ...]] = ("parallel", "recurrent", "chunked")
+    reference: ClassVar[str] = ""
+
+    def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
+        self.num_features_param = num_features
+        self.rng = rng
+        self.scale = scale
+
+    # ----------------------------------------------------------------------------------------------- fitting
+    def fit(self, q: torch.Tensor, k: torch.Tensor | None = None) -> FeatureMap:
+        """Draw or derive the map's parameters for inputs like ``q`` (and ``k``); returns ``self``.
+
+        Data-independent maps use only ``d = q.shape[-1]``. Calling ``fit`` again with the same ``rng`` gives
+        the same draw (an int or ``SeedSequence`` seed is re-expanded on every call).
+        """
+        check_tensor(q, "q")
+        if k is not None:
+            check_tensor(k, "k")
+            check_same_kind(q=q, k=k)
+            if k.shape[-1] != q.shape[-1]:
+                raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
+        self.dim_ = int(q.shape[-1])
+        self.scale_ = resolve_scale(self.dim_, self.scale)
+        self._cache = {}
+        self._fit(q, k, as_generator(self.rng))
+        self.fitted_ = True
+        return self
+
+    def _fit(self, q, k, rng: np.random.Generator) -> None:
+        raise NotImplementedError
+
+    def _check_fitted(self):
+        if not getattr(self, "fitted_", False):
+            raise NotFittedError(f"{type(self).__name__} is not fitted; call fit(q, k) first")
+
+    # -------------------------------------------------------------------------------------------- features
+    def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False):
+        """Feature map ``φ(x)``: ``(..., n, d) -> (..., n, r)``.
+
+        With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``.
+        """
+        self._check_fitted()
+        check_choice(role, "role", ROLES)
+        check_tensor(x, "x")
+        if x.shape[-1] != self.dim_:
+            raise ValueError(f"x has last dimension {x.shape[-1]} but the estimator was fitted with d={self.dim_}")
+        out_dtype = x.dtype
+        xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
+        phi, logs = self._log_features(xs, role)
+        if log_scale:
+            return phi.to(out_dtype), logs.to(compute_dtype(out_dtype))
+        return (phi * torch.exp(logs)[..., None]).to(out_dtype)
+
+    def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
+        raise NotImplementedError
+
+    def _param(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A float64 numpy parameter ``self.<name>`` as a tensor on ``like``'s device and dtype (cached)."""
+        key = (name, like.device, like.dtype)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            cache[key] = torch.as_tensor(getattr(self, name)).to(device=like.device, dtype=like.dtype)
+        return cache[key]
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def num_features(self) -> int:
+        """``r``, the feature dimension of the state ``W ∈ R^{d_v × r}``."""
+        if self.num_features_param is None:
+            raise NotFittedError(f"{type(self).__name__}: num_features is known only after fit")
+        return int(self.num_features_param)
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the recurrent state ``(W, z)``: ``r · (d_v + 1)`` numbers (Zoology/Based convention)."""
+        check_positive_int(d_v, "d_v")
+        return self.num_features * (d_v + 1) * _itemsize(dtype)
+
+    def kernel_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The approximation ``φ(Q) φ(K)ᵀ`` of ``exp(s · Q Kᵀ)``, ``(..., n_q, n_k)``, in the inputs' dtype.
+
+        Computed from stabilised features and rescaled at the end, so it overflows only where the true value
+        does.
+        """
+        check_tensor(q, "q")
+        check_tensor(k, "k")
+        check_same_kind(q=q, k=k)
+        pq, lq = self.features(q, "query", log_scale=True)
+        pk, lk = self.features(k, "key", log_scale=True)
+        ct = compute_dtype(q.dtype)
+        gram = pq.to(ct) @ pk.to(ct).transpose(-1, -2)
+        return (gram * torch.exp(lq[..., :, None] + lk[..., None, :])).to(q.dtype)
+
+    def get_params(self) -> dict:
+        """Constructor parameters (scikit-learn style)."""
+        import inspect
+
+        sig = inspect.signature(type(self).__init__)
+        return {
+            name: getattr(self, "num_features_param" if name == "num_features" else name)
+            for name in sig.parameters
+            if name != "self" and sig.parameters[name].kind == inspect.Parameter.KEYWORD_ONLY
+        }
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,152 @@
+"""Random-feature maps of the softmax kernel: trigonometric, positive (FAVOR+) and hyperbolic.
+
+Notation: ``x = sqrt(s)·q`` and ``y = sqrt(s)·k`` so that ``exp(s qᵀk) = SM(x, y) = exp(xᵀy)``; ``ω_1..ω_m``
+rows of a projection drawn by a :mod:`~kernapprox.features.samplers` sampler; ``r`` = ``num_features`` is the
+feature dimension of the state. Trigonometric and hyperbolic maps use ``m = r/2`` frequencies (``r`` must be
+even), the positive map ``m = r``. Each estimator is unbiased for ``SM`` when its sampler's rows are marginally
+``N(0, I_d)`` (``iid``, ``orthogonal``, ``qmc``); the normalised attention output is a ratio estimator and is
+biased at ``O(1/m)`` even then.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._validation import check_positive_float, check_positive_int
+from .base import FeatureMap
+from .samplers import make_sampler
+
+
+class RandomFeatureMap(FeatureMap):
+    """Shared constructor and fitting of maps built on a projection matrix ``projection_`` of shape (m, d)."""
+
+    features_per_frequency: int = 1  # r = m * features_per_frequency
+
+    def __init__(self, *, num_features: int, sampler="iid", rng=None, scale: float | None = None,
+                 eps: float = 0.0):
+        check_positive_int(num_features, "num_features")
+        if num_features % self.features_per_frequency:
+            raise ValueError(f"num_features must be a multiple of {self.features_per_frequency} for "
+                             f"{type(self).__name__} (sin/cos or exp(±) pairs), got {num_features}")
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.sampler = sampler
+        make_sampler(sampler)  # validate early
+        self.eps = check_positive_float(eps, "eps", allow_zero=True)
+        if self.eps and not self.positive:
+            raise ValueError(f"eps must be 0 for {type(self).__name__}: a positive shift of signed features "
+                             "has no meaning")
+
+    @property
+    def unbiased(self):  # type: ignore[override]
+        return make_sampler(self.sampler).unbiased
+
+    @property
+    def num_frequencies(self) -> int:
+        return self.num_features // self.features_per_frequency
+
+    def _fit(self, q, k, rng):
+        self.sampler_ = make_sampler(self.sampler)
+        self.projection_ = self.sampler_.sample(self.num_frequencies, self.dim_, rng)  # (m, d) float64
+
+
+class TrigonometricFeatures(RandomFeatureMap):
+    r"""Trigonometric random features (random Fourier features of the softmax kernel).
+
+    .. math::
+        φ(x) = \frac{e^{\|x\|^2/2}}{\sqrt m}\,\big(\sin ω_1^⊤x,…,\sin ω_m^⊤x,\ \cos ω_1^⊤x,…,\cos ω_m^⊤x\big)
+
+    By Bochner, ``E cos(ωᵀ(x−y)) = exp(−‖x−y‖²/2)``, so ``E φ(x)ᵀφ(y) = SM(x, y)``: **unbiased, not
+    positive**; the normaliser ``Σ φ(q)ᵀφ(k_i)`` can be ≤ 0 (a measured phenomenon, see
+    :func:`kernapprox.metrics.nonpositive_normalizer_rate`). ``r = 2m``.
+
+    MSE (Performer Lemma 2, first line): ``(1/2m) exp(‖x+y‖²) SM⁻²(x,y) (1 − exp(−‖x−y‖²))²``, i.e. relative
+    MSE ``(2/m) sinh²(‖x−y‖²/2)``; see :func:`kernapprox.theory.trig_mse`.
+
+    Stabilised form: ``φ̃ = (sin, cos)``, ``ℓ = ‖x‖²/2 − ½ log m``. ``eps`` must be 0 (no positive shift makes
+    sense for signed features).
+
+    References
+    ----------
+    Rahimi & Recht, *Random Features for Large-Scale Kernel Machines*, NeurIPS 2007.
+    Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021, §2.3 eq. (5), Lemma 2.
+    """
+
+    features_per_frequency = 2
+    positive = False
+    reference = "Choromanski et al. 2021 (Performer) §2.3 eq. (5), Lemma 2; Rahimi & Recht 2007"
+
+    def _log_features(self, x, role):
+        w = self._param("projection_", x)
+        proj = x @ w.T
+        phi = torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1)
+        logs = 0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
+        return phi, logs
+
+
+class PositiveFeatures(RandomFeatureMap):
+    r"""Positive random features (FAVOR+ "SM⁺").
+
+    .. math::
+        φ(x) = \frac{e^{-\|x\|^2/2}}{\sqrt m}\,\big(e^{ω_1^⊤x},…,e^{ω_m^⊤x}\big)
+
+    Performer Lemma 1: ``SM(x,y) = E_ω[exp(ωᵀx − ‖x‖²/2) exp(ωᵀy − ‖y‖²/2)]``: **unbiased and strictly
+    positive**. ``r = m``. MSE (Lemma 2, second line): ``(1/m) exp(‖x+y‖²) SM²(x,y) (1 − exp(−‖x+y‖²))``,
+    relative MSE ``(exp(‖x+y‖²) − 1)/m`` — it explodes with the norms; see :func:`kernapprox.theory.positive_mse`.
+    With the ``orthogonal`` sampler this is FAVOR+ proper (Theorem 2 bounds its MSE for m ≤ d).
+
+    Stabilised form: ``φ̃_j = exp(ω_jᵀx − max_i ω_iᵀx) + eps``, ``ℓ = max_i ω_iᵀx − ‖x‖²/2 − ½ log m``
+    (a per-row shift; the attention code adds one shift per (batch, head) for keys and a running shift in the
+    recurrent mode, all of which cancel in the normalised output when ``eps = 0``). ``eps`` (default 0) is
+    added after the shift, as in the reference code, and biases the estimate.
+
+    References
+    ----------
+    Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021, Lemma 1, Lemma 2, Theorem 2.
+    """
+
+    positive = True
+    reference = "Choromanski et al. 2021 (Performer) Lemma 1 (map), Lemma 2 (MSE), Theorem 2 (orthogonal)"
+
+    def _log_features(self, x, role):
+        w = self._param("projection_", x)
+        proj = x @ w.T
+        shift = proj.amax(-1, keepdim=True)
+        phi = torch.exp(proj - shift)
+        if self.eps:
+            phi = phi + self.eps
+        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
+        return phi, logs
+
+
+class HyperbolicFeatures(RandomFeatureMap):
+    r"""Hyperbolic positive random features ("SM^{hyp+}").
+
+    .. math::
+        φ(x) = \frac{e^{-\|x\|^2/2}}{\sqrt{2m}}\,\big(e^{ω_1^⊤x},…,e^{ω_m^⊤x},\ e^{-ω_1^⊤x},…,e^{-ω_m^⊤x}\big)
+
+    ``SM(x,y) = exp(−(‖x‖²+‖y‖²)/2) E cosh(ωᵀ(x+y))``: **unbiased and positive**, ``r = 2m``. MSE (Lemma 2,
+    third line): ``½ (1 − exp(−‖x+y‖²)) · MSE(SM⁺_m)``, relative MSE ``(2/m) sinh²(‖x+y‖²/2)``, strictly
+    better than positive features with ``2m`` frequencies; see :func:`kernapprox.theory.hyperbolic_mse`.
+
+    References
+    ----------
+    Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021, Lemma 1 (``h = 2^{-1/2} e^{-‖x‖²/2}``,
+    ``f₁ = exp``, ``f₂ = exp(−·)``) and Lemma 2.
+    """
+
+    features_per_frequency = 2
+    positive = True
+    reference = "Choromanski et al. 2021 (Performer) Lemma 1 (hyperbolic), Lemma 2 (MSE)"
+
+    def _log_features(self, x, role):
+        w = self._param("projection_", x)
+        proj = x @ w.T
+        both = torch.cat([proj, -proj], dim=-1)
+        shift = both.amax(-1, keepdim=True)
+        phi = torch.exp(both - shift)
+        if self.eps:
+            phi = phi + self.eps
+        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
+        return phi, logs
