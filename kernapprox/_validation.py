@@ -32,7 +32,8 @@ def check_tensor(x, name: str, *, min_rank: int = 2, finite: bool = True, allow_
         raise ValueError(f"{name} must not be empty, got shape {tuple(x.shape)}")
     if min_rank >= 1 and x.dim() >= 1 and x.shape[-1] == 0:
         raise ValueError(f"{name} has a zero-size feature dimension, shape {tuple(x.shape)}")
-    if finite and x.numel() and not bool(torch.isfinite(x).all()):
+    # meta tensors carry no values (shape-only checks); everything else is checked for NaN/Inf
+    if finite and x.numel() and x.device.type != "meta" and not bool(torch.isfinite(x).all()):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 
