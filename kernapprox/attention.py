@@ -14,11 +14,13 @@ floating-point tolerance:
     blockwise: exact masked products within a chunk, the running state across chunks.
 
 Stabilisation (all modes): features come as ``φ = φ̃ · exp(ℓ)`` (see :mod:`kernapprox.features.base`).
-Query scales cancel in the ratio and are carried only in the returned log-scale. Key scales are shifted by one
-constant per (batch, head) in the parallel and non-causal modes and by a running maximum in the causal
-recurrent and chunked modes (the state is rescaled by ``exp(c_old − c_new)`` when the maximum grows), so no
-``exp`` overflows and the streaming form never looks ahead. Half-precision inputs are computed in float32 and
-returned in the input dtype.
+Query scales cancel in the ratio and are carried only in the returned log-scale. Non-causal: the key scales are
+shifted by one constant per (batch, head), their maximum. Causal: query ``i`` is shifted by the running maximum
+``c_i = max_{j≤i} ℓ(k_j)`` in every mode (the recurrent state is rescaled by ``exp(c_old − c_new)`` when the
+maximum grows; the parallel and chunked modes apply the same per-row shift inside their blocks), so no ``exp``
+overflows, no row loses all its keys to underflow because of a later, larger key, the streaming form never looks
+ahead, and the three modes return the same numerator, normaliser and log-scale. Half-precision inputs are
+computed in float32 and returned in the input dtype.
 """
 
 from __future__ import annotations
@@ -114,13 +116,30 @@ def _stabilised_features(q, k, estimator):
 
 
 def _parallel(pq, lq, pk, lk, v, causal):
+    if causal:
+        num, den, c_rows = _causal_block(pq, pk, lk, v, None)
+        return num, den, lq + c_rows
     c = lk.amax(-1, keepdim=True)                                     # one shift per (batch, head)
     pk = pk * torch.exp(lk - c)[..., None]
     a = pq @ pk.transpose(-1, -2)                                     # (..., n, n)
-    if causal:
-        n = a.shape[-1]
-        a = a * torch.ones(n, n, dtype=torch.bool, device=a.device).tril()
     return a @ v, a.sum(-1), lq + c
+
+
+def _causal_block(pq, pk, lk, v, c_prev):
+    """Causal products within one block, each query row shifted by the running key maximum up to itself.
+
+    ``A_ij = φ̃(q_i)ᵀφ̃(k_j) · exp(ℓ_j − c_i)`` for ``j ≤ i`` with ``c_i = max(c_prev, max_{j≤i} ℓ_j)`` — the
+    shift the recurrent mode has at step ``i`` — so no row's keys all underflow because of a later, larger key.
+    Returns ``(A V, A 1, c)`` with ``c`` of shape ``(..., L)``.
+    """
+    c_rows = torch.cummax(lk, dim=-1).values                          # (..., L)
+    if c_prev is not None:
+        c_rows = torch.maximum(c_rows, c_prev[..., None])
+    length = lk.shape[-1]
+    future = torch.ones(length, length, dtype=torch.bool, device=lk.device).triu(1)
+    log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
+    a = (pq @ pk.transpose(-1, -2)) * torch.exp(log_w)                # (..., L, L)
+    return a @ v, a.sum(-1), c_rows
 
 
 def _recurrent(pq, lq, pk, lk, v, causal):
@@ -171,34 +190,27 @@ def _chunked(pq, lq, pk, lk, v, causal, chunk_size):
         return pq @ w, (pq * z[..., None, :]).sum(-1), lq + c
     n = pk.shape[-2]
     nums, dens, scales = [], [], []
-    w = z = c = None
+    w = z = c = None                                                  # state (r, d_v), (r,), shift c
     for start in range(0, n, chunk_size):
         stop = min(start + chunk_size, n)
         pq_j, pk_j = pq[..., start:stop, :], pk[..., start:stop, :]
         lk_j, v_j = lk[..., start:stop], v[..., start:stop, :]
-        c_chunk = lk_j.amax(-1)
-        c_new = c_chunk if c is None else torch.maximum(c, c_chunk)
-        pk_j = pk_j * torch.exp(lk_j - c_new[..., None])[..., None]
-        length = stop - start
-        intra = (pq_j @ pk_j.transpose(-1, -2)) * torch.ones(length, length, dtype=torch.bool,
-                                                             device=pq.device).tril()
-        num = intra @ v_j
-        den = intra.sum(-1)
+        num, den, c_rows = _causal_block(pq_j, pk_j, lk_j, v_j, c)
+        c_end = c_rows[..., -1]
         if w is not None:
-            decay = torch.exp(c - c_new)
+            carry = torch.exp(c[..., None] - c_rows)                  # (..., L): old state, row shifts
+            num = num + (pq_j @ w) * carry[..., None]
+            den = den + (pq_j * z[..., None, :]).sum(-1) * carry
+            decay = torch.exp(c - c_end)
             w = w * decay[..., None, None]
             z = z * decay[..., None]
-            num = num + pq_j @ w
-            den = den + (pq_j * z[..., None, :]).sum(-1)
-            w = w + pk_j.transpose(-1, -2) @ v_j
-            z = z + pk_j.sum(-2)
-        else:
-            w = pk_j.transpose(-1, -2) @ v_j
-            z = pk_j.sum(-2)
-        c = c_new
+        pk_end = pk_j * torch.exp(lk_j - c_end[..., None])[..., None]
+        w_add, z_add = pk_end.transpose(-1, -2) @ v_j, pk_end.sum(-2)
+        w, z = (w_add, z_add) if w is None else (w + w_add, z + z_add)
+        c = c_end
         nums.append(num)
         dens.append(den)
-        scales.append(lq[..., start:stop] + c_new[..., None])
+        scales.append(lq[..., start:stop] + c_rows)
     return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(scales, -1)
 
 
@@ -231,6 +243,8 @@ def linear_attention(q, k, v, estimator: FeatureMap, causal: bool = False, mode:
     if not isinstance(estimator, FeatureMap):
         raise TypeError(f"estimator must be a kernapprox estimator, got {type(estimator).__name__}")
     estimator._check_fitted()
+    if getattr(estimator, "dim_", q.shape[-1]) != q.shape[-1]:
+        raise ValueError(f"q and k have d={q.shape[-1]} but the estimator was fitted with d={estimator.dim_}")
     if mode not in estimator.modes:
         raise ValueError(f"mode {mode!r} is not supported by {type(estimator).__name__}; "
                          f"supported: {', '.join(estimator.modes)}")
@@ -293,9 +307,9 @@ class RecurrentState:
         if self.state is not None:
             w = self.state[0]
             if w.shape[:-2] != k_t.shape[:-1] or w.shape[-1] != v_t.shape[-1]:
-                raise ValueError("k_t/v_t do not match the state's batch shape or value dimension")
-            if w.device != k_t.device:
-                raise ValueError(f"k_t is on {k_t.device} but the state is on {w.device}")
+                raise ValueError(f"k_t/v_t (shapes {tuple(k_t.shape)}, {tuple(v_t.shape)}) do not match the state's "
+                                 f"batch shape {tuple(w.shape[:-2])} or value dimension {w.shape[-1]}")
+            self._check_like_state(k_t, "k_t")
         pk, lk = self.estimator.features(k_t[..., None, :], "key", log_scale=True)
         ct = compute_dtype(k_t.dtype)
         self.state = _state_update(self.state, pk[..., 0, :].to(ct), lk[..., 0].to(ct), v_t.to(ct))
@@ -306,9 +320,20 @@ class RecurrentState:
         if self.state is None:
             raise ValueError("the state is empty: call update (or step) before read")
         check_tensor(q_t, "q_t", min_rank=1)
+        w = self.state[0]
+        if q_t.shape[:-1] != w.shape[:-2]:
+            raise ValueError(f"q_t has batch shape {tuple(q_t.shape[:-1])} but the state has {tuple(w.shape[:-2])}")
+        self._check_like_state(q_t, "q_t")
         pq, _ = self.estimator.features(q_t[..., None, :], "query", log_scale=True)
         num, den = _state_read(self.state, pq[..., 0, :].to(self.state[0].dtype))
         return (num / den[..., None]).to(q_t.dtype)
+
+    def _check_like_state(self, x, name):
+        w = self.state[0]
+        if x.device != w.device:
+            raise ValueError(f"{name} is on {x.device} but the state is on {w.device}")
+        if compute_dtype(x.dtype) != w.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but the state holds {w.dtype}; cast explicitly")
 
     def step(self, q_t, k_t, v_t) -> torch.Tensor:
         """``update(k_t, v_t)`` then ``read(q_t)``."""

@@ -14,8 +14,11 @@ shift to the queries (both cancel in the normalised output) and a running shift 
 ``exp`` never overflows. ``features(x, role)`` returns the exact-scale ``φ(x)`` (which may overflow for large
 norms; that is what was asked for).
 
-Precision: float16/bfloat16 inputs are computed in float32 and returned in the input dtype; float32 and float64
-stay as they are. Parameters (projections, landmarks) are kept in float64 on the CPU and cast on use.
+Precision: float16/bfloat16 inputs are computed in float32; float32 and float64 stay as they are. Exact-scale
+features are returned in the input dtype; the stabilised pair ``(φ̃, ℓ)`` stays in the compute dtype (float32 for
+half inputs), because it is the input of further computation (attention, kernel matrices) that must not be
+rounded to half precision half-way. Parameters (projections, landmarks) are kept in float64 on the CPU and cast
+on use.
 """
 
 from __future__ import annotations
@@ -92,7 +95,8 @@ class FeatureMap:
     def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False):
         """Feature map ``φ(x)``: ``(..., n, d) -> (..., n, r)``.
 
-        With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``.
+        With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``,
+        both in the compute dtype (float32 for half-precision ``x``); otherwise ``φ`` in ``x``'s dtype.
         """
         self._check_fitted()
         check_choice(role, "role", ROLES)
@@ -103,7 +107,7 @@ class FeatureMap:
         xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
         phi, logs = self._log_features(xs, role)
         if log_scale:
-            return phi.to(out_dtype), logs.to(compute_dtype(out_dtype))
+            return phi, logs
         return (phi * torch.exp(logs)[..., None]).to(out_dtype)
 
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
