@@ -133,6 +133,10 @@ class QMCSampler(ProjectionSampler):
     """Scrambled quasi-Monte Carlo rows: ``ω = Φ^{-1}(u)`` with ``u`` from a scrambled Sobol (or Halton)
     sequence (Avron et al. 2016). Scrambling makes each point marginally uniform, so the estimator stays
     unbiased while the points are negatively correlated (lower variance for smooth integrands).
+
+    Sobol: scipy's LMS + digital-shift scramble on a 30-bit grid, completed by a uniform offset inside the grid
+    cell (the undrawn low digits), so each row is exactly ``N(0, I_d)``. Halton: scipy's random digit
+    permutations; each row is uniform on a fine finite grid (approximately, not exactly, Gaussian).
     """
 
     def __init__(self, kind: str = "sobol"):
@@ -143,13 +147,16 @@ class QMCSampler(ProjectionSampler):
 
     def sample(self, num, dim, rng):
         engine_cls = stats.qmc.Sobol if self.kind == "sobol" else stats.qmc.Halton
-        # 64 bits: the default 30-bit Sobol grid would truncate the Gaussian tails at |ω| ≈ 6.1, which matters
-        # for the exponential maps' heavy-tailed integrands.
-        options = {"bits": 64} if self.kind == "sobol" else {}
-        engine = engine_cls(d=dim, scramble=True, seed=rng, **options)
+        engine = engine_cls(d=dim, scramble=True, seed=rng)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Sobol balance warning for non-powers of two
             u = engine.random(num)
+        if self.kind == "sobol":
+            # Sobol points live on a 2^-bits grid (30 bits by default), which would make each coordinate a
+            # discrete uniform and cut the Gaussian tails at |ω| ≈ 6.1. Owen scrambling randomises the digits
+            # below the grid independently and uniformly, so a uniform offset inside the cell completes it:
+            # each point is then exactly U[0, 1)^d.
+            u = u + rng.random(u.shape) * 2.0 ** -engine.bits
         u = np.clip(u, np.finfo(np.float64).tiny, 1.0 - np.finfo(np.float64).eps)
         return special.ndtri(u)
 
