@@ -10,6 +10,15 @@ from __future__ import annotations
 import functools
 
 from .features import ExactKernel, HyperbolicFeatures, PositiveFeatures, TrigonometricFeatures
+from .features.deterministic import EluPlusOneFeatures, TaylorFeatures
+from .features.exponential import (
+    AsymmetricDenseExponentialFeatures,
+    GeneralizedExponentialFeatures,
+    OptimalPositiveFeatures,
+    SimplifiedAsymmetricDenseExponentialFeatures,
+    SymmetricDenseExponentialFeatures,
+)
+from .features.maclaurin import RandomMaclaurinFeatures
 
 _REGISTRY: dict[str, functools.partial] = {}
 
@@ -63,3 +72,16 @@ for _map_name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFe
     register(_map_name, _cls, sampler="iid")
     for _sampler in ("orthogonal", "regularized", "sorf", "qmc"):
         register(f"{_map_name}_{_sampler}", _cls, sampler=_sampler)
+
+# Exponential families (GERF, OPRF = FAVOR++ with the orthogonal sampler, dense-exponential maps), once per sampler.
+for _map_name, _cls in (("gerf", GeneralizedExponentialFeatures), ("oprf", OptimalPositiveFeatures),
+                        ("sderf", SymmetricDenseExponentialFeatures),
+                        ("saderf", SimplifiedAsymmetricDenseExponentialFeatures),
+                        ("aderf", AsymmetricDenseExponentialFeatures)):
+    register(_map_name, _cls, sampler="iid")
+    for _sampler in ("orthogonal", "regularized", "sorf", "qmc"):
+        register(f"{_map_name}_{_sampler}", _cls, sampler=_sampler)
+register("maclaurin", RandomMaclaurinFeatures)
+register("taylor2", TaylorFeatures, form="packed")
+register("taylor2_based", TaylorFeatures, form="full")
+register("elu1", EluPlusOneFeatures)

@@ -1,0 +1,154 @@
+"""Deterministic feature maps: the second-order Taylor map (Based) and two fixed maps that define other kernels.
+
+Nothing here is random. :class:`TaylorFeatures` approximates ``exp(t)`` by its truncated series
+``1 + t + t²/2`` exactly (``φ(q)ᵀφ(k)`` *equals* the polynomial); :class:`EluPlusOneFeatures` and
+:class:`DPFPFeatures` are **not estimators of exp** — they are the fixed maps of linear-attention architectures
+and define their own kernels, useful as baselines of what a state of a given size can store (in-context
+recall/regression capacity), not as approximations to measure against ``exp``.
+
+All maps apply the estimator's scale first, ``x = sqrt(s)·input`` (``s = 1/sqrt(d)`` by default), so the Taylor
+map's ``t = s·qᵀk`` is the softmax logit; pass ``scale=1.0`` to apply ELU+1 or DPFP to the raw inputs as in their
+papers. ``num_features`` is ignored by all three (the dimension is fixed by ``d``), as for the exact kernel.
+Features are polynomial in ``x``, so nothing overflows; the stabilised form still returns unit-norm ``φ̃`` with
+``ℓ = log ‖φ(x)‖`` (Taylor, ELU+1), so that ``φ̃`` has entries of order one whatever the input norm (DPFP, whose
+features can all vanish, returns ``ℓ = 0``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._validation import NotFittedError, check_choice, check_positive_int
+from .base import FeatureMap
+
+__all__ = ["TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures"]
+
+
+class _FixedMap(FeatureMap):
+    """A deterministic map whose dimension is a function of ``d``."""
+
+    def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
+        super().__init__(num_features=None, rng=rng, scale=scale)
+
+    def _fit(self, q, k, rng):
+        pass
+
+    def _output_dim(self, d: int) -> int:
+        raise NotImplementedError
+
+    @property
+    def num_features(self) -> int:
+        if not getattr(self, "fitted_", False):
+            raise NotFittedError(f"{type(self).__name__}: num_features is known only after fit (it depends on d)")
+        return self._output_dim(self.dim_)
+
+
+class TaylorFeatures(_FixedMap):
+    r"""Second-order Taylor feature map of ``exp`` (Based): ``φ(q)ᵀφ(k) = 1 + t + t²/2`` exactly, ``t = s·qᵀk``.
+
+    ``form="packed"`` (default; the flash-linear-attention layout):
+    ``φ(x) = [1, x, (x_l²/√2)_l, (x_l x_m)_{l<m}]``, dimension ``1 + d + d(d+1)/2``.
+    ``form="full"`` (the Based layout): ``φ(x) = [1, x, vec(x xᵀ)/√2]``, dimension ``1 + d + d²``, with every
+    off-diagonal product twice. Both give ``1 + xᵀy + (xᵀy)²/2`` (the packed form because
+    ``Σ_l x_l²y_l²/2 + Σ_{l<m} x_lx_my_ly_m = (xᵀy)²/2``); the tests check this to float64 precision.
+
+    **Deterministic and biased** (truncation: the error is ``Σ_{n≥3} t^n/n!``, relative error ``≈ t³/6`` for
+    small ``t``, and the polynomial is not even monotone-faithful for ``t ≪ −1``). The kernel value is always
+    positive (``1 + t + t²/2 = ((1+t)² + 1)/2 > 0``), so normalisers are positive, but the features are signed
+    (``positive = False``). Data independent, causal.
+
+    References
+    ----------
+    Arora et al., *Simple linear attention language models balance the recall-throughput tradeoff* (Based),
+    ICML 2024, Taylor feature map (reference code ``based/models/mixers/linear_attention.py::TaylorExp``);
+    flash-linear-attention ``fla/modules/feature_map.py::TaylorFeatureMap`` for the packed layout.
+    """
+
+    reference = "Arora et al. 2024 (Based), 2nd-order Taylor map of exp"
+
+    def __init__(self, *, num_features: int | None = None, form: str = "packed", rng=None,
+                 scale: float | None = None):
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.form = check_choice(form, "form", ("packed", "full"))
+
+    def _output_dim(self, d):
+        return 1 + d + (d * (d + 1) // 2 if self.form == "packed" else d * d)
+
+    def _fit(self, q, k, rng):
+        rows, cols = torch.triu_indices(self.dim_, self.dim_, offset=1)
+        self._upper = (rows, cols)
+
+    def _log_features(self, x, role):
+        ones = torch.ones_like(x[..., :1])
+        if self.form == "full":
+            outer = (x[..., :, None] * x[..., None, :]).flatten(-2) * 0.5**0.5
+            phi = torch.cat([ones, x, outer], dim=-1)
+        else:
+            rows, cols = (i.to(x.device) for i in self._upper)
+            phi = torch.cat([ones, x, x * x * 0.5**0.5, x[..., rows] * x[..., cols]], dim=-1)
+        sq = (x * x).sum(-1)
+        log_norm = 0.5 * torch.log1p(sq + 0.5 * sq * sq)       # ‖φ(x)‖ = sqrt(1 + ‖x‖² + ‖x‖⁴/2) in both forms
+        return phi * torch.exp(-log_norm)[..., None], log_norm
+
+
+class EluPlusOneFeatures(_FixedMap):
+    r"""``φ(x) = elu(x) + 1`` (linear transformer), dimension ``d``: **not an estimator of exp**.
+
+    Kernel ``κ(q, k) = Σ_l (elu(x_l) + 1)(elu(y_l) + 1)`` with ``x = sqrt(s)·q``; strictly positive features
+    (``elu(u) + 1 = e^u`` for ``u ≤ 0``, ``1 + u`` above), hence positive normalisers in exact arithmetic (in
+    bfloat16 ``e^u`` underflows for ``u ≲ −8``, which is why inputs are computed in float32 or wider).
+    Deterministic, data independent, causal. ``unbiased = False`` because the kernel differs from ``exp``.
+
+    References
+    ----------
+    Katharopoulos, Vyas, Pappas, Fleuret, *Transformers are RNNs: Fast Autoregressive Transformers with Linear
+    Attention*, ICML 2020, eq. (7).
+    """
+
+    positive = True
+    reference = "Katharopoulos et al. 2020 (Transformers are RNNs), eq. (7); a different kernel, not exp"
+
+    def _output_dim(self, d):
+        return d
+
+    def _log_features(self, x, role):
+        phi = F.elu(x) + 1.0
+        norm = torch.linalg.vector_norm(phi, dim=-1)
+        return phi / norm[..., None], torch.log(norm)
+
+
+class DPFPFeatures(_FixedMap):
+    r"""Deterministic parameter-free projection (DPFP), dimension ``2dν``: **not an estimator of exp**.
+
+    With ``u = [ReLU(x), ReLU(−x)] ∈ R^{2d}`` and cyclic shifts, ``φ_ν(x) = (u_i · u_{(i−j) mod 2d})`` for
+    ``j = 1..ν``, ``i = 1..2d``: products of pairs of entries at cyclic distance ``1..ν``. The kernel
+    ``κ(q, k) = φ_ν(x)ᵀφ_ν(y)`` is a sum of degree-2 products of rectified coordinates: features are
+    non-negative and sparse (``u_i u_{i+d} = 0``), so a normaliser can be **exactly zero** (e.g. ``d = 1``, or
+    queries and keys with disjoint sign patterns), in which case linear attention divides by zero; hence
+    ``positive = False``. ``1 ≤ ν ≤ 2d − 1`` (a shift of ``2d`` repeats the unshifted vector). Deterministic,
+    data independent, causal.
+
+    References
+    ----------
+    Schlag, Irie, Schmidhuber, *Linear Transformers Are Secretly Fast Weight Programmers*, ICML 2021
+    (arXiv 2102.11174), DPFP.
+    """
+
+    reference = "Schlag, Irie & Schmidhuber 2021 (arXiv 2102.11174), DPFP; a different kernel, not exp"
+
+    def __init__(self, *, num_features: int | None = None, nu: int = 1, rng=None, scale: float | None = None):
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.nu = check_positive_int(nu, "nu")
+
+    def _output_dim(self, d):
+        return 2 * d * self.nu
+
+    def _fit(self, q, k, rng):
+        if self.nu > 2 * self.dim_ - 1:
+            raise ValueError(f"nu must be at most 2d - 1 = {2 * self.dim_ - 1} for d = {self.dim_}, got {self.nu}")
+
+    def _log_features(self, x, role):
+        u = torch.cat([torch.relu(x), torch.relu(-x)], dim=-1)
+        phi = torch.cat([u * torch.roll(u, shifts=j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
+        return phi, torch.zeros_like(x[..., 0])
