@@ -1,0 +1,127 @@
+"""Provenance of a result: code revision and fingerprint, package versions, device, threads, command line."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+PACKAGES = {"numpy": "numpy", "scipy": "scipy", "torch": "torch", "xarray": "xarray", "sklearn": "scikit-learn",
+            "h5netcdf": "h5netcdf", "dask": "dask", "distributed": "distributed", "matplotlib": "matplotlib",
+            "seaborn": "seaborn", "kernapprox": "kernapprox"}
+
+
+def _module_dir(module: str) -> Path | None:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        return None
+    file = getattr(mod, "__file__", None)
+    return Path(file).resolve().parent if file else None
+
+
+def git_revision(where: Path | None = None) -> str:
+    """``git rev-parse HEAD`` of the repository holding ``where`` (``+dirty`` if tracked files changed);
+    ``"unknown"`` outside a repository or without git."""
+    where = where or Path(__file__).resolve().parent
+    try:
+        rev = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return rev + ("+dirty" if dirty else "")
+
+
+def code_fingerprint(experiment_module: str) -> str:
+    """SHA-256 over the sources of the ``kernapprox`` package and the experiment's module.
+
+    Progress saved by other code is not reused: a resumed run must end as an uninterrupted one would.
+    """
+    digest = hashlib.sha256()
+    files = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
+    mod = sys.modules.get(experiment_module)
+    mod_file = getattr(mod, "__file__", None) if mod else None
+    if mod_file is None:
+        try:
+            spec = importlib.util.find_spec(experiment_module)
+            mod_file = spec.origin if spec else None
+        except (ImportError, ValueError):
+            mod_file = None
+    if mod_file:
+        files.append(Path(mod_file).resolve())
+    for path in files:
+        digest.update(str(path.name).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def package_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name, dist in PACKAGES.items():
+        try:
+            versions[name] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def device_description(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return (f"cuda:{index} ({torch.cuda.get_device_name(index)}, CUDA {torch.version.cuda}, "
+                f"{torch.cuda.device_count()} visible)")
+    return f"cpu ({platform.machine()}, {platform.processor() or 'unknown processor'}, {os.cpu_count()} cores)"
+
+
+def thread_counts() -> dict[str, object]:
+    import torch
+
+    return {"torch_num_threads": torch.get_num_threads(),
+            "torch_num_interop_threads": torch.get_num_interop_threads(),
+            "cpu_count": os.cpu_count(),
+            **{var: os.environ.get(var, "") for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                         "OPENBLAS_NUM_THREADS")}}
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    argv = sys.argv if argv is None else argv
+    return shlex.join([os.path.basename(sys.executable), *argv]) if argv else "python (interactive)"
+
+
+def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device, executor: str,
+                     precision: dict, history: str, fingerprint: str) -> dict:
+    """Global attributes of a result dataset (strings and numbers; JSON for structures)."""
+    threads = thread_counts()
+    where = _module_dir(experiment.module)
+    return {
+        "title": experiment.title,
+        "experiment": experiment.name,
+        "description": experiment.description,
+        "preset": preset,
+        "grid": json.dumps(grid),
+        "root_seed": int(root_seed),
+        "git_revision": git_revision(where),
+        "code_fingerprint": fingerprint,
+        "package_versions": json.dumps(package_versions()),
+        "device": device_description(device),
+        "executor": executor,
+        "torch_num_threads": int(threads["torch_num_threads"]),
+        "torch_num_interop_threads": int(threads["torch_num_interop_threads"]),
+        "threads": json.dumps(threads),
+        "precision": json.dumps(precision),
+        "history": history,
+        "seeding": "cell rng = numpy SeedSequence(root_seed, spawn_key=(blake2b-64 of 'experiment=<name>', "
+                   "blake2b-64 of '<axis>=<json value>' for each axis sorted by name))",
+    }

@@ -1,0 +1,310 @@
+"""Running a grid: choose the cells still to do, fan them out to an executor, persist each as it finishes.
+
+Executors: in-process (``workers=0``, the default, and the right choice on one GPU), a local process pool
+(``workers=N``, spawn context, one share of the cores per worker), ``dask.distributed`` (``scheduler=ADDRESS``
+or ``dask=True`` for a ``LocalCluster`` of ``workers`` processes), or any ``concurrent.futures.Executor``.
+Tasks carry names and numbers; results come back as numpy arrays; only this driver writes.
+
+A task lost to the infrastructure (a dead worker, a broken pool, a cancelled future) is resubmitted up to
+``max_retries`` times (a broken pool that we own is rebuilt first). A cell that raises fails the run at once,
+with the worker's traceback: cells are deterministic, so retrying a bug would only repeat it. Finished cells
+are already in the progress store either way, so the next run resumes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import xarray as xr
+
+from ._experiment import Experiment, cell_key, cell_spawn_key, grid_size, iter_cells, select
+from ._provenance import code_fingerprint, command_line, provenance_attrs
+from ._store import ProgressStore, assemble, check_output_path, write
+from ._worker import CellError, CellTask, execute_cell, init_pool_worker
+
+
+class SweepError(RuntimeError):
+    """The infrastructure kept failing (cells lost more than ``max_retries`` times, or an executor we cannot
+    rebuild broke)."""
+
+
+def resolve_device(device) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or a ``torch.device``."""
+    if isinstance(device, torch.device):
+        dev = device
+    elif device == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif isinstance(device, str):
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    else:
+        raise TypeError(f"device must be a string or torch.device, got {type(device).__name__}")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be a CPU or CUDA device, got {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(dev)!r} was asked for but CUDA is not available here; use --device cpu or auto")
+    return dev
+
+
+def default_output(experiment: Experiment, only=None) -> Path:
+    """``results/<name>.nc``; a slice run (``only``) goes to ``results/<name>.only.nc`` so it never replaces the
+    full result."""
+    return Path("results") / (f"{experiment.name}.only.nc" if only else f"{experiment.name}.nc")
+
+
+# -------------------------------------------------------------------------------------------------- executors
+class _InlineExecutor(cf.Executor):
+    """Runs each task when it is submitted, in this process."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        future = cf.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - delivered through the future, like any executor
+            future.set_exception(exc)
+        return future
+
+
+@dataclass
+class _Plan:
+    executor: cf.Executor
+    description: str
+    window: int                      # tasks in flight at most (bounded memory; results persisted as they come)
+    num_threads: int | None = None   # torch threads per task where we own the workers
+    rebuild: object = None           # () -> Executor, for pools we own
+    closers: list = field(default_factory=list)
+
+    def close(self, cancel: bool = False):
+        if self.rebuild is not None:  # a pool we own
+            self.executor.shutdown(wait=not cancel, cancel_futures=cancel)
+        for close in reversed(self.closers):  # dask: closing the client releases its tasks
+            close()
+
+
+def _threads_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor) -> _Plan:
+    if executor is not None:
+        if not isinstance(executor, cf.Executor):
+            raise TypeError(f"executor must be a concurrent.futures.Executor, got {type(executor).__name__}")
+        return _Plan(executor, f"{type(executor).__name__} (given)", window=1024)
+    if scheduler or use_dask:
+        try:
+            from distributed import Client, LocalCluster
+        except ImportError:
+            raise ImportError("the dask executor needs dask.distributed: pip install 'kernapprox[dask]'") from None
+        closers = []
+        if scheduler:
+            client = Client(scheduler)
+            description = f"dask.distributed at {scheduler}"
+            num_threads = None
+        else:
+            if workers <= 0:
+                raise ValueError("--dask needs --workers N (N >= 1 worker processes for the LocalCluster)")
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                   dashboard_address=None)
+            closers.append(cluster.close)
+            client = Client(cluster)
+            description = f"dask.distributed LocalCluster, {workers} worker processes"
+            num_threads = _threads_per_worker(workers)
+        closers.append(client.close)
+        slots = max(1, sum(client.nthreads().values()))
+        plan = _Plan(client.get_executor(pure=False), description, window=max(4, 4 * slots),
+                     num_threads=num_threads, closers=closers)
+        return plan
+    if workers > 0:
+        def pool():
+            return cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                                          initializer=init_pool_worker, initargs=(_threads_per_worker(workers),))
+        return _Plan(pool(), f"process pool, {workers} workers", window=2 * workers,
+                     num_threads=_threads_per_worker(workers), rebuild=pool)
+    return _Plan(_InlineExecutor(), "in-process", window=1)
+
+
+def _execute(tasks: list[CellTask], plan: _Plan, max_retries: int, on_done) -> None:
+    queue = collections.deque(tasks)
+    pending: dict[cf.Future, CellTask] = {}
+    lost = collections.Counter()
+
+    def lose(task, exc):
+        key = cell_key(task.params)
+        lost[key] += 1
+        if lost[key] > max_retries:
+            raise SweepError(f"cell {task.params} was lost {lost[key]} times (max_retries={max_retries}); last "
+                             f"failure: {type(exc).__name__}: {exc}") from exc
+        queue.appendleft(task)
+
+    def rebuild(exc):
+        if plan.rebuild is None:
+            raise SweepError(f"the executor broke ({type(exc).__name__}: {exc}) and is not ours to rebuild") from exc
+        plan.executor.shutdown(wait=False, cancel_futures=True)
+        plan.executor = plan.rebuild()
+
+    try:
+        _drain(queue, pending, plan, lose, rebuild, on_done)
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        raise
+
+
+def _drain(queue, pending, plan, lose, rebuild, on_done):
+    while queue or pending:
+        while queue and len(pending) < plan.window:
+            task = queue.popleft()
+            try:
+                pending[plan.executor.submit(execute_cell, task)] = task
+            except cf.BrokenExecutor as exc:
+                lose(task, exc)
+                rebuild(exc)
+        if not pending:
+            continue
+        done, _ = cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+        broken = None
+        for future in done:
+            task = pending.pop(future)
+            try:
+                outcome = future.result()
+            except CellError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the infrastructure's failure: resubmit (bounded)
+                lose(task, exc)
+                if isinstance(exc, cf.BrokenExecutor):
+                    broken = exc
+            else:
+                on_done(task, outcome)
+        if broken is not None:
+            rebuild(broken)
+
+
+# ------------------------------------------------------------------------------------------------------ run
+def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", only=None, workers: int = 0,
+        resume: bool = True, *, seeds: int | None = None, root_seed: int = 0, executor=None, dask: bool = False,
+        scheduler: str | None = None, max_retries: int = 2, progress: bool | None = None,
+        history: str | None = None) -> xr.Dataset:
+    """Run ``experiment``'s grid ``preset`` and write the dataset to ``out``; returns the dataset.
+
+    Parameters
+    ----------
+    experiment : Experiment
+    preset : str
+        A key of ``experiment.grids``.
+    out : path, optional
+        Output file (default ``results/<name>.nc``, or ``results/<name>.only.nc`` with ``only``). Progress is
+        kept in ``<out>.partial/`` until the dataset is written.
+    device : "auto", "cpu", "cuda", "cuda:N" or torch.device
+    only : mapping axis -> value or list of values, optional
+        Run a slice of the grid (values must be values of the experiment).
+    workers : int
+        0 runs cells in this process; ``N`` > 0 uses a spawn process pool of N workers (or, with ``dask``, a
+        dask ``LocalCluster`` of N worker processes).
+    resume : bool
+        Reuse cells finished by an interrupted run with the same code, seed and device type.
+    seeds : int, optional
+        Replace the ``seed`` axis by ``0 .. seeds-1``.
+    root_seed : int
+        Root of every cell's ``SeedSequence``.
+    executor : concurrent.futures.Executor, optional
+        Run cells there (e.g. ``distributed.Client.get_executor()``); it is not shut down.
+    dask : bool
+        With ``workers``: start a dask ``LocalCluster``.
+    scheduler : str, optional
+        Address of a running ``dask.distributed`` scheduler.
+    max_retries : int
+        Resubmissions of a cell lost to the infrastructure.
+    progress : bool, optional
+        Progress bar (default: when stderr is a terminal).
+    history : str, optional
+        The command line to record (default: ``sys.argv``).
+    """
+    if not isinstance(experiment, Experiment):
+        raise TypeError(f"experiment must be an Experiment, got {type(experiment).__name__}")
+    for name, value in (("workers", workers), ("max_retries", max_retries)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if not isinstance(resume, bool):
+        raise TypeError(f"resume must be a bool, got {resume!r}")
+    grid = experiment.grid(preset)
+    if seeds is not None:
+        if "seed" not in grid:
+            raise ValueError(f"seeds: experiment {experiment.name!r} has no 'seed' axis")
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds <= 0:
+            raise ValueError(f"seeds must be a positive integer, got {seeds!r}")
+        grid["seed"] = list(range(seeds))
+    grid = select(experiment, grid, only)
+    out = Path(out) if out is not None else default_output(experiment, only)
+    dev = resolve_device(device)
+    if isinstance(root_seed, bool) or not isinstance(root_seed, int) or root_seed < 0:
+        raise ValueError(f"root_seed must be a non-negative integer, got {root_seed!r}")
+    check_output_path(out, experiment.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    started = datetime.now(UTC)
+    clock = time.perf_counter()
+    fingerprint = code_fingerprint(experiment.module)
+    manifest = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
+                "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32}
+    store = ProgressStore(out)
+    try:
+        finished, note = store.open(manifest, resume)
+        if note:
+            print(f"{experiment.name}: {note}", file=sys.stderr)
+        cells = [params for _, params in iter_cells(grid)]
+        keys = [cell_key(p) for p in cells]
+        todo = [p for p, k in zip(cells, keys) if k not in finished]
+        reused = len(cells) - len(todo)
+        plan = _make_plan(workers, dask, scheduler, executor) if todo else _Plan(_InlineExecutor(), "none", 1)
+        tasks = [CellTask(experiment.module, experiment.name, p, root_seed, cell_spawn_key(experiment.name, p),
+                          str(dev), experiment.allow_tf32, plan.num_threads) for p in todo]
+        show = sys.stderr.isatty() if progress is None else bool(progress)
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(tasks), desc=experiment.name, unit="cell", disable=not show, smoothing=0.1) as bar:
+            def on_done(task, outcome):
+                key = cell_key(task.params)
+                if key in finished:  # a resubmitted duplicate: the first result stands
+                    return
+                store.put(key, task.params, outcome.metrics, outcome.seconds)
+                finished[key] = {"params": task.params, "metrics": outcome.metrics, "seconds": outcome.seconds}
+                bar.update(1)
+
+            ok = False
+            try:
+                _execute(tasks, plan, max_retries, on_done)
+                ok = True
+            finally:
+                plan.close(cancel=not ok)
+        ended = datetime.now(UTC)
+        wall = time.perf_counter() - clock
+        precision = {"cuda_matmul_allow_tf32": experiment.allow_tf32, "cudnn_allow_tf32": experiment.allow_tf32,
+                     "float32_matmul_precision": "high" if experiment.allow_tf32 else "highest"}
+        attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description, precision,
+                                 history if history is not None else command_line(), fingerprint)
+        attrs.update({"time_start": started.isoformat(timespec="seconds"),
+                      "time_end": ended.isoformat(timespec="seconds"), "wall_seconds": round(wall, 3),
+                      "cells_total": grid_size(grid), "cells_run": len(tasks), "cells_reused": reused,
+                      "timings": json.dumps({"start": started.isoformat(), "end": ended.isoformat(),
+                                             "wall_seconds": wall, "cells_run": len(tasks), "cells_reused": reused})})
+        ds = assemble(experiment, grid, {k: finished[k] for k in keys}, attrs)
+        write(ds, out)
+    finally:
+        store.release()
+    store.remove()
+    print(f"{experiment.name} [{preset}]: {len(tasks)} cells run, {reused} reused, "
+          f"{time.perf_counter() - clock:.1f} s on {dev} "
+          f"({plan.description}) -> {out}", file=sys.stderr)
+    return ds

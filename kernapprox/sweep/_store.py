@@ -1,0 +1,289 @@
+"""Where results live: the resumable per-cell store, the assembled dataset and its atomic write.
+
+Progress store
+    ``<out>.partial/`` beside the output: ``manifest.json`` (experiment, root seed, device type and a fingerprint
+    of the code) and ``cells/<key>.npz``, one small file per finished cell, each written to a temporary name
+    and renamed, so a killed process leaves only whole cells (a file damaged by a crash of the machine fails
+    to load and its cell runs again). A run that finds a store with the
+    same manifest reuses its cells; a store from other code, seed or device is discarded (and says so). The
+    store is removed once the dataset is written.
+Dataset
+    dims = grid axes (then each array metric's extra dims); variables = metrics (float64, NaN where a cell has
+    not run) and ``cell_seconds``; attributes carry the provenance. Written with the ``h5netcdf`` engine to a
+    temporary file in the same folder, fsync'ed, then ``os.replace``'d, so no partial file is ever visible at
+    the final path. Our files carry the attribute ``kernapprox_experiment``; an existing file at the output path
+    that is unreadable, foreign or of another experiment is never overwritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from ._experiment import Experiment, Metric, cell_key, iter_cells
+
+MARKER = "kernapprox_experiment"
+FORMAT_VERSION = 1
+NETCDF_ENGINE = "h5netcdf"
+
+
+class OutputPathError(ValueError):
+    """The output path holds something that is not a result of this experiment: refuse to overwrite it."""
+
+
+# -------------------------------------------------------------------------------------------- atomic files
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):  # not every platform/file system can fsync a directory
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: Path, write, durable: bool = True) -> None:
+    """Call ``write(tmp_path)``, then rename over ``path`` (same folder, so the rename is atomic).
+
+    ``durable`` also fsyncs the file and the folder, so the new content survives a power loss, not only a killed
+    process (progress files skip it: a damaged one is detected on reading and its cell simply runs again).
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result ordinary permissions
+        if durable:
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+# ------------------------------------------------------------------------------------------ progress store
+class ProgressStore:
+    """The ``<out>.partial`` folder of one output path: finished cells, one file each."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.root = self.out.with_name(self.out.name + ".partial")
+        self.cells = self.root / "cells"
+        self._lock = None
+
+    def open(self, manifest: dict, resume: bool) -> tuple[dict[str, dict], str]:
+        """Lock the store and return ``(finished cells by key, a note on what was reused or discarded)``."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._acquire_lock()
+        note = ""
+        old = self._read_manifest()
+        if not resume:
+            note = "--no-resume: previous progress discarded" if self._has_cells() else ""
+            self._clear()
+        elif old is not None and old != manifest:
+            changed = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
+            note = f"partial results made with a different {', '.join(changed)} discarded"
+            self._clear()
+        elif old is None and self._has_cells():
+            note = "partial results without a manifest discarded"
+            self._clear()
+        self.cells.mkdir(parents=True, exist_ok=True)
+        for stale in self.cells.glob("*.tmp-*"):
+            stale.unlink(missing_ok=True)
+        atomic_write(self.root / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=1)))
+        finished = {}
+        for path in sorted(self.cells.glob("*.npz")):
+            cell = self._read_cell(path)
+            if cell is None:
+                print(f"warning: unreadable progress file {path} is ignored; its cell runs again", file=sys.stderr)
+                path.unlink(missing_ok=True)
+            else:
+                finished[path.stem] = cell
+        return finished, note
+
+    def put(self, key: str, params: dict, metrics: dict[str, np.ndarray], seconds: float) -> None:
+        def write(tmp):
+            buffer = io.BytesIO()
+            np.savez(buffer, __params__=np.array(json.dumps(params)), __seconds__=np.array(float(seconds)),
+                     **metrics)
+            tmp.write_bytes(buffer.getvalue())
+
+        atomic_write(self.cells / f"{key}.npz", write, durable=False)
+
+    def remove(self) -> None:
+        self.release()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    # ------------------------------------------------------------------------------------------------ private
+    def _acquire_lock(self):
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - non-POSIX: no protection against concurrent runs
+            return
+        handle = open(self.root / "lock", "a")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise RuntimeError(f"another run is writing {self.out} (its progress store {self.root} is locked)") \
+                from None
+        self._lock = handle
+
+    def _read_manifest(self):
+        try:
+            return json.loads((self.root / "manifest.json").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _has_cells(self) -> bool:
+        return self.cells.is_dir() and any(self.cells.iterdir())
+
+    def _clear(self):
+        shutil.rmtree(self.cells, ignore_errors=True)
+        (self.root / "manifest.json").unlink(missing_ok=True)
+
+    @staticmethod
+    def _read_cell(path: Path):
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                arrays = {name: data[name] for name in data.files}
+            params = json.loads(str(arrays.pop("__params__")))
+            seconds = float(arrays.pop("__seconds__"))
+        except Exception:  # noqa: BLE001 - any damage means: run the cell again
+            return None
+        return {"params": params, "metrics": arrays, "seconds": seconds}
+
+
+# --------------------------------------------------------------------------------------------- the dataset
+def check_output_path(out: Path, experiment_name: str) -> None:
+    """Refuse to overwrite anything at ``out`` except an earlier result of the same experiment."""
+    out = Path(out)
+    if not out.exists():
+        return
+    if not out.is_file():
+        raise OutputPathError(f"output path {out} exists and is not a file; choose another --out")
+    name = _marker_of(out)
+    if name != experiment_name:
+        raise OutputPathError(f"output path {out} holds results of experiment {name!r}, not {experiment_name!r}; "
+                              "refusing to overwrite it (choose another --out or delete it)")
+
+
+def _marker_of(path: Path) -> str:
+    try:
+        with xr.open_dataset(path, engine=NETCDF_ENGINE) as ds:
+            attrs = dict(ds.attrs)
+    except Exception as exc:  # noqa: BLE001 - whatever the reader says, the file is not ours
+        raise OutputPathError(f"{path} exists but is not a readable netCDF file ({type(exc).__name__}: {exc}); "
+                              "refusing to overwrite it (delete it or choose another --out)") from None
+    if MARKER not in attrs:
+        raise OutputPathError(f"{path} is a netCDF file but not a kernapprox result (no {MARKER!r} attribute); "
+                              "refusing to overwrite it (delete it or choose another --out)")
+    return str(attrs[MARKER])
+
+
+def load(path) -> xr.Dataset:
+    """Read a result dataset into memory (the file is closed again).
+
+    Raises ``FileNotFoundError`` if ``path`` does not exist and ``ValueError`` if it is not a kernapprox result.
+    JSON attributes (``grid``, ``package_versions``, ...) stay strings; ``json.loads`` them when needed.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no result dataset at {path}; run the experiment first")
+    _marker_of(path)
+    with xr.open_dataset(path, engine=NETCDF_ENGINE) as ds:
+        return ds.load()
+
+
+def _pad_to(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if arr.shape == shape:
+        return arr
+    out = np.full(shape, np.nan)
+    if arr.ndim == 0:  # a NaN placeholder for a non-applicable array metric
+        out[...] = arr
+    else:
+        out[tuple(slice(0, s) for s in arr.shape)] = arr
+    return out
+
+
+def _extra_dim_sizes(metrics: Mapping[str, Metric], cells: Mapping[str, dict]) -> dict[str, int]:
+    sizes: dict[str, int] = {}
+    for name, metric in metrics.items():
+        for i, dim in enumerate(metric.dims):
+            if metric.coords and dim in metric.coords:
+                size = len(metric.coords[dim])
+                if sizes.get(dim, size) != size:
+                    raise ValueError(f"dimension {dim!r} has {size} coordinates in metric {name!r} but "
+                                     f"{sizes[dim]} elsewhere")
+                sizes[dim] = size
+                continue
+            observed = [c["metrics"][name].shape[i] for c in cells.values() if c["metrics"][name].ndim]
+            sizes[dim] = max([sizes.get(dim, 0), *observed]) or 1
+    return sizes
+
+
+def assemble(experiment: Experiment, grid: dict[str, list], cells: Mapping[str, dict],
+             attrs: Mapping[str, object]) -> xr.Dataset:
+    """Build the dataset of ``grid`` from finished cells (by :func:`cell_key`); NaN where a cell is missing."""
+    axes = list(grid)
+    shape = tuple(len(grid[a]) for a in axes)
+    sizes = _extra_dim_sizes(experiment.metrics, cells)
+    data = {name: np.full(shape + tuple(sizes[d] for d in m.dims), np.nan) for name, m in experiment.metrics.items()}
+    seconds = np.full(shape, np.nan)
+    for index, params in iter_cells(grid):
+        cell = cells.get(cell_key(params))
+        if cell is None:
+            continue
+        seconds[index] = cell["seconds"]
+        for name, metric in experiment.metrics.items():
+            data[name][index] = _pad_to(cell["metrics"][name], tuple(sizes[d] for d in metric.dims))
+    coords = {axis: _coordinate(values) for axis, values in grid.items()}
+    for metric in experiment.metrics.values():
+        for dim in metric.dims:
+            given = (metric.coords or {}).get(dim)
+            coords.setdefault(dim, np.asarray(given) if given is not None else np.arange(sizes[dim]))
+    variables = {name: xr.Variable(axes + list(m.dims), data[name],
+                                   {"long_name": m.long_name, "units": m.units, "description": m.description})
+                 for name, m in experiment.metrics.items()}
+    variables["cell_seconds"] = xr.Variable(axes, seconds, {
+        "long_name": "wall time of the cell", "units": "s",
+        "description": "seconds spent in run_cell where the cell ran (NaN: the cell has not run)"})
+    ds = xr.Dataset(variables, coords=coords)
+    ds.attrs.update({MARKER: experiment.name, "kernapprox_format": FORMAT_VERSION, **attrs})
+    return ds
+
+
+def _coordinate(values: list) -> np.ndarray:
+    if isinstance(values[0], str):
+        return np.array(values, dtype=object)
+    return np.array(values)
+
+
+def write(ds: xr.Dataset, out: Path) -> None:
+    """Write ``ds`` to ``out`` atomically with the h5netcdf engine."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: ds.to_netcdf(tmp, engine=NETCDF_ENGINE))

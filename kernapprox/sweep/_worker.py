@@ -1,0 +1,170 @@
+"""What runs a cell, wherever it runs: in the driver, in a pool process or on a dask worker.
+
+A task carries names and numbers only (the experiment's module, the cell's parameters, the seed); the worker
+imports the experiment, derives the cell's ``Generator``, runs the cell with TF32 off (unless the experiment
+allows it) and returns numpy arrays. Any exception raised while doing so comes back as :class:`CellError`, a
+deterministic failure that is never retried; every other failure (a dead worker, a broken pool) is the
+infrastructure's and the driver may resubmit the task.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+import time
+import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._experiment import Experiment
+
+
+class CellError(RuntimeError):
+    """A cell raised (or returned something invalid): a bug or a bad parameter, not a lost worker."""
+
+    def __init__(self, message: str, params: dict | None = None, remote_traceback: str = ""):
+        super().__init__(message, params, remote_traceback)
+        self.message = message
+        self.params = params
+        self.remote_traceback = remote_traceback
+
+    def __str__(self):
+        text = f"{self.message}; cell {self.params}"
+        if self.remote_traceback:
+            text += f"\n--- traceback where the cell ran ---\n{self.remote_traceback}"
+        return text
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """One cell to run: picklable, small, and independent of where it runs."""
+
+    module: str
+    experiment: str
+    params: dict
+    root_seed: int
+    spawn_key: tuple[int, ...]
+    device: str
+    allow_tf32: bool = False
+    num_threads: int | None = None
+
+
+@dataclass(frozen=True)
+class CellOutcome:
+    params: dict
+    metrics: dict[str, np.ndarray]
+    seconds: float
+
+
+_EXPERIMENTS: dict[tuple[str, str], Experiment] = {}
+
+
+def find_experiment(module: str, name: str) -> Experiment:
+    """The :class:`Experiment` called ``name`` defined in ``module`` (imported on first use)."""
+    key = (module, name)
+    if key not in _EXPERIMENTS:
+        mod = importlib.import_module(module)
+        found = [obj for obj in vars(mod).values() if isinstance(obj, Experiment) and obj.name == name]
+        if not found:
+            raise LookupError(f"module {module!r} defines no Experiment named {name!r}")
+        _EXPERIMENTS[key] = found[0]
+    return _EXPERIMENTS[key]
+
+
+def set_precision(allow_tf32: bool) -> dict:
+    """Set (and return) torch's reduced-precision matmul switches; error studies run with TF32 off."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = bool(allow_tf32)
+    torch.backends.cudnn.allow_tf32 = bool(allow_tf32)
+    torch.set_float32_matmul_precision("high" if allow_tf32 else "highest")
+    return precision_flags()
+
+
+def restore_precision(flags: dict) -> None:
+    """Put back switches saved by :func:`precision_flags`."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_allow_tf32"]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn_allow_tf32"]
+    torch.set_float32_matmul_precision(flags["float32_matmul_precision"])
+
+
+def precision_flags() -> dict:
+    import torch
+
+    return {"cuda_matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+            "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+            "float32_matmul_precision": torch.get_float32_matmul_precision()}
+
+
+def normalise_metrics(experiment: Experiment, result) -> dict[str, np.ndarray]:
+    """Check a cell's return value against the experiment's metrics; return float64 numpy arrays.
+
+    Every metric must be present and no other key; values are numpy arrays/scalars or Python numbers (bool and
+    integers are stored as float64, where NaN marks what did not run). Torch tensors are refused: convert them
+    (``.cpu().numpy()``) in the cell, where the device transfer is visible.
+    """
+    if not isinstance(result, dict):
+        raise TypeError(f"run_cell must return a dict metric -> value, got {type(result).__name__}")
+    missing = [m for m in experiment.metrics if m not in result]
+    extra = [k for k in result if k not in experiment.metrics]
+    if missing or extra:
+        raise ValueError(f"run_cell returned keys {sorted(result)}; missing metrics {missing}, unknown keys {extra}")
+    out = {}
+    for name, metric in experiment.metrics.items():
+        value = result[name]
+        if not isinstance(value, np.ndarray | np.generic | numbers.Real):
+            raise TypeError(f"metric {name!r}: expected a numpy array/scalar or a real number, got "
+                            f"{type(value).__name__}")
+        arr = np.asarray(value)
+        if arr.dtype.kind not in "biuf":
+            raise TypeError(f"metric {name!r}: expected real numbers, got dtype {arr.dtype}")
+        arr = arr.astype(np.float64)
+        if arr.ndim != len(metric.dims) and not (arr.ndim == 0 and np.isnan(arr)):
+            raise ValueError(f"metric {name!r} has dims {metric.dims} but the cell returned shape {arr.shape}")
+        for dim, size in zip(metric.dims, arr.shape):
+            if metric.coords and dim in metric.coords and arr.ndim and size != len(metric.coords[dim]):
+                raise ValueError(f"metric {name!r}: dimension {dim!r} has {len(metric.coords[dim])} coordinates "
+                                 f"but the cell returned {size} values")
+        out[name] = arr
+    return out
+
+
+def execute_cell(task: CellTask) -> CellOutcome:
+    """Run one cell; any failure inside comes back as :class:`CellError` with the remote traceback."""
+    try:
+        import torch
+
+        experiment = find_experiment(task.module, task.experiment)
+        if task.num_threads is not None and torch.get_num_threads() != task.num_threads:
+            torch.set_num_threads(task.num_threads)
+        previous = precision_flags()
+        set_precision(task.allow_tf32)
+        device = torch.device(task.device)
+        rng = np.random.default_rng(np.random.SeedSequence(task.root_seed, spawn_key=task.spawn_key))
+        try:
+            start = time.perf_counter()
+            result = experiment.run_cell(dict(task.params), rng, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - start
+        finally:
+            restore_precision(previous)
+        return CellOutcome(dict(task.params), normalise_metrics(experiment, result), seconds)
+    except CellError:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - every failure of the cell itself is reported, not retried
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise CellError(f"experiment {task.experiment!r} failed: {type(exc).__name__}: {exc}", dict(task.params),
+                        traceback.format_exc()) from None
+
+
+def init_pool_worker(num_threads: int | None) -> None:
+    """Process-pool initializer: one share of the cores per worker (no oversubscription)."""
+    import torch
+
+    if num_threads:
+        torch.set_num_threads(num_threads)
