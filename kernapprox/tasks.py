@@ -72,7 +72,7 @@ __all__ = [
     "associative_recall", "decode_nearest", "recall_accuracy",
     "smooth_regression", "normalized_mse",
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
-    "attention_readout", "build_estimator", "state_bytes", "log_n_beta",
+    "attention_readout", "build_estimator", "has_fixed_dimension", "state_bytes", "log_n_beta",
 ]
 
 
@@ -393,6 +393,14 @@ def build_estimator(name: str, *, beta: float, num_features: int | None = None, 
     return make_estimator(name, num_features=num_features, rng=rng, scale=beta, **options)
 
 
+def has_fixed_dimension(name: str, **options) -> bool:
+    """Whether the registered estimator ``name`` ignores ``num_features``: the exact kernel and the
+    deterministic maps whose dimension is fixed by ``d`` (Taylor, ELU+1, DPFP). Sweeps run those once per
+    ``num_features`` axis rather than once per value."""
+    est = make_estimator(name, num_features=64, rng=0, **options)
+    return isinstance(est, ExactKernel) or est.num_features_param is None
+
+
 def state_bytes(estimator: FeatureMap, d_v: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
     """Bytes of the memory an estimator reads the context from, in the Zoology/Based convention.
 
@@ -408,25 +416,35 @@ def state_bytes(estimator: FeatureMap, d_v: int, seq_len: int, dtype: torch.dtyp
     return int(estimator.state_bytes(d_v, dtype))
 
 
+FIT_TARGETS = ("keys", "queries_and_keys")
+
+
 def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
                       beta: float, num_features: int | None = None, rng=None, mode: str = "chunked",
-                      options: dict | None = None) -> Readout:
+                      fit_on: str = "keys", options: dict | None = None) -> Readout:
     """Read each episode's context with ``queries``: exact softmax attention or an approximation.
 
     ``queries (B, n_q, d)``, ``keys (B, n, d)``, ``values (B, n, d_v)``. For every episode a fresh estimator
-    ``estimator`` (a registry name) is built with ``scale = β`` and ``num_features`` and fitted on that
-    episode's ``(queries, keys)`` — the same offline fit as the attention-error experiments; data-independent
-    maps use only ``d``. Random maps get an independent draw per episode (seeds from ``rng``), so averages over
-    episodes also average over draws. ``mode`` is the linear-attention mode (non-causal: the state after the
-    context, see the module notes). ``"exact"`` is :func:`~kernapprox.softmax_attention` with ``scale = β``.
+    ``estimator`` (a registry name, with extra constructor ``options``) is built with ``scale = β`` and
+    ``num_features`` and fitted on that episode alone:
 
-    Raises ``ValueError`` if the estimator cannot be built or fitted for these sizes (e.g. more landmarks
-    than keys); experiments turn that into NaN cells.
+    ``fit_on="keys"`` (default)
+        ``fit(keys)``: the map is derived from the context only, as a recurrent model reading the context
+        before any query would have to (Nyström landmarks are context keys; no query is seen).
+    ``fit_on="queries_and_keys"``
+        ``fit(queries, keys)``: the offline fit of the attention-error experiments, for oracle baselines that
+        need the query–key matrix itself.
+
+    Data-independent maps use only ``d``. Random maps get an independent draw per episode (seeds from
+    ``rng``), so averages over episodes also average over draws. ``mode`` is the linear-attention mode
+    (non-causal: the state after the context, see the module notes). ``"exact"`` is
+    :func:`~kernapprox.softmax_attention` with ``scale = β``.
     """
     check_tensor(queries, "queries", min_rank=3)
     check_tensor(keys, "keys", min_rank=3)
     check_tensor(values, "values", min_rank=3)
     beta = check_positive_float(beta, "beta")
+    check_choice(fit_on, "fit_on", FIT_TARGETS)
     batch, n, d_v = values.shape
     if estimator == "exact":                                 # one batched call; nothing random
         out = softmax_attention(queries, keys, values, scale=beta)
@@ -441,7 +459,11 @@ def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor,
     for b in range(batch):
         q_b, k_b, v_b = queries[b], keys[b], values[b]
         fitted = build_estimator(estimator, beta=beta, num_features=num_features, rng=int(seeds[b]),
-                                 **(options or {})).fit(q_b, k_b)
+                                 **(options or {}))
+        if fit_on == "keys":
+            fitted.fit(k_b)
+        else:
+            fitted.fit(q_b, k_b)
         parts = linear_attention(q_b, k_b, v_b, fitted, causal=False, mode=mode, return_parts=True)
         outs.append(parts.output)
         nums.append(parts.numerator.to(q_b.dtype))

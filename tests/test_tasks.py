@@ -35,8 +35,9 @@ class LandmarkNystrom(FeatureMap):
     data_dependent = True
 
     def _fit(self, q, k, rng):
-        idx = rng.choice(k.shape[-2], self.num_features_param, replace=False)
-        self.landmarks_ = k.detach().cpu().double().numpy()[idx] * math.sqrt(self.scale_)
+        pool = q if k is None else torch.cat([q, k], -2)
+        idx = rng.choice(pool.shape[-2], self.num_features_param, replace=False)
+        self.landmarks_ = pool.detach().cpu().double().numpy()[idx] * math.sqrt(self.scale_)
         w, u = np.linalg.eigh(np.exp(self.landmarks_ @ self.landmarks_.T))
         self.whiten_ = u / np.sqrt(np.maximum(w, 1e-12 * w.max()))
 
@@ -56,6 +57,15 @@ IDENTITY = _register_once("test_identity_map", IdentityFeatures)
 NYSTROM_NAMES = [n for n in ("nystrom_uniform", "nystrom_kmeans", "nystrom_rls") if n in ka.available_estimators()]
 if not NYSTROM_NAMES:
     NYSTROM_NAMES = [_register_once("test_landmark_nystrom", LandmarkNystrom)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # tiny tensors: one thread avoids oversubscription on a shared machine (restored afterwards)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _binomial_se(p, n):
@@ -136,7 +146,7 @@ def test_readout_is_the_state_after_the_context():
     ep = tasks.associative_recall(24, dim=8, num_candidates=64, batch=1, rng=2, dtype=torch.float64)
     rd = tasks.attention_readout("positive", ep.queries, ep.keys, ep.values, beta=2.0, num_features=32, rng=5)
     seed = int(np.random.default_rng(5).integers(0, 2**63 - 1, size=1)[0])          # the episode's seed
-    est = tasks.build_estimator("positive", beta=2.0, num_features=32, rng=seed).fit(ep.queries[0], ep.keys[0])
+    est = tasks.build_estimator("positive", beta=2.0, num_features=32, rng=seed).fit(ep.keys[0])
     state = ka.RecurrentState(est)
     for t in range(24):
         state.update(ep.keys[0, t], ep.values[0, t])
