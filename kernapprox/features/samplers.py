@@ -147,7 +147,9 @@ class QMCSampler(ProjectionSampler):
 
     def sample(self, num, dim, rng):
         engine_cls = stats.qmc.Sobol if self.kind == "sobol" else stats.qmc.Halton
-        engine = engine_cls(d=dim, scramble=True, seed=rng)
+        # An integer seed drawn from rng: passing the Generator lets scipy spawn from (and mutate) the
+        # SeedSequence behind it, so a refit from the same seed would differ.
+        engine = engine_cls(d=dim, scramble=True, seed=int(rng.integers(2**63 - 1)))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # Sobol balance warning for non-powers of two
             u = engine.random(num)
