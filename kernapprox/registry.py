@@ -85,3 +85,16 @@ register("maclaurin", RandomMaclaurinFeatures)
 register("taylor2", TaylorFeatures, form="packed")
 register("taylor2_based", TaylorFeatures, form="full")
 register("elu1", EluPlusOneFeatures)
+
+# Nyström maps, Nyströmformer, the optimal rank-r floor and the window/sparse hybrids.
+from .hybrid import Scatterbrain, WindowLinear  # noqa: E402
+from .lowrank import Nystromformer, OptimalLowRank  # noqa: E402
+from .nystrom import NystromFeatures  # noqa: E402
+
+for _landmarks in ("uniform", "kmeans", "rls"):
+    register(f"nystrom_{_landmarks}", NystromFeatures, landmarks=_landmarks)
+register("nystromformer", Nystromformer, pinv="iterative")
+register("nystromformer_exact", Nystromformer, pinv="exact")
+register("lowrank_optimal", OptimalLowRank)
+register("window_linear", WindowLinear, feature_map="positive")
+register("scatterbrain", Scatterbrain, feature_map="hyperbolic_orthogonal")

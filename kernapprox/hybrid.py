@@ -1,0 +1,411 @@
+"""Hybrids of exact local attention and a feature-map estimate of the rest: sliding window + linear (Based-style)
+and Scatterbrain (sparse + low-rank).
+
+Both estimate the kernel matrix by the exact kernel on a band of keys around each query and by a feature map
+``φ(q)ᵀφ(k)`` everywhere else:
+
+    ``Â_ij = exp(s q_iᵀk_j)`` if ``(i, j)`` is in the band,  ``φ(q_i)ᵀφ(k_j)`` otherwise,
+
+with the band ``i − w < j ≤ i`` (causal: the last ``w`` keys, the query's own included) or ``|i − j| < w``
+(non-causal; positions count from 0 in both sequences). Every row is one weighted average: the exact part
+(shifted by its row maximum ``m_i``) and the linear part (shifted by the features' log-scales ``ℓ(q_i) + c``) are
+brought to the common scale ``L_i = max(m_i, ℓ(q_i) + c)`` before they are added, numerator and normaliser alike,
+so nothing overflows and the two parts share one normaliser. The returned log-scale is ``L``.
+
+Modes (all agree to floating-point tolerance):
+
+``parallel``   the whole ``n_q × n_k`` matrix (reference, small n);
+``chunked``    query chunks; the keys near a chunk (the band, widened to chunk boundaries) are handled exactly
+               as in the parallel mode, the keys further away through linear-attention states — a running
+               prefix state (causal, with a running maximum as stabiliser) or a prefix and a suffix state built
+               by a forward and a backward sweep (non-causal). Memory O(chunk · (chunk + w)), never n × n;
+``recurrent``  token by token: a linear-attention state of the keys that left the window plus the last ``w``
+               keys and values (a KV window); non-causal runs a forward and a backward scan.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+
+from ._attention_only import AttentionOnlyEstimator
+from ._validation import check_positive_int, compute_dtype
+from .attention import AttentionParts
+from .features.base import FeatureMap, _itemsize
+from .features.exact import ExactKernel
+from .kernel import _check_qk
+
+
+class _FromFeatureMap:
+    """A descriptive attribute answered by the estimator's feature map; on the class, the default map's value."""
+
+    def __init__(self, default: bool):
+        self.default = default
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self.default
+        inner = obj._feature_map_template()
+        if self.name == "consistent":
+            return bool(getattr(inner, "consistent", inner.unbiased))
+        return bool(getattr(inner, self.name))
+
+
+class WindowLinear(AttentionOnlyEstimator):
+    r"""Sliding-window softmax plus linear attention for the rest (Based-style hybrid).
+
+    .. math::
+        y_i = \frac{\sum_{j∈W(i)} e^{s q_i^⊤k_j} v_j + \sum_{j∉W(i)} φ(q_i)^⊤φ(k_j)\, v_j}
+                   {\sum_{j∈W(i)} e^{s q_i^⊤k_j} + \sum_{j∉W(i)} φ(q_i)^⊤φ(k_j)}
+
+    with the window ``W(i) = {j: i − w < j ≤ i}`` (causal; the sum outside it runs over ``j ≤ i − w``) or
+    ``{j: |i − j| < w}`` (non-causal). The estimate of the kernel matrix is exact on the window and the feature
+    map's elsewhere: **unbiased** and **positive** exactly when the feature map is (and so on for the other
+    descriptive attributes, which are read from the map). With ``w ≥ n`` it is exact softmax attention.
+
+    The recurrent state is a KV window of ``w`` keys and values plus the linear state of the keys that left it:
+    ``state_bytes = (w (d + d_v) + r (d_v + 1)) · itemsize``. Based (Arora et al. 2024) pairs a 64-token
+    window with a second-order Taylor map; here any registered feature map can be used (default ``"positive"``).
+
+    Parameters
+    ----------
+    num_features : int
+        ``r`` of the feature map.
+    window : int
+        ``w``: keys per query handled exactly (causal), or the band half-width (non-causal).
+    feature_map : str
+        Registry name of a feature map (not the exact kernel nor another attention-only estimator).
+    feature_options : dict, optional
+        Further options for the feature map (e.g. ``{"sampler": "orthogonal"}``).
+    rng : int, SeedSequence or Generator
+        Passed to the feature map's fit.
+    scale : float, optional
+        Kernel scale ``s`` (default ``1/sqrt(d)``), shared by both parts.
+
+    Attributes
+    ----------
+    feature_map_ : FeatureMap
+        The fitted feature map.
+
+    References
+    ----------
+    Arora et al., *Simple linear attention language models balance the recall-throughput tradeoff* (Based),
+    ICML 2024, §3 (sliding window + Taylor linear attention).
+    """
+
+    modes = ("parallel", "recurrent", "chunked")
+    unbiased = _FromFeatureMap(True)
+    positive = _FromFeatureMap(True)
+    data_dependent = _FromFeatureMap(False)
+    causal_fit = _FromFeatureMap(True)
+    consistent = _FromFeatureMap(True)
+    reference = "Arora et al. 2024 (Based, ICML) §3: exact sliding window + linear attention"
+    subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
+    normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
+
+    def __init__(self, *, num_features: int | None = None, window: int = 64, feature_map: str = "positive",
+                 feature_options: dict | None = None, rng=None, scale: float | None = None):
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.window = check_positive_int(window, "window")
+        if feature_options is not None and not isinstance(feature_options, dict):
+            raise TypeError(f"feature_options must be a dict or None, got {type(feature_options).__name__}")
+        self.feature_map = feature_map
+        self.feature_options = feature_options
+        self._feature_map_template()   # validate the name and the options now
+
+    def _feature_map_template(self, rng=None) -> FeatureMap:
+        from .registry import estimator_class, make_estimator
+
+        cls = estimator_class(self.feature_map)
+        if issubclass(cls, (ExactKernel, AttentionOnlyEstimator)):
+            raise ValueError(f"feature_map must name a finite feature map, got {self.feature_map!r}")
+        return make_estimator(self.feature_map, num_features=self.num_features_param, rng=rng, scale=self.scale,
+                              **(self.feature_options or {}))
+
+    def _fit(self, q, k, rng):
+        self.feature_map_ = self._feature_map_template(rng).fit(q, k)
+
+    @property
+    def num_features(self) -> int:
+        """``r``, the feature dimension of the linear part's state."""
+        if getattr(self, "fitted_", False):
+            return self.feature_map_.num_features
+        return self._feature_map_template().num_features
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32) -> int:
+        """``(w (d + d_v) + r (d_v + 1)) · itemsize``: the KV window plus the linear state."""
+        self._check_fitted()
+        check_positive_int(d_v, "d_v")
+        return (self.window * (self.dim_ + d_v) + self.num_features * (d_v + 1)) * _itemsize(dtype)
+
+    # ------------------------------------------------------------------------------------ kernel matrix
+    def kernel_matrix(self, q, k):
+        """``Â`` ``(..., n_q, n_k)``: exact on the band ``|i − j| < w``, ``φ(q_i)ᵀφ(k_j)`` elsewhere (its lower
+        triangle is the causal estimate)."""
+        self._check_fitted()
+        _check_qk(q, k)
+        self._check_dim(q)
+        ct = compute_dtype(q.dtype)
+        exact = torch.exp(self.scale_ * (q.to(ct) @ k.to(ct).transpose(-1, -2)))
+        pq, lq = (t.to(ct) for t in self.feature_map_.features(q, "query", log_scale=True))
+        pk, lk = (t.to(ct) for t in self.feature_map_.features(k, "key", log_scale=True))
+        approx = (pq @ pk.transpose(-1, -2)) * torch.exp(lq[..., :, None] + lk[..., None, :])
+        band, _ = _masks(0, q.shape[-2], 0, k.shape[-2], self.window, False, q.device)
+        if self.subtract_support:
+            return (approx + torch.where(band, exact - approx, torch.zeros_like(approx))).to(q.dtype)
+        return torch.where(band, exact, approx).to(q.dtype)
+
+    # ---------------------------------------------------------------------------------------- attention
+    def attention(self, q, k, v, *, causal=False, mode="chunked", chunk_size=64, return_parts=False):
+        """Attention with the hybrid estimate; see the module docstring for the modes."""
+        self._check_call(q, k, v, causal, mode, chunk_size)
+        ct = compute_dtype(q.dtype)
+        pq, lq = (t.to(ct) for t in self.feature_map_.features(q, "query", log_scale=True))
+        pk, lk = (t.to(ct) for t in self.feature_map_.features(k, "key", log_scale=True))
+        seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk)
+        if mode == "parallel":
+            num, den, logs = self._block(seq, 0, seq.n_q, 0, seq.n_k, causal, None)
+        elif mode == "chunked":
+            sweep = self._chunked_causal if causal else self._chunked_bidirectional
+            num, den, logs = sweep(seq, chunk_size)
+        else:
+            sweep = self._recurrent_causal if causal else self._recurrent_bidirectional
+            num, den, logs = sweep(seq)
+        out = (num / den[..., None]).to(q.dtype)
+        if return_parts:
+            return AttentionParts(out, num, den, logs)
+        return out
+
+    def _block(self, seq, a, b, lo, hi, causal, far):
+        """Queries ``[a, b)`` against the near keys ``[lo, hi)`` (exact on the band, features elsewhere) plus
+        ``far = (num, den, c)``: stabilised linear sums over all other keys these queries see, at scale
+        ``ℓ(q) + c``. Returns numerator, normaliser and their log-scale ``L`` for the rows."""
+        band, allowed = _masks(a, b, lo, hi, self.window, causal, seq.q.device)
+        logits = seq.q[..., a:b, :] @ seq.k[..., lo:hi, :].transpose(-1, -2)
+        masked = logits.masked_fill(~band, -math.inf)
+        row_max = masked.amax(-1) if hi > lo else logits.new_full(logits.shape[:-1], -math.inf)
+        safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+        weights = torch.exp(masked - safe_max[..., None])
+        v_near = seq.v[..., lo:hi, :]
+        exact_num, exact_den = weights @ v_near, weights.sum(-1)
+
+        lk_near = seq.lk[..., lo:hi]
+        c_near = lk_near.amax(-1, keepdim=True) if hi > lo else torch.full_like(seq.lk[..., :1], -math.inf)
+        c_near = torch.where(torch.isfinite(c_near), c_near, torch.zeros_like(c_near))
+        gram = seq.pq[..., a:b, :] @ (seq.pk[..., lo:hi, :] * torch.exp(lk_near - c_near)[..., None]).transpose(-1, -2)
+        if self.subtract_support:
+            lin = gram * allowed
+            sub = gram * band
+            lin_num = lin @ v_near - sub @ v_near
+            lin_den = lin.sum(-1) - sub.sum(-1)
+        else:
+            lin = gram * (allowed & ~band)
+            lin_num, lin_den = lin @ v_near, lin.sum(-1)
+        lin_c = c_near.expand(lin_den.shape)
+        if far is not None:
+            far_num, far_den, far_c = far
+            new_c = torch.maximum(lin_c, far_c)
+            near_w, far_w = torch.exp(lin_c - new_c), torch.exp(far_c - new_c)
+            lin_num = lin_num * near_w[..., None] + far_num * far_w[..., None]
+            lin_den = lin_den * near_w + far_den * far_w
+            lin_c = new_c
+        if self.normalizer_floor:
+            lin_den = lin_den.clamp_min(self.normalizer_floor)
+        lin_scale = seq.lq[..., a:b] + lin_c
+        log_scale = torch.maximum(row_max, lin_scale)
+        exact_w = torch.exp(row_max - log_scale)
+        lin_w = torch.exp(lin_scale - log_scale)
+        num = exact_num * exact_w[..., None] + lin_num * lin_w[..., None]
+        den = exact_den * exact_w + lin_den * lin_w
+        return num, den, log_scale
+
+    def _chunked_causal(self, seq, chunk):
+        state = _LinearState()
+        nums, dens, logs = [], [], []
+        for a in range(0, seq.n_q, chunk):
+            b = min(a + chunk, seq.n_q)
+            lo = (max(0, a - self.window + 1) // chunk) * chunk     # keys before lo are outside every window
+            state.add_running(seq, state.hi, lo)
+            num, den, log = self._block(seq, a, b, lo, b, True, state.read(seq, a, b))
+            nums.append(num)
+            dens.append(den)
+            logs.append(log)
+        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+    def _chunked_bidirectional(self, seq, chunk):
+        w, n_k = self.window, seq.n_k
+        spans = []
+        for a in range(0, seq.n_q, chunk):
+            b = min(a + chunk, seq.n_q)
+            lo = min(n_k, (max(0, a - w + 1) // chunk) * chunk)
+            hi = min(n_k, -(-(b - 1 + w) // chunk) * chunk)
+            spans.append((a, b, lo, hi))
+        far = _far_reads(seq, spans)
+        nums, dens, logs = [], [], []
+        for (a, b, lo, hi), far_ab in zip(spans, far):
+            num, den, log = self._block(seq, a, b, lo, hi, False, far_ab)
+            nums.append(num)
+            dens.append(den)
+            logs.append(log)
+        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+    def _recurrent_causal(self, seq):
+        state = _LinearState()
+        nums, dens, logs = [], [], []
+        for t in range(seq.n_q):
+            lo = max(0, t - self.window + 1)
+            state.add_running(seq, state.hi, lo)                    # the key that just left the window
+            num, den, log = self._block(seq, t, t + 1, lo, t + 1, True, state.read(seq, t, t + 1))
+            nums.append(num)
+            dens.append(den)
+            logs.append(log)
+        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+    def _recurrent_bidirectional(self, seq):
+        w, n_k = self.window, seq.n_k
+        spans = [(t, t + 1, min(n_k, max(0, t - w + 1)), min(n_k, t + w)) for t in range(seq.n_q)]
+        far = _far_reads(seq, spans)
+        nums, dens, logs = [], [], []
+        for (a, b, lo, hi), far_ab in zip(spans, far):
+            num, den, log = self._block(seq, a, b, lo, hi, False, far_ab)
+            nums.append(num)
+            dens.append(den)
+            logs.append(log)
+        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+
+class Scatterbrain(WindowLinear):
+    r"""Scatterbrain: sparse (exact local band) + low-rank (positive random features) attention.
+
+    .. math::
+        Â = φ(Q)φ(K)^⊤ + S,\qquad S_{ij} = \begin{cases} e^{s q_i^⊤k_j} − φ(q_i)^⊤φ(k_j) & (i,j) ∈ \text{band}\\
+        0 & \text{otherwise}\end{cases}
+
+    so ``Â`` is exact on the sparse support and the feature estimate elsewhere: **unbiased** for an unbiased
+    map and **entrywise positive** for a positive one (the default, hyperbolic features with orthogonal
+    projections, as in the reference code). The support is the local band ``|i − j| < w`` (``0 ≤ i − j < w``
+    when causal); the reference's ``local_context`` is ``2w − 1``.
+
+    The computation follows the reference: the near keys' contribution is the full feature estimate minus its
+    part on the support, plus the exact support, and the normaliser is
+
+        ``log Ẑ_i = logaddexp(log Σ_band e^{s q_iᵀk_j}, log max(Σ_j φ(q_i)ᵀφ(k_j) − Σ_band φ(q_i)ᵀφ(k_j), 1e-24))``
+
+    (in stabilised units), which clamps rounding below zero. For the same support and map the estimate equals
+    :class:`WindowLinear`'s; only this subtraction and the clamp differ numerically. Memory and state as in
+    :class:`WindowLinear` (chunked mode: band only, never n × n).
+
+    Parameters
+    ----------
+    See :class:`WindowLinear`; ``feature_map`` defaults to ``"hyperbolic_orthogonal"``.
+
+    References
+    ----------
+    Chen, Dao, Winsor, Song, Rudra & Ré, *Scatterbrain: Unifying Sparse and Low-rank Attention Approximation*,
+    NeurIPS 2021, §3 (``Â = φ(Q)φ(K)ᵀ + S``); the normaliser as in the authors' ``sblocal`` attention.
+    """
+
+    reference = "Chen, Dao et al. 2021 (Scatterbrain, NeurIPS) §3: sparse + low-rank, exact on the support"
+    subtract_support = True
+    normalizer_floor = 1e-24
+
+    def __init__(self, *, num_features: int | None = None, window: int = 64,
+                 feature_map: str = "hyperbolic_orthogonal", feature_options: dict | None = None, rng=None,
+                 scale: float | None = None):
+        super().__init__(num_features=num_features, window=window, feature_map=feature_map,
+                         feature_options=feature_options, rng=rng, scale=scale)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+class _Sequence:
+    """Everything one attention call needs, in the compute dtype: scaled queries ``s·q`` (exact logits), keys,
+    values and the stabilised features ``(φ̃, ℓ)`` of queries and keys."""
+
+    def __init__(self, q, k, v, pq, lq, pk, lk):
+        self.q, self.k, self.v, self.pq, self.lq, self.pk, self.lk = q, k, v, pq, lq, pk, lk
+        self.n_q, self.n_k = q.shape[-2], k.shape[-2]
+
+
+def _masks(a, b, lo, hi, window, causal, device):
+    """``band`` and ``allowed`` (which keys a query sees at all) for rows ``[a, b)`` and columns ``[lo, hi)``."""
+    rows = torch.arange(a, b, device=device)[:, None]
+    cols = torch.arange(lo, hi, device=device)[None, :]
+    if causal:
+        allowed = cols <= rows
+        return allowed & (cols > rows - window), allowed
+    return (cols - rows).abs() < window, torch.ones_like(cols - rows, dtype=torch.bool)
+
+
+class _LinearState:
+    """Linear-attention state ``(W̃, z̃, c)`` of the keys ``[0, hi)`` with a running-maximum stabiliser:
+    ``W = W̃ e^c``; adding keys with a larger log-scale rescales the state (streaming, no look-ahead)."""
+
+    def __init__(self):
+        self.w = self.z = self.c = None
+        self.hi = 0
+
+    def add_running(self, seq, lo, hi):
+        if hi <= lo:
+            return
+        pk, lk, v = seq.pk[..., lo:hi, :], seq.lk[..., lo:hi], seq.v[..., lo:hi, :]
+        c_new = lk.amax(-1)
+        if self.c is not None:
+            c_new = torch.maximum(self.c, c_new)
+        scaled = pk * torch.exp(lk - c_new[..., None])[..., None]
+        w_add, z_add = scaled.transpose(-1, -2) @ v, scaled.sum(-2)
+        if self.c is None:
+            self.w, self.z = w_add, z_add
+        else:
+            decay = torch.exp(self.c - c_new)
+            self.w = self.w * decay[..., None, None] + w_add
+            self.z = self.z * decay[..., None] + z_add
+        self.c = c_new
+        self.hi = hi
+
+    def read(self, seq, a, b):
+        """``(φ̃_q W̃, φ̃_q z̃, c)`` for queries ``[a, b)``, or None if the state is empty."""
+        if self.c is None:
+            return None
+        num, den = _read(seq.pq[..., a:b, :], self.w, self.z)
+        return num, den, self.c[..., None].expand(den.shape)
+
+
+def _far_reads(seq, spans):
+    """Non-causal far sums for each span ``(a, b, lo, hi)``: the keys ``[0, lo)`` and ``[hi, n_k)`` read by the
+    queries ``[a, b)``, as ``(num, den, c)``. One constant shift per (batch, head), ``c = max ℓ(k)``; a forward
+    sweep grows the prefix state, a backward sweep the suffix state (states are never subtracted). ``lo`` and
+    ``hi`` must not decrease along the spans."""
+    c = seq.lk.amax(-1)
+    scaled = seq.pk * torch.exp(seq.lk - c[..., None])[..., None]
+    empty_w = torch.zeros(*scaled.shape[:-2], scaled.shape[-1], seq.v.shape[-1], dtype=scaled.dtype,
+                          device=scaled.device)
+
+    def add(w, z, start, stop):
+        part = scaled[..., start:stop, :]
+        return w + part.transpose(-1, -2) @ seq.v[..., start:stop, :], z + part.sum(-2)
+
+    w, z, upto, before = empty_w, empty_w[..., 0], 0, []
+    for a, b, lo, _ in spans:
+        if lo > upto:
+            w, z = add(w, z, upto, lo)
+            upto = lo
+        before.append(_read(seq.pq[..., a:b, :], w, z))
+    w, z, start, after = empty_w, empty_w[..., 0], seq.n_k, []
+    for a, b, _, hi in reversed(spans):
+        if hi < start:
+            w, z = add(w, z, hi, start)
+            start = hi
+        after.append(_read(seq.pq[..., a:b, :], w, z))
+    after.reverse()
+    return [(pre[0] + post[0], pre[1] + post[1], c[..., None].expand(pre[1].shape))
+            for pre, post in zip(before, after)]
+
+
+def _read(pq, w, z):
+    """``(φ̃_q W, φ̃_q z)`` for stabilised query features ``(..., nb, r)``, ``W (..., r, d_v)``, ``z (..., r)``."""
+    return pq @ w, (pq @ z[..., :, None]).squeeze(-1)

@@ -1,0 +1,325 @@
+"""Nyström feature maps of the softmax kernel, with uniform, k-means and ridge-leverage-score landmarks.
+
+The Nyström method approximates a kernel through ``m`` landmarks ``z_1..z_m``:
+``K(q, k) ≈ K(q, Z) K(Z, Z)⁺ K(Z, k)``. Written as a feature map ``φ(x) = W K(Z, x)`` with ``WᵀW = K(Z, Z)⁺`` it
+is a linear-attention estimator like any other, with a recurrent state of ``r = m`` features.
+
+Scaling of the softmax kernel
+-----------------------------
+In scaled coordinates ``x = sqrt(s)·q`` the softmax kernel is ``SM(x, y) = exp(xᵀy) = e^{‖x‖²/2} G(x, y)
+e^{‖y‖²/2}`` with the Gaussian kernel ``G(x, y) = exp(−‖x − y‖²/2) ∈ (0, 1]``. So ``K(Z, Z) = D G(Z, Z) D`` with
+``D = diag(exp(‖z_j‖²/2))``, and ``K(Z, Z)⁺ = D⁻¹ G(Z, Z)⁺ D⁻¹`` (``D`` is invertible). This module therefore
+factorises ``G(Z, Z) = U Λ Uᵀ`` (well scaled: unit diagonal, entries in (0, 1]) in float64 and uses
+
+    ``φ(x) = G(Z, Z)^{+1/2} D⁻¹ K(Z, x)``,  ``(D⁻¹ K(Z, x))_j = exp(z_jᵀx − ‖z_j‖²/2)``,
+
+one of the square roots of ``K(Z, Z)⁺`` (``φ(q)ᵀφ(k) = K(q, Z) K(Z, Z)⁺ K(Z, k)`` exactly). The Nyström
+approximation commutes with the diagonal scaling, so ``φ(q)ᵀφ(k) = e^{‖x‖²/2} Ĝ(x, y) e^{‖y‖²/2}`` where ``Ĝ`` is
+the Nyström approximation of the Gaussian kernel with the same landmarks. Stabilised features: ``ℓ(x) =
+max_j (z_jᵀx − ‖z_j‖²/2)`` and ``φ̃(x) = G(Z, Z)^{+1/2} exp(Zx − ‖z‖²/2 − ℓ(x))``; then ``‖φ̃(x)‖² ≤
+exp(min_j ‖x − z_j‖²)``, independent of the norms.
+
+Regularisation is explicit and recorded: either an eigenvalue cut-off (``G(Z, Z)`` eigenvalues below
+``regularizer · λ_max`` are dropped: the pseudo-inverse) or a ridge (``G(Z, Z) + regularizer · I``; as ``G``
+has unit diagonal this is relative to the mean eigenvalue, and equals the ridge ``K(Z, Z) + λ D²``). The fitted
+attributes ``regularizer_``, ``effective_rank_`` and ``eigenvalues_`` say what was done.
+
+References
+----------
+Williams & Seeger, *Using the Nyström Method to Speed Up Kernel Machines*, NeurIPS 2001.
+Zhang, Tsang & Kwok, *Improved Nyström low-rank approximation and error analysis*, ICML 2008 (k-means landmarks).
+Musco & Musco, *Recursive Sampling for the Nyström Method*, NeurIPS 2017, Algorithm 3 (ridge leverage scores).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from ._validation import check_choice, check_positive_float, check_positive_int
+from .features.base import FeatureMap
+
+LANDMARK_METHODS = ("uniform", "kmeans", "rls")
+REGULARIZATIONS = ("cutoff", "ridge")
+DEFAULT_REGULARIZER = 1e-10
+RLS_FALLBACK_LAMBDA = 1e-5   # recursiveNystrom.m's ``10e-6``, which is 1e-5 (not 1e-6)
+
+
+# ------------------------------------------------------------------------------------ kernels and scores
+def gaussian_gram(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``G(a_i, b_j) = exp(−‖a_i − b_j‖²/2)`` for float64 arrays ``(n, d)``, ``(m, d)`` → ``(n, m)``."""
+    sq = 0.5 * (a * a).sum(-1)[:, None] + 0.5 * (b * b).sum(-1)[None, :] - a @ b.T
+    return np.exp(-np.maximum(sq, 0.0))
+
+
+def ridge_leverage_scores(gram: np.ndarray, lam: float) -> np.ndarray:
+    """Exact λ-ridge leverage scores ``τ_i(λ) = (K (K + λI)⁻¹)_ii`` of a PSD matrix ``(n, n)`` (float64).
+
+    They sum to the effective dimension ``d_eff(λ) = Σ_i λ_i/(λ_i + λ)`` (see :func:`effective_dimension`).
+    Quadratic memory: for tests and small studies.
+    """
+    lam = check_positive_float(lam, "lam")
+    gram = np.asarray(gram, dtype=np.float64)
+    n = gram.shape[0]
+    return np.diag(np.linalg.solve(gram + lam * np.eye(n), gram)).copy()
+
+
+def effective_dimension(gram: np.ndarray, lam: float) -> float:
+    """``d_eff(λ) = tr(K (K + λI)⁻¹) = Σ_i λ_i / (λ_i + λ)`` for a PSD matrix ``K`` (float64)."""
+    lam = check_positive_float(lam, "lam")
+    eig = np.clip(np.linalg.eigvalsh(np.asarray(gram, dtype=np.float64)), 0.0, None)
+    return float((eig / (eig + lam)).sum())
+
+
+class RLSSample(NamedTuple):
+    """Result of :func:`recursive_rls_sample`."""
+
+    indices: np.ndarray   # (s,) chosen points, without repetition
+    scores: np.ndarray    # (n,) estimated λ-ridge leverage scores of all points at the top level, in [0, 1]
+    lam: float            # the ridge λ of the top level
+
+
+def recursive_rls_sample(points: np.ndarray, num_samples: int, rng: np.random.Generator) -> RLSSample:
+    """Recursive ridge-leverage-score sampling (Musco & Musco 2017, Algorithm 3) for the Gaussian kernel.
+
+    Levels halve a random permutation of the ``n`` points down to about ``s`` points. Going back up, each level
+    estimates the λ-ridge leverage scores of its points from the weighted sample of the level below,
+
+        ``l_i = min(1, max(0, G_ii − g_iᵀ (SGS + λ W⁻²)⁻¹ g_i) / λ)``,
+
+    with ``λ = (Σ_j G_jj w_j² − Σ_{top k} eig(W S G S W)) / k`` (``k = ceil(s / (4 log s))``; ``λ = 1e-5`` when
+    the sample has at most ``k`` points, or when this λ is not positive), keeps each point with probability
+    ``min(1, log(s)·l_i)`` (weights ``1/sqrt(p_i)``) on intermediate levels, and on the top level draws exactly
+    ``s`` points without replacement with probabilities ``∝ l_i``. ``G`` is the Gaussian kernel of the scaled
+    points (unit diagonal), see the module docstring for why it stands in for the softmax kernel.
+
+    Deviations from ``recursiveNystrom.m``, all for degenerate sizes: the oversampling factor ``log s`` is
+    floored at 1 (``s < 3``); if fewer than ``s`` points have a positive top-level score, the rest are drawn
+    uniformly from the others; an empty intermediate sample falls back to a uniform one (as in the reference).
+
+    Parameters
+    ----------
+    points : ndarray (n, d)
+        Candidate points (float64).
+    num_samples : int
+        ``s ≤ n``.
+    rng : numpy Generator
+
+    Returns
+    -------
+    RLSSample
+        ``indices`` (s,), ``scores`` (n,) and ``lam``: the top-level estimates sum to about ``d_eff(λ)``.
+    """
+    points = np.asarray(points, dtype=np.float64)
+    n = points.shape[0]
+    s = check_positive_int(num_samples, "num_samples")
+    if s > n:
+        raise ValueError(f"num_samples must be at most the number of points ({n}), got {s}")
+    if s == n:
+        return RLSSample(np.arange(n), np.ones(n), RLS_FALLBACK_LAMBDA)
+    oversample = max(math.log(s), 1.0)
+    k = math.ceil(s / (4 * oversample))
+    num_levels = math.ceil(math.log2(n / s))
+    perm = rng.permutation(n)
+    sizes = [n]
+    for _ in range(num_levels):
+        sizes.append(math.ceil(sizes[-1] / 2))
+    sample = np.arange(sizes[-1])                       # positions (in perm) of the current sample
+    weights = np.ones(sizes[-1])
+    for level in range(num_levels - 1, -1, -1):
+        current = points[perm[:sizes[level]]]
+        chosen = current[sample]
+        cross = gaussian_gram(current, chosen)          # (size_level, |sample|)
+        inner = cross[sample]
+        lam = _rls_lambda(inner, weights, k)
+        solved = np.linalg.solve(inner + np.diag(lam / weights**2), cross.T)   # (|sample|, size_level)
+        residual = np.maximum(0.0, 1.0 - np.einsum("ij,ji->i", cross, solved))  # G_ii = 1
+        if level > 0:
+            probs = np.minimum(1.0, oversample * residual / lam)
+            sample = np.flatnonzero(rng.random(sizes[level]) < probs)
+            if sample.size == 0:
+                probs = np.full(sizes[level], s / sizes[level])
+                sample = rng.choice(sizes[level], size=s, replace=False)
+            weights = 1.0 / np.sqrt(probs[sample])
+        else:
+            scores = np.minimum(1.0, residual / lam)
+            sample = _weighted_sample_without_replacement(scores, s, rng)
+    top_scores = np.empty(n)
+    top_scores[perm] = scores
+    return RLSSample(np.sort(perm[sample]), top_scores, float(lam))
+
+
+def _rls_lambda(inner: np.ndarray, weights: np.ndarray, k: int) -> float:
+    if k >= inner.shape[0]:
+        return RLS_FALLBACK_LAMBDA
+    weighted = inner * weights[:, None] * weights[None, :]
+    top = np.abs(np.linalg.eigvalsh(weighted)[-k:]).sum()
+    lam = ((np.diag(inner) * weights**2).sum() - top) / k
+    return float(lam) if lam > 0 else RLS_FALLBACK_LAMBDA
+
+
+def _weighted_sample_without_replacement(scores, s, rng):
+    positive = np.flatnonzero(scores > 0)
+    if positive.size >= s:
+        return rng.choice(scores.size, size=s, replace=False, p=scores / scores.sum())
+    rest = np.setdiff1d(np.arange(scores.size), positive)
+    return np.concatenate([positive, rng.choice(rest, size=s - positive.size, replace=False)])
+
+
+# ------------------------------------------------------------------------------------------ the feature map
+class NystromFeatures(FeatureMap):
+    r"""Nyström features of the softmax kernel: ``φ(q)ᵀφ(k) = K(q, Z) K(Z, Z)⁺ K(Z, k)``.
+
+    .. math::
+        φ(x) = G(Z,Z)^{+1/2}\,\big(e^{z_j^⊤x − \|z_j\|^2/2}\big)_{j=1..m},\qquad
+        G(Z,Z)_{ij} = e^{-\|z_i − z_j\|^2/2}
+
+    (in scaled coordinates ``x = sqrt(s)·q``; the module docstring derives why this equals
+    ``K(Z, Z)^{+1/2} K(Z, x)`` up to an orthogonal rotation, which leaves every ``φ(q)ᵀφ(k)`` unchanged).
+    **Biased** (``K̂ ⪯ K`` in the PSD order on the landmarks' span), **signed** (the normaliser
+    ``Σ_j φ(q)ᵀφ(k_j)`` may be ≤ 0), **data-dependent**, deterministic given the landmarks. With every point as a
+    landmark it reproduces the kernel on those points (up to the cut-off). The error falls to zero as ``m`` grows
+    to the number of candidate points (``consistent``).
+
+    Landmarks are chosen from the joint set of scaled queries and keys of ``fit(q, k)`` (all batch elements
+    pooled: one map for the whole batch; fit per head for per-head maps):
+
+    ``"uniform"``  ``m`` distinct points uniformly without replacement (Williams & Seeger 2001).
+    ``"kmeans"``   the ``m`` centroids of scikit-learn's ``KMeans`` (k-means++, seed drawn from ``rng``) in the
+                   scaled space (Zhang, Tsang & Kwok 2008).
+    ``"rls"``      ``m`` points by recursive ridge-leverage-score sampling (Musco & Musco 2017, Algorithm 3) of
+                   the Gaussian kernel, see :func:`recursive_rls_sample`; scores in ``leverage_scores_``.
+
+    Causality: fitting on the sequence the map is applied to uses future tokens (``causal_fit = False``). For a
+    strictly causal model fit on a calibration prefix (or other sequences) and then run the recurrent mode: the
+    map is then fixed and the state update is causal.
+
+    Precision: ``G(Z, Z)`` is factorised in float64 and the features are computed in float64 on the input's
+    device, then returned in the input's compute dtype: the square root ``G^{+1/2}`` has entries up to
+    ``λ_min^{-1/2}``, and forming ``φ̃`` in float32 would cancel to an error of order ``ε₃₂/λ_min``.
+
+    Parameters
+    ----------
+    num_features : int
+        ``m``, the number of landmarks (= the state's feature dimension ``r``); at most the number of candidate
+        points ``prod(batch) · (n_q + n_k)``.
+    landmarks : {"uniform", "kmeans", "rls"}
+    regularization : {"cutoff", "ridge"}
+        Eigenvalue cut-off (pseudo-inverse) or ridge on ``G(Z, Z)``.
+    regularizer : float
+        The relative cut-off (eigenvalues ``< regularizer · λ_max`` are dropped) or the ridge ``λ``. The default
+        ``1e-6`` keeps fits on float32 and float64 copies of the same data within ~1e-5 of each other (the
+        landmarks differ by the inputs' rounding, amplified by ``regularizer^{-1/2}``); use ``1e-12`` for
+        float64 studies of the exact limit.
+    rng : int, SeedSequence or Generator
+        Landmark sampling (uniform, rls) or k-means seeding.
+    scale : float, optional
+        Kernel scale ``s`` (default ``1/sqrt(d)``).
+    kmeans_n_init, kmeans_max_iter : int
+        Passed to ``sklearn.cluster.KMeans``.
+
+    Attributes
+    ----------
+    landmarks_ : ndarray (m, d)
+        Landmarks in scaled coordinates (float64).
+    landmark_indices_ : ndarray (m,) or None
+        Their indices in the pooled candidates (flattened batch, queries then keys); None for k-means.
+    whitening_ : ndarray (m, m)
+        ``G(Z, Z)^{+1/2}`` (symmetric, float64).
+    eigenvalues_ : ndarray (m,)
+        Eigenvalues of ``G(Z, Z)``, descending.
+    regularizer_ : float
+        The cut-off or ridge used.
+    effective_rank_ : int
+        Eigen-directions the map uses: those kept by the cut-off, or those with eigenvalue ≥ the ridge.
+    leverage_scores_, rls_lambda_ : ndarray (N,), float
+        (``"rls"`` only) top-level ridge-leverage-score estimates of all candidates and their λ.
+
+    Examples
+    --------
+    >>> est = NystromFeatures(num_features=64, landmarks="rls", rng=0).fit(q, k)
+    >>> y = kernapprox.linear_attention(q, k, v, est, causal=True, mode="recurrent")
+    """
+
+    unbiased = False
+    positive = False
+    data_dependent = True
+    causal_fit = False
+    consistent = True
+    reference = ("Williams & Seeger 2001 (Nyström); Zhang, Tsang & Kwok 2008 (k-means landmarks); "
+                 "Musco & Musco 2017, Algorithm 3 (recursive ridge leverage scores)")
+
+    def __init__(self, *, num_features: int, landmarks: str = "uniform", regularization: str = "cutoff",
+                 regularizer: float = DEFAULT_REGULARIZER, rng=None, scale: float | None = None,
+                 kmeans_n_init: int = 1, kmeans_max_iter: int = 100):
+        check_positive_int(num_features, "num_features")
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.landmarks = check_choice(landmarks, "landmarks", LANDMARK_METHODS)
+        self.regularization = check_choice(regularization, "regularization", REGULARIZATIONS)
+        self.regularizer = check_positive_float(regularizer, "regularizer")
+        self.kmeans_n_init = check_positive_int(kmeans_n_init, "kmeans_n_init")
+        self.kmeans_max_iter = check_positive_int(kmeans_max_iter, "kmeans_max_iter")
+
+    def _fit(self, q, k, rng):
+        parts = [q] if k is None else [q, k]
+        pool = torch.cat([p.detach().reshape(-1, self.dim_).to("cpu", torch.float64) for p in parts])
+        pool = pool.numpy() * math.sqrt(self.scale_)
+        m = self.num_features
+        if m > pool.shape[0]:
+            raise ValueError(f"num_features={m} exceeds the number of candidate landmarks ({pool.shape[0]} scaled "
+                             "queries and keys)")
+        self.landmark_indices_ = None
+        if self.landmarks == "uniform":
+            self.landmark_indices_ = np.sort(rng.choice(pool.shape[0], size=m, replace=False))
+        elif self.landmarks == "rls":
+            sample = recursive_rls_sample(pool, m, rng)
+            self.landmark_indices_ = sample.indices
+            self.leverage_scores_ = sample.scores
+            self.rls_lambda_ = sample.lam
+        if self.landmark_indices_ is not None:
+            self.landmarks_ = pool[self.landmark_indices_]
+        else:
+            self.landmarks_ = _kmeans_centroids(pool, m, rng, self.kmeans_n_init, self.kmeans_max_iter)
+        self.landmark_half_sq_norms_ = 0.5 * (self.landmarks_**2).sum(-1)
+        gram = gaussian_gram(self.landmarks_, self.landmarks_)
+        eigenvalues, vectors = np.linalg.eigh(0.5 * (gram + gram.T))
+        eigenvalues, vectors = eigenvalues[::-1].copy(), vectors[:, ::-1].copy()
+        if self.regularization == "cutoff":
+            keep = eigenvalues > self.regularizer * eigenvalues[0]
+            inv_sqrt = np.where(keep, 1.0 / np.sqrt(np.where(keep, eigenvalues, 1.0)), 0.0)
+            rank = int(keep.sum())
+        else:
+            shifted = eigenvalues + self.regularizer
+            inv_sqrt = np.where(shifted > 0, 1.0 / np.sqrt(np.abs(shifted)), 0.0)
+            rank = int((eigenvalues >= self.regularizer).sum())
+        self.eigenvalues_ = eigenvalues
+        self.whitening_ = (vectors * inv_sqrt) @ vectors.T
+        self.regularizer_ = self.regularizer
+        self.effective_rank_ = rank
+
+    def _log_features(self, x, role):
+        x64 = x.to(torch.float64)
+        z = self._param("landmarks_", x64)
+        half = self._param("landmark_half_sq_norms_", x64)
+        whitening = self._param("whitening_", x64)
+        logits = x64 @ z.T - half                                  # log(D⁻¹K(Z, x)), (..., n, m)
+        shift = logits.amax(-1, keepdim=True)
+        phi = torch.exp(logits - shift) @ whitening                # whitening is symmetric
+        return phi.to(x.dtype), shift.squeeze(-1).to(x.dtype)
+
+
+def _kmeans_centroids(pool, m, rng, n_init, max_iter):
+    from sklearn.cluster import KMeans
+    from sklearn.exceptions import ConvergenceWarning
+
+    seed = int(rng.integers(2**31 - 1))
+    with warnings.catch_warnings():
+        # Fewer distinct points than clusters gives duplicate centroids: G(Z, Z) is then singular, which the
+        # cut-off handles and effective_rank_ records.
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        km = KMeans(n_clusters=m, n_init=n_init, max_iter=max_iter, random_state=seed).fit(pool)
+    return np.asarray(km.cluster_centers_, dtype=np.float64)
