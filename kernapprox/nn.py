@@ -1,0 +1,319 @@
+"""A ``torch.nn`` multi-head attention layer whose softmax kernel is any registry estimator.
+
+:class:`KernelAttention` is multi-head attention with query/key/value/output projections in which
+``softmax(s · QKᵀ) V`` is replaced by kernelised attention with a registry estimator (``"exact"`` included) in one
+of the three modes (see :func:`kernapprox.linear_attention`). Inputs are batch-first ``(batch, seq, embed_dim)``.
+
+>>> layer = KernelAttention(64, 4, "positive_orthogonal", num_features=128, causal=True, rng=0)
+>>> y = layer(x)                       # x: (batch, n, 64) -> y: (batch, n, 64)
+>>> layer.redraw()                     # a new draw of the random features, only when asked
+
+Design
+------
+* **Randomness.** All of it comes from ``rng`` (int, ``SeedSequence`` or ``Generator``): the projection
+  weights (Xavier-uniform, biases zero) and the feature map's draws use two independent numpy streams spawned
+  from it; torch's global RNG is never used. Two layers built with the same ``rng`` are identical.
+* **Redraws are explicit.** The random features are drawn once (at construction for data-independent maps)
+  and stay fixed — across forward passes, ``train()``/``eval()`` and steps — until :meth:`KernelAttention.redraw`
+  (or :meth:`KernelAttention.fit`) is called. Performer-style periodic redrawing is the training loop's call.
+* **Data-dependent estimators** (``data_dependent = True``: OPRF, the dense-exponential maps, Nyström, ...) are
+  fitted on projected queries and keys: on the first batch seen by ``forward`` (detached, no gradient), or
+  explicitly with :meth:`KernelAttention.fit` on a calibration batch, which is the recommended way. They are not
+  refitted afterwards unless ``fit`` is called again.
+* **Buffers are the source of truth.** Everything the estimator fitted (projections, landmarks, whitening
+  matrices, fitted scalars) is registered as a buffer under ``feature_state``: it is in ``state_dict``, moves
+  with ``.to(device)`` and is cast by ``.to(dtype)`` like any buffer (use autocast rather than ``.half()`` to keep
+  the features accurate). The estimator's own float64 copies are refreshed from the buffers whenever a buffer
+  changes (new device or dtype, in-place edit, ``load_state_dict``), so nothing stale is ever used. Loading a
+  state dict into a layer whose data-dependent estimator has not been fitted yet first builds the fitted
+  structure from a placeholder fit and then takes every value from the state dict.
+* One estimator is shared by all heads (statistics of data-dependent maps are pooled over batch and heads).
+  There are no attention masks beyond ``causal``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+import torch
+from torch import nn
+
+from ._rng import as_generator
+from ._validation import check_choice, check_positive_int, check_tensor
+from .attention import MODES, linear_attention
+from .features.base import FeatureMap
+from .registry import make_estimator
+
+__all__ = ["KernelAttention"]
+
+
+class _FittedState(nn.Module):
+    """The fitted arrays and numbers of one estimator as buffers; a nested estimator becomes a child module.
+
+    Fitted state is every public attribute ending in ``_`` (scikit-learn's convention, which the estimator
+    protocol follows) holding a numeric numpy array, a tensor, a real number or another estimator. Flags
+    (``fitted_``), ``None`` and other objects are rebuilt by ``fit`` from the constructor parameters.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._kinds: dict[str, tuple] = {}
+
+    def capture(self, est: FeatureMap) -> None:
+        for name in list(self._buffers):
+            del self._buffers[name]
+        for name in list(self._modules):
+            del self._modules[name]
+        self._kinds = {}
+        for name, value in sorted(vars(est).items()):
+            if not name.endswith("_") or name.startswith("_") or name == "fitted_":
+                continue
+            if isinstance(value, FeatureMap):
+                child = _FittedState()
+                child.capture(value)
+                self.add_module(name, child)
+            elif isinstance(value, np.ndarray) and value.dtype.kind in "fiu":
+                self.register_buffer(name, torch.from_numpy(np.array(value, copy=True)))
+                self._kinds[name] = ("array", value.dtype)
+            elif isinstance(value, torch.Tensor):
+                self.register_buffer(name, value.detach().clone())
+                self._kinds[name] = ("tensor",)
+            elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+                self.register_buffer(name, torch.tensor(int(value), dtype=torch.int64))
+                self._kinds[name] = ("int",)
+            elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+                self.register_buffer(name, torch.tensor(float(value), dtype=torch.float64))
+                self._kinds[name] = ("float",)
+
+    def restore(self, est: FeatureMap) -> None:
+        """Write the buffers' values back into the estimator (as the types it stored) and drop its casts."""
+        for name, buf in self._buffers.items():
+            kind = self._kinds[name]
+            value = buf.detach()
+            if kind[0] == "array":
+                setattr(est, name, value.cpu().numpy().astype(kind[1]))
+            elif kind[0] == "tensor":
+                setattr(est, name, value)
+            elif kind[0] == "int":
+                setattr(est, name, int(value))
+            else:
+                setattr(est, name, float(value))
+        for name, child in self._modules.items():
+            child.restore(getattr(est, name))
+        est.__dict__["_cache"] = {}      # the protocol's per-(device, dtype) casts of the old values
+
+    def signature(self) -> tuple:
+        """Identity of every buffer's storage, version, device and dtype: changes whenever a value may have."""
+        return tuple((name, b.data_ptr(), b._version, b.device, b.dtype) for name, b in self.named_buffers())
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # Replace rather than copy into: a data-dependent fit may have other shapes than the placeholder's.
+        for name, old in list(self._buffers.items()):
+            key = prefix + name
+            if key in state_dict:
+                self._buffers[name] = state_dict[key].detach().to(device=old.device, dtype=old.dtype).clone()
+            elif strict:
+                missing_keys.append(key)
+        if strict:
+            for key in state_dict:
+                if key.startswith(prefix):
+                    head = key[len(prefix):].split(".")[0]
+                    if head not in self._buffers and head not in self._modules:
+                        unexpected_keys.append(key)
+
+
+class KernelAttention(nn.Module):
+    r"""Multi-head attention with the softmax kernel replaced by a registry estimator.
+
+    .. math::
+        \mathrm{out} = W_o\,\big[\mathrm{attn}(X_q W_q^{(h)}, X_k W_k^{(h)}, X_v W_v^{(h)})\big]_{h=1..H},\qquad
+        \mathrm{attn}(Q, K, V)_i = \frac{\sum_j κ̂(q_i, k_j)\, v_j}{\sum_j κ̂(q_i, k_j)}
+
+    with ``κ̂`` the estimator's approximation of ``exp(s · qᵀk)`` (``s = 1/sqrt(head_dim)`` unless ``scale`` is
+    given) and the sums over ``j ≤ i`` when ``causal``. With ``estimator="exact"`` this is
+    ``torch.nn.MultiheadAttention`` (same projections, same scaling). Whether the estimate is unbiased,
+    positive or data-dependent is the estimator's property (its class attributes and docstring).
+
+    Parameters
+    ----------
+    embed_dim : int
+        Model width ``E``; inputs are ``(batch, seq, E)``.
+    num_heads : int
+        ``H``; must divide ``embed_dim`` (``head_dim = E / H``).
+    estimator : str, default="positive_orthogonal"
+        Registry name (:func:`kernapprox.available_estimators`), ``"exact"`` included.
+    num_features : int, optional
+        ``r`` of the estimator; required by every estimator whose dimension is not fixed by ``head_dim``.
+    mode : {"parallel", "recurrent", "chunked"}, default="chunked"
+        Attention mode; must be one the estimator supports (``estimator.modes``).
+    causal : bool, default=False
+    rng : int, SeedSequence or Generator, optional
+        The only source of randomness (projection weights and feature draws).
+    chunk_size : int, default=64
+        Chunk length of the chunked mode.
+    bias : bool, default=True
+        Biases in the four projections.
+    scale : float, optional
+        Kernel scale ``s``.
+    device, dtype : optional
+        Of the projection weights (the feature buffers follow ``.to``).
+    **options
+        Further estimator options (e.g. ``sampler``, ``window``).
+
+    Attributes
+    ----------
+    estimator : FeatureMap
+        The kernapprox estimator (its fitted values mirror ``feature_state``).
+    feature_state : nn.Module
+        The estimator's fitted values as buffers.
+    q_proj, k_proj, v_proj, out_proj : nn.Linear
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
+                 num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
+                 chunk_size: int = 64, bias: bool = True, scale: float | None = None, device=None, dtype=None,
+                 **options):
+        super().__init__()
+        self.embed_dim = check_positive_int(embed_dim, "embed_dim")
+        self.num_heads = check_positive_int(num_heads, "num_heads")
+        if embed_dim % num_heads:
+            raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim})")
+        self.head_dim = embed_dim // num_heads
+        check_choice(mode, "mode", MODES)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be a bool, got {causal!r}")
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {bias!r}")
+        weight_rng, feature_rng = as_generator(rng).spawn(2)
+        self._feature_rng = feature_rng
+        self.estimator_name = estimator
+        self.estimator = make_estimator(estimator, num_features=num_features, rng=feature_rng, scale=scale,
+                                        **options)
+        if mode not in self.estimator.modes:
+            raise ValueError(f"mode {mode!r} is not supported by estimator {estimator!r}; supported: "
+                             f"{', '.join(self.estimator.modes)}")
+        if causal and not getattr(self.estimator, "supports_causal", True):
+            raise ValueError(f"estimator {estimator!r} does not support causal attention")
+        self.mode = mode
+        self.causal = causal
+        # skip_init: nn.Linear's own initialisation would draw from torch's global RNG
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.utils.skip_init(nn.Linear, embed_dim, embed_dim, bias=bias, dtype=dtype,
+                               device=torch.get_default_device() if device is None else device)
+            for _ in range(4))
+        self._init_projections(weight_rng)
+        self.feature_state = _FittedState()
+        self._signature = None
+        if not self.estimator.data_dependent:
+            self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
+
+    # ------------------------------------------------------------------------------------------ set-up
+    @torch.no_grad()
+    def _init_projections(self, rng: np.random.Generator) -> None:
+        """Xavier-uniform weights (as ``nn.MultiheadAttention``'s input projection) and zero biases."""
+        for layer in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            bound = math.sqrt(6.0 / (layer.in_features + layer.out_features))
+            layer.weight.copy_(torch.from_numpy(rng.uniform(-bound, bound, size=tuple(layer.weight.shape))))
+            if layer.bias is not None:
+                layer.bias.zero_()
+
+    @property
+    def fitted(self) -> bool:
+        """Whether the estimator has been fitted (always true for data-independent estimators)."""
+        return bool(getattr(self.estimator, "fitted_", False))
+
+    def _fit_estimator(self, q, k) -> None:
+        self.estimator.fit(q, k)
+        device = next(self.parameters()).device
+        self.feature_state.capture(self.estimator)
+        self.feature_state.to(device)
+        self._signature = None
+
+    def _sync(self) -> None:
+        signature = self.feature_state.signature()
+        if signature != self._signature:
+            self.feature_state.restore(self.estimator)
+            self._signature = signature
+
+    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, n, _ = x.shape
+        return x.reshape(batch, n, self.num_heads, self.head_dim).transpose(1, 2)   # (b, h, n, head_dim)
+
+    def _project(self, query, key, value):
+        key = query if key is None else key
+        value = key if value is None else value
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            check_tensor(x, name, finite=False)
+            if x.dim() != 3 or x.shape[-1] != self.embed_dim:
+                raise ValueError(f"{name} must have shape (batch, seq, {self.embed_dim}), got {tuple(x.shape)}")
+        if not (query.shape[0] == key.shape[0] == value.shape[0]):
+            raise ValueError("query, key and value must share the batch size")
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
+        return (self._split_heads(self.q_proj(query)), self._split_heads(self.k_proj(key)),
+                self._split_heads(self.v_proj(value)))
+
+    # ------------------------------------------------------------------------------------- public API
+    @torch.no_grad()
+    def fit(self, query: torch.Tensor, key: torch.Tensor | None = None, *, rng=None) -> KernelAttention:
+        """Fit the estimator on a calibration batch: ``query`` (and ``key``) are ``(batch, seq, embed_dim)``
+        layer inputs, projected by the current ``q_proj``/``k_proj``. Draws from ``rng`` when given (which then
+        becomes the layer's feature stream), else continues the layer's stream. Returns ``self``."""
+        if rng is not None:
+            self._feature_rng = as_generator(rng)
+        q, k, _ = self._project(query, key, None)
+        self.estimator.rng = self._feature_rng
+        self._fit_estimator(q.detach(), k.detach())
+        return self
+
+    def redraw(self, rng=None) -> KernelAttention:
+        """A new draw of the random features (data-independent estimators; use :meth:`fit` for the others).
+
+        With ``rng`` the draw comes from ``as_generator(rng)``, which becomes the layer's feature stream (so
+        ``redraw(5)`` is reproducible); without, the layer's stream continues. Returns ``self``.
+        """
+        if self.estimator.data_dependent:
+            raise ValueError(f"estimator {self.estimator_name!r} is data-dependent: redraw it with fit(calibration)")
+        if rng is not None:
+            self._feature_rng = as_generator(rng)
+        self.estimator.rng = self._feature_rng
+        self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
+        return self
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
+                value: torch.Tensor | None = None) -> torch.Tensor:
+        """``(batch, n_q, E)``, optional ``key``/``value`` ``(batch, n_k, E)`` (self-attention when omitted)
+        → ``(batch, n_q, E)``. Fits a data-dependent estimator on this batch if it was never fitted."""
+        q, k, v = self._project(query, key, value)
+        if not self.fitted:
+            with torch.no_grad():
+                self._fit_estimator(q.detach(), k.detach())
+        self._sync()
+        out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
+                               chunk_size=self.chunk_size)                     # (b, h, n_q, head_dim)
+        batch, _, n_q, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if not self.fitted and any(key.startswith(prefix + "feature_state.") for key in state_dict):
+            # Build the fitted structure (attribute names, nested estimators) from a throw-away fit on
+            # placeholder data from its own generator, so the layer's stream is not consumed; every value is
+            # then replaced by the state dict's.
+            size = max(64, self.estimator.num_features_param or 0)
+            placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((1, size, self.head_dim)))
+            stream = self.estimator.rng
+            self.estimator.rng = np.random.default_rng(0)
+            self._fit_estimator(placeholder, placeholder)
+            self.estimator.rng = stream
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def extra_repr(self) -> str:
+        r = self.estimator.num_features_param
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
+                f"num_features={r}, mode={self.mode!r}, causal={self.causal}")

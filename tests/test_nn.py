@@ -1,0 +1,214 @@
+"""The torch.nn attention layer: equivalence with nn.MultiheadAttention, modes, gradients, explicit redraws,
+buffers as the source of truth (state_dict, devices, dtypes), data-dependent fitting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import kernapprox as ka
+from kernapprox.nn import KernelAttention
+
+E, H, N = 12, 3, 7
+
+
+def inputs(seed, batch=2, n=N, embed=E, dtype=torch.float64, std=1.0):
+    return torch.from_numpy(np.random.default_rng(seed).standard_normal((batch, n, embed)) * std).to(dtype)
+
+
+def layer(estimator="positive_orthogonal", num_features=16, rng=0, **kw):
+    kw.setdefault("dtype", torch.float64)
+    return KernelAttention(E, H, estimator, num_features=num_features, rng=rng, **kw)
+
+
+def rel(a, b):
+    return float((a - b).detach().norm() / b.detach().norm())
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_exact_is_multihead_attention(causal):
+    ours = layer("exact", num_features=None, causal=causal)
+    with torch.no_grad():
+        for lin in (ours.q_proj, ours.k_proj, ours.v_proj, ours.out_proj):
+            lin.bias.copy_(torch.linspace(-0.3, 0.4, E, dtype=torch.float64))
+    ref = nn.MultiheadAttention(E, H, batch_first=True, dtype=torch.float64)
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
+        ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+        ref.out_proj.weight.copy_(ours.out_proj.weight)
+        ref.out_proj.bias.copy_(ours.out_proj.bias)
+    x = inputs(0)
+    mask = torch.ones(N, N, dtype=torch.bool).triu(1) if causal else None
+    expected, _ = ref(x, x, x, attn_mask=mask, need_weights=False)
+    torch.testing.assert_close(ours(x), expected, rtol=1e-12, atol=1e-12)
+    if not causal:                                                    # cross-attention, n_k != n_q
+        kv = inputs(1, n=N + 4)
+        expected, _ = ref(x, kv, kv, need_weights=False)
+        torch.testing.assert_close(ours(x, kv), expected, rtol=1e-12, atol=1e-12)
+
+
+MODE_CASES = [("positive_orthogonal", {}), ("trig", {}), ("oprf", {}), ("nystrom_uniform", {}),
+              ("taylor2", {}), ("window_linear", {"window": 3})]
+
+
+@pytest.mark.parametrize(("estimator", "options"), MODE_CASES, ids=[c[0] for c in MODE_CASES])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_modes_agree_inside_the_layer(estimator, options, causal):
+    x = inputs(2, std=0.5)
+    ref_layer = layer(estimator, mode="parallel", causal=causal, chunk_size=3, **options).fit(x)
+    expected = ref_layer(x)
+    state = ref_layer.state_dict()
+    for mode in ("recurrent", "chunked"):
+        other = layer(estimator, mode=mode, causal=causal, chunk_size=3, **options)
+        other.load_state_dict(state)
+        assert rel(other(x), expected) < 1e-10, mode
+
+
+@pytest.mark.parametrize(("estimator", "mode", "causal"), [
+    ("positive_orthogonal", "chunked", True), ("trig_orthogonal", "recurrent", False),
+    ("hyperbolic", "parallel", True), ("exact", "chunked", True),
+], ids=lambda v: str(v))
+def test_gradcheck_float64(estimator, mode, causal):
+    torch.manual_seed(0)   # gradcheck's own perturbations only; the layer never reads the global RNG
+    small = KernelAttention(4, 2, estimator, num_features=None if estimator == "exact" else 4, mode=mode,
+                            causal=causal, rng=0, chunk_size=2, dtype=torch.float64)
+    x = inputs(3, batch=1, n=5, embed=4, std=0.7).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: small(t), (x,))
+    kv = inputs(4, batch=1, n=5, embed=4, std=0.7).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: small(a, b, b), (x, kv))
+    small(x).square().sum().backward()
+    for name, p in small.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+
+
+def test_one_rng_for_everything_and_no_global_rng():
+    state = torch.random.get_rng_state()
+    a, b, c = layer(rng=3), layer(rng=3), layer(rng=4)
+    x = inputs(5)
+    ya = a(x)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert torch.equal(ya, b(x)) and rel(c(x), ya) > 1e-6
+    for (name, pa), (_, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(pa, pb), name
+
+
+def test_redraw_is_explicit_and_reproducible():
+    lay = layer(rng=0)
+    x = inputs(6)
+    first = lay(x)
+    projection = lay.feature_state.projection_.clone()
+    lay.train()
+    lay.eval()
+    assert torch.equal(lay(x), first) and torch.equal(lay(x), first)          # never redrawn implicitly
+    lay.redraw()
+    assert not torch.equal(lay.feature_state.projection_, projection)
+    assert rel(lay(x), first) > 1e-6
+    twin = layer(rng=0)
+    twin.redraw()
+    assert torch.equal(twin(x), lay(x))                                         # the stream is reproducible
+    assert torch.equal(lay.redraw(5)(x), twin.redraw(5)(x))
+
+
+def test_state_dict_round_trip_and_no_stale_casts():
+    src, dst = layer(rng=0), layer(rng=1)
+    x = inputs(7)
+    dst(x.float().double())                                   # fill dst's estimator casts with its own draw
+    assert "feature_state.projection_" in src.state_dict()
+    dst.load_state_dict(src.state_dict())
+    assert torch.equal(dst(x), src(x))
+    np.testing.assert_array_equal(dst.estimator.projection_, src.feature_state.projection_.numpy())
+
+
+def test_in_place_buffer_edits_are_used():
+    lay = layer(rng=0)
+    x = inputs(8)
+    before = lay(x)
+    with torch.no_grad():
+        lay.feature_state.projection_.mul_(0.5)
+    after = lay(x)
+    assert rel(after, before) > 1e-6
+    np.testing.assert_array_equal(lay.estimator.projection_, lay.feature_state.projection_.numpy())
+    expected = ka.make_estimator("positive_orthogonal", num_features=16).fit(torch.zeros(1, E // H))
+    expected.projection_ = lay.feature_state.projection_.numpy().copy()
+    q = lay._split_heads(lay.q_proj(x))
+    k = lay._split_heads(lay.k_proj(x))
+    v = lay._split_heads(lay.v_proj(x))
+    out = ka.linear_attention(q, k, v, expected, mode="chunked")
+    torch.testing.assert_close(after, lay.out_proj(out.transpose(1, 2).reshape(2, N, E)), rtol=1e-12, atol=0)
+
+
+def test_buffers_follow_device_and_dtype(device):
+    lay = layer(rng=0, dtype=torch.float32)
+    x = inputs(9)
+    assert lay.feature_state.projection_.dtype == torch.float64     # fitted values are captured in float64
+    lay.double()
+    expected = lay(x)
+    lay.to(device)
+    assert lay.feature_state.projection_.device.type == device.type
+    got = lay(x.to(device))
+    assert got.device.type == device.type and rel(got.cpu(), expected) < 1e-12
+    lay.float()
+    assert lay.feature_state.projection_.dtype == torch.float32
+    y32 = lay(x.float().to(device))
+    assert y32.dtype == torch.float32 and rel(y32.double().cpu(), expected) < 1e-4
+    lay.cpu().double()
+    assert rel(lay(x), expected) < 1e-6                             # float32-rounded projection, as the buffer says
+
+
+@pytest.mark.parametrize("estimator", ["oprf", "nystrom_uniform"])
+def test_data_dependent_fit_on_first_batch_or_calibration(estimator):
+    lay = layer(estimator)
+    assert not lay.fitted and len(lay.feature_state.state_dict()) == 0
+    with pytest.raises(ValueError, match="fit"):
+        lay.redraw()
+    x, other = inputs(10), inputs(11, std=2.0)
+    y = lay(x)                                                      # fits on this batch
+    assert lay.fitted
+    state = {k: v.clone() for k, v in lay.feature_state.state_dict().items()}
+    lay(other)                                                      # and never again implicitly
+    for key, value in lay.feature_state.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    calibrated = layer(estimator).fit(x)
+    assert torch.equal(calibrated(x), y)                            # same stream, same data: the same fit
+    calibrated.fit(other)
+    assert rel(calibrated(x), y) > 1e-6
+    fresh = layer(estimator, rng=7)
+    fresh.load_state_dict(lay.state_dict())                         # into a layer that was never fitted
+    assert fresh.fitted and torch.equal(fresh(x), lay(x))
+
+
+def test_nested_estimator_state_is_in_the_state_dict():
+    lay = layer("window_linear", window=2)
+    keys = set(lay.state_dict())
+    assert "feature_state.feature_map_.projection_" in keys
+    twin = layer("window_linear", window=2, rng=5)
+    twin.load_state_dict(lay.state_dict())
+    x = inputs(12)
+    assert torch.equal(twin(x), lay(x))
+
+
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"embed_dim": 10}, ValueError, "divide"),
+    ({"mode": "fast"}, ValueError, "mode"),
+    ({"causal": 1}, TypeError, "causal"),
+    ({"estimator": "nystromformer", "num_features": 4, "mode": "recurrent"}, ValueError, "not supported"),
+    ({"estimator": "nystromformer", "num_features": 4, "mode": "parallel", "causal": True}, ValueError, "causal"),
+    ({"estimator": "nope"}, ValueError, "unknown estimator"),
+    ({"num_features": None}, TypeError, "num_features"),
+])
+def test_bad_construction(kwargs, error, match):
+    args = {"embed_dim": E, "num_heads": H, "estimator": "positive", "num_features": 8, "rng": 0, **kwargs}
+    with pytest.raises(error, match=match):
+        KernelAttention(**args)
+
+
+def test_bad_inputs():
+    lay = layer()
+    with pytest.raises(ValueError, match="query must have shape"):
+        lay(inputs(0, embed=E + 1))
+    with pytest.raises(ValueError, match="batch size"):
+        lay(inputs(0), inputs(1, batch=3))
+    with pytest.raises(TypeError, match="query"):
+        lay(np.zeros((2, N, E)))
