@@ -1,0 +1,323 @@
+"""Attention: the three linear-attention modes against the float64 oracle and each other, the recurrent state,
+exact softmax attention against torch's SDPA (and without an n×n matrix), stabilisation, half precision."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernapprox as ka
+
+MAPS = ("trig", "positive", "hyperbolic")
+SHAPES = [((2, 3), 63, 60), ((), 63, 60), ((3,), 17, 5)]  # (batch dims, n, d): odd sizes on purpose
+CHUNK = 10  # divides none of the sequence lengths
+D_V = 7
+
+
+def _shape_id(batch, n, d):
+    names = ["B", "H"][: len(batch)]
+    return "-".join([f"{a}{b}" for a, b in zip(names, batch)] + [f"T{n}", f"D{d}"])
+
+
+def _inputs(batch, n, d, dtype, *, std=0.5, seed=0, n_k=None):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*batch, n, d, generator=g, dtype=torch.float64) * std
+    k = torch.randn(*batch, n if n_k is None else n_k, d, generator=g, dtype=torch.float64) * std
+    v = torch.randn(*batch, n if n_k is None else n_k, D_V, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+MODE_CASES = [
+    pytest.param(batch, n, d, causal, name, dtype,
+                 id=f"{_shape_id(batch, n, d)}-{'causal' if causal else 'full'}-{name}-{str(dtype)[6:]}")
+    for batch, n, d in SHAPES for causal in (False, True) for name in MAPS
+    for dtype in (torch.float64, torch.float32)
+]
+
+
+@pytest.mark.parametrize("batch,n,d,causal,name,dtype", MODE_CASES)
+def test_modes_agree_with_float64_oracle(batch, n, d, causal, name, dtype):
+    """float64: every mode within 1e-10 of the oracle, relative to the output scale max|y|; float32: within 1e-4.
+
+    Inputs are moderate (entries N(0, 0.25); N(0, 0.0625) for trig) so that the trigonometric normaliser, which
+    can be ≤ 0, stays well away from zero: each row's normaliser Σ_j a_ij is at least 5% of Σ_j |a_ij|
+    (asserted), so the ratio does not amplify rounding.
+    """
+    q, k, v = _inputs(batch, n, d, dtype, std=0.25 if name == "trig" else 0.5)
+    est = ka.make_estimator(name, num_features=64, rng=1).fit(q, k)
+    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, causal)
+    a = est.features(q.double(), "query") @ est.features(k.double(), "key").transpose(-1, -2)
+    if causal:
+        a = a.tril()
+    assert float((a.sum(-1) / a.abs().sum(-1)).min()) > 0.05
+    scale = ref.abs().max()
+    tol = 1e-10 if dtype == torch.float64 else 1e-4
+    outs = {}
+    for mode in ka.MODES:
+        parts = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=CHUNK, return_parts=True)
+        assert parts.output.dtype == dtype and parts.output.shape == (*batch, n, D_V)
+        assert bool(torch.isfinite(parts.output).all())
+        err = float((parts.output.double() - ref).abs().max() / scale)
+        assert err < tol, f"{mode}: {err:.2e}"
+        outs[mode] = parts
+    for mode in ("recurrent", "chunked"):
+        assert float((outs[mode].output.double() - outs["parallel"].output.double()).abs().max() / scale) < tol
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 16, 63, 100])
+def test_chunk_sizes(chunk_size):
+    q, k, v = _inputs((2,), 63, 12, torch.float64)
+    est = ka.make_estimator("positive_orthogonal", num_features=32, rng=0).fit(q, k)
+    ref = ka.linear_attention(q, k, v, est, True, "parallel")
+    out = ka.linear_attention(q, k, v, est, True, "chunked", chunk_size=chunk_size)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("name", MAPS)
+def test_return_parts_are_exact_scale_sums(name, causal):
+    """numerator·exp(log_scale) = Σ_j φ(q_i)ᵀφ(k_j) v_j and normalizer·exp(log_scale) = Σ_j φ(q_i)ᵀφ(k_j) (j ≤ i
+    if causal), computed with exact-scale float64 features; the causal modes return the same parts."""
+    q, k, v = _inputs((2, 2), 29, 9, torch.float64)
+    est = ka.make_estimator(name, num_features=16, rng=2).fit(q, k)
+    a = est.features(q, "query") @ est.features(k, "key").transpose(-1, -2)
+    if causal:
+        a = a.tril()
+    want_num, want_den = a @ v, a.sum(-1)
+    parts_by_mode = {}
+    for mode in ka.MODES:
+        p = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=6, return_parts=True)
+        torch.testing.assert_close(p.numerator * p.log_scale.exp()[..., None], want_num, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p.normalizer * p.log_scale.exp(), want_den, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(p.output, p.numerator / p.normalizer[..., None], rtol=1e-14, atol=0)
+        parts_by_mode[mode] = p
+    if causal:  # one stabiliser (the running key maximum) in every causal mode
+        for mode in ("recurrent", "chunked"):
+            torch.testing.assert_close(parts_by_mode[mode].log_scale, parts_by_mode["parallel"].log_scale,
+                                       rtol=1e-14, atol=1e-14)
+
+
+def test_exact_kernel_parts():
+    q, k, v = _inputs((2,), 11, 4, torch.float64)
+    est = ka.make_estimator("exact").fit(q, k)
+    for causal in (False, True):
+        p = ka.linear_attention(q, k, v, est, causal, return_parts=True)
+        a = ka.kernel_matrix(q, k)
+        if causal:
+            a = a.tril()
+        torch.testing.assert_close(p.numerator * p.log_scale.exp()[..., None], a @ v, rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p.normalizer * p.log_scale.exp(), a.sum(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(p.output, ka.softmax_attention_reference(q, k, v, causal), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", MAPS)
+def test_recurrent_state_steps_equal_causal_mode(name, dtype):
+    q, k, v = _inputs((2, 3), 40, 8, dtype)
+    est = ka.make_estimator(name, num_features=32, rng=3).fit(q, k)
+    want = ka.linear_attention(q, k, v, est, True, "recurrent")
+    state = ka.RecurrentState(est)
+    got = torch.stack([state.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(q.shape[-2])], -2)
+    assert got.dtype == dtype and state.num_tokens == 40
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * float(want.abs().max()))
+    assert state.state_bytes() == (2 * 3) * (32 * (D_V + 1) + 1) * (8 if dtype == torch.float64 else 4)
+
+
+# -------------------------------------------------------------------------------------------- causal toy case
+def test_causal_toy_case():
+    """qk_dim 1, n = 3, q = k = 1, v = (1, 0, 0): every kernel value is equal, so causal attention averages the
+    prefix: (1, 1/2, 1/3) exactly; positive features with 10⁴ features must give the same within 0.02 (they in
+    fact give it to rounding, because equal keys have equal features)."""
+    q = torch.ones(3, 1, dtype=torch.float64)
+    k = torch.ones(3, 1, dtype=torch.float64)
+    v = torch.tensor([[1.0], [0.0], [0.0]], dtype=torch.float64)
+    want = torch.tensor([[1.0], [0.5], [1 / 3]], dtype=torch.float64)
+    exact = ka.linear_attention(q, k, v, ka.make_estimator("exact").fit(q), causal=True)
+    torch.testing.assert_close(exact, want, rtol=0, atol=1e-15)
+    torch.testing.assert_close(ka.softmax_attention(q, k, v, causal=True), want, rtol=0, atol=1e-15)
+    est = ka.make_estimator("positive", num_features=10_000, rng=0).fit(q)
+    for mode in ka.MODES:
+        out = ka.linear_attention(q, k, v, est, causal=True, mode=mode, chunk_size=2)
+        assert float((out - want).abs().max()) < 0.02
+
+
+def test_noncausal_small_example_with_distinct_keys():
+    """A less degenerate known answer: with 2·10⁴ positive features, small inputs, the output is within 0.02 of
+    exact softmax attention (relative RMS; the ratio estimator's O(1/m) bias is far below that)."""
+    q, k, v = _inputs((), 6, 3, torch.float64, std=0.4, seed=5)
+    est = ka.make_estimator("positive_orthogonal", num_features=20_000, rng=0).fit(q, k)
+    out = ka.linear_attention(q, k, v, est)
+    assert float(ka.metrics.relative_rms_error(out, ka.softmax_attention(q, k, v))) < 0.02
+
+
+# ------------------------------------------------------------------------------------------- exact attention
+SDPA_CASES = [
+    pytest.param(causal, dtype, scale, id=f"{'causal' if causal else 'full'}-{str(dtype)[6:]}-scale{scale}")
+    for causal in (False, True) for dtype in (torch.float32, torch.float64) for scale in (None, 0.3)
+]
+
+
+@pytest.mark.parametrize("causal,dtype,scale", SDPA_CASES)
+def test_softmax_attention_matches_sdpa(causal, dtype, scale):
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 3, 37, 16, generator=g, dtype=dtype)
+    k = torch.randn(2, 3, 37, 16, generator=g, dtype=dtype)
+    v = torch.randn(2, 3, 37, 24, generator=g, dtype=dtype)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for chunk in (None, 5):
+        got = ka.softmax_attention(q, k, v, causal, scale, chunk_size=chunk)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(ka.softmax_attention_reference(q, k, v, causal, scale), want.double(),
+                               rtol=tol, atol=tol)
+    if not causal:  # more keys than queries
+        k2 = torch.randn(2, 3, 50, 16, generator=g, dtype=dtype)
+        v2 = torch.randn(2, 3, 50, 24, generator=g, dtype=dtype)
+        torch.testing.assert_close(ka.softmax_attention(q, k2, v2, scale=scale, chunk_size=7),
+                                   F.scaled_dot_product_attention(q, k2, v2, scale=scale), rtol=tol, atol=tol)
+
+
+def test_softmax_attention_lse():
+    q, k, v = _inputs((2,), 13, 5, torch.float64)
+    out, lse = ka.softmax_attention(q, k, v, causal=True, return_lse=True, chunk_size=4)
+    logits = (q @ k.transpose(-1, -2) / math.sqrt(5)).masked_fill(torch.ones(13, 13).triu(1).bool(), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-13, atol=1e-13)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest number of elements of any tensor an aten op returns while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def _check_no_quadratic_memory(n, causal):
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g) for _ in range(3))
+    chunk = 256
+    with _LargestTensor() as spy:
+        out = ka.softmax_attention(q, k, v, causal, chunk_size=chunk)
+    assert spy.largest <= chunk * n < n * n // 8, spy.largest
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    with _LargestTensor() as spy:  # the default chunk holds at most 2^22 logits
+        out_default = ka.softmax_attention(q, k, v, causal)
+    assert spy.largest <= max(1 << 22, n * 64)
+    torch.testing.assert_close(out_default, out, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_attention_large_n_without_quadratic_memory():
+    """n = 8192: no op returns a tensor larger than chunk × n (= n²/32 here); agrees with SDPA."""
+    _check_no_quadratic_memory(8192, causal=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_softmax_attention_32k(causal):
+    _check_no_quadratic_memory(32768, causal)
+
+
+# ------------------------------------------------------------------------------------------- stabilisation
+def _growing_norm_inputs(n, d, max_sq_norm, *, decreasing=False, seed=8, dtype=torch.float32, batch=(2,)):
+    """Rows whose squared norm *after* the SDPA scaling (x = d^{-1/4} q) runs linearly from 0 to max_sq_norm."""
+    g = torch.Generator().manual_seed(seed)
+    sq = torch.linspace(0, max_sq_norm, n, dtype=torch.float64)
+    if decreasing:
+        sq = sq.flip(0)
+    radius = (sq.sqrt() * d**0.25)[:, None]
+
+    def rows():
+        x = torch.randn(*batch, n, d, generator=g, dtype=torch.float64)
+        return x / x.norm(dim=-1, keepdim=True) * radius
+
+    q, k = rows(), rows()
+    v = torch.randn(*batch, n, D_V, generator=g, dtype=torch.float64)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("decreasing", [False, True], ids=["growing", "shrinking"])
+@pytest.mark.parametrize("name", ["positive", "hyperbolic"])
+def test_stabilised_for_large_norms(name, decreasing):
+    """float32, ‖x‖² up to 50 after scaling: kernel matrices and normalised outputs are finite in every mode,
+    causal and not, and match the float64 oracle. The causal parallel and chunked modes shift each row by the
+    running key maximum, so a row does not lose its keys when a later key has a much larger log-scale."""
+    d = 16
+    q, k, v = _growing_norm_inputs(96, d, 50.0, decreasing=decreasing)
+    est = ka.make_estimator(name, num_features=64, rng=4).fit(q, k)
+    km = est.kernel_matrix(q, k)
+    assert km.dtype == torch.float32 and bool(torch.isfinite(km).all())
+    km64 = est.kernel_matrix(q.double(), k.double())
+    torch.testing.assert_close(km.double(), km64, rtol=1e-3, atol=1e-6 * float(km64.abs().max()))
+    for causal in (False, True):
+        ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, causal)
+        for mode in ka.MODES:
+            out = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=CHUNK)
+            assert bool(torch.isfinite(out).all()), (causal, mode)
+            assert float((out.double() - ref).abs().max()) < 1e-3 * float(ref.abs().max()), (causal, mode)
+
+
+def test_stabilised_where_exact_scale_features_underflow():
+    """‖x‖² up to 400 in float32: exact-scale positive features underflow to 0 (e^{−200}), the stabilised
+    computation still gives finite outputs that agree across the three causal modes and the float64 oracle."""
+    q, k, v = _growing_norm_inputs(64, 16, 400.0, decreasing=True, batch=())
+    est = ka.make_estimator("positive", num_features=64, rng=5).fit(q, k)
+    assert bool((est.features(k[:1], "key") == 0).all())   # the naive float32 route would divide 0 by 0
+    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, True)
+    for mode in ka.MODES:
+        out = ka.linear_attention(q, k, v, est, True, mode, chunk_size=CHUNK)
+        assert bool(torch.isfinite(out).all()), mode
+        assert float((out.double() - ref).abs().max()) < 1e-3 * float(ref.abs().max()), mode
+
+
+def test_recurrent_state_long_stream():
+    """5000 tokens, ‖x‖² growing to 50: the token-by-token state stays finite and matches the chunked mode."""
+    n = 5000
+    q, k, v = _growing_norm_inputs(n, 8, 50.0, batch=(2,))
+    est = ka.make_estimator("positive_orthogonal", num_features=32, rng=6).fit(q, k)
+    state = ka.RecurrentState(est)
+    got = torch.stack([state.step(q[..., t, :], k[..., t, :], v[..., t, :]) for t in range(n)], -2)
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(state.state[0]).all())
+    want = ka.linear_attention(q, k, v, est, True, "chunked", chunk_size=128)
+    assert float((got - want).abs().max()) < 1e-4 * float(want.abs().max())
+    want64 = ka.linear_attention(q.double(), k.double(), v.double(), est, True, "chunked", chunk_size=128)
+    assert float((got.double() - want64).abs().max()) < 1e-4 * float(want64.abs().max())
+
+
+# ---------------------------------------------------------------------------------------------- half precision
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_is_computed_in_float32(dtype):
+    """Half inputs: outputs in the input dtype, equal to the float32 computation on the same (upcast) values,
+    rounded once at the end."""
+    q, k, v = _inputs((2,), 21, 8, torch.float32)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    est = ka.make_estimator("positive", num_features=32, rng=7).fit(q32, k32)
+    for causal in (False, True):
+        for mode in ka.MODES:
+            out = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=CHUNK)
+            assert out.dtype == dtype
+            want = ka.linear_attention(q32, k32, v32, est, causal, mode, chunk_size=CHUNK)
+            assert torch.equal(out, want.to(dtype)), (causal, mode)
+        sm = ka.softmax_attention(q, k, v, causal)
+        assert sm.dtype == dtype and torch.equal(sm, ka.softmax_attention(q32, k32, v32, causal).to(dtype))
+    km = est.kernel_matrix(q, k)
+    assert km.dtype == dtype and torch.equal(km, est.kernel_matrix(q32, k32).to(dtype))
+    phi = est.features(q, "query")
+    assert phi.dtype == dtype and torch.equal(phi, est.features(q32, "query").to(dtype))
+    tilde, log_scale = est.features(q, "query", log_scale=True)
+    assert tilde.dtype == torch.float32 and log_scale.dtype == torch.float32
+    state = ka.RecurrentState(est)
+    y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
+    assert y.dtype == dtype and state.state[0].dtype == torch.float32
