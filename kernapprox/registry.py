@@ -66,6 +66,35 @@ def make_estimator(name: str, num_features: int | None = None, rng=None, **optio
     return factory(num_features=num_features, rng=rng, **options)
 
 
+def estimator_table() -> str:
+    """A markdown table of every registered estimator: name, class (with its registered options), whether it is
+    unbiased, positive, data-dependent, causal when fitted on the sequence it is applied to, its modes and its
+    reference. Regenerate the README table with ``python -m kernapprox.registry``.
+
+    Each estimator is instantiated with ``num_features=8, rng=0`` to read attributes that depend on options (an
+    unbiased map with a biased sampler is biased); estimators that need other arguments fall back to their class
+    attributes, and an attribute that is only known per instance shows as "depends".
+    """
+    columns = ("name", "class", "unbiased", "positive", "data-dependent", "causal fit", "modes", "reference")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for name in available_estimators():
+        factory = _REGISTRY[name]
+        try:
+            source = make_estimator(name, num_features=8, rng=0)
+        except Exception:  # needs special arguments: the class attributes still describe it
+            source = factory.func
+        options = ", ".join(f"{key}={value!r}" for key, value in factory.keywords.items())
+        cells = [f"`{name}`", f"`{factory.func.__name__}({options})`"]
+        for attr in ("unbiased", "positive", "data_dependent", "causal_fit"):
+            value = getattr(source, attr, None)
+            cells.append(("yes" if value else "no") if isinstance(value, bool) else "depends")
+        modes = getattr(source, "modes", ())
+        cells.append(", ".join(modes) if isinstance(modes, (tuple, list)) else "depends")
+        cells.append(str(getattr(source, "reference", "") or ""))
+        lines.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(lines)
+
+
 register("exact", ExactKernel)
 for _map_name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),
                         ("hyperbolic", HyperbolicFeatures)):
@@ -98,3 +127,11 @@ register("nystromformer_exact", Nystromformer, pinv="exact")
 register("lowrank_optimal", OptimalLowRank)
 register("window_linear", WindowLinear, feature_map="positive")
 register("scatterbrain", Scatterbrain, feature_map="hyperbolic_orthogonal")
+
+
+if __name__ == "__main__":
+    # Run as ``python -m kernapprox.registry``: use the package's module (where every estimator registered),
+    # not this script's fresh copy of the registry.
+    from kernapprox.registry import estimator_table as _table
+
+    print(_table())

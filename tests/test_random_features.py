@@ -208,3 +208,14 @@ def test_convergence_in_num_features():
                 for s in range(5)
             ])
         assert errs[4096] < errs[16] / 5, (name, errs)
+
+
+def test_estimator_table_lists_every_registered_estimator():
+    from kernapprox.registry import estimator_table
+
+    table = estimator_table().splitlines()
+    assert table[0].startswith("| name | class | unbiased | positive | data-dependent | causal fit | modes |")
+    rows = {line.split("|")[1].strip().strip("`"): line for line in table[2:]}
+    assert set(rows) == set(ka.available_estimators())
+    assert "| `PositiveFeatures(sampler='orthogonal')` | yes | yes | no | yes |" in rows["positive_orthogonal"]
+    assert "| `TrigonometricFeatures(sampler='regularized')` | no | no | no | yes |" in rows["trig_regularized"]
