@@ -109,8 +109,9 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
 
 # ----------------------------------------------------------------------------------------- linear attention
 def _stabilised_features(q, k, estimator):
-    pq, lq = estimator.features(q, "query", log_scale=True)
-    pk, lk = estimator.features(k, "key", log_scale=True)
+    # q and k were checked for NaN/Inf by the caller: one scan each, not two
+    pq, lq = estimator.features(q, "query", log_scale=True, check_finite=False)
+    pk, lk = estimator.features(k, "key", log_scale=True, check_finite=False)
     ct = compute_dtype(q.dtype)
     return pq.to(ct), lq.to(ct), pk.to(ct), lk.to(ct)
 
@@ -285,22 +286,29 @@ class RecurrentState:
     A running maximum of the key log-scales keeps ``exp`` finite over arbitrarily long streams: the state is
     stored as ``W̃ = W e^{−c}`` and rescaled when ``c`` grows. Memory is ``r · (d_v + 1)`` numbers whatever the
     stream length.
+
+    ``check_finite=False`` skips the per-step NaN/Inf check of the inputs, which costs a device-to-host
+    synchronisation per token on a GPU (use it in timed decoding loops; shapes, dtypes and devices are still
+    checked).
     """
 
-    def __init__(self, estimator: FeatureMap):
+    def __init__(self, estimator: FeatureMap, *, check_finite: bool = True):
         if not isinstance(estimator, FeatureMap) or isinstance(estimator, ExactKernel):
             raise TypeError("estimator must be a fitted kernapprox feature map (not the exact kernel)")
         if "recurrent" not in estimator.modes:
             raise ValueError(f"{type(estimator).__name__} does not support the recurrent mode")
         estimator._check_fitted()
+        if not isinstance(check_finite, bool):
+            raise TypeError(f"check_finite must be a bool, got {check_finite!r}")
         self.estimator = estimator
+        self.check_finite = check_finite
         self.state = None
         self.num_tokens = 0
 
     def update(self, k_t: torch.Tensor, v_t: torch.Tensor) -> None:
         """Add one key/value pair: ``k_t (..., d)``, ``v_t (..., d_v)``."""
-        check_tensor(k_t, "k_t", min_rank=1)
-        check_tensor(v_t, "v_t", min_rank=1)
+        check_tensor(k_t, "k_t", min_rank=1, finite=self.check_finite)
+        check_tensor(v_t, "v_t", min_rank=1, finite=self.check_finite)
         check_same_kind(k_t=k_t, v_t=v_t)
         if k_t.shape[:-1] != v_t.shape[:-1]:
             raise ValueError(f"k_t and v_t must share batch dimensions, got {tuple(k_t.shape)} and {tuple(v_t.shape)}")
@@ -310,7 +318,7 @@ class RecurrentState:
                 raise ValueError(f"k_t/v_t (shapes {tuple(k_t.shape)}, {tuple(v_t.shape)}) do not match the state's "
                                  f"batch shape {tuple(w.shape[:-2])} or value dimension {w.shape[-1]}")
             self._check_like_state(k_t, "k_t")
-        pk, lk = self.estimator.features(k_t[..., None, :], "key", log_scale=True)
+        pk, lk = self.estimator.features(k_t[..., None, :], "key", log_scale=True, check_finite=False)
         ct = compute_dtype(k_t.dtype)
         self.state = _state_update(self.state, pk[..., 0, :].to(ct), lk[..., 0].to(ct), v_t.to(ct))
         self.num_tokens += 1
@@ -319,12 +327,12 @@ class RecurrentState:
         """``W φ(q_t) / zᵀφ(q_t)`` for ``q_t (..., d)``."""
         if self.state is None:
             raise ValueError("the state is empty: call update (or step) before read")
-        check_tensor(q_t, "q_t", min_rank=1)
+        check_tensor(q_t, "q_t", min_rank=1, finite=self.check_finite)
         w = self.state[0]
         if q_t.shape[:-1] != w.shape[:-2]:
             raise ValueError(f"q_t has batch shape {tuple(q_t.shape[:-1])} but the state has {tuple(w.shape[:-2])}")
         self._check_like_state(q_t, "q_t")
-        pq, _ = self.estimator.features(q_t[..., None, :], "query", log_scale=True)
+        pq, _ = self.estimator.features(q_t[..., None, :], "query", log_scale=True, check_finite=False)
         num, den = _state_read(self.state, pq[..., 0, :].to(self.state[0].dtype))
         return (num / den[..., None]).to(q_t.dtype)
 

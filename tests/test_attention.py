@@ -321,3 +321,25 @@ def test_half_precision_is_computed_in_float32(dtype):
     state = ka.RecurrentState(est)
     y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
     assert y.dtype == dtype and state.state[0].dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------ devices
+def test_modes_on_device(device):
+    """On every available device (CPU; CUDA when present): the three modes, the recurrent state and exact
+    attention agree with the CPU float64 oracles, and one seed gives one draw on every device."""
+    q, k, v = _inputs((2,), 33, 12, torch.float32)
+    est = ka.make_estimator("hyperbolic_orthogonal", num_features=32, rng=9).fit(q.to(device))
+    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, True)
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    for mode in ka.MODES:
+        out = ka.linear_attention(qd, kd, vd, est, True, mode, chunk_size=CHUNK)
+        assert out.device.type == device.type
+        assert float((out.cpu().double() - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    state = ka.RecurrentState(est, check_finite=False)
+    steps = torch.stack([state.step(qd[:, t], kd[:, t], vd[:, t]) for t in range(33)], -2)
+    assert float((steps.cpu().double() - ref).abs().max()) < 1e-4 * float(ref.abs().max())
+    exact = ka.softmax_attention(qd, kd, vd, causal=True, chunk_size=8)
+    torch.testing.assert_close(exact.cpu().double(), ka.softmax_attention_reference(q, k, v, True),
+                               rtol=1e-5, atol=1e-5)
+    cpu_est = ka.make_estimator("hyperbolic_orthogonal", num_features=32, rng=9).fit(q)
+    torch.testing.assert_close(est.features(qd).cpu(), cpu_est.features(q), rtol=1e-5, atol=1e-6)

@@ -194,6 +194,8 @@ def test_recurrent_state_checks():
         ka.RecurrentState(ka.make_estimator("exact").fit(q))
     with pytest.raises(ka.NotFittedError):
         ka.RecurrentState(ka.make_estimator("positive", num_features=8))
+    with pytest.raises(TypeError, match="check_finite must be a bool"):
+        ka.RecurrentState(_fitted(), check_finite=None)
     state = ka.RecurrentState(_fitted())
     with pytest.raises(ValueError, match="the state is empty"):
         state.read(q[:, 0])

@@ -92,15 +92,18 @@ class FeatureMap:
             raise NotFittedError(f"{type(self).__name__} is not fitted; call fit(q, k) first")
 
     # -------------------------------------------------------------------------------------------- features
-    def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False):
+    def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,
+                 check_finite: bool = True):
         """Feature map ``φ(x)``: ``(..., n, d) -> (..., n, r)``.
 
         With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``,
         both in the compute dtype (float32 for half-precision ``x``); otherwise ``φ`` in ``x``'s dtype.
+        ``check_finite=False`` skips the NaN/Inf scan of ``x`` (a host synchronisation on a GPU), for callers that
+        have checked already or decode token by token.
         """
         self._check_fitted()
         check_choice(role, "role", ROLES)
-        check_tensor(x, "x")
+        check_tensor(x, "x", finite=check_finite)
         if x.shape[-1] != self.dim_:
             raise ValueError(f"x has last dimension {x.shape[-1]} but the estimator was fitted with d={self.dim_}")
         out_dtype = x.dtype
