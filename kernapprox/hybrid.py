@@ -143,6 +143,12 @@ class WindowLinear(AttentionOnlyEstimator):
         check_positive_int(d_v, "d_v")
         return (self.window * (self.dim_ + d_v) + self.num_features * (d_v + 1)) * _itemsize(dtype)
 
+    def _features(self, q, k, ct):
+        """Stabilised features of (already checked) queries and keys in the compute dtype."""
+        pq, lq = self.feature_map_.features(q, "query", log_scale=True, check_finite=False)
+        pk, lk = self.feature_map_.features(k, "key", log_scale=True, check_finite=False)
+        return pq.to(ct), lq.to(ct), pk.to(ct), lk.to(ct)
+
     # ------------------------------------------------------------------------------------ kernel matrix
     def kernel_matrix(self, q, k):
         """``Â`` ``(..., n_q, n_k)``: exact on the band ``|i − j| < w``, ``φ(q_i)ᵀφ(k_j)`` elsewhere (its lower
@@ -152,8 +158,7 @@ class WindowLinear(AttentionOnlyEstimator):
         self._check_dim(q)
         ct = compute_dtype(q.dtype)
         exact = torch.exp(self.scale_ * (q.to(ct) @ k.to(ct).transpose(-1, -2)))
-        pq, lq = (t.to(ct) for t in self.feature_map_.features(q, "query", log_scale=True))
-        pk, lk = (t.to(ct) for t in self.feature_map_.features(k, "key", log_scale=True))
+        pq, lq, pk, lk = self._features(q, k, ct)
         approx = (pq @ pk.transpose(-1, -2)) * torch.exp(lq[..., :, None] + lk[..., None, :])
         band, _ = _masks(0, q.shape[-2], 0, k.shape[-2], self.window, False, q.device)
         if self.subtract_support:
@@ -165,8 +170,7 @@ class WindowLinear(AttentionOnlyEstimator):
         """Attention with the hybrid estimate; see the module docstring for the modes."""
         self._check_call(q, k, v, causal, mode, chunk_size)
         ct = compute_dtype(q.dtype)
-        pq, lq = (t.to(ct) for t in self.feature_map_.features(q, "query", log_scale=True))
-        pk, lk = (t.to(ct) for t in self.feature_map_.features(k, "key", log_scale=True))
+        pq, lq, pk, lk = self._features(q, k, ct)
         seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk)
         if mode == "parallel":
             num, den, logs = self._block(seq, 0, seq.n_q, 0, seq.n_k, causal, None)

@@ -97,8 +97,9 @@ class Nystromformer(AttentionOnlyEstimator):
     (it is a learned layer, not part of the approximation). O(n·m·(d + d_v) + m³·iterations) time, never n×n.
 
     Lengths: ``m`` landmarks per sequence; when ``m`` does not divide the length the segments differ by one
-    row (:func:`segment_means`); a sequence shorter than ``m`` uses one segment per token (then ``F = A = B``
-    are the exact attention weights and the result is exact with the exact pseudo-inverse).
+    row (:func:`segment_means`). If the queries or the keys number fewer than ``m``, ``m`` is reduced to that
+    length for both; with ``n_q = n_k ≤ m`` every token is its own segment, ``F = A = B`` are the exact
+    attention weights and the result is exact with the exact pseudo-inverse.
 
     Parameters
     ----------

