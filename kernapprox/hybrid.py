@@ -95,7 +95,7 @@ class WindowLinear(AttentionOnlyEstimator):
     References
     ----------
     Arora et al., *Simple linear attention language models balance the recall-throughput tradeoff* (Based),
-    ICML 2024, §3 (sliding window + Taylor linear attention).
+    ICML 2024 (a sliding window of exact attention plus Taylor-feature linear attention).
     """
 
     modes = ("parallel", "recurrent", "chunked")
@@ -104,7 +104,7 @@ class WindowLinear(AttentionOnlyEstimator):
     data_dependent = _FromFeatureMap(False)
     causal_fit = _FromFeatureMap(True)
     consistent = _FromFeatureMap(True)
-    reference = "Arora et al. 2024 (Based, ICML) §3: exact sliding window + linear attention"
+    reference = "Arora et al. 2024 (Based, ICML): exact sliding window + linear attention"
     subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
     normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
 
@@ -311,10 +311,11 @@ class Scatterbrain(WindowLinear):
     References
     ----------
     Chen, Dao, Winsor, Song, Rudra & Ré, *Scatterbrain: Unifying Sparse and Low-rank Attention Approximation*,
-    NeurIPS 2021, §3 (``Â = φ(Q)φ(K)ᵀ + S``); the normaliser as in the authors' ``sblocal`` attention.
+    NeurIPS 2021 (the estimator ``Â = φ(Q)φ(K)ᵀ + S``); the normaliser as in the authors' ``sblocal`` attention
+    code.
     """
 
-    reference = "Chen, Dao et al. 2021 (Scatterbrain, NeurIPS) §3: sparse + low-rank, exact on the support"
+    reference = "Chen, Dao et al. 2021 (Scatterbrain, NeurIPS): sparse + low-rank, exact on the support"
     subtract_support = True
     normalizer_floor = 1e-24
 
