@@ -6,7 +6,9 @@ read-out is decoded to the nearest of 4096 candidate values (Zoology's V/2). The
 ``β = beta_factor · ln n`` (``ln n`` puts about half of exact attention's mass on the match). Every cell also
 reads the same episodes with exact attention, so its accuracy and its attention-output error are measured on
 matched inputs. Maps whose dimension is fixed by ``d`` (exact, Taylor, ELU+1, DPFP) run only in the
-``num_features = 64`` column; data-dependent maps with more landmarks than keys are not applicable (NaN).
+``num_features = 64`` column; landmark methods with more landmarks than keys are not applicable (NaN). The
+position-based hybrids (sliding window + linear, Scatterbrain) are left out: the pairs form a set and the queries
+come in random order, so a window over positions says nothing about which pair is asked for.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from kernapprox import available_estimators, estimator_class, metrics, tasks
+from experiments.icl_regression import applicable, available
+from kernapprox import metrics, tasks
+from kernapprox.features.deterministic import DPFPFeatures
 from kernapprox.plotting import estimator_style, median_band, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
@@ -25,36 +29,28 @@ MAX_QUERIES = 256
 EPISODES = 4
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
 
-# label -> (registry name, constructor options); labels whose estimator is not registered are left out
+# label -> (registry name or FeatureMap class, constructor options); unregistered names are left out
 ESTIMATORS = {
     "exact": ("exact", {}),
     "positive_orthogonal": ("positive_orthogonal", {}),
-    "hyperbolic_orthogonal": ("hyperbolic_orthogonal", {}),
     "oprf_orthogonal": ("oprf_orthogonal", {}),
     "trig_orthogonal": ("trig_orthogonal", {}),
     "taylor2": ("taylor2", {}),
     "elu1": ("elu1", {}),
-    "dpfp_nu1": ("dpfp", {"nu": 1}),
-    "dpfp_nu2": ("dpfp", {"nu": 2}),
-    "dpfp_nu3": ("dpfp", {"nu": 3}),
+    "dpfp_nu1": (DPFPFeatures, {"nu": 1}),   # not registered (its normaliser can be exactly zero)
+    "dpfp_nu2": (DPFPFeatures, {"nu": 2}),
+    "dpfp_nu3": (DPFPFeatures, {"nu": 3}),
     "nystrom_uniform": ("nystrom_uniform", {}),
     "nystrom_rls": ("nystrom_rls", {}),
-    "window_linear": ("window_linear", {}),
-    "scatterbrain": ("scatterbrain", {}),
 }
 
 
-def _available(labels):
-    names = set(available_estimators())
-    return [label for label in labels if ESTIMATORS[label][0] in names]
-
-
 GRIDS = {
-    "smoke": {"estimator": _available(["exact", "positive_orthogonal", "taylor2", "nystrom_uniform"]),
+    "smoke": {"estimator": available(ESTIMATORS, ["exact", "positive_orthogonal", "taylor2", "nystrom_uniform"]),
               "num_features": [16, 64], "num_pairs": [16, 64], "beta_factor": [2.0], "seed": [0]},
-    "default": {"estimator": _available(list(ESTIMATORS)), "num_features": [64, 256, 1024, 4096],
+    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [64, 256, 1024, 4096],
                 "num_pairs": [64, 256, 1024], "beta_factor": [1.0, 2.0], "seed": [0]},
-    "full": {"estimator": _available(list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096, 16384],
+    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096, 16384],
              "num_pairs": [16, 64, 256, 1024, 4096], "beta_factor": [0.5, 1.0, 2.0], "seed": [0, 1, 2, 3]},
 }
 
@@ -86,17 +82,9 @@ def _nan_cell():
     return {name: np.float64(np.nan) for name in METRICS}
 
 
-def applicable(label: str, num_features: int, num_context: int) -> bool:
-    """Fixed-dimension maps run in one column only; landmark methods need no more landmarks than keys."""
-    name, options = ESTIMATORS[label]
-    if tasks.has_fixed_dimension(name, **options):
-        return num_features == FIXED_DIMENSION_SLOT
-    return not (estimator_class(name).data_dependent and num_features > num_context)
-
-
 def run_cell(params, rng, device):
     label, r, n = params["estimator"], params["num_features"], params["num_pairs"]
-    if not applicable(label, r, n):
+    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return _nan_cell()
     name, options = ESTIMATORS[label]
     beta = tasks.log_n_beta(n, params["beta_factor"])
@@ -112,7 +100,7 @@ def run_cell(params, rng, device):
         "accuracy_exact": tasks.recall_accuracy(exact.output, ep).mean().cpu().numpy(),
         "output_rel_error": metrics.relative_rms_error(read.output, exact.output).median().cpu().numpy(),
         "nonpositive_normalizer_rate": bad.mean().cpu().numpy(),
-        "state_bytes": np.float64(read.state_bytes),
+        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
         "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
         "beta": np.float64(beta),
     }

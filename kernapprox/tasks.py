@@ -65,14 +65,15 @@ from ._validation import (
 from .attention import linear_attention, softmax_attention
 from .features.base import FeatureMap, _itemsize
 from .features.exact import ExactKernel
-from .registry import make_estimator
+from .registry import estimator_class, make_estimator
 
 __all__ = [
     "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes", "Readout",
     "associative_recall", "decode_nearest", "recall_accuracy",
     "smooth_regression", "normalized_mse",
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
-    "attention_readout", "build_estimator", "has_fixed_dimension", "state_bytes", "log_n_beta",
+    "attention_readout", "build_estimator", "has_fixed_dimension", "rank_limited_by_points", "state_bytes",
+    "log_n_beta",
 ]
 
 
@@ -373,32 +374,61 @@ class Readout(NamedTuple):
     ``output (B, n_q, d_v)``: normalised attention output. ``numerator (B, n_q, d_v)`` and ``normalizer
     (B, n_q)``: ``Σ κ̂ v`` and ``Σ κ̂`` up to one positive factor per query (so signs and directions are
     exact; decoding the numerator alone is the unnormalised fast-weight read-out ``W φ(q)`` of Schlag et al.
-    2021, immune to normaliser sign flips). ``state_bytes``: see :func:`state_bytes`. ``num_features``: the
-    state feature dimension ``r`` (``None`` for exact attention).
+    2021, immune to normaliser sign flips). ``state_bytes``: see :func:`state_bytes` (``None`` for an
+    estimator without a recurrent state, such as the optimal rank-r oracle). ``num_features``: the state feature
+    dimension ``r`` (``None`` for exact attention).
     """
 
     output: torch.Tensor
     numerator: torch.Tensor
     normalizer: torch.Tensor
-    state_bytes: int
+    state_bytes: int | None
     num_features: int | None
 
 
-def build_estimator(name: str, *, beta: float, num_features: int | None = None, rng=None, **options
+def _factory(estimator):
+    """``(factory, class)`` of a registry name or a :class:`FeatureMap` subclass (for maps that are not
+    registered, e.g. fixed linear-attention maps outside the contract table)."""
+    if isinstance(estimator, str):
+        return functools.partial(make_estimator, estimator), estimator_class(estimator)
+    if isinstance(estimator, type) and issubclass(estimator, FeatureMap):
+        return estimator, estimator
+    raise TypeError(f"estimator must be a registry name or a FeatureMap subclass, got {estimator!r}")
+
+
+def _is_exact(estimator) -> bool:
+    return estimator == "exact" or estimator is ExactKernel
+
+
+def build_estimator(estimator, *, beta: float, num_features: int | None = None, rng=None, **options
                     ) -> FeatureMap:
-    """An unfitted estimator from the registry with inverse temperature ``scale = β`` (for unit-norm inputs)."""
+    """An unfitted estimator (registry name or :class:`FeatureMap` subclass) with inverse temperature
+    ``scale = β`` (for unit-norm inputs)."""
     beta = check_positive_float(beta, "beta")
-    if name == "exact":
+    factory, _ = _factory(estimator)
+    if _is_exact(estimator):
         num_features = None
-    return make_estimator(name, num_features=num_features, rng=rng, scale=beta, **options)
+    return factory(num_features=num_features, rng=rng, scale=beta, **options)
 
 
-def has_fixed_dimension(name: str, **options) -> bool:
-    """Whether the registered estimator ``name`` ignores ``num_features``: the exact kernel and the
+def has_fixed_dimension(estimator, **options) -> bool:
+    """Whether an estimator (registry name or class) ignores ``num_features``: the exact kernel and the
     deterministic maps whose dimension is fixed by ``d`` (Taylor, ELU+1, DPFP). Sweeps run those once per
     ``num_features`` axis rather than once per value."""
-    est = make_estimator(name, num_features=64, rng=0, **options)
+    factory, _ = _factory(estimator)
+    est = factory(num_features=64, rng=0, **options)
     return isinstance(est, ExactKernel) or est.num_features_param is None
+
+
+def rank_limited_by_points(estimator) -> bool:
+    """Whether an estimator (registry name or class) cannot have more features than the points it is fitted
+    on: Nyström maps (landmarks are fitted points), Nyströmformer and the optimal rank-r SVD. Sweeps mark cells
+    with ``num_features`` above the context length as not applicable."""
+    from .lowrank import Nystromformer, OptimalLowRank
+    from .nystrom import NystromFeatures
+
+    _, cls = _factory(estimator)
+    return issubclass(cls, (NystromFeatures, Nystromformer, OptimalLowRank))
 
 
 def state_bytes(estimator: FeatureMap, d_v: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
@@ -419,14 +449,14 @@ def state_bytes(estimator: FeatureMap, d_v: int, seq_len: int, dtype: torch.dtyp
 FIT_TARGETS = ("keys", "queries_and_keys")
 
 
-def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
-                      beta: float, num_features: int | None = None, rng=None, mode: str = "chunked",
+def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
+                      beta: float, num_features: int | None = None, rng=None, mode: str | None = None,
                       fit_on: str = "keys", options: dict | None = None) -> Readout:
     """Read each episode's context with ``queries``: exact softmax attention or an approximation.
 
     ``queries (B, n_q, d)``, ``keys (B, n, d)``, ``values (B, n, d_v)``. For every episode a fresh estimator
-    ``estimator`` (a registry name, with extra constructor ``options``) is built with ``scale = β`` and
-    ``num_features`` and fitted on that episode alone:
+    ``estimator`` (a registry name or a :class:`FeatureMap` subclass, with extra constructor ``options``) is
+    built with ``scale = β`` and ``num_features`` and fitted on that episode alone:
 
     ``fit_on="keys"`` (default)
         ``fit(keys)``: the map is derived from the context only, as a recurrent model reading the context
@@ -437,7 +467,8 @@ def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor,
 
     Data-independent maps use only ``d``. Random maps get an independent draw per episode (seeds from
     ``rng``), so averages over episodes also average over draws. ``mode`` is the linear-attention mode
-    (non-causal: the state after the context, see the module notes). ``"exact"`` is
+    (non-causal: the state after the context, see the module notes); by default ``"chunked"``, or the first
+    mode the estimator supports (e.g. ``"parallel"`` for the optimal rank-r SVD). ``"exact"`` is
     :func:`~kernapprox.softmax_attention` with ``scale = β``.
     """
     check_tensor(queries, "queries", min_rank=3)
@@ -446,7 +477,7 @@ def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor,
     beta = check_positive_float(beta, "beta")
     check_choice(fit_on, "fit_on", FIT_TARGETS)
     batch, n, d_v = values.shape
-    if estimator == "exact":                                 # one batched call; nothing random
+    if _is_exact(estimator):                                 # one batched call; nothing random
         out = softmax_attention(queries, keys, values, scale=beta)
         ones = torch.ones(out.shape[:-1], dtype=out.dtype, device=out.device)
         exact = ExactKernel(scale=beta).fit(queries, keys)
@@ -464,9 +495,11 @@ def attention_readout(estimator: str, queries: torch.Tensor, keys: torch.Tensor,
             fitted.fit(k_b)
         else:
             fitted.fit(q_b, k_b)
-        parts = linear_attention(q_b, k_b, v_b, fitted, causal=False, mode=mode, return_parts=True)
+        use = mode or ("chunked" if "chunked" in fitted.modes else fitted.modes[0])
+        parts = linear_attention(q_b, k_b, v_b, fitted, causal=False, mode=use, return_parts=True)
         outs.append(parts.output)
         nums.append(parts.numerator.to(q_b.dtype))
         dens.append(parts.normalizer.to(q_b.dtype))
+    memory = state_bytes(fitted, d_v, n) if "recurrent" in fitted.modes else None
     return Readout(output=torch.stack(outs), numerator=torch.stack(nums), normalizer=torch.stack(dens),
-                   state_bytes=state_bytes(fitted, d_v, n), num_features=int(fitted.num_features))
+                   state_bytes=memory, num_features=int(fitted.num_features))

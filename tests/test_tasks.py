@@ -181,6 +181,23 @@ def test_deterministic_map_capacity_is_its_dimension():
     assert tasks.recall_accuracy(exact.output, ep).mean() >= 0.99
 
 
+def test_dpfp_capacity_follows_its_dimension():
+    """DPFP-1 (Schlag et al. 2021; r = 2d = 128, passed as a class: it is not registered because its normaliser
+    can be exactly zero): near-perfect at n = r/4, degraded at n = r, lost at n = 8r. Measured: 0.98, 0.82,
+    0.03."""
+    from kernapprox.features.deterministic import DPFPFeatures
+
+    acc = {}
+    for n in (32, 128, 1024):
+        ep = tasks.associative_recall(n, dim=64, num_queries=min(n, 128), batch=2, rng=n)
+        rd = tasks.attention_readout(DPFPFeatures, ep.queries, ep.keys, ep.values, beta=1.0, options={"nu": 1})
+        assert rd.num_features == 128 and rd.state_bytes == 128 * 65 * 4
+        acc[n] = tasks.recall_accuracy(rd.output, ep).mean().item()
+    assert acc[32] >= 0.95
+    assert 0.6 <= acc[128] <= 0.95
+    assert acc[1024] <= 0.1
+
+
 def test_positive_random_features_collapse_on_sharp_recall():
     """At β = 2 ln n, 256 positive random features (4× more than the identity map's 64) recall clearly worse
     than the identity map at n = 64 stored pairs: their variance, not their dimension, is the limit."""
@@ -297,6 +314,8 @@ def test_readout_matches_the_attention_functions_and_is_seeded():
         tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=0.0)
     with pytest.raises(ValueError, match="unknown estimator"):
         tasks.attention_readout("no_such_map", ep.x_query, ep.x, ep.onehot, beta=1.0)
+    with pytest.raises(TypeError, match="estimator"):
+        tasks.attention_readout(object, ep.x_query, ep.x, ep.onehot, beta=1.0)
 
 
 def test_log_n_beta():
