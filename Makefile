@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml | $(PY)
 	@touch $@
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
+	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 test-slow: install
 	$(PY) -m pytest -q -n 2 -m slow
