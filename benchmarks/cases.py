@@ -1,0 +1,343 @@
+"""The benchmark cases: kernapprox measured side by side with its peers in one run.
+
+Each case returns :class:`Row` records; :mod:`benchmarks.run` turns them into the table, the targets and the
+dataset. Shapes follow a small language-model head: batch 1, ``heads`` heads, ``d = d_v = 64``, ``r = 256``
+positive (FAVOR+) features. Inputs are Gaussian with standard deviation ``INPUT_STD`` (logits ``s qᵀk`` of
+standard deviation ``INPUT_STD²`` at ``s = d^{-1/2}``), drawn from a seeded CPU generator and moved to the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kernapprox as ka
+from kernapprox.metrics import relative_rms_error
+
+from .timing import feature_map_flops, linear_attention_flops, measure, sdpa_flops
+
+INPUT_STD = 0.5
+HEAD_DIM = 64
+NUM_FEATURES = 256
+
+
+@dataclass
+class Config:
+    """What one benchmark run measures. ``quick`` shrinks every size for the smoke test."""
+
+    device: torch.device
+    quick: bool = False
+    heads: int = 8
+    chunk_size: int = 64
+    seed: int = 0
+    budget_s: float = 1.0
+    gemm_flops_per_s: float = float("nan")
+
+    def time(self, fn, **options):
+        """:func:`~benchmarks.timing.measure` with this run's device, repeat floor and budget."""
+        return measure(fn, self.device, **{"min_reps": self.min_reps, "budget_s": self.budget_s, **options})
+
+    @property
+    def min_reps(self):
+        return 1 if self.quick else 3
+
+    @property
+    def decode_reps(self):
+        return 3 if self.quick else 20
+
+    @property
+    def sdpa_sizes(self):
+        return (256, 512) if self.quick else (4096, 16384, 65536)
+
+    @property
+    def scaling_sizes(self):
+        return (128, 256, 512) if self.quick else tuple(1024 * 2**i for i in range(7))   # 1k .. 64k
+
+    @property
+    def peer_sizes(self):
+        return (128,) if self.quick else (4096, 16384)
+
+    @property
+    def decode_sizes(self):
+        return (64, 256) if self.quick else (1024, 4096, 16384, 65536)
+
+    @property
+    def flop_sizes(self):
+        return (512,) if self.quick else (16384, 65536)
+
+    @property
+    def chunk_sizes(self):
+        return (32, 64) if self.quick else (16, 32, 64, 128, 256)
+
+
+@dataclass
+class Row:
+    """One line of the table. Times in seconds (median); errors are relative RMS errors against exact attention
+    on the same inputs; ``flops`` is the counted matrix-product work of ``ours``."""
+
+    case: str
+    label: str
+    n: int
+    causal: bool = False
+    time_ours_s: float = float("nan")
+    time_peer_s: float = float("nan")
+    error_ours: float = float("nan")
+    error_peer: float = float("nan")
+    flops: float = float("nan")
+    reps: int = 0
+    cpu_utilisation: float = float("nan")
+    status: str = "ok"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def speedup(self) -> float:
+        """Peer time over our time (> 1: ours is faster)."""
+        return self.time_peer_s / self.time_ours_s
+
+
+def qkv(cfg: Config, n: int, *, n_q: int | None = None):
+    """Seeded Gaussian ``(1, heads, n, d)`` queries/keys/values on the device (``n_q`` queries if given)."""
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + n)
+    shape = (1, cfg.heads, n, HEAD_DIM)
+    q = torch.randn((1, cfg.heads, n_q or n, HEAD_DIM), generator=gen) * INPUT_STD
+    k = torch.randn(shape, generator=gen) * INPUT_STD
+    v = torch.randn(shape, generator=gen)
+    return q.to(cfg.device), k.to(cfg.device), v.to(cfg.device)
+
+
+def favor_estimator(cfg: Config, q: torch.Tensor):
+    return ka.make_estimator("positive_orthogonal", num_features=NUM_FEATURES, rng=cfg.seed).fit(q)
+
+
+def _chunked(q, k, v, est, causal, chunk_size):
+    """A no-argument call of chunked linear attention (features included), for :func:`measure`."""
+    return functools.partial(ka.linear_attention, q, k, v, est, causal=causal, mode="chunked", chunk_size=chunk_size)
+
+
+def _error(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float(relative_rms_error(approx, exact).mean())
+
+
+def _long_call_kwargs(cfg: Config, flops: float) -> dict:
+    """Calls expected to run for seconds are timed once, without a warm-up (smaller sizes warmed the code)."""
+    if flops > 2e11 and not cfg.quick:
+        return {"warmup": 0, "min_reps": 1, "max_reps": 1}
+    return {"min_reps": cfg.min_reps, "budget_s": cfg.budget_s}
+
+
+# ------------------------------------------------------------------------------------------------- cases
+def chunked_vs_sdpa(cfg: Config) -> list[Row]:
+    """Chunked linear attention (features included) against ``torch.nn.functional.scaled_dot_product_attention``."""
+    rows = []
+    for n in cfg.sdpa_sizes:
+        q, k, v = qkv(cfg, n)
+        est = favor_estimator(cfg, q)
+        for causal in (False, True):
+            ours = measure(_chunked(q, k, v, est, causal, cfg.chunk_size), cfg.device, min_reps=cfg.min_reps,
+                           budget_s=cfg.budget_s)
+            fl = sdpa_flops(n, n, HEAD_DIM, HEAD_DIM, cfg.heads, causal=causal)
+            peer = measure(functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal), cfg.device,
+                           **_long_call_kwargs(cfg, fl))
+            rows.append(Row("chunked_vs_sdpa", f"n={n} {'causal' if causal else 'non-causal'}", n, causal,
+                            ours.median_s, peer.median_s, reps=ours.reps, cpu_utilisation=ours.cpu_utilisation,
+                            extra={"peer_flops_per_s": fl / peer.median_s}))
+        del q, k, v
+    return rows
+
+
+def chunked_scaling(cfg: Config) -> list[Row]:
+    """Chunked linear attention time against n (for the fitted cost exponent)."""
+    rows = []
+    for causal in (False, True):
+        for n in cfg.scaling_sizes:
+            q, k, v = qkv(cfg, n)
+            est = favor_estimator(cfg, q)
+            t = cfg.time(_chunked(q, k, v, est, causal, cfg.chunk_size))
+            rows.append(Row("chunked_scaling", f"n={n} {'causal' if causal else 'non-causal'}", n, causal,
+                            t.median_s, reps=t.reps, cpu_utilisation=t.cpu_utilisation))
+    return rows
+
+
+def chunk_size_sweep(cfg: Config) -> list[Row]:
+    """Causal chunked time against the chunk length at one n (the chunk-size choice)."""
+    n = 512 if cfg.quick else 16384
+    q, k, v = qkv(cfg, n)
+    est = favor_estimator(cfg, q)
+    rows = []
+    for c in cfg.chunk_sizes:
+        t = cfg.time(_chunked(q, k, v, est, True, c))
+        rows.append(Row("chunk_size", f"n={n} causal C={c}", n, True, t.median_s, reps=t.reps,
+                        cpu_utilisation=t.cpu_utilisation, extra={"chunk_size": c}))
+    return rows
+
+
+def _recurrent_step(state, snapshot, q_t, k_t, v_t):
+    state.state = snapshot                                            # every call is the step at position n
+    return state.step(q_t, k_t, v_t)
+
+
+def _kv_cache_step(cache_k, cache_v, n, q_t, k_t, v_t):
+    cache_k[..., n, :] = k_t                                          # append to the preallocated cache
+    cache_v[..., n, :] = v_t
+    return F.scaled_dot_product_attention(q_t[..., None, :], cache_k[..., :n + 1, :], cache_v[..., :n + 1, :])
+
+
+def decode_step(cfg: Config) -> list[Row]:
+    """One generated token: ``RecurrentState.step`` on a state that has absorbed ``n`` tokens (ours) against
+    SDPA of one query over a KV cache of ``n`` tokens, appended in place (peer)."""
+    sizes = cfg.decode_sizes
+    n_max = max(sizes)
+    q, k, v = qkv(cfg, n_max + 1)
+    est = favor_estimator(cfg, q)
+    state = ka.RecurrentState(est)
+    cache_k = torch.zeros_like(k)
+    cache_v = torch.zeros_like(v)
+    rows, filled = [], 0
+    for n in sizes:
+        for t in range(filled, n):                                   # the state absorbs tokens 0..n-1
+            state.update(k[..., t, :], v[..., t, :])
+        filled = n
+        cache_k[..., :n, :] = k[..., :n, :]
+        cache_v[..., :n, :] = v[..., :n, :]
+        q_t, k_t, v_t = q[..., n, :], k[..., n, :], v[..., n, :]
+        snapshot = state.state
+        budget = min(cfg.budget_s, 0.5)
+        t_ours = measure(functools.partial(_recurrent_step, state, snapshot, q_t, k_t, v_t), cfg.device,
+                         min_reps=cfg.decode_reps, max_reps=2000, budget_s=budget)
+        t_peer = measure(functools.partial(_kv_cache_step, cache_k, cache_v, n, q_t, k_t, v_t), cfg.device,
+                         min_reps=cfg.decode_reps, max_reps=2000, budget_s=budget)
+        state.state = snapshot
+        rows.append(Row("decode_step", f"cache n={n}", n, True, t_ours.median_s, t_peer.median_s,
+                        reps=t_ours.reps, cpu_utilisation=t_ours.cpu_utilisation,
+                        extra={"state_bytes": state.state_bytes(),
+                               "kv_cache_bytes": 2 * (n + 1) * cfg.heads * HEAD_DIM * k.element_size()}))
+    return rows
+
+
+def flop_rate(cfg: Config) -> list[Row]:
+    """Achieved FLOP/s of features + linear attention (counted matrix products, see :mod:`benchmarks.timing`)."""
+    rows = []
+    for n in cfg.flop_sizes:
+        q, k, v = qkv(cfg, n)
+        est = favor_estimator(cfg, q)
+        for causal in (False, True):
+            t = cfg.time(_chunked(q, k, v, est, causal, cfg.chunk_size))
+            fl = (2 * feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
+                  + linear_attention_flops(n, est.num_features, HEAD_DIM, cfg.heads, causal=causal,
+                                           chunk_size=cfg.chunk_size))
+            rows.append(Row("flop_rate", f"n={n} {'causal' if causal else 'non-causal'}", n, causal, t.median_s,
+                            flops=fl, reps=t.reps, cpu_utilisation=t.cpu_utilisation,
+                            extra={"fraction_of_gemm": fl / t.median_s / cfg.gemm_flops_per_s}))
+        t_feat = measure(functools.partial(est.features, q, "query", log_scale=True), cfg.device, min_reps=cfg.min_reps,
+                         budget_s=cfg.budget_s)
+        fl = feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
+        rows.append(Row("flop_rate", f"n={n} features only", n, False, t_feat.median_s, flops=fl, reps=t_feat.reps,
+                        cpu_utilisation=t_feat.cpu_utilisation,
+                        extra={"fraction_of_gemm": fl / t_feat.median_s / cfg.gemm_flops_per_s}))
+    return rows
+
+
+def _performer_module(cfg: Config, est):
+    """performer-pytorch's ``FastAttention`` with our projection copied into its buffer (same features)."""
+    import contextlib
+    import io
+
+    from performer_pytorch import FastAttention
+
+    modules = {}
+    for causal in (False, True):
+        with contextlib.redirect_stdout(io.StringIO()):               # it prints which causal kernel it uses
+            m = FastAttention(dim_heads=HEAD_DIM, nb_features=NUM_FEATURES, causal=causal)
+        with torch.no_grad():
+            m.projection_matrix.copy_(torch.as_tensor(est.projection_, dtype=torch.float32))
+        modules[causal] = m.to(cfg.device).eval()
+    return modules
+
+
+def favor_vs_performer(cfg: Config) -> list[Row]:
+    """Our FAVOR+ (``positive_orthogonal``, chunked mode) against performer-pytorch's ``FastAttention`` with the
+    identical projection matrix and feature count; errors of both against exact attention on the same inputs.
+    performer-pytorch adds ``eps = 1e-4`` to every feature (ours: 0) and, without its CUDA extension, runs causal
+    attention with a prefix sum over per-token outer products."""
+    try:
+        with warnings.catch_warnings():                               # it imports distutils' LooseVersion
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import performer_pytorch  # noqa: F401
+    except Exception as exc:  # an import error or a version clash: the peer is missing, not the benchmark
+        return [Row("favor_vs_performer", "performer-pytorch", 0, status=f"skipped: {type(exc).__name__}: {exc}")]
+    rows = []
+    for n in cfg.peer_sizes:
+        q, k, v = qkv(cfg, n)
+        est = favor_estimator(cfg, q)
+        modules = _performer_module(cfg, est)
+        for causal in (False, True):
+            with torch.no_grad():
+                exact = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                y_ours = ka.linear_attention(q, k, v, est, causal=causal, mode="chunked", chunk_size=cfg.chunk_size)
+                y_peer = modules[causal](q, k, v)
+                t_ours = measure(_chunked(q, k, v, est, causal, cfg.chunk_size), cfg.device, min_reps=cfg.min_reps,
+                                 budget_s=cfg.budget_s)
+                t_peer = measure(functools.partial(modules[causal], q, k, v), cfg.device, min_reps=cfg.min_reps,
+                                 budget_s=cfg.budget_s)
+            rows.append(Row("favor_vs_performer", f"n={n} {'causal' if causal else 'non-causal'}", n, causal,
+                            t_ours.median_s, t_peer.median_s, _error(y_ours, exact), _error(y_peer, exact),
+                            reps=t_ours.reps, cpu_utilisation=t_ours.cpu_utilisation))
+    return rows
+
+
+def nystrom_vs_sklearn(cfg: Config) -> list[Row]:
+    """Our Nyström features of the softmax kernel (``nystrom_uniform``) against scikit-learn's ``Nystroem``.
+
+    scikit-learn has no exp-dot-product kernel (a callable kernel is evaluated pair by pair), so the peer uses
+    the identity ``exp(s xᵀy) = e^{s‖x‖²/2} e^{s‖y‖²/2} exp(−(s/2)‖x−y‖²)``: ``Nystroem(kernel="rbf",
+    gamma=s/2)`` on the same number of uniformly drawn landmarks, its features multiplied by ``e^{s‖x‖²/2}``
+    (which is exactly the Nyström map of the softmax kernel with those landmarks). Timed: fit plus the features
+    of all ``n`` points, one head, float32 for both. Error: relative Frobenius error of ``ΦΦᵀ`` against the exact
+    kernel on the first 2048 points.
+    """
+    if "nystrom_uniform" not in ka.available_estimators():
+        return [Row("nystrom_vs_sklearn", "nystrom_uniform", 0, status="skipped: nystrom_uniform not registered")]
+    from sklearn.kernel_approximation import Nystroem
+
+    n = 1024 if cfg.quick else 16384
+    m = NUM_FEATURES
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    x = torch.randn(n, HEAD_DIM, generator=gen) * INPUT_STD
+    s = 1.0 / math.sqrt(HEAD_DIM)
+    x_np = x.numpy()
+    x_dev = x.to(cfg.device)
+
+    def ours():
+        est = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev, x_dev)
+        return est.features(x_dev, "key")
+
+    def peer():
+        ny = Nystroem(kernel="rbf", gamma=s / 2, n_components=m, random_state=cfg.seed).fit(x_np)
+        return ny.transform(x_np) * np.exp(0.5 * s * np.einsum("ij,ij->i", x_np, x_np))[:, None]
+
+    t_ours = measure(ours, cfg.device, min_reps=cfg.min_reps, budget_s=cfg.budget_s)
+    t_peer = measure(peer, torch.device("cpu"), min_reps=cfg.min_reps, budget_s=cfg.budget_s)
+    sub = min(n, 2048)
+    exact = ka.kernel_matrix(x[:sub].double(), x[:sub].double())
+    phi_ours = ours()[:sub].double().cpu()
+    phi_peer = torch.as_tensor(peer()[:sub], dtype=torch.float64)
+    err = [float(ka.metrics.relative_frobenius_error(p @ p.T, exact)) for p in (phi_ours, phi_peer)]
+    return [Row("nystrom_vs_sklearn", f"n={n} m={m}", n, False, t_ours.median_s, t_peer.median_s, err[0], err[1],
+                reps=t_ours.reps, cpu_utilisation=t_ours.cpu_utilisation)]
+
+
+CASES = {
+    "chunked_vs_sdpa": chunked_vs_sdpa,
+    "chunked_scaling": chunked_scaling,
+    "chunk_size": chunk_size_sweep,
+    "decode_step": decode_step,
+    "flop_rate": flop_rate,
+    "favor_vs_performer": favor_vs_performer,
+    "nystrom_vs_sklearn": nystrom_vs_sklearn,
+}

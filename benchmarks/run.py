@@ -1,0 +1,227 @@
+"""``python -m benchmarks.run``: kernapprox against its peers, measured side by side in one run.
+
+Prints a table and stores it, with the targets and the run's provenance, as ``results/bench.nc``:
+
+- chunked linear attention vs ``torch`` SDPA (n = 4k, 16k, 64k; causal and not) and its cost exponent in n;
+- the decode step: ``RecurrentState.step`` vs one query over a KV cache, against the cache length;
+- FAVOR+ vs performer-pytorch's ``FastAttention`` (same projection, same inputs; time and error);
+- Nyström features vs scikit-learn's ``Nystroem``;
+- achieved FLOP/s of features + linear attention as a fraction of the GEMM rate measured in the same run.
+
+A missing peer is reported as ``skipped``. ``--quick`` shrinks every size (seconds; used by the smoke test).
+Timings on a shared machine are only as good as its load: the dataset records the load average and each row's
+CPU utilisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import xarray as xr
+
+from .cases import CASES, HEAD_DIM, NUM_FEATURES, Config, Row
+from .timing import gemm_rate, provenance
+
+TARGETS = (
+    # name, description, threshold, sense ("<=" or ">=")
+    ("chunked_exponent_causal", "causal chunked cost exponent in n (fitted slope of log t vs log n)", 1.15, "<="),
+    ("chunked_exponent_noncausal", "non-causal chunked cost exponent in n", 1.15, "<="),
+    ("speedup_vs_sdpa_16k_causal", "SDPA time / chunked time at n = 16k, causal", 10.0, ">="),
+    ("speedup_vs_sdpa_16k_noncausal", "SDPA time / chunked time at n = 16k, non-causal", 10.0, ">="),
+    ("decode_step_growth", "decode step time at the largest cache / at the smallest (RecurrentState.step)", 1.2,
+     "<="),
+    ("speedup_vs_performer", "performer-pytorch time / ours (worst case over n and causality; equal features)",
+     1.0, ">="),
+    ("error_vs_performer", "our error / performer-pytorch's error (worst case; <= 1.05 counts as equal)", 1.05,
+     "<="),
+    ("speedup_vs_sklearn_nystroem", "scikit-learn Nystroem time / ours (fit + features)", 3.0, ">="),
+    ("gemm_fraction_noncausal", "features + non-causal linear attention FLOP/s / GEMM FLOP/s, largest n", 0.5,
+     ">="),
+    ("gemm_fraction_causal", "features + causal chunked linear attention FLOP/s / GEMM FLOP/s, largest n", 0.5,
+     ">="),
+)
+
+
+def _rows(rows: list[Row], case: str, status_ok: bool = True) -> list[Row]:
+    return [r for r in rows if r.case == case and (not status_ok or r.status == "ok")]
+
+
+def _slope(rows: list[Row]) -> float:
+    if len(rows) < 2:
+        return float("nan")
+    n = np.log([r.n for r in rows])
+    t = np.log([r.time_ours_s for r in rows])
+    return float(np.polyfit(n, t, 1)[0])
+
+
+def evaluate_targets(rows: list[Row]) -> dict[str, float]:
+    """The value each target is judged on (NaN where the case did not run). Without an n = 16k row (``--quick``)
+    the SDPA speed-up is read at the largest n measured."""
+    values = {name: float("nan") for name, *_ in TARGETS}
+    scaling = _rows(rows, "chunked_scaling")
+    values["chunked_exponent_causal"] = _slope([r for r in scaling if r.causal])
+    values["chunked_exponent_noncausal"] = _slope([r for r in scaling if not r.causal])
+    sdpa = _rows(rows, "chunked_vs_sdpa")
+    n_ref = 16384 if any(r.n == 16384 for r in sdpa) else max((r.n for r in sdpa), default=0)
+    for r in sdpa:
+        if r.n == n_ref:
+            values[f"speedup_vs_sdpa_16k_{'causal' if r.causal else 'noncausal'}"] = r.speedup
+    decode = sorted(_rows(rows, "decode_step"), key=lambda r: r.n)
+    if len(decode) >= 2:
+        values["decode_step_growth"] = decode[-1].time_ours_s / decode[0].time_ours_s
+    perf = _rows(rows, "favor_vs_performer")
+    if perf:
+        values["speedup_vs_performer"] = min(r.speedup for r in perf)
+        values["error_vs_performer"] = max(r.error_ours / r.error_peer for r in perf)
+    ny = _rows(rows, "nystrom_vs_sklearn")
+    if ny:
+        values["speedup_vs_sklearn_nystroem"] = ny[0].speedup
+    flop = _rows(rows, "flop_rate")
+    if flop:
+        n_max = max(r.n for r in flop)
+        for r in flop:
+            if r.n == n_max and "features only" not in r.label:
+                values[f"gemm_fraction_{'causal' if r.causal else 'noncausal'}"] = r.extra["fraction_of_gemm"]
+    return values
+
+
+def _met(value: float, threshold: float, sense: str) -> int:
+    """1 met, 0 missed, -1 not measured."""
+    if not math.isfinite(value):
+        return -1
+    return int(value <= threshold if sense == "<=" else value >= threshold)
+
+
+def to_dataset(rows: list[Row], targets: dict[str, float], attrs: dict) -> xr.Dataset:
+    labels = [f"{r.case}: {r.label}" for r in rows]
+    coords = {"row": labels}
+
+    def var(values, long_name, units, description):
+        return xr.Variable("row", np.asarray(values), {"long_name": long_name, "units": units,
+                                                      "description": description})
+
+    data = {
+        "case": var([r.case for r in rows], "benchmark case", "", "group of the row"),
+        "seq_len": var([r.n for r in rows], "sequence length n", "tokens", "keys (and queries) per head"),
+        "causal": var([int(r.causal) for r in rows], "causal", "1", "1 if causal"),
+        "time_ours": var([r.time_ours_s for r in rows], "kernapprox time", "s", "median wall time after warm-up"),
+        "time_peer": var([r.time_peer_s for r in rows], "peer time", "s", "median wall time of the peer, same run"),
+        "speedup": var([r.speedup for r in rows], "peer time / kernapprox time", "1", "> 1: kernapprox is faster"),
+        "error_ours": var([r.error_ours for r in rows], "kernapprox error", "1",
+                          "relative RMS error of the output (Frobenius of the kernel matrix for Nyström) vs exact"),
+        "error_peer": var([r.error_peer for r in rows], "peer error", "1", "same metric for the peer"),
+        "flops": var([r.flops for r in rows], "counted work", "flop", "matrix-product flops of kernapprox's call"),
+        "flops_per_s": var([r.flops / r.time_ours_s for r in rows], "achieved rate", "flop/s", "flops / time"),
+        "reps": var([r.reps for r in rows], "timed repeats", "1", "calls behind the median"),
+        "cpu_utilisation": var([r.cpu_utilisation for r in rows], "CPU utilisation", "1",
+                               "process CPU time / (wall time x threads); well below 1 on CPU = a loaded machine"),
+        "status": var([r.status for r in rows], "status", "", "ok or 'skipped: why'"),
+        "extra": var([json.dumps(r.extra) for r in rows], "extra measurements", "", "JSON"),
+    }
+    names = [t[0] for t in TARGETS]
+    tvar = {
+        "target_value": ("target", [targets[n] for n in names], {"long_name": "measured value", "units": "1"}),
+        "target_threshold": ("target", [t[2] for t in TARGETS], {"long_name": "threshold", "units": "1"}),
+        "target_sense": ("target", [t[3] for t in TARGETS], {"long_name": "value must be <= or >= threshold"}),
+        "target_met": ("target", [_met(targets[t[0]], t[2], t[3]) for t in TARGETS],
+                       {"long_name": "target met", "units": "1", "description": "1 met, 0 missed, -1 not measured"}),
+        "target_description": ("target", [t[1] for t in TARGETS], {"long_name": "what is measured"}),
+    }
+    ds = xr.Dataset({**data, **{k: xr.Variable(*v) for k, v in tvar.items()}},
+                    coords={**coords, "target": names}, attrs=attrs)
+    return ds
+
+
+def write_dataset(ds: xr.Dataset, path: str) -> None:
+    """Atomic write (temporary file in the same folder, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    ds.to_netcdf(tmp, engine="h5netcdf")
+    os.replace(tmp, path)
+
+
+def format_table(rows: list[Row], targets: dict[str, float]) -> str:
+    lines = [f"{'case':<20} {'row':<28} {'ours [s]':>10} {'peer [s]':>10} {'speedup':>8} {'err ours':>9} "
+             f"{'err peer':>9} {'GFLOP/s':>8} {'cpu':>5}  note"]
+    for r in rows:
+        gf = r.flops / r.time_ours_s / 1e9 if math.isfinite(r.flops) else float("nan")
+        note = r.status if r.status != "ok" else ", ".join(
+            f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.extra.items())
+        lines.append(f"{r.case:<20} {r.label:<28} {r.time_ours_s:>10.4g} {r.time_peer_s:>10.4g} "
+                     f"{r.speedup:>8.3g} {r.error_ours:>9.3g} {r.error_peer:>9.3g} {gf:>8.3g} "
+                     f"{r.cpu_utilisation:>5.2f}  {note}")
+    lines.append("")
+    lines.append(f"{'target':<32} {'value':>9} {'need':>9}  result")
+    for name, desc, thr, sense in TARGETS:
+        val = targets[name]
+        verdict = {1: "met", 0: "MISSED", -1: "not measured"}[_met(val, thr, sense)]
+        lines.append(f"{name:<32} {val:>9.3g} {sense + format(thr, 'g'):>9}  {verdict}  ({desc})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> xr.Dataset:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds): a smoke test, not a measurement")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i] (auto: cuda if available)")
+    parser.add_argument("--out", default="results/bench.nc", help="dataset path (default results/bench.nc)")
+    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=list(CASES), help="cases to run")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="chunk length of the chunked mode (default: 64, or the best of the chunk-size sweep "
+                             "when it runs first)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement")
+    args = parser.parse_args(argv)
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if args.device == "auto" else args.device))
+    budget = args.budget if args.budget is not None else (0.05 if args.quick else 1.0)
+    cfg = Config(device=device, quick=args.quick, budget_s=budget)
+    t_start = time.perf_counter()
+    attrs = provenance(device)
+    cfg.gemm_flops_per_s = gemm_rate(device, size=512 if args.quick else 2048, budget_s=budget)
+    print(f"device {attrs['device_name']}, {attrs['torch_num_threads']} threads, load average "
+          f"{attrs['load_average_1min_at_start']:.2f}; float32 GEMM {cfg.gemm_flops_per_s / 1e9:.1f} GFLOP/s",
+          flush=True)
+
+    rows: list[Row] = []
+    order = sorted(args.cases, key=lambda c: c != "chunk_size")        # tune the chunk length first
+    for name in order:
+        t0 = time.perf_counter()
+        if args.chunk_size is not None:
+            cfg.chunk_size = args.chunk_size
+        new = CASES[name](cfg)
+        rows.extend(new)
+        if name == "chunk_size" and args.chunk_size is None and new:
+            cfg.chunk_size = int(min(new, key=lambda r: r.time_ours_s).extra["chunk_size"])
+        print(f"  {name}: {len(new)} rows in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    targets = evaluate_targets(rows)
+    load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    attrs.update({
+        "title": "kernapprox benchmarks against peers (one run, side by side)",
+        "quick": int(args.quick),
+        "gemm_flops_per_s": cfg.gemm_flops_per_s,
+        "chunk_size": cfg.chunk_size,
+        "heads": cfg.heads, "head_dim": HEAD_DIM, "num_features": NUM_FEATURES,
+        "load_average_1min_at_end": float(load_end),
+        "wall_time_s": time.perf_counter() - t_start,
+        "history": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.run", *(argv or sys.argv[1:])]),
+    })
+    ds = to_dataset(rows, targets, attrs)
+    print(format_table(rows, targets))
+    write_dataset(ds, args.out)
+    print(f"wrote {args.out} ({attrs['wall_time_s']:.0f} s)")
+    return ds
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""What the two modes cost: Transformer mode (exact attention, KV cache) against RNN mode (a fixed linear state).
+
+For sequence lengths ``n`` from 1k upwards, with 8 heads, ``d = d_v = 64`` and ``r = 256`` positive random
+features, causal throughout, one cell times one *computation* at one ``n`` (the axis is not called ``method``, which
+``Dataset.sel`` would take as its own keyword):
+
+=================  ====================================================================================
+``exact_full``     exact softmax attention over the whole sequence: ``torch`` SDPA, ``is_causal=True``
+``exact_decode``   one generated token with a KV cache: SDPA of one query over ``n + 1`` cached keys
+``linear_parallel``  linear attention, parallel mode (materialises ``n × n``; small ``n`` only)
+``linear_chunked``   linear attention, chunked mode (features included)
+``linear_recurrent`` linear attention, recurrent mode (a token-by-token scan over the whole sequence)
+``linear_decode``  one generated token in RNN mode: ``RecurrentState.step`` on a state that absorbed ``n``
+=================  ====================================================================================
+
+Metrics: median wall time of one call (warm-up first), time per token, the memory carried from token to token
+(KV cache ``2·n·H·d`` numbers against the state ``H·r·(d_v+1)``), the peak extra memory of the call —
+*measured* with ``torch.cuda.max_memory_allocated`` on CUDA, an *analytic* count of the largest live
+intermediates on the CPU (the CPU allocator is not instrumented; see :func:`analytic_peak_bytes`) — and the
+agreement of each linear mode with the chunked mode (max absolute difference of the outputs), of the decode
+steps with the full-sequence computation.
+
+The claim it tests: a decode step costs O(1) in the RNN mode and O(n) with a KV cache; full-sequence exact
+attention costs O(n²), chunked linear attention O(n); the crossover ``n`` where linear beats exact is read
+off the data. Timings are only as good as the machine's load: the dataset's ``cpu_utilisation`` says how much
+of the requested CPU the process got.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import kernapprox as ka
+from benchmarks.timing import measure, synchronize
+from kernapprox.sweep import Experiment, Metric, run_cli
+
+HEADS, HEAD_DIM, NUM_FEATURES, CHUNK_SIZE = 8, 64, 256, 64
+INPUT_STD = 0.5
+METHODS = ["exact_full", "exact_decode", "linear_parallel", "linear_chunked", "linear_recurrent", "linear_decode"]
+FULL_SEQUENCE = ["exact_full", "linear_parallel", "linear_chunked", "linear_recurrent"]
+DECODE = ["exact_decode", "linear_decode"]
+# the parallel mode materialises H·n² numbers: bounded by device
+PARALLEL_MAX_N = {"cpu": 2048, "cuda": 16384}
+RECURRENT_MAX_N = {"cpu": 65536, "cuda": 65536}          # a Python loop over tokens: slow everywhere
+
+GRIDS = {
+    "smoke": {"computation": METHODS, "seq_len": [32, 64], "budget_s": [0.0]},
+    "default": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 8192, 16384], "budget_s": [0.2]},
+    "full": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(7)], "budget_s": [1.0]},      # to 64k
+    "gpu": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(10)], "budget_s": [1.0]},      # to 512k
+}
+
+METRICS = {
+    "time_s": Metric(long_name="wall time of one call", units="s",
+                     description="median over repeats after one warm-up call; full sequence or one decode step"),
+    "time_per_token_s": Metric(long_name="wall time per token", units="s",
+                               description="time_s / n for full-sequence methods, time_s for a decode step"),
+    "carried_bytes": Metric(long_name="memory carried to the next token", units="B",
+                            description="KV cache 2·n·H·d·4 (exact) or recurrent state H·r·(d_v+1)·4 (linear), "
+                                        "float32"),
+    "peak_extra_bytes": Metric(long_name="peak extra memory of the call", units="B",
+                               description="CUDA: torch.cuda.max_memory_allocated minus memory before the call "
+                                           "(measured); CPU: analytic count of the largest live intermediates "
+                                           "(analytic_peak_bytes)"),
+    "peak_measured": Metric(long_name="peak memory measured", units="1",
+                            description="1 if peak_extra_bytes was measured (CUDA), 0 if analytic (CPU)"),
+    "max_abs_deviation": Metric(long_name="agreement with the chunked or full computation", units="1",
+                                description="max |y − y_ref|: linear modes vs the chunked mode (chunked vs the "
+                                            "parallel mode where it runs), decode steps vs the full-sequence "
+                                            "output at that position"),
+    "reps": Metric(long_name="timed repeats", units="1", description="calls behind the median"),
+    "cpu_utilisation": Metric(long_name="CPU utilisation", units="1",
+                              description="process CPU time / (wall time · threads); < 1 means a loaded machine"),
+}
+
+
+# -------------------------------------------------------------------------------------------------- pieces
+def analytic_peak_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEAD_DIM, r: int = NUM_FEATURES,
+                        chunk_size: int = CHUNK_SIZE, itemsize: int = 4) -> float:
+    """Extra float32 memory live at the peak of one call, beyond its inputs (the CPU has no allocator counter).
+
+    - ``exact_full``: output and log-sum-exp, ``H·n·(d_v+1)`` (flash-style SDPA never holds ``n × n``);
+    - ``exact_decode``: one row of logits and the output, ``H·(n + d_v)``;
+    - ``linear_parallel``: ``A = Φ_Q Φ_Kᵀ`` and its masked copy, ``2·H·n²``, plus both feature matrices;
+    - ``linear_chunked``: both feature matrices ``2·H·n·r``, the output, and per chunk ``H·C·(C + r)``;
+    - ``linear_recurrent``: both feature matrices, the per-token outputs ``H·n·(d_v+1)``, the state;
+    - ``linear_decode``: the new state ``H·r·(d_v+1)`` and the token's features.
+    """
+    state = heads * r * (d + 1)
+    features = 2 * heads * n * r
+    out = heads * n * (d + 1)
+    counts = {
+        "exact_full": out,
+        "exact_decode": heads * (n + d),
+        "linear_parallel": 2 * heads * n * n + features + out,
+        "linear_chunked": features + out + heads * chunk_size * (chunk_size + r) + state,
+        "linear_recurrent": features + out + state,
+        "linear_decode": state + 2 * heads * r,
+    }
+    return float(counts[method] * itemsize)
+
+
+def carried_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEAD_DIM, r: int = NUM_FEATURES,
+                  itemsize: int = 4) -> float:
+    """What generation must keep from token to token: the KV cache, or the recurrent state."""
+    if method.startswith("exact"):
+        return float(2 * n * heads * d * itemsize)
+    return float(heads * r * (d + 1) * itemsize)
+
+
+def _inputs(rng: np.random.Generator, n: int, device: torch.device):
+    gen = torch.Generator(device="cpu").manual_seed(int(rng.integers(2**63 - 1)))
+    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=gen) for _ in range(3))
+    return (q * INPUT_STD).to(device), (k * INPUT_STD).to(device), v.to(device)
+
+
+def _applicable(method: str, n: int, device: torch.device) -> bool:
+    if method == "linear_parallel":
+        return n <= PARALLEL_MAX_N[device.type]
+    if method == "linear_recurrent":
+        return n <= RECURRENT_MAX_N[device.type]
+    return True
+
+
+def _filled_state(est, k, v, n):
+    state = ka.RecurrentState(est)
+    for t in range(n):
+        state.update(k[..., t, :], v[..., t, :])
+    return state
+
+
+def _decode_linear(state, snapshot, q_t, k_t, v_t):
+    state.state = snapshot                                            # every call is the step at position n
+    return state.step(q_t, k_t, v_t)
+
+
+def _decode_exact(cache_k, cache_v, n, q_t, k_t, v_t):
+    cache_k[..., n, :] = k_t                                          # append in place to a preallocated cache
+    cache_v[..., n, :] = v_t
+    return F.scaled_dot_product_attention(q_t[..., None, :], cache_k[..., :n + 1, :], cache_v[..., :n + 1, :])
+
+
+def _call(method, n, q, k, v, est):
+    """``(timed callable, output check)``: the check returns the max deviation from the reference."""
+    if method == "exact_full":
+        return functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True), None
+    if method == "exact_decode":
+        cache_k, cache_v = torch.zeros_like(k), torch.zeros_like(v)
+        cache_k[..., :n, :], cache_v[..., :n, :] = k[..., :n, :], v[..., :n, :]
+        fn = functools.partial(_decode_exact, cache_k, cache_v, n, q[..., n, :], k[..., n, :], v[..., n, :])
+
+        def check(y):
+            ref = ka.softmax_attention(q[..., n:n + 1, :], k, v)      # the last row of causal attention
+            return (y - ref).abs().amax()
+        return fn, check
+    if method == "linear_decode":
+        state = _filled_state(est, k, v, n)
+        snapshot = state.state
+        fn = functools.partial(_decode_linear, state, snapshot, q[..., n, :], k[..., n, :], v[..., n, :])
+
+        def check(y):
+            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=CHUNK_SIZE)[..., n, :]
+            return (y - ref).abs().amax()
+        return fn, check
+    mode = method.removeprefix("linear_")
+    fn = functools.partial(ka.linear_attention, q, k, v, est, causal=True, mode=mode, chunk_size=CHUNK_SIZE)
+
+    def check(y):
+        if mode == "chunked":
+            if not _applicable("linear_parallel", n, q.device):
+                return torch.tensor(float("nan"))
+            ref = ka.linear_attention(q, k, v, est, causal=True, mode="parallel")
+        else:
+            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=CHUNK_SIZE)
+        return (y - ref).abs().amax()
+    return fn, check
+
+
+def run_cell(params: dict, rng: np.random.Generator, device) -> dict:
+    method, n, budget = params["computation"], params["seq_len"], params["budget_s"]
+    if not _applicable(method, n, device):
+        return {name: np.nan for name in METRICS}
+    decode = method in DECODE
+    q, k, v = _inputs(rng, n + 1 if decode else n, device)
+    est = ka.make_estimator("positive", num_features=NUM_FEATURES, rng=rng).fit(q)
+    fn, check = _call(method, n, q, k, v, est)
+    with torch.no_grad():
+        y = fn()                                                      # warm-up, and the output to check
+        deviation = float(check(y)) if check is not None else np.nan
+        del y
+        if device.type == "cuda":
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            before = torch.cuda.memory_allocated(device)
+            fn()
+            synchronize(device)
+            peak = float(torch.cuda.max_memory_allocated(device) - before)
+        else:
+            peak = analytic_peak_bytes(method, n)
+        t = measure(fn, device, warmup=0, min_reps=1, max_reps=1000 if decode else 20,
+                    budget_s=budget)
+    per_token = t.median_s if decode else t.median_s / n
+    return {"time_s": t.median_s, "time_per_token_s": per_token, "carried_bytes": carried_bytes(method, n),
+            "peak_extra_bytes": peak, "peak_measured": float(device.type == "cuda"),
+            "max_abs_deviation": deviation, "reps": t.reps, "cpu_utilisation": t.cpu_utilisation}
+
+
+# ------------------------------------------------------------------------------------------------ summary
+def fitted_slope(n: np.ndarray, t: np.ndarray, points: int = 4) -> float:
+    """Slope of ``log t`` against ``log n`` over the ``points`` largest finite ``n`` (the asymptotic regime)."""
+    ok = np.isfinite(t) & (t > 0)
+    n, t = np.asarray(n, float)[ok], np.asarray(t, float)[ok]
+    if len(n) < 2:
+        return float("nan")
+    n, t = n[-points:], t[-points:]
+    return float(np.polyfit(np.log(n), np.log(t), 1)[0])
+
+
+def crossover(n: np.ndarray, t_exact: np.ndarray, t_linear: np.ndarray) -> float:
+    """Smallest ``n`` where linear is faster, log-interpolated between grid points (NaN if it never is; the
+    first ``n`` if it always is)."""
+    n = np.asarray(n, float)
+    ratio = np.log(np.asarray(t_linear, float) / np.asarray(t_exact, float))   # < 0: linear faster
+    ok = np.isfinite(ratio)
+    n, ratio = n[ok], ratio[ok]
+    if len(n) == 0 or not (ratio < 0).any():
+        return float("nan")
+    i = int(np.argmax(ratio < 0))
+    if i == 0:
+        return float(n[0])
+    x0, x1, y0, y1 = math.log(n[i - 1]), math.log(n[i]), ratio[i - 1], ratio[i]
+    return float(math.exp(x0 + (x1 - x0) * y0 / (y0 - y1)))
+
+
+def summarise(ds) -> dict:
+    """Slopes of time against n, the exact/chunked crossover and the decode growth, from the dataset only."""
+    n = ds["seq_len"].values
+    t = {m: ds["time_s"].sel(computation=m).squeeze(drop=True).values for m in METHODS}
+    out = {f"slope_{m}": fitted_slope(n, t[m]) for m in METHODS}
+    out["crossover_n"] = crossover(n, t["exact_full"], t["linear_chunked"])
+    for m in DECODE:
+        finite = np.isfinite(t[m])
+        out[f"growth_{m}"] = float(t[m][finite][-1] / t[m][finite][0]) if finite.sum() >= 2 else float("nan")
+    out["n_min"], out["n_max"] = int(n.min()), int(n.max())
+    return out
+
+
+def plot(ds, path) -> None:
+    import matplotlib.pyplot as plt
+
+    from kernapprox import plotting
+
+    plotting.house_style()
+    s = summarise(ds)
+    n = ds["seq_len"].values
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    styles = {"exact_full": ("C3", "o", "-"), "linear_parallel": ("C1", "s", ":"), "linear_chunked": ("C0", "D", "-"),
+              "linear_recurrent": ("C2", "^", "--"), "exact_decode": ("C3", "o", "--"),
+              "linear_decode": ("C0", "D", "--")}
+
+    def series(ax, metric, methods, scale=1.0):
+        for m in methods:
+            y = ds[metric].sel(computation=m).squeeze(drop=True).values * scale
+            ok = np.isfinite(y)
+            if ok.any():
+                c, mk, ls = styles[m]
+                slope = s.get(f"slope_{m}", float("nan")) if metric == "time_s" else float("nan")
+                label = m + (f" (slope {slope:.2f})" if math.isfinite(slope) and metric == "time_s" else "")
+                ax.plot(n[ok], y[ok], color=c, marker=mk, ls=ls, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length n (tokens)")
+
+    ax = axes[0]
+    series(ax, "time_s", FULL_SEQUENCE)
+    if math.isfinite(s["crossover_n"]):
+        ax.axvline(s["crossover_n"], color="0.5", lw=0.8, ls=":")
+        ax.annotate(f"crossover n ≈ {s['crossover_n']:.0f}", (s["crossover_n"], ax.get_ylim()[1]),
+                    xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.3")
+    ax.set_ylabel("time of the whole causal sequence (s)")
+    ax.set_title("full sequence (Transformer mode vs linear modes)")
+    ax.legend(fontsize=7)
+
+    ax = axes[1]
+    series(ax, "time_s", DECODE, scale=1e6)
+    for m in DECODE:
+        g = s[f"growth_{m}"]
+        if math.isfinite(g):
+            ax.plot([], [], " ", label=f"{m}: t(n_max)/t(n_min) = {g:.2f}")
+    ax.set_ylabel("time of one decode step (µs)")
+    ax.set_title("one generated token: KV cache vs RNN state")
+    ax.legend(fontsize=7)
+
+    ax = axes[2]
+    for m, lab in (("exact_decode", "KV cache (exact)"), ("linear_decode", "RNN state (linear)")):
+        y = ds["carried_bytes"].sel(computation=m).squeeze(drop=True).values / 2**20
+        ok = np.isfinite(y)
+        ax.plot(n[ok], y[ok], color=styles[m][0], marker=styles[m][1], label=f"carried: {lab}")
+    for m in ("exact_full", "linear_chunked"):
+        y = ds["peak_extra_bytes"].sel(computation=m).squeeze(drop=True).values / 2**20
+        ok = np.isfinite(y)
+        ax.plot(n[ok], y[ok], color=styles[m][0], marker=styles[m][1], ls=":", label=f"peak extra: {m}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length n (tokens)")
+    measured = bool(np.nanmax(ds["peak_measured"].values) > 0) if np.isfinite(ds["peak_measured"].values).any() \
+        else False
+    ax.set_ylabel("MiB (float32)")
+    ax.set_title("memory " + ("(peak measured on CUDA)" if measured else "(peak: analytic count, CPU)"))
+    ax.legend(fontsize=7)
+
+    device = ds.attrs.get("device", "?")
+    caption = (f"Cost of the two modes, causal, H={HEADS}, d={HEAD_DIM}, r={NUM_FEATURES} positive features, "
+               f"device {device}. Left: whole-sequence time, log-log slopes fitted on the largest n; chunked linear "
+               f"attention beats exact SDPA from n ≈ {s['crossover_n']:.0f}. Middle: one decode step grows "
+               f"{s['growth_exact_decode']:.1f}x with a KV cache and {s['growth_linear_decode']:.2f}x in RNN mode "
+               f"from n={s['n_min']} to {s['n_max']}. Right: memory carried between tokens and peak extra memory.")
+    fig.tight_layout()
+    plotting.save_figure(fig, path, caption)
+
+
+EXPERIMENT = Experiment(
+    name="modes",
+    title="Transformer mode vs RNN mode: time and memory against sequence length",
+    description="Times exact attention (SDPA, full sequence and KV-cache decode) and linear attention (parallel, "
+                "chunked, recurrent modes and the RecurrentState decode step) against n, with the memory "
+                "carried between tokens and the peak memory of each call. Grid: computation x seq_len (x the timing "
+                "budget per cell). Answers: where does linear attention overtake exact attention, and is a decode "
+                "step O(1) in RNN mode and O(n) with a KV cache?",
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False)
+
+if __name__ == "__main__":
+    run_cli(EXPERIMENT)
