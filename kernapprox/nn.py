@@ -4,9 +4,12 @@
 ``softmax(s · QKᵀ) V`` is replaced by kernelised attention with a registry estimator (``"exact"`` included) in one
 of the three modes (see :func:`kernapprox.linear_attention`). Inputs are batch-first ``(batch, seq, embed_dim)``.
 
+>>> import torch
 >>> layer = KernelAttention(64, 4, "positive_orthogonal", num_features=128, causal=True, rng=0)
->>> y = layer(x)                       # x: (batch, n, 64) -> y: (batch, n, 64)
->>> layer.redraw()                     # a new draw of the random features, only when asked
+>>> x = torch.zeros(2, 10, 64)
+>>> layer(x).shape                     # (batch, n, embed_dim) -> (batch, n, embed_dim)
+torch.Size([2, 10, 64])
+>>> layer = layer.redraw()             # a new draw of the random features, only when asked
 
 Design
 ------
@@ -166,7 +169,8 @@ class KernelAttention(nn.Module):
     Attributes
     ----------
     estimator : FeatureMap
-        The kernapprox estimator (its fitted values mirror ``feature_state``).
+        The kernapprox estimator (its fitted values mirror ``feature_state``). Refit it through
+        :meth:`fit` or :meth:`redraw`, not directly: a direct ``estimator.fit`` would leave the buffers behind.
     feature_state : nn.Module
         The estimator's fitted values as buffers.
     q_proj, k_proj, v_proj, out_proj : nn.Linear

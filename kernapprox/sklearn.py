@@ -104,9 +104,10 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     -----
     Input is validated with :func:`sklearn.utils.validation.validate_data`: 2-D, finite, float32 kept as is and
     any other numeric type converted to float64 (scikit-learn's convention); the output has the dtype the
-    computation ran in. A data-dependent estimator (e.g. Nyström) is fitted on ``X`` as both the query and the
-    key sample. The features are computed at their exact scale: if ``exp(scale · ‖x‖²)``-size factors overflow
-    the dtype, ``transform`` raises ``ValueError`` instead of returning ``inf`` (reduce ``scale`` or
+    computation ran in. A data-dependent estimator (e.g. Nyström) is fitted on ``X`` alone (``fit(q=X)``): one
+    sample stands for both sides of the kernel (with ``n_components = n_samples`` Nyström then reproduces the
+    kernel on ``X``). The features are computed at their exact scale: if ``exp(scale · ‖x‖²)``-size factors
+    overflow the dtype, ``transform`` raises ``ValueError`` instead of returning ``inf`` (reduce ``scale`` or
     standardise ``X``).
 
     Examples
@@ -174,7 +175,7 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         est = make_estimator(self.estimator, num_features=self.n_components, rng=_as_rng(self.random_state),
                              scale=self.scale, **self._options)
         x = torch.from_numpy(np.array(X, copy=True))
-        est.fit(x, x)
+        est.fit(x)                      # k=None: one sample for both sides of the kernel
         self.estimator_ = est
         self.scale_ = float(est.scale_)
         self.n_components_ = int(est.num_features)

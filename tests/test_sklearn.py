@@ -94,6 +94,18 @@ def test_kernel_is_approximated():
     assert err(4096) < 0.25 * err(64)
 
 
+NYSTROM = [name for name in ka.available_estimators() if name.startswith("nystrom") and has_feature_map(name)]
+
+
+@pytest.mark.parametrize("name", NYSTROM)
+def test_nystrom_with_every_point_as_landmark_is_exact(name):
+    """Fitted on X alone with n_components = n_samples, Nyström reproduces exp(s XXᵀ) on X."""
+    X = data(n=20)
+    Z = SoftmaxKernelFeatures(name, n_components=20, random_state=0).fit_transform(X)
+    exact = np.exp(X @ X.T / np.sqrt(X.shape[1]))
+    np.testing.assert_allclose(Z @ Z.T, exact, rtol=1e-10)
+
+
 def test_float32_preserved_with_the_same_draw():
     X = data()
     tr = SoftmaxKernelFeatures(n_components=16, random_state=0)
