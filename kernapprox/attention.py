@@ -41,6 +41,7 @@ from .features.exact import ExactKernel
 from .kernel import resolve_scale
 
 MODES = ("parallel", "recurrent", "chunked")
+_LOGITS_PER_CHUNK = 1 << 24  # default memory bound of softmax_attention's query chunks (all batch entries)
 
 
 class AttentionParts(NamedTuple):
@@ -76,8 +77,9 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
                       return_lse: bool = False):
     """Exact softmax attention ``softmax(s · Q Kᵀ [+ causal mask]) V``, computed in query chunks.
 
-    Never materialises more than ``chunk_size × n_k`` logits (``chunk_size`` defaults so that a chunk holds
-    at most 2²² entries), so it runs at n = 32k and beyond on a CPU. Matches
+    Never materialises more than ``chunk_size × n_k`` logits per (batch, head) (``chunk_size`` defaults so that
+    a chunk holds at most 2²⁴ logits over all batch and head entries together, 64 MiB in float32, and at least
+    one query row), so it runs at n = 32k and beyond on a CPU. Matches
     ``torch.nn.functional.scaled_dot_product_attention``. With ``return_lse=True`` also returns the log of the
     normaliser ``log Σ_j exp(s q_iᵀk_j)``, shape ``(..., n_q)``.
     """
@@ -85,7 +87,8 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
     s = resolve_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if chunk_size is None:
-        chunk_size = max(1, min(n_q, (1 << 22) // max(n_k, 1)))
+        num_heads = q.numel() // max(n_q * q.shape[-1], 1)            # product of the batch dimensions
+        chunk_size = max(1, min(n_q, _LOGITS_PER_CHUNK // max(n_k * num_heads, 1)))
     check_positive_int(chunk_size, "chunk_size")
     ct = compute_dtype(q.dtype)
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
