@@ -9,10 +9,10 @@ Stabilised features
 -------------------
 ``features(x, role, log_scale=True)`` returns ``(φ̃, ℓ)`` with ``φ(x) = φ̃(x) · exp(ℓ(x))``, where ``φ̃`` has
 entries of order one (for exponential maps: the per-row maximum is subtracted inside the exponent) and ``ℓ`` has
-shape ``(..., n)``. Attention code uses this split to apply one shift per (batch, head) to the keys, a per-row
-shift to the queries (both cancel in the normalised output) and a running shift in the recurrent mode, so that
-``exp`` never overflows. ``features(x, role)`` returns the exact-scale ``φ(x)`` (which may overflow for large
-norms; that is what was asked for).
+shape ``(..., n)``. Attention code uses this split to keep the query scales out of the ratio (they cancel) and to
+shift the key scales by one constant per query row — the maximum over all keys, or over the keys up to the query
+when causal (a running maximum, in every mode) — so that ``exp`` never overflows. ``features(x, role)`` returns
+the exact-scale ``φ(x)`` (which may overflow for large norms; that is what was asked for).
 
 Precision: float16/bfloat16 inputs are computed in float32; float32 and float64 stay as they are. Exact-scale
 features are returned in the input dtype; the stabilised pair ``(φ̃, ℓ)`` stays in the compute dtype (float32 for

@@ -97,8 +97,8 @@ class PositiveFeatures(RandomFeatureMap):
     With the ``orthogonal`` sampler this is FAVOR+ proper (Theorem 2 bounds its MSE for m ≤ d).
 
     Stabilised form: ``φ̃_j = exp(ω_jᵀx − max_i ω_iᵀx) + eps``, ``ℓ = max_i ω_iᵀx − ‖x‖²/2 − ½ log m``
-    (a per-row shift; the attention code adds one shift per (batch, head) for keys and a running shift in the
-    recurrent mode, all of which cancel in the normalised output when ``eps = 0``). ``eps`` (default 0) is
+    (a per-row shift; the attention code adds one key shift per query row — the maximum key scale, a running
+    maximum when causal — all of which cancel in the normalised output when ``eps = 0``). ``eps`` (default 0) is
     added after the shift, as in the reference code, and biases the estimate.
 
     References
