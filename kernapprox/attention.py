@@ -185,37 +185,111 @@ def _state_read(state, phi_q):
     return num, den
 
 
-def _chunked(pq, lq, pk, lk, v, causal, chunk_size):
-    if not causal:
-        c = lk.amax(-1, keepdim=True)
-        pk = pk * torch.exp(lk - c)[..., None]
-        w = pk.transpose(-1, -2) @ v                                  # (..., r, d_v)
-        z = pk.sum(-2)                                                # (..., r)
-        return pq @ w, (pq * z[..., None, :]).sum(-1), lq + c
-    n = pk.shape[-2]
-    nums, dens, scales = [], [], []
-    w = z = c = None                                                  # state (r, d_v), (r,), shift c
-    for start in range(0, n, chunk_size):
-        stop = min(start + chunk_size, n)
-        pq_j, pk_j = pq[..., start:stop, :], pk[..., start:stop, :]
-        lk_j, v_j = lk[..., start:stop], v[..., start:stop, :]
-        num, den, c_rows = _causal_block(pq_j, pk_j, lk_j, v_j, c)
-        c_end = c_rows[..., -1]
-        if w is not None:
-            carry = torch.exp(c[..., None] - c_rows)                  # (..., L): old state, row shifts
-            num = num + (pq_j @ w) * carry[..., None]
-            den = den + (pq_j * z[..., None, :]).sum(-1) * carry
-            decay = torch.exp(c - c_end)
-            w = w * decay[..., None, None]
-            z = z * decay[..., None]
-        pk_end = pk_j * torch.exp(lk_j - c_end[..., None])[..., None]
-        w_add, z_add = pk_end.transpose(-1, -2) @ v_j, pk_end.sum(-2)
-        w, z = (w_add, z_add) if w is None else (w + w_add, z + z_add)
-        c = c_end
-        nums.append(num)
-        dens.append(den)
-        scales.append(lq[..., start:stop] + c_rows)
-    return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(scales, -1)
+# Token blocks of the chunked mode hold about this many feature entries (all batch entries together). On a CPU a
+# block's features stay in cache and the allocator recycles its temporaries; whole-sequence feature matrices of
+# hundreds of MB made every element-wise pass a round trip to memory (and a fresh page-faulted allocation).
+# A GPU wants large blocks for parallelism. Results do not depend on the block length beyond rounding.
+_FEATURES_PER_BLOCK = {"cpu": 1 << 19, "cuda": 1 << 26}
+
+
+def _block_length(batch: int, r: int, chunk_size: int, n: int, device: torch.device) -> int:
+    """Tokens per block: a multiple of ``chunk_size`` holding about ``_FEATURES_PER_BLOCK`` feature entries."""
+    target = _FEATURES_PER_BLOCK.get(device.type, _FEATURES_PER_BLOCK["cuda"])
+    chunks = max(1, target // max(1, batch * r * chunk_size))
+    return min(chunks * chunk_size, -(-n // chunk_size) * chunk_size)
+
+
+def _chunked(q, k, v, estimator, causal, chunk_size):
+    """The chunked mode, computed block by block: features of one block of tokens at a time (never of the whole
+    sequence), and within a causal block every chunk at once.
+
+    Numerator and normaliser come out of one product with ``[V 1]`` (the state is ``r × (d_v+1)``). Causal: for
+    the chunks ``j`` of a block, with ``c_i`` the running key maximum at row ``i`` (the recurrent mode's shift),
+    ``c⁻_j`` the shift before chunk ``j`` and ``c⁺_j`` the one at its end,
+
+    - intra-chunk: ``A_il = φ̃(q_i)ᵀφ̃(k_l) e^{ℓ_l − c_i}`` for ``l ≤ i`` (per-row shift, as in :func:`_causal_block`);
+    - chunk summaries ``U_j = Σ_{l∈j} e^{ℓ_l − c⁺_j} φ̃(k_l) [v_l 1]ᵀ``;
+    - states before each chunk ``S_j = Σ_{i<j} e^{c⁺_i − c⁻_j} U_i + e^{c_carry − c⁻_j} S_carry``, one batched
+      product with a lower-triangular weight matrix whose entries are all ≤ 1 (the running maximum only grows):
+      the same sums as the token-by-token recurrence, without a Python loop over chunks;
+    - rows read ``φ̃(q_i)ᵀ S_j e^{c⁻_j − c_i}``.
+
+    Non-causal: the key pass accumulates the state under a running maximum (rescaled by ``e^{c_old − c_new}``),
+    then the query pass reads it; the shift is the maximum over all keys, as in the parallel mode.
+    """
+    ct = compute_dtype(q.dtype)
+    batch_shape, (n, d), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
+    qf, kf = q.reshape(-1, n, d), k.reshape(-1, n_k, d)
+    batch = qf.shape[0]
+    v_one = torch.cat([v.reshape(batch, n_k, d_v).to(ct), torch.ones(batch, n_k, 1, dtype=ct, device=v.device)], -1)
+    block = _block_length(batch, estimator.num_features, chunk_size, max(n, n_k), q.device)
+
+    def features(x, role):
+        return estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
+
+    num_den = torch.empty(batch, n, d_v + 1, dtype=ct, device=q.device)
+    logs = torch.empty(batch, n, dtype=ct, device=q.device)
+    if causal:
+        _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs)
+    else:
+        state = c = None
+        for start in range(0, n_k, block):
+            pk, lk = features(kf[:, start:start + block], "key")
+            c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
+            pk = pk * torch.exp(lk - c_new[:, None])[..., None]
+            update = pk.transpose(-1, -2) @ v_one[:, start:start + block]          # (B, r, d_v+1)
+            state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
+            c = c_new
+        for start in range(0, n, block):
+            pq, lq = features(qf[:, start:start + block], "query")
+            num_den[:, start:start + block] = pq @ state
+            logs[:, start:start + block] = lq + c[:, None]
+    return (num_den[..., :d_v].reshape(*batch_shape, n, d_v), num_den[..., d_v].reshape(*batch_shape, n),
+            logs.reshape(*batch_shape, n))
+
+
+def _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs):
+    """Causal chunked mode over blocks of ``block`` tokens (see :func:`_chunked`); writes ``num_den``, ``logs``."""
+    batch, n = qf.shape[:2]
+    size = chunk_size
+    future = torch.ones(size, size, dtype=torch.bool, device=qf.device).triu(1)
+    state = c_carry = None                                                   # (B, r, d_v+1), (B,)
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        pq, lq = features(qf[:, start:stop], "query")
+        pk, lk = features(kf[:, start:stop], "key")
+        vb = v_one[:, start:stop]
+        c_rows = torch.cummax(lk, -1).values
+        if c_carry is not None:
+            c_rows = torch.maximum(c_rows, c_carry[:, None])
+        logs[:, start:stop] = lq + c_rows
+        length, pad = stop - start, -(stop - start) % size
+        if pad:                                  # a last partial chunk: padded keys weigh exp(-inf) = 0
+            pq, pk, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (pq, pk, vb))
+            lk = torch.nn.functional.pad(lk, (0, pad), value=float("-inf"))
+            c_rows = torch.cat([c_rows, c_rows[:, -1:].expand(batch, pad)], -1)
+        g, r = (length + pad) // size, pq.shape[-1]
+        pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, -1)
+        lk, c_rows = lk.view(batch, g, size), c_rows.view(batch, g, size)
+        c_end = c_rows[..., -1]                                              # (B, g)
+        first = c_end.new_full((batch, 1), float("-inf")) if c_carry is None else c_carry[:, None]
+        c_before = torch.cat([first, c_end[:, :-1]], 1)                      # (B, g)
+        log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
+        out = ((pq @ pk.transpose(-1, -2)) * torch.exp(log_w)) @ vb          # intra-chunk, (B, g, C, d_v+1)
+        summary = (pk * torch.exp(lk - c_end[..., None])[..., None]).transpose(-1, -2) @ vb   # (B, g, r, d_v+1)
+        if g > 1 or state is not None:
+            earlier = torch.ones(g, g, dtype=torch.bool, device=qf.device).tril(-1)
+            weights = torch.exp((c_end[:, None, :] - c_before[:, :, None]).masked_fill(~earlier, float("-inf")))
+            states = (weights @ summary.flatten(-2)).view(summary.shape)     # S_j, (B, g, r, d_v+1)
+            if state is not None:
+                states = states + torch.exp(c_carry[:, None] - c_before)[..., None, None] * state[:, None]
+            out = out + (pq @ states) * torch.exp(c_before[..., None] - c_rows)[..., None]
+            state = torch.addcmul(summary[:, -1], states[:, -1],
+                                  torch.exp(c_before[:, -1] - c_end[:, -1])[:, None, None])
+        else:
+            state = summary[:, -1]
+        c_carry = c_end[:, -1]
+        num_den[:, start:stop] = out.reshape(batch, g * size, -1)[:, :length]
 
 
 def linear_attention(q, k, v, estimator: FeatureMap, causal: bool = False, mode: str = "chunked", *,
@@ -261,14 +335,15 @@ def linear_attention(q, k, v, estimator: FeatureMap, causal: bool = False, mode:
     if hasattr(estimator, "attention"):
         return estimator.attention(q, k, v, causal=causal, mode=mode, chunk_size=chunk_size,
                                    return_parts=return_parts)
-    pq, lq, pk, lk = _stabilised_features(q, k, estimator)
-    vc = v.to(pq.dtype)
-    if mode == "parallel":
-        num, den, logs = _parallel(pq, lq, pk, lk, vc, causal)
-    elif mode == "recurrent":
-        num, den, logs = _recurrent(pq, lq, pk, lk, vc, causal)
+    if mode == "chunked":
+        num, den, logs = _chunked(q, k, v, estimator, causal, chunk_size)
     else:
-        num, den, logs = _chunked(pq, lq, pk, lk, vc, causal, chunk_size)
+        pq, lq, pk, lk = _stabilised_features(q, k, estimator)
+        vc = v.to(pq.dtype)
+        if mode == "parallel":
+            num, den, logs = _parallel(pq, lq, pk, lk, vc, causal)
+        else:
+            num, den, logs = _recurrent(pq, lq, pk, lk, vc, causal)
     den = den.reshape(num.shape[:-1])
     logs = logs.reshape(num.shape[:-1])
     out = (num / den[..., None]).to(q.dtype)
