@@ -128,7 +128,7 @@ def _applicable(method: str, n: int, device: torch.device) -> bool:
 
 
 def _filled_state(est, k, v, n):
-    state = ka.RecurrentState(est)
+    state = ka.RecurrentState(est, check_finite=False)              # no per-token NaN scan (a GPU sync)
     for t in range(n):
         state.update(k[..., t, :], v[..., t, :])
     return state
