@@ -233,6 +233,23 @@ def test_softmax_attention_large_n_without_quadratic_memory():
     _check_no_quadratic_memory(8192, causal=True)
 
 
+def test_softmax_attention_32k_causal_rows_match_direct_computation():
+    """n = 32768, d = 64 on the CPU: no op returns more than chunk × n elements (n²/32), and the last rows,
+    which see every key, equal a direct float64 computation of just those rows."""
+    n, chunk, rows = 32768, 1024, 8
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 1, n, 64, generator=g) for _ in range(3))
+    with _LargestTensor() as spy:
+        out = ka.softmax_attention(q, k, v, True, chunk_size=chunk)
+    assert spy.largest <= chunk * n == n * n // 32, spy.largest
+    assert torch.isfinite(out).all()
+    logits = (q[0, 0, -rows:].double() @ k[0, 0].double().T) / 8.0            # (rows, n)
+    pos = torch.arange(n - rows, n)[:, None]
+    logits = logits.masked_fill(torch.arange(n)[None, :] > pos, -math.inf)
+    want = torch.softmax(logits, -1) @ v[0, 0].double()
+    torch.testing.assert_close(out[0, 0, -rows:].double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_softmax_attention_32k(causal):
