@@ -94,7 +94,7 @@ def plot(ds: xr.Dataset, path) -> None:
     labels = [str(v) for v in ds.estimator.values]
     betas = [float(v) for v in ds.beta.values]
     ns = [int(v) for v in ds.num_context.values]
-    fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True)
+    fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
     for i, beta in enumerate(betas):
         for j, n in enumerate(ns):
             ax = axes[i, j]
@@ -108,7 +108,7 @@ def plot(ds: xr.Dataset, path) -> None:
             ax.set_ylim(0.0, 1.0)
             ax.set_xlabel("feature dimension r of the state")
             ax.set_ylabel("accuracy")
-            ax.set_title(f"n = {n}, β = {beta:g} (exact {ex:.3f}, 1-NN {nn:.3f})")
+            ax.set_title(f"n = {n}, β = {beta:g}: exact {ex:.2f}, 1-NN {nn:.2f}")
     collect_legend(fig, axes.flat)
     save_figure(fig, path, (
         "Few-shot classification of scikit-learn's digits (10 classes; pixels standardised, images L2-normalised) "

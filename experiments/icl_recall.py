@@ -17,9 +17,10 @@ import numpy as np
 import xarray as xr
 
 from experiments.icl_regression import applicable, available
+from experiments.icl_regression import style as icl_style
 from kernapprox import metrics, tasks
 from kernapprox.features.deterministic import DPFPFeatures
-from kernapprox.plotting import estimator_style, median_band, new_figure, save_figure
+from kernapprox.plotting import median_band, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 KEY_DIM = 64
@@ -119,7 +120,7 @@ def _tradeoff_panel(ax, ds, labels, n, factor):
         keep = np.isfinite(acc) & np.isfinite(size)
         if not keep.any():
             continue
-        style = estimator_style(label)
+        style = icl_style(label)
         if label == "exact":
             ax.plot(size[keep], acc[keep], marker="*", markersize=11, linestyle="none", color=style["color"],
                     label="exact (KV cache)")
@@ -142,7 +143,7 @@ def _load_panel(ax, ds, labels, factor):
             continue
         acc = _median(ds, "accuracy", estimator=label, beta_factor=factor)         # (num_features, num_pairs)
         dim = _median(ds, "feature_dim", estimator=label, beta_factor=factor)
-        style = estimator_style(label)
+        style = icl_style(label)
         first = True
         for r in acc.num_features.values:
             a = acc.sel(num_features=r).values
@@ -193,6 +194,7 @@ def plot(ds: xr.Dataset, path) -> None:
         f"β = {sharp:g}·ln n; lines join one estimator's ranks, single markers are fixed-dimension maps. Bottom: "
         "the same accuracies against the load n/r (one line per estimator and r, joining context lengths); dashed: "
         "the landmark law min(1, r/n); vertical line: n = r (capacity ≈ feature dimension, Schlag et al. 2021). "
+        "Nyström maps fitted on the context also hold their r landmark keys (r·d numbers), not counted here. "
         f"Median over seeds of the mean over {EPISODES} episodes; exact attention's median accuracy over all cells "
         f"is {exact_acc:.3f}."),
         title="Associative recall against state size")

@@ -105,6 +105,21 @@ def run_cell(params, rng, device):
 
 
 # ---------------------------------------------------------------------------------------------------- figure
+STYLE_OVERRIDES = {  # variants of one family that the house style would draw alike
+    "nystrom_uniform": {"marker": "o", "linestyle": "-."},
+    "nystrom_kmeans": {"marker": "D", "linestyle": "-"},
+    "nystrom_rls": {"marker": "^", "linestyle": ":"},
+    "dpfp_nu1": {"marker": "*"},
+    "dpfp_nu2": {"marker": ">"},
+    "dpfp_nu3": {"marker": "P"},
+}
+
+
+def style(label: str) -> dict:
+    """The house style of an estimator label, with distinct markers for variants of one family."""
+    return {**estimator_style(label), **STYLE_OVERRIDES.get(label, {})}
+
+
 def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
     """``var`` (median over seeds) against the fitted feature dimension, one line per estimator; maps with a
     single applicable rank are drawn as one marker. Exact attention is left to the caller."""
@@ -117,13 +132,13 @@ def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
         keep = np.isfinite(x) & ~np.isnan(y)
         if not keep.any():
             continue
-        style = estimator_style(label)
+        kw = style(label)
         y = np.where(np.isinf(y), np.nan, y)                     # a failed read-out leaves a gap
         if keep.sum() == 1:
-            ax.plot(x[keep], y[keep], marker=style["marker"], markersize=7, linestyle="none", color=style["color"],
+            ax.plot(x[keep], y[keep], marker=kw["marker"], markersize=7, linestyle="none", color=kw["color"],
                     label=label)
         else:
-            ax.plot(x[keep], y[keep], **style)
+            ax.plot(x[keep], y[keep], **kw)
     ax.set_xscale("log", base=2)
 
 
@@ -142,7 +157,7 @@ def plot(ds: xr.Dataset, path) -> None:
     labels = [str(v) for v in ds.estimator.values]
     betas = [float(v) for v in ds.beta.values]
     ns = [int(v) for v in ds.num_context.values]
-    fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True)
+    fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
     for i, beta in enumerate(betas):
         for j, n in enumerate(ns):
             ax = axes[i, j]
