@@ -236,8 +236,8 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
         for start in range(0, n_k, block):
             pk, lk = features(kf[:, start:start + block], "key")
             c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
-            pk = pk * torch.exp(lk - c_new[:, None])[..., None]
-            update = pk.transpose(-1, -2) @ v_one[:, start:start + block]          # (B, r, d_v+1)
+            # the key weights scale the d_v+1 columns of [V 1], not the r feature columns
+            update = pk.transpose(-1, -2) @ (v_one[:, start:start + block] * torch.exp(lk - c_new[:, None])[..., None])
             state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
             c = c_new
         for start in range(0, n, block):
@@ -276,7 +276,7 @@ def _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs):
         c_before = torch.cat([first, c_end[:, :-1]], 1)                      # (B, g)
         log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
         out = ((pq @ pk.transpose(-1, -2)) * torch.exp(log_w)) @ vb          # intra-chunk, (B, g, C, d_v+1)
-        summary = (pk * torch.exp(lk - c_end[..., None])[..., None]).transpose(-1, -2) @ vb   # (B, g, r, d_v+1)
+        summary = pk.transpose(-1, -2) @ (vb * torch.exp(lk - c_end[..., None])[..., None])   # (B, g, r, d_v+1)
         if g > 1 or state is not None:
             earlier = torch.ones(g, g, dtype=torch.bool, device=qf.device).tril(-1)
             weights = torch.exp((c_end[:, None, :] - c_before[:, :, None]).masked_fill(~earlier, float("-inf")))
