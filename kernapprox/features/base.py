@@ -38,7 +38,7 @@ from .._validation import (
     check_tensor,
     compute_dtype,
 )
-from ..kernel import resolve_scale
+from ..kernel import _check_qk, resolve_scale
 
 ROLES = ("query", "key")
 
@@ -144,9 +144,7 @@ class FeatureMap:
         Computed from stabilised features and rescaled at the end, so it overflows only where the true value
         does.
         """
-        check_tensor(q, "q")
-        check_tensor(k, "k")
-        check_same_kind(q=q, k=k)
+        _check_qk(q, k)                   # batch dimensions must agree exactly: no silent broadcasting
         pq, lq = self.features(q, "query", log_scale=True)
         pk, lk = self.features(k, "key", log_scale=True)
         ct = compute_dtype(q.dtype)
