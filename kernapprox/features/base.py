@@ -77,6 +77,8 @@ class FeatureMap:
             check_same_kind(q=q, k=k)
             if k.shape[-1] != q.shape[-1]:
                 raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
+        if self.data_dependent and q.device.type == "meta":
+            raise ValueError(f"q is a meta tensor (a shape without values); {type(self).__name__} is fitted on data")
         self.dim_ = int(q.shape[-1])
         self.scale_ = resolve_scale(self.dim_, self.scale)
         self._cache = {}
