@@ -117,7 +117,8 @@ class FeatureMap:
 
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
-        raise NotImplementedError
+        raise ValueError(f"{type(self).__name__} has no finite feature map; use kernapprox.linear_attention or "
+                         "its kernel_matrix")
 
     def _param(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A float64 numpy parameter ``self.<name>`` as a tensor on ``like``'s device and dtype (cached)."""
