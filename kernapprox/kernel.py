@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._validation import check_positive_float, check_same_kind, check_tensor
+from ._validation import check_positive_float, check_same_kind, check_tensor, compute_dtype
 
 
 def resolve_scale(dim: int, scale: float | None) -> float:
@@ -31,11 +31,18 @@ def _check_qk(q, k):
         raise ValueError(f"q and k must share batch dimensions, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}")
 
 
-def log_kernel_matrix(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """``log SM_s(q_i, k_j) = s · q_iᵀ k_j`` for all pairs: ``(..., n_q, n_k)``."""
+def _logits(q, k, scale):
+    """``s · Q Kᵀ`` in the compute dtype (float32 for half-precision inputs)."""
     _check_qk(q, k)
     s = resolve_scale(q.shape[-1], scale)
-    return s * (q @ k.transpose(-1, -2))
+    ct = compute_dtype(q.dtype)
+    return s * (q.to(ct) @ k.to(ct).transpose(-1, -2))
+
+
+def log_kernel_matrix(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """``log SM_s(q_i, k_j) = s · q_iᵀ k_j`` for all pairs: ``(..., n_q, n_k)``, in the inputs' dtype (computed in
+    float32 for half-precision inputs)."""
+    return _logits(q, k, scale).to(q.dtype)
 
 
 def kernel_matrix(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -44,4 +51,4 @@ def kernel_matrix(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) 
     This is the reference every estimator's ``kernel_matrix`` approximates. It materialises the full matrix by
     definition; attention at large ``n`` goes through :func:`kernapprox.softmax_attention`, which never does.
     """
-    return torch.exp(log_kernel_matrix(q, k, scale))
+    return torch.exp(_logits(q, k, scale)).to(q.dtype)     # half inputs: exp in float32, rounded once
