@@ -371,8 +371,10 @@ class RecurrentState:
     """
 
     def __init__(self, estimator: FeatureMap, *, check_finite: bool = True):
-        if not isinstance(estimator, FeatureMap) or isinstance(estimator, ExactKernel):
-            raise TypeError("estimator must be a fitted kernapprox feature map (not the exact kernel)")
+        if not isinstance(estimator, FeatureMap) or isinstance(estimator, ExactKernel) or hasattr(estimator,
+                                                                                                   "attention"):
+            raise TypeError("estimator must be a fitted kernapprox feature map (not the exact kernel, nor an "
+                            f"estimator without a feature map), got {type(estimator).__name__}")
         if "recurrent" not in estimator.modes:
             raise ValueError(f"{type(estimator).__name__} does not support the recurrent mode")
         estimator._check_fitted()
