@@ -54,7 +54,10 @@ def _check_device(device) -> torch.device:
     if isinstance(device, torch.device):
         return device
     if isinstance(device, str):
-        return torch.device(device)
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"device must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
     raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
 
 
