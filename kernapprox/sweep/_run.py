@@ -242,8 +242,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     if seeds is not None:
         if "seed" not in grid:
             raise ValueError(f"seeds: experiment {experiment.name!r} has no 'seed' axis")
-        if isinstance(seeds, bool) or not isinstance(seeds, int) or seeds <= 0:
-            raise ValueError(f"seeds must be a positive integer, got {seeds!r}")
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 < seeds <= sys.maxsize:
+            raise ValueError(f"seeds must be a positive integer (at most {sys.maxsize}), got {seeds!r}")
         grid["seed"] = list(range(seeds))
     grid = select(experiment, grid, only)
     out = Path(out) if out is not None else default_output(experiment, only)
