@@ -1,6 +1,6 @@
 """The state-dimension spectrum: which rank does a sequence's attention need, text against continuous signals?
 
-For each data type and sequence length ``n``, one head's exact matrices are decomposed in float64:
+For each data type and sequence length ``n``, the exact matrices of four heads are decomposed in float64:
 
 * the kernel matrix ``A = exp(s QKᵀ)`` (the quantity every feature map approximates), and
 * the row-normalised attention matrix ``P = softmax(s QKᵀ)``. Any non-causal linear attention with a state of
@@ -8,15 +8,15 @@ For each data type and sequence length ``n``, one head's exact matrices are deco
   is a floor for the attention weights of every such method.
 
 By Eckart–Young the smallest rank reaching relative Frobenius error 1% and 10% follows from the singular values
-(:func:`kernapprox.spectrum.rank_for_relative_error`). On the same head, random-feature and Nyström estimators
-are run on a grid of feature counts ``m ≤ n`` (a state larger than ``n`` is no smaller than the KV cache;
+(:func:`kernapprox.spectrum.rank_for_relative_error`). On the first of these heads, random-feature and Nyström
+estimators are run on a grid of feature counts ``m ≤ n`` (a state larger than ``n`` is no smaller than the KV cache;
 stopping once both errors are ≤ 1%), and the smallest ``m`` of the grid reaching each target is recorded: what
 the best practical estimators need against the optimum. These sweeps cost O(n²m) per ``m`` and run up to
 ``n = 512`` on a CPU (``ESTIMATOR_MAX_N``; 4096 on CUDA); beyond that only the spectra are computed.
 
-Data: ``text_like`` (Zipf tokens with fixed random embeddings), ``real_text`` (one (layer, head) of
-all-MiniLM-L6-v2, drawn per seed among all 72, on Python's help text; beyond 512 tokens consecutive model
-windows are concatenated), and ``continuous_l{ℓ}`` (smooth Gaussian-process trajectories with correlation length
+Data: ``text_like`` (Zipf tokens with fixed random embeddings), ``real_text`` (heads of all-MiniLM-L6-v2, four
+distinct (layer, head) pairs drawn per cell among all 72, on Python's help text; beyond 512 tokens consecutive
+model windows are concatenated), and ``continuous_l{ℓ}`` (smooth Gaussian-process trajectories with correlation length
 ``ℓ`` tokens). Synthetic data run at nominal ``beta = 8`` (logit spread ≈ 1.4, inside the 1.0–3.4 of the real
 heads); real heads at their own temperature. Non-causal throughout (the real model is bidirectional).
 """
@@ -31,7 +31,12 @@ import torch
 import kernapprox as ka
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
-from kernapprox.spectrum import kernel_singular_values, rank_for_relative_error, smallest_size_reaching
+from kernapprox.spectrum import (
+    attention_singular_values,
+    kernel_singular_values,
+    rank_for_relative_error,
+    smallest_size_reaching,
+)
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 SYNTHETIC_BETA = 8.0
@@ -60,7 +65,7 @@ def _grids(real_available: bool) -> dict:
     return {
         "smoke": {"data": ["text_like", *([REAL_VALUE] if real_available else []), "continuous_l8"],
                   "seq_len": [32, 64], "seed": [0]},
-        "default": {"data": data, "seq_len": [128, 256, 512, 1024], "seed": [0, 1, 2]},
+        "default": {"data": data, "seq_len": [128, 256, 512, 1024], "seed": [0, 1]},
         "full": {"data": data, "seq_len": [128, 256, 512, 1024, 2048, 4096], "seed": [0, 1, 2, 3, 4, 5, 6, 7]},
     }
 
@@ -73,25 +78,27 @@ def _real_windows(n: int) -> int:
     return max(4, -(-n // real.WINDOW))
 
 
-_TARGET = {"target": TARGETS}
+HEADS = 4                # heads per cell for the spectra; the estimator sweeps run on head 0
+_HEAD = {"head": list(range(HEADS))}
+_TARGET = {"target": TARGETS} | _HEAD
 _EST_M = {"estimator": ESTIMATORS, "num_features": FEATURE_GRID}
 _EST_T = {"estimator": ESTIMATORS, "target": TARGETS}
 METRICS = {
     "kernel_sv": Metric(long_name="normalised singular values of the kernel matrix", units="1",
                         description="σ_i/σ_1 of A = exp(s QKᵀ), float64, descending (NaN-padded to the longest n)",
-                        dims=("sv_index",)),
+                        dims=("head", "sv_index"), coords=_HEAD),
     "attention_sv": Metric(long_name="normalised singular values of the attention matrix", units="1",
                            description="σ_i/σ_1 of P = softmax(s QKᵀ) (rows sum to 1), float64, descending",
-                           dims=("sv_index",)),
+                           dims=("head", "sv_index"), coords=_HEAD),
     "rank_kernel": Metric(long_name="rank for a relative error of the kernel matrix", units="1",
-                          description="smallest r with ‖A − A_r‖_F ≤ target·‖A‖_F (Eckart–Young)", dims=("target",),
-                          coords=_TARGET),
+                          description="smallest r with ‖A − A_r‖_F ≤ target·‖A‖_F (Eckart–Young)",
+                          dims=("head", "target"), coords=_TARGET),
     "rank_attention": Metric(long_name="rank for a relative error of the attention matrix", units="1",
                              description="smallest r with ‖P − P_r‖_F ≤ target·‖P‖_F (Eckart–Young)",
-                             dims=("target",), coords=_TARGET),
+                             dims=("head", "target"), coords=_TARGET),
     "kernel_error": Metric(long_name="estimator error of the kernel matrix", units="1",
-                           description="‖Â − A‖_F/‖A‖_F of the estimator with m features (NaN: m > n, or not run "
-                                       "after both errors reached 1%)", dims=("estimator", "num_features"),
+                           description="‖Â − A‖_F/‖A‖_F of the estimator with m features on head 0 (NaN: m > n, "
+                                       "or not run after both errors reached 1%)", dims=("estimator", "num_features"),
                            coords=_EST_M),
     "attention_weights_error": Metric(long_name="estimator error of the attention matrix", units="1",
                                       description="‖P̂ − P‖_F/‖P‖_F, P̂ = Â row-normalised", dims=("estimator",
@@ -104,10 +111,12 @@ METRICS = {
                                  description="smallest m of the grid with attention_weights_error ≤ target (NaN: "
                                              "none ≤ n)", dims=("estimator", "target"), coords=_EST_T),
     "beta_eff": Metric(long_name="effective inverse temperature", units="1",
-                       description="s · mean‖q_i‖ · mean‖k_j‖"),
-    "logit_std": Metric(long_name="spread of the logits", units="1", description="std of s q_iᵀk_j over all pairs"),
+                       description="s · mean‖q_i‖ · mean‖k_j‖", dims=("head",), coords=_HEAD),
+    "logit_std": Metric(long_name="spread of the logits", units="1", description="std of s q_iᵀk_j over all pairs",
+                        dims=("head",), coords=_HEAD),
     "distinct_queries": Metric(long_name="distinct query vectors", units="1",
-                               description="number of distinct rows of Q (= distinct tokens for text_like)"),
+                               description="number of distinct rows of Q (= distinct tokens for text_like)",
+                               dims=("head",), coords=_HEAD),
 }
 _NAN = {name: np.nan for name in METRICS}
 
@@ -146,20 +155,20 @@ def run_cell(params, rng, device):
         return dict(_NAN)
     n = params["seq_len"]
     dist = distribution_for(params["data"], n)
-    q, k, _ = dist.sample(n, rng=rng, device=device, dtype=torch.float64)
-    q, k = q[0, 0], k[0, 0]                                                       # (n, d)
+    q, k, _ = dist.sample(n, heads=HEADS, rng=rng, device=device, dtype=torch.float64)
+    q, k = q[0], k[0]                                                             # (heads, n, d)
     logits = ka.log_kernel_matrix(q, k)
-    exact_weights = torch.softmax(logits, -1)
     kernel_sv = kernel_singular_values(q, k)
-    sv = torch.linalg.svdvals(exact_weights)
-    attention_sv = (sv / sv[0]).cpu().numpy()
+    attention_sv = attention_singular_values(q, k)
     out = {
         "kernel_sv": kernel_sv, "attention_sv": attention_sv,
-        "rank_kernel": np.array([rank_for_relative_error(kernel_sv, t) for t in TARGETS], dtype=float),
-        "rank_attention": np.array([rank_for_relative_error(attention_sv, t) for t in TARGETS], dtype=float),
-        "beta_eff": float(effective_beta(q, k)), "logit_std": float(logits.std()),
-        "distinct_queries": float(torch.unique(q, dim=0).shape[0]),
+        "rank_kernel": np.stack([rank_for_relative_error(kernel_sv, t) for t in TARGETS], -1).astype(float),
+        "rank_attention": np.stack([rank_for_relative_error(attention_sv, t) for t in TARGETS], -1).astype(float),
+        "beta_eff": effective_beta(q, k).cpu().numpy(), "logit_std": logits.std(dim=(-1, -2)).cpu().numpy(),
+        "distinct_queries": np.array([float(torch.unique(q[h], dim=0).shape[0]) for h in range(HEADS)]),
     }
+    q, k, logits = q[0], k[0], logits[0]                                          # estimators: head 0
+    exact_weights = torch.softmax(logits, -1)
     exact_kernel = torch.exp(logits)
     shape = (len(ESTIMATORS), len(FEATURE_GRID))
     kern, attn = np.full(shape, np.nan), np.full(shape, np.nan)
@@ -202,6 +211,11 @@ def _best(da, names):
     return da.sel(estimator=names).min("estimator", skipna=True) if names else None
 
 
+def _samples(da):
+    """Seeds and heads pooled into one ``sample`` dimension."""
+    return da.stack(sample=("seed", "head"))
+
+
 def plot(ds, path):
     from matplotlib import ticker
     from matplotlib.patches import Patch
@@ -217,7 +231,7 @@ def plot(ds, path):
                                        ("attention_sv", "attention matrix P = softmax(s QKᵀ)"))):
         ax = axes[0, col]
         for v in values:
-            med, lo, hi = plotting.median_band(ds[var].sel(data=v, seq_len=n_max), dim="seed")
+            med, lo, hi = plotting.median_band(_samples(ds[var].sel(data=v, seq_len=n_max)), dim="sample")
             idx = np.arange(1, med.size + 1)
             ok = np.isfinite(med.values) & (med.values > 0)
             ax.plot(idx[ok], med.values[ok], color=colors[v], label=_label(v))
@@ -233,7 +247,7 @@ def plot(ds, path):
         rank = ds["rank_kernel" if col == 0 else "rank_attention"]
         for v in values:
             for t, style in zip(TARGETS, ("-", "--")):
-                med, lo, hi = plotting.median_band(rank.sel(data=v, target=t), dim="seed")
+                med, lo, hi = plotting.median_band(_samples(rank.sel(data=v, target=t)), dim="sample")
                 ax.plot(ns, med.values, color=colors[v], linestyle=style, marker="o",
                         label=_label(v) if t == TARGETS[0] else None)
                 ax.fill_between(ns, lo.values, hi.values, color=colors[v], alpha=0.12, linewidth=0)
@@ -260,7 +274,7 @@ def plot(ds, path):
         for g, (name, members, color) in enumerate(groups):
             for t_i, t in enumerate(TARGETS):
                 if members is None:
-                    da = ds[rank].sel(seq_len=n_est, target=t)
+                    da = ds[rank].sel(seq_len=n_est, target=t, head=0)     # the estimators' head: paired
                 else:
                     best = _best(ds[feat].sel(seq_len=n_est, target=t), members)
                     if best is None:
@@ -276,6 +290,7 @@ def plot(ds, path):
                        hatch=hatch, linestyle="--", linewidth=0.8)
         ax.axhline(n_est, color="0.5", linestyle=":", linewidth=1.0)
         ax.set_yscale("log", base=2)
+        ax.set_ylim(1, n_est * 1.6)
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xticks(np.arange(len(values)), [_label(v).replace(", ", ",\n").replace(" (", "\n(")
                                                for v in values], fontsize=6.5)
@@ -286,12 +301,14 @@ def plot(ds, path):
     fig.suptitle("The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences")
     beta = SYNTHETIC_BETA
     plotting.save_figure(fig, path, (
-        f"Top left/centre: singular values σ_i/σ_1 of one head's kernel matrix exp(s QKᵀ) and of its row-normalised "
-        f"attention matrix at n = {n_max} (median and 10–90% band over seeds). Bottom left/centre: smallest rank r "
+        f"Top left/centre: singular values σ_i/σ_1 of a head's kernel matrix exp(s QKᵀ) and of its row-normalised "
+        f"attention matrix at n = {n_max} (median and 10–90% band over seeds × {HEADS} heads). Bottom left/centre: "
+        "smallest rank r "
         "whose best (truncated-SVD, Eckart–Young) approximation has relative Frobenius error ≤ 1% (solid) or 10% "
         "(dashed), against n; dotted: r = n. Right: at the largest n where the estimators ran, the optimal rank "
-        "next to the smallest m of a power-of-two grid (m ≤ n) at which the best Nyström and the best "
-        "random-feature estimator reach the target (median over seeds; dashed outline at n: not reached). "
+        "of head 0 next to the smallest m of a power-of-two grid (m ≤ n) at which the best Nyström and the best "
+        "random-feature estimator reach the target on that head (median over seeds; dashed outline at n: not "
+        "reached). "
         f"Synthetic data at nominal beta = {beta:g}, d = 32; real heads of all-MiniLM-L6-v2 on Python's help "
         "text at their own temperature, non-causal."))
 

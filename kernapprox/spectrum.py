@@ -15,6 +15,8 @@ are the eigenvalues) as a secondary view. Its rank bounds the rank of ``A`` from
 
 Both are computed in float64 after subtracting the largest logit (relative spectra are scale-free, and this
 keeps ``exp`` finite for any temperature), from matrices built on the device; ``n`` up to a few thousand.
+:func:`attention_singular_values` does the same for the row-normalised attention matrix ``softmax(s QKᵀ)``,
+whose best rank-``r`` error bounds the attention weights of every rank-``r`` linear attention.
 """
 
 from __future__ import annotations
@@ -52,6 +54,21 @@ def kernel_singular_values(q: torch.Tensor, k: torch.Tensor, scale: float | None
     check_tensor(k, "k")
     a = _normalised_kernel(log_kernel_matrix(q.double(), k.double(), scale))
     sv = torch.linalg.svdvals(a)
+    return (sv / sv[..., :1]).cpu().numpy()
+
+
+def attention_singular_values(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> np.ndarray:
+    """Singular values of the (non-causal) attention matrix ``P = softmax(s · Q Kᵀ)`` (rows sum to one), divided
+    by the largest, descending: ``(..., min(n_q, n_k))``.
+
+    ``P = D⁻¹A`` has the rank of ``A`` but weighs every query row equally; any linear attention with ``r``
+    features gives ``P̂ = D̂⁻¹ Φ(Q)Ψ(K)ᵀ`` of rank ≤ ``r``, so ``eckart_young_errors`` of these values bound the
+    attention-weight error of every rank-``r`` method from below.
+    """
+    check_tensor(q, "q")
+    check_tensor(k, "k")
+    weights = torch.softmax(log_kernel_matrix(q.double(), k.double(), scale), dim=-1)
+    sv = torch.linalg.svdvals(weights)
     return (sv / sv[..., :1]).cpu().numpy()
 
 

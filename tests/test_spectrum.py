@@ -11,6 +11,7 @@ import kernapprox as ka
 from kernapprox import real
 from kernapprox.features.samplers import haar_orthogonal
 from kernapprox.spectrum import (
+    attention_singular_values,
     eckart_young_errors,
     joint_kernel_singular_values,
     kernel_singular_values,
@@ -68,6 +69,8 @@ def test_kernel_spectra_of_a_known_exp_kernel():
     c = math.exp(s * a * a) - 1.0
     expected = np.array([n + c] + [c] * (n - 1))
     np.testing.assert_allclose(kernel_singular_values(q, q.clone()), expected / expected[0], rtol=1e-12)
+    # Rows of J + cI sum to n + c: P = (J + cI)/(n + c) has the same normalised spectrum.
+    np.testing.assert_allclose(attention_singular_values(q, q.clone()), expected / expected[0], rtol=1e-12)
     # Joint [Q; K] with K = Q: [[M, M], [M, M]] has eigenvalues 2·eig(M) and n zeros.
     joint = joint_kernel_singular_values(q, q.clone())
     np.testing.assert_allclose(joint[:n], expected / expected[0], rtol=1e-12)
@@ -91,6 +94,7 @@ def test_kernel_singular_values_stay_finite_at_huge_temperatures():
     q = torch.from_numpy(rng.standard_normal((16, 4)) * 40.0)      # logits up to ~10^4: exp overflows unshifted
     sv = kernel_singular_values(q, q.clone())
     assert np.isfinite(sv).all() and sv[0] == 1.0
+    assert np.isfinite(attention_singular_values(q, q.clone())).all()
 
 
 @pytest.mark.parametrize("bad, exc", [([3.0, -1.0], ValueError), ([1.0, 2.0], ValueError), ([], ValueError),
