@@ -112,7 +112,7 @@ class ProgressStore:
         finished = {}
         for path in sorted(self.cells.glob("*.npz")):
             cell = self._read_cell(path)
-            if cell is None:
+            if cell is None or cell_key(cell["params"]) != path.stem:   # damaged, or another cell's file
                 print(f"warning: unreadable progress file {path} is ignored; its cell runs again", file=sys.stderr)
                 path.unlink(missing_ok=True)
             else:
