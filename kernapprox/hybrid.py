@@ -174,12 +174,11 @@ class WindowLinear(AttentionOnlyEstimator):
         seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk)
         if mode == "parallel":
             num, den, logs = self._block(seq, 0, seq.n_q, 0, seq.n_k, causal, None)
-        elif mode == "chunked":
-            sweep = self._chunked_causal if causal else self._chunked_bidirectional
-            num, den, logs = sweep(seq, chunk_size)
-        else:
-            sweep = self._recurrent_causal if causal else self._recurrent_bidirectional
-            num, den, logs = sweep(seq)
+        else:                                       # recurrent: the chunked sweep one token at a time
+            spans = _spans(seq.n_q, seq.n_k, self.window, chunk_size if mode == "chunked" else 1, causal)
+            blocks = self._causal_blocks(seq, spans) if causal else self._bidirectional_blocks(seq, spans)
+            nums, dens, logs = zip(*blocks)
+            num, den, logs = torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
             return AttentionParts(out, num, den, logs)
@@ -228,59 +227,17 @@ class WindowLinear(AttentionOnlyEstimator):
         den = exact_den * exact_w + lin_den * lin_w
         return num, den, log_scale
 
-    def _chunked_causal(self, seq, chunk):
+    def _causal_blocks(self, seq, spans):
+        """``_block`` of each span in order, the keys before its near keys read from a running prefix state."""
         state = _LinearState()
-        nums, dens, logs = [], [], []
-        for a in range(0, seq.n_q, chunk):
-            b = min(a + chunk, seq.n_q)
-            lo = (max(0, a - self.window + 1) // chunk) * chunk     # keys before lo are outside every window
-            state.add_running(seq, state.hi, lo)
-            num, den, log = self._block(seq, a, b, lo, b, True, state.read(seq, a, b))
-            nums.append(num)
-            dens.append(den)
-            logs.append(log)
-        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+        for a, b, lo, hi in spans:
+            state.add_running(seq, state.hi, lo)                    # keys that left every window so far
+            yield self._block(seq, a, b, lo, hi, True, state.read(seq, a, b))
 
-    def _chunked_bidirectional(self, seq, chunk):
-        w, n_k = self.window, seq.n_k
-        spans = []
-        for a in range(0, seq.n_q, chunk):
-            b = min(a + chunk, seq.n_q)
-            lo = min(n_k, (max(0, a - w + 1) // chunk) * chunk)
-            hi = min(n_k, -(-(b - 1 + w) // chunk) * chunk)
-            spans.append((a, b, lo, hi))
-        far = _far_reads(seq, spans)
-        nums, dens, logs = [], [], []
-        for (a, b, lo, hi), far_ab in zip(spans, far):
-            num, den, log = self._block(seq, a, b, lo, hi, False, far_ab)
-            nums.append(num)
-            dens.append(den)
-            logs.append(log)
-        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
-
-    def _recurrent_causal(self, seq):
-        state = _LinearState()
-        nums, dens, logs = [], [], []
-        for t in range(seq.n_q):
-            lo = max(0, t - self.window + 1)
-            state.add_running(seq, state.hi, lo)                    # the key that just left the window
-            num, den, log = self._block(seq, t, t + 1, lo, t + 1, True, state.read(seq, t, t + 1))
-            nums.append(num)
-            dens.append(den)
-            logs.append(log)
-        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
-
-    def _recurrent_bidirectional(self, seq):
-        w, n_k = self.window, seq.n_k
-        spans = [(t, t + 1, min(n_k, max(0, t - w + 1)), min(n_k, t + w)) for t in range(seq.n_q)]
-        far = _far_reads(seq, spans)
-        nums, dens, logs = [], [], []
-        for (a, b, lo, hi), far_ab in zip(spans, far):
-            num, den, log = self._block(seq, a, b, lo, hi, False, far_ab)
-            nums.append(num)
-            dens.append(den)
-            logs.append(log)
-        return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+    def _bidirectional_blocks(self, seq, spans):
+        """``_block`` of each span, the keys outside its near keys read from prefix and suffix states."""
+        for (a, b, lo, hi), far in zip(spans, _far_reads(seq, spans)):
+            yield self._block(seq, a, b, lo, hi, False, far)
 
 
 class Scatterbrain(WindowLinear):
@@ -334,6 +291,21 @@ class _Sequence:
     def __init__(self, q, k, v, pq, lq, pk, lk):
         self.q, self.k, self.v, self.pq, self.lq, self.pk, self.lk = q, k, v, pq, lq, pk, lk
         self.n_q, self.n_k = q.shape[-2], k.shape[-2]
+
+
+def _spans(n_q, n_k, window, chunk, causal):
+    """``(a, b, lo, hi)`` per block of ``chunk`` queries ``[a, b)``: the near keys ``[lo, hi)`` handled by
+    ``_block``, the band widened to chunk boundaries (``chunk = 1``: exactly the band, token by token). Causal
+    blocks end their near keys at ``b``; ``lo`` and ``hi`` never decrease."""
+    spans = []
+    for a in range(0, n_q, chunk):
+        b = min(a + chunk, n_q)
+        lo = (max(0, a - window + 1) // chunk) * chunk              # keys before lo are outside every band
+        if causal:
+            spans.append((a, b, lo, b))
+        else:
+            spans.append((a, b, min(n_k, lo), min(n_k, -(-(b - 1 + window) // chunk) * chunk)))
+    return spans
 
 
 def _masks(a, b, lo, hi, window, causal, device):
