@@ -9,6 +9,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PRESET ?= default
 DEVICE ?= auto
+# torch threads per experiment: cells are small, so one thread each and `make -j N figures` use the cores best.
+THREADS ?= 1
 # The torch pinned when none is importable: the CPU-friendly build. An existing torch is never replaced.
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,dask,real
@@ -18,12 +20,14 @@ comma  := ,
 EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
 RESULTS     := $(patsubst %,results/%.nc,$(EXPERIMENTS))
 FIGURES     := $(patsubst %,figures/%.png,$(EXPERIMENTS))
-LIBRARY     := $(wildcard kernapprox/*.py kernapprox/*/*.py)
+LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py kernapprox/*/*.py))
+# Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
+CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install test test-slow lint figures results bench clean distclean help
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
-	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE)), build figures/*.png"
+	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS)), build figures/*.png"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
 	@echo "make test-slow - the long statistical tests (marker 'slow')"
@@ -49,12 +53,18 @@ lint: install
 results: $(RESULTS)
 figures: $(FIGURES)
 
-# A dataset depends on its experiment and the library; a figure depends on its dataset only.
-results/%.nc: experiments/%.py $(LIBRARY) | $(STAMP)
+# A dataset depends on its experiment, the library and the configuration; a figure is drawn from its dataset
+# only (and the house style). An interrupted run resumes from results/<name>.nc.partial/; a failing cell stops
+# make with the cell's parameters and traceback.
+$(CONFIG):
 	@mkdir -p results
-	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --out $@
+	@rm -f results/.config-*
+	@touch $@
 
-figures/%.png: results/%.nc | $(STAMP)
+results/%.nc: experiments/%.py $(LIBRARY) $(CONFIG) | $(STAMP)
+	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ --no-figure
+
+figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.$* --plot-only --out $< --figure $@
 
 bench: install

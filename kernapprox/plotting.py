@@ -27,12 +27,16 @@ from matplotlib import ticker
 from matplotlib.figure import Figure
 
 FAMILY_COLORS = {  # one hue per estimator family, the same in every figure
-    "trig": "#0173b2", "positive": "#de8f05", "hyperbolic": "#029e73", "gerf": "#d55e00", "oprf": "#cc78bc",
-    "nystrom": "#ca9161", "taylor": "#fbafe4", "lowrank": "#000000", "exact": "#949494",
+    "trig": "#0173b2", "positive": "#de8f05", "hyperbolic": "#029e73", "maclaurin": "#56b4e9",
+    "gerf": "#d55e00", "oprf": "#cc78bc", "sderf": "#8c564b", "aderf": "#7b3294", "saderf": "#b8a000",
+    "nystrom": "#ca9161", "nystromformer": "#a6761d", "scatterbrain": "#1b3a6b", "window": "#6a6a6a",
+    "taylor2": "#e7298a", "elu1": "#66a61e", "dpfp": "#a6cee3", "lowrank": "#000000", "exact": "#949494",
 }
-SAMPLER_STYLES = {  # one line style and marker per projection sampler
+VARIANT_STYLES = {  # one line style and marker per projection sampler or named variant
     "iid": ("-", "o"), "orthogonal": ("--", "s"), "qmc": (":", "^"), "sorf": ("-.", "D"),
     "regularized": ((0, (1, 1)), "v"), "halton": ((0, (3, 1, 1, 1)), "P"),
+    "uniform": ("-", "o"), "kmeans": ("--", "s"), "rls": (":", "^"), "linear": ("--", "*"), "exact": (":", "x"),
+    "optimal": ("-", None), "based": ("--", "d"),
 }
 _EXTRA_STYLES = [("-", "X"), ("--", "*"), (":", "p"), ("-.", "h"), ((0, (5, 1)), "<"), ((0, (1, 2)), ">")]
 _EXTRA_COLORS = sns.color_palette("dark", 10).as_hex()
@@ -66,7 +70,7 @@ def estimator_style(name: str) -> dict:
     identical in every figure."""
     family, variant = split_estimator_name(name)
     color = FAMILY_COLORS.get(family) or _EXTRA_COLORS[zlib.crc32(family.encode()) % len(_EXTRA_COLORS)]
-    linestyle, marker = SAMPLER_STYLES.get(variant) or _EXTRA_STYLES[zlib.crc32(variant.encode()) %
+    linestyle, marker = VARIANT_STYLES.get(variant) or _EXTRA_STYLES[zlib.crc32(variant.encode()) %
                                                                       len(_EXTRA_STYLES)]
     return {"color": color, "linestyle": linestyle, "marker": marker, "label": name}
 

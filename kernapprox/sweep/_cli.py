@@ -56,6 +56,8 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
     parser.add_argument("--no-resume", dest="resume", action="store_false",
                         help="discard the progress of an interrupted run and start over")
     parser.add_argument("--root-seed", type=int, default=0, metavar="S", help="root seed of every cell (default 0)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch threads per running cell (default: torch's choice; cores/workers in a pool)")
     parser.add_argument("--max-retries", type=int, default=2, metavar="K",
                         help="resubmissions of a cell lost with its worker (default 2)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figure from the dataset at --out")
@@ -97,7 +99,7 @@ def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
         else:
             ds = run(experiment, preset=args.preset, out=out, device=args.device, only=only or None,
                      workers=args.workers, resume=args.resume, seeds=args.seeds, root_seed=args.root_seed,
-                     dask=args.dask, scheduler=args.scheduler, max_retries=args.max_retries,
+                     dask=args.dask, scheduler=args.scheduler, max_retries=args.max_retries, threads=args.threads,
                      progress=False if args.quiet else None,
                      history=f"python -m {experiment.module} " + " ".join(raw))
         if figure is not None and (args.plot_only or args.draw):

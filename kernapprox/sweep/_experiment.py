@@ -10,6 +10,7 @@ cell's numbers.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import numbers
 import re
@@ -120,6 +121,11 @@ class Experiment:
         Reads the dataset only and writes a PNG.
     allow_tf32 : bool
         Leave TF32 matmuls enabled on CUDA (timing studies). Error studies keep the default ``False``.
+    data_axes : tuple of str
+        Common random numbers: when given, ``run_cell`` also receives ``data_rng``, a ``Generator`` derived from
+        the values of these axes only (:func:`data_seed_sequence`), so every cell that shares them draws the same
+        data (e.g. the same queries and keys for every estimator and rank: paired comparisons, and exact
+        references that a cell may memoise by ``data_rng.bit_generator.seed_seq``). ``rng`` stays per cell.
     module : str, optional
         Importable module holding the experiment (found from ``run_cell``); worker processes import it.
     """
@@ -132,6 +138,7 @@ class Experiment:
     run_cell: Callable
     plot: Callable
     allow_tf32: bool = False
+    data_axes: tuple[str, ...] = ()
     module: str | None = field(default=None)
 
     def __post_init__(self):
@@ -165,6 +172,11 @@ class Experiment:
             clash = {name, *metric.dims} & set(axes[0])
             if clash:
                 raise ValueError(f"metric {name!r} uses names that are grid axes: {sorted(clash)}")
+        if isinstance(self.data_axes, str) or not all(a in axes[0] for a in self.data_axes):
+            raise ValueError(f"data_axes must be a tuple of grid axes {axes[0]}, got {self.data_axes!r}")
+        object.__setattr__(self, "data_axes", tuple(self.data_axes))
+        if self.data_axes and "data_rng" not in inspect.signature(self.run_cell).parameters:
+            raise TypeError("an experiment with data_axes needs run_cell(params, rng, device, data_rng)")
         object.__setattr__(self, "grids", grids)
         object.__setattr__(self, "metrics", dict(self.metrics))
         if self.module is None:
@@ -216,6 +228,19 @@ def cell_seed_sequence(experiment_name: str, params: Mapping, root_seed: int) ->
     if isinstance(root_seed, bool) or not isinstance(root_seed, numbers.Integral) or root_seed < 0:
         raise ValueError(f"root_seed must be a non-negative integer, got {root_seed!r}")
     return np.random.SeedSequence(int(root_seed), spawn_key=cell_spawn_key(experiment_name, params))
+
+
+def data_spawn_key(experiment_name: str, params: Mapping, data_axes) -> tuple[int, ...]:
+    """``spawn_key`` of the data stream shared by all cells with the same values of ``data_axes``."""
+    return (_hash64(f"experiment={experiment_name}"), _hash64("stream=data"),
+            *(_hash64(f"{axis}={canonical_value(params[axis])}") for axis in sorted(data_axes)))
+
+
+def data_seed_sequence(experiment_name: str, params: Mapping, data_axes, root_seed: int) -> np.random.SeedSequence:
+    """``SeedSequence(root_seed, spawn_key=data_spawn_key(...))``: the data stream of an experiment with
+    ``data_axes`` (see :class:`Experiment`)."""
+    cell_seed_sequence(experiment_name, {}, root_seed)  # validates root_seed
+    return np.random.SeedSequence(int(root_seed), spawn_key=data_spawn_key(experiment_name, params, data_axes))
 
 
 def iter_cells(grid: Mapping[str, Sequence]):

@@ -101,9 +101,11 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device, executor: str,
-                     precision: dict, history: str, fingerprint: str) -> dict:
+                     precision: dict, history: str, fingerprint: str, cell_threads: int | None = None) -> dict:
     """Global attributes of a result dataset (strings and numbers; JSON for structures)."""
     threads = thread_counts()
+    if cell_threads is not None:
+        threads["torch_num_threads"] = cell_threads
     where = _module_dir(experiment.module)
     return {
         "title": experiment.title,
@@ -123,5 +125,8 @@ def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device
         "precision": json.dumps(precision),
         "history": history,
         "seeding": "cell rng = numpy SeedSequence(root_seed, spawn_key=(blake2b-64 of 'experiment=<name>', "
-                   "blake2b-64 of '<axis>=<json value>' for each axis sorted by name))",
+                   "blake2b-64 of '<axis>=<json value>' for each axis sorted by name))"
+                   + (f"; data_rng: spawn_key=(blake2b-64 of 'experiment=<name>', of 'stream=data', of "
+                      f"'<axis>=<json value>' for the data axes {list(experiment.data_axes)})"
+                      if experiment.data_axes else ""),
     }

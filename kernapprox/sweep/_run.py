@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import xarray as xr
 
-from ._experiment import Experiment, cell_key, cell_spawn_key, grid_size, iter_cells, select
+from ._experiment import Experiment, cell_key, cell_spawn_key, data_spawn_key, grid_size, iter_cells, select
 from ._provenance import code_fingerprint, command_line, provenance_attrs
 from ._store import ProgressStore, assemble, check_output_path, write
 from ._worker import CellError, CellTask, execute_cell, init_pool_worker
@@ -93,15 +93,15 @@ class _Plan:
             close()
 
 
-def _threads_per_worker(workers: int) -> int:
-    return max(1, (os.cpu_count() or 1) // workers)
+def _threads_per_worker(workers: int, threads: int | None) -> int:
+    return threads or max(1, (os.cpu_count() or 1) // workers)
 
 
-def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor) -> _Plan:
+def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor, threads: int | None) -> _Plan:
     if executor is not None:
         if not isinstance(executor, cf.Executor):
             raise TypeError(f"executor must be a concurrent.futures.Executor, got {type(executor).__name__}")
-        return _Plan(executor, f"{type(executor).__name__} (given)", window=1024)
+        return _Plan(executor, f"{type(executor).__name__} (given)", window=1024, num_threads=threads)
     if scheduler or use_dask:
         try:
             from distributed import Client, LocalCluster
@@ -111,7 +111,7 @@ def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor) ->
         if scheduler:
             client = Client(scheduler)
             description = f"dask.distributed at {scheduler}"
-            num_threads = None
+            num_threads = threads
         else:
             if workers <= 0:
                 raise ValueError("--dask needs --workers N (N >= 1 worker processes for the LocalCluster)")
@@ -120,7 +120,7 @@ def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor) ->
             closers.append(cluster.close)
             client = Client(cluster)
             description = f"dask.distributed LocalCluster, {workers} worker processes"
-            num_threads = _threads_per_worker(workers)
+            num_threads = _threads_per_worker(workers, threads)
         closers.append(client.close)
         slots = max(1, sum(client.nthreads().values()))
         plan = _Plan(client.get_executor(pure=False), description, window=max(4, 4 * slots),
@@ -129,10 +129,11 @@ def _make_plan(workers: int, use_dask: bool, scheduler: str | None, executor) ->
     if workers > 0:
         def pool():
             return cf.ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-                                          initializer=init_pool_worker, initargs=(_threads_per_worker(workers),))
+                                          initializer=init_pool_worker,
+                                          initargs=(_threads_per_worker(workers, threads),))
         return _Plan(pool(), f"process pool, {workers} workers", window=2 * workers,
-                     num_threads=_threads_per_worker(workers), rebuild=pool)
-    return _Plan(_InlineExecutor(), "in-process", window=1)
+                     num_threads=_threads_per_worker(workers, threads), rebuild=pool)
+    return _Plan(_InlineExecutor(), "in-process", window=1, num_threads=threads)
 
 
 def _execute(tasks: list[CellTask], plan: _Plan, max_retries: int, on_done) -> None:
@@ -194,8 +195,8 @@ def _drain(queue, pending, plan, lose, rebuild, on_done):
 # ------------------------------------------------------------------------------------------------------ run
 def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", only=None, workers: int = 0,
         resume: bool = True, *, seeds: int | None = None, root_seed: int = 0, executor=None, dask: bool = False,
-        scheduler: str | None = None, max_retries: int = 2, progress: bool | None = None,
-        history: str | None = None) -> xr.Dataset:
+        scheduler: str | None = None, max_retries: int = 2, threads: int | None = None,
+        progress: bool | None = None, history: str | None = None) -> xr.Dataset:
     """Run ``experiment``'s grid ``preset`` and write the dataset to ``out``; returns the dataset.
 
     Parameters
@@ -226,6 +227,10 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         Address of a running ``dask.distributed`` scheduler.
     max_retries : int
         Resubmissions of a cell lost to the infrastructure.
+    threads : int, optional
+        torch threads per running cell (default: torch's own choice in-process, the cores divided among pool
+        workers). Small CPU problems run faster with 1 thread per process than with threads that wait on each
+        other, especially when several runs share the machine (``make -j``).
     progress : bool, optional
         Progress bar (default: when stderr is a terminal).
     history : str, optional
@@ -236,6 +241,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     for name, value in (("workers", workers), ("max_retries", max_retries)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
+        raise ValueError(f"threads must be a positive integer, got {threads!r}")
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be a bool, got {resume!r}")
     grid = experiment.grid(preset)
@@ -259,6 +266,7 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     manifest = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
                 "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32}
     store = ProgressStore(out)
+    driver_threads = torch.get_num_threads()  # in-process cells may change it; put it back afterwards
     try:
         finished, note = store.open(manifest, resume)
         if note:
@@ -267,9 +275,12 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         keys = [cell_key(p) for p in cells]
         todo = [p for p, k in zip(cells, keys) if k not in finished]
         reused = len(cells) - len(todo)
-        plan = _make_plan(workers, dask, scheduler, executor) if todo else _Plan(_InlineExecutor(), "none", 1)
+        plan = (_make_plan(workers, dask, scheduler, executor, threads) if todo
+                else _Plan(_InlineExecutor(), "none", 1))
         tasks = [CellTask(experiment.module, experiment.name, p, root_seed, cell_spawn_key(experiment.name, p),
-                          str(dev), experiment.allow_tf32, plan.num_threads) for p in todo]
+                          str(dev), experiment.allow_tf32, plan.num_threads,
+                          data_spawn_key(experiment.name, p, experiment.data_axes) if experiment.data_axes else None)
+                 for p in todo]
         show = sys.stderr.isatty() if progress is None else bool(progress)
         from tqdm.auto import tqdm
 
@@ -293,7 +304,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         precision = {"cuda_matmul_allow_tf32": experiment.allow_tf32, "cudnn_allow_tf32": experiment.allow_tf32,
                      "float32_matmul_precision": "high" if experiment.allow_tf32 else "highest"}
         attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description, precision,
-                                 history if history is not None else command_line(), fingerprint)
+                                 history if history is not None else command_line(), fingerprint,
+                                 plan.num_threads)
         attrs.update({"time_start": started.isoformat(timespec="seconds"),
                       "time_end": ended.isoformat(timespec="seconds"), "wall_seconds": round(wall, 3),
                       "cells_total": grid_size(grid), "cells_run": len(tasks), "cells_reused": reused,
@@ -303,6 +315,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         write(ds, out)
     finally:
         store.release()
+        if torch.get_num_threads() != driver_threads:
+            torch.set_num_threads(driver_threads)
     store.remove()
     print(f"{experiment.name} [{preset}]: {len(tasks)} cells run, {reused} reused, "
           f"{time.perf_counter() - clock:.1f} s on {dev} "

@@ -48,6 +48,7 @@ class CellTask:
     device: str
     allow_tf32: bool = False
     num_threads: int | None = None
+    data_spawn_key: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -144,9 +145,13 @@ def execute_cell(task: CellTask) -> CellOutcome:
         set_precision(task.allow_tf32)
         device = torch.device(task.device)
         rng = np.random.default_rng(np.random.SeedSequence(task.root_seed, spawn_key=task.spawn_key))
+        extra = {}
+        if task.data_spawn_key is not None:
+            extra["data_rng"] = np.random.default_rng(np.random.SeedSequence(task.root_seed,
+                                                                             spawn_key=task.data_spawn_key))
         try:
             start = time.perf_counter()
-            result = experiment.run_cell(dict(task.params), rng, device)
+            result = experiment.run_cell(dict(task.params), rng, device, **extra)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start

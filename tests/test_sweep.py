@@ -1,0 +1,318 @@
+"""The experiment engine: grids, seeding, the dataset and its provenance, resume after SIGKILL, executors
+(process pool with a dying worker, dask), slices, and refusal to overwrite foreign files.
+
+Runs use ``tests/toy_experiment.py`` (numpy only, with failure points set by environment variables), so results
+are bitwise reproducible across processes and executors.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import xarray as xr
+
+import kernapprox.sweep as sweep
+from kernapprox.sweep import Experiment, Metric
+from kernapprox.sweep._experiment import cell_spawn_key
+from kernapprox.sweep._store import ProgressStore
+
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
+import toy_experiment  # noqa: E402
+
+TOY = toy_experiment.EXPERIMENT
+METRIC_VARS = ["mean", "draws", "ragged"]
+
+
+def run_toy(tmp_path, name="toy.nc", **kw):
+    kw.setdefault("preset", "smoke")
+    return sweep.run(TOY, out=tmp_path / name, device="cpu", progress=False, **kw)
+
+
+def pick(ds, cell):
+    """``ds`` at one cell, keeping its dims (by position: xarray reads a list of bools as a mask)."""
+    return ds.isel({axis: [list(ds[axis].values).index(value)] for axis, value in cell.items()})
+
+
+def assert_same_metrics(a, b):
+    for var in METRIC_VARS:
+        np.testing.assert_array_equal(a[var].values, b[var].values, err_msg=var)
+
+
+def toy_subprocess(args, tmp_path, **env):
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+                **env}
+    return subprocess.run([sys.executable, "-m", "toy_experiment", "--quiet", "--no-figure", *args],
+                          cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The toy smoke grid run once, uninterrupted, in this process."""
+    return run_toy(tmp_path_factory.mktemp("ref"))
+
+
+# ---------------------------------------------------------------------------------------------- definitions
+def _experiment(**overrides):
+    kw = dict(name="t", title="T", description="D", grids={"smoke": {"a": [1, 2]}},
+              metrics={"m": Metric(long_name="m", units="1", description="d")},
+              run_cell=lambda params, rng, device: {"m": 0.0}, plot=lambda ds, path: None)
+    return Experiment(**{**kw, **overrides})
+
+
+@pytest.mark.parametrize("grid, error", [
+    ({"a": [1, 2.0]}, TypeError),                 # mixed types on one axis
+    ({"a": [np.int64(1)]}, TypeError),            # numpy integers are not silently converted
+    ({"a": [1, 1]}, ValueError),                  # duplicate values
+    ({"a": []}, ValueError),
+    ({"a": "xy"}, ValueError),                    # a string is not a list of values
+    ({"a": [float("nan")]}, ValueError),
+    ({"m": [1]}, ValueError),                     # axis named like a metric
+    ({"not an id": [1]}, ValueError),
+])
+def test_bad_grids_are_refused(grid, error):
+    with pytest.raises(error):
+        _experiment(grids={"smoke": grid})
+
+
+def test_presets_must_share_axes_and_types():
+    with pytest.raises(ValueError, match="same axes"):
+        _experiment(grids={"smoke": {"a": [1]}, "full": {"b": [1]}})
+    with pytest.raises(TypeError, match="type"):
+        _experiment(grids={"smoke": {"a": [1]}, "full": {"a": [1.0]}})
+
+
+def test_data_axes_need_a_data_rng_parameter():
+    with pytest.raises(TypeError, match="data_rng"):
+        _experiment(data_axes=("a",))
+    with pytest.raises(ValueError, match="data_axes"):
+        _experiment(data_axes=("zz",), run_cell=lambda params, rng, device, data_rng: {"m": 0.0})
+
+
+def test_unknown_preset_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="smoke, wide"):
+        TOY.grid("default")
+
+
+# ------------------------------------------------------------------------------------------------- seeding
+def test_seed_depends_on_values_not_positions_or_order():
+    p = {"family": "a", "size": 3, "flag": True, "scale": 2.0, "seed": 1}
+    reordered = dict(reversed(list(p.items())))
+    assert cell_spawn_key("toy", p) == cell_spawn_key("toy", reordered)
+    assert cell_spawn_key("toy", p) != cell_spawn_key("other", p)
+    for axis, other in [("size", 1), ("flag", False), ("scale", 0.5), ("seed", 0), ("family", "b")]:
+        assert cell_spawn_key("toy", {**p, axis: other}) != cell_spawn_key("toy", p)
+    a = np.random.default_rng(sweep.cell_seed_sequence("toy", p, 0)).random(3)
+    b = np.random.default_rng(sweep.cell_seed_sequence("toy", p, 1)).random(3)
+    assert not np.array_equal(a, b)
+
+
+def test_extending_the_grid_keeps_every_existing_cell(tmp_path, reference):
+    wide = run_toy(tmp_path, preset="wide")
+    assert_same_metrics(wide.reindex_like(reference), reference)
+
+
+# ------------------------------------------------------------------------------------------------- dataset
+def test_dataset_layout_metadata_and_provenance(reference, tmp_path):
+    ds = reference
+    assert list(ds["mean"].dims) == TOY.axes
+    assert list(ds["draws"].dims) == TOY.axes + ["draw"]
+    assert list(ds["draws"].draw.values) == [0, 1, 2, 3, 4]
+    assert ds["flag"].dtype == bool and list(ds["family"].values) == ["a", "b"]
+    for name, metric in TOY.metrics.items():
+        assert ds[name].attrs == {"long_name": metric.long_name, "units": metric.units,
+                                  "description": metric.description}
+    assert ds["cell_seconds"].attrs["units"] == "s" and bool((ds["cell_seconds"] >= 0).all())
+    # ragged array metric: padded with NaN after `size` values
+    ragged = ds["ragged"].sel(size=1)
+    assert bool(ragged.isel(item=0).notnull().all()) and bool(ragged.isel(item=slice(1, None)).isnull().all())
+    attrs = ds.attrs
+    assert attrs[sweep.MARKER] == "toy" and attrs["experiment"] == "toy" and attrs["preset"] == "smoke"
+    assert json.loads(attrs["grid"]) == TOY.grid("smoke")
+    assert attrs["root_seed"] == 0
+    assert attrs["git_revision"] == "unknown" or len(attrs["git_revision"].split("+")[0]) == 40
+    versions = json.loads(attrs["package_versions"])
+    assert {"numpy", "scipy", "torch", "xarray", "sklearn", "kernapprox", "python"} <= set(versions)
+    assert attrs["device"].startswith("cpu")
+    assert attrs["torch_num_threads"] >= 1 and "torch_num_interop_threads" in attrs
+    assert json.loads(attrs["precision"]) == {"cuda_matmul_allow_tf32": False, "cudnn_allow_tf32": False,
+                                              "float32_matmul_precision": "highest"}
+    assert attrs["cells_run"] == attrs["cells_total"] == 32 and attrs["cells_reused"] == 0
+    assert attrs["time_start"] <= attrs["time_end"] and attrs["history"]
+
+
+def test_run_leaves_no_temporaries_and_restores_precision_switches(tmp_path):
+    before = torch.get_float32_matmul_precision()
+    run_toy(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["toy.nc"]
+    assert torch.get_float32_matmul_precision() == before
+    xr.testing.assert_identical(sweep.load(tmp_path / "toy.nc"), sweep.load(tmp_path / "toy.nc"))
+
+
+def test_non_applicable_cells_are_nan_and_missing_cells_too(tmp_path):
+    ds = run_toy(tmp_path, preset="wide", only={"family": ["b", "c"], "size": 2, "seed": 0})
+    assert dict(ds.sizes)["family"] == 2 and dict(ds.sizes)["size"] == 1
+    assert bool(ds["mean"].sel(family="c").isnull().all()) and bool(ds["mean"].sel(family="b").notnull().all())
+
+
+# ---------------------------------------------------------------------------------------------- slices, CLI
+def test_single_cell_rerun_reproduces_the_stored_value(tmp_path, reference):
+    cell = {"family": "b", "size": 3, "flag": True, "scale": 2.0, "seed": 1}
+    alone = run_toy(tmp_path, only=cell)
+    assert alone["mean"].size == 1
+    assert_same_metrics(alone, pick(reference, cell))
+
+
+def test_only_and_seeds_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="valid: a, b, c"):
+        run_toy(tmp_path, only={"family": "z"})
+    with pytest.raises(TypeError, match="takes int"):
+        run_toy(tmp_path, only={"size": "1"})
+    with pytest.raises(ValueError, match="unknown axis"):
+        run_toy(tmp_path, only={"colour": "a"})
+    ds = run_toy(tmp_path, seeds=3, only={"family": "a", "size": 1, "flag": False, "scale": 0.5})
+    assert list(ds.seed.values) == [0, 1, 2]
+
+
+def test_help_explains_the_grid(capsys):
+    parser = sweep.build_parser(TOY)
+    text = parser.format_help()
+    assert "smoke — 32 cells" in text and "wide — 162 cells" in text
+    assert "family: a, b, c" in text and "ragged [item]" in text
+    with pytest.raises(SystemExit):
+        sweep.run_cli(TOY, ["--only", "size"])
+    assert "AXIS=VALUE" in capsys.readouterr().err
+
+
+def test_cli_slice_goes_to_its_own_file_and_bad_values_fail_loudly(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    sweep.run_cli(TOY, ["--preset", "smoke", "--quiet", "--only", "family=a", "size=1", "flag=false",
+                        "scale=0.5", "seed=0"])
+    assert (tmp_path / "results" / "toy.only.nc").exists() and not (tmp_path / "results" / "toy.nc").exists()
+    with pytest.raises(SystemExit) as info:
+        sweep.run_cli(TOY, ["--preset", "smoke", "--quiet", "--only", "size=x"])
+    assert info.value.code == 2 and "expected a int" in capsys.readouterr().err
+
+
+def test_device_resolution():
+    assert sweep.resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="device"):
+        sweep.resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            sweep.resolve_device("cuda")
+
+
+# ----------------------------------------------------------------------------------------- resume, failure
+def test_resume_after_sigkill_computes_only_missing_cells(tmp_path, reference):
+    killed = toy_subprocess(["--preset", "smoke", "--out", "r/toy.nc"], tmp_path, TOY_KILL_AT_CELL="10")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert not (tmp_path / "r" / "toy.nc").exists()                    # nothing half-written at the final path
+    assert len(list((tmp_path / "r" / "toy.nc.partial" / "cells").glob("*.npz"))) == 9
+    resumed = toy_subprocess(["--preset", "smoke", "--out", "r/toy.nc"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    ds = sweep.load(tmp_path / "r" / "toy.nc")
+    assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (23, 9)
+    assert_same_metrics(ds, reference)
+    assert not (tmp_path / "r" / "toy.nc.partial").exists()
+
+
+def test_failing_cell_fails_loudly_keeps_progress_and_no_resume_starts_over(tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
+    with pytest.raises(sweep.CellError, match="broken on purpose") as info:
+        run_toy(tmp_path)
+    assert info.value.params["family"] == "b" and "Traceback" in info.value.remote_traceback
+    assert not (tmp_path / "toy.nc").exists()
+    monkeypatch.delenv("TOY_FAIL_FAMILY")
+    ds = run_toy(tmp_path)
+    assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (16, 16)     # the family-a half was kept
+    assert_same_metrics(ds, reference)
+    monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
+    with pytest.raises(sweep.CellError):
+        run_toy(tmp_path)
+    monkeypatch.delenv("TOY_FAIL_FAMILY")
+    assert run_toy(tmp_path, resume=False).attrs["cells_reused"] == 0
+
+
+def test_progress_from_another_root_seed_is_not_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
+    with pytest.raises(sweep.CellError):
+        run_toy(tmp_path, root_seed=5)
+    monkeypatch.delenv("TOY_FAIL_FAMILY")
+    ds = run_toy(tmp_path, root_seed=6)
+    assert ds.attrs["cells_reused"] == 0 and ds.attrs["root_seed"] == 6
+
+
+def test_a_locked_store_refuses_a_second_run(tmp_path):
+    store = ProgressStore(tmp_path / "toy.nc")
+    store.open({"experiment": "toy"}, resume=True)
+    try:
+        with pytest.raises(RuntimeError, match="another run"):
+            run_toy(tmp_path)
+    finally:
+        store.release()
+
+
+# -------------------------------------------------------------------------------------------- output path
+def test_corrupt_foreign_or_other_experiment_outputs_are_never_overwritten(tmp_path):
+    garbage = tmp_path / "garbage.nc"
+    garbage.write_bytes(b"not a netCDF file at all")
+    foreign = tmp_path / "foreign.nc"
+    xr.Dataset({"x": ("t", [1.0, 2.0])}).to_netcdf(foreign, engine="h5netcdf")
+    other = tmp_path / "other.nc"
+    xr.Dataset(attrs={sweep.MARKER: "kernel_error"}).to_netcdf(other, engine="h5netcdf")
+    for path, message in [(garbage, "not a readable netCDF"), (foreign, "not a kernapprox result"),
+                          (other, "results of experiment 'kernel_error'")]:
+        before = path.read_bytes()
+        with pytest.raises(sweep.OutputPathError, match=message):
+            sweep.run(TOY, out=path, device="cpu", progress=False)
+        assert path.read_bytes() == before
+    with pytest.raises(ValueError, match="not a kernapprox result"):
+        sweep.load(foreign)
+    with pytest.raises(FileNotFoundError):
+        sweep.load(tmp_path / "missing.nc")
+
+
+# --------------------------------------------------------------------------------------------- executors
+def test_process_pool_survives_a_dying_worker_without_losing_or_duplicating_cells(tmp_path, reference,
+                                                                                   monkeypatch):
+    marker = tmp_path / "died"
+    monkeypatch.setenv("TOY_DIE_ONCE", str(marker))
+    ds = run_toy(tmp_path, workers=2)
+    assert marker.exists()                                              # a worker really was killed
+    assert ds.attrs["executor"].startswith("process pool") and ds.attrs["cells_run"] == 32
+    assert_same_metrics(ds, reference)
+
+
+def test_worker_deaths_beyond_max_retries_raise(tmp_path):
+    from concurrent.futures import Future
+
+    from kernapprox.sweep._run import _execute, _Plan
+
+    class Lossy:  # every task is lost with its worker
+        def submit(self, fn, *args):
+            future = Future()
+            future.set_exception(ConnectionError("worker died"))
+            return future
+
+    task = sweep._worker.CellTask("toy_experiment", "toy", {"family": "a"}, 0, (1,), "cpu")
+    with pytest.raises(sweep.SweepError, match="lost 3 times"):
+        _execute([task], _Plan(Lossy(), "lossy", window=1), max_retries=2, on_done=lambda *a: None)
+
+
+def test_dask_local_cluster_on_loopback(tmp_path, reference):
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, protocol="tcp",
+                                  host="127.0.0.1", dashboard_address=None) as cluster:
+        by_address = run_toy(tmp_path, "a.nc", scheduler=cluster.scheduler_address)
+        with distributed.Client(cluster) as client:
+            by_executor = run_toy(tmp_path, "b.nc", executor=client.get_executor(pure=False))
+    assert by_address.attrs["executor"].startswith("dask.distributed")
+    assert_same_metrics(by_address, reference)
+    assert_same_metrics(by_executor, reference)
