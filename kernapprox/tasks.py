@@ -72,8 +72,8 @@ __all__ = [
     "associative_recall", "decode_nearest", "recall_accuracy",
     "smooth_regression", "normalized_mse",
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
-    "attention_readout", "build_estimator", "has_fixed_dimension", "rank_limited_by_points", "state_bytes",
-    "log_n_beta",
+    "attention_readout", "paired_readouts", "build_estimator", "has_fixed_dimension", "rank_limited_by_points",
+    "state_bytes", "log_n_beta",
 ]
 
 
@@ -503,3 +503,20 @@ def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, valu
     memory = state_bytes(fitted, d_v, n) if "recurrent" in fitted.modes else None
     return Readout(output=torch.stack(outs), numerator=torch.stack(nums), normalizer=torch.stack(dens),
                    state_bytes=memory, num_features=int(fitted.num_features))
+
+
+def paired_readouts(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, beta: float,
+                    num_features: int | None = None, rng=None, fit_on: str = "keys", options: dict | None = None
+                    ) -> tuple[Readout, Readout]:
+    """``(read, exact)``: the :func:`attention_readout` of ``estimator`` and of exact attention on the same
+    episodes, so that an estimator's task score and its attention-output error are measured on matched inputs.
+
+    Arguments as in :func:`attention_readout`. Exact attention draws nothing from ``rng``; when ``estimator`` is
+    the exact kernel itself, ``read`` is the exact read-out (computed once).
+    """
+    exact = attention_readout("exact", queries, keys, values, beta=beta)
+    if _is_exact(estimator):
+        return exact, exact
+    read = attention_readout(estimator, queries, keys, values, beta=beta, num_features=num_features, rng=rng,
+                             fit_on=fit_on, options=options)
+    return read, exact

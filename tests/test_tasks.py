@@ -313,6 +313,18 @@ def test_readout_matches_the_attention_functions_and_is_seeded():
         tasks.attention_readout(object, ep.x_query, ep.x, ep.onehot, beta=1.0)
 
 
+def test_paired_readouts_share_the_episodes_and_the_seed():
+    ep = tasks.digits_classification(40, num_queries=8, batch=2, rng=0, dtype=torch.float64)
+    read, exact = tasks.paired_readouts("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
+                                        rng=np.random.default_rng(7))
+    alone = tasks.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
+                                    rng=np.random.default_rng(7))            # exact attention draws nothing
+    assert torch.equal(read.output, alone.output)
+    assert torch.equal(exact.output, tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=4.0).output)
+    same, exact_again = tasks.paired_readouts("exact", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32)
+    assert same is exact_again and torch.equal(same.output, exact.output)
+
+
 def test_log_n_beta():
     assert tasks.log_n_beta(100) == pytest.approx(math.log(100))
     assert tasks.log_n_beta(100, 2.0) == pytest.approx(2 * math.log(100))
