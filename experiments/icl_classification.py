@@ -11,29 +11,25 @@ dimension); landmark methods with more landmarks than context images are not app
 
 from __future__ import annotations
 
-import numpy as np
 import xarray as xr
 
-from experiments.icl_regression import applicable, available, collect_legend, rank_panel
-from kernapprox import metrics, tasks
-from kernapprox.plotting import estimator_style, new_figure, save_figure
+from experiments._icl import (
+    FIXED_DIMENSION_SLOT,
+    SET_CONTEXT_ESTIMATORS,
+    applicable,
+    available,
+    not_applicable,
+    readout_metrics,
+    score_grid,
+)
+from kernapprox import tasks
+from kernapprox.plotting import save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 NUM_QUERIES = 32
 EPISODES = 8
 
-ESTIMATORS = {  # label -> (registry name, constructor options)
-    "exact": ("exact", {}),
-    "positive_orthogonal": ("positive_orthogonal", {}),
-    "hyperbolic_orthogonal": ("hyperbolic_orthogonal", {}),
-    "oprf_orthogonal": ("oprf_orthogonal", {}),
-    "trig_orthogonal": ("trig_orthogonal", {}),
-    "taylor2": ("taylor2", {}),
-    "elu1": ("elu1", {}),
-    "nystrom_uniform": ("nystrom_uniform", {}),
-    "nystrom_kmeans": ("nystrom_kmeans", {}),
-    "nystrom_rls": ("nystrom_rls", {}),
-}
+ESTIMATORS = SET_CONTEXT_ESTIMATORS
 
 GRIDS = {
     "smoke": {"estimator": available(ESTIMATORS, ["exact", "positive_orthogonal", "taylor2"]),
@@ -70,46 +66,31 @@ METRICS = {
 
 def run_cell(params, rng, device):
     label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
-    if not applicable(ESTIMATORS, label, r, n):
-        return {name: np.float64(np.nan) for name in METRICS}
+    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
+        return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     ep = tasks.digits_classification(n, num_queries=NUM_QUERIES, batch=EPISODES, rng=rng, device=device)
-    exact = tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=beta)
-    read = exact if name == "exact" else tasks.attention_readout(
-        name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng, options=options)
+    read, exact = tasks.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
+                                        options=options)
     return {
         "accuracy": tasks.classification_accuracy(read.output, ep).mean().cpu().numpy(),
         "accuracy_numerator": tasks.classification_accuracy(read.numerator, ep).mean().cpu().numpy(),
         "accuracy_exact": tasks.classification_accuracy(exact.output, ep).mean().cpu().numpy(),
         "accuracy_nearest_neighbour": tasks.classification_accuracy(
             tasks.nearest_neighbour_predictions(ep), ep).mean().cpu().numpy(),
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).median().cpu().numpy(),
-        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).mean().cpu().numpy(),
-        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
-        "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
+        **readout_metrics(read, exact),
     }
 
 
 def plot(ds: xr.Dataset, path) -> None:
-    labels = [str(v) for v in ds.estimator.values]
-    betas = [float(v) for v in ds.beta.values]
-    ns = [int(v) for v in ds.num_context.values]
-    fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
-    for i, beta in enumerate(betas):
-        for j, n in enumerate(ns):
-            ax = axes[i, j]
-            rank_panel(ax, ds, "accuracy", labels, num_context=n, beta=beta)
-            ex = float(ds.accuracy_exact.sel(num_context=n, beta=beta).median())
-            nn = float(ds.accuracy_nearest_neighbour.sel(num_context=n, beta=beta).median())
-            ax.axhline(ex, color=estimator_style("exact")["color"], linestyle="--", linewidth=1.2,
-                       label="exact attention")
-            ax.axhline(nn, color="0.2", linestyle=":", linewidth=1.0, label="1-NN")
-            ax.axhline(0.1, color="0.6", linestyle=(0, (1, 3)), linewidth=1.0, label="chance")
-            ax.set_ylim(0.0, 1.0)
-            ax.set_xlabel("feature dimension r of the state")
-            ax.set_ylabel("accuracy")
-            ax.set_title(f"n = {n}, β = {beta:g}: exact {ex:.2f}, 1-NN {nn:.2f}")
-    collect_legend(fig, axes.flat)
+    def decorate(ax, n, beta, exact):
+        nn = float(ds.accuracy_nearest_neighbour.sel(num_context=n, beta=beta).median())
+        ax.axhline(nn, color="0.2", linestyle=":", linewidth=1.0, label="1-NN")
+        ax.axhline(0.1, color="0.6", linestyle=(0, (1, 3)), linewidth=1.0, label="chance")
+        ax.set_ylim(0.0, 1.0)
+        ax.set_title(f"n = {n}, β = {beta:g}: exact {exact:.2f}, 1-NN {nn:.2f}")
+
+    fig = score_grid(ds, "accuracy", ylabel="accuracy", decorate=decorate)
     save_figure(fig, path, (
         "Few-shot classification of scikit-learn's digits (10 classes; pixels standardised, images L2-normalised) "
         f"by an attention read-out over n labelled context images (columns) with inverse temperature β (rows): "

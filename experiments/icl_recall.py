@@ -16,9 +16,16 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments.icl_regression import applicable, available
-from experiments.icl_regression import style as icl_style
-from kernapprox import metrics, tasks
+from experiments._icl import (
+    FIXED_DIMENSION_SLOT,
+    applicable,
+    available,
+    legend_entries,
+    not_applicable,
+    readout_metrics,
+)
+from experiments._icl import style as icl_style
+from kernapprox import tasks
 from kernapprox.features.deterministic import DPFPFeatures
 from kernapprox.plotting import median_band, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
@@ -28,7 +35,6 @@ VALUE_DIM = 64
 NUM_CANDIDATES = 4096
 MAX_QUERIES = 256
 EPISODES = 4
-FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
 
 # label -> (registry name or FeatureMap class, constructor options); unregistered names are left out
 ESTIMATORS = {
@@ -79,30 +85,21 @@ METRICS = {
 }
 
 
-def _nan_cell():
-    return {name: np.float64(np.nan) for name in METRICS}
-
-
 def run_cell(params, rng, device):
     label, r, n = params["estimator"], params["num_features"], params["num_pairs"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
-        return _nan_cell()
+        return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     beta = tasks.log_n_beta(n, params["beta_factor"])
     ep = tasks.associative_recall(n, dim=KEY_DIM, value_dim=VALUE_DIM, num_candidates=NUM_CANDIDATES,
                                   num_queries=min(n, MAX_QUERIES), batch=EPISODES, rng=rng, device=device)
-    exact = tasks.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=beta)
-    read = exact if name == "exact" else tasks.attention_readout(
-        name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng, options=options)
-    bad = metrics.nonpositive_normalizer_rate(read.normalizer)
+    read, exact = tasks.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
+                                        options=options)
     return {
         "accuracy": tasks.recall_accuracy(read.output, ep).mean().cpu().numpy(),
         "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).mean().cpu().numpy(),
         "accuracy_exact": tasks.recall_accuracy(exact.output, ep).mean().cpu().numpy(),
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).median().cpu().numpy(),
-        "nonpositive_normalizer_rate": bad.mean().cpu().numpy(),
-        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
-        "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
+        **readout_metrics(read, exact),
         "beta": np.float64(beta),
     }
 
@@ -177,12 +174,7 @@ def plot(ds: xr.Dataset, path) -> None:
     load_factors = [sharp] + ([soft] if soft != sharp and ncols >= 3 else [])
     for j, factor in enumerate(load_factors):
         _load_panel(axes[1, j], ds, labels, factor)
-    handles, names = [], []
-    for ax in axes.flat:
-        for h, nm in zip(*ax.get_legend_handles_labels()):
-            if nm not in names:
-                handles.append(h)
-                names.append(nm)
+    handles, names = legend_entries(axes.flat)
     for ax in list(axes[0, len(ns):]) + list(axes[1, len(load_factors):]):
         ax.axis("off")
     axes[1, -1].legend(handles, names, loc="center", ncol=2, frameon=False)

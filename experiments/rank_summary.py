@@ -17,12 +17,19 @@ context points are not applicable (NaN).
 
 from __future__ import annotations
 
-import numpy as np
 import xarray as xr
 
-from experiments.icl_regression import applicable, available, collect_legend, rank_panel
-from kernapprox import metrics, tasks
-from kernapprox.plotting import estimator_style, new_figure, reference_slope, save_figure
+from experiments._icl import (
+    applicable,
+    available,
+    collect_legend,
+    not_applicable,
+    rank_panel,
+    readout_metrics,
+    score_panel,
+)
+from kernapprox import tasks
+from kernapprox.plotting import new_figure, reference_slope, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 EPISODES = 4
@@ -90,19 +97,15 @@ def _episodes(task, rng, device):
 def run_cell(params, rng, device):
     task, label, r = params["task"], params["estimator"], params["num_features"]
     if not applicable(ESTIMATORS, label, r, TASKS[task]["num_context"]):
-        return {name: np.float64(np.nan) for name in METRICS}
+        return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     queries, keys, values, score, beta = _episodes(task, rng, device)
-    exact = tasks.attention_readout("exact", queries, keys, values, beta=beta)
-    read = tasks.attention_readout(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
-                                   options=options, fit_on="queries_and_keys" if label in ORACLES else "keys")
+    read, exact = tasks.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
+                                        options=options, fit_on="queries_and_keys" if label in ORACLES else "keys")
     return {
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).median().cpu().numpy(),
         "score": score(read.output).cpu().numpy(),
         "score_exact": score(exact.output).cpu().numpy(),
-        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).mean().cpu().numpy(),
-        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
-        "feature_dim": np.float64(read.num_features),
+        **readout_metrics(read, exact),
     }
 
 
@@ -126,12 +129,7 @@ def plot(ds: xr.Dataset, path) -> None:
         top.set_xlabel("feature dimension r of the state")
         top.set_ylabel("attention-output relative error")
         top.set_title(_setting(task))
-        rank_panel(bottom, ds, "score", labels, task=task)
-        ex = float(ds.score_exact.sel(task=task).median())
-        bottom.axhline(ex, color=estimator_style("exact")["color"], linestyle="--", linewidth=1.2,
-                       label="exact attention")
-        bottom.set_xlabel("feature dimension r of the state")
-        bottom.set_ylabel(SCORE_NAMES.get(task, "score"))
+        ex = score_panel(bottom, ds, "score", labels, ylabel=SCORE_NAMES.get(task, "score"), task=task)
         if task == "regression":
             bottom.axhline(1.0, color="0.4", linestyle=":", linewidth=1.0, label="context mean (nMSE = 1)")
             bottom.set_yscale("log")
