@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> xr.Dataset:
     print(f"device {attrs['device_name']}, {attrs['torch_num_threads']} threads, load average "
           f"{attrs['load_average_1min_at_start']:.2f}; float32 GEMM {cfg.gemm_flops_per_s / 1e9:.1f} GFLOP/s",
           flush=True)
+    if device.type == "cpu" and attrs["load_average_1min_at_start"] > 0.5 * (os.cpu_count() or 1):
+        print("warning: the machine is busy (load average above half the CPUs): timings measure the contention "
+              "as much as the code; the 'cpu' column shows the share of the requested cores the run got", flush=True)
 
     rows: list[Row] = []
     order = sorted(args.cases, key=lambda c: c != "chunk_size")        # tune the chunk length first
