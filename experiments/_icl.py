@@ -13,6 +13,7 @@ import xarray as xr
 
 from kernapprox import available_estimators, metrics, tasks
 from kernapprox.plotting import estimator_style, median_band, new_figure
+from kernapprox.sweep import Metric
 
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
 
@@ -52,6 +53,31 @@ def applicable(table: dict, label: str, num_features: int, num_context: int, slo
 def not_applicable(metric_table: dict) -> dict:
     """The result of a cell that is not run: NaN for every metric."""
     return {name: np.float64(np.nan) for name in metric_table}
+
+
+READOUT_DESCRIPTIONS = {  # metric -> default description of what readout_metrics records
+    "output_rel_error": "‖Ŷ−Y‖_F/‖Y‖_F against exact attention; median over episodes",
+    "nonpositive_normalizer_rate": "fraction of queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite",
+    "state_bytes": "r·(d_v+1) float32 numbers; exact attention: KV cache n·(d+d_v)",
+    "feature_dim": "r as fitted (NaN for exact attention)",
+}
+
+
+def readout_metric_table(**descriptions: str) -> dict[str, Metric]:
+    """The declarations of the metrics :func:`readout_metrics` records, in its order; a keyword replaces the
+    default description (:data:`READOUT_DESCRIPTIONS`) of the metric it names."""
+    unknown = sorted(set(descriptions) - set(READOUT_DESCRIPTIONS))
+    if unknown:
+        raise ValueError(f"no read-out metric named {', '.join(unknown)}; known: {', '.join(READOUT_DESCRIPTIONS)}")
+    text = {**READOUT_DESCRIPTIONS, **descriptions}
+    return {
+        "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
+                                   description=text["output_rel_error"]),
+        "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
+                                              description=text["nonpositive_normalizer_rate"]),
+        "state_bytes": Metric(long_name="memory read by the queries", units="byte", description=text["state_bytes"]),
+        "feature_dim": Metric(long_name="feature dimension of the state", units="1", description=text["feature_dim"]),
+    }
 
 
 def readout_metrics(read: tasks.Readout, exact: tasks.Readout) -> dict:

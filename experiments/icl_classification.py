@@ -19,6 +19,7 @@ from experiments._icl import (
     applicable,
     available,
     not_applicable,
+    readout_metric_table,
     readout_metrics,
     score_grid,
 )
@@ -52,15 +53,8 @@ METRICS = {
                              description="exact softmax attention on the same episodes"),
     "accuracy_nearest_neighbour": Metric(long_name="1-NN accuracy", units="1",
                                          description="nearest context image by cosine, on the same episodes"),
-    "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                               description="‖Ŷ−Y‖_F/‖Y‖_F against exact attention; median over episodes"),
-    "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                          description="fraction of queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite"),
-    "state_bytes": Metric(long_name="memory read by the queries", units="byte",
-                          description="r·(d_v+1) float32 numbers (d_v = 10 classes); exact attention: KV cache "
-                                      "n·(d+d_v)"),
-    "feature_dim": Metric(long_name="feature dimension of the state", units="1",
-                          description="r as fitted (NaN for exact attention)"),
+    **readout_metric_table(state_bytes="r·(d_v+1) float32 numbers (d_v = 10 classes); exact attention: KV "
+                                      "cache n·(d+d_v)"),
 }
 
 

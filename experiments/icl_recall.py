@@ -22,6 +22,7 @@ from experiments._icl import (
     available,
     legend_entries,
     not_applicable,
+    readout_metric_table,
     readout_metrics,
 )
 from experiments._icl import style as icl_style
@@ -70,17 +71,12 @@ METRICS = {
                                              "read-out, immune to normaliser sign flips)"),
     "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1",
                              description="accuracy of exact softmax attention on the same episodes"),
-    "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                               description="‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the same queries; median over "
-                                           "episodes (inf when an output is not finite)"),
-    "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                          description="fraction of queries whose estimated Σ_i φ(q)ᵀφ(k_i) ≤ 0 "
-                                                      "or is not finite"),
-    "state_bytes": Metric(long_name="memory read by the queries", units="byte",
-                          description="linear state r·(d_v+1) float32 numbers; exact attention: the KV cache "
-                                      "n·(d+d_v) float32 numbers"),
-    "feature_dim": Metric(long_name="feature dimension of the state", units="1",
-                          description="r as fitted (NaN for exact attention)"),
+    **readout_metric_table(
+        output_rel_error="‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the same queries; median over episodes (inf "
+                         "when an output is not finite)",
+        nonpositive_normalizer_rate="fraction of queries whose estimated Σ_i φ(q)ᵀφ(k_i) ≤ 0 or is not finite",
+        state_bytes="linear state r·(d_v+1) float32 numbers; exact attention: the KV cache n·(d+d_v) float32 "
+                    "numbers"),
     "beta": Metric(long_name="inverse temperature", units="1", description="β = beta_factor · ln(num_pairs)"),
 }
 

@@ -22,6 +22,7 @@ from experiments._icl import (
     applicable,
     available,
     not_applicable,
+    readout_metric_table,
     readout_metrics,
     score_grid,
 )
@@ -52,14 +53,7 @@ METRICS = {
                    description="Σ(ŷ−f)²/Σ(f−f̄)² over the queries of an episode; median over episodes"),
     "nmse_exact": Metric(long_name="normalised MSE of exact attention", units="1",
                          description="the same for exact softmax attention on the same episodes"),
-    "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                               description="‖Ŷ−Y‖_F/‖Y‖_F against exact attention; median over episodes"),
-    "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                          description="fraction of queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite"),
-    "state_bytes": Metric(long_name="memory read by the queries", units="byte",
-                          description="r·(d_v+1) float32 numbers; exact attention: KV cache n·(d+d_v)"),
-    "feature_dim": Metric(long_name="feature dimension of the state", units="1",
-                          description="r as fitted (NaN for exact attention)"),
+    **readout_metric_table(),
 }
 
 

@@ -25,6 +25,7 @@ from experiments._icl import (
     collect_legend,
     not_applicable,
     rank_panel,
+    readout_metric_table,
     readout_metrics,
     score_panel,
 )
@@ -60,20 +61,18 @@ GRIDS = {
              "num_features": [8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192], "seed": list(range(8))},
 }
 
-METRICS = {
-    "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                               description="‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the task's queries; median "
-                                           "over episodes (inf when an output is not finite)"),
+_READOUT_METRICS = readout_metric_table(
+    output_rel_error="‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the task's queries; median over episodes (inf when "
+                     "an output is not finite)",
+    state_bytes="r·(d_v+1) float32 numbers", feature_dim="r as fitted")
+METRICS = {  # the output error first, as in the stored datasets
+    "output_rel_error": _READOUT_METRICS["output_rel_error"],
     "score": Metric(long_name="task score", units="1",
                     description="recall and classification: accuracy (mean over episodes); regression: normalised "
                                 "MSE (median over episodes)"),
     "score_exact": Metric(long_name="task score of exact attention", units="1",
                           description="the same score for exact softmax attention on the same episodes"),
-    "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                          description="fraction of queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite"),
-    "state_bytes": Metric(long_name="memory read by the queries", units="byte",
-                          description="r·(d_v+1) float32 numbers"),
-    "feature_dim": Metric(long_name="feature dimension of the state", units="1", description="r as fitted"),
+    **_READOUT_METRICS,
 }
 
 
