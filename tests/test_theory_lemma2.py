@@ -26,10 +26,11 @@ TOLERANCE = 0.05
 DIM = 4
 
 
-def _pair(norm_x, norm_y, cosine, rng):
-    u = rng.standard_normal(DIM)
+def _pair(norm_x, norm_y, cosine, rng, dim=DIM):
+    """``x, y`` in ``R^dim`` with the given norms and ``cos(x, y) = cosine``, in a random plane."""
+    u = rng.standard_normal(dim)
     u /= np.linalg.norm(u)
-    w = rng.standard_normal(DIM)
+    w = rng.standard_normal(dim)
     w -= (w @ u) * u
     w /= np.linalg.norm(w)
     return norm_x * u, norm_y * (cosine * u + math.sqrt(1 - cosine**2) * w)
@@ -130,18 +131,7 @@ def test_unbiased_one_frequency_mean(map_name):
 ORTHO_DIM = 8
 ORTHO_BLOCKS = 100_000
 _rng8 = np.random.default_rng(5)
-
-
-def _pair8(norm_x, norm_y, cosine):
-    u = _rng8.standard_normal(ORTHO_DIM)
-    u /= np.linalg.norm(u)
-    w = _rng8.standard_normal(ORTHO_DIM)
-    w -= (w @ u) * u
-    w /= np.linalg.norm(w)
-    return norm_x * u, norm_y * (cosine * u + math.sqrt(1 - cosine**2) * w)
-
-
-ORTHO_PAIRS = [_pair8(0.5, 0.5, 1.0), _pair8(0.5, 0.5, 0.5)]
+ORTHO_PAIRS = [_pair(0.5, 0.5, 1.0, _rng8, ORTHO_DIM), _pair(0.5, 0.5, 0.5, _rng8, ORTHO_DIM)]
 
 
 def _block_mse(name, x, y, rng):

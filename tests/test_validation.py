@@ -33,39 +33,40 @@ def _entry_points():
 ENTRY_POINTS = list(_entry_points())
 
 
+def _call_with_one_replaced(entry, which, replace):
+    """Call entry point ``entry`` on ``_qkv()`` with the tensor named ``which`` replaced by ``replace(it)``."""
+    tensors = dict(zip("qkv", _qkv()))
+    tensors[which] = replace(tensors[which])
+    return _entry_points()[entry](*(tensors[name] for name in "qkv"))
+
+
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf"])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_non_finite_inputs(entry, bad, which):
-    q, k, v = _qkv()
-    tensors = {"q": q, "k": k, "v": v}
-    tensors[which] = tensors[which].clone()
-    tensors[which][1, 2, 0] = float(bad)
+    def poison(t):
+        t = t.clone()
+        t[1, 2, 0] = float(bad)
+        return t
+
     with pytest.raises(ValueError, match=rf"^{which} contains NaN or Inf"):
-        _entry_points()[entry](tensors["q"], tensors["k"], tensors["v"])
+        _call_with_one_replaced(entry, which, poison)
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_rank_below_two(entry, which):
-    q, k, v = _qkv()
-    tensors = {"q": q, "k": k, "v": v}
-    tensors[which] = tensors[which][0, 0]
     with pytest.raises(ValueError, match=rf"^{which} must have rank >= 2"):
-        _entry_points()[entry](tensors["q"], tensors["k"], tensors["v"])
+        _call_with_one_replaced(entry, which, lambda t: t[0, 0])
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_integer_tensors_and_numpy_arrays(entry, which):
-    q, k, v = _qkv()
-    tensors = {"q": q, "k": k, "v": v}
-    tensors[which] = tensors[which].to(torch.int64)
     with pytest.raises(TypeError, match=rf"^{which} must be a floating-point tensor"):
-        _entry_points()[entry](tensors["q"], tensors["k"], tensors["v"])
-    tensors[which] = q.numpy() if which == "q" else (k.numpy() if which == "k" else v.numpy())
+        _call_with_one_replaced(entry, which, lambda t: t.to(torch.int64))
     with pytest.raises(TypeError, match=rf"^{which} must be a torch.Tensor, got ndarray"):
-        _entry_points()[entry](*(tensors[name] for name in "qkv"))
+        _call_with_one_replaced(entry, which, lambda t: t.numpy())
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
