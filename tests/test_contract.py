@@ -153,6 +153,40 @@ def test_get_params_rebuilds_the_same_estimator(name):
 
 
 @names
+def test_fitted_state_round_trip(name):
+    """``fitted_state`` is a snapshot of every fitted value (nested estimators under ``"<attribute>."``);
+    ``load_fitted_state`` makes another fit of the same estimator compute exactly what the first one does."""
+    q, k, v = qkv(13)
+    est = fitted(name, q, k, rng=3)
+    with pytest.raises(ka.NotFittedError):
+        make(name).fitted_state()
+    state = est.fitted_state()
+    assert {"dim_", "scale_"} <= set(state) and "fitted_" not in state
+    for key, value in state.items():
+        assert key.split(".")[-1].endswith("_"), key
+        assert isinstance(value, (np.ndarray, torch.Tensor, int, float)) and not isinstance(value, bool), key
+    for attr, inner in vars(est).items():
+        if isinstance(inner, FeatureMap):
+            assert {f"{attr}.{key}" for key in inner.fitted_state()} <= set(state), attr
+    expected = probe(est, q, k, v)
+    for value in state.values():                       # a snapshot: editing it leaves the estimator alone
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f":
+            value *= 0.5
+    assert torch.equal(probe(est, q, k, v), expected)
+
+    other = fitted(name, 2.0 * k, q.flip(-2), rng=4)   # another draw on other data, casts cached
+    probe(other, q, k, v)
+    assert other.load_fitted_state(est.fitted_state()) is other
+    assert torch.equal(probe(other, q, k, v), expected)
+    with pytest.raises(ValueError, match="unexpected"):
+        other.load_fitted_state({**est.fitted_state(), "bogus_": 1.0})
+    with pytest.raises(ValueError, match="missing"):
+        other.load_fitted_state({key: value for key, value in est.fitted_state().items() if key != "dim_"})
+    with pytest.raises(TypeError, match=r"state\['dim_'\] must be a real number"):
+        other.load_fitted_state({**est.fitted_state(), "dim_": "six"})
+
+
+@names
 def test_shapes(name):
     q, k, v = qkv(2)
     est = fitted(name, q, k)

@@ -24,6 +24,7 @@ on use.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import ClassVar
 
 import numpy as np
@@ -128,6 +129,59 @@ class FeatureMap:
             cache[key] = torch.as_tensor(getattr(self, name)).to(device=like.device, dtype=like.dtype)
         return cache[key]
 
+    # ----------------------------------------------------------------------------------------- fitted state
+    def _state_entries(self, prefix: str = ""):
+        """``(key, owner, attribute, value)`` of every fitted-state entry, nested estimators' included, sorted by
+        attribute name (a nested estimator's entries in place of its attribute)."""
+        for name, value in sorted(vars(self).items()):
+            if name.startswith("_") or not name.endswith("_") or name == "fitted_":
+                continue
+            if isinstance(value, FeatureMap):
+                yield from value._state_entries(f"{prefix}{name}.")
+            elif (isinstance(value, torch.Tensor) or _is_real_scalar(value)
+                  or (isinstance(value, np.ndarray) and value.dtype.kind in "biuf")):
+                yield prefix + name, self, name, value
+
+    def fitted_state(self) -> dict:
+        """A snapshot of everything ``fit`` computed: ``{name: value}``.
+
+        Fitted state is every public attribute ending in ``_`` (scikit-learn's convention) that holds a
+        numeric numpy array (float64 parameters, integer indices), a tensor, or a real number (``dim_``,
+        ``scale_``, ...): arrays and tensors are copies, numbers are ``int`` or ``float``. A nested estimator
+        (a hybrid's ``feature_map_``) contributes its own state under ``"<attribute>.<name>"`` keys, as in a torch
+        ``state_dict``. Not included: the flag ``fitted_``, ``None`` and other objects (samplers), which ``fit``
+        rebuilds from the constructor parameters. :meth:`load_fitted_state` takes such a dict back.
+        """
+        self._check_fitted()
+        return {key: _snapshot(value) for key, _, _, value in self._state_entries()}
+
+    def load_fitted_state(self, state: dict) -> FeatureMap:
+        """Set the fitted values from ``state`` (as :meth:`fitted_state` returns it); returns ``self``.
+
+        The estimator must be fitted already — a fit (on placeholder data of the same ``d``; data-dependent maps
+        on enough points) builds the structure, ``state`` supplies every value — and ``state`` must have exactly
+        the keys of its :meth:`fitted_state`. Values may have other shapes than the current ones (a
+        data-dependent fit on other data). Each is stored as the attribute's current kind: an array attribute
+        becomes a numpy array of its dtype on the CPU (from an array or a tensor on any device), a tensor
+        attribute the given tensor, a number ``int`` or ``float`` (from a number or a one-element tensor). Every
+        value is checked before any is set. The cached casts of the parameters (:meth:`_param`) are dropped, so
+        the new values are used from the next call.
+        """
+        self._check_fitted()
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        entries = list(self._state_entries())
+        expected = {key for key, _, _, _ in entries}
+        if set(state) != expected:
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"state does not match the fitted state of {type(self).__name__}: missing "
+                             f"{missing}, unexpected {unexpected}")
+        values = [_as_kind_of(current, state[key], f"state[{key!r}]") for key, _, _, current in entries]
+        for (_, owner, name, _), value in zip(entries, values):
+            setattr(owner, name, value)
+            owner._cache = {}
+        return self
+
     # ------------------------------------------------------------------------------------------ properties
     @property
     def num_features(self) -> int:
@@ -168,6 +222,39 @@ class FeatureMap:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({args})"
+
+
+def _is_real_scalar(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _snapshot(value):
+    """A copy of an array or tensor; a number as ``int`` or ``float``."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _as_kind_of(current, value, name: str):
+    """``value`` (array, tensor or number) as the kind of the fitted attribute ``current``."""
+    if isinstance(current, np.ndarray):
+        if isinstance(value, torch.Tensor):
+            like = torch.from_numpy(np.empty(0, dtype=current.dtype)).dtype
+            return value.detach().to("cpu", like, copy=True).numpy()   # never a view of the caller's tensor
+        if isinstance(value, np.ndarray):
+            return value.astype(current.dtype)                         # a copy
+        raise TypeError(f"{name} must be a numpy array or a torch.Tensor, got {type(value).__name__}")
+    if isinstance(current, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        return value.detach()
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (isinstance(value, np.ndarray) and value.size == 1):
+        value = value.item()
+    if not _is_real_scalar(value):
+        raise TypeError(f"{name} must be a real number or a one-element tensor, got {value!r}")
+    return int(value) if isinstance(current, numbers.Integral) else float(value)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
