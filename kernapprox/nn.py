@@ -37,7 +37,6 @@ Design
 from __future__ import annotations
 
 import math
-import numbers
 
 import numpy as np
 import torch
@@ -53,59 +52,33 @@ __all__ = ["KernelAttention"]
 
 
 class _FittedState(nn.Module):
-    """The fitted arrays and numbers of one estimator as buffers; a nested estimator becomes a child module.
-
-    Fitted state is every public attribute ending in ``_`` (scikit-learn's convention, which the estimator
-    protocol follows) holding a numeric numpy array, a tensor, a real number or another estimator. Flags
-    (``fitted_``), ``None`` and other objects are rebuilt by ``fit`` from the constructor parameters.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self._kinds: dict[str, tuple] = {}
+    """The fitted values of one estimator (:meth:`FeatureMap.fitted_state`) as buffers; a nested estimator's
+    ``"<attribute>.<name>"`` entries live in a child module named after the attribute, so ``state_dict`` keys
+    are the estimator's own. Numbers are stored as 0-d int64/float64 buffers."""
 
     def capture(self, est: FeatureMap) -> None:
         for name in list(self._buffers):
             del self._buffers[name]
         for name in list(self._modules):
             del self._modules[name]
-        self._kinds = {}
-        for name, value in sorted(vars(est).items()):
-            if not name.endswith("_") or name.startswith("_") or name == "fitted_":
-                continue
-            if isinstance(value, FeatureMap):
-                child = _FittedState()
-                child.capture(value)
-                self.add_module(name, child)
-            elif isinstance(value, np.ndarray) and value.dtype.kind in "fiu":
-                self.register_buffer(name, torch.from_numpy(np.array(value, copy=True)))
-                self._kinds[name] = ("array", value.dtype)
+        for key, value in est.fitted_state().items():
+            *path, name = key.split(".")
+            module = self
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, _FittedState())
+                module = module._modules[part]
+            if isinstance(value, np.ndarray):
+                buffer = torch.from_numpy(value)                # fitted_state's copy
             elif isinstance(value, torch.Tensor):
-                self.register_buffer(name, value.detach().clone())
-                self._kinds[name] = ("tensor",)
-            elif isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-                self.register_buffer(name, torch.tensor(int(value), dtype=torch.int64))
-                self._kinds[name] = ("int",)
-            elif isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
-                self.register_buffer(name, torch.tensor(float(value), dtype=torch.float64))
-                self._kinds[name] = ("float",)
+                buffer = value
+            else:
+                buffer = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
+            module.register_buffer(name, buffer)
 
     def restore(self, est: FeatureMap) -> None:
-        """Write the buffers' values back into the estimator (as the types it stored) and drop its casts."""
-        for name, buf in self._buffers.items():
-            kind = self._kinds[name]
-            value = buf.detach()
-            if kind[0] == "array":
-                setattr(est, name, value.cpu().numpy().astype(kind[1]))
-            elif kind[0] == "tensor":
-                setattr(est, name, value)
-            elif kind[0] == "int":
-                setattr(est, name, int(value))
-            else:
-                setattr(est, name, float(value))
-        for name, child in self._modules.items():
-            child.restore(getattr(est, name))
-        est.__dict__["_cache"] = {}      # the protocol's per-(device, dtype) casts of the old values
+        """Write the buffers' values back into the estimator (which keeps them as the kinds it stored)."""
+        est.load_fitted_state(dict(self.named_buffers(remove_duplicate=False)))
 
     def signature(self) -> tuple:
         """Identity of every buffer's storage, version, device and dtype: changes whenever a value may have."""
