@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -64,6 +65,13 @@ def check_positive_float(value, name: str, *, allow_zero: bool = False) -> float
     if v != v or v in (float("inf"), float("-inf")) or v < 0 or (v == 0 and not allow_zero):
         raise ValueError(f"{name} must be {'non-negative' if allow_zero else 'positive'} and finite, got {value}")
     return v
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` must be a Python bool (or numpy bool); truthy objects are not accepted."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
 
 
 def check_choice(value, name: str, choices: Iterable[str]) -> str:

@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 
 from ._validation import (
+    check_bool,
     check_choice,
     check_positive_int,
     check_same_kind,
@@ -84,6 +85,7 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
     normaliser ``log Σ_j exp(s q_iᵀk_j)``, shape ``(..., n_q)``.
     """
     _check_qkv(q, k, v, causal)
+    check_bool(return_lse, "return_lse")
     s = resolve_scale(q.shape[-1], scale)
     n_q, n_k = q.shape[-2], k.shape[-2]
     if chunk_size is None:
@@ -318,6 +320,7 @@ def linear_attention(q, k, v, estimator: FeatureMap, causal: bool = False, mode:
     _check_qkv(q, k, v, causal)
     check_choice(mode, "mode", MODES)
     check_positive_int(chunk_size, "chunk_size")
+    check_bool(return_parts, "return_parts")
     if not isinstance(estimator, FeatureMap):
         raise TypeError(f"estimator must be a kernapprox estimator, got {type(estimator).__name__}")
     estimator._check_fitted()

@@ -230,3 +230,17 @@ def test_metrics_checks():
         ka.metrics.relative_rms_error(np.ones((3, 3)), a)
     # a non-finite approximation is measured, not rejected
     assert float(ka.metrics.relative_frobenius_error(a * float("inf"), a)) == float("inf")
+
+
+@pytest.mark.parametrize("flag", ["return_parts", "return_lse"])
+@pytest.mark.parametrize("value", [1, "yes", None, torch.tensor(True)], ids=["int", "str", "none", "tensor"])
+def test_boolean_flags_refuse_truthy_objects(flag, value):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    if flag == "return_lse":
+        call = lambda: ka.softmax_attention(q, k, v, return_lse=value)  # noqa: E731
+    else:
+        est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
+        call = lambda: ka.linear_attention(q, k, v, est, return_parts=value)  # noqa: E731
+    with pytest.raises(TypeError, match=flag):
+        call()
