@@ -101,6 +101,16 @@ class _FittedState(nn.Module):
                         unexpected_keys.append(key)
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """Whether autocast is active for ``device_type`` (mixed input/weight dtypes are then intended)."""
+    try:
+        return bool(torch.is_autocast_enabled(device_type))
+    except TypeError:  # torch < 2.4 has no device argument
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return bool(torch.is_autocast_enabled())
+
+
 class KernelAttention(nn.Module):
     r"""Multi-head attention with the softmax kernel replaced by a registry estimator.
 
@@ -231,6 +241,14 @@ class KernelAttention(nn.Module):
             raise ValueError("query, key and value must share the batch size")
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value must have the same length, got {key.shape[1]} and {value.shape[1]}")
+        weight = self.q_proj.weight
+        for name, x in (("query", query), ("key", key), ("value", value)):
+            if x.device != weight.device:
+                raise ValueError(f"{name} is on {x.device} but the layer's weights are on {weight.device}; "
+                                 "move one of them with .to()")
+            if x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+                raise TypeError(f"{name} has dtype {x.dtype} but the layer's weights are {weight.dtype}; cast one "
+                                "of them or run under torch.autocast")
         return (self._split_heads(self.q_proj(query)), self._split_heads(self.k_proj(key)),
                 self._split_heads(self.v_proj(value)))
 

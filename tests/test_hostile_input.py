@@ -618,15 +618,21 @@ def test_nn_adapter_refuses_bad_inputs(which, how, name, seed):
     expect_error(kind, names, lambda: layer(x["query"], x["key"], x["value"]))
 
 
-@pytest.mark.xfail(strict=True, reason="KernelAttention passes inputs of another dtype or device than its weights "
-                   "to nn.Linear, which raises RuntimeError; a check must leave autocast (mixed dtypes by design) "
-                   "working, on every supported torch version")
 @pytest.mark.parametrize("how", ["float64", "float16", "meta"])
 def test_nn_adapter_refuses_inputs_unlike_its_weights(how):
     KernelAttention = _nn()
     layer = KernelAttention(8, 2, "positive", num_features=4, rng=0)          # float32 weights on the CPU
     x = corrupt(randn((2, 5, 8), 0, torch.float32), how, 0)
     expect_error(ValueError if how == "meta" else TypeError, ["query"], lambda: layer(x))
+
+
+def test_nn_adapter_accepts_mixed_dtypes_under_autocast():
+    KernelAttention = _nn()
+    layer = KernelAttention(8, 2, "positive", num_features=4, rng=0)
+    x = randn((2, 5, 8), 0, torch.float32).to(torch.bfloat16)          # float32 weights, bfloat16 input
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(x)
+    assert out.shape == (2, 5, 8) and torch.isfinite(out).all()
 
 
 # ------------------------------------------------------------------------------------------ distributions
