@@ -129,7 +129,7 @@ def plot(ds, path):
         reference_slope(ax, r, 1.5 * y0)
         loglog_rank_axes(ax, ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error, n = {n_max}, {kind}", fontsize=9)
-        ax.legend(fontsize=6.5, loc="lower left")
+        ax.legend(fontsize=6.5, loc="upper right")
 
         ax = axes[row, 1]
         for name in names:

@@ -16,6 +16,7 @@ the exact matrix) is the floor no rank-``r`` approximation can beat. ``num_featu
 from __future__ import annotations
 
 import torch
+from matplotlib.lines import Line2D
 
 import kernapprox as ka
 from kernapprox.distributions import effective_beta, make_distribution
@@ -151,9 +152,9 @@ def plot(ds, path):
         ax.set_xticks(range(len(families)), families, rotation=40, ha="right")
         ax.set_ylabel(f"median error / i.i.d. error at r = {top}")
         ax.set_title(f"{titles[3]}\nβ = {beta:g}", fontsize=8.5)
-        unique = dict(zip(*reversed(ax.get_legend_handles_labels())))
-        if unique:
-            ax.legend(unique.values(), unique.keys(), fontsize=6.5, loc="best")
+        variants = sorted({variant for _, variant, _ in rows})
+        ax.legend([Line2D([], [], linestyle="", marker=estimator_style(f"x_{v}")["marker"], color="0.4")
+                   for v in variants], variants, fontsize=6.5, loc="best")
     fig.suptitle("Kernel-matrix error against the number of features", fontsize=11, fontweight="bold")
     save_figure(fig, path, (
         f"Relative Frobenius error ‖Â−A‖_F/‖A‖_F of the {n}×{n} softmax kernel matrix A = exp(QKᵀ/√d) against the "

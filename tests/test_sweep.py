@@ -215,12 +215,13 @@ def test_resume_after_sigkill_computes_only_missing_cells(tmp_path, reference):
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (tmp_path / "r" / "toy.nc").exists()                    # nothing half-written at the final path
     assert len(list((tmp_path / "r" / "toy.nc.partial" / "cells").glob("*.npz"))) == 9
+    (tmp_path / "r" / "toy.nc.tmp-killedwrite").write_bytes(b"half a dataset")  # as a kill mid-write leaves
     resumed = toy_subprocess(["--preset", "smoke", "--out", "r/toy.nc"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     ds = sweep.load(tmp_path / "r" / "toy.nc")
     assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (23, 9)
     assert_same_metrics(ds, reference)
-    assert not (tmp_path / "r" / "toy.nc.partial").exists()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["toy.nc"]     # no store, no temporaries
 
 
 def test_failing_cell_fails_loudly_keeps_progress_and_no_resume_starts_over(tmp_path, reference, monkeypatch):

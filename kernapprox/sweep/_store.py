@@ -18,6 +18,7 @@ Dataset
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -106,7 +107,8 @@ class ProgressStore:
             note = "partial results without a manifest discarded"
             self._clear()
         self.cells.mkdir(parents=True, exist_ok=True)
-        for stale in self.cells.glob("*.tmp-*"):
+        # temporaries of a killed run (we hold the lock, so no live run is writing them)
+        for stale in [*self.cells.glob("*.tmp-*"), *self.out.parent.glob(f"{glob.escape(self.out.name)}.tmp-*")]:
             stale.unlink(missing_ok=True)
         atomic_write(self.root / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=1)))
         finished = {}
