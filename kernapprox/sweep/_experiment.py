@@ -223,11 +223,15 @@ def cell_spawn_key(experiment_name: str, params: Mapping) -> tuple[int, ...]:
             *(_hash64(f"{axis}={canonical_value(value)}") for axis, value in sorted(params.items())))
 
 
-def cell_seed_sequence(experiment_name: str, params: Mapping, root_seed: int) -> np.random.SeedSequence:
-    """``SeedSequence(root_seed, spawn_key=cell_spawn_key(...))``: the source of one cell's randomness."""
+def check_root_seed(root_seed) -> int:
     if isinstance(root_seed, bool) or not isinstance(root_seed, numbers.Integral) or root_seed < 0:
         raise ValueError(f"root_seed must be a non-negative integer, got {root_seed!r}")
-    return np.random.SeedSequence(int(root_seed), spawn_key=cell_spawn_key(experiment_name, params))
+    return int(root_seed)
+
+
+def cell_seed_sequence(experiment_name: str, params: Mapping, root_seed: int) -> np.random.SeedSequence:
+    """``SeedSequence(root_seed, spawn_key=cell_spawn_key(...))``: the source of one cell's randomness."""
+    return np.random.SeedSequence(check_root_seed(root_seed), spawn_key=cell_spawn_key(experiment_name, params))
 
 
 def data_spawn_key(experiment_name: str, params: Mapping, data_axes) -> tuple[int, ...]:
@@ -239,8 +243,8 @@ def data_spawn_key(experiment_name: str, params: Mapping, data_axes) -> tuple[in
 def data_seed_sequence(experiment_name: str, params: Mapping, data_axes, root_seed: int) -> np.random.SeedSequence:
     """``SeedSequence(root_seed, spawn_key=data_spawn_key(...))``: the data stream of an experiment with
     ``data_axes`` (see :class:`Experiment`)."""
-    cell_seed_sequence(experiment_name, {}, root_seed)  # validates root_seed
-    return np.random.SeedSequence(int(root_seed), spawn_key=data_spawn_key(experiment_name, params, data_axes))
+    return np.random.SeedSequence(check_root_seed(root_seed),
+                                  spawn_key=data_spawn_key(experiment_name, params, data_axes))
 
 
 def iter_cells(grid: Mapping[str, Sequence]):

@@ -27,10 +27,19 @@ from pathlib import Path
 import torch
 import xarray as xr
 
-from ._experiment import Experiment, cell_key, cell_spawn_key, data_spawn_key, grid_size, iter_cells, select
+from ._experiment import (
+    Experiment,
+    cell_key,
+    cell_spawn_key,
+    check_root_seed,
+    data_spawn_key,
+    grid_size,
+    iter_cells,
+    select,
+)
 from ._provenance import code_fingerprint, command_line, provenance_attrs
 from ._store import ProgressStore, assemble, check_output_path, write
-from ._worker import CellError, CellTask, execute_cell, init_pool_worker
+from ._worker import CellError, CellTask, execute_cell, init_pool_worker, precision_settings
 
 
 class SweepError(RuntimeError):
@@ -255,8 +264,7 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     grid = select(experiment, grid, only)
     out = Path(out) if out is not None else default_output(experiment, only)
     dev = resolve_device(device)
-    if isinstance(root_seed, bool) or not isinstance(root_seed, int) or root_seed < 0:
-        raise ValueError(f"root_seed must be a non-negative integer, got {root_seed!r}")
+    root_seed = check_root_seed(root_seed)
     check_output_path(out, experiment.name)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -301,9 +309,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                 plan.close(cancel=not ok)
         ended = datetime.now(UTC)
         wall = time.perf_counter() - clock
-        precision = {"cuda_matmul_allow_tf32": experiment.allow_tf32, "cudnn_allow_tf32": experiment.allow_tf32,
-                     "float32_matmul_precision": "high" if experiment.allow_tf32 else "highest"}
-        attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description, precision,
+        attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description,
+                                 precision_settings(experiment.allow_tf32),
                                  history if history is not None else command_line(), fingerprint,
                                  plan.num_threads)
         attrs.update({"time_start": started.isoformat(timespec="seconds"),

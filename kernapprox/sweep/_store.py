@@ -193,17 +193,23 @@ def check_output_path(out: Path, experiment_name: str) -> None:
                               "refusing to overwrite it (choose another --out or delete it)")
 
 
-def _marker_of(path: Path) -> str:
+def _open_result(path: Path) -> xr.Dataset:
+    """Open ``path`` lazily; ``OutputPathError`` unless it is a readable netCDF file carrying our marker."""
     try:
-        with xr.open_dataset(path, engine=NETCDF_ENGINE) as ds:
-            attrs = dict(ds.attrs)
+        ds = xr.open_dataset(path, engine=NETCDF_ENGINE)
     except Exception as exc:  # noqa: BLE001 - whatever the reader says, the file is not ours
         raise OutputPathError(f"{path} exists but is not a readable netCDF file ({type(exc).__name__}: {exc}); "
                               "refusing to overwrite it (delete it or choose another --out)") from None
-    if MARKER not in attrs:
+    if MARKER not in ds.attrs:
+        ds.close()
         raise OutputPathError(f"{path} is a netCDF file but not a kernapprox result (no {MARKER!r} attribute); "
                               "refusing to overwrite it (delete it or choose another --out)")
-    return str(attrs[MARKER])
+    return ds
+
+
+def _marker_of(path: Path) -> str:
+    with _open_result(path) as ds:
+        return str(ds.attrs[MARKER])
 
 
 def load(path) -> xr.Dataset:
@@ -215,8 +221,7 @@ def load(path) -> xr.Dataset:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no result dataset at {path}; run the experiment first")
-    _marker_of(path)
-    with xr.open_dataset(path, engine=NETCDF_ENGINE) as ds:
+    with _open_result(path) as ds:
         return ds.load()
 
 

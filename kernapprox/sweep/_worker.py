@@ -73,18 +73,14 @@ def find_experiment(module: str, name: str) -> Experiment:
     return _EXPERIMENTS[key]
 
 
-def set_precision(allow_tf32: bool) -> dict:
-    """Set (and return) torch's reduced-precision matmul switches; error studies run with TF32 off."""
-    import torch
-
-    torch.backends.cuda.matmul.allow_tf32 = bool(allow_tf32)
-    torch.backends.cudnn.allow_tf32 = bool(allow_tf32)
-    torch.set_float32_matmul_precision("high" if allow_tf32 else "highest")
-    return precision_flags()
+def precision_settings(allow_tf32: bool) -> dict:
+    """torch's reduced-precision matmul switches for cells: error studies run with TF32 off."""
+    return {"cuda_matmul_allow_tf32": bool(allow_tf32), "cudnn_allow_tf32": bool(allow_tf32),
+            "float32_matmul_precision": "high" if allow_tf32 else "highest"}
 
 
 def restore_precision(flags: dict) -> None:
-    """Put back switches saved by :func:`precision_flags`."""
+    """Apply switches as returned by :func:`precision_settings` or saved by :func:`precision_flags`."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = flags["cuda_matmul_allow_tf32"]
@@ -142,7 +138,7 @@ def execute_cell(task: CellTask) -> CellOutcome:
         if task.num_threads is not None and torch.get_num_threads() != task.num_threads:
             torch.set_num_threads(task.num_threads)
         previous = precision_flags()
-        set_precision(task.allow_tf32)
+        restore_precision(precision_settings(task.allow_tf32))
         device = torch.device(task.device)
         rng = np.random.default_rng(np.random.SeedSequence(task.root_seed, spawn_key=task.spawn_key))
         extra = {}
