@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import numbers
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -65,7 +66,10 @@ def find_experiment(module: str, name: str) -> Experiment:
     """The :class:`Experiment` called ``name`` defined in ``module`` (imported on first use)."""
     key = (module, name)
     if key not in _EXPERIMENTS:
-        mod = importlib.import_module(module)
+        main = sys.modules.get("__main__")
+        spec = getattr(main, "__spec__", None)
+        # `python -m <module>` runs it as __main__: use that copy instead of importing it a second time
+        mod = main if spec is not None and spec.name == module else importlib.import_module(module)
         found = [obj for obj in vars(mod).values() if isinstance(obj, Experiment) and obj.name == name]
         if not found:
             raise LookupError(f"module {module!r} defines no Experiment named {name!r}")
