@@ -14,8 +14,8 @@ THREADS ?= 1
 # The torch pinned when none is importable: the CPU-friendly build. An existing torch is never replaced.
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,dask,real
-STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
 RESULTS     := $(patsubst %,results/%.nc,$(EXPERIMENTS))
@@ -61,7 +61,7 @@ $(CONFIG):
 	@rm -f results/.config-*
 	@touch $@
 
-results/%.nc: experiments/%.py $(LIBRARY) $(CONFIG) | $(STAMP)
+results/%.nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY) $(CONFIG) | $(STAMP)
 	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ --no-figure
 
 figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)

@@ -58,7 +58,10 @@ def code_fingerprint(experiment_module: str) -> str:
         except (ImportError, ValueError):
             mod_file = None
     if mod_file:
-        files.append(Path(mod_file).resolve())
+        module_path = Path(mod_file).resolve()
+        # the experiment and the private helper modules beside it (e.g. experiments/_icl.py)
+        files.append(module_path)
+        files.extend(sorted(p for p in module_path.parent.glob("_*.py") if p != module_path))
     for path in files:
         digest.update(str(path.name).encode())
         digest.update(path.read_bytes())
