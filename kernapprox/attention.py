@@ -223,8 +223,12 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
     batch_shape, (n, d), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     qf, kf = q.reshape(-1, n, d), k.reshape(-1, n_k, d)
     batch = qf.shape[0]
-    v_one = torch.cat([v.reshape(batch, n_k, d_v).to(ct), torch.ones(batch, n_k, 1, dtype=ct, device=v.device)], -1)
+    vf = v.reshape(batch, n_k, d_v)
     block = _block_length(batch, estimator.num_features, chunk_size, max(n, n_k), q.device)
+    ones = torch.ones(batch, block, 1, dtype=ct, device=v.device)
+
+    def values(start, stop):                      # [V 1] of one block, built per block (a cache-sized copy)
+        return torch.cat([vf[:, start:stop].to(ct), ones[:, :stop - start]], -1)
 
     def features(x, role):
         return estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
@@ -232,14 +236,14 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
     num_den = torch.empty(batch, n, d_v + 1, dtype=ct, device=q.device)
     logs = torch.empty(batch, n, dtype=ct, device=q.device)
     if causal:
-        _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs)
+        _chunked_causal(qf, kf, values, features, chunk_size, block, num_den, logs)
     else:
         state = c = None
         for start in range(0, n_k, block):
             pk, lk = features(kf[:, start:start + block], "key")
             c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
-            # the key weights scale the d_v+1 columns of [V 1], not the r feature columns
-            update = pk.transpose(-1, -2) @ (v_one[:, start:start + block] * torch.exp(lk - c_new[:, None])[..., None])
+            weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
+            update = pk.transpose(-1, -2) @ (values(start, start + pk.shape[1]) * weights)
             state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
             c = c_new
         for start in range(0, n, block):
@@ -250,7 +254,41 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
             logs.reshape(*batch_shape, n))
 
 
-def _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs):
+# Up to this many chunks per block (CPU-sized blocks) the chunk states are a loop of fused multiply-adds; beyond
+# it (GPU-sized blocks) one batched product, whose tiny inner dimension makes it memory-bound on a CPU.
+_SEQUENTIAL_CHUNKS = 16
+
+
+def _chunk_states(summary, state, c_before, c_end):
+    """States before each chunk of a block, and the state after the block.
+
+    ``S_0`` is the carried state (zero before the first block) and ``S_{j+1} = S_j e^{c⁻_j − c⁺_j} + U_j``: the
+    recurrence at chunk granularity, every factor ≤ 1 (``e^{-inf} = 0`` before the sequence's first chunk). With
+    many chunks the same sums come from one product with the weights ``e^{c⁺_i − c⁻_j}`` (``i < j``) and
+    ``e^{c_carry − c⁻_j}`` for the carried state.
+    """
+    g = c_end.shape[1]
+    decay = torch.exp(c_before - c_end)[..., None, None]                     # (B, g, 1, 1)
+    if g <= _SEQUENTIAL_CHUNKS:
+        states = torch.empty_like(summary)
+        if state is None:
+            states[:, 0] = 0
+        else:
+            states[:, 0] = state
+        for j in range(g - 1):
+            torch.addcmul(summary[:, j], states[:, j], decay[:, j], out=states[:, j + 1])
+    else:
+        earlier = torch.ones(g, g, dtype=torch.bool, device=c_end.device).tril(-1)
+        weights = torch.exp((c_end[:, None, :] - c_before[:, :, None]).masked_fill(~earlier, float("-inf")))
+        stacked = summary
+        if state is not None:                                                # the carried state as chunk "-1"
+            weights = torch.cat([torch.exp(c_before[:, :1] - c_before)[..., None], weights], -1)
+            stacked = torch.cat([state[:, None], summary], 1)
+        states = (weights @ stacked.flatten(-2)).view(summary.shape)
+    return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
+
+
+def _chunked_causal(qf, kf, values, features, chunk_size, block, num_den, logs):
     """Causal chunked mode over blocks of ``block`` tokens (see :func:`_chunked`); writes ``num_den``, ``logs``."""
     batch, n = qf.shape[:2]
     size = chunk_size
@@ -260,7 +298,7 @@ def _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")
         pk, lk = features(kf[:, start:stop], "key")
-        vb = v_one[:, start:stop]
+        vb = values(start, stop)
         c_rows = torch.cummax(lk, -1).values
         if c_carry is not None:
             c_rows = torch.maximum(c_rows, c_carry[:, None])
@@ -280,14 +318,8 @@ def _chunked_causal(qf, kf, v_one, features, chunk_size, block, num_den, logs):
         out = ((pq @ pk.transpose(-1, -2)) * torch.exp(log_w)) @ vb          # intra-chunk, (B, g, C, d_v+1)
         summary = pk.transpose(-1, -2) @ (vb * torch.exp(lk - c_end[..., None])[..., None])   # (B, g, r, d_v+1)
         if g > 1 or state is not None:
-            earlier = torch.ones(g, g, dtype=torch.bool, device=qf.device).tril(-1)
-            weights = torch.exp((c_end[:, None, :] - c_before[:, :, None]).masked_fill(~earlier, float("-inf")))
-            states = (weights @ summary.flatten(-2)).view(summary.shape)     # S_j, (B, g, r, d_v+1)
-            if state is not None:
-                states = states + torch.exp(c_carry[:, None] - c_before)[..., None, None] * state[:, None]
+            states, state = _chunk_states(summary, state, c_before, c_end)   # S_j: (B, g, r, d_v+1)
             out = out + (pq @ states) * torch.exp(c_before[..., None] - c_rows)[..., None]
-            state = torch.addcmul(summary[:, -1], states[:, -1],
-                                  torch.exp(c_before[:, -1] - c_end[:, -1])[:, None, None])
         else:
             state = summary[:, -1]
         c_carry = c_end[:, -1]
