@@ -243,6 +243,7 @@ def summarise(ds) -> dict:
     t = {m: ds["time_s"].sel(computation=m).squeeze(drop=True).values for m in METHODS}
     out = {f"slope_{m}": fitted_slope(n, t[m]) for m in METHODS}
     out["crossover_n"] = crossover(n, t["exact_full"], t["linear_chunked"])
+    out["decode_crossover_n"] = crossover(n, t["exact_decode"], t["linear_decode"])
     for m in DECODE:
         finite = np.isfinite(t[m])
         out[f"growth_{m}"] = float(t[m][finite][-1] / t[m][finite][0]) if finite.sum() >= 2 else float("nan")
@@ -300,6 +301,8 @@ def plot(ds, path) -> None:
         g = s[f"growth_{m}"]
         if math.isfinite(g):
             ax.plot([], [], " ", label=f"{m}: t(n_max)/t(n_min) = {g:.2f}")
+    if math.isfinite(s["decode_crossover_n"]) and s["decode_crossover_n"] > s["n_min"]:
+        ax.axvline(s["decode_crossover_n"], color="0.5", lw=0.8, ls=":")
     ax.set_ylabel("time of one decode step (µs)")
     ax.set_title("one generated token: KV cache vs RNN state")
     ax.legend(fontsize=7)
