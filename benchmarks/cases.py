@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import kernapprox as ka
 from kernapprox.metrics import relative_rms_error
 
-from .timing import feature_map_flops, linear_attention_flops, measure, sdpa_flops
+from .timing import feature_map_flops, gemm_rate, linear_attention_flops, measure, sdpa_flops
 
 INPUT_STD = 0.5
 HEAD_DIM = 64
@@ -221,26 +221,37 @@ def decode_step(cfg: Config) -> list[Row]:
     return rows
 
 
+def _gemm_now(cfg: Config) -> float:
+    """The GEMM rate measured right now, kept as the run's best: the roofline of the rows next to it (a rate
+    measured once, at another moment of a shared machine's load, would make their fractions meaningless)."""
+    rate = gemm_rate(cfg.device, size=512 if cfg.quick else 2048, budget_s=min(cfg.budget_s, 0.3))
+    cfg.gemm_flops_per_s = max(rate, cfg.gemm_flops_per_s) if math.isfinite(cfg.gemm_flops_per_s) else rate
+    return rate
+
+
 def flop_rate(cfg: Config) -> list[Row]:
-    """Achieved FLOP/s of features + linear attention (counted matrix products, see :mod:`benchmarks.timing`)."""
+    """Achieved FLOP/s of features + linear attention (counted matrix products, see :mod:`benchmarks.timing`), as
+    a fraction of the float32 GEMM rate measured just before and after each row (the larger of the two)."""
     rows = []
     for n in cfg.flop_sizes:
         q, k, v = qkv(cfg, n)
         est = favor_estimator(cfg, q)
-        for causal in (False, True):
-            t = cfg.time(_chunked(q, k, v, est, causal, cfg.chunk_size))
-            fl = (2 * feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
-                  + linear_attention_flops(n, est.num_features, HEAD_DIM, cfg.heads, causal=causal,
-                                           chunk_size=cfg.chunk_size))
-            rows.append(Row("flop_rate", f"n={n} {'causal' if causal else 'non-causal'}", n, causal, t.median_s,
-                            flops=fl, reps=t.reps, cpu_utilisation=t.cpu_utilisation,
-                            extra={"fraction_of_gemm": fl / t.median_s / cfg.gemm_flops_per_s}))
-        t_feat = measure(functools.partial(est.features, q, "query", log_scale=True), cfg.device, min_reps=cfg.min_reps,
-                         budget_s=cfg.budget_s)
-        fl = feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
-        rows.append(Row("flop_rate", f"n={n} features only", n, False, t_feat.median_s, flops=fl, reps=t_feat.reps,
-                        cpu_utilisation=t_feat.cpu_utilisation,
-                        extra={"fraction_of_gemm": fl / t_feat.median_s / cfg.gemm_flops_per_s}))
+        calls = {"non-causal": (_chunked(q, k, v, est, False, cfg.chunk_size),
+                                2 * feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
+                                + linear_attention_flops(n, est.num_features, HEAD_DIM, cfg.heads, causal=False)),
+                 "causal": (_chunked(q, k, v, est, True, cfg.chunk_size),
+                            2 * feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads)
+                            + linear_attention_flops(n, est.num_features, HEAD_DIM, cfg.heads, causal=True,
+                                                     chunk_size=cfg.chunk_size)),
+                 "features only": (functools.partial(est.features, q, "query", log_scale=True),
+                                   feature_map_flops(n, HEAD_DIM, est.num_frequencies, cfg.heads))}
+        for label, (fn, fl) in calls.items():
+            before = _gemm_now(cfg)
+            t = cfg.time(fn)
+            gemm = max(before, _gemm_now(cfg))
+            rows.append(Row("flop_rate", f"n={n} {label}", n, label == "causal", t.median_s, flops=fl, reps=t.reps,
+                            cpu_utilisation=t.cpu_utilisation,
+                            extra={"fraction_of_gemm": fl / t.median_s / gemm, "gemm_flops_per_s": gemm}))
     return rows
 
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import kernapprox as ka
 from benchmarks.timing import measure, synchronize
+from kernapprox.attention import _block_length  # the chunked mode's token block, for the memory count
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 HEADS, HEAD_DIM, NUM_FEATURES, CHUNK_SIZE = 8, 64, 256, 64
@@ -90,18 +91,22 @@ def analytic_peak_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEA
     - ``exact_full``: output and log-sum-exp, ``H·n·(d_v+1)`` (flash-style SDPA never holds ``n × n``);
     - ``exact_decode``: one row of logits and the output, ``H·(n + d_v)``;
     - ``linear_parallel``: ``A = Φ_Q Φ_Kᵀ`` and its masked copy, ``2·H·n²``, plus both feature matrices;
-    - ``linear_chunked``: both feature matrices ``2·H·n·r``, the output, and per chunk ``H·C·(C + r)``;
+    - ``linear_chunked``: numerator/normaliser and output ``H·n·(2 d_v + 1)``, and per token block of ``L`` tokens
+      (``kernapprox.attention`` sizes it) both features ``2·H·L·r``, the intra-chunk weights ``H·L·C`` and the
+      chunk summaries and states ``2·H·(L/C)·r·(d_v+1)`` — the whole-sequence features are never held;
     - ``linear_recurrent``: both feature matrices, the per-token outputs ``H·n·(d_v+1)``, the state;
     - ``linear_decode``: the new state ``H·r·(d_v+1)`` and the token's features.
     """
     state = heads * r * (d + 1)
     features = 2 * heads * n * r
+    block = _block_length(heads, r, chunk_size, n, torch.device("cpu"))
     out = heads * n * (d + 1)
     counts = {
         "exact_full": out,
         "exact_decode": heads * (n + d),
         "linear_parallel": 2 * heads * n * n + features + out,
-        "linear_chunked": features + out + heads * chunk_size * (chunk_size + r) + state,
+        "linear_chunked": heads * n * (2 * d + 1) + 2 * heads * block * r + heads * block * chunk_size
+                          + 2 * heads * (block // chunk_size) * r * (d + 1),
         "linear_recurrent": features + out + state,
         "linear_decode": state + 2 * heads * r,
     }
