@@ -244,3 +244,16 @@ def test_boolean_flags_refuse_truthy_objects(flag, value):
         call = lambda: ka.linear_attention(q, k, v, est, return_parts=value)  # noqa: E731
     with pytest.raises(TypeError, match=flag):
         call()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_finite_check_finds_one_bad_entry_anywhere(dtype, bad):
+    """The one-pass (aminmax) finite check sees a single NaN/±Inf at the first, a middle and the last entry."""
+    x = torch.randn(3, 7, 5, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ka.softmax_attention(x, x, x)
+    for index in [(0, 0, 0), (1, 3, 2), (2, 6, 4)]:
+        y = x.clone()
+        y[index] = bad
+        with pytest.raises(ValueError, match="q contains NaN or Inf"):
+            ka.softmax_attention(y, x, x)
