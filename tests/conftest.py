@@ -16,5 +16,10 @@ def device(request):
 @pytest.fixture(autouse=True)
 def _deterministic_torch():
     # Tests draw inputs from explicit generators; this only guards against stray global-RNG use.
+    # One intra-op thread per test process: the tensors are small and `make test` runs two xdist workers on two
+    # cores, so more threads only add OpenMP barrier waits (restored afterwards).
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)

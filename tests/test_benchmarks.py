@@ -15,15 +15,6 @@ from benchmarks.timing import linear_attention_flops, measure, sdpa_flops
 from experiments import modes
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # timing code on a shared CPU: one thread avoids OpenMP barrier waits that multiply wall time under load
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_quick_run_writes_table_and_targets(tmp_path):
     out = tmp_path / "bench.nc"
     bench_run.main(["--quick", "--device", "cpu", "--out", str(out), "--budget", "0",

@@ -11,14 +11,6 @@ from kernapprox import available_estimators, sweep
 EXPERIMENTS = [icl_recall, icl_regression, icl_classification, rank_summary]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: one thread avoids oversubscription on a shared machine (restored afterwards)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture(scope="module")
 def smoke_results(tmp_path_factory):

@@ -54,14 +54,6 @@ if not NYSTROM_NAMES:
     NYSTROM_NAMES = [LandmarkNystrom]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny tensors: one thread avoids oversubscription on a shared machine (restored afterwards)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _binomial_se(p, n):
     return math.sqrt(max(p * (1 - p), 0.05 * 0.95) / n)
