@@ -269,7 +269,14 @@ def _chunk_states(summary, state, c_before, c_end):
     """
     g = c_end.shape[1]
     decay = torch.exp(c_before - c_end)[..., None, None]                     # (B, g, 1, 1)
-    if g <= _SEQUENTIAL_CHUNKS:
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (summary, state, c_before, c_end))
+    if g <= _SEQUENTIAL_CHUNKS and needs_grad:                               # out= is not differentiable
+        rows = [torch.zeros_like(summary[:, 0]) if state is None else state]
+        for j in range(g - 1):
+            rows.append(torch.addcmul(summary[:, j], rows[-1], decay[:, j]))
+        states = torch.stack(rows, 1)
+    elif g <= _SEQUENTIAL_CHUNKS:
         states = torch.empty_like(summary)
         if state is None:
             states[:, 0] = 0

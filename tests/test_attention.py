@@ -370,3 +370,20 @@ def test_modes_on_device(device):
                                rtol=1e-5, atol=1e-5)
     cpu_est = ka.make_estimator("hyperbolic_orthogonal", num_features=32, rng=9).fit(q)
     torch.testing.assert_close(est.features(qd).cpu(), cpu_est.features(q), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunk_size", [8, 32], ids=["batched-chunk-states", "sequential-chunk-states"])
+def test_chunked_causal_gradients_equal_parallel_mode(chunk_size):
+    """Training goes through the chunked mode: its gradients w.r.t. q, k, v equal the parallel mode's (float64),
+    for both ways of computing the chunk states (n = 200: 25 chunks of 8, or 7 chunks of 32)."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (0.5 * torch.randn(2, 200, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    est = ka.make_estimator("positive_orthogonal", num_features=32, rng=0).fit(q, k)
+    grads = {}
+    for mode in ("parallel", "chunked"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ka.linear_attention(*leaves, est, causal=True, mode=mode, chunk_size=chunk_size)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads[mode] = [t.grad for t in leaves]
+    for got, want in zip(grads["chunked"], grads["parallel"]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
