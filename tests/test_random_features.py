@@ -219,3 +219,11 @@ def test_estimator_table_lists_every_registered_estimator():
     assert set(rows) == set(ka.available_estimators())
     assert "| `PositiveFeatures(sampler='orthogonal')` | yes | yes | no | yes |" in rows["positive_orthogonal"]
     assert "| `TrigonometricFeatures(sampler='regularized')` | no | no | no | yes |" in rows["trig_regularized"]
+
+
+def test_readme_estimator_table_is_current():
+    """The README's estimator table is the registry's (regenerate with `python -m kernapprox.registry`)."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert ka.registry.estimator_table().strip() in readme
