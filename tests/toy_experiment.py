@@ -61,3 +61,19 @@ EXPERIMENT = Experiment(name="toy", title="Toy experiment", description="Engine 
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
+
+
+def leave_partial_progress(out, monkeypatch):
+    """Run the smoke grid with family ``b`` failing, so that the 16 family-``a`` cells stay in the progress store
+    of ``out``; returns their cell files, sorted."""
+    import pytest
+
+    from kernapprox.sweep import CellError, run
+
+    monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
+    with pytest.raises(CellError):
+        run(EXPERIMENT, preset="smoke", out=out, device="cpu", progress=False)
+    monkeypatch.delenv("TOY_FAIL_FAMILY")
+    cells = sorted((out.with_name(out.name + ".partial") / "cells").glob("*.npz"))
+    assert len(cells) == 16
+    return cells
