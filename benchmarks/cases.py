@@ -20,8 +20,7 @@ import torch.nn.functional as F
 
 import kernapprox as ka
 from kernapprox.metrics import relative_rms_error
-
-from .timing import feature_map_flops, gemm_rate, linear_attention_flops, measure, sdpa_flops
+from kernapprox.timing import feature_map_flops, gemm_rate, linear_attention_flops, measure, sdpa_flops
 
 INPUT_STD = 0.5
 HEAD_DIM = 64
@@ -41,7 +40,7 @@ class Config:
     gemm_flops_per_s: float = float("nan")
 
     def time(self, fn, **options):
-        """:func:`~benchmarks.timing.measure` with this run's device, repeat floor and budget."""
+        """:func:`~kernapprox.timing.measure` with this run's device, repeat floor and budget."""
         return measure(fn, self.device, **{"min_reps": self.min_reps, "budget_s": self.budget_s, **options})
 
     @property
@@ -230,7 +229,7 @@ def _gemm_now(cfg: Config) -> float:
 
 
 def flop_rate(cfg: Config) -> list[Row]:
-    """Achieved FLOP/s of features + linear attention (counted matrix products, see :mod:`benchmarks.timing`), as
+    """Achieved FLOP/s of features + linear attention (counted matrix products, see :mod:`kernapprox.timing`), as
     a fraction of the float32 GEMM rate measured just before and after each row (the larger of the two)."""
     rows = []
     for n in cfg.flop_sizes:

@@ -26,8 +26,9 @@ import numpy as np
 import torch
 import xarray as xr
 
+from kernapprox.timing import gemm_rate, provenance
+
 from .cases import CASES, HEAD_DIM, NUM_FEATURES, Config, Row
-from .timing import gemm_rate, provenance
 
 TARGETS = (
     # name, description, threshold, sense ("<=" or ">=")

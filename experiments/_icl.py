@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from kernapprox import available_estimators, metrics, tasks
+from kernapprox import available_estimators, metrics, readout
 from kernapprox.plotting import estimator_style, median_band, new_figure
 from kernapprox.sweep import Metric
 
@@ -45,9 +45,10 @@ def applicable(table: dict, label: str, num_features: int, num_context: int, slo
                ) -> bool:
     """Fixed-dimension maps run in the ``slot`` column only; landmark methods need ``r ≤ n``."""
     name, options = table[label]
-    if tasks.has_fixed_dimension(name, **options):
+    caps = readout.estimator_capabilities(name, **options)
+    if caps.fixed_dimension:
         return num_features == slot
-    return not (tasks.rank_limited_by_points(name) and num_features > num_context)
+    return not (caps.rank_limited_by_points and num_features > num_context)
 
 
 def not_applicable(metric_table: dict) -> dict:
@@ -80,7 +81,7 @@ def readout_metric_table(**descriptions: str) -> dict[str, Metric]:
     }
 
 
-def readout_metrics(read: tasks.Readout, exact: tasks.Readout) -> dict:
+def readout_metrics(read: readout.Readout, exact: readout.Readout) -> dict:
     """What every cell records of a read-out against exact attention on the same episodes: the median over
     episodes of the output's relative RMS error, the rate of non-positive normalisers, the state size and the
     fitted feature dimension (NaN where the read-out has none, e.g. exact attention)."""

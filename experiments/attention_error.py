@@ -87,7 +87,9 @@ def run_cell(params, rng, device, data_rng):
     q, k, v = dist.sample(params["seq_len"], heads=HEADS, d=DIM, rng=data_rng, device=device,
                           dtype=torch.float64)                               # (1, heads, n, d) each
     causal = params["causal"]
-    est = ka.make_estimator(params["estimator"], num_features=params["num_features"], rng=rng).fit(q, k)
+    name = params["estimator"]
+    r = None if ka.capabilities(name).fixed_dimension else params["num_features"]
+    est = ka.make_estimator(name, num_features=r, rng=rng).fit(q, k)
     parts = ka.linear_attention(q, k, v, est, causal=causal, mode="chunked", return_parts=True)
     exact, lse = exact_attention(data_rng, q, k, v, causal)                  # (..., n, d_v), (..., n)
     to_exact = torch.exp(parts.log_scale - lse)                # true part / Z_i, from the stabilised parts

@@ -23,7 +23,7 @@ from experiments._icl import (
     readout_metrics,
     score_grid,
 )
-from kernapprox import tasks
+from kernapprox import readout, tasks
 from kernapprox.plotting import save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
@@ -64,7 +64,7 @@ def run_cell(params, rng, device):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     ep = tasks.digits_classification(n, num_queries=NUM_QUERIES, batch=EPISODES, rng=rng, device=device)
-    read, exact = tasks.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
+    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
                                         options=options)
     return {
         "accuracy": tasks.classification_accuracy(read.output, ep).mean().cpu().numpy(),

@@ -26,8 +26,8 @@ from experiments._icl import (
     readout_metrics,
 )
 from experiments._icl import style as icl_style
-from kernapprox import tasks
-from kernapprox.features.deterministic import DPFPFeatures
+from kernapprox import readout, tasks
+from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import median_band, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
@@ -89,7 +89,7 @@ def run_cell(params, rng, device):
     beta = tasks.log_n_beta(n, params["beta_factor"])
     ep = tasks.associative_recall(n, dim=KEY_DIM, value_dim=VALUE_DIM, num_candidates=NUM_CANDIDATES,
                                   num_queries=min(n, MAX_QUERIES), batch=EPISODES, rng=rng, device=device)
-    read, exact = tasks.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
+    read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
                                         options=options)
     return {
         "accuracy": tasks.recall_accuracy(read.output, ep).mean().cpu().numpy(),

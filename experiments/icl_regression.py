@@ -26,7 +26,7 @@ from experiments._icl import (
     readout_metrics,
     score_grid,
 )
-from kernapprox import tasks
+from kernapprox import readout, tasks
 from kernapprox.plotting import save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
@@ -64,7 +64,7 @@ def run_cell(params, rng, device):
     name, options = ESTIMATORS[label]
     ep = tasks.smooth_regression(n, dim=INPUT_DIM, num_queries=NUM_QUERIES, lengthscale=LENGTHSCALE,
                                  noise_std=NOISE_STD, batch=EPISODES, rng=rng, device=device)
-    read, exact = tasks.paired_readouts(name, ep.x_query, ep.x, ep.y, beta=beta, num_features=r, rng=rng,
+    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.y, beta=beta, num_features=r, rng=rng,
                                         options=options)
     return {
         "nmse": tasks.normalized_mse(read.output, ep).median().cpu().numpy(),

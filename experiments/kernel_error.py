@@ -41,15 +41,8 @@ DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", FLOOR.split("_")[0])
 
 def consistent_estimators() -> list[str]:
     """Registry names of the estimators whose error vanishes as ``r`` grows (``exact`` excluded)."""
-    names = []
-    for name in ka.available_estimators():
-        if name == "exact":
-            continue
-        est = ka.make_estimator(name, num_features=16, rng=0)
-        flag = getattr(est, "consistent", None)
-        if flag if flag is not None else est.unbiased:
-            names.append(name)
-    return names
+    return [name for name in ka.available_estimators()
+            if ka.capabilities(name).kind != "exact" and ka.capabilities(name).consistent]
 
 
 ESTIMATORS = consistent_estimators()
@@ -77,7 +70,9 @@ def run_cell(params, rng, device, data_rng):
     dist = make_distribution("isotropic", beta=params["beta"])
     q, k, _ = dist.sample(params["seq_len"], d=DIM, rng=data_rng, device=device, dtype=torch.float64)
     q, k = q[0, 0], k[0, 0]                                                    # (n, d)
-    est = ka.make_estimator(params["estimator"], num_features=params["num_features"], rng=rng).fit(q, k)
+    name = params["estimator"]
+    r = None if ka.capabilities(name).fixed_dimension else params["num_features"]
+    est = ka.make_estimator(name, num_features=r, rng=rng).fit(q, k)
     approx = est.kernel_matrix(q, k)
     exact = ka.kernel_matrix(q, k)
     return {"kernel_rel_fro": relative_frobenius_error(approx, exact).item(),

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 import kernapprox as ka
-from benchmarks.timing import measure, synchronize
-from kernapprox.attention import _block_length  # the chunked mode's token block, for the memory count
+from kernapprox.attention import chunked_block_length  # the chunked mode's token block, for the memory count
 from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.timing import measure, synchronize
 
 HEADS, HEAD_DIM, NUM_FEATURES, CHUNK_SIZE = 8, 64, 256, 64
 INPUT_STD = 0.5
@@ -99,7 +99,7 @@ def analytic_peak_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEA
     """
     state = heads * r * (d + 1)
     features = 2 * heads * n * r
-    block = _block_length(heads, r, chunk_size, n, torch.device("cpu"))
+    block = chunked_block_length(heads, r, chunk_size, n, torch.device("cpu"))
     out = heads * n * (d + 1)
     counts = {
         "exact_full": out,

@@ -29,7 +29,7 @@ from experiments._icl import (
     readout_metrics,
     score_panel,
 )
-from kernapprox import tasks
+from kernapprox import readout, tasks
 from kernapprox.plotting import new_figure, reference_slope, save_figure
 from kernapprox.sweep import Experiment, Metric, run_cli
 
@@ -99,7 +99,7 @@ def run_cell(params, rng, device):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     queries, keys, values, score, beta = _episodes(task, rng, device)
-    read, exact = tasks.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
+    read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
                                         options=options, fit_on="queries_and_keys" if label in ORACLES else "keys")
     return {
         "score": score(read.output).cpu().numpy(),

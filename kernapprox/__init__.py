@@ -1,30 +1,41 @@
 """kernapprox: how good finite feature maps of the softmax kernel are, and what they cost.
 
+>>> import torch
 >>> import kernapprox as ka
+>>> q, k, v = torch.randn(2, 4, 128, 32), torch.randn(2, 4, 128, 32), torch.randn(2, 4, 128, 32)
 >>> est = ka.make_estimator("positive_orthogonal", num_features=128, rng=0).fit(q, k)
 >>> y = ka.linear_attention(q, k, v, est, causal=True, mode="chunked")
+>>> y.shape
+torch.Size([2, 4, 128, 32])
+>>> err = ka.metrics.relative_rms_error(y, ka.softmax_attention(q, k, v, causal=True))   # per (batch, head)
 """
 
-from . import features, metrics, theory
-from ._validation import NotFittedError
+from . import estimators, metrics, theory
 from .attention import (
     MODES,
-    AttentionParts,
     RecurrentState,
     linear_attention,
-    linear_attention_reference,
+    linear_attention_naive,
     softmax_attention,
-    softmax_attention_reference,
+    softmax_attention_naive,
 )
-from .features import FeatureMap
+from .estimators import AttentionParts, Capabilities, Estimator, FeatureMap
+from .estimators.registry import (
+    available_estimators,
+    capabilities,
+    estimator_class,
+    estimator_table,
+    make_estimator,
+    register,
+)
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
-from .registry import available_estimators, estimator_class, make_estimator, register
+from .validation import NotFittedError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "features", "metrics", "theory", "NotFittedError", "MODES", "AttentionParts", "RecurrentState",
-    "linear_attention", "linear_attention_reference", "softmax_attention", "softmax_attention_reference",
-    "FeatureMap", "kernel_matrix", "log_kernel_matrix", "resolve_scale", "available_estimators",
-    "estimator_class", "make_estimator", "register", "__version__",
+    "estimators", "metrics", "theory", "NotFittedError", "MODES", "AttentionParts", "Capabilities", "Estimator",
+    "FeatureMap", "RecurrentState", "linear_attention", "linear_attention_naive", "softmax_attention",
+    "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix", "resolve_scale", "available_estimators",
+    "capabilities", "estimator_class", "estimator_table", "make_estimator", "register", "__version__",
 ]

@@ -4,9 +4,13 @@ Every distribution draws on the CPU with a numpy ``Generator`` in float64 and on
 casts (so one seed means one draw on every device and dtype) and returns tensors of shape
 ``(batch, heads, n, d)``::
 
+    >>> from kernapprox.distributions import effective_beta, make_distribution
     >>> dist = make_distribution("clustered", num_clusters=4, beta=2.0)
     >>> q, k, v = dist.sample(256, batch=2, heads=4, rng=0)          # each (2, 4, 256, 32), float32, CPU
-    >>> effective_beta(q, k)                                         # (2, 4): mean ‖q_i‖‖k_j‖/√d per head
+    >>> q.shape, q.dtype
+    (torch.Size([2, 4, 256, 32]), torch.float32)
+    >>> effective_beta(q, k).shape                                   # mean ‖q_i‖‖k_j‖/√d per head
+    torch.Size([2, 4])
 
 Synthetic families share one temperature parameter ``beta``: rows are scaled so that
 ``E‖q‖² = E‖k‖² = beta·√d``, hence ``‖q‖‖k‖/√d ≈ beta`` when norms concentrate. It is a *nominal* value; the
@@ -36,10 +40,9 @@ from typing import ClassVar, NamedTuple
 import numpy as np
 import torch
 
-from ._rng import as_generator
-from ._validation import FLOAT_DTYPES, check_choice, check_positive_float, check_positive_int, check_tensor
-from .features.samplers import haar_orthogonal
+from .estimators.samplers import haar_orthogonal
 from .kernel import resolve_scale
+from .validation import FLOAT_DTYPES, as_generator, check_choice, check_positive_float, check_positive_int, check_tensor
 
 
 class QKV(NamedTuple):

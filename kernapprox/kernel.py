@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._validation import check_positive_float, check_same_kind, check_tensor, compute_dtype
+from .validation import check_positive_float, check_qk, compute_dtype
 
 
 def resolve_scale(dim: int, scale: float | None) -> float:
@@ -21,19 +21,9 @@ def resolve_scale(dim: int, scale: float | None) -> float:
     return check_positive_float(scale, "scale")
 
 
-def _check_qk(q, k):
-    check_tensor(q, "q")
-    check_tensor(k, "k")
-    check_same_kind(q=q, k=k)
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
-    if q.shape[:-2] != k.shape[:-2]:
-        raise ValueError(f"q and k must share batch dimensions, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}")
-
-
 def _logits(q, k, scale):
     """``s · Q Kᵀ`` in the compute dtype (float32 for half-precision inputs)."""
-    _check_qk(q, k)
+    check_qk(q, k)
     s = resolve_scale(q.shape[-1], scale)
     ct = compute_dtype(q.dtype)
     return s * (q.to(ct) @ k.to(ct).transpose(-1, -2))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_tensor
+from .validation import check_tensor
 
 
 def _pair(approx, exact):

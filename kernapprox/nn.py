@@ -42,21 +42,20 @@ import numpy as np
 import torch
 from torch import nn
 
-from ._rng import as_generator
-from ._validation import check_choice, check_positive_int, check_tensor
 from .attention import MODES, linear_attention
-from .features.base import FeatureMap
-from .registry import make_estimator
+from .estimators.base import Estimator
+from .estimators.registry import make_estimator
+from .validation import as_generator, check_choice, check_positive_int, check_tensor
 
 __all__ = ["KernelAttention"]
 
 
 class _FittedState(nn.Module):
-    """The fitted values of one estimator (:meth:`FeatureMap.fitted_state`) as buffers; a nested estimator's
+    """The fitted values of one estimator (:meth:`Estimator.fitted_state`) as buffers; a nested estimator's
     ``"<attribute>.<name>"`` entries live in a child module named after the attribute, so ``state_dict`` keys
     are the estimator's own. Numbers are stored as 0-d int64/float64 buffers."""
 
-    def capture(self, est: FeatureMap) -> None:
+    def capture(self, est: Estimator) -> None:
         for name in list(self._buffers):
             del self._buffers[name]
         for name in list(self._modules):
@@ -76,7 +75,7 @@ class _FittedState(nn.Module):
                 buffer = torch.tensor(value, dtype=torch.int64 if isinstance(value, int) else torch.float64)
             module.register_buffer(name, buffer)
 
-    def restore(self, est: FeatureMap) -> None:
+    def restore(self, est: Estimator) -> None:
         """Write the buffers' values back into the estimator (which keeps them as the kinds it stored)."""
         est.load_fitted_state(dict(self.named_buffers(remove_duplicate=False)))
 
@@ -151,7 +150,7 @@ class KernelAttention(nn.Module):
 
     Attributes
     ----------
-    estimator : FeatureMap
+    estimator : Estimator
         The kernapprox estimator (its fitted values mirror ``feature_state``). Refit it through
         :meth:`fit` or :meth:`redraw`, not directly: a direct ``estimator.fit`` would leave the buffers behind.
     feature_state : nn.Module
@@ -180,10 +179,11 @@ class KernelAttention(nn.Module):
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator, num_features=num_features, rng=feature_rng, scale=scale,
                                         **options)
-        if mode not in self.estimator.modes:
+        caps = self.estimator.capabilities()
+        if mode not in caps.modes:
             raise ValueError(f"mode {mode!r} is not supported by estimator {estimator!r}; supported: "
-                             f"{', '.join(self.estimator.modes)}")
-        if causal and not getattr(self.estimator, "supports_causal", True):
+                             f"{', '.join(caps.modes)}")
+        if causal and not caps.causal:
             raise ValueError(f"estimator {estimator!r} does not support causal attention")
         self.mode = mode
         self.causal = causal
@@ -195,7 +195,7 @@ class KernelAttention(nn.Module):
         self._init_projections(weight_rng)
         self.feature_state = _FittedState()
         self._signature = None
-        if not self.estimator.data_dependent:
+        if not self.estimator.capabilities().data_dependent:
             self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
 
     # ------------------------------------------------------------------------------------------ set-up
@@ -271,7 +271,7 @@ class KernelAttention(nn.Module):
         With ``rng`` the draw comes from ``as_generator(rng)``, which becomes the layer's feature stream (so
         ``redraw(5)`` is reproducible); without, the layer's stream continues. Returns ``self``.
         """
-        if self.estimator.data_dependent:
+        if self.estimator.capabilities().data_dependent:
             raise ValueError(f"estimator {self.estimator_name!r} is data-dependent: redraw it with fit(calibration)")
         if rng is not None:
             self._feature_rng = as_generator(rng)
@@ -299,7 +299,7 @@ class KernelAttention(nn.Module):
             # Build the fitted structure (attribute names, nested estimators) from a throw-away fit on
             # placeholder data from its own generator, so the layer's stream is not consumed; every value is
             # then replaced by the state dict's.
-            size = max(64, self.estimator.num_features_param or 0)
+            size = max(64, self.estimator.get_params()["num_features"] or 0)
             placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((1, size, self.head_dim)))
             stream = self.estimator.rng
             self.estimator.rng = np.random.default_rng(0)
@@ -309,6 +309,6 @@ class KernelAttention(nn.Module):
                                       error_msgs)
 
     def extra_repr(self) -> str:
-        r = self.estimator.num_features_param
+        r = self.estimator.get_params()["num_features"]
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
                 f"num_features={r}, mode={self.mode!r}, causal={self.causal}")

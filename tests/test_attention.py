@@ -47,7 +47,7 @@ def test_modes_agree_with_float64_oracle(batch, n, d, causal, name, dtype):
     """
     q, k, v = _inputs(batch, n, d, dtype, std=0.25 if name == "trig" else 0.5)
     est = ka.make_estimator(name, num_features=64, rng=1).fit(q, k)
-    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, causal)
+    ref = ka.linear_attention_naive(q.double(), k.double(), v.double(), est, causal)
     a = est.features(q.double(), "query") @ est.features(k.double(), "key").transpose(-1, -2)
     if causal:
         a = a.tril()
@@ -109,7 +109,7 @@ def test_exact_kernel_parts():
             a = a.tril()
         torch.testing.assert_close(p.numerator * p.log_scale.exp()[..., None], a @ v, rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(p.normalizer * p.log_scale.exp(), a.sum(-1), rtol=1e-12, atol=0)
-        torch.testing.assert_close(p.output, ka.softmax_attention_reference(q, k, v, causal), rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(p.output, ka.softmax_attention_naive(q, k, v, causal), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
@@ -172,7 +172,7 @@ def test_softmax_attention_matches_sdpa(causal, dtype, scale):
         got = ka.softmax_attention(q, k, v, causal, scale, chunk_size=chunk)
         assert got.dtype == dtype
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
-    torch.testing.assert_close(ka.softmax_attention_reference(q, k, v, causal, scale), want.double(),
+    torch.testing.assert_close(ka.softmax_attention_naive(q, k, v, causal, scale), want.double(),
                                rtol=tol, atol=tol)
     if not causal:  # more keys than queries
         k2 = torch.randn(2, 3, 50, 16, generator=g, dtype=dtype)
@@ -288,7 +288,7 @@ def test_stabilised_for_large_norms(name, decreasing):
     km64 = est.kernel_matrix(q.double(), k.double())
     torch.testing.assert_close(km.double(), km64, rtol=1e-3, atol=1e-6 * float(km64.abs().max()))
     for causal in (False, True):
-        ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, causal)
+        ref = ka.linear_attention_naive(q.double(), k.double(), v.double(), est, causal)
         for mode in ka.MODES:
             out = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=CHUNK)
             assert bool(torch.isfinite(out).all()), (causal, mode)
@@ -301,7 +301,7 @@ def test_stabilised_where_exact_scale_features_underflow():
     q, k, v = _growing_norm_inputs(64, 16, 400.0, decreasing=True, batch=())
     est = ka.make_estimator("positive", num_features=64, rng=5).fit(q, k)
     assert bool((est.features(k[:1], "key") == 0).all())   # the naive float32 route would divide 0 by 0
-    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, True)
+    ref = ka.linear_attention_naive(q.double(), k.double(), v.double(), est, True)
     for mode in ka.MODES:
         out = ka.linear_attention(q, k, v, est, True, mode, chunk_size=CHUNK)
         assert bool(torch.isfinite(out).all()), mode
@@ -356,7 +356,7 @@ def test_modes_on_device(device):
     attention agree with the CPU float64 oracles, and one seed gives one draw on every device."""
     q, k, v = _inputs((2,), 33, 12, torch.float32)
     est = ka.make_estimator("hyperbolic_orthogonal", num_features=32, rng=9).fit(q.to(device))
-    ref = ka.linear_attention_reference(q.double(), k.double(), v.double(), est, True)
+    ref = ka.linear_attention_naive(q.double(), k.double(), v.double(), est, True)
     qd, kd, vd = q.to(device), k.to(device), v.to(device)
     for mode in ka.MODES:
         out = ka.linear_attention(qd, kd, vd, est, True, mode, chunk_size=CHUNK)
@@ -366,7 +366,7 @@ def test_modes_on_device(device):
     steps = torch.stack([state.step(qd[:, t], kd[:, t], vd[:, t]) for t in range(33)], -2)
     assert float((steps.cpu().double() - ref).abs().max()) < 1e-4 * float(ref.abs().max())
     exact = ka.softmax_attention(qd, kd, vd, causal=True, chunk_size=8)
-    torch.testing.assert_close(exact.cpu().double(), ka.softmax_attention_reference(q, k, v, True),
+    torch.testing.assert_close(exact.cpu().double(), ka.softmax_attention_naive(q, k, v, True),
                                rtol=1e-5, atol=1e-5)
     cpu_est = ka.make_estimator("hyperbolic_orthogonal", num_features=32, rng=9).fit(q)
     torch.testing.assert_close(est.features(qd).cpu(), cpu_est.features(q), rtol=1e-5, atol=1e-6)

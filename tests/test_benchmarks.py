@@ -11,8 +11,8 @@ import xarray as xr
 
 from benchmarks import run as bench_run
 from benchmarks.cases import Row
-from benchmarks.timing import linear_attention_flops, measure, sdpa_flops
 from experiments import modes
+from kernapprox.timing import linear_attention_flops, measure, sdpa_flops
 
 
 def test_quick_run_writes_table_and_targets(tmp_path):

@@ -3,10 +3,10 @@
 The table is ``kernapprox.available_estimators()`` read at collection time, so an estimator is covered the moment
 it is registered. What is checked is decided by the estimator's own description, never by its name:
 
-* its kind — the exact kernel, a feature map (implements ``_log_features`` or ``features``), or an estimator that
-  brings its own ``attention`` (hybrids, Nyströmformer);
-* its attributes ``modes``, ``unbiased``, ``positive``, ``data_dependent`` and the optional ``consistent``
-  (error → 0 as ``num_features`` grows; defaults to ``unbiased``) and ``supports_causal`` (default True);
+* its declared capabilities (``est.capabilities()``): ``kind`` — the exact kernel, a feature map, or an estimator
+  that brings its own ``attention`` (hybrids, Nyströmformer) — ``modes``, ``unbiased``, ``positive``,
+  ``data_dependent``, ``consistent`` (error → 0 as ``num_features`` grows), ``causal`` and ``fixed_dimension``
+  (the first test checks that every declaration is what the object does);
 * whether fitting draws from its ``rng`` (observed: a ``Generator`` passed as ``rng`` advances), which decides
   whether a different seed must give different features (random estimators) or identical ones (deterministic).
 
@@ -20,15 +20,12 @@ supported attention mode to 1e-10 relative in float64, causal and non-causal.
 
 from __future__ import annotations
 
-import inspect
-
 import numpy as np
 import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox._attention_only import AttentionOnlyEstimator
-from kernapprox.features import ExactKernel, FeatureMap
+from kernapprox.estimators import AttentionEstimator, Capabilities, Estimator, FeatureMap
 from kernapprox.metrics import relative_frobenius_error, relative_rms_error
 
 ESTIMATORS = ka.available_estimators()
@@ -53,40 +50,36 @@ def randn(shape, seed, std=1.0, dtype=torch.float64, device="cpu"):
 
 
 def make(name, num_features=M, rng=0):
+    if ka.capabilities(name).fixed_dimension:
+        num_features = None
     return ka.make_estimator(name, num_features=num_features, rng=rng, **CONSTRUCTION_OPTIONS.get(name, {}))
 
 
 def kind(est) -> str:
-    """"exact", "features" (a finite feature map) or "attention" (brings only its own attention)."""
-    if isinstance(est, ExactKernel):
-        return "exact"
-    cls = type(est)
-    if cls._log_features is not FeatureMap._log_features or cls.features is not FeatureMap.features:
-        return "features"
-    if hasattr(est, "attention"):
-        return "attention"
-    raise AssertionError(f"{cls.__name__} implements neither _log_features/features nor attention")
+    """"exact", "features" (a finite feature map) or "attention" (brings only its own attention), as declared."""
+    return est.capabilities().kind
 
 
 def has_kernel_matrix(est) -> bool:
-    """Feature maps and the exact kernel always have one; others when a concrete class defines it."""
+    """Feature maps and the exact kernel always have one; others when a concrete class defines it (a test may
+    look at the class; the library reads only the declarations)."""
     if kind(est) != "attention":
         return True
     owner = next(c for c in type(est).__mro__ if "kernel_matrix" in vars(c))
-    return owner not in (FeatureMap, AttentionOnlyEstimator)
+    return owner not in (Estimator, AttentionEstimator)
 
 
 def supports_causal(est) -> bool:
-    return bool(getattr(est, "supports_causal", True))
+    return est.capabilities().causal
 
 
 def plain_feature_map(est) -> bool:
-    """A feature map whose attention is the generic linear attention (so the float64 loop oracle applies)."""
-    return kind(est) == "features" and not hasattr(est, "attention")
+    """A feature map (its attention is the generic linear attention, so the float64 loop oracle applies)."""
+    return kind(est) == "features"
 
 
 def is_consistent(est) -> bool:
-    return not isinstance(est, ExactKernel) and bool(getattr(est, "consistent", est.unbiased))
+    return kind(est) != "exact" and est.capabilities().consistent
 
 
 def qkv(seed, batch=BATCH, n=N, d=D, dv=DV, std=0.5, dtype=torch.float64, device="cpu"):
@@ -107,7 +100,7 @@ def draws_randomness(name, q, k) -> bool:
 
 
 def output(est, q, k, v, causal=False, mode=None):
-    mode = mode or est.modes[-1]
+    mode = mode or est.capabilities().modes[-1]
     return ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=CHUNK)
 
 
@@ -129,11 +122,22 @@ names = pytest.mark.parametrize("name", ESTIMATORS)
 @names
 def test_registry_builds_and_fit_returns_self(name):
     est = make(name)
-    assert isinstance(est, FeatureMap)
-    assert isinstance(est.modes, tuple) and est.modes and set(est.modes) <= set(ka.MODES)
-    for attr in ("unbiased", "positive", "data_dependent", "causal_fit"):
-        assert isinstance(getattr(est, attr), bool), f"{attr} must be a bool"
-    assert isinstance(est.reference, str) and est.reference, "reference must cite the paper"
+    assert isinstance(est, Estimator)
+    caps = est.capabilities()
+    assert isinstance(caps, Capabilities) and caps == ka.capabilities(name, **CONSTRUCTION_OPTIONS.get(name, {}))
+    assert isinstance(caps.modes, tuple) and caps.modes and set(caps.modes) <= set(ka.MODES)
+    assert caps.rules and "sum" in caps.rules
+    for attr in ("unbiased", "positive", "data_dependent", "causal_fit", "consistent", "causal", "fixed_dimension",
+                 "rank_limited_by_points"):
+        assert isinstance(getattr(caps, attr), bool), f"{attr} must be a bool"
+    assert isinstance(caps.reference, str) and caps.reference, "reference must cite the paper"
+    # the declared kind is what the object is
+    assert isinstance(est, {"features": FeatureMap, "attention": AttentionEstimator, "exact": Estimator}[caps.kind])
+    if caps.kind == "exact":
+        assert not isinstance(est, (FeatureMap, AttentionEstimator))
+    if caps.fixed_dimension and caps.kind == "features":
+        with pytest.raises(ValueError, match="num_features"):
+            ka.make_estimator(name, num_features=10_000).fit(*qkv(0)[:2])
     assert type(est).__doc__, "the class needs a docstring stating the formula"
     q, k, _ = qkv(0)
     with pytest.raises(ka.NotFittedError):
@@ -166,7 +170,7 @@ def test_fitted_state_round_trip(name):
         assert key.split(".")[-1].endswith("_"), key
         assert isinstance(value, (np.ndarray, torch.Tensor, int, float)) and not isinstance(value, bool), key
     for attr, inner in vars(est).items():
-        if isinstance(inner, FeatureMap):
+        if isinstance(inner, Estimator):
             assert {f"{attr}.{key}" for key in inner.fitted_state()} <= set(state), attr
     expected = probe(est, q, k, v)
     for value in state.values():                       # a snapshot: editing it leaves the estimator alone
@@ -203,11 +207,10 @@ def test_shapes(name):
         single = est.features(q[0, 0, :1], "query")                 # one token, no batch dims
         assert single.shape == (1, r)
         d_v = 7
-        sig = inspect.signature(est.state_bytes).parameters
-        extra = {"seq_len": N} if "seq_len" in sig else {}
-        b32 = est.state_bytes(d_v, torch.float32, **extra)
+        b32 = est.state_bytes(d_v, torch.float32, seq_len=N)
         assert isinstance(b32, int) and b32 >= r * (d_v + 1) * 4
-        assert est.state_bytes(d_v, torch.float64, **extra) == 2 * b32
+        assert est.state_bytes(d_v, torch.float64, seq_len=N) == 2 * b32
+        assert isinstance(est.parameter_bytes(torch.float32), int)
     if has_kernel_matrix(est):
         assert est.kernel_matrix(q, k[..., :N - 2, :]).shape == (*BATCH, N, N - 2)
     assert output(est, q, k, v).shape == (*BATCH, N, DV)
@@ -299,14 +302,14 @@ def test_finite_on_moderate_inputs(name):
 def test_positive_where_claimed(name):
     q, k, v = qkv(8, n=32, std=1.0)
     est = fitted(name, q, k)
-    if not est.positive:
+    if not est.capabilities().positive:
         pytest.skip("signed estimator: no positivity to check")
     if kind(est) == "features":
         assert (est.features(q, "query") >= 0).all() and (est.features(k, "key") >= 0).all()
     if has_kernel_matrix(est):
         assert (est.kernel_matrix(q, k) > 0).all()
     if kind(est) != "exact":
-        parts = ka.linear_attention(q, k, v, est, causal=supports_causal(est), mode=est.modes[-1],
+        parts = ka.linear_attention(q, k, v, est, causal=supports_causal(est), mode=est.capabilities().modes[-1],
                                     chunk_size=CHUNK, return_parts=True)
         assert (parts.normalizer > 0).all()
 
@@ -318,14 +321,14 @@ def test_data_dependence_as_declared(name):
     if kind(est) == "features":
         def observe(e):
             return e.features(q, "query")
-    elif has_kernel_matrix(est) and not est.data_dependent:
+    elif has_kernel_matrix(est) and not est.capabilities().data_dependent:
         def observe(e):
             return e.kernel_matrix(q, k)
     else:
         pytest.skip("data-dependent attention-only estimator: it may use the data at call time, not at fit")
     a = observe(fitted(name, q, k, rng=2))
     b = observe(fitted(name, 3.0 * v[..., :1] + q, k.flip(-2) + 0.3, rng=2))
-    if est.data_dependent:
+    if est.capabilities().data_dependent:
         assert relative_difference(b, a) > 1e-6, "declared data-dependent but fitting ignores the data"
     else:
         assert torch.equal(a, b), "declared data-independent but fitting depends on the data"
@@ -335,7 +338,7 @@ def test_data_dependence_as_declared(name):
 def test_unbiased_kernel_estimate(name):
     """Mean of the estimate over independent draws within 4.5 sample standard errors of exp(s qᵀk)."""
     est = make(name)
-    if not est.unbiased or isinstance(est, ExactKernel):
+    if not est.capabilities().unbiased or kind(est) == "exact":
         pytest.skip("not an unbiased estimator (or exact)")
     if not has_kernel_matrix(est):
         pytest.skip("no kernel matrix to average")
@@ -354,7 +357,7 @@ def test_error_decreases_with_num_features(name):
     rate predicts a factor 4); the exact kernel has zero error."""
     q, k, v = qkv(11, batch=(), n=300, d=D, std=0.4)
     est = fitted(name, q, k)
-    if not (isinstance(est, ExactKernel) or is_consistent(est)):
+    if not (kind(est) == "exact" or is_consistent(est)):
         pytest.skip("not consistent in num_features (biased by design)")
 
     def error(m, seed):
@@ -363,7 +366,7 @@ def test_error_decreases_with_num_features(name):
             return float(relative_frobenius_error(e.kernel_matrix(q, k), ka.kernel_matrix(q, k)))
         return float(relative_rms_error(output(e, q, k, v), ka.softmax_attention(q, k, v)))
 
-    if isinstance(est, ExactKernel):
+    if kind(est) == "exact":
         assert error(M, 0) < 1e-12
         return
     small = np.median([error(16, s) for s in range(5)])
@@ -381,21 +384,22 @@ def _mode_cases():
 def test_modes_agree(name, causal):
     q, k, v = qkv(12)
     est = fitted(name, q, k)
+    modes = est.capabilities().modes
     if causal and not supports_causal(est):
-        for mode in est.modes:
+        for mode in modes:
             with pytest.raises(ValueError, match="causal"):
                 output(est, q, k, v, causal=True, mode=mode)
         return
-    outs = {mode: output(est, q, k, v, causal=causal, mode=mode) for mode in est.modes}
-    ref_mode = est.modes[0]
+    outs = {mode: output(est, q, k, v, causal=causal, mode=mode) for mode in modes}
+    ref_mode = modes[0]
     for mode, out in outs.items():
         assert out.dtype == torch.float64
         err = float(relative_rms_error(out, outs[ref_mode]).max())
         assert err < 1e-10, f"{mode} vs {ref_mode}: {err:.2e}"
     if plain_feature_map(est):
-        oracle = ka.linear_attention_reference(q, k, v, est, causal=causal)
+        oracle = ka.linear_attention_naive(q, k, v, est, causal=causal)
         err = float(relative_rms_error(outs[ref_mode], oracle).max())
         assert err < 1e-10, f"{ref_mode} vs the float64 loop oracle: {err:.2e}"
-    if isinstance(est, ExactKernel):
-        oracle = ka.softmax_attention_reference(q, k, v, causal=causal)
+    if kind(est) == "exact":
+        oracle = ka.softmax_attention_naive(q, k, v, causal=causal)
         assert float(relative_rms_error(outs[ref_mode], oracle).max()) < 1e-10

@@ -15,7 +15,7 @@ import torch
 
 import kernapprox as ka
 from kernapprox import theory
-from kernapprox.features.exponential import (
+from kernapprox.estimators.exponential import (
     AsymmetricDenseExponentialFeatures,
     GeneralizedExponentialFeatures,
     OptimalPositiveFeatures,
@@ -326,7 +326,7 @@ def test_three_modes_agree_with_the_float64_oracle(name, causal):
     q, k = anisotropic_qk(16, batch=(2,), n=19, d=6)
     v = tensor(np.random.default_rng(17).standard_normal((2, 19, 3)))
     est = ka.make_estimator(name, num_features=24, rng=3).fit(q, k)
-    oracle = ka.linear_attention_reference(q, k, v, est, causal=causal)
+    oracle = ka.linear_attention_naive(q, k, v, est, causal=causal)
     for mode in ka.MODES:
         out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=5)
         assert float(relative_rms_error(out, oracle).max()) < 1e-10, mode

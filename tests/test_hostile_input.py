@@ -27,7 +27,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kernapprox as ka
-from kernapprox.features import ExactKernel, FeatureMap
 from kernapprox.metrics import nonpositive_normalizer_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,19 +48,22 @@ def randn(shape, seed, dtype=torch.float64):
 
 
 def has_feature_map(est) -> bool:
-    cls = type(est)
-    return not isinstance(est, ExactKernel) and (cls._log_features is not FeatureMap._log_features
-                                                 or cls.features is not FeatureMap.features)
+    return est.capabilities().kind == "features"
 
 
 def causal_options(est):
-    return (False, True) if getattr(est, "supports_causal", True) else (False,)
+    return (False, True) if est.capabilities().causal else (False,)
+
+
+def size(name):
+    """``num_features`` for a registry name: ``M``, or ``None`` where the dimension is fixed by ``d``."""
+    return None if ka.capabilities(name).fixed_dimension else M
 
 
 @functools.cache
 def fitted(name):
     """Each registry estimator fitted once on fixed data (d = D); the tests never refit these."""
-    return ka.make_estimator(name, num_features=M, rng=0, **OPTIONS.get(name, {})).fit(
+    return ka.make_estimator(name, num_features=size(name), rng=0, **OPTIONS.get(name, {})).fit(
         randn((2, 9, D), 1), randn((2, 9, D), 2))
 
 
@@ -144,21 +146,13 @@ def test_unknown_estimator_names_are_refused(name):
     expect_error(ValueError, ["estimator"], lambda: ka.estimator_class(name))
 
 
-def _ignores_num_features(name):
-    """Estimators whose dimension is fixed by d (the exact kernel, deterministic maps) ignore num_features."""
-    try:
-        return ka.make_estimator(name, num_features=None).num_features_param is None
-    except (TypeError, ValueError):
-        return False
-
-
 @examples(60)
 @given(name=st.sampled_from(ESTIMATORS),
        value=st.one_of(st.integers(-10**12, 0), st.floats(allow_nan=True), st.booleans(), st.just("8"),
                        st.just([8]), st.none()))
 def test_bad_num_features(name, value):
-    if _ignores_num_features(name):
-        return
+    if value is None and ka.capabilities(name).fixed_dimension:
+        return                                           # the dimension follows from d: None is the valid value
     kind = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
     expect_error(kind, ["num_features"],
                  lambda: ka.make_estimator(name, num_features=value, **OPTIONS.get(name, {})).fit(randn((6, D), 0)))
@@ -168,12 +162,9 @@ def test_bad_num_features(name, value):
 @given(name=st.sampled_from(ESTIMATORS), option=st.text(alphabet="abcdefghijklmnopqrstuvwxyz_", min_size=3,
                                                         max_size=10))
 def test_unknown_options_name_the_option(name, option):
-    import inspect
-
-    accepted = inspect.signature(ka.estimator_class(name).__init__).parameters
-    if option in accepted:
+    if option in ka.estimators.registry.constructor_options(name):
         return
-    expect_error(TypeError, [option], lambda: ka.make_estimator(name, num_features=M, **{option: 1}))
+    expect_error(TypeError, [option], lambda: ka.make_estimator(name, num_features=size(name), **{option: 1}))
 
 
 @examples(30)
@@ -190,7 +181,7 @@ def test_unknown_sampler(sampler, family):
 def test_bad_scale(scale, name):
     kind = TypeError if isinstance(scale, str) else ValueError
     expect_error(kind, ["scale"],
-                 lambda: ka.make_estimator(name, num_features=M, scale=scale).fit(randn((2, 8, D), 0)))
+                 lambda: ka.make_estimator(name, num_features=size(name), scale=scale).fit(randn((2, 8, D), 0)))
 
 
 def test_available_estimators_is_a_copy():
@@ -213,7 +204,7 @@ def test_fit_refuses_corrupt_tensors(name, which, how, shape, position):
         which = "q"                       # fit(q, None) is legitimate: one sample for both sides
     args[which] = corrupt(args[which], how, position)
     kind = {**CORRUPTIONS, **MISMATCH}[how]
-    est = ka.make_estimator(name, num_features=M, rng=0, **OPTIONS.get(name, {}))
+    est = ka.make_estimator(name, num_features=size(name), rng=0, **OPTIONS.get(name, {}))
     expect_error(kind, [which, "q", "k"], lambda: est.fit(args["q"], args["k"]))
 
 
@@ -225,7 +216,7 @@ def test_features_refuse_corrupt_tensors(name, how, role, shape, position):
     est = fitted(name)
     x = corrupt(qkv(shape)[0], how, position)
     if not has_feature_map(est):
-        expect_error(ValueError, ["feature map", "features"], lambda: est.features(qkv(shape)[0], role))
+        assert not hasattr(est, "features"), "an estimator declared without a feature map has a features method"
         return
     expect_error(CORRUPTIONS[how], ["x"], lambda: est.features(x, role))
 
@@ -251,7 +242,7 @@ def test_features_refuse_a_different_dimension(name, extra, shape):
 
 def test_unfitted_estimators_say_so():
     for name in ESTIMATORS:
-        est = ka.make_estimator(name, num_features=M, **OPTIONS.get(name, {}))
+        est = ka.make_estimator(name, num_features=size(name), **OPTIONS.get(name, {}))
         q, k, v = qkv({"batch": (2,), "n": 5, "d_v": 2, "seed": 0})
         with pytest.raises(ka.NotFittedError):
             ka.linear_attention(q, k, v, est)
@@ -261,7 +252,7 @@ def test_unfitted_estimators_say_so():
                          + ["aderf", "saderf"])
 def test_data_dependent_fit_on_meta_tensors_is_refused(name):
     """Meta tensors carry shapes only: a data-dependent fit cannot run on them and must say so."""
-    est = ka.make_estimator(name, num_features=M, rng=0)
+    est = ka.make_estimator(name, num_features=size(name), rng=0)
     expect_error(ValueError, ["q", "meta"], lambda: est.fit(randn((2, 8, D), 0).to("meta")))
 
 
@@ -299,8 +290,8 @@ def test_kernel_matrix_refuses_mismatched_shapes(name, batch_q, batch_k, extra_d
        mode_index=st.integers(0, 2), causal=st.booleans())
 def test_linear_attention_refuses_corrupt_tensors(name, which, how, shape, position, mode_index, causal):
     est = fitted(name)
-    mode = est.modes[mode_index % len(est.modes)]
-    causal = causal and getattr(est, "supports_causal", True)
+    mode = est.capabilities().modes[mode_index % len(est.capabilities().modes)]
+    causal = causal and est.capabilities().causal
     q, k, v = qkv(shape)
     args = {"q": q, "k": k, "v": v}
     args[which] = corrupt(args[which], how, position)
@@ -319,8 +310,8 @@ MISMATCHES = ["d_qk", "n_kv", "batch_k", "batch_v", "broadcast_q", "causal_lengt
        mode_index=st.integers(0, 2), causal=st.booleans())
 def test_linear_attention_refuses_mismatched_shapes(name, mismatch, shape, mode_index, causal):
     est = fitted(name)
-    mode = est.modes[mode_index % len(est.modes)]
-    causal = causal and getattr(est, "supports_causal", True)
+    mode = est.capabilities().modes[mode_index % len(est.capabilities().modes)]
+    causal = causal and est.capabilities().causal
     b, n, dv, seed = shape["batch"], shape["n"], shape["d_v"], shape["seed"]
     q, k, v = randn((*b, n, D), seed), randn((*b, n, D), seed + 1), randn((*b, n, dv), seed + 2)
     names = ["q", "k", "v"]
@@ -336,7 +327,7 @@ def test_linear_attention_refuses_mismatched_shapes(name, mismatch, shape, mode_
         q, k, v = randn((1, n, D), seed), randn((3, n, D), seed), randn((3, n, dv), seed)
     elif mismatch == "causal_lengths":
         q, causal, names = randn((*b, n + 1, D), seed), True, ["causal"]
-        if not getattr(est, "supports_causal", True):
+        if not est.capabilities().causal:
             names = ["causal", "Nyströmformer"]
     else:
         q, k = randn((*b, n, D + 2), seed), randn((*b, n, D + 2), seed + 1)
@@ -353,7 +344,7 @@ def test_linear_attention_refuses_mismatched_shapes(name, mismatch, shape, mode_
 def test_linear_attention_refuses_bad_arguments(name, argument, bad, shape):
     est = fitted(name)
     q, k, v = qkv(shape)
-    kwargs = {"causal": False, "mode": est.modes[0], "chunk_size": 3}
+    kwargs = {"causal": False, "mode": est.capabilities().modes[0], "chunk_size": 3}
     if argument == "estimator":
         expect_error(TypeError, ["estimator"], lambda: ka.linear_attention(q, k, v, bad))
         return
@@ -369,7 +360,7 @@ def test_linear_attention_refuses_bad_arguments(name, argument, bad, shape):
 @given(name=st.sampled_from(ESTIMATORS), shape=shapes)
 def test_unsupported_modes_are_refused(name, shape):
     est = fitted(name)
-    for mode in set(ka.MODES) - set(est.modes):
+    for mode in set(ka.MODES) - set(est.capabilities().modes):
         expect_error(ValueError, ["mode"], lambda mode=mode: ka.linear_attention(*qkv(shape), est, False, mode))
 
 
@@ -399,23 +390,23 @@ def views(t: torch.Tensor, kind: str) -> torch.Tensor:
 @given(kind=st.sampled_from(["transposed", "strided", "expand"]), shape=shapes, causal=st.booleans())
 def test_views_give_the_results_of_contiguous_copies(name, kind, shape, causal):
     est = fitted(name)
-    causal = causal and getattr(est, "supports_causal", True)
+    causal = causal and est.capabilities().causal
     shape = {**shape, "batch": (2, *shape["batch"][1:]), "n": max(2, shape["n"])}
     q, k, v = (views(t, kind) for t in qkv(shape))
     assert not q.is_contiguous()
     copies = [t.contiguous() for t in (q, k, v)]
-    for mode in est.modes:
+    for mode in est.capabilities().modes:
         got = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=3)
         want = ka.linear_attention(*copies, est, causal, mode, chunk_size=3)
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, equal_nan=True)
     torch.testing.assert_close(est.kernel_matrix(q, k), est.kernel_matrix(*copies[:2]), rtol=1e-12, atol=0)
     if has_feature_map(est):
         torch.testing.assert_close(est.features(k, "key"), est.features(copies[1], "key"), rtol=1e-12, atol=0)
-    refit = ka.make_estimator(name, num_features=M, rng=0, **OPTIONS.get(name, {})).fit(
+    refit = ka.make_estimator(name, num_features=size(name), rng=0, **OPTIONS.get(name, {})).fit(
         views(randn((2, 9, D), 1), kind), views(randn((2, 9, D), 2), kind))
-    again = ka.make_estimator(name, num_features=M, rng=0, **OPTIONS.get(name, {})).fit(
+    again = ka.make_estimator(name, num_features=size(name), rng=0, **OPTIONS.get(name, {})).fit(
         views(randn((2, 9, D), 1), kind).contiguous(), views(randn((2, 9, D), 2), kind).contiguous())
-    for mode in est.modes:
+    for mode in est.capabilities().modes:
         torch.testing.assert_close(ka.linear_attention(*copies, refit, causal, mode),
                                    ka.linear_attention(*copies, again, causal, mode), rtol=1e-12, atol=1e-12,
                                    equal_nan=True)
@@ -427,9 +418,9 @@ def test_views_give_the_results_of_contiguous_copies(name, kind, shape, causal):
 def test_non_finite_outputs_are_flagged_by_the_normaliser(name, shape, causal, std):
     """Valid input never gives a silent NaN: a non-finite output row has a normaliser ≤ 0 or non-finite."""
     est = fitted(name)
-    causal = causal and getattr(est, "supports_causal", True)
+    causal = causal and est.capabilities().causal
     q, k, v = (t * std if i < 2 else t for i, t in enumerate(qkv(shape)))
-    for mode in est.modes:
+    for mode in est.capabilities().modes:
         parts = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=3, return_parts=True)
         bad_rows = ~torch.isfinite(parts.output).all(-1)
         flagged = (parts.normalizer <= 0) | ~torch.isfinite(parts.normalizer)
@@ -438,8 +429,8 @@ def test_non_finite_outputs_are_flagged_by_the_normaliser(name, shape, causal, s
 
 
 # ---------------------------------------------------------------------------------------- recurrent state
-RECURRENT = [n for n in ESTIMATORS if "recurrent" in ka.estimator_class(n).modes
-             and has_feature_map(ka.make_estimator(n, num_features=M, **OPTIONS.get(n, {})))]
+RECURRENT = [n for n in ESTIMATORS
+             if "recurrent" in ka.capabilities(n).modes and ka.capabilities(n).kind == "features"]
 
 
 def test_recurrent_state_refuses_estimators_without_a_feature_map():
@@ -472,7 +463,7 @@ def test_recurrent_state_refuses_corrupt_tensors(name, which, how, batch, seed, 
         expect_error(kind, ["k_t", "v_t", "x"], lambda: state.update(args["k_t"], args["v_t"]))
     # the state is unchanged by a refused step
     assert state.num_tokens == 1
-    assert torch.isfinite(state.read(q_t)).all() or not fitted(name).positive
+    assert torch.isfinite(state.read(q_t)).all() or not fitted(name).capabilities().positive
 
 
 @examples(40)
@@ -591,7 +582,7 @@ def test_nn_adapter_refuses_bad_construction(argument, bad):
 def test_nn_adapter_refuses_bad_inputs(which, how, name, seed):
     KernelAttention = _nn()
     mode = "parallel" if name == "nystromformer" else "chunked"
-    layer = KernelAttention(8, 2, name, num_features=4, mode=mode, rng=0, **OPTIONS.get(name, {}))
+    layer = KernelAttention(8, 2, name, num_features=size(name) and 4, mode=mode, rng=0, **OPTIONS.get(name, {}))
     x = {"query": randn((2, 5, 8), seed, torch.float32), "key": randn((2, 6, 8), seed + 1, torch.float32),
          "value": randn((2, 6, 8), seed + 2, torch.float32)}
     t = x[which]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.hybrid import Scatterbrain, WindowLinear
+from kernapprox.estimators.hybrid import Scatterbrain, WindowLinear
 from kernapprox.metrics import relative_frobenius_error, relative_rms_error
 
 HYBRIDS = ("window_linear", "scatterbrain")
@@ -50,7 +50,7 @@ def test_every_mode_matches_the_dense_oracle(name, window, n_q, n_k, causal, chu
     q, k, v = randn((2, 3, n_q, 5), 0, 0.6), randn((2, 3, n_k, 5), 1, 0.6), randn((2, 3, n_k, 4), 2)
     est = ka.make_estimator(name, num_features=8, rng=0, window=window).fit(q, k)
     oracle = dense_oracle(est, q, k, v, causal)
-    for mode in est.modes:
+    for mode in est.capabilities().modes:
         out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=chunk)
         assert out.shape == (2, 3, n_q, 4) and out.dtype == torch.float64
         assert float(relative_rms_error(out, oracle).max()) < 1e-10, mode
@@ -62,7 +62,7 @@ def test_window_covering_the_sequence_is_exact_attention(name):
     est = ka.make_estimator(name, num_features=8, rng=0, window=20).fit(q, k)
     for causal in (False, True):
         exact = ka.softmax_attention(q, k, v, causal)
-        for mode in est.modes:
+        for mode in est.capabilities().modes:
             out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=6)
             assert float(relative_rms_error(out, exact).max()) < 1e-12, (causal, mode)
     torch.testing.assert_close(est.kernel_matrix(q, k), ka.kernel_matrix(q, k), rtol=1e-12, atol=0)
@@ -161,7 +161,7 @@ def test_stabilised_where_exp_overflows(name):
         mat = torch.where(band(24, 24, 5, causal), exact, approx)
         mat = mat.tril() if causal else mat
         oracle = (mat @ v) / mat.sum(-1, keepdim=True)
-        for mode in est.modes:
+        for mode in est.capabilities().modes:
             out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=7)
             assert torch.isfinite(out).all()
             assert float(relative_rms_error(out, oracle).max()) < 1e-10, (causal, mode)

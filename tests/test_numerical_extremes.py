@@ -31,8 +31,7 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.features import ExactKernel, FeatureMap
-from kernapprox.features.deterministic import DPFPFeatures
+from kernapprox.estimators.deterministic import DPFPFeatures
 from kernapprox.metrics import nonpositive_normalizer_rate, relative_rms_error
 
 POSITIVE_FAMILIES = ["positive", "positive_orthogonal", "hyperbolic", "hyperbolic_orthogonal"]
@@ -198,9 +197,11 @@ def test_exactly_zero_normaliser_gives_a_flagged_row():
 
 # ---------------------------------------------------------------------------------------- half precision
 def _has_feature_map(est):
-    cls = type(est)
-    return not isinstance(est, ExactKernel) and (cls._log_features is not FeatureMap._log_features
-                                                 or cls.features is not FeatureMap.features)
+    return est.capabilities().kind == "features"
+
+
+def _size(name, r):
+    return None if ka.capabilities(name).fixed_dimension else r
 
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
@@ -210,10 +211,10 @@ def test_half_precision_is_the_float32_computation_rounded_once(name, half):
     q, k, v = (torch.from_numpy(g.standard_normal(s)).to(half) for s in ((2, 9, 4), (2, 9, 4), (2, 9, 3)))
     q32, k32, v32 = q.float(), k.float(), v.float()
     options = {"window": 3} if name in ("window_linear", "scatterbrain") else {}
-    est = ka.make_estimator(name, num_features=4, rng=0, **options).fit(q, k)
-    same = ka.make_estimator(name, num_features=4, rng=0, **options).fit(q32, k32)
-    for causal in (False, True) if getattr(est, "supports_causal", True) else (False,):
-        for mode in est.modes:
+    est = ka.make_estimator(name, num_features=_size(name, 4), rng=0, **options).fit(q, k)
+    same = ka.make_estimator(name, num_features=_size(name, 4), rng=0, **options).fit(q32, k32)
+    for causal in (False, True) if est.capabilities().causal else (False,):
+        for mode in est.capabilities().modes:
             out = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=4)
             assert out.dtype == half
             assert torch.equal(out, ka.linear_attention(q32, k32, v32, same, causal, mode, chunk_size=4).to(half))

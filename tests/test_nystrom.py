@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.lowrank import Nystromformer, OptimalLowRank, iterative_pinv, segment_means
-from kernapprox.metrics import relative_frobenius_error, relative_rms_error
-from kernapprox.nystrom import (
+from kernapprox.estimators.lowrank import Nystromformer, OptimalLowRank, iterative_pinv, segment_means
+from kernapprox.estimators.nystrom import (
     RLS_FALLBACK_LAMBDA,
     NystromFeatures,
     effective_dimension,
@@ -18,6 +17,7 @@ from kernapprox.nystrom import (
     recursive_rls_sample,
     ridge_leverage_scores,
 )
+from kernapprox.metrics import relative_frobenius_error, relative_rms_error
 
 NYSTROM = ("nystrom_uniform", "nystrom_kmeans", "nystrom_rls")
 
@@ -153,7 +153,7 @@ def test_rls_degenerate_sizes():
 def test_nystrom_modes_agree_with_the_oracle(name, causal):
     q, k, v = randn((2, 19, 6), 12, 0.6), randn((2, 19, 6), 13, 0.6), randn((2, 19, 3), 14)
     est = ka.make_estimator(name, num_features=10, rng=0).fit(q, k)
-    oracle = ka.linear_attention_reference(q, k, v, est, causal=causal)
+    oracle = ka.linear_attention_naive(q, k, v, est, causal=causal)
     for mode in ka.MODES:
         out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=5)
         assert float(relative_rms_error(out, oracle).max()) < 1e-10, mode
@@ -185,7 +185,8 @@ def test_one_map_for_the_whole_batch():
     q, k = randn((2, 3, 10, 4), 20), randn((2, 3, 10, 4), 21)
     est = NystromFeatures(num_features=16, rng=0).fit(q, k)
     assert est.features(q, "query").shape == (2, 3, 10, 16)
-    torch.testing.assert_close(est.features(q[1, 2], "query"), est.features(q, "query")[1, 2], rtol=0, atol=0)
+    # the same map for every batch entry: equal up to the BLAS's batch-shape-dependent summation order
+    torch.testing.assert_close(est.features(q[1, 2], "query"), est.features(q, "query")[1, 2], rtol=1e-12, atol=1e-15)
 
 
 def test_nystrom_input_checks():

@@ -13,7 +13,7 @@ import scipy.stats as st
 import torch
 
 import kernapprox as ka
-from kernapprox.features import HyperbolicFeatures, PositiveFeatures, TrigonometricFeatures
+from kernapprox.estimators import HyperbolicFeatures, PositiveFeatures, TrigonometricFeatures
 
 MAPS = ("trig", "positive", "hyperbolic")
 UNBIASED_SAMPLERS = ("iid", "orthogonal", "qmc")
@@ -105,13 +105,13 @@ def test_sampler_rows_have_gaussian_marginals():
     sampler, Bonferroni over 3 samplers at family level 1e-3); the regularized rows all have norm sqrt(d)."""
     rng = np.random.default_rng(7)
     for name in UNBIASED_SAMPLERS:
-        w = ka.features.make_sampler(name).sample(1024, 4, rng)
+        w = ka.estimators.make_sampler(name).sample(1024, 4, rng)
         assert w.shape == (1024, 4) and w.dtype == np.float64
         assert st.kstest(w.ravel(), "norm").pvalue > 1e-3 / 3, name
-    w = ka.features.make_sampler("orthogonal").sample(8, 8, rng)
+    w = ka.estimators.make_sampler("orthogonal").sample(8, 8, rng)
     directions = w / np.linalg.norm(w, axis=1, keepdims=True)
     np.testing.assert_allclose(directions @ directions.T, np.eye(8), atol=1e-12)
-    w = ka.features.make_sampler("regularized").sample(12, 8, rng)
+    w = ka.estimators.make_sampler("regularized").sample(12, 8, rng)
     np.testing.assert_allclose(np.linalg.norm(w, axis=1), math.sqrt(8), rtol=1e-12)
 
 
@@ -211,14 +211,17 @@ def test_convergence_in_num_features():
 
 
 def test_estimator_table_lists_every_registered_estimator():
-    from kernapprox.registry import estimator_table
+    from kernapprox.estimators.registry import estimator_table
 
     table = estimator_table().splitlines()
-    assert table[0].startswith("| name | class | unbiased | positive | data-dependent | causal fit | modes |")
+    header = "| name | class | kind | unbiased | positive | data_dependent | causal_fit | consistent |"
+    assert table[0].startswith(header)
     rows = {line.split("|")[1].strip().strip("`"): line for line in table[2:]}
     assert set(rows) == set(ka.available_estimators())
-    assert "| `PositiveFeatures(sampler='orthogonal')` | yes | yes | no | yes |" in rows["positive_orthogonal"]
-    assert "| `TrigonometricFeatures(sampler='regularized')` | no | no | no | yes |" in rows["trig_regularized"]
+    assert "| `PositiveFeatures(sampler='orthogonal')` | features | yes | yes | no | yes | yes |" in rows[
+        "positive_orthogonal"]
+    assert "| `TrigonometricFeatures(sampler='regularized')` | features | no | no | no | yes | no |" in rows[
+        "trig_regularized"]
 
 
 def test_readme_estimator_table_is_current():
@@ -226,4 +229,4 @@ def test_readme_estimator_table_is_current():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert ka.registry.estimator_table().strip() in readme
+    assert ka.estimator_table().strip() in readme

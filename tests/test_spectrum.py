@@ -9,7 +9,7 @@ import torch
 
 import kernapprox as ka
 from kernapprox import real
-from kernapprox.features.samplers import haar_orthogonal
+from kernapprox.estimators.samplers import haar_orthogonal
 from kernapprox.spectrum import (
     attention_singular_values,
     eckart_young_errors,

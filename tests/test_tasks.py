@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox import tasks
-from kernapprox.features.base import FeatureMap
+from kernapprox import readout, tasks
+from kernapprox.estimators.base import FeatureMap
 
 
 class IdentityFeatures(FeatureMap):
@@ -131,9 +131,9 @@ def test_decode_marks_non_finite_readouts_wrong():
 def test_readout_is_the_state_after_the_context():
     """Queries after the context read W_n φ(q)/z_nᵀφ(q): the recurrent state fed token by token agrees."""
     ep = tasks.associative_recall(24, dim=8, num_candidates=64, batch=1, rng=2, dtype=torch.float64)
-    rd = tasks.attention_readout("positive", ep.queries, ep.keys, ep.values, beta=2.0, num_features=32, rng=5)
+    rd = readout.attention_readout("positive", ep.queries, ep.keys, ep.values, beta=2.0, num_features=32, rng=5)
     seed = int(np.random.default_rng(5).integers(0, 2**63 - 1, size=1)[0])          # the episode's seed
-    est = tasks.build_estimator("positive", beta=2.0, num_features=32, rng=seed).fit(ep.keys[0])
+    est = readout.build_estimator("positive", beta=2.0, num_features=32, rng=seed).fit(ep.keys[0])
     state = ka.RecurrentState(est)
     for t in range(24):
         state.update(ep.keys[0, t], ep.values[0, t])
@@ -144,9 +144,9 @@ def test_readout_is_the_state_after_the_context():
 
 def test_exact_attention_recalls_everything_at_beta_log_n():
     ep = tasks.associative_recall(512, dim=64, batch=2, rng=0)
-    sharp = tasks.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(512, 2.0))
+    sharp = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(512, 2.0))
     assert tasks.recall_accuracy(sharp.output, ep).min() >= 0.99
-    blunt = tasks.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=0.5)
+    blunt = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=0.5)
     assert tasks.recall_accuracy(blunt.output, ep).max() <= 0.1                  # β ≪ ln n: context mean
     assert sharp.state_bytes == 512 * (64 + 64) * 4 and sharp.num_features is None
 
@@ -158,13 +158,13 @@ def test_deterministic_map_capacity_is_its_dimension():
     acc = {}
     for n in (32, 256, 1024):
         ep = tasks.associative_recall(n, dim=64, num_queries=min(n, 256), batch=2, rng=n)
-        rd = tasks.attention_readout(IDENTITY, ep.queries, ep.keys, ep.values, beta=1.0)
+        rd = readout.attention_readout(IDENTITY, ep.queries, ep.keys, ep.values, beta=1.0)
         assert rd.num_features == 64
         acc[n] = tasks.recall_accuracy(rd.numerator, ep).mean().item()
     assert acc[32] >= 0.98
     assert 0.3 <= acc[256] <= 0.8                                                   # reference: 0.56
     assert acc[1024] <= 0.15                                                        # reference: 0.05
-    exact = tasks.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(1024))
+    exact = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(1024))
     assert tasks.recall_accuracy(exact.output, ep).mean() >= 0.99
 
 
@@ -172,12 +172,12 @@ def test_dpfp_capacity_follows_its_dimension():
     """DPFP-1 (Schlag et al. 2021; r = 2d = 128, passed as a class: it is not registered because its normaliser
     can be exactly zero): near-perfect at n = r/4, degraded at n = r, lost at n = 8r. Measured: 0.98, 0.82,
     0.03."""
-    from kernapprox.features.deterministic import DPFPFeatures
+    from kernapprox.estimators.deterministic import DPFPFeatures
 
     acc = {}
     for n in (32, 128, 1024):
         ep = tasks.associative_recall(n, dim=64, num_queries=min(n, 128), batch=2, rng=n)
-        rd = tasks.attention_readout(DPFPFeatures, ep.queries, ep.keys, ep.values, beta=1.0, options={"nu": 1})
+        rd = readout.attention_readout(DPFPFeatures, ep.queries, ep.keys, ep.values, beta=1.0, options={"nu": 1})
         assert rd.num_features == 128 and rd.state_bytes == 128 * 65 * 4
         acc[n] = tasks.recall_accuracy(rd.output, ep).mean().item()
     assert acc[32] >= 0.95
@@ -190,9 +190,9 @@ def test_positive_random_features_collapse_on_sharp_recall():
     than the identity map at n = 64 stored pairs: their variance, not their dimension, is the limit."""
     n, beta = 64, tasks.log_n_beta(64, 2.0)
     ep = tasks.associative_recall(n, dim=64, batch=8, rng=11)
-    prf = tasks.attention_readout("positive_orthogonal", ep.queries, ep.keys, ep.values, beta=beta,
+    prf = readout.attention_readout("positive_orthogonal", ep.queries, ep.keys, ep.values, beta=beta,
                                   num_features=256, rng=1)
-    ident = tasks.attention_readout(IDENTITY, ep.queries, ep.keys, ep.values, beta=beta)
+    ident = readout.attention_readout(IDENTITY, ep.queries, ep.keys, ep.values, beta=beta)
     acc_prf = tasks.recall_accuracy(prf.output, ep).mean().item()
     acc_id = tasks.recall_accuracy(ident.numerator, ep).mean().item()
     assert acc_id >= 0.98
@@ -205,7 +205,7 @@ def test_nystrom_recalls_the_landmark_fraction(name):
     """As β → ∞ the key kernel tends to e^β I and a rank-r approximation keeps r of the n keys: accuracy ≈ r/n."""
     n, r = 128, 32
     ep = tasks.associative_recall(n, dim=64, batch=4, rng=5)
-    rd = tasks.attention_readout(name, ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(n, 2.0),
+    rd = readout.attention_readout(name, ep.queries, ep.keys, ep.values, beta=tasks.log_n_beta(n, 2.0),
                                  num_features=r, rng=0)
     acc = tasks.recall_accuracy(rd.numerator, ep).mean().item()
     assert abs(acc - r / n) <= 0.1, acc
@@ -234,7 +234,7 @@ def test_normalized_mse_scale_and_exact_nadaraya_watson():
     nmse = {}
     for n, beta in ((32, 8.0), (512, 32.0)):
         ep = tasks.smooth_regression(n, num_queries=64, batch=16, rng=n)
-        rd = tasks.attention_readout("exact", ep.x_query, ep.x, ep.y, beta=beta)
+        rd = readout.attention_readout("exact", ep.x_query, ep.x, ep.y, beta=beta)
         nmse[n] = tasks.normalized_mse(rd.output, ep).mean().item()
     assert nmse[512] <= 0.15 and nmse[32] >= 2 * nmse[512]                          # measured 0.4 → 0.06
     bad = rd.output.clone()
@@ -256,14 +256,14 @@ def test_digits_exact_attention_anchor():
     300 episodes: 0.89 and 0.83); β = 1 → 0.47 (reference 0.41)."""
     ep = tasks.digits_classification(100, num_queries=30, batch=100, rng=0)
     acc16 = tasks.classification_accuracy(
-        tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=16.0).output, ep).mean().item()
+        readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=16.0).output, ep).mean().item()
     acc1 = tasks.classification_accuracy(
-        tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=1.0).output, ep).mean().item()
+        readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=1.0).output, ep).mean().item()
     nn = tasks.classification_accuracy(tasks.nearest_neighbour_predictions(ep), ep).mean().item()
     assert 0.83 <= acc16 <= 0.91
     assert 0.81 <= nn <= 0.91
     assert acc1 <= acc16 - 0.25
-    sharp = tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=500.0).output
+    sharp = readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=500.0).output
     agree = (sharp.argmax(-1) == tasks.nearest_neighbour_predictions(ep).argmax(-1)).double().mean()
     assert agree >= 0.99                                                            # β → ∞ is 1-NN
 
@@ -279,41 +279,41 @@ def test_classification_episodes_do_not_reuse_images():
 # -------------------------------------------------------------------------------------- state and readout
 def test_state_bytes_conventions():
     q = torch.zeros(5, 16)
-    est = tasks.build_estimator("positive", beta=1.0, num_features=64, rng=0).fit(q)
-    assert tasks.state_bytes(est, 16, seq_len=1000) == 64 * 17 * 4
-    assert tasks.state_bytes(est, 16, seq_len=1000, dtype=torch.float64) == 64 * 17 * 8
-    exact = tasks.build_estimator("exact", beta=1.0, num_features=64).fit(q)
-    assert tasks.state_bytes(exact, 16, seq_len=1000) == 2 * 1000 * 16 * 4          # KV cache, d_v = d
+    est = readout.build_estimator("positive", beta=1.0, num_features=64, rng=0).fit(q)
+    assert readout.state_bytes(est, 16, seq_len=1000) == 64 * 17 * 4
+    assert readout.state_bytes(est, 16, seq_len=1000, dtype=torch.float64) == 64 * 17 * 8
+    exact = readout.build_estimator("exact", beta=1.0, num_features=64).fit(q)
+    assert readout.state_bytes(exact, 16, seq_len=1000) == 2 * 1000 * 16 * 4          # KV cache, d_v = d
     with pytest.raises(ValueError, match="seq_len"):
-        tasks.state_bytes(est, 16, seq_len=0)
+        readout.state_bytes(est, 16, seq_len=0)
 
 
 def test_readout_matches_the_attention_functions_and_is_seeded():
     ep = tasks.digits_classification(40, num_queries=8, batch=2, rng=0, dtype=torch.float64)
-    rd = tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=4.0)
+    rd = readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=4.0)
     torch.testing.assert_close(rd.output[1], ka.softmax_attention(ep.x_query[1], ep.x[1], ep.onehot[1], scale=4.0))
-    a = tasks.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32, rng=7)
-    b = tasks.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32, rng=7)
+    a = readout.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32, rng=7)
+    b = readout.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32, rng=7)
     torch.testing.assert_close(a.output, b.output)
     direction = a.numerator / a.normalizer[..., None]
     torch.testing.assert_close(direction, a.output)
     with pytest.raises(ValueError, match="beta"):
-        tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=0.0)
+        readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=0.0)
     with pytest.raises(ValueError, match="unknown estimator"):
-        tasks.attention_readout("no_such_map", ep.x_query, ep.x, ep.onehot, beta=1.0)
+        readout.attention_readout("no_such_map", ep.x_query, ep.x, ep.onehot, beta=1.0)
     with pytest.raises(TypeError, match="estimator"):
-        tasks.attention_readout(object, ep.x_query, ep.x, ep.onehot, beta=1.0)
+        readout.attention_readout(object, ep.x_query, ep.x, ep.onehot, beta=1.0)
 
 
 def test_paired_readouts_share_the_episodes_and_the_seed():
     ep = tasks.digits_classification(40, num_queries=8, batch=2, rng=0, dtype=torch.float64)
-    read, exact = tasks.paired_readouts("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
+    read, exact = readout.paired_readouts("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
                                         rng=np.random.default_rng(7))
-    alone = tasks.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
+    alone = readout.attention_readout("trig", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32,
                                     rng=np.random.default_rng(7))            # exact attention draws nothing
     assert torch.equal(read.output, alone.output)
-    assert torch.equal(exact.output, tasks.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=4.0).output)
-    same, exact_again = tasks.paired_readouts("exact", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32)
+    assert torch.equal(exact.output, readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=4.0).output)
+    same, exact_again = readout.paired_readouts("exact", ep.x_query, ep.x, ep.onehot, beta=4.0, num_features=32)
     assert same is exact_again and torch.equal(same.output, exact.output)
 
 

@@ -25,8 +25,8 @@ def _entry_points():
         "softmax_attention_causal": lambda q, k, v: ka.softmax_attention(q, k, v, causal=True),
         "linear_attention": lambda q, k, v: ka.linear_attention(q, k, v, est),
         "linear_attention_causal_recurrent": lambda q, k, v: ka.linear_attention(q, k, v, est, True, "recurrent"),
-        "softmax_attention_reference": lambda q, k, v: ka.softmax_attention_reference(q, k, v),
-        "linear_attention_reference": lambda q, k, v: ka.linear_attention_reference(q, k, v, est),
+        "softmax_attention_naive": lambda q, k, v: ka.softmax_attention_naive(q, k, v),
+        "linear_attention_naive": lambda q, k, v: ka.linear_attention_naive(q, k, v, est),
     }
 
 

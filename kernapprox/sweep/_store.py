@@ -17,20 +17,18 @@ Dataset
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import io
 import json
-import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
+from ..io import atomic_write
 from ._experiment import Experiment, Metric, cell_key, iter_cells
 
 MARKER = "kernapprox_experiment"
@@ -40,44 +38,6 @@ NETCDF_ENGINE = "h5netcdf"
 
 class OutputPathError(ValueError):
     """The output path holds something that is not a result of this experiment: refuse to overwrite it."""
-
-
-# -------------------------------------------------------------------------------------------- atomic files
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not every platform/file system can fsync a directory
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def atomic_write(path: Path, write, durable: bool = True) -> None:
-    """Call ``write(tmp_path)``, then rename over ``path`` (same folder, so the rename is atomic).
-
-    ``durable`` also fsyncs the file and the folder, so the new content survives a power loss, not only a killed
-    process (progress files skip it: a damaged one is detected on reading and its cell simply runs again).
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; give the result ordinary permissions
-        if durable:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        _fsync_dir(path.parent)
 
 
 # ------------------------------------------------------------------------------------------ progress store

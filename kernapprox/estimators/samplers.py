@@ -176,6 +176,10 @@ SAMPLERS = {
 }
 
 
+# The samplers every random-feature family is registered with, besides the default ``iid`` (``<map>_<sampler>``).
+SAMPLER_VARIANTS = ("orthogonal", "regularized", "sorf", "qmc")
+
+
 def make_sampler(sampler) -> ProjectionSampler:
     """A sampler from its name (see :data:`SAMPLERS`) or a :class:`ProjectionSampler` instance."""
     if isinstance(sampler, ProjectionSampler):

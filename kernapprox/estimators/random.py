@@ -1,7 +1,7 @@
 """Random-feature maps of the softmax kernel: trigonometric, positive (FAVOR+) and hyperbolic.
 
 Notation: ``x = sqrt(s)·q`` and ``y = sqrt(s)·k`` so that ``exp(s qᵀk) = SM(x, y) = exp(xᵀy)``; ``ω_1..ω_m``
-rows of a projection drawn by a :mod:`~kernapprox.features.samplers` sampler; ``r`` = ``num_features`` is the
+rows of a projection drawn by a :mod:`~kernapprox.estimators.samplers` sampler; ``r`` = ``num_features`` is the
 feature dimension of the state. Trigonometric and hyperbolic maps use ``m = r/2`` frequencies (``r`` must be
 even), the positive map ``m = r``. Each estimator is unbiased for ``SM`` when its sampler's rows are marginally
 ``N(0, I_d)`` (``iid``, ``orthogonal``, ``qmc``); the normalised attention output is a ratio estimator and is
@@ -10,13 +10,15 @@ biased at ``O(1/m)`` even then.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
-from .._validation import check_positive_float, check_positive_int
+from ..validation import check_positive_float, check_positive_int
 from .base import FeatureMap
-from .samplers import make_sampler
+from .registry import register
+from .samplers import SAMPLER_VARIANTS, make_sampler
 
 
 class RandomFeatureMap(FeatureMap):
@@ -38,9 +40,14 @@ class RandomFeatureMap(FeatureMap):
             raise ValueError(f"eps must be 0 for {type(self).__name__}: a positive shift of signed features "
                              "has no meaning")
 
-    @property
-    def unbiased(self):  # type: ignore[override]
-        return make_sampler(self.sampler).unbiased
+    unbiased = True      # with a sampler whose rows are marginally N(0, I_d); resolved per sampler below
+
+    @classmethod
+    def capabilities_for(cls, **options):
+        """Unbiased exactly when the sampler's rows are marginally ``N(0, I_d)`` (the sampler declares it)."""
+        caps = super().capabilities_for(**options)
+        unbiased = caps.unbiased and make_sampler(options.get("sampler", "iid")).unbiased
+        return dataclasses.replace(caps, unbiased=unbiased, consistent=unbiased)
 
     @property
     def num_frequencies(self) -> int:
@@ -150,3 +157,10 @@ class HyperbolicFeatures(RandomFeatureMap):
             phi = phi + self.eps
         logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
         return phi, logs
+
+
+for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),
+                    ("hyperbolic", HyperbolicFeatures)):
+    register(_name, _cls, sampler="iid")
+    for _sampler in SAMPLER_VARIANTS:
+        register(f"{_name}_{_sampler}", _cls, sampler=_sampler)

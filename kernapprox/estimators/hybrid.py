@@ -25,38 +25,18 @@ Modes (all agree to floating-point tolerance):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import ClassVar
 
 import torch
 
-from ._attention_only import AttentionOnlyEstimator
-from ._validation import check_positive_int, compute_dtype
-from .attention import AttentionParts
-from .features.base import FeatureMap, _itemsize
-from .features.exact import ExactKernel
-from .kernel import _check_qk
+from ..validation import check_positive_int, check_qk, compute_dtype, itemsize
+from .base import AttentionEstimator, AttentionParts, FeatureMap
+from .registry import capabilities, make_estimator, register
 
 
-class _FromFeatureMap:
-    """A descriptive attribute answered by the estimator's feature map; on the class, the default map's value."""
-
-    def __init__(self, default: bool):
-        self.default = default
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self.default
-        inner = obj._feature_map_template()
-        if self.name == "consistent":
-            return bool(getattr(inner, "consistent", inner.unbiased))
-        return bool(getattr(inner, self.name))
-
-
-class WindowLinear(AttentionOnlyEstimator):
+class WindowLinear(AttentionEstimator):
     r"""Sliding-window softmax plus linear attention for the rest (Based-style hybrid).
 
     .. math::
@@ -99,11 +79,8 @@ class WindowLinear(AttentionOnlyEstimator):
     """
 
     modes = ("parallel", "recurrent", "chunked")
-    unbiased = _FromFeatureMap(True)
-    positive = _FromFeatureMap(True)
-    data_dependent = _FromFeatureMap(False)
-    causal_fit = _FromFeatureMap(True)
-    consistent = _FromFeatureMap(True)
+    unbiased = True               # the declarations below are the default map's; capabilities_for reads the map's
+    positive = True
     reference = "Arora et al. 2024 (Based, ICML): exact sliding window + linear attention"
     subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
     normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
@@ -118,11 +95,19 @@ class WindowLinear(AttentionOnlyEstimator):
         self.feature_options = feature_options
         self._feature_map_template()   # validate the name and the options now
 
-    def _feature_map_template(self, rng=None) -> FeatureMap:
-        from .registry import estimator_class, make_estimator
+    @classmethod
+    def capabilities_for(cls, **options):
+        """Unbiased, positive, data-dependent, causal-fit and consistent exactly when the feature map is (the
+        estimate is exact on the band and the map's elsewhere)."""
+        caps = super().capabilities_for(**options)
+        name = options.get("feature_map", "positive")
+        inner = capabilities(name, **(options.get("feature_options") or {}))
+        return dataclasses.replace(caps, unbiased=inner.unbiased, positive=inner.positive,
+                                   data_dependent=inner.data_dependent, causal_fit=inner.causal_fit,
+                                   consistent=inner.consistent)
 
-        cls = estimator_class(self.feature_map)
-        if issubclass(cls, (ExactKernel, AttentionOnlyEstimator)):
+    def _feature_map_template(self, rng=None) -> FeatureMap:
+        if capabilities(self.feature_map).kind != "features":
             raise ValueError(f"feature_map must name a finite feature map, got {self.feature_map!r}")
         return make_estimator(self.feature_map, num_features=self.num_features_param, rng=rng, scale=self.scale,
                               **(self.feature_options or {}))
@@ -137,11 +122,14 @@ class WindowLinear(AttentionOnlyEstimator):
             return self.feature_map_.num_features
         return self._feature_map_template().num_features
 
-    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32) -> int:
-        """``(w (d + d_v) + r (d_v + 1)) · itemsize``: the KV window plus the linear state."""
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
+        """The KV window, ``min(w, seq_len) · (d + d_v)`` numbers (``w`` without ``seq_len``), plus the feature
+        map's :meth:`~kernapprox.estimators.base.Estimator.state_bytes` (its state and context state)."""
         self._check_fitted()
         check_positive_int(d_v, "d_v")
-        return (self.window * (self.dim_ + d_v) + self.num_features * (d_v + 1)) * _itemsize(dtype)
+        window = self.window if seq_len is None else min(self.window, check_positive_int(seq_len, "seq_len"))
+        return window * (self.dim_ + d_v) * itemsize(dtype) + self.feature_map_.state_bytes(d_v, dtype,
+                                                                                             seq_len=seq_len)
 
     def _features(self, q, k, ct):
         """Stabilised features of (already checked) queries and keys in the compute dtype."""
@@ -154,7 +142,7 @@ class WindowLinear(AttentionOnlyEstimator):
         """``Â`` ``(..., n_q, n_k)``: exact on the band ``|i − j| < w``, ``φ(q_i)ᵀφ(k_j)`` elsewhere (its lower
         triangle is the causal estimate)."""
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         self._check_dim(q)
         ct = compute_dtype(q.dtype)
         exact = torch.exp(self.scale_ * (q.to(ct) @ k.to(ct).transpose(-1, -2)))
@@ -386,3 +374,7 @@ def _far_reads(seq, spans):
 def _read(pq, w, z):
     """``(φ̃_q W, φ̃_q z)`` for stabilised query features ``(..., nb, r)``, ``W (..., r, d_v)``, ``z (..., r)``."""
     return pq @ w, (pq @ z[..., :, None]).squeeze(-1)
+
+
+register("window_linear", WindowLinear, feature_map="positive")
+register("scatterbrain", Scatterbrain, feature_map="hyperbolic_orthogonal")

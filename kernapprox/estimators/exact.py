@@ -4,32 +4,37 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import check_positive_int
 from ..kernel import kernel_matrix
-from .base import FeatureMap, _itemsize
+from ..validation import check_positive_int, itemsize
+from .base import Estimator
+from .registry import register
 
 
-class ExactKernel(FeatureMap):
+class ExactKernel(Estimator):
     """The exact kernel ``exp(s · qᵀk)``: no finite feature map exists (its RKHS is infinite-dimensional).
 
-    ``kernel_matrix`` returns the exact matrix; :func:`kernapprox.linear_attention` routes it to
-    :func:`kernapprox.softmax_attention`. ``features`` raises. Its "state" is the KV cache, whose size grows
-    with the sequence: ``state_bytes(d_v, dtype, seq_len=n)`` counts ``n · (d + d_v)`` numbers.
+    ``kernel_matrix`` returns the exact matrix; :func:`kernapprox.linear_attention` routes it (``kind =
+    "exact"``) to :func:`kernapprox.softmax_attention`. It has no ``features``. Its "state" is the KV cache,
+    whose size grows with the sequence: ``state_bytes(d_v, dtype, seq_len=n)`` counts ``n · (d + d_v)`` numbers.
     """
 
+    kind = "exact"
     unbiased = True
     positive = True
+    consistent = False          # no feature dimension to grow
+    fixed_dimension = True
     modes = ("parallel", "recurrent", "chunked")
     reference = "Vaswani et al. 2017 (softmax attention)"
 
     def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
+        if num_features is not None:
+            check_positive_int(num_features, "num_features")
+            raise ValueError(f"num_features must be None for the exact kernel (it has no finite feature map), "
+                             f"got {num_features!r}")
         super().__init__(num_features=None, rng=rng, scale=scale)
 
     def _fit(self, q, k, rng):
         pass
-
-    def features(self, x, role="query", *, log_scale=False):
-        raise ValueError("the exact kernel has no finite feature map; use kernel_matrix or softmax_attention")
 
     @property
     def num_features(self) -> int:
@@ -42,8 +47,11 @@ class ExactKernel(FeatureMap):
         if seq_len is None:
             raise ValueError("seq_len is required: the exact kernel's state (the KV cache) grows with it")
         check_positive_int(seq_len, "seq_len")
-        return seq_len * (self.dim_ + d_v) * _itemsize(dtype)
+        return seq_len * (self.dim_ + d_v) * itemsize(dtype)
 
     def kernel_matrix(self, q, k):
         self._check_fitted()
         return kernel_matrix(q, k, self.scale_)
+
+
+register("exact", ExactKernel)

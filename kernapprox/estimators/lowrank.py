@@ -11,10 +11,9 @@ import math
 
 import torch
 
-from ._attention_only import AttentionOnlyEstimator
-from ._validation import check_choice, check_positive_int, check_tensor, compute_dtype
-from .attention import AttentionParts
-from .kernel import _check_qk
+from ..validation import check_choice, check_positive_int, check_qk, check_tensor, compute_dtype
+from .base import AttentionEstimator, AttentionParts
+from .registry import register
 
 PINV_METHODS = ("iterative", "exact")
 PINV_INITS = ("original", "per_matrix")
@@ -77,7 +76,7 @@ def iterative_pinv(a: torch.Tensor, num_iterations: int = 6, init: str = "origin
 
 
 # ------------------------------------------------------------------------------------------- Nyströmformer
-class Nystromformer(AttentionOnlyEstimator):
+class Nystromformer(AttentionEstimator):
     r"""Nyströmformer attention: ``F · A⁺ · (B · V)`` from segment-means landmarks.
 
     With ``x = sqrt(s)·q``, ``y = sqrt(s)·k`` and landmarks ``Q̃``, ``K̃`` = means of ``m`` consecutive segments
@@ -128,7 +127,8 @@ class Nystromformer(AttentionOnlyEstimator):
     positive = False
     data_dependent = True
     causal_fit = False
-    supports_causal = False
+    causal = False
+    rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Xiong et al. 2021 (Nyströmformer, AAAI), segment-means landmarks, eq. (15); Razavi et al. 2014"
 
@@ -165,7 +165,7 @@ class Nystromformer(AttentionOnlyEstimator):
         It is row-stochastic with the exact pseudo-inverse (invertible ``A``); quadratic memory, for small n.
         """
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         self._check_dim(q)
         f, a_pinv, b = self._blocks(q, k)
         mat = (f @ a_pinv) @ b
@@ -193,7 +193,7 @@ class Nystromformer(AttentionOnlyEstimator):
 
 
 # ----------------------------------------------------------------------------------- the rank-r floor
-class OptimalLowRank(AttentionOnlyEstimator):
+class OptimalLowRank(AttentionEstimator):
     r"""The best rank-r approximation of the exact kernel matrix (Eckart–Young): the floor for rank-r methods.
 
     .. math::
@@ -229,6 +229,7 @@ class OptimalLowRank(AttentionOnlyEstimator):
     data_dependent = True
     causal_fit = False
     consistent = True
+    rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Eckart & Young 1936 (best rank-r approximation by truncated SVD)"
 
@@ -255,14 +256,14 @@ class OptimalLowRank(AttentionOnlyEstimator):
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``exp(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         _, sigma, _, shift = self._svd(q, k)
         return sigma * torch.exp(shift[..., 0])
 
     def kernel_matrix(self, q, k):
         """``K_r`` ``(..., n_q, n_k)`` in the inputs' dtype (overflows only where the true matrix does)."""
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         approx, shift = self._truncated(q, k)
         return (approx * torch.exp(shift)).to(q.dtype)
 
@@ -280,3 +281,8 @@ class OptimalLowRank(AttentionOnlyEstimator):
             log_scale = shift[..., 0].expand(den.shape).to(ct)
             return AttentionParts(out, num, den, log_scale)
         return out
+
+
+register("nystromformer", Nystromformer, pinv="iterative")
+register("nystromformer_exact", Nystromformer, pinv="exact")
+register("lowrank_optimal", OptimalLowRank)

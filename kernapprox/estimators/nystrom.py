@@ -40,8 +40,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ._validation import check_choice, check_positive_float, check_positive_int
-from .features.base import FeatureMap
+from ..validation import check_choice, check_positive_float, check_positive_int
+from .base import FeatureMap
+from .registry import register
 
 LANDMARK_METHODS = ("uniform", "kmeans", "rls")
 REGULARIZATIONS = ("cutoff", "ridge")
@@ -243,8 +244,13 @@ class NystromFeatures(FeatureMap):
 
     Examples
     --------
+    >>> import torch, kernapprox
+    >>> q, k, v = torch.randn(128, 16), torch.randn(128, 16), torch.randn(128, 8)
     >>> est = NystromFeatures(num_features=64, landmarks="rls", rng=0).fit(q, k)
-    >>> y = kernapprox.linear_attention(q, k, v, est, causal=True, mode="recurrent")
+    >>> est.features(q, "query").shape
+    torch.Size([128, 64])
+    >>> kernapprox.linear_attention(q, k, v, est, causal=True, mode="recurrent").shape
+    torch.Size([128, 8])
     """
 
     unbiased = False
@@ -252,6 +258,8 @@ class NystromFeatures(FeatureMap):
     data_dependent = True
     causal_fit = False
     consistent = True
+    rank_limited_by_points = True
+    context_state = ("landmarks_", "whitening_")
     reference = ("Williams & Seeger 2001 (Nyström); Zhang, Tsang & Kwok 2008 (k-means landmarks); "
                  "Musco & Musco 2017, Algorithm 3 (recursive ridge leverage scores)")
 
@@ -325,3 +333,7 @@ def _kmeans_centroids(pool, m, rng, n_init, max_iter):
         warnings.simplefilter("ignore", ConvergenceWarning)
         km = KMeans(n_clusters=m, n_init=n_init, max_iter=max_iter, random_state=seed).fit(pool)
     return np.asarray(km.cluster_centers_, dtype=np.float64)
+
+
+for _landmarks in LANDMARK_METHODS:
+    register(f"nystrom_{_landmarks}", NystromFeatures, landmarks=_landmarks)

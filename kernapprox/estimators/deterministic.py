@@ -18,20 +18,32 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import NotFittedError, check_choice, check_positive_int
+from ..validation import NotFittedError, check_choice, check_positive_int
 from .base import FeatureMap
+from .registry import register
 
 __all__ = ["TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures"]
 
 
 class _FixedMap(FeatureMap):
-    """A deterministic map whose dimension is a function of ``d``."""
+    """A deterministic map whose dimension is a function of ``d``.
+
+    ``num_features`` is ``None`` (the dimension follows from ``d``) or exactly that dimension; any other value
+    cannot be honoured and raises at ``fit``, naming the dimension the map has.
+    """
+
+    fixed_dimension = True
 
     def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
-        super().__init__(num_features=None, rng=rng, scale=scale)
+        if num_features is not None:
+            check_positive_int(num_features, "num_features")
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
 
     def _fit(self, q, k, rng):
-        pass
+        wanted, dim = self.num_features_param, self._output_dim(self.dim_)
+        if wanted is not None and wanted != dim:
+            raise ValueError(f"num_features={wanted} cannot be honoured: {type(self).__name__} has dimension {dim} "
+                             f"at d={self.dim_} (fixed by d; pass num_features=None)")
 
     def _output_dim(self, d: int) -> int:
         raise NotImplementedError
@@ -75,6 +87,7 @@ class TaylorFeatures(_FixedMap):
         return 1 + d + (d * (d + 1) // 2 if self.form == "packed" else d * d)
 
     def _fit(self, q, k, rng):
+        super()._fit(q, k, rng)
         rows, cols = torch.triu_indices(self.dim_, self.dim_, offset=1)
         self._upper = (rows, cols)
 
@@ -146,6 +159,7 @@ class DPFPFeatures(_FixedMap):
         return 2 * d * self.nu
 
     def _fit(self, q, k, rng):
+        super()._fit(q, k, rng)
         if self.nu > 2 * self.dim_ - 1:
             raise ValueError(f"nu must be at most 2d - 1 = {2 * self.dim_ - 1} for d = {self.dim_}, got {self.nu}")
 
@@ -153,3 +167,8 @@ class DPFPFeatures(_FixedMap):
         u = torch.cat([torch.relu(x), torch.relu(-x)], dim=-1)
         phi = torch.cat([u * torch.roll(u, shifts=j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
         return phi, torch.zeros_like(x[..., 0])
+
+
+register("taylor2", TaylorFeatures, form="packed")
+register("taylor2_based", TaylorFeatures, form="full")
+register("elu1", EluPlusOneFeatures)

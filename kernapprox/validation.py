@@ -1,9 +1,24 @@
-"""Input checks shared by every public entry point.
+"""Input checks and sources of randomness shared by every public entry point.
 
 One place for the rules: tensors must be floating point torch tensors of rank >= 2 with finite values, pairs of
 tensors must share dtype and device, sizes must be positive integers, names must be known. Every failure raises
 ``TypeError`` (wrong kind of object) or ``ValueError`` (wrong value) with the argument's name in the message.
 Nothing is coerced.
+
+Randomness: every draw comes from a numpy ``Generator`` built from the user's ``rng`` by :func:`as_generator`
+(SPEC 7). Random matrices are drawn on the CPU in float64 and only then moved to a device and cast, so one seed
+means one draw on every device and dtype. torch's global RNG is never used.
+
+Examples
+--------
+>>> import torch
+>>> from kernapprox.validation import check_positive_int, check_tensor
+>>> check_positive_int(3, "num_features")
+3
+>>> check_tensor(torch.zeros(2), "q")
+Traceback (most recent call last):
+...
+ValueError: q must have rank >= 2 (shape (..., n, d)), got shape (2,)
 """
 
 from __future__ import annotations
@@ -91,3 +106,59 @@ def check_choice(value, name: str, choices: Iterable[str]) -> str:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype computations run in: half types are promoted to float32 (exp needs the dynamic range)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def as_generator(rng) -> np.random.Generator:
+    """Turn ``rng`` (None, int, ``SeedSequence`` or ``Generator``) into a ``Generator``.
+
+    ``None`` gives fresh OS entropy (irreproducible; experiments always pass a seed). A ``Generator`` is used
+    as is (its state advances).
+    """
+    if isinstance(rng, np.random.Generator):
+        return rng
+    if rng is None or isinstance(rng, np.random.SeedSequence):
+        return np.random.default_rng(rng)
+    if isinstance(rng, numbers.Integral) and not isinstance(rng, bool):
+        if rng < 0:
+            raise ValueError(f"rng must be a non-negative integer seed, got {rng}")
+        return np.random.default_rng(int(rng))
+    raise TypeError(f"rng must be None, an int, a numpy SeedSequence or Generator, got {type(rng).__name__}")
+
+
+def check_qk(q, k) -> None:
+    """``q (..., n_q, d)`` and ``k (..., n_k, d)``: finite floating-point tensors of one dtype and device, with the
+    same ``d`` and exactly the same batch dimensions (no silent broadcasting)."""
+    check_tensor(q, "q")
+    check_tensor(k, "k")
+    check_same_kind(q=q, k=k)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
+    if q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"q and k must share batch dimensions, got {tuple(q.shape[:-2])} and {tuple(k.shape[:-2])}")
+
+
+def check_qkv(q, k, v, causal) -> None:
+    """The inputs of an attention call: ``q (..., n, d)``, ``k (..., n_k, d)``, ``v (..., n_k, d_v)`` of one dtype
+    and device with the same batch dimensions; ``causal`` a bool, and then ``n = n_k``."""
+    check_tensor(q, "q")
+    check_tensor(k, "k")
+    check_tensor(v, "v")
+    check_same_kind(q=q, k=k, v=v)
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same sequence length, got {k.shape[-2]} and {v.shape[-2]}")
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
+        raise ValueError("q, k and v must share batch dimensions, got "
+                         f"{tuple(q.shape[:-2])}, {tuple(k.shape[:-2])}, {tuple(v.shape[:-2])}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if causal and q.shape[-2] != k.shape[-2]:
+        raise ValueError(f"causal attention needs as many queries as keys, got {q.shape[-2]} and {k.shape[-2]}")
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of a torch ``dtype`` (``TypeError`` for anything else)."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()

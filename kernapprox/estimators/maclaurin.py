@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -9,8 +10,9 @@ import numpy as np
 import torch
 from scipy import special
 
-from .._validation import check_positive_int
+from ..validation import check_positive_int
 from .base import FeatureMap
+from .registry import register
 
 __all__ = ["RandomMaclaurinFeatures"]
 
@@ -85,9 +87,14 @@ class RandomMaclaurinFeatures(FeatureMap):
             max_degree = int(max_degree)
         self.max_degree = max_degree
 
-    @property
-    def unbiased(self):  # type: ignore[override]
-        return self.max_degree is None
+    unbiased = True     # for the untruncated series; resolved from max_degree below
+
+    @classmethod
+    def capabilities_for(cls, **options):
+        """Unbiased (and consistent) only for the untruncated series, ``max_degree=None``."""
+        caps = super().capabilities_for(**options)
+        exact_series = options.get("max_degree") is None
+        return dataclasses.replace(caps, unbiased=exact_series, consistent=exact_series)
 
     def degree_log_probabilities(self, degrees: np.ndarray) -> np.ndarray:
         """``log P(N = n)`` of the degree distribution."""
@@ -132,3 +139,6 @@ class RandomMaclaurinFeatures(FeatureMap):
         if key not in cache:
             cache[key] = torch.as_tensor(self.feature_index_, device=device)
         return cache[key]
+
+
+register("maclaurin", RandomMaclaurinFeatures)

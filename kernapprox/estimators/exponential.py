@@ -56,9 +56,11 @@ import numbers
 import numpy as np
 import torch
 
-from .._validation import check_positive_float
 from ..theory import oprf_optimal_A
+from ..validation import check_positive_float
 from .random import RandomFeatureMap
+from .registry import register
+from .samplers import SAMPLER_VARIANTS
 
 __all__ = [
     "GeneralizedExponentialFeatures", "OptimalPositiveFeatures", "SymmetricDenseExponentialFeatures",
@@ -136,7 +138,7 @@ class GeneralizedExponentialFeatures(_ExponentialFamilyFeatures):
         φ(x) = \frac{(1-4A)^{d/4}}{\sqrt m}\Big(e^{A\|ω_i\|^2 + \sqrt{1-4A}\,ω_i^⊤x - \|x\|^2/2}\Big)_{i\le m}
 
     **Unbiased** (``E φ(x)ᵀφ(y) = SM(x,y)`` for ``A < 1/4``), **positive**, bounded in ``ω`` iff ``A < 0``,
-    **data independent** (``causal_fit = True``); ``A = 0`` is exactly :class:`~kernapprox.features.
+    **data independent** (``causal_fit = True``); ``A = 0`` is exactly :class:`~kernapprox.estimators.
     PositiveFeatures`. Variance (one pair, i.i.d. frequencies): :func:`kernapprox.theory.gerf_variance`,
     relative form ``[(1−4A)^d (1−8A)^{−d/2} exp(‖x+y‖²/(1−8A)) − 1]/m``. ``A`` must be ``< 1/8`` (finite
     variance). ``r = m``.
@@ -149,7 +151,7 @@ class GeneralizedExponentialFeatures(_ExponentialFamilyFeatures):
         The GERF parameter; ``-0.1`` is the OPRF optimum for ``ρ ≈ 0.26``, i.e. standard-normal queries and
         keys at ``d ≈ 64`` with the ``1/sqrt(d)`` scale. Use :class:`OptimalPositiveFeatures` to fit it.
     sampler, rng, scale, eps
-        As for :class:`~kernapprox.features.PositiveFeatures`.
+        As for :class:`~kernapprox.estimators.PositiveFeatures`.
 
     Attributes
     ----------
@@ -214,6 +216,7 @@ class OptimalPositiveFeatures(_ExponentialFamilyFeatures):
 
     data_dependent = True
     causal_fit = False
+    context_state = ("A_",)
     reference = ("Likhosherstov et al. 2022 (Chefs' Random Tables), OPRF/FAVOR++; tensorflow/models "
                  "kernel_attention.py::expplus")
 
@@ -260,6 +263,7 @@ class SymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
 
     data_dependent = True
     causal_fit = False
+    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), SDERF (closed form re-derived)"
 
     def _fit_parameters(self, q, k):
@@ -305,6 +309,7 @@ class SimplifiedAsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
 
     data_dependent = True
     causal_fit = False
+    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), SADERF"
 
     def _fit_parameters(self, q, k):
@@ -364,6 +369,7 @@ class AsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
 
     data_dependent = True
     causal_fit = False
+    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), ADERF (closed form re-derived)"
 
     def __init__(self, *, num_features: int, sampler="iid", rng=None, scale: float | None = None, eps: float = 0.0,
@@ -394,3 +400,13 @@ class AsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
         self.rho_ = max((float(np.trace(p1 @ m1 @ p1.T) + np.trace(p2 @ m2 @ p2.T)) + 2.0 * cross) / self.dim_, 0.0)
         self.A_ = float(oprf_optimal_A(self.rho_))
         return self.A_, p1, p2
+
+
+# GERF, OPRF (FAVOR++ with the orthogonal sampler) and the dense-exponential maps, once per sampler.
+for _name, _cls in (("gerf", GeneralizedExponentialFeatures), ("oprf", OptimalPositiveFeatures),
+                    ("sderf", SymmetricDenseExponentialFeatures),
+                    ("saderf", SimplifiedAsymmetricDenseExponentialFeatures),
+                    ("aderf", AsymmetricDenseExponentialFeatures)):
+    register(_name, _cls, sampler="iid")
+    for _sampler in SAMPLER_VARIANTS:
+        register(f"{_name}_{_sampler}", _cls, sampler=_sampler)

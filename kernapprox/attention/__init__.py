@@ -1,0 +1,26 @@
+"""Attention as kernel smoothing: the exact reference and linear attention in three equivalent modes.
+
+``y(q) = Σ_i κ(q, k_i) v_i / Σ_i κ(q, k_i)``. With the exact kernel ``κ = exp(s qᵀk)`` this is softmax attention
+(:mod:`.exact`); with a feature map ``κ ≈ φ(q)ᵀφ(k)`` it is linear attention (:mod:`.linear`), computed in the
+parallel, recurrent or chunked mode, with :class:`~.recurrent.RecurrentState` for decoding one token at a time.
+:mod:`.naive` holds the plain float64 loop oracles the fast paths are tested against.
+
+Examples
+--------
+>>> import torch, kernapprox as ka
+>>> gen = torch.Generator().manual_seed(0)
+>>> q, k, v = (torch.randn(2, 32, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+>>> est = ka.make_estimator("positive_orthogonal", num_features=256, rng=0).fit(q, k)
+>>> y = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
+>>> y_rnn = ka.linear_attention(q, k, v, est, causal=True, mode="recurrent")
+>>> bool(torch.allclose(y, y_rnn, atol=1e-10))
+True
+"""
+
+from .exact import softmax_attention
+from .linear import MODES, chunked_block_length, linear_attention
+from .naive import linear_attention_naive, softmax_attention_naive
+from .recurrent import RecurrentState
+
+__all__ = ["MODES", "softmax_attention", "linear_attention", "RecurrentState", "chunked_block_length",
+           "softmax_attention_naive", "linear_attention_naive"]

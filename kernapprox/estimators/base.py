@@ -1,0 +1,517 @@
+"""The estimator protocol every kernel approximation shares, and the capabilities each one declares.
+
+An estimator approximates ``SM_s(q, k) = exp(s · qᵀk)`` (or attention under it). Three kinds exist, declared by
+the class attribute ``kind``:
+
+``"features"`` (:class:`FeatureMap`)
+    a finite map ``φ: R^d → R^r`` with ``exp(s qᵀk) ≈ φ(q)ᵀφ(k)``. Subclasses implement :meth:`Estimator._fit`
+    (draw or derive what they need) and :meth:`FeatureMap._log_features` (stabilised features and their
+    log-scale); validation, scaling, dtype handling, the exact-scale features, the approximate kernel matrix and
+    the state size live here. :func:`kernapprox.linear_attention` runs them in every mode.
+``"attention"`` (:class:`AttentionEstimator`)
+    estimators that approximate attention through objects other than ``φ(q)ᵀφ(k)`` (softmax blocks, an SVD, an
+    exact band): they implement ``attention(q, k, v, ...)`` and ``kernel_matrix(q, k)``.
+``"exact"``
+    the exact kernel itself (:class:`~kernapprox.estimators.exact.ExactKernel`), routed to
+    :func:`kernapprox.softmax_attention`.
+
+Declared capabilities
+---------------------
+What an estimator is and can do is declared once, as class attributes, and read by every consumer through
+:meth:`Estimator.capabilities` (an instance) or :func:`kernapprox.estimators.registry.capabilities` (a registry
+name): nothing outside this package inspects classes, signatures or attributes to find out. The fields are those
+of :class:`Capabilities`. A declaration that depends on a constructor option (an unbiased map with a biased
+sampler, a hybrid's inner map) is resolved by the classmethod :meth:`Estimator.capabilities_for` from the options
+alone, without building anything.
+
+Stabilised features
+-------------------
+``features(x, role, log_scale=True)`` returns ``(φ̃, ℓ)`` with ``φ(x) = φ̃(x) · exp(ℓ(x))``, where ``φ̃`` has
+entries of order one (for exponential maps: the per-row maximum is subtracted inside the exponent) and ``ℓ`` has
+shape ``(..., n)``. Attention code uses this split to keep the query scales out of the ratio (they cancel) and to
+shift the key scales by one constant per query row — the maximum over all keys, or over the keys up to the query
+when causal (a running maximum, in every mode) — so that ``exp`` never overflows. ``features(x, role)`` returns
+the exact-scale ``φ(x)`` (which may overflow for large norms; that is what was asked for).
+
+Precision: float16/bfloat16 inputs are computed in float32; float32 and float64 stay as they are. Exact-scale
+features are returned in the input dtype; the stabilised pair ``(φ̃, ℓ)`` stays in the compute dtype (float32 for
+half inputs), because it is the input of further computation (attention, kernel matrices) that must not be
+rounded to half precision half-way. Parameters (projections, landmarks) are kept in float64 on the CPU and cast
+on use.
+
+Memory
+------
+:meth:`Estimator.state_bytes` is the one measure of memory: the bytes of everything a decoder must keep that
+depends on the context — the linear state ``(W, z)``, ``r·(d_v + 1)`` numbers (Zoology/Based convention), plus
+the fitted values computed from the context that the class declares in ``context_state`` (landmarks, whitening,
+fitted statistics), plus what a subclass adds (a window of keys and values, a KV cache).
+:meth:`Estimator.parameter_bytes` reports, separately, the fitted arrays that do not depend on the context
+(projections regenerable from the seed).
+
+Examples
+--------
+>>> import torch
+>>> import kernapprox as ka
+>>> est = ka.make_estimator("positive_orthogonal", num_features=64, rng=0).fit(torch.zeros(1, 16))
+>>> est.capabilities().unbiased, est.capabilities().kind
+(True, 'features')
+>>> est.features(torch.randn(5, 16)).shape
+torch.Size([5, 64])
+>>> est.state_bytes(d_v=16)          # r (d_v + 1) float32 numbers
+4352
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import math
+import numbers
+from typing import ClassVar, NamedTuple
+
+import numpy as np
+import torch
+
+from ..kernel import resolve_scale
+from ..validation import (
+    NotFittedError,
+    as_generator,
+    check_choice,
+    check_positive_int,
+    check_qk,
+    check_qkv,
+    check_same_kind,
+    check_tensor,
+    compute_dtype,
+    itemsize,
+)
+
+ROLES = ("query", "key")
+KINDS = ("features", "attention", "exact")
+MODES = ("parallel", "recurrent", "chunked")
+
+
+class AttentionParts(NamedTuple):
+    """Output with its numerator and normaliser: true ``numerator = numerator · exp(log_scale)[..., None]``,
+    true ``normalizer = normalizer · exp(log_scale)``; ``output = numerator / normalizer[..., None]``."""
+
+    output: torch.Tensor      # (..., n, d_v)
+    numerator: torch.Tensor   # (..., n, d_v)
+    normalizer: torch.Tensor  # (..., n)
+    log_scale: torch.Tensor   # (..., n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What an estimator is and can do, as declared by its class (and resolved for its options).
+
+    Attributes
+    ----------
+    kind : {"features", "attention", "exact"}
+        A finite feature map, an estimator that brings its own attention, or the exact kernel.
+    unbiased : bool
+        ``E φ(x)ᵀφ(y) = SM(x, y)`` (for the kernel; the normalised attention output is a ratio and biased).
+    positive : bool
+        Features (hence normalisers) are positive.
+    data_dependent : bool
+        ``fit`` looks at the data, not only at its shape.
+    causal_fit : bool
+        Fitting on the sequence it is applied to uses no future token.
+    consistent : bool
+        The error tends to 0 as ``num_features`` grows.
+    causal : bool
+        Causal attention is defined (``causal=True`` is accepted).
+    fixed_dimension : bool
+        The feature dimension is fixed by ``d`` (``num_features`` must be ``None``).
+    rank_limited_by_points : bool
+        ``num_features`` cannot exceed the number of points it is fitted on (landmark methods).
+    modes : tuple of str
+        The attention modes it runs in (a subset of ``("parallel", "recurrent", "chunked")``).
+    rules : tuple of str
+        The state-update rules it supports.
+    reference : str
+        The paper, with the equation or lemma.
+    """
+
+    kind: str
+    unbiased: bool
+    positive: bool
+    data_dependent: bool
+    causal_fit: bool
+    consistent: bool
+    causal: bool
+    fixed_dimension: bool
+    rank_limited_by_points: bool
+    modes: tuple[str, ...]
+    rules: tuple[str, ...]
+    reference: str
+
+    def as_dict(self) -> dict:
+        """The fields as a plain dict (in declaration order)."""
+        return dataclasses.asdict(self)
+
+
+class _Declared:
+    """A capability declared as a class attribute. Read on the class it is the declaration; read on an instance
+    it is resolved for that instance's options (``est.unbiased`` is ``est.capabilities().unbiased``, so a map
+    with a biased sampler says so)."""
+
+    def __init__(self, name: str, value):
+        self.name, self.value = name, value
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self.value
+        return getattr(obj.capabilities(), self.name)
+
+    def __set__(self, obj, value):
+        raise AttributeError(f"{self.name} is a declared capability of {type(obj).__name__}; it cannot be set on "
+                             "an instance")
+
+
+_DECLARED = tuple(field.name for field in dataclasses.fields(Capabilities))
+
+
+class Estimator:
+    """Base class of every estimator of the softmax kernel or of attention under it.
+
+    Class attributes declare the capabilities (see :class:`Capabilities` for their meaning); subclasses set the
+    ones that differ from these defaults. ``consistent = None`` means "as ``unbiased``". Read on an instance, a
+    declaration is resolved for the instance's options (:meth:`capabilities`). ``context_state`` names the fitted
+    attributes a decoder must keep because they were computed from the context (counted by :meth:`state_bytes`).
+    """
+
+    kind: ClassVar[str] = "features"
+    unbiased: ClassVar[bool] = False
+    positive: ClassVar[bool] = False
+    data_dependent: ClassVar[bool] = False
+    causal_fit: ClassVar[bool] = True
+    consistent: ClassVar[bool | None] = None
+    causal: ClassVar[bool] = True
+    fixed_dimension: ClassVar[bool] = False
+    rank_limited_by_points: ClassVar[bool] = False
+    modes: ClassVar[tuple[str, ...]] = MODES
+    rules: ClassVar[tuple[str, ...]] = ("sum",)
+    reference: ClassVar[str] = ""
+    context_state: ClassVar[tuple[str, ...]] = ()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        for name in _DECLARED:
+            if name in vars(cls) and not isinstance(vars(cls)[name], _Declared):
+                setattr(cls, name, _Declared(name, vars(cls)[name]))
+
+    # ----------------------------------------------------------------------------------------- capabilities
+    @classmethod
+    def capabilities_for(cls, **options) -> Capabilities:
+        """The capabilities of ``cls(**options)``, from the declarations alone (nothing is built or fitted).
+
+        Subclasses whose declarations depend on an option (a sampler, an inner feature map, a truncation degree)
+        override this and resolve it from ``options``.
+        """
+        return Capabilities(
+            kind=cls.kind, unbiased=bool(cls.unbiased), positive=bool(cls.positive),
+            data_dependent=bool(cls.data_dependent), causal_fit=bool(cls.causal_fit),
+            consistent=bool(cls.unbiased if cls.consistent is None else cls.consistent), causal=bool(cls.causal),
+            fixed_dimension=bool(cls.fixed_dimension), rank_limited_by_points=bool(cls.rank_limited_by_points),
+            modes=tuple(cls.modes), rules=tuple(cls.rules), reference=str(cls.reference))
+
+    def capabilities(self) -> Capabilities:
+        """The capabilities of this estimator (its class's declarations resolved for its parameters)."""
+        return type(self).capabilities_for(**self.get_params())
+
+    def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
+        self.num_features_param = num_features
+        self.rng = rng
+        self.scale = scale
+
+    # ----------------------------------------------------------------------------------------------- fitting
+    def fit(self, q: torch.Tensor, k: torch.Tensor | None = None) -> Estimator:
+        """Draw or derive the map's parameters for inputs like ``q`` (and ``k``); returns ``self``.
+
+        Data-independent maps use only ``d = q.shape[-1]``. Calling ``fit`` again with the same ``rng`` gives
+        the same draw (an int or ``SeedSequence`` seed is re-expanded on every call).
+        """
+        check_tensor(q, "q")
+        if k is not None:
+            check_tensor(k, "k")
+            check_same_kind(q=q, k=k)
+            if k.shape[-1] != q.shape[-1]:
+                raise ValueError(f"q and k must share the last dimension d, got {q.shape[-1]} and {k.shape[-1]}")
+        if self.data_dependent and q.device.type == "meta":
+            raise ValueError(f"q is a meta tensor (a shape without values); {type(self).__name__} is fitted on data")
+        self.dim_ = int(q.shape[-1])
+        self.scale_ = resolve_scale(self.dim_, self.scale)
+        self._cache = {}
+        self._fit(q, k, as_generator(self.rng))
+        self.fitted_ = True
+        return self
+
+    def _fit(self, q, k, rng: np.random.Generator) -> None:
+        raise NotImplementedError
+
+    def _check_fitted(self):
+        if not getattr(self, "fitted_", False):
+            raise NotFittedError(f"{type(self).__name__} is not fitted; call fit(q, k) first")
+
+    def _param(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A float64 numpy parameter ``self.<name>`` as a tensor on ``like``'s device and dtype (cached)."""
+        key = (name, like.device, like.dtype)
+        cache = self.__dict__.setdefault("_cache", {})
+        if key not in cache:
+            cache[key] = torch.as_tensor(getattr(self, name)).to(device=like.device, dtype=like.dtype)
+        return cache[key]
+
+    # ----------------------------------------------------------------------------------------- fitted state
+    def _state_entries(self, prefix: str = ""):
+        """``(key, owner, attribute, value)`` of every fitted-state entry, nested estimators' included, sorted by
+        attribute name (a nested estimator's entries in place of its attribute)."""
+        for name, value in sorted(vars(self).items()):
+            if name.startswith("_") or not name.endswith("_") or name == "fitted_":
+                continue
+            if isinstance(value, Estimator):
+                yield from value._state_entries(f"{prefix}{name}.")
+            elif (isinstance(value, torch.Tensor) or _is_real_scalar(value)
+                  or (isinstance(value, np.ndarray) and value.dtype.kind in "biuf")):
+                yield prefix + name, self, name, value
+
+    def fitted_state(self) -> dict:
+        """A snapshot of everything ``fit`` computed: ``{name: value}``.
+
+        Fitted state is every public attribute ending in ``_`` (scikit-learn's convention) that holds a
+        numeric numpy array (float64 parameters, integer indices), a tensor, or a real number (``dim_``,
+        ``scale_``, ...): arrays and tensors are copies, numbers are ``int`` or ``float``. A nested estimator
+        (a hybrid's ``feature_map_``) contributes its own state under ``"<attribute>.<name>"`` keys, as in a torch
+        ``state_dict``. Not included: the flag ``fitted_``, ``None`` and other objects (samplers), which ``fit``
+        rebuilds from the constructor parameters. :meth:`load_fitted_state` takes such a dict back.
+        """
+        self._check_fitted()
+        return {key: _snapshot(value) for key, _, _, value in self._state_entries()}
+
+    def load_fitted_state(self, state: dict) -> Estimator:
+        """Set the fitted values from ``state`` (as :meth:`fitted_state` returns it); returns ``self``.
+
+        The estimator must be fitted already — a fit (on placeholder data of the same ``d``; data-dependent maps
+        on enough points) builds the structure, ``state`` supplies every value — and ``state`` must have exactly
+        the keys of its :meth:`fitted_state`. Values may have other shapes than the current ones (a
+        data-dependent fit on other data). Each is stored as the attribute's current kind: an array attribute
+        becomes a numpy array of its dtype on the CPU (from an array or a tensor on any device), a tensor
+        attribute the given tensor, a number ``int`` or ``float`` (from a number or a one-element tensor). Every
+        value is checked before any is set. The cached casts of the parameters (:meth:`_param`) are dropped, so
+        the new values are used from the next call.
+        """
+        self._check_fitted()
+        if not isinstance(state, dict):
+            raise TypeError(f"state must be a dict, got {type(state).__name__}")
+        entries = list(self._state_entries())
+        expected = {key for key, _, _, _ in entries}
+        if set(state) != expected:
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            raise ValueError(f"state does not match the fitted state of {type(self).__name__}: missing "
+                             f"{missing}, unexpected {unexpected}")
+        values = [_as_kind_of(current, state[key], f"state[{key!r}]") for key, _, _, current in entries]
+        for (_, owner, name, _), value in zip(entries, values):
+            setattr(owner, name, value)
+            owner._cache = {}
+        return self
+
+    # ------------------------------------------------------------------------------------------ properties
+    @property
+    def num_features(self) -> int:
+        """``r``, the feature dimension of the state ``W ∈ R^{d_v × r}``."""
+        if self.num_features_param is None:
+            raise NotFittedError(f"{type(self).__name__}: num_features is known only after fit")
+        return int(self.num_features_param)
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
+        """Bytes of everything a decoder must keep that depends on the context, at ``dtype``.
+
+        The linear state ``(W, z)``, ``r · (d_v + 1)`` numbers (Zoology/Based convention), plus every fitted
+        value computed from the context that the class declares in ``context_state`` (e.g. Nyström's ``r·d``
+        landmarks and ``r²`` whitening). Subclasses whose memory grows with the sequence (a KV cache, a window of
+        keys and values) use ``seq_len``; it is ignored otherwise. Data-independent parameters are reported by
+        :meth:`parameter_bytes`.
+        """
+        check_positive_int(d_v, "d_v")
+        size = itemsize(dtype)
+        if seq_len is not None:
+            check_positive_int(seq_len, "seq_len")
+        return (self.num_features * (d_v + 1) + self._numbers(self.context_state)) * size
+
+    def parameter_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of the fitted arrays that do not depend on the context (e.g. a projection regenerable from the
+        seed, or values derived from it), at ``dtype``; 0 for a map without any."""
+        size = itemsize(dtype)
+        self._check_fitted()
+        names = [name for key, owner, name, value in self._state_entries()
+                 if not isinstance(value, numbers.Number) and "." not in key and name not in self.context_state]
+        nested = sum(owner.parameter_bytes(dtype) for owner in self._nested_estimators())
+        return self._numbers(names) * size + nested
+
+    def _nested_estimators(self) -> list[Estimator]:
+        return [value for name, value in sorted(vars(self).items())
+                if not name.startswith("_") and name.endswith("_") and isinstance(value, Estimator)]
+
+    def _numbers(self, names) -> int:
+        """How many numbers the fitted attributes ``names`` hold (a scalar counts 1)."""
+        if not names:
+            return 0
+        self._check_fitted()
+        total = 0
+        for name in names:
+            value = getattr(self, name)
+            total += int(value.size if isinstance(value, np.ndarray) else
+                         value.numel() if isinstance(value, torch.Tensor) else 1)
+        return total
+
+    def kernel_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The approximation of the kernel matrix ``exp(s · Q Kᵀ)`` implied by the estimator, ``(..., n_q, n_k)``."""
+        raise NotImplementedError
+
+    @classmethod
+    def parameter_names(cls) -> tuple[str, ...]:
+        """The keyword-only constructor parameters, in signature order."""
+        return _keyword_parameters(cls)
+
+    def get_params(self) -> dict:
+        """Constructor parameters (scikit-learn style)."""
+        return {name: getattr(self, "num_features_param" if name == "num_features" else name)
+                for name in self.parameter_names()}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({args})"
+
+
+for _name in _DECLARED:
+    setattr(Estimator, _name, _Declared(_name, getattr(Estimator, _name)))
+
+
+@functools.cache
+def _keyword_parameters(cls) -> tuple[str, ...]:
+    parameters = inspect.signature(cls.__init__).parameters
+    return tuple(name for name, p in parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY)
+
+
+def _is_real_scalar(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def _snapshot(value):
+    """A copy of an array or tensor; a number as ``int`` or ``float``."""
+    if isinstance(value, np.ndarray):
+        return value.copy()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def _as_kind_of(current, value, name: str):
+    """``value`` (array, tensor or number) as the kind of the fitted attribute ``current``."""
+    if isinstance(current, np.ndarray):
+        if isinstance(value, torch.Tensor):
+            like = torch.from_numpy(np.empty(0, dtype=current.dtype)).dtype
+            return value.detach().to("cpu", like, copy=True).numpy()   # never a view of the caller's tensor
+        if isinstance(value, np.ndarray):
+            return value.astype(current.dtype)                         # a copy
+        raise TypeError(f"{name} must be a numpy array or a torch.Tensor, got {type(value).__name__}")
+    if isinstance(current, torch.Tensor):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        return value.detach()
+    if (isinstance(value, torch.Tensor) and value.numel() == 1) or (isinstance(value, np.ndarray) and value.size == 1):
+        value = value.item()
+    if not _is_real_scalar(value):
+        raise TypeError(f"{name} must be a real number or a one-element tensor, got {value!r}")
+    return int(value) if isinstance(current, numbers.Integral) else float(value)
+
+
+
+
+class FeatureMap(Estimator):
+    """A finite feature map ``φ`` with ``exp(s qᵀk) ≈ φ(q)ᵀφ(k)``: subclasses implement ``_fit`` and
+    ``_log_features``; :func:`kernapprox.linear_attention` runs it in every mode it declares."""
+
+    kind: ClassVar[str] = "features"
+
+    # -------------------------------------------------------------------------------------------- features
+    def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,
+                 check_finite: bool = True):
+        """Feature map ``φ(x)``: ``(..., n, d) -> (..., n, r)``.
+
+        With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``,
+        both in the compute dtype (float32 for half-precision ``x``); otherwise ``φ`` in ``x``'s dtype.
+        ``check_finite=False`` skips the NaN/Inf scan of ``x`` (a host synchronisation on a GPU), for callers that
+        have checked already or decode token by token.
+        """
+        self._check_fitted()
+        check_choice(role, "role", ROLES)
+        check_tensor(x, "x", finite=check_finite)
+        if x.shape[-1] != self.dim_:
+            raise ValueError(f"x has last dimension {x.shape[-1]} but the estimator was fitted with d={self.dim_}")
+        out_dtype = x.dtype
+        xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
+        phi, logs = self._log_features(xs, role)
+        if log_scale:
+            return phi, logs
+        return (phi * torch.exp(logs)[..., None]).to(out_dtype)
+
+    def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
+        raise NotImplementedError
+
+    def kernel_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """The approximation ``φ(Q) φ(K)ᵀ`` of ``exp(s · Q Kᵀ)``, ``(..., n_q, n_k)``, in the inputs' dtype.
+
+        Computed from stabilised features and rescaled at the end, so it overflows only where the true value
+        does.
+        """
+        check_qk(q, k)                    # batch dimensions must agree exactly: no silent broadcasting
+        pq, lq = self.features(q, "query", log_scale=True)
+        pk, lk = self.features(k, "key", log_scale=True)
+        ct = compute_dtype(q.dtype)
+        gram = pq.to(ct) @ pk.to(ct).transpose(-1, -2)
+        return (gram * torch.exp(lq[..., :, None] + lk[..., None, :])).to(q.dtype)
+
+
+class AttentionEstimator(Estimator):
+    """An estimator that brings its own attention instead of a finite feature map.
+
+    Nyströmformer, the rank-r references and the hybrids (sliding window + linear, Scatterbrain) approximate
+    attention through objects other than ``φ(q)ᵀφ(k)``: softmax blocks, an SVD, an exact band. They implement
+    ``attention(q, k, v, *, causal, mode, chunk_size, return_parts)`` and ``kernel_matrix(q, k)``;
+    :func:`kernapprox.linear_attention` dispatches to their ``attention``.
+    """
+
+    kind: ClassVar[str] = "attention"
+    modes: ClassVar[tuple[str, ...]] = ("parallel",)
+
+    def _fit(self, q, k, rng) -> None:
+        """Nothing to draw by default: the approximation is built from the sequence it is applied to."""
+
+    def _check_call(self, q, k, v, causal, mode, chunk_size) -> None:
+        self._check_fitted()
+        check_qkv(q, k, v, causal)
+        check_choice(mode, "mode", self.modes)
+        check_positive_int(chunk_size, "chunk_size")
+        if causal and not self.causal:
+            raise ValueError(f"{type(self).__name__} is not causal: it does not define causal attention "
+                             "(use causal=False)")
+        self._check_dim(q)
+
+    def _check_dim(self, q) -> None:
+        if q.shape[-1] != self.dim_:
+            raise ValueError(f"q has last dimension {q.shape[-1]} but the estimator was fitted with d={self.dim_}")
+
+    def attention(self, q, k, v, *, causal: bool = False, mode: str = "parallel", chunk_size: int = 64,
+                  return_parts: bool = False):
+        """Approximate attention ``(..., n, d_v)`` (or :class:`AttentionParts` with ``return_parts=True``)."""
+        raise NotImplementedError
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
+        """Estimators that need the whole sequence have no recurrent state; those with one override this."""
+        if "recurrent" not in self.modes:
+            raise ValueError(f"{type(self).__name__} has no recurrent state (it needs the whole sequence); compare "
+                             "it by num_features")
+        return super().state_bytes(d_v, dtype, seq_len=seq_len)
