@@ -1,0 +1,150 @@
+"""EVA: the control-variate view of random-feature attention, the float64 oracles and their limits."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from kernapprox.estimators.eva import (
+    control_variate_reference,
+    eva_kernel_reference,
+    eva_reference,
+    group_bounds,
+    local_bounds,
+)
+
+
+def gaussian(shape, seed, std=1.0):
+    return np.random.default_rng(seed).standard_normal(shape) * std
+
+
+def scaled(q, k):
+    root = math.sqrt(1.0 / math.sqrt(q.shape[-1]))
+    return root * q, root * k
+
+
+def softmax_attention(q, k, v, causal=False):
+    x, y = scaled(q, k)
+    logits = x @ np.swapaxes(y, -1, -2)
+    if causal:
+        logits = np.where(np.tril(np.ones(logits.shape[-2:], dtype=bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    return (w / w.sum(-1, keepdims=True)) @ v
+
+
+# ------------------------------------------------------------------------------ control variates (EVA §3)
+def test_one_shared_coefficient_is_random_feature_attention():
+    """One group: ``Σ_m ĝ_m = β(ω)``, the one-feature random-feature attention with the frequency ``ω``, for any
+    proposal (the importance ratio cancels)."""
+    q, k, v = gaussian((4, 3), 0), gaussian((5, 3), 1), gaussian((5, 2), 2)
+    x, y = scaled(q, k)
+    for mean in (np.zeros(3), gaussian(3, 3)):
+        w = gaussian(3, 4) + mean
+        cv = control_variate_reference(q, k, v, w[None], [np.arange(5)], mean[None])
+        xi = np.exp(y @ w - 0.5 * (y * y).sum(1))
+        np.testing.assert_allclose(cv, np.broadcast_to(xi @ v / xi.sum(), cv.shape), rtol=1e-12, atol=1e-14)
+
+
+def test_per_key_coefficients_give_softmax_attention():
+    q, k, v = gaussian((4, 3), 5), gaussian((6, 3), 6), gaussian((6, 2), 7)
+    omegas, means = gaussian((6, 3), 8), gaussian((6, 3), 9)
+    cv = control_variate_reference(q, k, v, omegas, [np.array([m]) for m in range(6)], means)
+    np.testing.assert_allclose(cv, softmax_attention(q, k, v), rtol=1e-12, atol=1e-14)
+
+
+def test_per_group_coefficients_are_eva_with_exact_group_masses():
+    """EVA without a local set and with the exact group masses ``S_c`` is the per-group control-variate estimator
+    (its normaliser is then the exact ``Z``), with each group's draw ``ω_c = x̄ + ȳ_c + ε_c``."""
+    q, k, v = gaussian((7, 3), 10), gaussian((7, 3), 11), gaussian((7, 2), 12)
+    noise = gaussian((3, 3), 13)
+    x, y = scaled(q, k)
+    bounds = group_bounds(7, 3)
+    means = np.stack([x.mean(0) + y[a:b].mean(0) for a, b in bounds])
+    cv = control_variate_reference(q, k, v, means + noise[:len(bounds)], [np.arange(a, b) for a, b in bounds], means)
+    eva = eva_reference(q, k, v, noise, num_groups=3, window=0, group_mass="exact")
+    np.testing.assert_allclose(eva, cv, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------- groups and sets
+def test_groups_and_local_sets():
+    assert group_bounds(10, 4).tolist() == [[0, 3], [3, 6], [6, 9], [9, 10]]
+    assert group_bounds(13, 16).tolist() == [[i, i + 1] for i in range(13)]
+    assert group_bounds(8, 3).tolist() == [[0, 3], [3, 6], [6, 8]]
+    assert local_bounds(5, 10, 2, 3, causal=False) == (4, 7)
+    assert local_bounds(5, 10, 0, 3, causal=False) == (5, 5)
+    assert local_bounds(5, 10, 2, 3, causal=True) == (3, 6)        # own unfinished group [3, 6) from 3
+    assert local_bounds(7, 10, 1, 3, causal=True) == (6, 8)
+    assert local_bounds(7, 10, 4, 3, causal=True) == (4, 8)        # the last w keys reach further back
+    assert local_bounds(1, 10, 5, 3, causal=True) == (0, 2)
+
+
+# --------------------------------------------------------------------------------------------- the limits
+@pytest.mark.parametrize("causal", [False, True])
+def test_eva_is_exact_with_one_key_per_group_or_a_covering_window(causal):
+    q, k, v = gaussian((2, 9, 3), 14), gaussian((2, 9, 3), 15), gaussian((2, 9, 2), 16)
+    exact = softmax_attention(q, k, v, causal)
+    noise = gaussian((12, 3), 17)
+    for num_groups, window in ((9, 0), (12, 3), (3, 9), (1, 20)):
+        for sample in (True, False):
+            out = eva_reference(q, k, v, noise, num_groups=num_groups, window=window, causal=causal, sample=sample)
+            np.testing.assert_allclose(out, exact, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_eva_kernel_reference_gives_the_output(causal):
+    q, k, v = gaussian((8, 3), 18), gaussian((8, 3), 19), gaussian((8, 2), 20)
+    noise = gaussian((3, 3), 21)
+    for window in (0, 1, 2, 5):
+        a = eva_kernel_reference(q, k, noise, num_groups=3, window=window, causal=causal)
+        out = eva_reference(q, k, v, noise, num_groups=3, window=window, causal=causal)
+        np.testing.assert_allclose(a @ v / a.sum(-1, keepdims=True), out, rtol=1e-12, atol=1e-14)
+        if causal:
+            assert (np.triu(a, 1) == 0).all()
+        assert (a > 0).sum() == (a != 0).sum()                                # positive where non-zero
+
+
+def test_group_mass_is_a_lower_bound_of_the_exact_mass():
+    """Jensen: ``|P| exp(xᵀȳ_P) ≤ Σ_P exp(xᵀy_m)``: with the same draws the "mean" row puts at most the exact
+    mass on every group and the exact weights on the local set."""
+    q, k = gaussian((9, 3), 22), gaussian((9, 3), 23)
+    noise = gaussian((3, 3), 24)
+    mean = eva_kernel_reference(q, k, noise, num_groups=3, window=1)
+    exact = eva_kernel_reference(q, k, noise, num_groups=3, window=1, group_mass="exact")
+    for a, b in group_bounds(9, 3):
+        assert (mean[:, a:b].sum(1) <= exact[:, a:b].sum(1) * (1 + 1e-12)).all()
+    x, y = scaled(q, k)
+    band = np.abs(np.arange(9)[:, None] - np.arange(9)[None]) < 1
+    np.testing.assert_allclose(mean[band], np.exp(x @ y.T)[band], rtol=1e-12)
+
+
+def test_causal_eva_uses_no_future_token():
+    q, k, v = gaussian((10, 3), 25), gaussian((10, 3), 26), gaussian((10, 2), 27)
+    noise = gaussian((4, 3), 28)
+    base = eva_reference(q, k, v, noise, num_groups=4, window=2, causal=True)
+    for t in (3, 6, 9):
+        q2, k2, v2 = q.copy(), k.copy(), v.copy()
+        q2[t:] += 5.0
+        k2[t:] -= 3.0
+        v2[t:] *= -2.0
+        other = eva_reference(q2, k2, v2, noise, num_groups=4, window=2, causal=True)
+        np.testing.assert_allclose(other[:t], base[:t], rtol=1e-12, atol=1e-14)
+
+
+def test_eva_with_one_group_and_exact_mass_is_one_feature_attention():
+    q, k, v = gaussian((5, 3), 29), gaussian((6, 3), 30), gaussian((6, 2), 31)
+    noise = gaussian((1, 3), 32)
+    out = eva_reference(q, k, v, noise, num_groups=1, window=0, group_mass="exact")
+    x, y = scaled(q, k)
+    w = x.mean(0) + y.mean(0) + noise[0]
+    xi = np.exp(y @ w - 0.5 * (y * y).sum(1))
+    np.testing.assert_allclose(out, np.broadcast_to(xi @ v / xi.sum(), out.shape), rtol=1e-12)
+
+
+def test_oracle_rejects_bad_arguments():
+    q = gaussian((4, 3), 33)
+    with pytest.raises(ValueError, match="noise"):
+        eva_reference(q, q, q, gaussian((2, 2), 34), num_groups=2, window=1)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        eva_reference(q, q[:3], q[:3], gaussian((2, 3), 35), num_groups=2, window=1, causal=True)
