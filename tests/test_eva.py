@@ -148,3 +148,139 @@ def test_oracle_rejects_bad_arguments():
         eva_reference(q, q, q, gaussian((2, 2), 34), num_groups=2, window=1)
     with pytest.raises(ValueError, match="as many queries as keys"):
         eva_reference(q, q[:3], q[:3], gaussian((2, 3), 35), num_groups=2, window=1, causal=True)
+
+
+# ---------------------------------------------------------------------------------------- the estimator
+import torch  # noqa: E402
+
+import kernapprox as ka  # noqa: E402
+from kernapprox.estimators.eva import EfficientAttentionCV  # noqa: E402
+
+MODES = ("parallel", "recurrent", "chunked")
+
+
+def tensors(shapes, seed, std=1.0, dtype=torch.float64):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.standard_normal(s) * std).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_groups, window", [(4, 0), (4, 1), (3, 3), (5, 7), (2, 20), (13, 2), (20, 0)])
+@pytest.mark.parametrize("sample", [True, False])
+def test_modes_match_the_oracle(causal, num_groups, window, sample):
+    q, k, v = tensors([(2, 13, 5), (2, 13, 5), (2, 13, 3)], 40)
+    est = EfficientAttentionCV(num_features=num_groups, window=window, sample=sample, rng=41).fit(q, k)
+    ref = torch.from_numpy(eva_reference(q, k, v, est.noise_, num_groups=num_groups, window=window, causal=causal,
+                                         sample=sample))
+    for mode in MODES:
+        for chunk in (1, 4, 64):
+            out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=chunk)
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("n_k", [7, 11, 20])
+def test_non_causal_modes_with_other_key_lengths(n_k):
+    q, k, v = tensors([(13, 4), (n_k, 4), (n_k, 2)], 42)
+    est = EfficientAttentionCV(num_features=3, window=2, rng=43).fit(q, k)
+    ref = torch.from_numpy(eva_reference(q, k, v, est.noise_, num_groups=3, window=2))
+    for mode in MODES:
+        torch.testing.assert_close(ka.linear_attention(q, k, v, est, mode=mode, chunk_size=4), ref,
+                                   rtol=1e-10, atol=1e-12)
+    kernel = torch.from_numpy(eva_kernel_reference(q, k, est.noise_, num_groups=3, window=2))
+    torch.testing.assert_close(est.kernel_matrix(q, k), kernel, rtol=1e-10, atol=0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_limits(causal):
+    q, k, v = tensors([(2, 12, 4), (2, 12, 4), (2, 12, 3)], 44)
+    exact = ka.softmax_attention(q, k, v, causal=causal)
+    for options in ({"num_features": 12, "window": 0}, {"num_features": 16, "window": 3},
+                    {"num_features": 2, "window": 12}):
+        est = EfficientAttentionCV(**options, rng=45).fit(q, k)
+        for mode in MODES:
+            torch.testing.assert_close(ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=5),
+                                       exact, rtol=1e-12, atol=1e-13)
+
+
+def test_causal_modes_use_no_future_token():
+    q, k, v = tensors([(11, 4), (11, 4), (11, 2)], 46)
+    est = EfficientAttentionCV(num_features=3, window=2, rng=47).fit(q, k)
+    for mode in MODES:
+        base = ka.linear_attention(q, k, v, est, causal=True, mode=mode, chunk_size=4)
+        for t in (4, 8):
+            q2, k2, v2 = q.clone(), k.clone(), v.clone()
+            q2[t:], k2[t:], v2[t:] = q2[t:] * 3 + 1, k2[t:] - 2, -v2[t:]
+            other = ka.linear_attention(q2, k2, v2, est, causal=True, mode=mode, chunk_size=4)
+            torch.testing.assert_close(other[:t], base[:t], rtol=1e-12, atol=1e-14)
+
+
+def test_far_keys_far_below_their_group_maximum():
+    """Group ``[4, 8)`` whose last two keys have log-features ``l = x̄ᵀY ≈ 10⁴`` and first two ``l = 0``: a query
+    whose local set covers the last two reads the first two as the group's far part. Their weights relative to
+    the group's maximum underflow (``e^{−10⁴}``), so a shift per group would give 0/0; the shift per row and group
+    (and the streaming state's running maximum) gives their value average. Every mode finite and equal."""
+    q, k, v = tensors([(8, 2), (8, 2), (8, 1)], 48)
+    direction = torch.tensor([1.0, 1.0], dtype=torch.float64)
+    k[4:6] = 0.0
+    k[6:8] = 70.0 * direction
+    q[:] = q + 70.0 * direction
+    est = EfficientAttentionCV(num_features=2, window=2, sample=False, rng=49).fit(q, k)
+    for causal in (False, True):
+        outs = {m: ka.linear_attention(q, k, v, est, causal=causal, mode=m, chunk_size=3) for m in MODES}
+        for out in outs.values():
+            assert torch.isfinite(out).all()
+            torch.testing.assert_close(out, outs["parallel"], rtol=1e-10, atol=1e-12)
+    # query 7 (non-causal): local set [6, 8); far keys 0..5; the logits of keys 6, 7 dominate, so its output is
+    # their exact average — a sanity check that the huge terms were kept, not dropped
+    out = ka.linear_attention(q, k, v, est, mode="chunked")
+    torch.testing.assert_close(out[7], v[6:8].mean(0), rtol=1e-10, atol=1e-12)
+
+
+def test_hostile_norms_stay_in_the_values_hull():
+    q, k, v = tensors([(2, 19, 6), (2, 19, 6), (2, 19, 3)], 50)
+    q, k = q * 300.0, k * 300.0
+    for dtype in (torch.float64, torch.float32):
+        est = EfficientAttentionCV(num_features=4, window=3, rng=51).fit(q.to(dtype), k.to(dtype))
+        for causal in (False, True):
+            outs = [ka.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), est, causal=causal, mode=mode,
+                                        chunk_size=5) for mode in MODES]
+            for out in outs:
+                assert torch.isfinite(out).all()
+                assert (out <= v.to(dtype).amax(-2, keepdim=True) + 1e-5).all()
+                assert (out >= v.to(dtype).amin(-2, keepdim=True) - 1e-5).all()
+                tol = 1e-10 if dtype == torch.float64 else 1e-3
+                torch.testing.assert_close(out, outs[0], rtol=tol, atol=tol)
+
+
+def test_parts_are_the_kernel_row_sums():
+    q, k, v = tensors([(9, 4), (9, 4), (9, 3)], 52)
+    est = EfficientAttentionCV(num_features=3, window=2, rng=53).fit(q, k)
+    a = est.kernel_matrix(q, k)
+    for mode in MODES:
+        parts = ka.linear_attention(q, k, v, est, mode=mode, return_parts=True)
+        scale = torch.exp(parts.log_scale)
+        torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)
+
+
+def test_state_bytes():
+    q = tensors([(10, 4)], 54)[0]
+    est = EfficientAttentionCV(num_features=8, window=5, rng=0).fit(q, q)
+    # n = 100: g = 13, G = 8 groups; local set max(5, 13) tokens
+    assert est.state_bytes(3, seq_len=100) == (13 * (4 + 3 + 1) + 7 * (4 + 3 + 3) + 2 * 4) * 4
+    assert est.state_bytes(3, torch.float64, seq_len=4) == (4 * 8 + 3 * 10 + 8) * 8   # g = 1, local set = all
+    with pytest.raises(ValueError, match="seq_len"):
+        est.state_bytes(3)
+
+
+def test_rejects_bad_arguments():
+    q, k, v = tensors([(6, 4), (6, 4), (6, 2)], 55)
+    with pytest.raises(ValueError, match="window"):
+        EfficientAttentionCV(num_features=3, window=-1)
+    with pytest.raises(ValueError, match="window"):
+        EfficientAttentionCV(num_features=3, window=2.5)
+    with pytest.raises(TypeError, match="sample"):
+        EfficientAttentionCV(num_features=3, sample="yes")
+    est = EfficientAttentionCV(num_features=3, rng=0).fit(q, k)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        ka.linear_attention(q, k[:4], v[:4], est, causal=True)

@@ -203,3 +203,134 @@ def test_oracle_rejects_noise_of_the_wrong_shape():
     q = gaussian((4, 3), 40)
     with pytest.raises(ValueError, match="noise"):
         lara_reference(q, q, q, gaussian((3, 1, 3), 41), num_proposals=2)
+
+
+# ---------------------------------------------------------------------------------------- the estimator
+import torch  # noqa: E402
+
+import kernapprox as ka  # noqa: E402
+from kernapprox.estimators.lara import LinearRandomizedAttention  # noqa: E402
+
+MODES = ("parallel", "recurrent", "chunked")
+
+
+def tensors(shapes, seed, std=1.0, dtype=torch.float64):
+    rng = np.random.default_rng(seed)
+    return [torch.from_numpy(rng.standard_normal(s) * std).to(dtype) for s in shapes]
+
+
+@pytest.mark.parametrize("weighting", ["query", "balance"])
+@pytest.mark.parametrize("num_features, num_proposals, sample", [(6, None, True), (6, 3, True), (6, 1, True),
+                                                                 (5, None, False)])
+def test_modes_match_the_oracle(weighting, num_features, num_proposals, sample):
+    q, k, v = tensors([(2, 9, 5), (2, 7, 5), (2, 7, 3)], 50)              # n_q != n_k, odd sizes
+    est = LinearRandomizedAttention(num_features=num_features, num_proposals=num_proposals, weighting=weighting,
+                                    sample=sample, rng=51).fit(q, k)
+    ref = torch.from_numpy(lara_reference(q, k, v, est.noise_, num_proposals=est.noise_.shape[0],
+                                          weighting=weighting, sample=sample))
+    for mode in MODES:
+        for chunk in (1, 4, 64):
+            out = ka.linear_attention(q, k, v, est, mode=mode, chunk_size=chunk)
+            torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    kernel = torch.from_numpy(lara_kernel_reference(q, k, est.noise_, num_proposals=est.noise_.shape[0],
+                                                    weighting=weighting, sample=sample))
+    torch.testing.assert_close(est.kernel_matrix(q, k), kernel, rtol=1e-10, atol=0)
+
+
+def test_clamped_query_weights_match_the_oracle():
+    """A large ``λ`` drives some query weights below the floor; the clamp is part of the definition."""
+    q, k, v = tensors([(9, 4), (9, 4), (9, 2)], 52, std=2.0)
+    est = LinearRandomizedAttention(num_features=4, alpha_coeff=50.0, alpha_floor=1e-3, rng=53).fit(q, k)
+    x = q * math.sqrt(est.scale_)
+    r = torch.softmax(x @ _segment(x, 4).T, dim=0)                     # (n, C), over the queries
+    assert (r - r.mean(1, keepdim=True)).min() * 50 < -1, "the test does not reach the clamp"
+    ref = lara_reference(q, k, v, est.noise_, num_proposals=4, alpha_coeff=50.0, alpha_floor=1e-3)
+    for mode in MODES:
+        out = ka.linear_attention(q, k, v, est, mode=mode, chunk_size=2)
+        torch.testing.assert_close(out, torch.from_numpy(ref), rtol=1e-10, atol=1e-12)
+
+
+def _segment(x, c):
+    bounds = segment_bounds(x.shape[0], c)
+    return torch.stack([x[a:b].mean(0) for a, b in bounds])
+
+
+def test_parts_are_the_kernel_row_sums():
+    """The normaliser of the parts is ``Σ_m Â_{nm}`` and the numerator ``Â V`` (true scale)."""
+    q, k, v = tensors([(7, 4), (8, 4), (8, 3)], 54)
+    est = LinearRandomizedAttention(num_features=6, num_proposals=2, rng=55).fit(q, k)
+    a = est.kernel_matrix(q, k)
+    for mode in MODES:
+        parts = ka.linear_attention(q, k, v, est, mode=mode, return_parts=True)
+        scale = torch.exp(parts.log_scale)
+        torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)
+
+
+def test_hostile_norms_stay_in_the_values_hull():
+    """Norms at which ``exp`` of a logit overflows in float64: every mode is finite, agrees with the others, and
+    the output (positive weights) lies within the range of the values, in float64 and float32."""
+    q, k, v = tensors([(2, 17, 6), (2, 17, 6), (2, 17, 3)], 56)
+    q, k = q * 300.0, k * 300.0
+    for dtype in (torch.float64, torch.float32):
+        est = LinearRandomizedAttention(num_features=8, rng=57).fit(q.to(dtype), k.to(dtype))
+        outs = [ka.linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), est, mode=mode, chunk_size=5)
+                for mode in MODES]
+        for out in outs:
+            assert torch.isfinite(out).all()
+            assert (out <= v.to(dtype).amax(-2, keepdim=True) + 1e-5).all()
+            assert (out >= v.to(dtype).amin(-2, keepdim=True) - 1e-5).all()
+            torch.testing.assert_close(out, outs[0], rtol=1e-10 if dtype == torch.float64 else 1e-4,
+                                       atol=1e-10 if dtype == torch.float64 else 1e-4)
+
+
+def test_one_draw_for_both_float_types_and_devices_of_the_noise():
+    q, k, v = tensors([(10, 4), (10, 4), (10, 2)], 58)
+    est = LinearRandomizedAttention(num_features=6, rng=59).fit(q, k)
+    other = LinearRandomizedAttention(num_features=6, rng=59).fit(q.float(), k.float())
+    np.testing.assert_array_equal(est.noise_, other.noise_)
+    out32 = ka.linear_attention(q.float(), k.float(), v.float(), other)
+    torch.testing.assert_close(out32.double(), ka.linear_attention(q, k, v, est), rtol=1e-4, atol=1e-5)
+
+
+def test_sampler_option_draws_orthogonal_noise():
+    q = tensors([(10, 4)], 60)[0]
+    est = LinearRandomizedAttention(num_features=4, sampler="orthogonal", rng=61).fit(q, q)
+    eps = est.noise_.reshape(4, 4)
+    gram = eps @ eps.T
+    np.testing.assert_allclose(gram - np.diag(np.diag(gram)), 0.0, atol=1e-12)
+
+
+def test_state_bytes_count_proposals_and_draws():
+    q = tensors([(10, 4)], 62)[0]
+    query = LinearRandomizedAttention(num_features=6, num_proposals=3, rng=0).fit(q, q)
+    assert query.state_bytes(5) == (6 * (5 + 4 + 4) + 3 * (4 + 1)) * 4
+    balance = LinearRandomizedAttention(num_features=6, weighting="balance", rng=0).fit(q, q)
+    assert balance.state_bytes(5, torch.float64) == 6 * (5 + 4 + 3) * 8
+    assert balance.state_bytes(5, torch.float64, seq_len=10_000) == balance.state_bytes(5, torch.float64)
+
+
+def test_declared_properties():
+    assert LinearRandomizedAttention(num_features=4, weighting="balance").unbiased
+    assert not LinearRandomizedAttention(num_features=4).unbiased
+    assert not LinearRandomizedAttention(num_features=4, weighting="balance", sample=False).unbiased
+    assert not LinearRandomizedAttention(num_features=4, weighting="balance", sampler="regularized").unbiased
+
+
+def test_rejects_bad_arguments():
+    q, k, v = tensors([(6, 4), (6, 4), (6, 2)], 63)
+    with pytest.raises(ValueError, match="num_proposals"):
+        LinearRandomizedAttention(num_features=6, num_proposals=4)
+    with pytest.raises(ValueError, match="sample=False"):
+        LinearRandomizedAttention(num_features=6, num_proposals=3, sample=False)
+    with pytest.raises(ValueError, match="weighting"):
+        LinearRandomizedAttention(num_features=6, weighting="optimal")
+    with pytest.raises(ValueError, match="alpha_floor"):
+        LinearRandomizedAttention(num_features=6, alpha_floor=0.0)
+    with pytest.raises(TypeError, match="sample"):
+        LinearRandomizedAttention(num_features=6, sample=1)
+    est = LinearRandomizedAttention(num_features=6, rng=0).fit(q, k)
+    with pytest.raises(ValueError, match="non-causal"):
+        ka.linear_attention(q, k, v, est, causal=True)
+    with pytest.raises(ValueError, match="d=4"):
+        ka.linear_attention(q[:, :3], k[:, :3], v, est)

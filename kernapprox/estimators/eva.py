@@ -117,7 +117,13 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
 
+from .._attention_only import AttentionOnlyEstimator
+from .._validation import check_bool, check_positive_int, compute_dtype
+from ..attention import AttentionParts
+from ..features.base import _itemsize
+from ..kernel import _check_qk
 from .lara import _as_float64, _log_normal, _log_xi
 
 
@@ -276,3 +282,342 @@ def eva_reference(q, k, v, noise, *, num_groups: int, window: int, causal: bool 
     batch = q.shape[:-2]
     outs = [one(q[idx], k[idx], v[idx]) for idx in np.ndindex(*batch)]
     return np.stack(outs).reshape(*batch, q.shape[-2], v.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------ the fast paths
+class _Groups:
+    """The keys of one call split into ``G`` groups of ``g`` (the last one padded), with each group's draw
+    ``ω_c`` and each key's log-feature ``l_m = ω_{c(m)}ᵀy_m − ‖y_m‖²/2`` under its own group's draw (padding:
+    ``−inf``). ``x, y``: scaled ``(..., n, d)``, ``(..., M, d)``; ``noise``: ``(≥G, d)`` tensor."""
+
+    def __init__(self, x, y, noise, num_groups: int, causal: bool, sample: bool):
+        num_keys, d = y.shape[-2], y.shape[-1]
+        self.size = -(-num_keys // num_groups)
+        self.count = -(-num_keys // self.size)
+        pad = self.count * self.size - num_keys
+        self.lengths = torch.clamp(num_keys - torch.arange(self.count, device=y.device) * self.size, max=self.size)
+        self.keys = torch.nn.functional.pad(y, (0, 0, 0, pad)).reshape(*y.shape[:-2], self.count, self.size, d)
+        lengths = self.lengths.to(y.dtype)[:, None]
+        key_means = self.keys.sum(-2) / lengths                               # (..., G, d)
+        if causal:
+            queries = torch.nn.functional.pad(x, (0, 0, 0, pad)).reshape(*x.shape[:-2], self.count, self.size, d)
+            query_means = queries.sum(-2) / lengths
+        else:
+            query_means = x.mean(-2, keepdim=True)
+        self.omega = query_means + key_means + (noise[:self.count] if sample else 0.0)   # (..., G, d)
+        logs = (self.keys * self.omega[..., None, :]).sum(-1) - 0.5 * (self.keys * self.keys).sum(-1)
+        valid = torch.arange(self.size, device=y.device)[None, :] < self.lengths[:, None]
+        self.log_features = logs.masked_fill(~valid, -math.inf)             # (..., G, g)
+        self.starts = torch.arange(self.count, device=y.device) * self.size
+
+
+def _local_bounds(rows, num_keys: int, window: int, group_size: int, causal: bool):
+    """Vectorised :func:`local_bounds` for a tensor of query positions; ``lo ≤ hi`` always."""
+    if causal:
+        lo = torch.clamp(torch.minimum(rows - window + 1, (rows // group_size) * group_size), min=0)
+        return lo, rows + 1
+    if window == 0:
+        return rows, rows
+    hi = torch.clamp(rows + window, max=num_keys)
+    return torch.minimum(torch.clamp(rows - window + 1, min=0), hi), hi
+
+
+def _combine(exact_logits, v_near, log_mass, beta):
+    """Numerator, normaliser and log-scale of the rows from the exact logits (``−inf`` outside the local set) over
+    the near values and the groups' log-masses and ``β``: one shift per row, the largest term."""
+    exact_max = (exact_logits.amax(-1) if exact_logits.shape[-1] else
+                 exact_logits.new_full(exact_logits.shape[:-1], -math.inf))
+    row_max = torch.maximum(exact_max, log_mass.amax(-1))
+    exact_w = torch.exp(exact_logits - row_max[..., None])
+    group_w = torch.exp(log_mass - row_max[..., None])
+    num = exact_w @ v_near + (group_w[..., None] * beta).sum(-2)
+    return num, exact_w.sum(-1) + group_w.sum(-1), row_max
+
+
+def _grouped(t, groups: _Groups):
+    """``(..., M, f) -> (..., G, g, f)``, zero-padded."""
+    pad = groups.count * groups.size - t.shape[-2]
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)).reshape(*t.shape[:-2], groups.count, groups.size, -1)
+
+
+def _far_terms(x_rows, rows, lo, hi, groups: _Groups, values, causal: bool, first: int, last: int):
+    """Log-mass ``(..., b, G')`` and ``β (..., b, G', d_v)`` of the groups ``[first, last)`` for the rows at
+    positions ``rows`` with local sets ``[lo, hi)``, from masks over the groups' keys: the far keys of row ``i``
+    in group ``c`` are its keys outside ``E_i`` (and ``≤ i`` if causal); ``β`` is their softmax-weighted value
+    average under ``l_m`` (a convex combination, shifted per row and group)."""
+    index = torch.arange(first, last, device=x_rows.device)
+    positions = groups.starts[index][:, None] + torch.arange(groups.size, device=x_rows.device)[None, :]
+    valid = torch.arange(groups.size, device=x_rows.device)[None, :] < groups.lengths[index][:, None]
+    pos, row = positions[None], rows[:, None, None]
+    far = valid[None] & ~((pos >= lo[:, None, None]) & (pos < hi[:, None, None]))
+    if causal:
+        far = far & (pos <= row)                                               # (b, G', g)
+    keys = groups.keys[..., first:last, :, :]
+    counts = far.sum(-1)
+    key_sums = torch.einsum("igj,...gjd->...igd", far.to(keys.dtype), keys)
+    safe = counts.clamp(min=1).to(x_rows.dtype)
+    log_mass = torch.log(counts.to(x_rows.dtype)) + (x_rows[..., None, :] * key_sums).sum(-1) / safe
+    log_mass = log_mass.masked_fill(counts == 0, -math.inf)
+    logs = groups.log_features[..., None, first:last, :].masked_fill(~far, -math.inf)   # (..., b, G', g)
+    top = logs.amax(-1, keepdim=True)
+    weights = torch.exp(logs - torch.where(torch.isfinite(top), top, torch.zeros_like(top)))
+    totals = weights.sum(-1, keepdim=True).clamp(min=torch.finfo(x_rows.dtype).tiny)
+    beta = torch.einsum("...igj,...gjd->...igd", weights, values[..., first:last, :, :]) / totals
+    return log_mass, beta.masked_fill((counts == 0)[..., None], 0.0)
+
+
+def _eva_parallel(x, y, v, groups: _Groups, window: int, causal: bool):
+    """Every row at once from ``n × M`` masks (reference mode): exact logits on ``E_i`` and the far terms of
+    every group from :func:`_far_terms`."""
+    n, num_keys = x.shape[-2], y.shape[-2]
+    rows, cols = torch.arange(n, device=x.device), torch.arange(num_keys, device=x.device)
+    lo, hi = _local_bounds(rows, num_keys, window, groups.size, causal)
+    local = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+    exact_logits = (x @ y.transpose(-1, -2)).masked_fill(~local, -math.inf)
+    log_mass, beta = _far_terms(x, rows, lo, hi, groups, _grouped(v, groups), causal, 0, groups.count)
+    return _combine(exact_logits, v, log_mass, beta)
+
+
+def _eva_chunked(x, y, v, groups: _Groups, window: int, causal: bool, chunk_size: int):
+    """Query chunks. The groups that overlap the chunk's near keys (the union of its local sets) are read through
+    masks as in the parallel mode; every other group is entirely far for every row of the chunk (or, causal,
+    entirely in the future) and read from its whole-group summary ``(|G_c|, ȳ_c, β_c)``, computed once.
+    ``O(N (chunk + w + g + G)(d + d_v))`` time, memory ``O(chunk · (chunk + w + g + G))``, never ``N × M``."""
+    n, num_keys = x.shape[-2], y.shape[-2]
+    values = _grouped(v, groups)
+    lengths = groups.lengths.to(x.dtype)
+    key_means = groups.keys.sum(-2) / lengths[:, None]                        # (..., G, d)
+    whole_beta = torch.einsum("...gj,...gjd->...gd", torch.softmax(groups.log_features, -1), values)
+    group_ends = groups.starts + groups.lengths
+    nums, dens, logs = [], [], []
+    for a in range(0, n, chunk_size):
+        rows = torch.arange(a, min(a + chunk_size, n), device=x.device)
+        lo, hi = _local_bounds(rows, num_keys, window, groups.size, causal)
+        near_lo, near_hi = int(lo.min()), int(hi.max())
+        near_hi = max(near_hi, near_lo)
+        x_rows = x[..., a:a + len(rows), :]
+        cols = torch.arange(near_lo, near_hi, device=x.device)
+        local = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+        exact_logits = (x_rows @ y[..., near_lo:near_hi, :].transpose(-1, -2)).masked_fill(~local, -math.inf)
+        log_mass = torch.log(lengths) + x_rows @ key_means.transpose(-1, -2)   # (..., b, G): whole groups
+        if causal:
+            log_mass = log_mass.masked_fill(group_ends[None, :] > lo[:, None], -math.inf)
+        beta = whole_beta[..., None, :, :].expand(*log_mass.shape, v.shape[-1])
+        if near_hi > near_lo:                                                  # the groups the near keys touch
+            first, last = near_lo // groups.size, -(-near_hi // groups.size)
+            touched_mass, touched_beta = _far_terms(x_rows, rows, lo, hi, groups, values, causal, first, last)
+            log_mass = torch.cat([log_mass[..., :first], touched_mass, log_mass[..., last:]], -1)
+            beta = torch.cat([beta[..., :first, :], touched_beta, beta[..., last:, :]], -2)
+        num, den, log_scale = _combine(exact_logits, v[..., near_lo:near_hi, :], log_mass, beta)
+        nums.append(num)
+        dens.append(den)
+        logs.append(log_scale)
+    return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+
+def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool):
+    """Causal EVA token by token, as a decoder runs it: the state is the running sums of each group's keys that
+    have left the local sets (count, key sum, and ``Σ e^{l−c}[v, 1]`` under a running maximum ``c``), the keys and
+    values of the current local set, and the current group's query and key sums; a group's draw ``ω_c`` is formed
+    when its last token arrives. Returns numerator, normaliser and log-scale like the other modes."""
+    n, d, d_v = x.shape[-2], x.shape[-1], v.shape[-1]
+    size = -(-n // num_groups)
+    count = -(-n // size)
+    batch = x.shape[:-2]
+    counts = torch.zeros(count, dtype=torch.long, device=x.device)
+    key_sums = x.new_zeros(*batch, count, d)
+    top = x.new_full((*batch, count), -math.inf)
+    sums = x.new_zeros(*batch, count, d_v + 1)
+    omega = x.new_zeros(*batch, count, d)
+    query_sum, key_sum = x.new_zeros(*batch, d), x.new_zeros(*batch, d)
+    values = torch.cat([v, torch.ones_like(v[..., :1])], -1)
+    left = 0                                                  # keys [0, left) have left the local sets
+    nums, dens, logs = [], [], []
+    for i in range(n):
+        group = i // size
+        query_sum = query_sum + x[..., i, :]
+        key_sum = key_sum + y[..., i, :]
+        if i == min((group + 1) * size, n) - 1:               # the group is complete: form its draw
+            length = i + 1 - group * size
+            omega[..., group, :] = (query_sum + key_sum) / length + (noise[group] if sample else 0.0)
+            query_sum, key_sum = torch.zeros_like(query_sum), torch.zeros_like(key_sum)
+        lo = max(0, min(i - window + 1, group * size))
+        for m in range(left, lo):                             # keys leaving the local set join their group
+            c = m // size
+            log_feature = (y[..., m, :] * omega[..., c, :]).sum(-1) - 0.5 * (y[..., m, :] ** 2).sum(-1)
+            new_top = torch.maximum(top[..., c], log_feature)
+            sums[..., c, :] = (sums[..., c, :] * torch.exp(top[..., c] - new_top)[..., None]
+                               + torch.exp(log_feature - new_top)[..., None] * values[..., m, :])
+            top[..., c] = new_top
+            key_sums[..., c, :] = key_sums[..., c, :] + y[..., m, :]
+            counts[c] += 1
+        left = max(left, lo)
+        x_i = x[..., i, :]
+        exact_logits = (y[..., lo:i + 1, :] @ x_i[..., None]).squeeze(-1)
+        safe = counts.clamp(min=1).to(x.dtype)
+        log_mass = torch.log(counts.to(x.dtype)) + (key_sums * x_i[..., None, :]).sum(-1) / safe
+        log_mass = log_mass.masked_fill(counts == 0, -math.inf)
+        beta = (sums[..., :d_v] / sums[..., d_v:].clamp(min=torch.finfo(x.dtype).tiny)).masked_fill(
+            (counts == 0)[..., None], 0.0)
+        num, den, log_scale = _combine(exact_logits[..., None, :], v[..., lo:i + 1, :], log_mass[..., None, :],
+                                       beta[..., None, :, :])
+        nums.append(num[..., 0, :])
+        dens.append(den[..., 0])
+        logs.append(log_scale[..., 0])
+    return torch.stack(nums, -2), torch.stack(dens, -1), torch.stack(logs, -1)
+
+
+# --------------------------------------------------------------------------------------------- the estimator
+class EfficientAttentionCV(AttentionOnlyEstimator):
+    r"""EVA: exact attention on a local set of keys, per-group control-variate estimates for the rest.
+
+    .. math::
+        \mathrm{EVA}(x_i) = \frac{\sum_{m∈E_i} e^{x_i^⊤y_m} v_m + \sum_c Ŝ_c(x_i)\,β_c(ω_c)}
+                                 {\sum_{m∈E_i} e^{x_i^⊤y_m} + \sum_c Ŝ_c(x_i)},\qquad
+        β_c(ω) = \frac{\sum_{m∈P_c} ξ(y_m, ω) v_m}{\sum_{m∈P_c} ξ(y_m, ω)},\quad Ŝ_c(x) = |P_c|\,e^{x^⊤ȳ_{P_c}}
+
+    with ``C`` = ``num_features`` groups of ``⌈M/C⌉`` consecutive keys, the local set ``E_i`` (a band of
+    ``window`` keys, plus the current group when causal) and one draw ``ω_c ~ N(x̄ + ȳ_c, I)`` per group (module
+    docstring: derivation, groups, proposals, what differs from the reference code).
+
+    **Positive**, **biased** (``β_c`` does not depend on the query; ``Ŝ_c`` is a Jensen lower bound of the
+    group's mass), **consistent** (exact once every key is its own group, or the window covers the sequence),
+    **data-dependent** (group summaries and proposals come from the sequence), **causal-capable**: a causal query
+    reads only complete earlier groups, whose summaries use only their own tokens (``causal_fit``).
+
+    Modes: ``parallel`` masks an ``n × M`` matrix (reference, small n); ``chunked`` takes query chunks, reads
+    the groups that overlap the chunk's local sets through masks and every other group from its whole-group
+    summary, ``O(N (chunk + w + g + C)(d + d_v))`` time with ``g = ⌈M/C⌉`` (the current group is exact when
+    causal, so ``g`` enters the cost as the window does); ``recurrent`` is, when causal, the decoder's
+    token-by-token scan over a streaming state (below), and when non-causal the chunked sweep one query at a time.
+    Everything is in the log domain with one shift per row and, inside a group, per row and group: no overflow at
+    any norm, and every ``β`` is a convex combination of values as computed.
+
+    State (:meth:`state_bytes`, causal decoding at the end of a sequence of ``seq_len`` tokens, ``g = ⌈n/C⌉``):
+    the keys, values and log-features of the local set, at most ``max(w, g)`` tokens (``d + d_v + 1`` each); per
+    earlier group its count, key sum, ``Σ e^{l−c}[v, 1]`` and shift ``c`` (``d + d_v + 3``); the current group's
+    query and key sums (``2d``). It grows with ``n`` through the number of groups when ``C`` is fixed by ``n``;
+    for non-causal attention the same count is the size of the compressed summary.
+
+    Parameters
+    ----------
+    num_features : int
+        ``C``, the number of groups (the group size is ``⌈M/C⌉`` for ``M`` keys).
+    window : int
+        ``w ≥ 0``: the band ``|i − j| < w`` (non-causal) or the last ``w`` keys (causal) computed exactly.
+    sample : bool
+        Draw ``ω_c = μ_c + ε_c`` (default, the paper's estimator) or use ``ω_c = μ_c`` (the reference code at
+        inference; deterministic).
+    rng : int, SeedSequence or Generator
+        Source of the noise ``ε (C, d)``, drawn once at ``fit`` and shared by every batch element and head.
+    scale : float, optional
+        The attention scale ``s`` (default ``1/sqrt(d)``).
+
+    Attributes
+    ----------
+    noise_ : ndarray (C, d)
+        The standard-normal draws ``ε`` (zeros when ``sample=False``).
+
+    References
+    ----------
+    Zheng, Yuan, Wang & Kong, *Efficient Attention via Control Variates*, ICLR 2023, §3–4.
+
+    Examples
+    --------
+    >>> import torch, kernapprox as ka
+    >>> q, k, v = (torch.randn(2, 64, 16, dtype=torch.float64) for _ in range(3))
+    >>> est = ka.make_estimator("eva", num_features=8, window=8, rng=0).fit(q, k)
+    >>> ka.linear_attention(q, k, v, est, causal=True, mode="chunked").shape
+    torch.Size([2, 64, 16])
+    """
+
+    unbiased = False
+    positive = True
+    data_dependent = True
+    causal_fit = True
+    consistent = True
+    modes = ("parallel", "recurrent", "chunked")
+    reference = "Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA)"
+
+    def __init__(self, *, num_features: int, window: int = 32, sample: bool = True, rng=None,
+                 scale: float | None = None):
+        check_positive_int(num_features, "num_features")
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
+            raise ValueError(f"window must be a non-negative integer, got {window!r}")
+        self.window = int(window)
+        self.sample = check_bool(sample, "sample")
+
+    def _fit(self, q, k, rng):
+        if self.sample:
+            self.noise_ = rng.standard_normal((self.num_features, self.dim_))
+        else:
+            self.noise_ = np.zeros((self.num_features, self.dim_))
+
+    def _scaled(self, q, k):
+        ct = compute_dtype(q.dtype)
+        root = math.sqrt(self.scale_)
+        return q.to(ct) * root, k.to(ct) * root
+
+    def attention(self, q, k, v, *, causal=False, mode="chunked", chunk_size=64, return_parts=False):
+        """EVA in the ``parallel``, ``chunked`` or ``recurrent`` mode (class docstring), causal or not."""
+        self._check_call(q, k, v, causal, mode, chunk_size)
+        x, y = self._scaled(q, k)
+        vc = v.to(x.dtype)
+        noise = self._param("noise_", x)
+        if mode == "recurrent" and causal:
+            num, den, log_scale = _eva_streaming(x, y, vc, noise, self.num_features, self.window, self.sample)
+        else:
+            groups = _Groups(x, y, noise, self.num_features, causal, self.sample)
+            if mode == "parallel":
+                num, den, log_scale = _eva_parallel(x, y, vc, groups, self.window, causal)
+            else:
+                size = 1 if mode == "recurrent" else chunk_size
+                num, den, log_scale = _eva_chunked(x, y, vc, groups, self.window, causal, size)
+        out = (num / den[..., None]).to(q.dtype)
+        if return_parts:
+            return AttentionParts(out, num, den, log_scale)
+        return out
+
+    def kernel_matrix(self, q, k):
+        """The implied matrix ``Â (..., n_q, n_k)`` (``EVA = Â V / Â 1``): ``exp(s q_iᵀk_j)`` on ``E_i``, and for
+        the far keys ``P`` of a group ``Ŝ(x_i) ξ(y_j, ω_c) / Σ_P ξ(y_m, ω_c)``; its lower triangle is not the
+        causal estimate (the causal local sets and draws differ), so this is the non-causal one."""
+        self._check_fitted()
+        _check_qk(q, k)
+        self._check_dim(q)
+        x, y = self._scaled(q, k)
+        groups = _Groups(x, y, self._param("noise_", x), self.num_features, False, self.sample)
+        return torch.exp(_eva_log_kernel(x, y, groups, self.window)).to(q.dtype)
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
+        """``(min(max(w, g), n)(d + d_v + 1) + (G − 1)(d + d_v + 3) + 2d) · itemsize`` for ``n = seq_len``,
+        ``g = ⌈n/C⌉`` and ``G = ⌈n/g⌉`` groups (class docstring). ``seq_len`` is required: the state depends
+        on it."""
+        self._check_fitted()
+        check_positive_int(d_v, "d_v")
+        if seq_len is None:
+            raise ValueError("EVA's state depends on the sequence length (its group size is ⌈n/C⌉): pass seq_len")
+        n = check_positive_int(seq_len, "seq_len")
+        size = -(-n // self.num_features)
+        count = -(-n // size)
+        d = self.dim_
+        numbers = min(max(self.window, size), n) * (d + d_v + 1) + (count - 1) * (d + d_v + 3) + 2 * d
+        return numbers * _itemsize(dtype)
+
+
+def _eva_log_kernel(x, y, groups: _Groups, window: int):
+    """``log Â`` of the non-causal estimate, ``(..., n, M)``, from the same masks as :func:`_eva_parallel`."""
+    n, num_keys = x.shape[-2], y.shape[-2]
+    rows, cols = torch.arange(n, device=x.device), torch.arange(num_keys, device=x.device)
+    lo, hi = _local_bounds(rows, num_keys, window, groups.size, False)
+    local = (cols[None] >= lo[:, None]) & (cols[None] < hi[:, None])
+    pad = groups.count * groups.size - num_keys
+    far = torch.nn.functional.pad(~local, (0, pad)).reshape(n, groups.count, groups.size)
+    counts = far.sum(-1)
+    key_sums = torch.einsum("igj,...gjd->...igd", far.to(y.dtype), groups.keys)
+    log_mass = torch.log(counts.to(x.dtype)) + (x[..., None, :] * key_sums).sum(-1) / counts.clamp(min=1).to(x.dtype)
+    logs = groups.log_features[..., None, :, :].masked_fill(~far, -math.inf)   # (..., n, G, g)
+    log_share = logs - torch.logsumexp(logs, -1, keepdim=True).nan_to_num(neginf=0.0)
+    far_log = (log_mass[..., None] + log_share).flatten(-2)[..., :num_keys]
+    return torch.where(local, x @ y.transpose(-1, -2), far_log)

@@ -138,6 +138,14 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import torch
+
+from .._attention_only import AttentionOnlyEstimator
+from .._validation import check_bool, check_choice, check_positive_float, check_positive_int, compute_dtype
+from ..attention import AttentionParts
+from ..features.base import _itemsize
+from ..features.samplers import make_sampler
+from ..kernel import _check_qk
 
 WEIGHTINGS = ("balance", "query")
 
@@ -368,3 +376,228 @@ def lara_kernel_reference(q, k, noise, *, num_proposals: int, weighting: str = "
         return out
 
     return _batched(one, q, k)
+
+
+# ------------------------------------------------------------------------------------------ the fast paths
+def _segment_means(x, num_segments: int):
+    """Means of the ``C`` segments of :func:`segment_bounds` along the token axis: ``(..., C, d)``."""
+    n = x.shape[-2]
+    weights = torch.zeros(num_segments, n, dtype=x.dtype, device=x.device)
+    for c, (a, b) in enumerate(segment_bounds(n, num_segments)):
+        weights[c, a:b] = 1.0 / (b - a)
+    return weights @ x
+
+
+def _lara_log_features(x, y, noise, weighting: str, alpha_coeff: float, alpha_floor: float, sample: bool):
+    """Log query and key features of LARA, ``(..., n, R)`` and ``(..., M, R)`` with ``R = C·S``, from scaled
+    ``x``, ``y`` and ``noise (C, S, d)`` (a tensor of their dtype and device).
+
+    ``log φ_r(x) = log α_{nc}(ω_r) − ℓ_{r c} + ω_rᵀx − ‖x‖²/2`` and ``log φ_r(y) = ω_rᵀy − ‖y‖²/2``, where
+    ``ℓ_{r c'} = ω_rᵀμ_{c'} − ‖μ_{c'}‖²/2 = log g_{c'}(ω_r) − log N(ω_r) `` and ``c = c(r)`` is the proposal ``ω_r``
+    was drawn from (so ``−ℓ_{r c} = log N(ω_r)/g_c(ω_r)``); the balance heuristic is
+    ``log α_c(ω_r) = ℓ_{r c} − logsumexp_{c'} ℓ_{r c'}``.
+    """
+    num_proposals, per = noise.shape[0], noise.shape[1]
+    x_bar = _segment_means(x, num_proposals)                                  # (..., C, d)
+    mu = x_bar + _segment_means(y, num_proposals)
+    omega = mu[..., :, None, :] + noise if sample else mu[..., :, None, :].expand(*mu.shape[:-1], per, mu.shape[-1])
+    omega = omega.reshape(*mu.shape[:-2], num_proposals * per, mu.shape[-1])   # (..., R, d)
+    log_g = omega @ mu.transpose(-1, -2) - 0.5 * (mu * mu).sum(-1)[..., None, :]   # (..., R, C): ℓ_{r c'}
+    own = torch.arange(num_proposals, device=x.device).repeat_interleave(per)  # c(r)
+    log_own = log_g.gather(-1, own.expand(*log_g.shape[:-1])[..., None]).squeeze(-1)   # ℓ_{r c(r)}
+    log_mixture = torch.logsumexp(log_g, -1)                                   # (..., R)
+    query = x @ omega.transpose(-1, -2) - 0.5 * (x * x).sum(-1, keepdim=True)  # (..., n, R)
+    if weighting == "balance":
+        query = query - log_mixture[..., None, :]
+    else:
+        r = torch.softmax(x @ x_bar.transpose(-1, -2), dim=-2)                  # (..., n, C), over the queries
+        correction = alpha_coeff * (r - r.mean(-1, keepdim=True))
+        alpha = torch.exp(log_own - log_mixture)[..., None, :] + correction[..., own]
+        query = query + torch.log(alpha.clamp_min(alpha_floor)) - log_own[..., None, :]
+    key = y @ omega.transpose(-1, -2) - 0.5 * (y * y).sum(-1, keepdim=True)    # (..., M, R)
+    return query, key
+
+
+def _lara_parts(log_q, log_k, v, mode: str, chunk_size: int):
+    """Numerator, normaliser and log-scale of non-causal linear attention with log features ``log_q (..., n, R)``
+    and ``log_k (..., M, R)``: the key sums per feature are shifted by the feature's maximum key log-feature
+    (the recurrent and chunked modes reach it as a running maximum), the shift is moved to the query side, and each
+    query row is shifted by its maximum — every exponent is ≤ 0 and the normaliser is ≥ 1."""
+    if mode == "parallel":
+        key_max = log_k.amax(-2)                                               # (..., R)
+        shifted = log_q + key_max[..., None, :]
+        row_max = shifted.amax(-1)
+        gram = torch.exp(shifted - row_max[..., None]) @ torch.exp(log_k - key_max[..., None, :]).transpose(-1, -2)
+        return gram @ v, gram.sum(-1), row_max
+    step = 1 if mode == "recurrent" else chunk_size
+    ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)
+    values = torch.cat([v, ones], -1)                                         # [V 1]
+    state = key_max = None
+    for start in range(0, log_k.shape[-2], step):
+        block = log_k[..., start:start + step, :]
+        new_max = block.amax(-2) if key_max is None else torch.maximum(key_max, block.amax(-2))
+        update = torch.exp(block - new_max[..., None, :]).transpose(-1, -2) @ values[..., start:start + step, :]
+        state = update if state is None else state * torch.exp(key_max - new_max)[..., None] + update
+        key_max = new_max
+    shifted = log_q + key_max[..., None, :]
+    row_max = shifted.amax(-1)
+    num_den = torch.exp(shifted - row_max[..., None]) @ state
+    return num_den[..., :-1], num_den[..., -1], row_max
+
+
+# --------------------------------------------------------------------------------------------- the estimator
+class LinearRandomizedAttention(AttentionOnlyEstimator):
+    r"""LARA: self-normalised multiple importance sampling of softmax attention with ``C`` segment-mean proposals.
+
+    .. math::
+        \mathrm{LARA}(x_n) = \frac{\sum_{c,s} α_{nc}(ω_{cs})\,\tilde p_n(ω_{cs})/g_c(ω_{cs})\; f(ω_{cs})}
+                                  {\sum_{c,s} α_{nc}(ω_{cs})\,\tilde p_n(ω_{cs})/g_c(ω_{cs})},
+        \qquad ω_{cs} \sim g_c = N(x̃_c + ỹ_c, I)
+
+    (module docstring: the randomized-attention identity, the proposals, the weights). Computed as linear
+    attention with ``r = C·S`` positive features (query side ``α · N/g_c · ξ(x, ω)``, key side ``ξ(y, ω)``), in the
+    log domain: every feature's key sums are shifted by their largest key log-feature and every query row by its
+    largest term, so nothing overflows at any norm and the normaliser never underflows.
+
+    **Positive**; **data-dependent** (the proposals are the segment means of the sequence being attended);
+    **non-causal only** (``causal=True`` raises: the proposals and the query weights use the whole sequence);
+    **consistent** (the output converges to softmax attention as the number of samples grows). The implied
+    kernel estimate ``Â`` (:meth:`kernel_matrix`) is **unbiased** for ``exp(s qᵀk)`` with the balance heuristic,
+    ``sample=True`` and an unbiased sampler; the query weights' clamp and ``sample=False`` bias it. The output is a
+    ratio and biased at ``O(1/S)`` in every case. The normaliser of the attention parts is
+    ``Ẑ_n = Σ_m Â_{nm}``, an estimate of ``Σ_m exp(s q_nᵀk_m)``.
+
+    Memory (:meth:`state_bytes`): per feature the key sums ``[Σ φ(y) v, Σ φ(y)]`` (``d_v + 1``), its draw ``ω``
+    (``d``), its query-side constant and its key shift (2); with the query weights also the balance weight of
+    each draw (1) and per proposal its query landmark and normaliser (``d + 1``).
+
+    Parameters
+    ----------
+    num_features : int
+        ``r = C·S``, the number of draws (features of the linear-attention state).
+    num_proposals : int, optional
+        ``C``, the number of proposals (segments); must divide ``num_features``. Default ``num_features`` (one
+        draw per proposal, as in the reference code, whose ``C`` landmarks are its ``C`` samples).
+    weighting : {"query", "balance"}
+        The MIS weights: the paper's query-specific weights (default) or the balance heuristic.
+    alpha_coeff : float
+        ``λ`` of the query-specific weights (reference default 1).
+    alpha_floor : float
+        Clamp of the query-specific weights (reference 1e-8; must be positive).
+    sample : bool
+        Draw ``ω = μ + ε`` (default) or use the proposal means ``ω = μ`` (the reference code at inference;
+        deterministic, needs ``num_proposals = num_features``).
+    sampler : str
+        Sampler of the noise ``ε`` (``"iid"`` or ``"orthogonal"``, ...; see :mod:`kernapprox.features.samplers`),
+        drawn once at ``fit`` as ``(C, S, d)`` and shared by every batch element and head.
+    rng : int, SeedSequence or Generator
+    scale : float, optional
+        The attention scale ``s`` (default ``1/sqrt(d)``).
+
+    Attributes
+    ----------
+    noise_ : ndarray (C, S, d)
+        The standard-normal draws ``ε`` (zeros when ``sample=False``).
+
+    References
+    ----------
+    Zheng, Wang & Kong, *Linear Complexity Randomized Self-attention Mechanism*, ICML 2022, §3–4.
+
+    Examples
+    --------
+    >>> import torch, kernapprox as ka
+    >>> q, k, v = (torch.randn(2, 64, 16, dtype=torch.float64) for _ in range(3))
+    >>> est = ka.make_estimator("lara", num_features=32, rng=0).fit(q, k)
+    >>> ka.linear_attention(q, k, v, est, mode="chunked").shape
+    torch.Size([2, 64, 16])
+    """
+
+    positive = True
+    data_dependent = True
+    causal_fit = False
+    supports_causal = False
+    consistent = True
+    modes = ("parallel", "recurrent", "chunked")
+    reference = "Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling)"
+
+    def __init__(self, *, num_features: int, num_proposals: int | None = None, weighting: str = "query",
+                 alpha_coeff: float = 1.0, alpha_floor: float = 1e-8, sample: bool = True, sampler: str = "iid",
+                 rng=None, scale: float | None = None):
+        check_positive_int(num_features, "num_features")
+        super().__init__(num_features=num_features, rng=rng, scale=scale)
+        if num_proposals is not None:
+            check_positive_int(num_proposals, "num_proposals")
+            if num_features % num_proposals:
+                raise ValueError(f"num_proposals ({num_proposals}) must divide num_features ({num_features})")
+        self.num_proposals = num_proposals
+        self.weighting = check_choice(weighting, "weighting", WEIGHTINGS)
+        self.alpha_coeff = check_positive_float(alpha_coeff, "alpha_coeff", allow_zero=True)
+        self.alpha_floor = check_positive_float(alpha_floor, "alpha_floor")
+        self.sample = check_bool(sample, "sample")
+        self.sampler = sampler
+        make_sampler(sampler)
+        if not self.sample and self._proposals() != num_features:
+            raise ValueError("sample=False puts every draw at its proposal's mean: num_proposals must equal "
+                             f"num_features (one draw per proposal), got {self._proposals()} and {num_features}")
+
+    def _proposals(self) -> int:
+        return self.num_features_param if self.num_proposals is None else self.num_proposals
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Whether the implied kernel estimate is unbiased (balance heuristic, sampled, unbiased sampler)."""
+        return self.weighting == "balance" and self.sample and make_sampler(self.sampler).unbiased
+
+    def _fit(self, q, k, rng):
+        proposals = self._proposals()
+        per = self.num_features // proposals
+        if self.sample:
+            noise = make_sampler(self.sampler).sample(self.num_features, self.dim_, rng)
+        else:
+            noise = np.zeros((self.num_features, self.dim_))
+        self.noise_ = noise.reshape(proposals, per, self.dim_)
+
+    def _log_features(self, q, k):
+        ct = compute_dtype(q.dtype)
+        root = math.sqrt(self.scale_)
+        x, y = q.to(ct) * root, k.to(ct) * root
+        return _lara_log_features(x, y, self._param("noise_", x), self.weighting, self.alpha_coeff,
+                                  self.alpha_floor, self.sample)
+
+    def attention(self, q, k, v, *, causal=False, mode="chunked", chunk_size=64, return_parts=False):
+        """LARA in the ``parallel`` (materialise ``Â``), ``recurrent`` (one key at a time into the ``r × (d_v+1)``
+        state) or ``chunked`` (``chunk_size`` keys at a time) mode; non-causal only."""
+        if causal is True:
+            raise ValueError("LARA is defined for non-causal attention: its proposals (segment means) and query "
+                             "weights use the whole sequence (use causal=False)")
+        self._check_call(q, k, v, causal, mode, chunk_size)
+        log_q, log_k = self._log_features(q, k)
+        num, den, log_scale = _lara_parts(log_q, log_k, v.to(log_q.dtype), mode, chunk_size)
+        log_scale = log_scale - math.log(self.noise_.shape[1])
+        out = (num / den[..., None]).to(q.dtype)
+        if return_parts:
+            return AttentionParts(out, num, den, log_scale)
+        return out
+
+    def kernel_matrix(self, q, k):
+        """The implied estimate ``Â (..., n_q, n_k)`` of ``exp(s QKᵀ)``: ``Â_{nm} = (1/S) Σ_r φ_r(x_n) φ_r(y_m)``,
+        from shifted features and rescaled at the end (overflows only where the true value does)."""
+        self._check_fitted()
+        _check_qk(q, k)
+        self._check_dim(q)
+        log_q, log_k = self._log_features(q, k)
+        top_q, top_k = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
+        gram = torch.exp(log_q - top_q) @ torch.exp(log_k - top_k).transpose(-1, -2)
+        scale = top_q + top_k.transpose(-1, -2) - math.log(self.noise_.shape[1])
+        return (gram * torch.exp(scale)).to(q.dtype)
+
+    def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
+        """``(r (d_v + d + 4) + C (d + 1)) · itemsize`` with the query weights, ``r (d_v + d + 3) · itemsize`` with
+        the balance heuristic (see the class docstring); independent of ``seq_len``."""
+        self._check_fitted()
+        check_positive_int(d_v, "d_v")
+        per_feature = d_v + 1 + self.dim_ + 2
+        numbers = self.num_features * per_feature
+        if self.weighting == "query":
+            numbers += self.num_features + self._proposals() * (self.dim_ + 1)
+        return numbers * _itemsize(dtype)
