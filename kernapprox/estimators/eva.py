@@ -51,8 +51,9 @@ module uses the identity map with the group's size:
     ``Ŝ_c(x) = |P_c| · exp(xᵀȳ_c)``,   ``ȳ_c`` the mean key of the group ("mean"),
 
 a lower bound of ``S_c(x)`` by Jensen's inequality, exact when the group's logits ``xᵀy_m`` are equal (a single
-key, or identical keys). Cost: the group summaries ``(ȳ_c, |P_c|, β_c)`` are computed once, each query reads the
-``|E|`` exact keys and the ``C`` summaries — ``O(N (|E| + C) d)``.
+key, or identical keys). Cost: the whole-group summaries ``(ȳ_c, |P_c|, β_c)`` are computed once; each query
+reads its ``|E|`` exact keys, the ``C`` summaries, and the remaining keys of the (at most two) groups its local
+set cuts — ``O(N (|E| + g + C)(d + d_v))`` for groups of ``g`` keys.
 
 Groups, local sets and proposals here (a definition that partitions the keys; the reference code differs, see
 below). ``C`` = ``num_features`` groups of ``g = ⌈M/C⌉`` consecutive keys, ``G_c = [cg, min((c+1)g, M))`` (fewer
