@@ -72,6 +72,9 @@ def test_groups_and_local_sets():
     assert group_bounds(10, 4).tolist() == [[0, 3], [3, 6], [6, 9], [9, 10]]
     assert group_bounds(13, 16).tolist() == [[i, i + 1] for i in range(13)]
     assert group_bounds(8, 3).tolist() == [[0, 3], [3, 6], [6, 8]]
+    assert group_bounds(10, 4, group_size=4).tolist() == [[0, 4], [4, 8], [8, 10]]
+    with pytest.raises(ValueError, match="need 4 groups"):
+        group_bounds(10, 3, group_size=3)
     assert local_bounds(5, 10, 2, 3, causal=False) == (4, 7)
     assert local_bounds(5, 10, 0, 3, causal=False) == (5, 5)
     assert local_bounds(5, 10, 2, 3, causal=True) == (3, 6)        # own unfinished group [3, 6) from 3
@@ -85,8 +88,8 @@ def test_groups_and_local_sets():
 def test_eva_is_exact_with_one_key_per_group_or_a_covering_window(causal):
     q, k, v = gaussian((2, 9, 3), 14), gaussian((2, 9, 3), 15), gaussian((2, 9, 2), 16)
     exact = softmax_attention(q, k, v, causal)
-    noise = gaussian((12, 3), 17)
     for num_groups, window in ((9, 0), (12, 3), (3, 9), (1, 20)):
+        noise = gaussian((num_groups, 3), 17)
         for sample in (True, False):
             out = eva_reference(q, k, v, noise, num_groups=num_groups, window=window, causal=causal, sample=sample)
             np.testing.assert_allclose(out, exact, rtol=1e-12, atol=1e-14)
@@ -176,6 +179,19 @@ def test_modes_match_the_oracle(causal, num_groups, window, sample):
         for chunk in (1, 4, 64):
             out = ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=chunk)
             torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fixed_group_size_matches_the_oracle(causal):
+    q, k, v = tensors([(2, 13, 4), (2, 13, 4), (2, 13, 3)], 56)
+    est = EfficientAttentionCV(num_features=6, group_size=3, window=2, rng=57).fit(q, k)
+    ref = torch.from_numpy(eva_reference(q, k, v, est.noise_, num_groups=6, window=2, causal=causal,
+                                         group_size=3))
+    for mode in MODES:
+        torch.testing.assert_close(ka.linear_attention(q, k, v, est, causal=causal, mode=mode, chunk_size=4), ref,
+                                   rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="num_features=6"):
+        ka.linear_attention(q.repeat(1, 2, 1), k.repeat(1, 2, 1), v.repeat(1, 2, 1), est, causal=causal)
 
 
 @pytest.mark.parametrize("n_k", [7, 11, 20])
@@ -271,6 +287,10 @@ def test_state_bytes():
     assert est.state_bytes(3, torch.float64, seq_len=4) == (4 * 8 + 3 * 10 + 8) * 8   # g = 1, local set = all
     with pytest.raises(ValueError, match="seq_len"):
         est.state_bytes(3)
+    fixed = EfficientAttentionCV(num_features=8, group_size=10, window=5, rng=0).fit(q, q)
+    assert fixed.state_bytes(3, seq_len=75) == (10 * 8 + 7 * 10 + 8) * 4
+    with pytest.raises(ValueError, match="need 9 groups"):
+        fixed.state_bytes(3, seq_len=90)
 
 
 def test_rejects_bad_arguments():
@@ -281,6 +301,8 @@ def test_rejects_bad_arguments():
         EfficientAttentionCV(num_features=3, window=2.5)
     with pytest.raises(TypeError, match="sample"):
         EfficientAttentionCV(num_features=3, sample="yes")
+    with pytest.raises(ValueError, match="group_size"):
+        EfficientAttentionCV(num_features=3, group_size=0)
     est = EfficientAttentionCV(num_features=3, rng=0).fit(q, k)
     with pytest.raises(ValueError, match="as many queries as keys"):
         ka.linear_attention(q, k[:4], v[:4], est, causal=True)

@@ -330,7 +330,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(TypeError, match="sample"):
         LinearRandomizedAttention(num_features=6, sample=1)
     est = LinearRandomizedAttention(num_features=6, rng=0).fit(q, k)
-    with pytest.raises(ValueError, match="non-causal"):
+    with pytest.raises(ValueError, match="not causal"):
         ka.linear_attention(q, k, v, est, causal=True)
     with pytest.raises(ValueError, match="d=4"):
         ka.linear_attention(q[:, :3], k[:, :3], v, est)

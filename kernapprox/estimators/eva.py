@@ -120,19 +120,28 @@ import math
 import numpy as np
 import torch
 
-from .._attention_only import AttentionOnlyEstimator
-from .._validation import check_bool, check_positive_int, compute_dtype
-from ..attention import AttentionParts
-from ..features.base import _itemsize
-from ..kernel import _check_qk
+from ..validation import check_bool, check_positive_int, check_qk, compute_dtype, itemsize
+from .base import AttentionEstimator, AttentionParts
 from .lara import _as_float64, _log_normal, _log_xi
+from .registry import register
 
 
 # --------------------------------------------------------------------------------------------- shared pieces
-def group_bounds(num_keys: int, num_groups: int) -> np.ndarray:
-    """``(G, 2)`` integer array of ``[start, stop)`` of the groups: ``g = ⌈M/C⌉`` consecutive keys each (the last
-    one shorter), ``G = ⌈M/g⌉ ≤ C`` groups."""
-    size = -(-num_keys // num_groups)
+def group_layout(num_keys: int, num_groups: int, group_size: int | None = None) -> tuple[int, int]:
+    """``(g, G)``: the group size (``group_size``, or ``⌈M/C⌉`` for ``C = num_groups``) and the number of groups
+    ``G = ⌈M/g⌉``, which must not exceed ``C`` (the number of draws)."""
+    size = -(-num_keys // num_groups) if group_size is None else group_size
+    count = -(-num_keys // size)
+    if count > num_groups:
+        raise ValueError(f"{num_keys} keys in groups of group_size={size} need {count} groups, but the estimator "
+                         f"has num_features={num_groups} (one draw per group): raise num_features or group_size")
+    return size, count
+
+
+def group_bounds(num_keys: int, num_groups: int, group_size: int | None = None) -> np.ndarray:
+    """``(G, 2)`` integer array of ``[start, stop)`` of the groups (:func:`group_layout`): ``g`` consecutive keys
+    each, the last one possibly shorter."""
+    size, _ = group_layout(num_keys, num_groups, group_size)
     starts = np.arange(0, num_keys, size)
     return np.stack([starts, np.minimum(starts + size, num_keys)], axis=1)
 
@@ -174,11 +183,11 @@ def control_variate_reference(q, k, v, omega, groups, proposal_means, scale: flo
     return out
 
 
-def _eva_terms(q, k, noise, num_groups, window, causal, sample, scale):
+def _eva_terms(q, k, noise, num_groups, window, causal, sample, scale, group_size=None):
     """Per head: scaled ``x, y``, group bounds and the draws ``ω_c`` of EVA's proposals, by plain loops."""
     root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
     x, y = root * q, root * k
-    bounds = group_bounds(y.shape[0], num_groups)
+    bounds = group_bounds(y.shape[0], num_groups, group_size)
     omega = np.zeros((len(bounds), x.shape[1]))
     for c, (a, b) in enumerate(bounds):
         y_bar = sum(y[m] for m in range(a, b)) / (b - a)
@@ -190,7 +199,7 @@ def _eva_terms(q, k, noise, num_groups, window, causal, sample, scale):
 
 def _check_eva(noise, num_groups, d, window, causal, n_q, n_k):
     noise = _as_float64(noise)
-    if noise.ndim != 2 or noise.shape[1] != d or noise.shape[0] < min(num_groups, n_k):
+    if noise.ndim != 2 or noise.shape[1] != d or noise.shape[0] != num_groups:
         raise ValueError(f"noise must have shape (num_groups, d) = ({num_groups}, {d}), got {noise.shape}")
     if causal and n_q != n_k:
         raise ValueError(f"causal attention needs as many queries as keys, got {n_q} and {n_k}")
@@ -223,18 +232,20 @@ def _eva_row_weights(x_i, y, i, bounds, omega, window, causal, group_mass):
 
 
 def eva_kernel_reference(q, k, noise, *, num_groups: int, window: int, causal: bool = False, sample: bool = True,
-                         group_mass: str = "mean", scale: float | None = None) -> np.ndarray:
+                         group_mass: str = "mean", group_size: int | None = None,
+                         scale: float | None = None) -> np.ndarray:
     """EVA's implied kernel matrix ``Â (..., n, M)`` by plain loops: ``EVA = Â V / Â 1`` row by row.
 
     ``noise``: ``(C, d)`` standard-normal draws ``ε_c`` (``ω_c = μ_c + ε_c``; ignored when ``sample=False``).
     ``group_mass``: ``"mean"`` (EVA's ``Ŝ_c = |P| exp(xᵀȳ_P)``) or ``"exact"`` (``S_c``: the quadratic
-    per-group control-variate estimator EVA approximates).
+    per-group control-variate estimator EVA approximates). ``group_size``: groups of that many keys instead of
+    ``⌈M/C⌉`` (:func:`group_layout`).
     """
     q, k = _as_float64(q), _as_float64(k)
     noise = _check_eva(noise, num_groups, q.shape[-1], window, causal, q.shape[-2], k.shape[-2])
 
     def one(qh, kh):
-        x, y, bounds, omega = _eva_terms(qh, kh, noise, num_groups, window, causal, sample, scale)
+        x, y, bounds, omega = _eva_terms(qh, kh, noise, num_groups, window, causal, sample, scale, group_size)
         return np.stack([_eva_row_weights(x[i], y, i, bounds, omega, window, causal, group_mass)
                          for i in range(x.shape[0])])
 
@@ -244,7 +255,7 @@ def eva_kernel_reference(q, k, noise, *, num_groups: int, window: int, causal: b
 
 
 def eva_reference(q, k, v, noise, *, num_groups: int, window: int, causal: bool = False, sample: bool = True,
-                  group_mass: str = "mean", scale: float | None = None) -> np.ndarray:
+                  group_mass: str = "mean", group_size: int | None = None, scale: float | None = None) -> np.ndarray:
     """EVA's output by a plain float64 loop over queries and groups, straight from the definition.
 
     Per query ``i``: the exact sums over ``E_i``, then for every group ``c`` with keys left in
@@ -255,7 +266,7 @@ def eva_reference(q, k, v, noise, *, num_groups: int, window: int, causal: bool 
     noise = _check_eva(noise, num_groups, q.shape[-1], window, causal, q.shape[-2], k.shape[-2])
 
     def one(qh, kh, vh):
-        x, y, bounds, omega = _eva_terms(qh, kh, noise, num_groups, window, causal, sample, scale)
+        x, y, bounds, omega = _eva_terms(qh, kh, noise, num_groups, window, causal, sample, scale, group_size)
         size = int(bounds[0, 1] - bounds[0, 0])
         out = np.zeros((x.shape[0], vh.shape[-1]))
         for i in range(x.shape[0]):
@@ -291,10 +302,9 @@ class _Groups:
     ``ω_c`` and each key's log-feature ``l_m = ω_{c(m)}ᵀy_m − ‖y_m‖²/2`` under its own group's draw (padding:
     ``−inf``). ``x, y``: scaled ``(..., n, d)``, ``(..., M, d)``; ``noise``: ``(≥G, d)`` tensor."""
 
-    def __init__(self, x, y, noise, num_groups: int, causal: bool, sample: bool):
+    def __init__(self, x, y, noise, num_groups: int, causal: bool, sample: bool, group_size: int | None = None):
         num_keys, d = y.shape[-2], y.shape[-1]
-        self.size = -(-num_keys // num_groups)
-        self.count = -(-num_keys // self.size)
+        self.size, self.count = group_layout(num_keys, num_groups, group_size)
         pad = self.count * self.size - num_keys
         self.lengths = torch.clamp(num_keys - torch.arange(self.count, device=y.device) * self.size, max=self.size)
         self.keys = torch.nn.functional.pad(y, (0, 0, 0, pad)).reshape(*y.shape[:-2], self.count, self.size, d)
@@ -416,14 +426,13 @@ def _eva_chunked(x, y, v, groups: _Groups, window: int, causal: bool, chunk_size
     return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
 
 
-def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool):
+def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool, group_size: int | None = None):
     """Causal EVA token by token, as a decoder runs it: the state is the running sums of each group's keys that
     have left the local sets (count, key sum, and ``Σ e^{l−c}[v, 1]`` under a running maximum ``c``), the keys and
     values of the current local set, and the current group's query and key sums; a group's draw ``ω_c`` is formed
     when its last token arrives. Returns numerator, normaliser and log-scale like the other modes."""
     n, d, d_v = x.shape[-2], x.shape[-1], v.shape[-1]
-    size = -(-n // num_groups)
-    count = -(-n // size)
+    size, count = group_layout(n, num_groups, group_size)
     batch = x.shape[:-2]
     counts = torch.zeros(count, dtype=torch.long, device=x.device)
     key_sums = x.new_zeros(*batch, count, d)
@@ -469,7 +478,7 @@ def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool):
 
 
 # --------------------------------------------------------------------------------------------- the estimator
-class EfficientAttentionCV(AttentionOnlyEstimator):
+class EfficientAttentionCV(AttentionEstimator):
     r"""EVA: exact attention on a local set of keys, per-group control-variate estimates for the rest.
 
     .. math::
@@ -477,33 +486,41 @@ class EfficientAttentionCV(AttentionOnlyEstimator):
                                  {\sum_{m∈E_i} e^{x_i^⊤y_m} + \sum_c Ŝ_c(x_i)},\qquad
         β_c(ω) = \frac{\sum_{m∈P_c} ξ(y_m, ω) v_m}{\sum_{m∈P_c} ξ(y_m, ω)},\quad Ŝ_c(x) = |P_c|\,e^{x^⊤ȳ_{P_c}}
 
-    with ``C`` = ``num_features`` groups of ``⌈M/C⌉`` consecutive keys, the local set ``E_i`` (a band of
+    with ``C`` = ``num_features`` groups of ``⌈M/C⌉`` consecutive keys (or of ``group_size`` keys, at most
+    ``C`` of them), the local set ``E_i`` (a band of
     ``window`` keys, plus the current group when causal) and one draw ``ω_c ~ N(x̄ + ȳ_c, I)`` per group (module
     docstring: derivation, groups, proposals, what differs from the reference code).
 
     **Positive**, **biased** (``β_c`` does not depend on the query; ``Ŝ_c`` is a Jensen lower bound of the
-    group's mass), **consistent** (exact once every key is its own group, or the window covers the sequence),
+    group's mass), exact once every key is its own group or the window covers the sequence, but **not
+    consistent** in the declared sense (an error falling as ``num_features`` grows like a sampling error): the
+    error falls slowly while the groups shrink and vanishes only at ``C ≥ M`` (as for Nyström at ``r = n``);
     **data-dependent** (group summaries and proposals come from the sequence), **causal-capable**: a causal query
     reads only complete earlier groups, whose summaries use only their own tokens (``causal_fit``).
 
     Modes: ``parallel`` masks an ``n × M`` matrix (reference, small n); ``chunked`` takes query chunks, reads
     the groups that overlap the chunk's local sets through masks and every other group from its whole-group
-    summary, ``O(N (chunk + w + g + C)(d + d_v))`` time with ``g = ⌈M/C⌉`` (the current group is exact when
+    summary, ``O(N (chunk + w + g + C)(d + d_v))`` time for groups of ``g`` keys (the current group is exact when
     causal, so ``g`` enters the cost as the window does); ``recurrent`` is, when causal, the decoder's
     token-by-token scan over a streaming state (below), and when non-causal the chunked sweep one query at a time.
     Everything is in the log domain with one shift per row and, inside a group, per row and group: no overflow at
     any norm, and every ``β`` is a convex combination of values as computed.
 
-    State (:meth:`state_bytes`, causal decoding at the end of a sequence of ``seq_len`` tokens, ``g = ⌈n/C⌉``):
+    State (:meth:`state_bytes`, causal decoding at the end of a sequence of ``seq_len`` tokens in groups of
+    ``g`` keys, ``g = ⌈n/C⌉`` or ``group_size``):
     the keys, values and log-features of the local set, at most ``max(w, g)`` tokens (``d + d_v + 1`` each); per
     earlier group its count, key sum, ``Σ e^{l−c}[v, 1]`` and shift ``c`` (``d + d_v + 3``); the current group's
-    query and key sums (``2d``). It grows with ``n`` through the number of groups when ``C`` is fixed by ``n``;
-    for non-causal attention the same count is the size of the compressed summary.
+    query and key sums (``2d``). It grows with ``n``: through the group size when ``C`` is fixed, through the
+    number of groups when ``group_size`` is (the form a decoder of unknown length uses, as the reference's causal
+    code does with its chunk size). For non-causal attention the same count is the size of the compressed
+    summary.
 
     Parameters
     ----------
     num_features : int
-        ``C``, the number of groups (the group size is ``⌈M/C⌉`` for ``M`` keys).
+        ``C``, the number of groups and of draws (the group size is ``⌈M/C⌉`` for ``M`` keys).
+    group_size : int, optional
+        Groups of this many keys instead; a sequence may then have at most ``C`` groups (more raises).
     window : int
         ``w ≥ 0``: the band ``|i − j| < w`` (non-causal) or the last ``w`` keys (causal) computed exactly.
     sample : bool
@@ -536,14 +553,15 @@ class EfficientAttentionCV(AttentionOnlyEstimator):
     positive = True
     data_dependent = True
     causal_fit = True
-    consistent = True
+    consistent = False
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA)"
 
-    def __init__(self, *, num_features: int, window: int = 32, sample: bool = True, rng=None,
-                 scale: float | None = None):
+    def __init__(self, *, num_features: int, window: int = 32, group_size: int | None = None, sample: bool = True,
+                 rng=None, scale: float | None = None):
         check_positive_int(num_features, "num_features")
         super().__init__(num_features=num_features, rng=rng, scale=scale)
+        self.group_size = None if group_size is None else check_positive_int(group_size, "group_size")
         if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 0:
             raise ValueError(f"window must be a non-negative integer, got {window!r}")
         self.window = int(window)
@@ -567,9 +585,10 @@ class EfficientAttentionCV(AttentionOnlyEstimator):
         vc = v.to(x.dtype)
         noise = self._param("noise_", x)
         if mode == "recurrent" and causal:
-            num, den, log_scale = _eva_streaming(x, y, vc, noise, self.num_features, self.window, self.sample)
+            num, den, log_scale = _eva_streaming(x, y, vc, noise, self.num_features, self.window, self.sample,
+                                                 self.group_size)
         else:
-            groups = _Groups(x, y, noise, self.num_features, causal, self.sample)
+            groups = _Groups(x, y, noise, self.num_features, causal, self.sample, self.group_size)
             if mode == "parallel":
                 num, den, log_scale = _eva_parallel(x, y, vc, groups, self.window, causal)
             else:
@@ -585,26 +604,24 @@ class EfficientAttentionCV(AttentionOnlyEstimator):
         the far keys ``P`` of a group ``Ŝ(x_i) ξ(y_j, ω_c) / Σ_P ξ(y_m, ω_c)``; its lower triangle is not the
         causal estimate (the causal local sets and draws differ), so this is the non-causal one."""
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         self._check_dim(q)
         x, y = self._scaled(q, k)
-        groups = _Groups(x, y, self._param("noise_", x), self.num_features, False, self.sample)
+        groups = _Groups(x, y, self._param("noise_", x), self.num_features, False, self.sample, self.group_size)
         return torch.exp(_eva_log_kernel(x, y, groups, self.window)).to(q.dtype)
 
     def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
-        """``(min(max(w, g), n)(d + d_v + 1) + (G − 1)(d + d_v + 3) + 2d) · itemsize`` for ``n = seq_len``,
-        ``g = ⌈n/C⌉`` and ``G = ⌈n/g⌉`` groups (class docstring). ``seq_len`` is required: the state depends
-        on it."""
+        """``(min(max(w, g), n)(d + d_v + 1) + (G − 1)(d + d_v + 3) + 2d) · itemsize`` for ``n = seq_len`` in
+        ``G = ⌈n/g⌉`` groups of ``g`` keys (class docstring). ``seq_len`` is required: the state depends on it."""
         self._check_fitted()
         check_positive_int(d_v, "d_v")
         if seq_len is None:
             raise ValueError("EVA's state depends on the sequence length (its group size is ⌈n/C⌉): pass seq_len")
         n = check_positive_int(seq_len, "seq_len")
-        size = -(-n // self.num_features)
-        count = -(-n // size)
+        size, count = group_layout(n, self.num_features, self.group_size)
         d = self.dim_
         numbers = min(max(self.window, size), n) * (d + d_v + 1) + (count - 1) * (d + d_v + 3) + 2 * d
-        return numbers * _itemsize(dtype)
+        return numbers * itemsize(dtype)
 
 
 def _eva_log_kernel(x, y, groups: _Groups, window: int):
@@ -622,3 +639,7 @@ def _eva_log_kernel(x, y, groups: _Groups, window: int):
     log_share = logs - torch.logsumexp(logs, -1, keepdim=True).nan_to_num(neginf=0.0)
     far_log = (log_mass[..., None] + log_share).flatten(-2)[..., :num_keys]
     return torch.where(local, x @ y.transpose(-1, -2), far_log)
+
+
+register("eva", EfficientAttentionCV)
+register("eva_mean", EfficientAttentionCV, sample=False)

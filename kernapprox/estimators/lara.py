@@ -135,17 +135,24 @@ Choromanski et al., *Rethinking Attention with Performers*, ICLR 2021, Lemma 1.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import torch
 
-from .._attention_only import AttentionOnlyEstimator
-from .._validation import check_bool, check_choice, check_positive_float, check_positive_int, compute_dtype
-from ..attention import AttentionParts
-from ..features.base import _itemsize
-from ..features.samplers import make_sampler
-from ..kernel import _check_qk
+from ..validation import (
+    check_bool,
+    check_choice,
+    check_positive_float,
+    check_positive_int,
+    check_qk,
+    compute_dtype,
+    itemsize,
+)
+from .base import AttentionEstimator, AttentionParts
+from .registry import register
+from .samplers import make_sampler
 
 WEIGHTINGS = ("balance", "query")
 
@@ -446,7 +453,7 @@ def _lara_parts(log_q, log_k, v, mode: str, chunk_size: int):
 
 
 # --------------------------------------------------------------------------------------------- the estimator
-class LinearRandomizedAttention(AttentionOnlyEstimator):
+class LinearRandomizedAttention(AttentionEstimator):
     r"""LARA: self-normalised multiple importance sampling of softmax attention with ``C`` segment-mean proposals.
 
     .. math::
@@ -461,7 +468,8 @@ class LinearRandomizedAttention(AttentionOnlyEstimator):
 
     **Positive**; **data-dependent** (the proposals are the segment means of the sequence being attended);
     **non-causal only** (``causal=True`` raises: the proposals and the query weights use the whole sequence);
-    **consistent** (the output converges to softmax attention as the number of samples grows). The implied
+    **consistent** when it samples (the output converges to softmax attention as the number of draws grows); with
+    ``sample=False`` it is a deterministic rule whose error stops falling. The implied
     kernel estimate ``Â`` (:meth:`kernel_matrix`) is **unbiased** for ``exp(s qᵀk)`` with the balance heuristic,
     ``sample=True`` and an unbiased sampler; the query weights' clamp and ``sample=False`` bias it. The output is a
     ratio and biased at ``O(1/S)`` in every case. The normaliser of the attention parts is
@@ -512,10 +520,11 @@ class LinearRandomizedAttention(AttentionOnlyEstimator):
     torch.Size([2, 64, 16])
     """
 
+    unbiased = False              # resolved per options by capabilities_for
     positive = True
     data_dependent = True
     causal_fit = False
-    supports_causal = False
+    causal = False
     consistent = True
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling)"
@@ -543,10 +552,16 @@ class LinearRandomizedAttention(AttentionOnlyEstimator):
     def _proposals(self) -> int:
         return self.num_features_param if self.num_proposals is None else self.num_proposals
 
-    @property
-    def unbiased(self) -> bool:  # type: ignore[override]
-        """Whether the implied kernel estimate is unbiased (balance heuristic, sampled, unbiased sampler)."""
-        return self.weighting == "balance" and self.sample and make_sampler(self.sampler).unbiased
+    @classmethod
+    def capabilities_for(cls, **options):
+        """The implied kernel estimate is unbiased with the balance heuristic, ``sample=True`` and an unbiased
+        sampler (the query weights' clamp and ``sample=False`` bias it); consistent only when it samples (at the
+        proposal means the error stops falling once the segments are single tokens)."""
+        caps = super().capabilities_for(**options)
+        sample = options.get("sample", True)
+        unbiased = (options.get("weighting", "query") == "balance" and sample
+                    and make_sampler(options.get("sampler", "iid")).unbiased)
+        return dataclasses.replace(caps, unbiased=bool(unbiased), consistent=bool(sample))
 
     def _fit(self, q, k, rng):
         proposals = self._proposals()
@@ -583,7 +598,7 @@ class LinearRandomizedAttention(AttentionOnlyEstimator):
         """The implied estimate ``Â (..., n_q, n_k)`` of ``exp(s QKᵀ)``: ``Â_{nm} = (1/S) Σ_r φ_r(x_n) φ_r(y_m)``,
         from shifted features and rescaled at the end (overflows only where the true value does)."""
         self._check_fitted()
-        _check_qk(q, k)
+        check_qk(q, k)
         self._check_dim(q)
         log_q, log_k = self._log_features(q, k)
         top_q, top_k = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
@@ -600,4 +615,9 @@ class LinearRandomizedAttention(AttentionOnlyEstimator):
         numbers = self.num_features * per_feature
         if self.weighting == "query":
             numbers += self.num_features + self._proposals() * (self.dim_ + 1)
-        return numbers * _itemsize(dtype)
+        return numbers * itemsize(dtype)
+
+
+register("lara", LinearRandomizedAttention)
+register("lara_balance", LinearRandomizedAttention, weighting="balance")
+register("lara_mean", LinearRandomizedAttention, sample=False)
