@@ -306,3 +306,9 @@ def test_rejects_bad_arguments():
     est = EfficientAttentionCV(num_features=3, rng=0).fit(q, k)
     with pytest.raises(ValueError, match="as many queries as keys"):
         ka.linear_attention(q, k[:4], v[:4], est, causal=True)
+
+
+def test_parameter_bytes_are_the_noise():
+    q = tensors([(10, 4)], 58)[0]
+    assert EfficientAttentionCV(num_features=5, rng=0).fit(q, q).parameter_bytes(torch.float64) == 5 * 4 * 8
+    assert EfficientAttentionCV(num_features=5, sample=False).fit(q, q).parameter_bytes() == 0

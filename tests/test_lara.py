@@ -327,6 +327,8 @@ def test_rejects_bad_arguments():
         LinearRandomizedAttention(num_features=6, weighting="optimal")
     with pytest.raises(ValueError, match="alpha_floor"):
         LinearRandomizedAttention(num_features=6, alpha_floor=0.0)
+    with pytest.raises(ValueError, match="weighting='query'"):
+        LinearRandomizedAttention(num_features=6, weighting="balance", alpha_coeff=2.0)
     with pytest.raises(TypeError, match="sample"):
         LinearRandomizedAttention(num_features=6, sample=1)
     est = LinearRandomizedAttention(num_features=6, rng=0).fit(q, k)
@@ -334,3 +336,9 @@ def test_rejects_bad_arguments():
         ka.linear_attention(q, k, v, est, causal=True)
     with pytest.raises(ValueError, match="d=4"):
         ka.linear_attention(q[:, :3], k[:, :3], v, est)
+
+
+def test_parameter_bytes_are_the_noise():
+    q = tensors([(10, 4)], 64)[0]
+    assert LinearRandomizedAttention(num_features=6, rng=0).fit(q, q).parameter_bytes() == 6 * 4 * 4
+    assert LinearRandomizedAttention(num_features=6, sample=False).fit(q, q).parameter_bytes() == 0

@@ -610,6 +610,11 @@ class EfficientAttentionCV(AttentionEstimator):
         groups = _Groups(x, y, self._param("noise_", x), self.num_features, False, self.sample, self.group_size)
         return torch.exp(_eva_log_kernel(x, y, groups, self.window)).to(q.dtype)
 
+    def parameter_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """The noise ``ε`` (regenerable from the seed) when the estimator samples; nothing at the proposal means."""
+        self._check_fitted()
+        return int(self.noise_.size) * itemsize(dtype) if self.sample else 0
+
     def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
         """``(min(max(w, g), n)(d + d_v + 1) + (G − 1)(d + d_v + 3) + 2d) · itemsize`` for ``n = seq_len`` in
         ``G = ⌈n/g⌉`` groups of ``g`` keys (class docstring). ``seq_len`` is required: the state depends on it."""

@@ -489,9 +489,9 @@ class LinearRandomizedAttention(AttentionEstimator):
     weighting : {"query", "balance"}
         The MIS weights: the paper's query-specific weights (default) or the balance heuristic.
     alpha_coeff : float
-        ``λ`` of the query-specific weights (reference default 1).
+        ``λ`` of the query-specific weights (reference default 1; ``weighting="query"`` only).
     alpha_floor : float
-        Clamp of the query-specific weights (reference 1e-8; must be positive).
+        Clamp of the query-specific weights (reference 1e-8; must be positive; ``weighting="query"`` only).
     sample : bool
         Draw ``ω = μ + ε`` (default) or use the proposal means ``ω = μ`` (the reference code at inference;
         deterministic, needs ``num_proposals = num_features``).
@@ -542,6 +542,9 @@ class LinearRandomizedAttention(AttentionEstimator):
         self.weighting = check_choice(weighting, "weighting", WEIGHTINGS)
         self.alpha_coeff = check_positive_float(alpha_coeff, "alpha_coeff", allow_zero=True)
         self.alpha_floor = check_positive_float(alpha_floor, "alpha_floor")
+        if self.weighting == "balance" and (self.alpha_coeff != 1.0 or self.alpha_floor != 1e-8):
+            raise ValueError("alpha_coeff and alpha_floor are options of weighting='query'; the balance heuristic "
+                             f"has none (got alpha_coeff={alpha_coeff}, alpha_floor={alpha_floor})")
         self.sample = check_bool(sample, "sample")
         self.sampler = sampler
         make_sampler(sampler)
@@ -605,6 +608,11 @@ class LinearRandomizedAttention(AttentionEstimator):
         gram = torch.exp(log_q - top_q) @ torch.exp(log_k - top_k).transpose(-1, -2)
         scale = top_q + top_k.transpose(-1, -2) - math.log(self.noise_.shape[1])
         return (gram * torch.exp(scale)).to(q.dtype)
+
+    def parameter_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """The noise ``ε`` (regenerable from the seed) when the estimator samples; nothing at the proposal means."""
+        self._check_fitted()
+        return int(self.noise_.size) * itemsize(dtype) if self.sample else 0
 
     def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
         """``(r (d_v + d + 4) + C (d + 1)) · itemsize`` with the query weights, ``r (d_v + d + 3) · itemsize`` with
