@@ -57,7 +57,8 @@ set cuts — ``O(N (|E| + g + C)(d + d_v))`` for groups of ``g`` keys.
 
 Groups, local sets and proposals here (a definition that partitions the keys; the reference code differs, see
 below). ``C`` = ``num_features`` groups of ``g = ⌈M/C⌉`` consecutive keys, ``G_c = [cg, min((c+1)g, M))`` (fewer
-than ``C`` groups when ``C`` does not divide ``M`` evenly enough); query ``i`` computes exactly
+than ``C`` groups when ``C`` does not divide ``M`` evenly enough), or groups of a fixed ``g = group_size`` (at most
+``C`` of them, one draw each); query ``i`` computes exactly
 
 * non-causal: the band ``E_i = {j : |i − j| < w}`` (empty for ``w = 0``), as :class:`~kernapprox.hybrid.
   WindowLinear` does;
