@@ -36,6 +36,10 @@ CONSTRUCTION_OPTIONS: dict[str, dict] = {
     # the default 64-token exact window covers every pair at N = 13: nothing of the feature map would be tested
     "window_linear": {"window": 4},
     "scatterbrain": {"window": 4},
+    # EVA's default 32-key local set likewise covers the whole sequence, and 16 groups of 13 keys are single
+    # keys (exact): fixed groups of 4 keep both the exact and the estimated parts in play
+    "eva": {"window": 2, "group_size": 4},
+    "eva_mean": {"window": 2, "group_size": 4},
 }
 
 BATCH, N, D, DV, CHUNK = (2, 3), 13, 6, 5, 4   # odd sizes on purpose; N is not a multiple of CHUNK

@@ -14,6 +14,8 @@ module                 estimators
 ``nystrom``            Nyström features (uniform, k-means and ridge-leverage-score landmarks)
 ``lowrank``            Nyströmformer and the rank-r kernel SVD reference
 ``hybrid``             sliding window + linear attention, Scatterbrain
+``lara``               LARA: multiple importance sampling of attention with data-dependent proposals
+``eva``                EVA: exact local attention plus per-group control variates
 ``exact``              the exact kernel as an estimator
 =====================  ===============================================================================
 
@@ -26,9 +28,11 @@ above it.
 # Every family module registers its estimators when imported; the registry imports none of them.
 from . import (  # noqa: F401
     deterministic,
+    eva,
     exact,
     exponential,
     hybrid,
+    lara,
     lowrank,
     maclaurin,
     nystrom,
@@ -38,6 +42,7 @@ from . import (  # noqa: F401
 )
 from .base import AttentionEstimator, AttentionParts, Capabilities, Estimator, FeatureMap
 from .deterministic import DPFPFeatures, EluPlusOneFeatures, TaylorFeatures
+from .eva import EfficientAttentionCV
 from .exact import ExactKernel
 from .exponential import (
     AsymmetricDenseExponentialFeatures,
@@ -47,6 +52,7 @@ from .exponential import (
     SymmetricDenseExponentialFeatures,
 )
 from .hybrid import Scatterbrain, WindowLinear
+from .lara import LinearRandomizedAttention
 from .lowrank import Nystromformer, OptimalLowRank
 from .maclaurin import RandomMaclaurinFeatures
 from .nystrom import NystromFeatures
@@ -69,7 +75,8 @@ __all__ = [
     "GeneralizedExponentialFeatures", "OptimalPositiveFeatures", "SymmetricDenseExponentialFeatures",
     "SimplifiedAsymmetricDenseExponentialFeatures", "AsymmetricDenseExponentialFeatures",
     "RandomMaclaurinFeatures", "TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures", "NystromFeatures",
-    "Nystromformer", "OptimalLowRank", "WindowLinear", "Scatterbrain",
+    "Nystromformer", "OptimalLowRank", "WindowLinear", "Scatterbrain", "LinearRandomizedAttention",
+    "EfficientAttentionCV",
     "ProjectionSampler", "GaussianSampler", "OrthogonalSampler", "StructuredSampler", "QMCSampler", "SAMPLERS",
     "make_sampler",
 ]
