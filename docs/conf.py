@@ -10,8 +10,9 @@ ROOT = DOCS.parent
 # The checkout's own package first (as the tests do), then this folder for the page generator.
 sys.path[:0] = [str(ROOT), str(DOCS)]
 
-import kernapprox  # noqa: E402
 from generate import write_generated  # noqa: E402
+
+import kernapprox  # noqa: E402
 
 # Generated at every build, never pasted: the estimator table (from the registry) and the figure gallery (from
 # figures/*.png, their captions and texts).
