@@ -125,6 +125,7 @@ def _resolve_reexport(app, env, node, contnode):
         candidates += [f"{module}.{cls}.{target}"] if cls else []
         parts = module.split(".")
         candidates += [".".join(parts[:cut] + [target]) for cut in range(len(parts), 0, -1)]
+    candidates.append(f"kernapprox.{target}")  # pages outside any module (the API overview)
     for name in candidates:
         if not name.startswith("kernapprox"):
             continue
