@@ -88,8 +88,8 @@ def figures(root: Path = ROOT) -> list[Figure]:
 
 
 def first_sentence(markdown: str) -> str:
-    """The first sentence of a paragraph (or the first bullet of a list), on one line."""
-    text = markdown.strip()
+    """The first sentence of a paragraph (or the first bullet of a list), on one line; headings are skipped."""
+    text = "\n".join(line for line in markdown.splitlines() if not line.lstrip().startswith("#")).strip()
     if text.startswith(("- ", "* ")):  # generated findings are bullets: the first bullet
         text = text[2:].split("\n- ")[0].split("\n* ")[0]
     text = " ".join(text.split())
@@ -99,6 +99,11 @@ def first_sentence(markdown: str) -> str:
 def _escape(text: str) -> str:
     """Plain text (a PNG caption) made safe for MyST markdown."""
     return re.sub(r"([\\`*_\[\]<>$|#])", r"\\\1", " ".join(text.split()))
+
+
+def _demote_headings(markdown: str) -> str:
+    """Headings inside a figure's text become bold lines: the page's own sections are the figures."""
+    return re.sub(r"^#{1,6}[ \t]+(.*?)[ \t]*#*[ \t]*$", r"**\1**", markdown, flags=re.M)
 
 
 def gallery_page(items: list[Figure], image_dir: str) -> str:
@@ -111,7 +116,7 @@ def gallery_page(items: list[Figure], image_dir: str) -> str:
                    f"{_escape(item.caption) or item.name}\n```\n")
         if item.text:
             label = "Findings (generated from the dataset)" if item.generated else "What the default preset shows"
-            section += f"\n**{label}.**\n\n{item.text}\n"
+            section += f"\n**{label}.**\n\n{_demote_headings(item.text)}\n"
         parts.append(section)
     return "\n".join(parts)
 

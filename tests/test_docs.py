@@ -49,12 +49,17 @@ def test_generated_findings_replace_the_notes(generate, tmp_path):
     (tmp_path / "figures").mkdir()
     for name in ("kernel_error", "zzz_new"):
         (tmp_path / "figures" / f"{name}.png").write_bytes((ROOT / "figures" / "kernel_error.png").read_bytes())
-    (tmp_path / "figures" / "zzz_new.md").write_text("- The error is 0.5 [0.4, 0.6]. More.\n- Second.\n")
+    (tmp_path / "figures" / "zzz_new.md").write_text("## Findings\n\n- The error is 0.5 [0.4, 0.6]. More.\n- Second.\n")
     items = generate.figures(tmp_path)
     assert [item.name for item in items] == ["kernel_error", "zzz_new"]
     assert not items[0].generated and items[0].title == "Kernel-matrix error against the number of features"
     assert items[1].generated and generate.first_sentence(items[1].text) == "The error is 0.5 [0.4, 0.6]."
     assert items[0].caption  # save_figure stores the caption in the PNG
+    # the figures are the page's sections: a heading inside a figure's text must not open another one
+    page = generate.gallery_page(items, "/_generated/figures")
+    assert [line for line in page.splitlines() if line.startswith("#")] == [
+        "## Kernel-matrix error against the number of features", "## Zzz new"]
+    assert "**Findings**\n\n- The error is 0.5" in page
 
 
 def _toctree_entries(page: Path) -> list[Path]:
