@@ -222,4 +222,3 @@ def test_estimator_table_lists_every_registered_estimator():
         "positive_orthogonal"]
     assert "| `TrigonometricFeatures(sampler='regularized')` | features | no | no | no | yes | no |" in rows[
         "trig_regularized"]
-
