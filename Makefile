@@ -24,10 +24,11 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 # Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
-.PHONY: install test test-slow lint figures results bench clean distclean help
+.PHONY: install test test-slow lint figures results bench docs clean distclean help
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS)), build figures/*.png"
+	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
 	@echo "make test-slow - the long statistical tests (marker 'slow')"
@@ -70,8 +71,21 @@ figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
 bench: install
 	$(PY) -m benchmarks.run
 
+# The docs extra is installed on its own stamp, after (never instead of) the main install; the site is rebuilt from
+# scratch (-E) so that every warning shows, and any warning fails the build.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -c "import tomllib; print(chr(10).join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))" > $(VENV)/.docs-requirements.txt
+	$(PY) -m pip install --quiet -r $(VENV)/.docs-requirements.txt
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	rm -rf docs/generated
+	$(PY) -m sphinx -b html -E -W --keep-going -q docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 clean:
-	rm -rf results
+	rm -rf results docs/_build docs/_generated docs/generated
 
 distclean: clean
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -17,15 +17,22 @@ Synthetic families share one temperature parameter ``beta``: rows are scaled so 
 measured :func:`effective_beta` is what the studies report (heavy tails, clusters and anisotropy move it).
 Values ``v`` have unit variance per coordinate. Families:
 
-``isotropic``     Gaussian ``N(0, σ² I)``.
-``anisotropic``   Gaussian with a power-law covariance spectrum ``λ_i ∝ i^(−decay)`` in a random basis.
-``clustered``     Gaussian mixture: queries and keys come from the same ``num_clusters`` centres (queries near keys).
-``heavy_tailed``  multivariate Student-t with ``dof`` degrees of freedom (heavy-tailed norms; ``dof > 2``).
-``text_like``     discrete tokens from a Zipf vocabulary; each token a fixed random embedding projected to q/k/v.
-``continuous``    a smooth Gaussian-process trajectory over time, embedded and projected; ``length_scale`` sets
-                  the smoothness (correlation length in tokens).
-``real``          queries, keys and values of every layer and head of all-MiniLM-L6-v2 on English text
-                  (:mod:`kernapprox.real`; needs the ``real`` extra).
+``isotropic``
+    Gaussian ``N(0, σ² I)``.
+``anisotropic``
+    Gaussian with a power-law covariance spectrum ``λ_i ∝ i^(−decay)`` in a random basis.
+``clustered``
+    Gaussian mixture: queries and keys come from the same ``num_clusters`` centres (queries near keys).
+``heavy_tailed``
+    multivariate Student-t with ``dof`` degrees of freedom (heavy-tailed norms; ``dof > 2``).
+``text_like``
+    discrete tokens from a Zipf vocabulary; each token a fixed random embedding projected to q/k/v.
+``continuous``
+    a smooth Gaussian-process trajectory over time, embedded and projected; ``length_scale`` sets
+    the smoothness (correlation length in tokens).
+``real``
+    queries, keys and values of every layer and head of all-MiniLM-L6-v2 on English text
+    (:mod:`kernapprox.real`; needs the ``real`` extra).
 
 Per-head projections differ; tokens (text_like) and trajectories (continuous) are shared by the heads of one
 batch element, as in a real model.

@@ -222,11 +222,3 @@ def test_estimator_table_lists_every_registered_estimator():
         "positive_orthogonal"]
     assert "| `TrigonometricFeatures(sampler='regularized')` | features | no | no | no | yes | no |" in rows[
         "trig_regularized"]
-
-
-def test_readme_estimator_table_is_current():
-    """The README's estimator table is the registry's (regenerate with `python -m kernapprox.registry`)."""
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    assert ka.estimator_table().strip() in readme

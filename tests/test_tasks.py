@@ -1,6 +1,6 @@
 """Training-free ICL tasks: generators, scorers, read-out, state sizes and the published anchors.
 
-Anchors (see the README section on in-context learning):
+Anchors (see the user guide, docs/guide/icl.md):
 * capacity of a deterministic map ≈ its feature dimension (Schlag et al. 2021, §2.3 of the ICL notes);
 * positive random features fail sharp recall with far more features than pairs;
 * Nyström with r landmarks among n sharply separated keys recalls r/n of them;

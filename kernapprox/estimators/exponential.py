@@ -138,10 +138,10 @@ class GeneralizedExponentialFeatures(_ExponentialFamilyFeatures):
         φ(x) = \frac{(1-4A)^{d/4}}{\sqrt m}\Big(e^{A\|ω_i\|^2 + \sqrt{1-4A}\,ω_i^⊤x - \|x\|^2/2}\Big)_{i\le m}
 
     **Unbiased** (``E φ(x)ᵀφ(y) = SM(x,y)`` for ``A < 1/4``), **positive**, bounded in ``ω`` iff ``A < 0``,
-    **data independent** (``causal_fit = True``); ``A = 0`` is exactly :class:`~kernapprox.estimators.
-    PositiveFeatures`. Variance (one pair, i.i.d. frequencies): :func:`kernapprox.theory.gerf_variance`,
-    relative form ``[(1−4A)^d (1−8A)^{−d/2} exp(‖x+y‖²/(1−8A)) − 1]/m``. ``A`` must be ``< 1/8`` (finite
-    variance). ``r = m``.
+    **data independent** (``causal_fit = True``); ``A = 0`` is exactly
+    :class:`~kernapprox.estimators.PositiveFeatures`. Variance (one pair, i.i.d. frequencies):
+    :func:`kernapprox.theory.gerf_variance`, relative form ``[(1−4A)^d (1−8A)^{−d/2} exp(‖x+y‖²/(1−8A)) − 1]/m``.
+    ``A`` must be ``< 1/8`` (finite variance). ``r = m``.
 
     Parameters
     ----------

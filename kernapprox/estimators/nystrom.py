@@ -189,11 +189,14 @@ class NystromFeatures(FeatureMap):
     Landmarks are chosen from the joint set of scaled queries and keys of ``fit(q, k)`` (all batch elements
     pooled: one map for the whole batch; fit per head for per-head maps):
 
-    ``"uniform"``  ``m`` distinct points uniformly without replacement (Williams & Seeger 2001).
-    ``"kmeans"``   the ``m`` centroids of scikit-learn's ``KMeans`` (k-means++, seed drawn from ``rng``) in the
-                   scaled space (Zhang, Tsang & Kwok 2008).
-    ``"rls"``      ``m`` points by recursive ridge-leverage-score sampling (Musco & Musco 2017, Algorithm 3) of
-                   the Gaussian kernel, see :func:`recursive_rls_sample`; scores in ``leverage_scores_``.
+    ``"uniform"``
+        ``m`` distinct points uniformly without replacement (Williams & Seeger 2001).
+    ``"kmeans"``
+        the ``m`` centroids of scikit-learn's ``KMeans`` (k-means++, seed drawn from ``rng``) in the
+        scaled space (Zhang, Tsang & Kwok 2008).
+    ``"rls"``
+        ``m`` points by recursive ridge-leverage-score sampling (Musco & Musco 2017, Algorithm 3) of
+        the Gaussian kernel, see :func:`recursive_rls_sample`; scores in ``leverage_scores_``.
 
     Causality: fitting on the sequence the map is applied to uses future tokens (``causal_fit = False``). For a
     strictly causal model fit on a calibration prefix (or other sequences) and then run the recurrent mode: the

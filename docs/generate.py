@@ -1,0 +1,188 @@
+"""The generated parts of the documentation: the estimator table, the figure gallery, and the README's gallery block.
+
+``conf.py`` calls :func:`write_generated` at every build, so the docs never hold a pasted copy of something the
+code or the figures can say. The README's thumbnail gallery (between ``<!-- gallery:start -->`` and
+``<!-- gallery:end -->``) is regenerated with ``python docs/generate.py readme``; ``tests/test_docs.py`` checks
+that it is current.
+
+Gallery text per figure: the generated findings ``figures/<name>.md`` when that file exists, otherwise the
+notes moved from the old README (``docs/_figure_notes/<name>.md``, a ``# title`` line and a paragraph). The
+figure's caption is the one :func:`kernapprox.plotting.save_figure` stored in the PNG's ``Description``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+NOTES = DOCS / "_figure_notes"
+GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
+# The order of the gallery (the order of the study: kernel, variance, attention, in-context tasks, data, cost);
+# figures not listed follow in alphabetical order.
+ORDER = ("kernel_error", "variance_theory", "attention_error", "icl_recall", "icl_regression", "icl_classification",
+         "rank_summary", "query_distribution", "spectrum", "modes")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(])")
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure of the gallery: ``figures/<name>.png`` and what is said about it."""
+
+    name: str
+    title: str
+    text: str  # markdown: the generated findings, or the notes from the old README
+    generated: bool  # True when ``text`` is ``figures/<name>.md``
+    caption: str  # the PNG's stored caption ("" if none)
+
+    @property
+    def image(self) -> Path:
+        return ROOT / "figures" / f"{self.name}.png"
+
+
+def estimator_table() -> str:
+    """The registry's estimator table (the one ``python -m kernapprox.registry`` prints)."""
+    from kernapprox.estimators.registry import estimator_table as table
+
+    return table()
+
+
+def _png_caption(path: Path) -> str:
+    try:
+        from PIL import Image
+    except ImportError:  # pragma: no cover - pillow comes with matplotlib
+        return ""
+    with Image.open(path) as image:
+        return str(image.info.get("Description", "")).strip()
+
+
+def _read_notes(name: str) -> tuple[str, str]:
+    path = NOTES / f"{name}.md"
+    if not path.exists():
+        return name.replace("_", " ").capitalize(), ""
+    lines = path.read_text(encoding="utf-8").strip().splitlines()
+    if lines and lines[0].startswith("# "):
+        return lines[0][2:].strip(), "\n".join(lines[1:]).strip()
+    return name.replace("_", " ").capitalize(), "\n".join(lines).strip()
+
+
+def figures(root: Path = ROOT) -> list[Figure]:
+    """Every ``figures/*.png`` in gallery order, with its title, text and caption."""
+    names = sorted(path.stem for path in (root / "figures").glob("*.png"))
+    names.sort(key=lambda name: (ORDER.index(name) if name in ORDER else len(ORDER), name))
+    out = []
+    for name in names:
+        title, notes = _read_notes(name)
+        findings = root / "figures" / f"{name}.md"
+        if findings.exists():
+            text, generated = findings.read_text(encoding="utf-8").strip(), True
+        else:
+            text, generated = notes, False
+        out.append(Figure(name, title, text, generated, _png_caption(root / "figures" / f"{name}.png")))
+    return out
+
+
+def first_sentence(markdown: str) -> str:
+    """The first sentence of a paragraph (or the first bullet of a list), on one line; headings are skipped."""
+    text = "\n".join(line for line in markdown.splitlines() if not line.lstrip().startswith("#")).strip()
+    if text.startswith(("- ", "* ")):  # generated findings are bullets: the first bullet
+        text = text[2:].split("\n- ")[0].split("\n* ")[0]
+    text = " ".join(text.split())
+    return _SENTENCE_END.split(text, maxsplit=1)[0]
+
+
+def _escape(text: str) -> str:
+    """Plain text (a PNG caption) made safe for MyST markdown."""
+    return re.sub(r"([\\`*_\[\]<>$|#])", r"\\\1", " ".join(text.split()))
+
+
+def _demote_headings(markdown: str) -> str:
+    """Headings inside a figure's text become bold lines: the page's own sections are the figures."""
+    return re.sub(r"^#{1,6}[ \t]+(.*?)[ \t]*#*[ \t]*$", r"**\1**", markdown, flags=re.M)
+
+
+def gallery_page(items: list[Figure], image_dir: str) -> str:
+    """The body of the findings page: one section per figure, its caption, then its text."""
+    parts = []
+    for item in items:
+        section = (f"(fig-{item.name})=\n## {item.title}\n\n"
+                   f"`experiments/{item.name}.py` → `results/{item.name}.nc` → `figures/{item.name}.png`\n\n"
+                   f"```{{figure}} {image_dir}/{item.name}.png\n:alt: {item.name}\n:width: 100%\n\n"
+                   f"{_escape(item.caption) or item.name}\n```\n")
+        if item.text:
+            label = "Findings (generated from the dataset)" if item.generated else "What the default preset shows"
+            section += f"\n**{label}.**\n\n{_demote_headings(item.text)}\n"
+        parts.append(section)
+    return "\n".join(parts)
+
+
+def readme_gallery(items: list[Figure]) -> str:
+    """The README's thumbnail gallery: a table of small linked images, each with one finding sentence."""
+    lines = [GALLERY_START,
+             "<!-- generated by `python docs/generate.py readme` from figures/*.png and their texts: do not edit -->",
+             "", "| figure | what it shows |", "|---|---|"]
+    for item in items:
+        sentence = first_sentence(item.text) if item.text else ""
+        thumbnail = (f'<a href="figures/{item.name}.png"><img src="figures/{item.name}.png" width="260" '
+                     f'alt="{item.name}"></a>')
+        cell = f"**{item.title}** (`{item.name}`). {sentence}".strip().replace("|", "\\|")
+        lines.append(f"| {thumbnail} | {cell} |")
+    lines.append(GALLERY_END)
+    return "\n".join(lines)
+
+
+def update_readme(path: Path = ROOT / "README.md", *, check: bool = False) -> bool:
+    """Rewrite the README's gallery block; with ``check`` only report whether it is current."""
+    text = path.read_text(encoding="utf-8")
+    start, end = text.index(GALLERY_START), text.index(GALLERY_END) + len(GALLERY_END)
+    new = text[:start] + readme_gallery(figures()) + text[end:]
+    if check or new == text:
+        return new == text
+    path.write_text(new, encoding="utf-8")
+    return True
+
+
+def write_generated(out: Path = DOCS / "_generated") -> None:
+    """Write what the pages include: the estimator table, the gallery page and a copy of the figures."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write_if_changed(out / "estimator_table.md", estimator_table() + "\n")
+    image_dir = out / "figures"
+    image_dir.mkdir(exist_ok=True)
+    items = figures()
+    for item in items:
+        target = image_dir / item.image.name
+        if not target.exists() or target.read_bytes() != item.image.read_bytes():
+            shutil.copyfile(item.image, target)
+    _write_if_changed(out / "gallery.md", gallery_page(items, "/_generated/figures"))
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    # Unchanged files keep their time stamp, so an incremental build re-reads only what changed.
+    if not path.exists() or path.read_text(encoding="utf-8") != text:
+        path.write_text(text, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("what", choices=["readme", "table"], help="readme: rewrite the README gallery block; "
+                        "table: print the estimator table")
+    parser.add_argument("--check", action="store_true", help="only check that the README block is current")
+    args = parser.parse_args(argv)
+    if args.what == "table":
+        print(estimator_table())
+        return 0
+    current = update_readme(check=args.check)
+    if args.check and not current:
+        print("README gallery is out of date: run `python docs/generate.py readme`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())
