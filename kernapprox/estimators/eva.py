@@ -60,8 +60,8 @@ below). ``C`` = ``num_features`` groups of ``g = ⌈M/C⌉`` consecutive keys, `
 than ``C`` groups when ``C`` does not divide ``M`` evenly enough), or groups of a fixed ``g = group_size`` (at most
 ``C`` of them, one draw each); query ``i`` computes exactly
 
-* non-causal: the band ``E_i = {j : |i − j| < w}`` (empty for ``w = 0``), as :class:`~kernapprox.hybrid.
-  WindowLinear` does;
+* non-causal: the band ``E_i = {j : |i − j| < w}`` (empty for ``w = 0``), as
+  :class:`~kernapprox.estimators.hybrid.WindowLinear` does;
 * causal: ``E_i = {j : min(i − w + 1, g⌊i/g⌋) ≤ j ≤ i}``, the last ``w`` keys *and* the keys of its own,
   unfinished group;
 

@@ -62,8 +62,8 @@ Guibas 1995): with weighting functions ``α_{nc}(ω)`` that sum to one over ``c`
 (sum the integrals and use ``Σ_c α_{nc} = 1``). Drawing ``S`` samples ``ω_{cs} ~ g_c`` from each proposal and
 self-normalising with ``p̃_n`` as above gives
 
-    ``LARA(x_n) = Σ_{c,s} α_{nc}(ω_{cs}) p̃_n(ω_{cs})/g_c(ω_{cs}) · f(ω_{cs})
-                  / Σ_{c,s} α_{nc}(ω_{cs}) p̃_n(ω_{cs})/g_c(ω_{cs})``              (LARA paper, §4, the estimator)
+    ``LARA(x_n) = Σ_{c,s} w_{ncs} f(ω_{cs}) / Σ_{c,s} w_{ncs}``,
+    ``w_{ncs} = α_{nc}(ω_{cs}) p̃_n(ω_{cs}) / g_c(ω_{cs})``                        (LARA paper, §4, the estimator)
 
 (the ``1/S`` of each proposal's average cancels). **What is linear in n.** Because
 ``p̃_n(ω) f(ω) = N(ω) ξ(x_n, ω) Σ_m ξ(y_m, ω) v_m`` and ``N(ω)/g_c(ω) = exp(−ωᵀμ_c + ‖μ_c‖²/2)``, LARA is linear
@@ -496,7 +496,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         Draw ``ω = μ + ε`` (default) or use the proposal means ``ω = μ`` (the reference code at inference;
         deterministic, needs ``num_proposals = num_features``).
     sampler : str
-        Sampler of the noise ``ε`` (``"iid"`` or ``"orthogonal"``, ...; see :mod:`kernapprox.features.samplers`),
+        Sampler of the noise ``ε`` (``"iid"`` or ``"orthogonal"``, ...; see :mod:`kernapprox.estimators.samplers`),
         drawn once at ``fit`` as ``(C, S, d)`` and shared by every batch element and head.
     rng : int, SeedSequence or Generator
     scale : float, optional
