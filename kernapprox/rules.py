@@ -7,7 +7,7 @@ Every finite feature map ``φ`` (``r`` features) gives linear attention a state 
     ``W_t = Σ_s φ(k_s) v_sᵀ``, ``z_t = Σ_s φ(k_s)``; read ``Wᵀφ(q) / zᵀφ(q)`` (normalised like attention);
     ``r (d_v + 1)`` numbers.
 :class:`Decay` ``(γ)``
-    ``W_t = Σ_s γ^{t−s} φ(k_s) v_sᵀ``, ``z_t`` likewise; normalised read-out; ``r (d_v + 1)`` numbers; causal only.
+    ``W_t = Σ_s γ^{t−s} φ(k_s) v_sᵀ``, ``z_t`` likewise; normalised read-out; ``r (d_v + 1)`` numbers.
 :class:`Delta` ``(β)``
     ``W_t = W_{t−1} + β_t φ̄_t (v_t − W_{t−1}ᵀφ̄_t)ᵀ``; read ``Wᵀφ̄(q)`` (not normalised); ``r d_v`` numbers.
 :class:`LeastSquares` ``(λ)``
@@ -21,8 +21,9 @@ overflows at any input norm. The sum and decay rules keep ``ℓ`` in a running m
 :mod:`kernapprox.attention.linear`).
 
 All four run in the ``parallel``, ``recurrent`` and ``chunked`` modes of :func:`kernapprox.linear_attention` and
-in :class:`kernapprox.RecurrentState`; decay is causal only. The chunked delta rule uses the WY/UT
-representation, the chunked least-squares state a Cholesky/Woodbury update per chunk; both are linear in ``n``.
+in :class:`kernapprox.RecurrentState`, causal and non-causal (every query reads the state after the last key).
+The chunked delta rule uses the WY/UT representation, the chunked least-squares state a Cholesky/Woodbury update
+per chunk; both are linear in ``n``.
 Prefill → decode: ``linear_attention(..., return_state=True)`` returns the state (:class:`NormalizedState`,
 :class:`DeltaState`, :class:`LeastSquaresState`), which ``initial_state=`` and ``RecurrentState(initial_state=)``
 accept. Every feature map declares all four in ``capabilities().rules``; the exact kernel and the estimators that

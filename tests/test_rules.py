@@ -67,7 +67,7 @@ def test_rule_declarations():
     assert ka.rules.resolve_rule("least_squares") == ka.rules.LeastSquares(1.0)
     assert ka.rules.Decay(0.5) == ka.rules.Decay(0.5) != ka.rules.Sum()
     assert [ka.rules.resolve_rule(r).name for r in RULES.values()] == list(RULES)
-    assert not ka.rules.Delta().normalized and ka.rules.Decay(0.9).normalized and not ka.rules.Decay(0.9).noncausal
+    assert not ka.rules.Delta().normalized and ka.rules.Decay(0.9).normalized and ka.rules.Decay(0.9).noncausal
 
 
 # -------------------------------------------------------------------------------------------------- table
@@ -514,8 +514,6 @@ def test_rule_arguments_are_checked():
         ka.linear_attention(q, k, v, est, True, rule="decay")
     with pytest.raises(TypeError, match="rule must be"):
         ka.linear_attention(q, k, v, est, True, rule=0.5)
-    with pytest.raises(ValueError, match="causal only"):
-        ka.linear_attention(q, k, v, est, False, rule=ka.rules.Decay(0.9))
     with pytest.raises(ValueError, match="does not broadcast"):
         ka.linear_attention(q, k, v, est, True, rule=ka.rules.Delta(torch.full((4, N), 0.5, dtype=torch.float64)))
     with pytest.raises(ValueError, match="beta is a parameter of the delta rule"):

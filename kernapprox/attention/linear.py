@@ -74,6 +74,8 @@ def _normalized_parallel(pq, lq, pk, lk, v, causal, a, log_mask, state0, want_st
     """
     n_q, n_k = pq.shape[-2], pk.shape[-2]
     device, ct = pq.device, pq.dtype
+    if not causal and a:                   # every query reads the state after the last key: weights γ^(n_k−1−j)
+        lk = lk + torch.arange(n_k - 1, -1, -1, device=device, dtype=ct) * a
     logits = lk[..., None, :]
     per_row = causal or log_mask is not None
     if causal:
@@ -92,6 +94,8 @@ def _normalized_parallel(pq, lq, pk, lk, v, causal, a, log_mask, state0, want_st
         c0_rows = state0.log_scale[..., None]
         if causal and a:
             c0_rows = c0_rows + torch.arange(1, n_q + 1, device=device, dtype=ct) * a
+        elif a:
+            c0_rows = c0_rows + n_k * a
         c = torch.maximum(c, c0_rows.expand_as(c))
     a_mat = (pq @ pk.transpose(-1, -2)) * torch.exp(logits - c[..., None])
     num, den = a_mat @ v, a_mat.sum(-1)
@@ -101,17 +105,17 @@ def _normalized_parallel(pq, lq, pk, lk, v, causal, a, log_mask, state0, want_st
         den = den + (pq @ state0.z[..., None]).squeeze(-1) * f
     final = None
     if want_state:
-        weight = lk
+        weight = lk                        # non-causal: already decayed to the last key
         if causal and a:
             weight = lk + torch.arange(n_k - 1, -1, -1, device=device, dtype=ct) * a
         c_fin = weight.amax(-1)
         if state0 is not None:
-            c_fin = torch.maximum(c_fin, state0.log_scale + (n_k * a if causal else 0.0))
+            c_fin = torch.maximum(c_fin, state0.log_scale + n_k * a)
         wk = torch.exp(weight - c_fin[..., None])
         w = pk.transpose(-1, -2) @ (v * wk[..., None])
         z = (pk * wk[..., None]).sum(-2)
         if state0 is not None:
-            f0 = torch.exp(state0.log_scale + (n_k * a if causal else 0.0) - c_fin)
+            f0 = torch.exp(state0.log_scale + n_k * a - c_fin)
             w = w + state0.w * f0[..., None, None]
             z = z + state0.z * f0[..., None]
         final = NormalizedState(w, z, c_fin)
@@ -150,8 +154,9 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
       multiply-adds or one batched product (:func:`_chunk_states`), without a Python loop over tokens;
     - rows read ``φ̃(q_p)ᵀ S_j e^{s_{j−1} + log γ − c'_p}``; the log-scale is ``ℓ(q_p) + c'_p + p log γ``.
 
-    Non-causal (sum only): the key pass accumulates the state under a running maximum (rescaled by
-    ``e^{c_old − c_new}``), then the query pass reads it; the shift is the maximum over all keys. Padded keys have
+    Non-causal: the key pass accumulates the state under a running maximum (rescaled by ``e^{c_old + L log γ −
+    c_new}`` after a block of ``L`` keys), then the query pass reads the final state; the shift is the maximum over
+    all (decayed) keys. Padded keys have
     zero features and the sentinel log-scale. Returns ``(num, den, log_scale, final_state)``.
     """
     ct = compute_dtype(q.dtype)
@@ -189,9 +194,13 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
     else:
         for start in range(0, n_k, block):
             pk, lk = key_features(start, start + block)
+            length = pk.shape[1]
+            if a:                              # decayed to the block's last key; the carried state by γ^length
+                lk = lk + torch.arange(length - 1, -1, -1, device=lk.device, dtype=ct) * a
+                c = None if c is None else c + length * a
             c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
             weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
-            update = pk.transpose(-1, -2) @ (values(start, start + pk.shape[1]) * weights)
+            update = pk.transpose(-1, -2) @ (values(start, start + length) * weights)
             state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
             c = c_new
         for start in range(0, n, block):
@@ -341,7 +350,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     rule : str or rule object
         How the state is written (:mod:`kernapprox.rules`): ``"sum"`` (default), ``Decay(gamma)``,
         ``Delta(beta)``, ``LeastSquares(ridge)`` (or the names ``"delta"``, ``"least_squares"`` with β = 1, λ = 1).
-        Decay is causal only.
+        Non-causal, every query reads the state after the last key (for the order-dependent decay and delta
+        rules, the newest keys weigh most).
     key_padding_mask : bool Tensor ``(..., n_k)``, optional
         ``nn.MultiheadAttention``'s convention: True = the key is padding and no query reads it (it adds nothing
         to the state; the decay still counts its position). Broadcast by torch's rules against the batch

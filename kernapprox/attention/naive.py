@@ -39,7 +39,8 @@ def linear_attention_naive(q, k, v, estimator: FeatureMap, causal: bool = False,
     ``attn_mask``) are listed, in order, and the read-out is computed from its definition:
 
     - sum / decay: ``Σ_{j∈S_i} w_ij φ(q_i)ᵀφ(k_j) v_j / Σ_{j∈S_i} w_ij φ(q_i)ᵀφ(k_j)`` with ``w_ij = γ^{i−j}
-      e^{m_ij}`` (``m`` the additive mask), plus the initial state ``γ^{i+1}(W_0, z_0)``;
+      e^{m_ij}`` (``m`` the additive mask), plus the initial state ``γ^{i+1}(W_0, z_0)``; non-causal: every
+      query at the last key's position ``i = n_k − 1``;
     - delta: ``W ← W_0``, then ``W ← W + β_j φ̄_j (v_j − Wᵀφ̄_j)ᵀ`` for ``j ∈ S_i`` in order, ``y_i = Wᵀφ̄(q_i)``;
     - least squares: ``y_i = B_iᵀA_i^{-1}φ̄(q_i)`` with ``A_i = P_0^{-1} + Σ_{S_i} φ̄_jφ̄_jᵀ``, ``B_i = P_0^{-1}W_0 +
       Σ_{S_i} φ̄_j v_jᵀ`` (``P_0 = I/λ``, ``W_0 = 0`` without an initial state).
@@ -82,7 +83,7 @@ def linear_attention_naive(q, k, v, estimator: FeatureMap, causal: bool = False,
                         if m == -math.inf:
                             continue
                 keys.append(j)
-                weights.append(math.exp(m) * (gamma ** (i - j) if causal else 1.0))
+                weights.append(math.exp(m) * gamma ** ((i if causal else n_k - 1) - j))
             if rule.normalized:
                 num = torch.zeros(d_v, dtype=torch.float64)
                 den = torch.zeros((), dtype=torch.float64)
@@ -91,7 +92,7 @@ def linear_attention_naive(q, k, v, estimator: FeatureMap, causal: bool = False,
                     num, den = num + a * vv[b, j], den + a
                 if state is not None:
                     w0, z0, c0 = state
-                    f = (gamma ** (i + 1) if causal else 1.0) * math.exp(float(c0[b]))
+                    f = gamma ** ((i if causal else n_k - 1) + 1) * math.exp(float(c0[b]))
                     num, den = num + f * (pq[b, i] @ w0[b]), den + f * (pq[b, i] @ z0[b])
                 if not keys and (state is None or float(state[2][b]) == -math.inf):
                     raise ValueError(f"query {i} of batch entry {b} sees no key")

@@ -63,7 +63,7 @@ class Rule:
     ``normalized``
         the read-out divides by the attention normaliser ``zᵀφ(q)`` (like attention) or not;
     ``noncausal``
-        non-causal attention (every query reads the state of all keys) is defined;
+        non-causal attention is defined: every query reads the state after the last key (all rules here);
     ``unit_features``
         the rule works on ``φ̄ = φ/‖φ‖`` (unit 2-norm) rather than on ``φ``;
     ``state_type``
@@ -177,7 +177,8 @@ class Decay(Sum):
 
     kernel smoothing with a recency weight: the parallel form multiplies the causal kernel matrix by ``D_{ts} =
     γ^{t−s}`` (Sun et al. 2023, eq. (5)); the chunked form carries ``γ^C`` between chunks of ``C`` tokens (their
-    eq. (7)). ``γ = 1`` is the sum rule. Causal only: the decay is defined by the order of the keys before a query.
+    eq. (7)). ``γ = 1`` is the sum rule. Non-causal (as for every rule): each query reads the state after the
+    last key, ``W_n = Σ_j γ^{n−1−j} φ(k_j) v_jᵀ`` (the newest keys weigh most).
     State as for the sum rule, ``r·(d_v+1)`` numbers plus one log-scale. Stabilised in the log domain: the stored
     log-scale follows ``c_t = max(c_{t−1} + log γ, ℓ(k_t))``, and positions enter only as differences within a
     chunk, so long sequences lose no precision.
@@ -201,7 +202,6 @@ class Decay(Sum):
 
     gamma: float = 1.0
     name: ClassVar[str] = "decay"
-    noncausal: ClassVar[bool] = False
 
     def __post_init__(self):
         if isinstance(self.gamma, bool) or not isinstance(self.gamma, numbers.Real):
