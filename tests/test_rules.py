@@ -498,6 +498,23 @@ def test_ridge_not_positive_raises(ridge):
         ka.rules.LeastSquares(ridge)
 
 
+def test_least_squares_refuses_a_ridge_below_the_precision():
+    """eps·(1 + n/λ) ≥ 1: no digit of a float32 result is guaranteed (the recursive form would return a value
+    several times off without noticing); every mode and the decoder raise, float64 runs."""
+    q, k, v = qkv(24, batch=(2,), n=40, dtype=torch.float32)
+    est = ka.make_estimator("positive", num_features=16, rng=0).fit(q, k)
+    rule = ka.rules.LeastSquares(1e-8)
+    for mode in ka.MODES:
+        with pytest.raises(ValueError, match="no digit of the result is guaranteed"):
+            ka.linear_attention(q, k, v, est, True, mode, rule=rule)
+    dec = ka.RecurrentState(est, rule=rule)
+    with pytest.raises(ValueError, match="no digit"):
+        for t in range(40):
+            dec.update(k[:, t], v[:, t])
+    out = ka.linear_attention(q.double(), k.double(), v.double(), est, True, "chunked", rule=rule)
+    assert bool(torch.isfinite(out).all())
+
+
 def test_rule_arguments_are_checked():
     for bad in (True, "0.5", None):
         with pytest.raises(TypeError):

@@ -33,6 +33,17 @@ from .rules import LeastSquaresState, unit_features
 _GRAM_ENTRIES = 1 << 22
 
 
+def _cholesky(matrix: torch.Tensor, what: str) -> torch.Tensor:
+    """Cholesky factor of a matrix that is positive definite in exact arithmetic; a numerical failure raises
+    ``ValueError`` naming the cause (the ridge is too small for the precision)."""
+    try:
+        return torch.linalg.cholesky(matrix)
+    except torch.linalg.LinAlgError:
+        raise ValueError(f"least squares: {what} is not numerically positive definite in {matrix.dtype}: the ridge "
+                         "is too small for this precision (the relative accuracy is about eps·(1 + n/λ)); use a "
+                         "larger ridge or float64") from None
+
+
 def _unit(estimator, x, role, ct, padding=None):
     phi, _ = estimator.features(x, role, log_scale=True, check_finite=False)
     return unit_features(phi.to(ct), role, type(estimator).__name__, padding)
@@ -68,7 +79,7 @@ def _parallel(qu, ku, v, causal, state0, ridge, want_state, start):
     n_k = ku.shape[-2]
     kp = ku / ridge if state0 is None else ku @ state0.p                   # K̄P_0
     gram = torch.eye(n_k, dtype=ku.dtype, device=ku.device) + kp @ ku.transpose(-1, -2)
-    chol = torch.linalg.cholesky(gram)
+    chol = _cholesky(gram, "I + K̄P₀K̄ᵀ")
     rhs = v if state0 is None else v - ku @ state0.w
     x = torch.linalg.solve_triangular(chol, rhs, upper=False)              # L⁻¹(V − K̄W_0)
     z = torch.linalg.solve_triangular(chol, kp @ qu.transpose(-1, -2), upper=False)   # L⁻¹K̄P_0Q̄ᵀ
@@ -91,7 +102,7 @@ def _masked_parallel(qu, ku, v, allowed, state0, ridge):
         a0 = torch.eye(r, dtype=qu.dtype, device=qu.device) * ridge
         b0 = torch.zeros(r, v.shape[-1], dtype=qu.dtype, device=qu.device)
     else:
-        a0 = torch.cholesky_inverse(torch.linalg.cholesky(state0.p))
+        a0 = torch.cholesky_inverse(_cholesky(state0.p, "the initial state's P"))
         b0 = a0 @ state0.w
     batch = max(1, qu[..., 0, 0].numel())
     rows = max(1, _GRAM_ENTRIES // max(1, batch * r * r))
@@ -101,7 +112,7 @@ def _masked_parallel(qu, ku, v, allowed, state0, ridge):
         m = allowed[..., begin:end, :].to(ku.dtype)                                     # (..., R, n_k)
         a = a0[..., None, :, :] + torch.einsum("...ij,...jr,...js->...irs", m, ku, ku)
         b = b0[..., None, :, :] + torch.einsum("...ij,...jr,...jv->...irv", m, ku, v)
-        sol = torch.cholesky_solve(qu[..., begin:end, :, None], torch.linalg.cholesky(a)).squeeze(-1)
+        sol = torch.cholesky_solve(qu[..., begin:end, :, None], _cholesky(a, "K̄ᵀK̄ + P₀⁻¹")).squeeze(-1)
         outs.append((sol[..., None, :] @ b).squeeze(-2))
     return torch.cat(outs, -2)
 
@@ -127,7 +138,7 @@ def _chunked(q, k, v, estimator, causal, chunk_size, padding, state0, ct):
             c1 = min(c0 + size, stop - start)
             kc, vc = ku[:, c0:c1], vf[:, start + c0:start + c1]
             kp = kc @ p                                                       # K̄P (P symmetric)
-            chol = torch.linalg.cholesky(torch.baddbmm(eye[:c1 - c0, :c1 - c0], kp, kc.transpose(1, 2)))
+            chol = _cholesky(torch.baddbmm(eye[:c1 - c0, :c1 - c0], kp, kc.transpose(1, 2)), "I + K̄PK̄ᵀ")
             ex = torch.linalg.solve_triangular(chol, torch.cat([kp, torch.baddbmm(vc, kc, w, alpha=-1)], -1),
                                                upper=False)
             e, x = ex[..., :r], ex[..., r:]                                   # L⁻¹K̄P, L⁻¹(V − K̄W)

@@ -453,8 +453,12 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     allowed = None
     if mask is not None:
         allowed = allowed_pairs(mask, padding, causal, q.shape[-2], k.shape[-2], q.device)
-    nonempty = True if state0 is not None and not rule.normalized else (
-        state0.log_scale >= SENTINEL / 2 if state0 is not None else None)
+    if state0 is None:
+        nonempty = None                                  # no initial state: rows need keys of their own
+    elif rule.normalized:
+        nonempty = state0.log_scale >= SENTINEL / 2      # per entry: has the initial state absorbed a key?
+    else:
+        nonempty = True                                  # a regression state always has a read-out
     check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2])
 
     if rule.normalized:
@@ -465,13 +469,15 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
         out = (num / den[..., None]).to(q.dtype)
         result = AttentionParts(out, num, den, logs) if return_parts else out
     else:
+        if rule.name == "least_squares":
+            rule.check_precision(k.shape[-2], ct)
         module = _delta if rule.name == "delta" else _ls
         y, final = module.attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allowed, state0,
                                     return_state)
         if not bool(torch.isfinite(y).all()):
-            raise FloatingPointError(f"the {rule.name} rule gave non-finite outputs in {ct}: the state lost its "
-                                     "numerical range" + (" (use a larger ridge, or float64)" if rule.name ==
-                                                          "least_squares" else ""))
+            hint = " (use a larger ridge, or float64)" if rule.name == "least_squares" else ""
+            raise ValueError(f"the {rule.name} rule gave non-finite outputs in {ct}: the state lost its numerical "
+                             f"range{hint}")
         out = y.to(q.dtype)
         if return_parts:
             result = AttentionParts(out, y, torch.ones_like(y[..., 0]), torch.zeros_like(y[..., 0]))

@@ -209,6 +209,7 @@ class RecurrentState:
             if self.rule.name == "delta":
                 self._state = DeltaState(delta_step(self._state.w, ku, vc, step_beta))
             else:
+                self.rule.check_precision(self.num_tokens + 1, ct)
                 self._state = least_squares_step(self._state, ku, vc)
         self.num_tokens += 1
 
@@ -254,7 +255,8 @@ class RecurrentState:
         qu = unit_features(pq, "query", type(self.estimator).__name__)
         out = (qu[..., None, :] @ w).squeeze(-2)
         if self.check_finite and not bool(torch.isfinite(out).all()):
-            raise FloatingPointError(f"the {self.rule.name} state gave a non-finite read-out in {w.dtype}")
+            raise ValueError(f"the {self.rule.name} state gave a non-finite read-out in {w.dtype} (it lost its "
+                             "numerical range; a larger ridge or float64 keeps it)")
         return out.to(q_t.dtype)
 
     def _check_like_state(self, x, name):

@@ -16,7 +16,6 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from ..estimators.base import RULES
-from ..validation import compute_dtype
 
 # Log-scale of an empty normalised state inside the algorithms: finite, so that differences of log-scales never
 # produce NaN (-inf - -inf); exp(SENTINEL - c) underflows to 0 against any real log-scale. Public states use -inf.
@@ -307,6 +306,12 @@ class LeastSquares(Rule):
     unit keys, and the delta rule with the same features is one gradient step on the same loss). State ``(W, P)``:
     ``r² + r·d_v`` numbers (``P`` is symmetric; it is stored whole and counted whole).
 
+    Precision: the modes solve systems of condition number up to ``1 + n/λ`` (``n`` keys, unit features), so
+    their relative accuracy is about ``eps·(1 + n/λ)`` — ``λ ≳ 10⁻⁵ n`` keeps float32 within ~1e-3; a smaller
+    ridge wants float64. Where ``eps·(1 + n/λ) ≥ 1`` (no digit guaranteed) every mode and
+    :class:`~kernapprox.attention.recurrent.RecurrentState` raise ``ValueError``, as does a factorisation that
+    fails numerically.
+
     Parameters
     ----------
     ridge : float > 0
@@ -341,6 +346,16 @@ class LeastSquares(Rule):
 
     def state_numbers(self, r, d_v):
         return r * r + r * d_v
+
+    def check_precision(self, num_keys: int, dtype: torch.dtype) -> None:
+        """Raise if ``eps·(1 + n/λ) ≥ 1``: the systems of ``n`` unit keys then have a condition number beyond
+        ``1/eps`` of ``dtype`` and no digit of the result is guaranteed."""
+        eps = torch.finfo(dtype).eps
+        if eps * (1.0 + num_keys / self.ridge) >= 1.0:
+            raise ValueError(f"least squares with ridge λ = {self.ridge:g} over {num_keys} keys in {dtype}: the "
+                             f"systems it solves have condition number up to 1 + n/λ = {1 + num_keys / self.ridge:.3g}"
+                             f", beyond 1/eps = {1 / eps:.3g}, so no digit of the result is guaranteed; use a ridge "
+                             f"above {eps * num_keys:.2g} (λ ≳ 1e-5·n for ~1e-3 accuracy in float32) or float64")
 
     def empty_state(self, batch_shape, r, d_v, dtype, device):
         eye = torch.eye(r, dtype=dtype, device=device) / self.ridge
@@ -420,14 +435,6 @@ def to_public(state):
     return state
 
 
-def nonempty(state) -> torch.Tensor | bool:
-    """Which entries of a (internal) state have absorbed a key: a bool tensor for normalised states; ``True``
-    for the regression states (their empty read-out, ``0``, is defined but they count as given)."""
-    if isinstance(state, NormalizedState):
-        return state.log_scale >= _EMPTY_BELOW
-    return True
-
-
 def unit_features(phi: torch.Tensor, role: str, estimator_name: str, padding: torch.Tensor | None = None):
     """``φ̄ = φ̃/‖φ̃‖₂`` (the log-scale cancels); padded rows (``padding`` True) become zero. A token whose
     features are all zero has no direction: it raises."""
@@ -443,6 +450,3 @@ def unit_features(phi: torch.Tensor, role: str, estimator_name: str, padding: to
         out = out.masked_fill(padding[..., None], 0.0)
     return out
 
-
-def state_dtype(x: torch.Tensor) -> torch.dtype:
-    return compute_dtype(x.dtype)
