@@ -72,6 +72,10 @@ class Config:
         return (512,) if self.quick else (16384, 65536)
 
     @property
+    def rule_sizes(self):
+        return (128, 256, 512) if self.quick else tuple(1024 * 2**i for i in range(6))      # 1k .. 32k
+
+    @property
     def chunk_sizes(self):
         return (32, 64) if self.quick else (16, 32, 64, 128, 256)
 
@@ -362,6 +366,30 @@ def nystrom_vs_sklearn(cfg: Config) -> list[Row]:
                 reps=t_ours.reps, cpu_utilisation=t_ours.cpu_utilisation)]
 
 
+# The state rules timed by ``rule_scaling``; least squares keeps an r × r matrix and costs O(C r²) per chunk, so it
+# runs at ``LEAST_SQUARES_FEATURES`` features (the others at ``NUM_FEATURES``).
+RULES = {"sum": "sum", "decay": ka.rules.Decay(0.99), "delta": ka.rules.Delta(0.5),
+         "least_squares": ka.rules.LeastSquares(1.0)}
+LEAST_SQUARES_FEATURES = 64
+
+
+def rule_scaling(cfg: Config) -> list[Row]:
+    """Causal chunked linear attention time against n under each state rule (features included): the cost
+    exponent of the chunked delta rule (WY/UT form) and of the others, 1k .. 32k tokens."""
+    rows = []
+    for name, rule in RULES.items():
+        r = LEAST_SQUARES_FEATURES if name == "least_squares" else NUM_FEATURES
+        for n in cfg.rule_sizes:
+            q, k, v = qkv(cfg, n)
+            est = ka.make_estimator("positive_orthogonal", num_features=r, rng=cfg.seed).fit(q)
+            call = functools.partial(ka.linear_attention, q, k, v, est, causal=True, mode="chunked",
+                                     chunk_size=cfg.chunk_size, rule=rule)
+            t = cfg.time(call)
+            rows.append(Row("rule_scaling", f"{name} n={n}", n, True, t.median_s, reps=t.reps,
+                            cpu_utilisation=t.cpu_utilisation, extra={"rule": name, "num_features": r}))
+    return rows
+
+
 CASES = {
     "chunked_vs_sdpa": chunked_vs_sdpa,
     "chunked_scaling": chunked_scaling,
@@ -370,4 +398,5 @@ CASES = {
     "flop_rate": flop_rate,
     "favor_vs_performer": favor_vs_performer,
     "nystrom_vs_sklearn": nystrom_vs_sklearn,
+    "rule_scaling": rule_scaling,
 }

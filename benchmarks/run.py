@@ -3,6 +3,8 @@
 Prints a table and stores it, with the targets and the run's provenance, as ``results/bench.nc``:
 
 - chunked linear attention vs ``torch`` SDPA (n = 4k, 16k, 64k; causal and not) and its cost exponent in n;
+- the chunked mode under each state rule (sum, decay, delta, least squares) against n, and the delta rule's cost
+  exponent (1k .. 32k);
 - the decode step: ``RecurrentState.step`` vs one query over a KV cache, against the cache length;
 - FAVOR+ vs performer-pytorch's ``FastAttention`` (same projection, same inputs; time and error);
 - Nyström features vs scikit-learn's ``Nystroem``;
@@ -34,6 +36,7 @@ TARGETS = (
     # name, description, threshold, sense ("<=" or ">=")
     ("chunked_exponent_causal", "causal chunked cost exponent in n (fitted slope of log t vs log n)", 1.15, "<="),
     ("chunked_exponent_noncausal", "non-causal chunked cost exponent in n", 1.15, "<="),
+    ("delta_chunked_exponent", "causal chunked delta-rule (WY/UT) cost exponent in n, 1k .. 32k", 1.15, "<="),
     ("speedup_vs_sdpa_16k_causal", "SDPA time / chunked time at n = 16k, causal", 10.0, ">="),
     ("speedup_vs_sdpa_16k_noncausal", "SDPA time / chunked time at n = 16k, non-causal", 10.0, ">="),
     ("decode_step_growth", "decode step time at the largest cache / at the smallest (RecurrentState.step)", 1.2,
@@ -69,6 +72,8 @@ def evaluate_targets(rows: list[Row]) -> dict[str, float]:
     scaling = _rows(rows, "chunked_scaling")
     values["chunked_exponent_causal"] = _slope([r for r in scaling if r.causal])
     values["chunked_exponent_noncausal"] = _slope([r for r in scaling if not r.causal])
+    delta = [r for r in _rows(rows, "rule_scaling") if r.extra.get("rule") == "delta"]
+    values["delta_chunked_exponent"] = _slope(delta)
     sdpa = _rows(rows, "chunked_vs_sdpa")
     n_ref = 16384 if any(r.n == 16384 for r in sdpa) else max((r.n for r in sdpa), default=0)
     for r in sdpa:

@@ -1,4 +1,4 @@
-"""Linear attention: attention with a finite feature map, in three equivalent modes.
+"""Linear attention: attention with a finite feature map, in three equivalent modes, under four state rules.
 
 ``y(q) = Σ_i κ(q, k_i) v_i / Σ_i κ(q, k_i)``. With the exact kernel ``κ = exp(s qᵀk)`` this is softmax attention;
 with a feature map ``κ ≈ φ(q)ᵀφ(k)`` it is linear attention, computed in one of three modes that agree to
@@ -7,128 +7,164 @@ floating-point tolerance:
 ``parallel`` (the "Transformer mode")
     materialise ``A = φ(Q) φ(K)ᵀ`` (masked if causal), then ``A V`` and ``A 1``. Quadratic; reference/small n.
 ``recurrent`` (the "RNN mode")
-    scan the state ``W_t = W_{t-1} + v_t φ(k_t)ᵀ``, ``z_t = z_{t-1} + φ(k_t)`` token by token and read
-    ``y_t = W_t φ(q_t) / z_tᵀ φ(q_t)``; constant memory per step. :class:`RecurrentState` exposes the same
+    scan the state ``W_t = W_{t-1} + φ(k_t) v_tᵀ``, ``z_t = z_{t-1} + φ(k_t)`` token by token and read
+    ``y_t = W_tᵀ φ(q_t) / z_tᵀ φ(q_t)``; constant memory per step. :class:`RecurrentState` exposes the same
     step for decoding one token at a time.
 ``chunked`` (the fast mode)
     blockwise: exact masked products within a chunk, the running state across chunks.
 
-Stabilisation (all modes): features come as ``φ = φ̃ · exp(ℓ)`` (see :mod:`kernapprox.estimators.base`).
+The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
+(:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the
+least-squares state (:class:`~kernapprox.rules.LeastSquares`, :mod:`.least_squares`), each in the three modes.
+
+Stabilisation (sum and decay): features come as ``φ = φ̃ · exp(ℓ)`` (see :mod:`kernapprox.estimators.base`).
 Query scales cancel in the ratio and are carried only in the returned log-scale. Non-causal: the key scales are
 shifted by one constant per (batch, head), their maximum. Causal: query ``i`` is shifted by the running maximum
-``c_i = max_{j≤i} ℓ(k_j)`` in every mode (the recurrent state is rescaled by ``exp(c_old − c_new)`` when the
-maximum grows; the parallel and chunked modes apply the same per-row shift inside their blocks), so no ``exp``
-overflows, no row loses all its keys to underflow because of a later, larger key, the streaming form never looks
-ahead, and the three modes return the same numerator, normaliser and log-scale. Half-precision inputs are
-computed in float32 and returned in the input dtype.
+``c_i = max_{j≤i} ℓ(k_j) + (i − j) log γ`` (``γ = 1`` for the sum) in every mode (the recurrent state is rescaled
+by ``exp(c_old + log γ − c_new)`` when the maximum grows; the parallel and chunked modes apply the same per-row
+shift inside their blocks, with positions measured from the start of each chunk), so no ``exp`` overflows, no row
+loses all its keys to underflow because of a later, larger key, the streaming form never looks ahead, and the
+three modes return the same numerator, normaliser and log-scale. The delta and least-squares rules use unit
+features ``φ̄ = φ̃/‖φ̃‖``, from which ``ℓ`` cancels exactly. Half-precision inputs are computed in float32 and
+returned in the input dtype.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..estimators.base import AttentionParts, Estimator
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
+from . import delta as _delta
+from . import least_squares as _ls
+from .blocks import chunked_block_length
 from .exact import softmax_attention
-from .recurrent import state_read, state_update
+from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
+from .recurrent import normalized_read, normalized_step
+from .rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 
 MODES = ("parallel", "recurrent", "chunked")
 
 
-def _stabilised_features(q, k, estimator):
+def _stabilised_features(q, k, estimator, padding=None):
     # q and k were checked for NaN/Inf by the caller: one scan each, not two
     pq, lq = estimator.features(q, "query", log_scale=True, check_finite=False)
     pk, lk = estimator.features(k, "key", log_scale=True, check_finite=False)
     ct = compute_dtype(q.dtype)
-    return pq.to(ct), lq.to(ct), pk.to(ct), lk.to(ct)
+    pq, lq, pk, lk = pq.to(ct), lq.to(ct), pk.to(ct), lk.to(ct)
+    if padding is not None:
+        pk, lk = _mask_keys(pk, lk, padding)
+    return pq, lq, pk, lk
 
 
-def _parallel(pq, lq, pk, lk, v, causal):
-    if causal:
-        num, den, c_rows = _causal_block(pq, pk, lk, v, None)
-        return num, den, lq + c_rows
-    c = lk.amax(-1, keepdim=True)                                     # one shift per (batch, head)
-    pk = pk * torch.exp(lk - c)[..., None]
-    a = pq @ pk.transpose(-1, -2)                                     # (..., n, n)
-    return a @ v, a.sum(-1), lq + c
+def _mask_keys(pk, lk, padding):
+    """Padded keys weigh nothing: zero features and the empty-state sentinel as log-scale (never a maximum)."""
+    return pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
 
 
-def _causal_block(pq, pk, lk, v, c_prev):
-    """Causal products within one block, each query row shifted by the running key maximum up to itself.
+# ------------------------------------------------------------------------------------ normalised: parallel
+def _normalized_parallel(pq, lq, pk, lk, v, causal, a, log_mask, state0, want_state):
+    """Sum/decay rule, parallel mode: ``A_ij = φ̃(q_i)ᵀφ̃(k_j) e^{ℓ_j + (i−j) log γ + m_ij − c_i}``.
 
-    ``A_ij = φ̃(q_i)ᵀφ̃(k_j) · exp(ℓ_j − c_i)`` for ``j ≤ i`` with ``c_i = max(c_prev, max_{j≤i} ℓ_j)`` — the
-    shift the recurrent mode has at step ``i`` — so no row's keys all underflow because of a later, larger key.
-    Returns ``(A V, A 1, c)`` with ``c`` of shape ``(..., L)``.
+    ``c_i`` is the row's largest weight exponent (the running key maximum when causal, one constant per batch
+    entry when non-causal and unmasked), including the initial state's ``c_0 + (i+1) log γ``. Returns
+    ``(num, den, log_scale, final_state)``.
     """
-    c_rows = torch.cummax(lk, dim=-1).values                          # (..., L)
-    if c_prev is not None:
-        c_rows = torch.maximum(c_rows, c_prev[..., None])
-    length = lk.shape[-1]
-    future = torch.ones(length, length, dtype=torch.bool, device=lk.device).triu(1)
-    log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
-    a = (pq @ pk.transpose(-1, -2)) * torch.exp(log_w)                # (..., L, L)
-    return a @ v, a.sum(-1), c_rows
+    n_q, n_k = pq.shape[-2], pk.shape[-2]
+    device, ct = pq.device, pq.dtype
+    if not causal and a:                   # every query reads the state after the last key: weights γ^(n_k−1−j)
+        lk = lk + torch.arange(n_k - 1, -1, -1, device=device, dtype=ct) * a
+    logits = lk[..., None, :]
+    per_row = causal or log_mask is not None
+    if causal:
+        i = torch.arange(n_q, device=device)[:, None]
+        j = torch.arange(n_k, device=device)[None, :]
+        lag = ((i - j).to(ct) * a) if a else torch.zeros((), dtype=ct, device=device)
+        logits = logits + torch.where(j <= i, lag, torch.full((), -math.inf, dtype=ct, device=device))
+    if log_mask is not None:
+        logits = logits + log_mask
+    logits = logits.expand(*lk.shape[:-1], n_q, n_k)
+    if per_row:
+        c = logits.amax(-1)                                           # (..., n_q)
+    else:
+        c = lk.amax(-1, keepdim=True).expand(*lk.shape[:-1], n_q)     # one shift per (batch, head)
+    if state0 is not None:
+        c0_rows = state0.log_scale[..., None]
+        if causal and a:
+            c0_rows = c0_rows + torch.arange(1, n_q + 1, device=device, dtype=ct) * a
+        elif a:
+            c0_rows = c0_rows + n_k * a
+        c = torch.maximum(c, c0_rows.expand_as(c))
+    a_mat = (pq @ pk.transpose(-1, -2)) * torch.exp(logits - c[..., None])
+    num, den = a_mat @ v, a_mat.sum(-1)
+    if state0 is not None:
+        f = torch.exp(c0_rows - c)
+        num = num + (pq @ state0.w) * f[..., None]
+        den = den + (pq @ state0.z[..., None]).squeeze(-1) * f
+    final = None
+    if want_state:
+        weight = lk                        # non-causal: already decayed to the last key
+        if causal and a:
+            weight = lk + torch.arange(n_k - 1, -1, -1, device=device, dtype=ct) * a
+        c_fin = weight.amax(-1)
+        if state0 is not None:
+            c_fin = torch.maximum(c_fin, state0.log_scale + n_k * a)
+        wk = torch.exp(weight - c_fin[..., None])
+        w = pk.transpose(-1, -2) @ (v * wk[..., None])
+        z = (pk * wk[..., None]).sum(-2)
+        if state0 is not None:
+            f0 = torch.exp(state0.log_scale + n_k * a - c_fin)
+            w = w + state0.w * f0[..., None, None]
+            z = z + state0.z * f0[..., None]
+        final = NormalizedState(w, z, c_fin)
+    return num, den, lq + c, final
 
 
-def _recurrent(pq, lq, pk, lk, v, causal):
-    state = None
+# ----------------------------------------------------------------------------------- normalised: recurrent
+def _normalized_recurrent(pq, lq, pk, lk, v, causal, a, state):
     nums, dens, scales = [], [], []
-    n = pk.shape[-2]
-    for t in range(n):
-        state = state_update(state, pk[..., t, :], lk[..., t], v[..., t, :])
+    for t in range(pk.shape[-2]):
+        state = normalized_step(state, pk[..., t, :], lk[..., t], v[..., t, :], a)
         if causal:
-            num, den = state_read(state, pq[..., t, :])
+            num, den = normalized_read(state, pq[..., t, :])
             nums.append(num)
             dens.append(den)
-            scales.append(lq[..., t] + state[2])
+            scales.append(lq[..., t] + state.log_scale)
     if not causal:
-        w, z, c = state
-        return pq @ w, pq @ z[..., None], lq + c[..., None]
-    return torch.stack(nums, -2), torch.stack(dens, -1), torch.stack(scales, -1)
+        return pq @ state.w, pq @ state.z[..., None], lq + state.log_scale[..., None], state
+    return torch.stack(nums, -2), torch.stack(dens, -1), torch.stack(scales, -1), state
 
 
-# Token blocks of the chunked mode hold about this many feature entries (all batch entries together). On a CPU a
-# block's features stay in cache and the allocator recycles its temporaries; whole-sequence feature matrices of
-# hundreds of MB made every element-wise pass a round trip to memory (and a fresh page-faulted allocation).
-# A GPU wants large blocks for parallelism. Results do not depend on the block length beyond rounding.
-_FEATURES_PER_BLOCK = {"cpu": 1 << 19, "cuda": 1 << 26}
+# ------------------------------------------------------------------------------------- normalised: chunked
+def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0):
+    """The chunked mode of the sum and decay rules, computed block by block: features of one block of tokens at a
+    time (never of the whole sequence), and within a causal block every chunk at once.
 
+    Numerator and normaliser come out of one product with ``[V 1]`` (the state is ``r × (d_v+1)``). Causal, with
+    positions ``p`` counted from each chunk's start and ``ℓ'_p = ℓ_p − p log γ`` (``= ℓ_p`` for the sum):
 
-def chunked_block_length(batch: int, r: int, chunk_size: int, n: int, device: torch.device) -> int:
-    """Tokens per block of the chunked mode for ``batch`` sequences of ``n`` tokens and ``r`` features.
+    - chunk scales: the state after chunk ``j`` has log-scale ``s_j = max(s_{j−1} + C log γ, σ_j)`` with
+      ``σ_j = max_p ℓ'_p + (C−1) log γ`` (the chunk's own largest key, decayed to its end);
+    - rows: ``c'_p = max(s_{j−1} + log γ, max_{l≤p} ℓ'_l)`` — the recurrent mode's shift ``c_t`` less ``p log γ``;
+    - intra-chunk: ``A_pl = φ̃(q_p)ᵀφ̃(k_l) e^{ℓ'_l − c'_p}`` for ``l ≤ p``;
+    - chunk summaries ``U_j = Σ_l e^{ℓ'_l + (C−1) log γ − s_j} φ̃(k_l) [v_l 1]ᵀ`` and states before each chunk
+      ``S_{j} = S_{j−1} e^{s_{j−2} + C log γ − s_{j−1}} + U_{j−1}`` (every factor ≤ 1), a loop of fused
+      multiply-adds or one batched product (:func:`_chunk_states`), without a Python loop over tokens;
+    - rows read ``φ̃(q_p)ᵀ S_j e^{s_{j−1} + log γ − c'_p}``; the log-scale is ``ℓ(q_p) + c'_p + p log γ``.
 
-    A multiple of ``chunk_size`` holding about ``_FEATURES_PER_BLOCK[device.type]`` feature entries (all batch
-    entries together), and never more than the sequence rounded up to a whole chunk. Memory accounts of the
-    chunked mode (e.g. the ``modes`` experiment) use it to know what one block holds.
-    """
-    target = _FEATURES_PER_BLOCK.get(device.type, _FEATURES_PER_BLOCK["cuda"])
-    chunks = max(1, target // max(1, batch * r * chunk_size))
-    return min(chunks * chunk_size, -(-n // chunk_size) * chunk_size)
-
-
-def _chunked(q, k, v, estimator, causal, chunk_size):
-    """The chunked mode, computed block by block: features of one block of tokens at a time (never of the whole
-    sequence), and within a causal block every chunk at once.
-
-    Numerator and normaliser come out of one product with ``[V 1]`` (the state is ``r × (d_v+1)``). Causal: for
-    the chunks ``j`` of a block, with ``c_i`` the running key maximum at row ``i`` (the recurrent mode's shift),
-    ``c⁻_j`` the shift before chunk ``j`` and ``c⁺_j`` the one at its end,
-
-    - intra-chunk: ``A_il = φ̃(q_i)ᵀφ̃(k_l) e^{ℓ_l − c_i}`` for ``l ≤ i`` (per-row shift, as in :func:`_causal_block`);
-    - chunk summaries ``U_j = Σ_{l∈j} e^{ℓ_l − c⁺_j} φ̃(k_l) [v_l 1]ᵀ``;
-    - states before each chunk ``S_j = Σ_{i<j} e^{c⁺_i − c⁻_j} U_i + e^{c_carry − c⁻_j} S_carry``, one batched
-      product with a lower-triangular weight matrix whose entries are all ≤ 1 (the running maximum only grows):
-      the same sums as the token-by-token recurrence, without a Python loop over chunks;
-    - rows read ``φ̃(q_i)ᵀ S_j e^{c⁻_j − c_i}``.
-
-    Non-causal: the key pass accumulates the state under a running maximum (rescaled by ``e^{c_old − c_new}``),
-    then the query pass reads it; the shift is the maximum over all keys, as in the parallel mode.
+    Non-causal: the key pass accumulates the state under a running maximum (rescaled by ``e^{c_old + L log γ −
+    c_new}`` after a block of ``L`` keys), then the query pass reads the final state; the shift is the maximum over
+    all (decayed) keys. Padded keys have
+    zero features and the sentinel log-scale. Returns ``(num, den, log_scale, final_state)``.
     """
     ct = compute_dtype(q.dtype)
     batch_shape, (n, d), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
     qf, kf = q.reshape(-1, n, d), k.reshape(-1, n_k, d)
     batch = qf.shape[0]
     vf = v.reshape(batch, n_k, d_v)
+    padf = None if padding is None else padding.reshape(batch, n_k)
     block = chunked_block_length(batch, estimator.num_features, chunk_size, max(n, n_k), q.device)
     ones = torch.ones(batch, block, 1, dtype=ct, device=v.device)
 
@@ -136,27 +172,46 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
         return torch.cat([vf[:, start:stop].to(ct), ones[:, :stop - start]], -1)
 
     def features(x, role):
-        return estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
+        pf, lf = estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
+        return pf.to(ct), lf.to(ct)
 
+    def key_features(start, stop):
+        pk, lk = features(kf[:, start:stop], "key")
+        if padf is not None:
+            pk, lk = _mask_keys(pk, lk, padf[:, start:stop])
+        return pk, lk
+
+    state = c = None
+    if state0 is not None:
+        r = state0.w.shape[-2]
+        state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1)
+        c = state0.log_scale.reshape(batch)
     num_den = torch.empty(batch, n, d_v + 1, dtype=ct, device=q.device)
     logs = torch.empty(batch, n, dtype=ct, device=q.device)
     if causal:
-        _chunked_causal(qf, kf, values, features, chunk_size, block, num_den, logs)
+        state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, num_den, logs,
+                                   state, c)
     else:
-        state = c = None
         for start in range(0, n_k, block):
-            pk, lk = features(kf[:, start:start + block], "key")
+            pk, lk = key_features(start, start + block)
+            length = pk.shape[1]
+            if a:                              # decayed to the block's last key; the carried state by γ^length
+                lk = lk + torch.arange(length - 1, -1, -1, device=lk.device, dtype=ct) * a
+                c = None if c is None else c + length * a
             c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
             weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
-            update = pk.transpose(-1, -2) @ (values(start, start + pk.shape[1]) * weights)
+            update = pk.transpose(-1, -2) @ (values(start, start + length) * weights)
             state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
             c = c_new
         for start in range(0, n, block):
             pq, lq = features(qf[:, start:start + block], "query")
             num_den[:, start:start + block] = pq @ state
             logs[:, start:start + block] = lq + c[:, None]
+    r = state.shape[-2]
+    final = NormalizedState(state[..., :d_v].reshape(*batch_shape, r, d_v), state[..., d_v].reshape(*batch_shape, r),
+                            c.reshape(batch_shape))
     return (num_den[..., :d_v].reshape(*batch_shape, n, d_v), num_den[..., d_v].reshape(*batch_shape, n),
-            logs.reshape(*batch_shape, n))
+            logs.reshape(*batch_shape, n), final)
 
 
 # Up to this many chunks per block (CPU-sized blocks) the chunk states are a loop of fused multiply-adds; beyond
@@ -164,16 +219,30 @@ def _chunked(q, k, v, estimator, causal, chunk_size):
 _SEQUENTIAL_CHUNKS = 16
 
 
-def _chunk_states(summary, state, c_before, c_end):
+def _chunk_scales(carry, sigma, da):
+    """``s_j = max(s_{j−1} + da, σ_j)`` from ``s_{−1} = carry``: the log-scale of the state after each chunk.
+
+    For the sum (``da = 0``) a running maximum; with decay ``s_j = j·da + max_{i≤j}(σ_i − i·da)`` (the carry as
+    ``i = −1``). The values are stabilisers, used consistently for writing and reading each state, so the
+    rounding of ``j·da`` does not change the result.
+    """
+    e = torch.cat([carry[:, None], sigma], 1)
+    if not da:
+        return torch.cummax(e, 1).values[:, 1:]
+    lag = torch.arange(e.shape[1], device=e.device, dtype=e.dtype) * da
+    return (torch.cummax(e - lag, 1).values + lag)[:, 1:]
+
+
+def _chunk_states(summary, state, c_before, c_end, da):
     """States before each chunk of a block, and the state after the block.
 
-    ``S_0`` is the carried state (zero before the first block) and ``S_{j+1} = S_j e^{c⁻_j − c⁺_j} + U_j``: the
-    recurrence at chunk granularity, every factor ≤ 1 (``e^{-inf} = 0`` before the sequence's first chunk). With
-    many chunks the same sums come from one product with the weights ``e^{c⁺_i − c⁻_j}`` (``i < j``) and
-    ``e^{c_carry − c⁻_j}`` for the carried state.
+    ``S_0`` is the carried state (zero before the first block) and ``S_{j+1} = S_j e^{c⁻_j + da − c⁺_j} + U_j``:
+    the recurrence at chunk granularity (``da = C log γ``), every factor ≤ 1. With many chunks the same sums come
+    from one product with the weights ``e^{c⁺_i + (j−1−i) da − c⁻_j}`` (``i < j``) and ``e^{c⁻_0 + j da − c⁻_j}``
+    for the carried state.
     """
     g = c_end.shape[1]
-    decay = torch.exp(c_before - c_end)[..., None, None]                     # (B, g, 1, 1)
+    decay = torch.exp(c_before + da - c_end)[..., None, None]                # (B, g, 1, 1)
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (summary, state, c_before, c_end))
     if g <= _SEQUENTIAL_CHUNKS and needs_grad:                               # out= is not differentiable
@@ -190,57 +259,77 @@ def _chunk_states(summary, state, c_before, c_end):
         for j in range(g - 1):
             torch.addcmul(summary[:, j], states[:, j], decay[:, j], out=states[:, j + 1])
     else:
-        earlier = torch.ones(g, g, dtype=torch.bool, device=c_end.device).tril(-1)
-        weights = torch.exp((c_end[:, None, :] - c_before[:, :, None]).masked_fill(~earlier, float("-inf")))
+        idx = torch.arange(g, device=c_end.device)
+        earlier = idx[:, None] > idx[None, :]
+        exponent = c_end[:, None, :] - c_before[:, :, None]
+        if da:
+            exponent = exponent + ((idx[:, None] - 1 - idx[None, :]).to(c_end.dtype) * da)
+        weights = torch.exp(exponent.masked_fill(~earlier, float("-inf")))
         stacked = summary
         if state is not None:                                                # the carried state as chunk "-1"
-            weights = torch.cat([torch.exp(c_before[:, :1] - c_before)[..., None], weights], -1)
+            carried = c_before[:, :1] - c_before
+            if da:
+                carried = carried + idx.to(c_end.dtype) * da
+            weights = torch.cat([torch.exp(carried)[..., None], weights], -1)
             stacked = torch.cat([state[:, None], summary], 1)
         states = (weights @ stacked.flatten(-2)).view(summary.shape)
     return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
 
 
-def _chunked_causal(qf, kf, values, features, chunk_size, block, num_den, logs):
-    """Causal chunked mode over blocks of ``block`` tokens (see :func:`_chunked`); writes ``num_den``, ``logs``."""
+def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, num_den, logs, state, c_carry):
+    """Causal chunked mode over blocks of ``block`` tokens (see :func:`_normalized_chunked`); writes ``num_den``,
+    ``logs``; returns the final state and its log-scale."""
     batch, n = qf.shape[:2]
     size = chunk_size
+    ct = num_den.dtype
     future = torch.ones(size, size, dtype=torch.bool, device=qf.device).triu(1)
-    state = c_carry = None                                                   # (B, r, d_v+1), (B,)
+    pos_a = torch.arange(size, device=qf.device, dtype=ct) * a if a else None
+    if c_carry is None:
+        c_carry = torch.full((batch,), SENTINEL, dtype=ct, device=qf.device)
+    pad = 0
     for start in range(0, n, block):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")
-        pk, lk = features(kf[:, start:stop], "key")
+        pk, lk = key_features(start, stop)
         vb = values(start, stop)
-        c_rows = torch.cummax(lk, -1).values
-        if c_carry is not None:
-            c_rows = torch.maximum(c_rows, c_carry[:, None])
-        logs[:, start:stop] = lq + c_rows
         length, pad = stop - start, -(stop - start) % size
-        if pad:                                  # a last partial chunk: padded keys weigh exp(-inf) = 0
+        if pad:                                  # a last partial chunk: padded keys weigh nothing
             pq, pk, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (pq, pk, vb))
-            lk = torch.nn.functional.pad(lk, (0, pad), value=float("-inf"))
-            c_rows = torch.cat([c_rows, c_rows[:, -1:].expand(batch, pad)], -1)
+            lq = torch.nn.functional.pad(lq, (0, pad))
+            lk = torch.nn.functional.pad(lk, (0, pad), value=SENTINEL)
         g, r = (length + pad) // size, pq.shape[-1]
         pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, -1)
-        lk, c_rows = lk.view(batch, g, size), c_rows.view(batch, g, size)
-        c_end = c_rows[..., -1]                                              # (B, g)
-        first = c_end.new_full((batch, 1), float("-inf")) if c_carry is None else c_carry[:, None]
-        c_before = torch.cat([first, c_end[:, :-1]], 1)                      # (B, g)
+        lk, lq = lk.view(batch, g, size), lq.view(batch, g, size)
+        if a:
+            lk = lk - pos_a                                                  # ℓ'_p = ℓ_p − p log γ
+        local = torch.cummax(lk, -1).values                                  # (B, g, C)
+        c_end = _chunk_scales(c_carry, local[..., -1] + (size - 1) * a, size * a)   # (B, g)
+        c_before = torch.cat([c_carry[:, None], c_end[:, :-1]], 1)           # (B, g)
+        c_rows = torch.maximum(local, (c_before + a)[..., None])            # (B, g, C)
+        row_logs = lq + c_rows if not a else lq + c_rows + pos_a
+        logs[:, start:stop] = row_logs.reshape(batch, -1)[:, :length]
         log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
         out = ((pq @ pk.transpose(-1, -2)) * torch.exp(log_w)) @ vb          # intra-chunk, (B, g, C, d_v+1)
-        summary = pk.transpose(-1, -2) @ (vb * torch.exp(lk - c_end[..., None])[..., None])   # (B, g, r, d_v+1)
+        key_w = lk - c_end[..., None] if not a else lk + (size - 1) * a - c_end[..., None]
+        summary = pk.transpose(-1, -2) @ (vb * torch.exp(key_w)[..., None])  # (B, g, r, d_v+1)
         if g > 1 or state is not None:
-            states, state = _chunk_states(summary, state, c_before, c_end)   # S_j: (B, g, r, d_v+1)
-            out = out + (pq @ states) * torch.exp(c_before[..., None] - c_rows)[..., None]
+            states, state = _chunk_states(summary, state, c_before, c_end, size * a)   # S_j: (B, g, r, d_v+1)
+            out = out + (pq @ states) * torch.exp(c_before[..., None] + a - c_rows)[..., None]
         else:
             state = summary[:, -1]
         c_carry = c_end[:, -1]
         num_den[:, start:stop] = out.reshape(batch, g * size, -1)[:, :length]
+    if pad and a:        # the last chunk was padded: its scale was decayed to the padded end, not to token n−1
+        c_carry = c_carry - pad * a
+    return state, c_carry
 
 
+# ---------------------------------------------------------------------------------------------- entry point
 def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: str = "chunked", *,
-                     chunk_size: int = 64, return_parts: bool = False):
-    """Kernelised attention ``y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)`` (``j ≤ i`` if causal).
+                     chunk_size: int = 64, return_parts: bool = False, rule="sum", key_padding_mask=None,
+                     attn_mask=None, initial_state=None, return_state: bool = False):
+    """Kernelised attention ``y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)`` (``j ≤ i`` if causal), or the
+    read-out of another state rule.
 
     Parameters
     ----------
@@ -250,55 +339,166 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
         A fitted estimator, dispatched on its declared ``kind``: the exact kernel (``"exact"``) is routed to
         :func:`~kernapprox.attention.exact.softmax_attention`; estimators that bring their own attention
         (``"attention"``: hybrids, Nyströmformer, the rank-r references) are called; feature maps
-        (``"features"``) run in the mode asked for.
+        (``"features"``) run in the mode asked for, under any rule their ``capabilities().rules`` declare.
     causal : bool
     mode : {"parallel", "recurrent", "chunked"}
     chunk_size : int
         Chunk length of the chunked mode.
     return_parts : bool
-        Return :class:`AttentionParts` (output, numerator, normaliser, log-scale) instead of the output.
+        Return :class:`AttentionParts` (output, numerator, normaliser, log-scale) instead of the output. Rules
+        without a normaliser (delta, least squares) return the output as numerator, normaliser 1, log-scale 0.
+    rule : str or rule object
+        How the state is written (:mod:`kernapprox.rules`): ``"sum"`` (default), ``Decay(gamma)``,
+        ``Delta(beta)``, ``LeastSquares(ridge)`` (or the names ``"delta"``, ``"least_squares"`` with β = 1, λ = 1).
+        Non-causal, every query reads the state after the last key (for the order-dependent decay and delta
+        rules, the newest keys weigh most).
+    key_padding_mask : bool Tensor ``(..., n_k)``, optional
+        ``nn.MultiheadAttention``'s convention: True = the key is padding and no query reads it (it adds nothing
+        to the state; the decay still counts its position). Broadcast by torch's rules against the batch
+        dimensions, aligned from the right: for ``(B, H, n, d)`` inputs pass ``(B, 1, n_k)``. Every mode.
+    attn_mask : Tensor broadcastable to ``(..., n_q, n_k)``, optional
+        SDPA's convention: bool with True = the pair takes part, or float additive (the inputs' dtype; ``−inf``
+        removes a pair) — parallel mode only, where query ``i`` reads the state built from the keys its row
+        allows (in order, for the delta rule). The sum and decay rules take both kinds; the delta and
+        least-squares rules take bool masks only (their states are not weighted sums of kernel values, so an
+        additive logit has no meaning for them). Combined with ``causal`` and ``key_padding_mask`` by "and".
+    initial_state : state tuple, optional
+        Start from a state (e.g. returned by an earlier call with ``return_state=True``): the
+        :class:`~kernapprox.rules.NormalizedState` (sum, decay), :class:`~kernapprox.rules.DeltaState` or
+        :class:`~kernapprox.rules.LeastSquaresState`, shapes for the inputs' batch dimensions, in the compute
+        dtype (float32 for half inputs). Its keys come before this call's (decay: one position before the first).
+    return_state : bool
+        Also return the state after the last key: ``(output or parts, state)``. Not with an ``attn_mask`` (a
+        per-query key selection has no single final state).
 
     The normaliser may be ≤ 0 for signed features (trigonometric, Maclaurin, Nyström); the output is then
     ±inf or has the wrong sign, which :func:`kernapprox.metrics.nonpositive_normalizer_rate` measures. Nothing
-    is clipped.
+    is clipped. A query that sees no key (masked, and no initial state) raises ``ValueError``.
+
+    Examples
+    --------
+    >>> import torch, kernapprox as ka
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(2, 40, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    >>> est = ka.make_estimator("positive_orthogonal", num_features=32, rng=0).fit(q, k)
+    >>> rule = ka.rules.Delta(0.5)
+    >>> y, state = ka.linear_attention(q[:, :30], k[:, :30], v[:, :30], est, causal=True, rule=rule,
+    ...                                return_state=True)                        # prefill
+    >>> dec = ka.RecurrentState(est, rule=rule, initial_state=state)
+    >>> y_next = dec.step(q[:, 30], k[:, 30], v[:, 30])                           # decode
+    >>> y_all = ka.linear_attention(q, k, v, est, causal=True, rule=rule)
+    >>> bool(torch.allclose(y_next, y_all[:, 30], atol=1e-12))
+    True
     """
     check_qkv(q, k, v, causal)
     check_choice(mode, "mode", MODES)
     check_positive_int(chunk_size, "chunk_size")
     check_bool(return_parts, "return_parts")
+    check_bool(return_state, "return_state")
+    rule = resolve_rule(rule)
     if not isinstance(estimator, Estimator):
         raise TypeError(f"estimator must be a kernapprox estimator, got {type(estimator).__name__}")
     estimator._check_fitted()
     if estimator.dim_ != q.shape[-1]:
         raise ValueError(f"q and k have d={q.shape[-1]} but the estimator was fitted with d={estimator.dim_}")
     caps = estimator.capabilities()
+    name = type(estimator).__name__
     if mode not in caps.modes:
-        raise ValueError(f"mode {mode!r} is not supported by {type(estimator).__name__}; "
-                         f"supported: {', '.join(caps.modes)}")
+        raise ValueError(f"mode {mode!r} is not supported by {name}; supported: {', '.join(caps.modes)}")
     if causal and not caps.causal:
-        raise ValueError(f"{type(estimator).__name__} is not causal: it does not define causal attention "
-                         "(use causal=False)")
-    if caps.kind == "exact":
-        out, lse = softmax_attention(q, k, v, causal, estimator.scale_, return_lse=True)
-        if not return_parts:
-            return out
-        one = torch.ones_like(lse)
-        return AttentionParts(out, out.to(lse.dtype), one, lse)
-    if caps.kind == "attention":
+        raise ValueError(f"{name} is not causal: it does not define causal attention (use causal=False)")
+    if rule.name not in caps.rules:
+        raise ValueError(f"rule {rule.name!r} is not supported by {name}; supported: {', '.join(caps.rules)} "
+                         "(state rules need a finite feature map)")
+    if not causal and not rule.noncausal:
+        raise ValueError(f"the {rule.name} rule is causal only (its weights γ^(i−j) are defined for keys before the "
+                         "query): use causal=True")
+    padding = check_key_padding_mask(key_padding_mask, k)
+    mask = check_attn_mask(attn_mask, q, k)
+    if mask is not None and mode != "parallel":
+        raise ValueError(f"attn_mask is honoured in the parallel mode only: the {mode} mode builds one state per "
+                         "position from every earlier key, so it cannot leave out arbitrary keys for some queries; use "
+                         "key_padding_mask (drops keys for every query) or mode='parallel'")
+    if mask is not None and return_state:
+        raise ValueError("return_state=True with an attn_mask: the mask selects keys per query, so there is no "
+                         "single final state (use key_padding_mask to drop keys for every query)")
+    if mask is not None and mask.dtype != torch.bool and not rule.normalized:
+        raise ValueError(f"the {rule.name} rule takes a bool attn_mask only: its state is not a weighted sum of "
+                         "kernel values, so an additive (float) mask has no meaning for it")
+    if caps.kind != "features":
+        if initial_state is not None or return_state:
+            raise ValueError(f"{name} has no linear state to start from or return (initial_state/return_state "
+                             "need a finite feature map)")
+        if caps.kind == "exact":
+            extra = {}
+            if padding is not None:
+                extra["key_padding_mask"] = key_padding_mask
+            if mask is not None:
+                extra["attn_mask"] = attn_mask
+            out, lse = softmax_attention(q, k, v, causal, estimator.scale_, return_lse=True, **extra)
+            if not return_parts:
+                return out
+            one = torch.ones_like(lse)
+            return AttentionParts(out, out.to(lse.dtype), one, lse)
+        if padding is not None or mask is not None:
+            raise ValueError(f"{name} brings its own attention, which takes no key_padding_mask or attn_mask")
         return estimator.attention(q, k, v, causal=causal, mode=mode, chunk_size=chunk_size,
                                    return_parts=return_parts)
-    if mode == "chunked":
-        num, den, logs = _chunked(q, k, v, estimator, causal, chunk_size)
+
+    ct = compute_dtype(q.dtype)
+    r = estimator.num_features
+    state0 = None
+    if initial_state is not None:
+        state0 = rule.check_state(initial_state, q.shape[:-2], r, v.shape[-1], ct, q.device, "initial_state")
+    allowed = None
+    if mask is not None:
+        allowed = allowed_pairs(mask, padding, causal, q.shape[-2], k.shape[-2], q.device)
+    if state0 is None:
+        nonempty = None                                  # no initial state: rows need keys of their own
+    elif rule.normalized:
+        nonempty = state0.log_scale >= SENTINEL / 2      # per entry: has the initial state absorbed a key?
     else:
-        pq, lq, pk, lk = _stabilised_features(q, k, estimator)
-        vc = v.to(pq.dtype)
-        if mode == "parallel":
-            num, den, logs = _parallel(pq, lq, pk, lk, vc, causal)
+        nonempty = True                                  # a regression state always has a read-out
+    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2])
+
+    if rule.normalized:
+        num, den, logs, final = _normalized(q, k, v, estimator, causal, mode, chunk_size, rule.log_decay, padding,
+                                            mask, state0, return_state)
+        den = den.reshape(num.shape[:-1])
+        logs = logs.reshape(num.shape[:-1])
+        out = (num / den[..., None]).to(q.dtype)
+        result = AttentionParts(out, num, den, logs) if return_parts else out
+    else:
+        if rule.name == "least_squares":
+            rule.check_precision(k.shape[-2], ct)
+        module = _delta if rule.name == "delta" else _ls
+        y, final = module.attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allowed, state0,
+                                    return_state)
+        if not bool(torch.isfinite(y).all()):
+            hint = " (use a larger ridge, or float64)" if rule.name == "least_squares" else ""
+            raise ValueError(f"the {rule.name} rule gave non-finite outputs in {ct}: the state lost its numerical "
+                             f"range{hint}")
+        out = y.to(q.dtype)
+        if return_parts:
+            result = AttentionParts(out, y, torch.ones_like(y[..., 0]), torch.zeros_like(y[..., 0]))
         else:
-            num, den, logs = _recurrent(pq, lq, pk, lk, vc, causal)
-    den = den.reshape(num.shape[:-1])
-    logs = logs.reshape(num.shape[:-1])
-    out = (num / den[..., None]).to(q.dtype)
-    if return_parts:
-        return AttentionParts(out, num, den, logs)
-    return out
+            result = out
+    if return_state:
+        return result, to_public(final)
+    return result
+
+
+def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, state0, want_state):
+    if mode == "chunked":
+        return _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0)
+    pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
+    vc = v.to(pq.dtype)
+    if mode == "parallel":
+        log_mask = None
+        if mask is not None:
+            log_mask = (mask.to(pq.dtype) if mask.dtype != torch.bool
+                        else torch.zeros(mask.shape, dtype=pq.dtype, device=pq.device).masked_fill(~mask, -math.inf))
+        return _normalized_parallel(pq, lq, pk, lk, vc, causal, a, log_mask, state0, want_state)
+    if state0 is None:
+        state0 = Sum().empty_state(pk.shape[:-2], pk.shape[-1], vc.shape[-1], pq.dtype, pq.device)
+    return _normalized_recurrent(pq, lq, pk, lk, vc, causal, a, state0)

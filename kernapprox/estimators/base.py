@@ -90,6 +90,8 @@ from ..validation import (
 ROLES = ("query", "key")
 KINDS = ("features", "attention", "exact")
 MODES = ("parallel", "recurrent", "chunked")
+# State-update rules of linear attention (kernapprox.rules): every finite feature map runs under each of them.
+RULES = ("sum", "decay", "delta", "least_squares")
 
 
 class AttentionParts(NamedTuple):
@@ -434,6 +436,7 @@ class FeatureMap(Estimator):
     ``_log_features``; :func:`kernapprox.linear_attention` runs it in every mode it declares."""
 
     kind: ClassVar[str] = "features"
+    rules: ClassVar[tuple[str, ...]] = RULES
 
     # -------------------------------------------------------------------------------------------- features
     def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,

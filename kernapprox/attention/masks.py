@@ -1,0 +1,114 @@
+"""Attention masks with torch's conventions, checked once and shared by every mode and rule.
+
+``key_padding_mask`` (``torch.nn.MultiheadAttention``'s convention): a bool tensor ``(..., n_k)``, ``True`` =
+the key is padding and is ignored by every query. It broadcasts against the inputs' batch dimensions by torch's
+rules (aligned from the right), so for inputs ``(B, H, n, d)`` pass ``(B, 1, n_k)``.
+
+``attn_mask`` (``torch.nn.functional.scaled_dot_product_attention``'s convention): broadcastable to
+``(..., n_q, n_k)``; bool with ``True`` = the pair takes part, or a float additive mask (in the inputs' dtype)
+added to the logits, ``−inf`` removing the pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_key_padding_mask(mask, k: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` expanded to ``k.shape[:-1]`` (bool), or ``None``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must have dtype torch.bool (True = padding, ignored), got {mask.dtype}")
+    if mask.device != k.device:
+        raise ValueError(f"key_padding_mask is on {mask.device} but the keys are on {k.device}")
+    want = tuple(k.shape[:-1])
+    if mask.dim() < 1 or mask.shape[-1] != want[-1]:
+        raise ValueError(f"key_padding_mask must have shape (..., n_k) with n_k = {want[-1]}, got {tuple(mask.shape)}")
+    try:
+        return mask.expand(want)
+    except RuntimeError:
+        raise ValueError(f"key_padding_mask of shape {tuple(mask.shape)} does not broadcast to the keys' batch "
+                         f"shape and length {want} (for inputs (B, H, n, d) pass (B, 1, n_k))") from None
+
+
+def check_attn_mask(mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` expanded to ``(..., n_q, n_k)``: bool (True = takes part) or float additive, or ``None``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor (bool: True = takes part; or float: added to the logits), "
+                        f"got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype != q.dtype:
+        raise TypeError(f"attn_mask must be bool or have the inputs' dtype {q.dtype} (as in "
+                        f"scaled_dot_product_attention), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"attn_mask is on {mask.device} but the inputs are on {q.device}")
+    want = (*q.shape[:-2], q.shape[-2], k.shape[-2])
+    if mask.dim() < 2:
+        raise ValueError(f"attn_mask must have shape (..., n_q, n_k) broadcastable to {want}, got {tuple(mask.shape)}")
+    try:
+        mask = mask.expand(want)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., n_q, n_k) = "
+                         f"{want}") from None
+    if mask.dtype != torch.bool and bool((torch.isnan(mask) | (mask == math.inf)).any()):
+        raise ValueError("attn_mask (additive) contains NaN or +inf; use -inf to remove a pair")
+    return mask
+
+
+def allowed_pairs(attn_mask: torch.Tensor | None, key_padding: torch.Tensor | None, causal: bool, n_q: int,
+                  n_k: int, device) -> torch.Tensor | None:
+    """Which (query, key) pairs take part: causal order, padding and the attention mask together, ``(..., n_q,
+    n_k)`` bool (``None`` when nothing is masked and not causal)."""
+    allowed = None
+    if causal:
+        allowed = torch.ones(n_q, n_k, dtype=torch.bool, device=device).tril()
+    if key_padding is not None:
+        keep = ~key_padding[..., None, :]
+        allowed = keep if allowed is None else allowed & keep
+    if attn_mask is not None:
+        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > -math.inf
+        allowed = keep if allowed is None else allowed & keep
+    return allowed
+
+
+def check_every_row_has_a_key(has_key: torch.Tensor, why: str) -> None:
+    """Raise, naming the first offending row, if ``has_key (..., n_q)`` is False anywhere."""
+    if bool(has_key.all()):
+        return
+    where = torch.nonzero(~has_key)[0].tolist()
+    batch, row = tuple(where[:-1]), where[-1]
+    raise ValueError(f"query {row} (batch index {batch}) has no key to attend to: {why} leave it none and no "
+                     "initial state gives it one; attention over no key is undefined (0/0). Unmask a key for it, "
+                     "or drop the row")
+
+
+def check_rows(*, causal: bool, key_padding: torch.Tensor | None, allowed: torch.Tensor | None,
+               state_nonempty, n_q: int) -> None:
+    """Every query row sees at least one key (or a non-empty initial state), else ``ValueError``.
+
+    ``allowed`` (parallel mode with an ``attn_mask``) is the full pair mask; otherwise the rows are derived from
+    ``key_padding`` (causal: a key at or before the row; non-causal: any key).
+    """
+    if allowed is None and key_padding is None:
+        return                                          # every row sees its own key (causal) or all keys
+    extra = state_nonempty if isinstance(state_nonempty, torch.Tensor) else None
+    if state_nonempty is True:
+        return
+    if allowed is not None:
+        has_key = allowed.any(-1)
+        why = "attn_mask, key_padding_mask and causal order"
+    elif causal:
+        has_key = torch.cumsum((~key_padding).to(torch.int32), -1) > 0
+        why = "key_padding_mask and causal order"
+    else:
+        has_key = (~key_padding).any(-1, keepdim=True).expand(*key_padding.shape[:-1], n_q)
+        why = "key_padding_mask"
+    if extra is not None:
+        has_key = has_key | extra[..., None]
+    check_every_row_has_a_key(has_key, why)
