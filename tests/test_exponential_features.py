@@ -329,3 +329,21 @@ def test_large_norms_stay_finite_and_modes_agree(name):
     assert all(torch.isfinite(o).all() for o in outs)
     for out in outs[1:]:
         assert float(relative_rms_error(out, outs[0])) < 1e-10
+
+
+def test_aderf_objective_coefficient_is_one_over_one_minus_8a():
+    """The ADERF docstring's objective: with ``B⁽ᵏ⁾ = sqrt(1−4a) P_k`` and ``P_2 = P_1^{−ᵀ}``, the log second moment
+    equals ``c(a) + (‖P_1x‖² + ‖P_2y‖²)/(1−8a) + 4(1−4a)/(1−8a)·xᵀy`` (the coefficient in terms of ``P`` is
+    ``1/(1−8a)``), checked against :func:`theory.derf_log_second_moment` for random ``P_1``."""
+    gen = np.random.default_rng(0)
+    d = 5
+    for a in (-0.2, -0.05, 0.05, 0.1):
+        p1 = gen.standard_normal((d, d))
+        p2 = np.linalg.inv(p1).T
+        x, y = gen.standard_normal(d) * 0.4, gen.standard_normal(d) * 0.4
+        root = math.sqrt(1 - 4 * a)
+        got = theory.derf_log_second_moment(x, y, a * np.eye(d), root * p1, root * p2)
+        px, py = p1 @ x, p2 @ y
+        c = d * math.log(1 - 4 * a) - 0.5 * d * math.log(1 - 8 * a)
+        expected = c + (px @ px + py @ py) / (1 - 8 * a) + 4 * (1 - 4 * a) / (1 - 8 * a) * float(x @ y)
+        assert float(got) == pytest.approx(expected, rel=1e-12)
