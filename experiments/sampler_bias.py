@@ -43,6 +43,7 @@ LEVELS = {  # level -> (a, b) with ‖x+y‖² = a + b·√d, and its label
     "sqrt_d": (0.0, 1.0, "‖x+y‖² = √d"),
     "two_sqrt_d": (0.0, 2.0, "‖x+y‖² = 2√d"),
 }
+SAMPLER_COLORS = {"iid": "#555555", "regularized": "#0173b2", "sorf": "#d55e00", "sorf_chi": "#029e73"}
 ROW_GROUPS = 32
 BOOTSTRAP_SEED = 20240613
 BOOTSTRAP_REPS = 2000
@@ -207,8 +208,9 @@ def plot(ds: xr.Dataset, path) -> None:
                 err = np.stack([mean - s["lo"].sel(sel).values, s["hi"].sel(sel).values - mean])
                 style = estimator_style(f"{name}_{sampler}" if sampler != "iid" else name)
                 shift = 1.0 + 0.03 * (k - 1.5)
-                ax.errorbar(dims * shift, mean, yerr=err, color=style["color"], marker=style["marker"],
-                            linestyle=style["linestyle"], ms=4, linewidth=1.0, capsize=2, label=str(sampler))
+                ax.errorbar(dims * shift, mean, yerr=err, color=SAMPLER_COLORS.get(str(sampler), "0.3"),
+                            marker=style["marker"], linestyle=style["linestyle"], ms=4, linewidth=1.0, capsize=2,
+                            label=str(sampler))
             ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
             ax.set_xscale("log", base=2)
             ax.set_xticks(dims, [str(int(d)) for d in dims])
@@ -217,7 +219,7 @@ def plot(ds: xr.Dataset, path) -> None:
                 ax.set_xlabel("dimension d")
             if j == 0:
                 ax.set_ylabel("mean estimate / kernel")
-    axes[0, 0].legend(fontsize=7, loc="lower left")
+    axes[0, min(1, len(levels) - 1)].legend(fontsize=7, loc="center", ncol=2)      # between the two groups of lines
     fig.suptitle("Bias of the SORF and SMREG samplers at Performer scaling", fontsize=11, fontweight="bold")
     save_figure(fig, path, (
         f"Mean of the kernel estimate divided by the kernel, E[SM̂]/SM, for one pair (x, y) with x = q/d^(1/4), "
