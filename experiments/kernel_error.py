@@ -7,7 +7,7 @@ seed: paired comparisons), fits the estimator with ``r`` features on them and co
 ``φ(Q)φ(K)ᵀ`` (or the estimator's own ``kernel_matrix``) with ``exp(QKᵀ/√d)`` in float64.
 
 Estimators: every registry name whose estimator is consistent (its ``consistent`` attribute, else ``unbiased``),
-found at import time, so new estimators join the grid by registering. ``lowrank_optimal`` (the truncated SVD of
+found at import time, so new estimators join the grid by registering. ``kernel_svd`` (the truncated SVD of
 the exact matrix) is the floor no rank-``r`` approximation can beat. ``num_features`` is the state dimension
 ``r`` (trigonometric and hyperbolic maps use ``r/2`` frequencies); hybrids add an exact window of keys to their
 ``r`` features.
@@ -34,9 +34,9 @@ from kernapprox.plotting import (
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 DIM = 32
-FLOOR = "lowrank_optimal"
+FLOOR = "kernel_svd"
 CLASSIC = ("trig", "positive", "hyperbolic", "maclaurin")       # data-independent, Performer-era maps
-DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", FLOOR.split("_")[0])
+DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", "attention", FLOOR.split("_")[0])
 
 
 def consistent_estimators() -> list[str]:

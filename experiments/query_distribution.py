@@ -28,7 +28,7 @@ from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.sweep import Experiment, Metric, run_cli
 
 WANTED_ESTIMATORS = ["positive", "positive_orthogonal", "trig", "hyperbolic_orthogonal", "oprf", "nystrom_uniform",
-                     "nystrom_kmeans", "nystrom_rls", "lowrank_optimal"]
+                     "nystrom_kmeans", "nystrom_rls", "kernel_svd"]
 ESTIMATORS = [e for e in WANTED_ESTIMATORS if e in ka.available_estimators()]
 NUM_FEATURES = [16, 64, 256]
 SYNTHETIC = {  # axis value -> (registered name, parameters other than beta)

@@ -48,9 +48,9 @@ ESTIMATORS = {  # label -> (registry name, constructor options)
     "taylor2": ("taylor2", {}),
     "nystrom_uniform": ("nystrom_uniform", {}),
     "nystrom_rls": ("nystrom_rls", {}),
-    "lowrank_optimal": ("lowrank_optimal", {}),
+    "kernel_svd": ("kernel_svd", {}),
 }
-ORACLES = {"lowrank_optimal"}
+ORACLES = {"kernel_svd"}
 
 GRIDS = {
     "smoke": {"task": list(TASKS), "estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2"]),

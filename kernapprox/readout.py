@@ -23,7 +23,13 @@ Fitting
 -------
 Data-dependent maps are fitted on the context only (its keys), as a recurrent model reading the context before
 any query would have to: the read-out of a query never depends on the test queries (Nyström landmarks are
-context keys).
+context keys; OPRF/DERF statistics are the keys'). ``tests/test_icl_anchors.py`` proves it for every
+data-dependent feature map of the registry: replacing some test queries leaves every other query's read-out
+unchanged. Estimators that bring their own attention and are data dependent (Nyströmformer, whose landmarks are
+segment means of the queries; the rank-r SVD references, built from the query–key matrix) compute their
+approximation from the queries they are given, so a query's read-out depends on the other test queries; they are
+refused unless the read-out is declared an oracle (``fit_on="queries_and_keys"``), and the :class:`Readout` says
+so (``oracle=True``). An oracle is a reference, never a method an ICL study may compare as an estimator.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from .estimators.registry import capabilities, make_estimator
 from .validation import as_generator, check_choice, check_positive_float, check_positive_int, check_tensor, itemsize
 
 __all__ = ["Readout", "attention_readout", "paired_readouts", "build_estimator", "estimator_capabilities",
-           "state_bytes"]
+           "reads_test_queries", "state_bytes"]
 
 
 class Readout(NamedTuple):
@@ -49,8 +55,9 @@ class Readout(NamedTuple):
     (B, n_q)``: ``Σ κ̂ v`` and ``Σ κ̂`` up to one positive factor per query (so signs and directions are
     exact; decoding the numerator alone is the unnormalised fast-weight read-out ``W φ(q)`` of Schlag et al.
     2021, immune to normaliser sign flips). ``state_bytes``: see :func:`state_bytes` (``None`` for an
-    estimator without a recurrent state, such as the optimal rank-r oracle). ``num_features``: the state feature
-    dimension ``r`` (``None`` for exact attention).
+    estimator without a recurrent state, such as the rank-r SVD references). ``num_features``: the state feature
+    dimension ``r`` (``None`` for exact attention). ``oracle``: the read-out looked at the test queries
+    (``fit_on="queries_and_keys"``): a reference, not an estimator reading its context.
     """
 
     output: torch.Tensor
@@ -58,6 +65,7 @@ class Readout(NamedTuple):
     normalizer: torch.Tensor
     state_bytes: int | None
     num_features: int | None
+    oracle: bool = False
 
 
 def _factory(estimator):
@@ -105,6 +113,15 @@ def state_bytes(estimator: Estimator, d_v: int, seq_len: int, dtype: torch.dtype
 FIT_TARGETS = ("keys", "queries_and_keys")
 
 
+def reads_test_queries(estimator, **options) -> bool:
+    """Whether the read-out of one query by ``estimator`` depends on the other test queries when fitted on the
+    context: estimators that bring their own attention and are data dependent build their approximation from the
+    queries they are given (declared: ``kind == "attention"`` and ``data_dependent``). Conservative: a window
+    hybrid with a data-dependent map counts too."""
+    caps = estimator_capabilities(estimator, **options)
+    return caps.kind == "attention" and caps.data_dependent
+
+
 def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
                       beta: float, num_features: int | None = None, rng=None, mode: str | None = None,
                       fit_on: str = "keys", options: dict | None = None) -> Readout:
@@ -116,15 +133,18 @@ def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, valu
 
     ``fit_on="keys"`` (default)
         ``fit(keys)``: the map is derived from the context only, as a recurrent model reading the context
-        before any query would have to (Nyström landmarks are context keys; no query is seen).
+        before any query would have to (Nyström landmarks are context keys; no query is seen). Estimators whose
+        attention reads the test queries (:func:`reads_test_queries`: Nyströmformer, the rank-r SVD references)
+        raise ``ValueError``.
     ``fit_on="queries_and_keys"``
-        ``fit(queries, keys)``: the offline fit of the attention-error experiments, for oracle baselines that
-        need the query–key matrix itself.
+        The **oracle** read-out: ``fit(queries, keys)``, and estimators that read the test queries are allowed.
+        For reference curves that need the query–key matrix itself (the rank-r SVD references); the result has
+        ``oracle=True``. An ICL study must not use it for an estimator it compares.
 
     Data-independent maps use only ``d``. Random maps get an independent draw per episode (seeds from
     ``rng``), so averages over episodes also average over draws. ``mode`` is the linear-attention mode
     (non-causal: the state after the context, see the module notes); by default ``"chunked"``, or the first
-    mode the estimator supports (e.g. ``"parallel"`` for the optimal rank-r SVD). ``"exact"`` is
+    mode the estimator supports (e.g. ``"parallel"`` for the rank-r SVD references). ``"exact"`` is
     :func:`~kernapprox.softmax_attention` with ``scale = β``.
     """
     check_tensor(queries, "queries", min_rank=3)
@@ -132,14 +152,19 @@ def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, valu
     check_tensor(values, "values", min_rank=3)
     beta = check_positive_float(beta, "beta")
     check_choice(fit_on, "fit_on", FIT_TARGETS)
+    oracle = fit_on == "queries_and_keys"
     batch, n, d_v = values.shape
     caps = estimator_capabilities(estimator, **(options or {}))
+    if not oracle and reads_test_queries(estimator, **(options or {})):
+        raise ValueError(f"{estimator!r} builds its attention from the queries it is given (a data-dependent "
+                         "estimator with its own attention): its read-out of a query would depend on the other test "
+                         "queries. Use it only as an oracle reference, fit_on='queries_and_keys'")
     if caps.kind == "exact":                                 # one batched call; nothing random
         out = softmax_attention(queries, keys, values, scale=beta)
         ones = torch.ones(out.shape[:-1], dtype=out.dtype, device=out.device)
         exact = build_estimator(estimator, beta=beta).fit(queries, keys)
         return Readout(output=out, numerator=out, normalizer=ones, state_bytes=state_bytes(exact, d_v, n),
-                       num_features=None)
+                       num_features=None)                  # exact attention reads no other query, oracle or not
     gen = as_generator(rng)
     seeds = gen.integers(0, 2**63 - 1, size=batch)
     outs, nums, dens = [], [], []
@@ -159,7 +184,7 @@ def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, valu
         dens.append(parts.normalizer.to(q_b.dtype))
     memory = state_bytes(fitted, d_v, n) if "recurrent" in caps.modes else None
     return Readout(output=torch.stack(outs), numerator=torch.stack(nums), normalizer=torch.stack(dens),
-                   state_bytes=memory, num_features=int(fitted.num_features))
+                   state_bytes=memory, num_features=int(fitted.num_features), oracle=oracle)
 
 
 def paired_readouts(estimator, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, beta: float,

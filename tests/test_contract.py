@@ -12,8 +12,7 @@ it is registered. What is checked is decided by the estimator's own description,
 
 Checks: shapes, dtype preservation (float32/float64 in → same out, one draw for both), device round-trip (the
 ``device`` fixture: CPU, and CUDA when present), reproducibility from ``rng``, no use of global RNGs, finite
-outputs on moderate inputs, positivity where claimed, data (in)dependence as claimed, unbiasedness of the kernel
-estimate where claimed (mean over seeds within 4.5 sample standard errors), error decreasing with ``m`` for
+outputs on moderate inputs, positivity where claimed, data (in)dependence as claimed, error decreasing with ``m`` for
 consistent estimators (median relative Frobenius error over seeds at m = 16 vs m = 256), and agreement of every
 supported attention mode to 1e-10 relative in float64, causal and non-causal.
 """
@@ -336,23 +335,6 @@ def test_data_dependence_as_declared(name):
         assert relative_difference(b, a) > 1e-6, "declared data-dependent but fitting ignores the data"
     else:
         assert torch.equal(a, b), "declared data-independent but fitting depends on the data"
-
-
-@names
-def test_unbiased_kernel_estimate(name):
-    """Mean of the estimate over independent draws within 4.5 sample standard errors of exp(s qᵀk)."""
-    est = make(name)
-    if not est.capabilities().unbiased or kind(est) == "exact":
-        pytest.skip("not an unbiased estimator (or exact)")
-    if not has_kernel_matrix(est):
-        pytest.skip("no kernel matrix to average")
-    q, k, _ = qkv(10, batch=(), n=3, d=4, std=0.4)
-    gen = np.random.default_rng(2024)
-    draws = torch.stack([make(name, num_features=8, rng=gen).fit(q, k).kernel_matrix(q, k) for _ in range(200)])
-    exact = ka.kernel_matrix(q, k)
-    se = draws.std(0) / draws.shape[0] ** 0.5
-    z = (draws.mean(0) - exact).abs() / se.clamp_min(1e-12 * exact)
-    assert float(z.max()) < 4.5, f"max |mean − exact| / SE = {float(z.max()):.2f}"
 
 
 @names

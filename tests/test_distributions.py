@@ -190,8 +190,8 @@ def test_query_distribution_smoke_preset_runs_and_plots(tmp_path, real_cache):
     assert "real_L0" in ds.distribution.values
     err = ds["attention_rel_rms"]
     assert np.isfinite(ds["beta_eff"]).all()
-    if "lowrank_optimal" in err.estimator.values:                   # rank ≥ n: the optimum is exact
-        assert float(ds["kernel_rel_fro"].sel(estimator="lowrank_optimal", num_features=64).max()) < 1e-8
+    if "kernel_svd" in err.estimator.values:                   # rank ≥ n: the optimum is exact
+        assert float(ds["kernel_rel_fro"].sel(estimator="kernel_svd", num_features=64).max()) < 1e-8
     positive = err.sel(estimator="positive")
     assert np.isfinite(positive).all() and float(positive.min()) > 0
     assert float(ds["nonpositive_rate"].sel(estimator="positive").max()) == 0.0     # positive normalisers

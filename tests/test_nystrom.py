@@ -8,7 +8,14 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.estimators.lowrank import Nystromformer, OptimalLowRank, iterative_pinv, segment_means
+from kernapprox.estimators.lowrank import (
+    AttentionSVD,
+    KernelSVD,
+    Nystromformer,
+    iterative_pinv,
+    output_error_floor,
+    segment_means,
+)
 from kernapprox.estimators.nystrom import (
     RLS_FALLBACK_LAMBDA,
     NystromFeatures,
@@ -284,11 +291,11 @@ def test_nystromformer_renormalize_parts():
     torch.testing.assert_close(parts.output, parts.numerator / parts.normalizer[..., None])
 
 
-# --------------------------------------------------------------------------------- the optimal rank-r floor
+# ------------------------------------------------------------------ the rank-r references (kernel_svd, attention_svd)
 @pytest.mark.parametrize("r", [1, 5, 20])
 def test_rank_r_floor_error_is_the_singular_value_tail(r):
     q, k = randn((2, 30, 6), 47), randn((2, 25, 6), 48)
-    est = ka.make_estimator("lowrank_optimal", num_features=r).fit(q, k)
+    est = ka.make_estimator("kernel_svd", num_features=r).fit(q, k)
     exact = ka.kernel_matrix(q, k)
     sigma = torch.linalg.svdvals(exact)
     tail = sigma[..., r:].pow(2).sum(-1).sqrt()
@@ -300,7 +307,7 @@ def test_rank_r_floor_error_is_the_singular_value_tail(r):
 def test_rank_r_floor_is_below_every_rank_r_estimator():
     q, k = clustered(60, 8, 49), clustered(60, 8, 50)
     exact = ka.kernel_matrix(q, k)
-    floor = float(relative_frobenius_error(OptimalLowRank(num_features=8).fit(q, k).kernel_matrix(q, k), exact))
+    floor = float(relative_frobenius_error(KernelSVD(num_features=8).fit(q, k).kernel_matrix(q, k), exact))
     for name in ("nystrom_uniform", "nystrom_kmeans", "positive_orthogonal"):
         est = ka.make_estimator(name, num_features=8, rng=0).fit(q, k)
         assert floor <= float(relative_frobenius_error(est.kernel_matrix(q, k), exact)), name
@@ -308,13 +315,13 @@ def test_rank_r_floor_is_below_every_rank_r_estimator():
 
 def test_rank_r_floor_attention():
     q, k, v = randn((2, 16, 4), 51, 1.5), randn((2, 16, 4), 52, 1.5), randn((2, 16, 3), 53)
-    est = OptimalLowRank(num_features=6).fit(q, k)
+    est = KernelSVD(num_features=6).fit(q, k)
     approx = est.kernel_matrix(q, k)
     for causal in (False, True):
         mat = approx.tril() if causal else approx
         expected = (mat @ v) / mat.sum(-1, keepdim=True)
         torch.testing.assert_close(ka.linear_attention(q, k, v, est, causal=causal, mode="parallel"), expected)
-    full = OptimalLowRank(num_features=16).fit(q, k)
+    full = KernelSVD(num_features=16).fit(q, k)
     for causal in (False, True):
         out = ka.linear_attention(q, k, v, full, causal=causal, mode="parallel")
         assert float(relative_rms_error(out, ka.softmax_attention(q, k, v, causal)).max()) < 1e-9
@@ -325,11 +332,85 @@ def test_rank_r_floor_guards():
     entries all lie ~37 orders below the global maximum would underflow: the floor is a Frobenius one)."""
     common = torch.full((4,), 27.0, dtype=torch.float64)
     q = common + randn((20, 4), 54, 0.5)
-    est = OptimalLowRank(num_features=20, max_size=16).fit(q, q)
+    est = KernelSVD(num_features=20, max_size=16).fit(q, q)
     with pytest.raises(ValueError, match="max_size"):
         est.kernel_matrix(q, q)
-    big = OptimalLowRank(num_features=20).fit(q, q)
+    big = KernelSVD(num_features=20).fit(q, q)
     assert not torch.isfinite(ka.kernel_matrix(q, q)).all()          # the exact matrix overflows ...
     out = ka.linear_attention(q, q, q, big, mode="parallel")           # ... the shifted SVD does not
     assert torch.isfinite(out).all()
     assert float(relative_rms_error(out, ka.softmax_attention(q, q, q)).max()) < 1e-6
+
+
+def _implied_attention(est, q, k):
+    """``P̂ = D̂⁻¹ K̂`` of an estimator's implied kernel matrix (non-causal)."""
+    mat = est.kernel_matrix(q, k)
+    return mat / mat.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("r", [1, 4, 12])
+def test_attention_svd_error_is_the_singular_value_tail(r):
+    """Eckart–Young on P = softmax(s QKᵀ): ‖P − P_r‖_F = (Σ_{i>r} σ_i²)^{1/2}, computed here from a plain float64
+    softmax and SVD; the output is P_r V; full rank is exact attention."""
+    q, k, v = randn((2, 20, 5), 61), randn((2, 18, 5), 62), randn((2, 18, 3), 63)
+    est = ka.make_estimator("attention_svd", num_features=r).fit(q, k)
+    attn = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(5), dim=-1)
+    sigma = torch.linalg.svdvals(attn)
+    err = torch.linalg.matrix_norm(est.attention_matrix(q, k) - attn)
+    torch.testing.assert_close(err, sigma[..., r:].pow(2).sum(-1).sqrt(), rtol=1e-9, atol=1e-13)
+    torch.testing.assert_close(est.singular_values(q, k), sigma, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(ka.linear_attention(q, k, v, est, mode="parallel"), est.attention_matrix(q, k) @ v)
+    row_sums = torch.exp(q @ k.transpose(-1, -2) / math.sqrt(5)).sum(-1, keepdim=True)        # D = diag(K 1)
+    torch.testing.assert_close(est.kernel_matrix(q, k), row_sums * est.attention_matrix(q, k))
+    full = AttentionSVD(num_features=18).fit(q, k)
+    torch.testing.assert_close(full.attention(q, k, v), ka.softmax_attention(q, k, v), rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="not causal"):
+        est.attention(q, k, v, causal=True)
+
+
+def test_each_reference_bounds_its_own_matrix_only():
+    """On one clustered head at r = 8: attention_svd is below every rank-r method's attention-matrix error and
+    kernel_svd below every kernel-matrix error (each is the optimum of its own matrix), but neither is a floor
+    for the other's matrix nor for the output: the exact output PV has rank ≤ d_v = 3 < r, so the output floor
+    is 0 while both references have a positive output error."""
+    q, k = clustered(60, 8, 49), clustered(60, 8, 50)
+    v = randn((60, 3), 64)
+    r = 8
+    exact_k = ka.kernel_matrix(q, k)
+    exact_p = torch.softmax(q @ k.T / math.sqrt(8), dim=-1)
+    ksvd = KernelSVD(num_features=r).fit(q, k)
+    asvd = AttentionSVD(num_features=r).fit(q, k)
+    p_floor = float(torch.linalg.matrix_norm(asvd.attention_matrix(q, k) - exact_p))
+    k_floor = float(torch.linalg.matrix_norm(ksvd.kernel_matrix(q, k) - exact_k))
+    others = {name: ka.make_estimator(name, num_features=r, rng=0).fit(q, k)
+              for name in ("nystrom_uniform", "nystrom_kmeans", "positive_orthogonal", "nystromformer")}
+    others["kernel_svd"] = ksvd
+    for name, est in others.items():
+        assert p_floor <= float(torch.linalg.matrix_norm(_implied_attention(est, q, k) - exact_p)), name
+        if name != "nystromformer":                         # its kernel_matrix is an attention matrix
+            assert k_floor <= float(torch.linalg.matrix_norm(est.kernel_matrix(q, k) - exact_k)), name
+    # the attention optimum is not the kernel optimum, nor the reverse
+    assert float(torch.linalg.matrix_norm(asvd.kernel_matrix(q, k) - exact_k)) > k_floor
+    assert float(torch.linalg.matrix_norm(_implied_attention(ksvd, q, k) - exact_p)) > p_floor
+    # no rank-r floor for the output once r ≥ d_v; both references have a positive output error
+    assert float(output_error_floor(q, k, v, r)) < 1e-12
+    exact_out = exact_p @ v
+    for est in (asvd, ksvd):
+        assert float(relative_rms_error(ka.linear_attention(q, k, v, est, mode="parallel"), exact_out)) > 1e-3
+
+
+def test_output_error_floor_below_d_v():
+    """r < d_v: the floor is the relative tail of the singular values of PV (plain SVD here), and no rank-r method
+    (attention_svd, Nyström, positive features at r) has a smaller relative Frobenius output error."""
+    q, k, v = randn((40, 6), 65), randn((40, 6), 66), randn((40, 8), 67)
+    out = torch.softmax(q @ k.T / math.sqrt(6), -1) @ v
+    sigma = torch.linalg.svdvals(out)
+    for r in (1, 3):
+        floor = float(output_error_floor(q, k, v, r))
+        assert floor == pytest.approx(float(sigma[r:].norm() / sigma.norm()), rel=1e-10)
+        for name in ("attention_svd", "nystrom_uniform", "positive"):
+            est = ka.make_estimator(name, num_features=r, rng=0).fit(q, k)
+            got = ka.linear_attention(q, k, v, est, mode="parallel")
+            assert floor <= float(torch.linalg.matrix_norm(got - out) / torch.linalg.matrix_norm(out)), (name, r)
+    with pytest.raises(ValueError, match="one row per key"):
+        output_error_floor(q, k, v[:5], 2)

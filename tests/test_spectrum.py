@@ -83,8 +83,8 @@ def test_kernel_singular_values_agree_with_the_optimal_low_rank_estimator():
     k = torch.from_numpy(rng.standard_normal((2, 30, 8)))
     ours = kernel_singular_values(q, k)
     assert ours.shape == (2, 30)
-    if "lowrank_optimal" in ka.available_estimators():
-        est = ka.make_estimator("lowrank_optimal", num_features=4).fit(q, k)
+    if "kernel_svd" in ka.available_estimators():
+        est = ka.make_estimator("kernel_svd", num_features=4).fit(q, k)
         theirs = est.singular_values(q, k)
         np.testing.assert_allclose(ours, (theirs / theirs[..., :1]).numpy(), rtol=1e-9, atol=1e-15)
 

@@ -12,7 +12,7 @@ module                 estimators
 ``maclaurin``          random Maclaurin features
 ``deterministic``      second-order Taylor (Based), ELU+1, DPFP
 ``nystrom``            Nyström features (uniform, k-means and ridge-leverage-score landmarks)
-``lowrank``            Nyströmformer and the rank-r kernel SVD reference
+``lowrank``            Nyströmformer and the rank-r SVD references (kernel matrix, attention matrix)
 ``hybrid``             sliding window + linear attention, Scatterbrain
 ``lara``               LARA: multiple importance sampling of attention with data-dependent proposals
 ``eva``                EVA: exact local attention plus per-group control variates
@@ -53,7 +53,7 @@ from .exponential import (
 )
 from .hybrid import Scatterbrain, WindowLinear
 from .lara import LinearRandomizedAttention
-from .lowrank import Nystromformer, OptimalLowRank
+from .lowrank import AttentionSVD, KernelSVD, Nystromformer
 from .maclaurin import RandomMaclaurinFeatures
 from .nystrom import NystromFeatures
 from .random import HyperbolicFeatures, PositiveFeatures, RandomFeatureMap, TrigonometricFeatures
@@ -75,7 +75,7 @@ __all__ = [
     "GeneralizedExponentialFeatures", "OptimalPositiveFeatures", "SymmetricDenseExponentialFeatures",
     "SimplifiedAsymmetricDenseExponentialFeatures", "AsymmetricDenseExponentialFeatures",
     "RandomMaclaurinFeatures", "TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures", "NystromFeatures",
-    "Nystromformer", "OptimalLowRank", "WindowLinear", "Scatterbrain", "LinearRandomizedAttention",
+    "Nystromformer", "KernelSVD", "AttentionSVD", "WindowLinear", "Scatterbrain", "LinearRandomizedAttention",
     "EfficientAttentionCV",
     "ProjectionSampler", "GaussianSampler", "OrthogonalSampler", "StructuredSampler", "QMCSampler", "SAMPLERS",
     "make_sampler",

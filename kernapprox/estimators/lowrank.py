@@ -1,8 +1,23 @@
-"""Low-rank attention that is not a feature map: Nyströmformer and the optimal rank-r floor.
+"""Low-rank attention that is not a feature map: Nyströmformer and the two rank-r SVD references.
 
-Both need the whole sequence (no recurrent state) and run in the parallel mode only. Nyströmformer is the
-segment-means Nyström form of Xiong et al. (2021); :class:`OptimalLowRank` is the Eckart–Young best rank-r
-approximation of the exact kernel matrix, the floor no rank-r method can beat in Frobenius norm.
+All need the whole sequence (no recurrent state) and run in the parallel mode only. Nyströmformer is the
+segment-means Nyström form of Xiong et al. (2021). The references are oracles (they need the exact ``n × n``
+matrices and an SVD), each named for the one matrix whose error it bounds:
+
+=================  ==========================================================================================
+``kernel_svd``     :class:`KernelSVD`: the best rank-r approximation ``K_r`` of the kernel matrix
+                   ``K = exp(s QKᵀ)``. A floor for the **kernel-matrix** error (Frobenius or spectral) of every
+                   method whose implied kernel matrix has rank ≤ r; not for the attention matrix or the output.
+``attention_svd``  :class:`AttentionSVD`: the best rank-r approximation ``P_r`` of the row-normalised attention
+                   matrix ``P = D⁻¹K``. A floor for the **attention-matrix** error of every non-causal method whose
+                   implied attention matrix has rank ≤ r; not for the kernel matrix or the output.
+=================  ==========================================================================================
+
+Neither bounds the attention-output error ``‖P̂V − PV‖``. For that metric the only rank-r floor is the
+truncated SVD of the output itself, :func:`output_error_floor` (a method whose implied attention matrix has rank
+≤ r produces an output of rank ≤ r); it is zero once ``r ≥ rank(PV)`` (at most ``d_v``): ``P̂ = P V V⁺`` has rank
+≤ ``d_v`` and reproduces the output exactly, so no rank-r method is excluded from exact outputs when
+``r ≥ d_v``.
 """
 
 from __future__ import annotations
@@ -11,6 +26,7 @@ import math
 
 import torch
 
+from ..kernel import resolve_scale
 from ..validation import check_choice, check_positive_int, check_qk, check_tensor, compute_dtype
 from .base import AttentionEstimator, AttentionParts
 from .registry import register
@@ -192,19 +208,26 @@ class Nystromformer(AttentionEstimator):
         return out
 
 
-# ----------------------------------------------------------------------------------- the rank-r floor
-class OptimalLowRank(AttentionEstimator):
-    r"""The best rank-r approximation of the exact kernel matrix (Eckart–Young): the floor for rank-r methods.
+# ----------------------------------------------------------------------------------- the rank-r references
+class KernelSVD(AttentionEstimator):
+    r"""The best rank-r approximation of the kernel matrix ``exp(s QKᵀ)`` (Eckart–Young–Mirsky): a floor for the
+    kernel-matrix error only.
 
     .. math::
         K = e^{s Q K^⊤} = U Σ V^⊤,\qquad K_r = U_{:r} Σ_{:r} V_{:r}^⊤,\qquad
-        \|K − K_r\|_F = \Big(\sum_{i>r} σ_i^2\Big)^{1/2}
+        \|K − K_r\|_F = \Big(\sum_{i>r} σ_i^2\Big)^{1/2},\quad \|K − K_r\|_2 = σ_{r+1}
 
     computed by a float64 SVD after factoring out ``c = max_ij s q_iᵀk_j`` (``K = e^c K'``; the SVD of ``K'``
-    scales). No map of ``r`` features has ``φ(Q)φ(K)ᵀ`` closer to ``K`` in Frobenius (or spectral) norm, so the
-    error of this "estimator" is the floor of every rank-r method on the same matrix. It is an oracle, not an
-    algorithm: it needs the exact ``n_q × n_k`` matrix and an O(n³) SVD (``max_size`` guards against large n),
-    has no recurrent state, and is **biased**, **signed** and **data-dependent**.
+    scales). It is an oracle, not an algorithm: it needs the exact ``n_q × n_k`` matrix of the queries and keys it
+    is given and an O(n³) SVD (``max_size`` guards against large n), has no recurrent state, and is **biased**,
+    **signed** and **data-dependent** (its read-out of a query depends on every other query).
+
+    What it bounds: no method whose implied kernel matrix ``K̂`` (``φ(Q)φ(K)ᵀ`` for ``r`` features, Nyström with
+    ``r`` landmarks) has rank ≤ ``r`` has ``‖K − K̂‖`` below ``‖K − K_r‖`` in Frobenius or spectral norm, on the
+    same matrix. What it does not bound: the row-normalised attention matrix (normalising rows reweights the
+    errors; :class:`AttentionSVD` is that floor), the attention output (a method with a larger kernel error can
+    have a smaller output error, and did in the measured ``query_distribution`` cells), causal attention (a
+    masked matrix is not low rank), or a feature map's error on other inputs.
 
     Attention is row-normalised, ``out = K_r V / K_r 1`` (the normaliser may be ≤ 0). ``causal=True`` masks
     ``K_r`` to the lower triangle, which is what a rank-r feature map does in causal mode; it is not the best
@@ -221,7 +244,18 @@ class OptimalLowRank(AttentionEstimator):
 
     References
     ----------
-    Eckart & Young, *The approximation of one matrix by another of lower rank*, Psychometrika 1 (1936).
+    Eckart & Young, *The approximation of one matrix by another of lower rank*, Psychometrika 1 (1936); Mirsky,
+    *Symmetric gauge functions and unitarily invariant norms*, Q. J. Math. 11 (1960) (every unitarily invariant norm).
+
+    Examples
+    --------
+    >>> import torch
+    >>> q, k = torch.randn(12, 4, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    >>> est = KernelSVD(num_features=3).fit(q, k)
+    >>> exact = torch.exp(q @ k.T / 2.0)
+    >>> sigma = est.singular_values(q, k)
+    >>> bool(torch.isclose(torch.linalg.norm(exact - est.kernel_matrix(q, k)), sigma[3:].norm()))
+    True
     """
 
     unbiased = False
@@ -231,19 +265,22 @@ class OptimalLowRank(AttentionEstimator):
     consistent = True
     rank_limited_by_points = True
     modes = ("parallel",)
-    reference = "Eckart & Young 1936 (best rank-r approximation by truncated SVD)"
+    reference = "Eckart & Young 1936 (best rank-r approximation of the kernel matrix; bounds kernel error only)"
 
     def __init__(self, *, num_features: int, max_size: int = 4096, rng=None, scale: float | None = None):
         check_positive_int(num_features, "num_features")
         super().__init__(num_features=num_features, rng=rng, scale=scale)
         self.max_size = check_positive_int(max_size, "max_size")
 
-    def _svd(self, q, k):
+    def _logits(self, q, k):
         self._check_dim(q)
         if max(q.shape[-2], k.shape[-2]) > self.max_size:
             raise ValueError(f"sequence length {max(q.shape[-2], k.shape[-2])} exceeds max_size={self.max_size} "
-                             "(the optimal rank-r floor needs a dense SVD)")
-        logits = self.scale_ * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2))
+                             f"({type(self).__name__} needs a dense SVD)")
+        return self.scale_ * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2))
+
+    def _svd(self, q, k):
+        logits = self._logits(q, k)
         shift = logits.amax(dim=(-1, -2), keepdim=True)
         u, sigma, vh = torch.linalg.svd(torch.exp(logits - shift), full_matrices=False)
         return u, sigma, vh, shift
@@ -283,6 +320,134 @@ class OptimalLowRank(AttentionEstimator):
         return out
 
 
+class AttentionSVD(KernelSVD):
+    r"""The best rank-r approximation of the row-normalised attention matrix ``softmax(s QKᵀ)``: a floor for the
+    attention-matrix error only.
+
+    .. math::
+        P = D^{-1}K,\ \ D = \operatorname{diag}(K\mathbf 1),\qquad P = U Σ V^⊤,\qquad
+        P_r = U_{:r} Σ_{:r} V_{:r}^⊤,\qquad \mathrm{out} = P_r V
+
+    (float64 SVD of the softmax, computed in log space). The output is ``P_r V`` as is: ``P_r`` is not
+    row-stochastic, and renormalising it would no longer be the optimum. An oracle like :class:`KernelSVD`:
+    exact ``n_q × n_k`` matrix, O(n³), no recurrent state, **biased**, **signed**, **data-dependent**, **not
+    causal**.
+
+    What it bounds: a non-causal linear attention with ``r`` features implies ``P̂ = D̂⁻¹ φ(Q)φ(K)ᵀ``, of rank
+    ≤ ``r`` (a row scaling keeps the rank); so do Nyström with ``r`` landmarks, Nyströmformer with ``r`` landmarks
+    (``F A⁺ B``) and the row-normalised ``K_r`` of :class:`KernelSVD`. None of them has ``‖P − P̂‖`` (Frobenius or
+    spectral) below ``‖P − P_r‖`` on the same matrix. What it does not bound: the kernel-matrix error (that is
+    :class:`KernelSVD`), causal attention (a masked low-rank matrix is not low rank), a hybrid with an exact band
+    (full rank), and the **attention-output error**: ``‖(P − P̂)V‖`` can be smaller than ``‖(P − P_r)V‖`` (the
+    error may lie in directions ``V`` does not see); the floor for the output is :func:`output_error_floor`, zero
+    once ``r ≥ rank(PV)``.
+
+    ``kernel_matrix`` returns ``D P_r``, the kernel matrix implied by ``P_r`` with the exact row sums (an oracle
+    value, not an optimum of the kernel error).
+
+    Parameters
+    ----------
+    num_features : int
+        The rank ``r``.
+    max_size : int
+        Largest ``max(n_q, n_k)`` accepted (the SVD is cubic).
+    rng, scale
+        ``rng`` is unused; ``scale`` is the kernel scale ``s`` (default ``1/sqrt(d)``).
+
+    References
+    ----------
+    Eckart & Young 1936; Mirsky 1960 (as for :class:`KernelSVD`), applied to ``softmax(s QKᵀ)``; the rank argument
+    for linear attention: Wang et al., *Linformer: Self-Attention with Linear Complexity*, arXiv 2006.04768
+    (2020), §3 (the softmax attention matrix is approximately low rank).
+
+    Examples
+    --------
+    >>> import torch
+    >>> q, k = torch.randn(12, 4, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64)
+    >>> v = torch.randn(12, 3, dtype=torch.float64)
+    >>> est = AttentionSVD(num_features=12).fit(q, k)         # full rank: exact attention
+    >>> bool(torch.allclose(est.attention(q, k, v), torch.softmax(q @ k.T / 2.0, -1) @ v))
+    True
+    """
+
+    causal = False
+    reference = "Eckart & Young 1936 applied to softmax(sQKᵀ) (bounds the attention-matrix error only)"
+
+    def _attention_svd(self, q, k):
+        logits = self._logits(q, k)
+        log_rows = torch.logsumexp(logits, dim=-1, keepdim=True)              # log D
+        u, sigma, vh = torch.linalg.svd(torch.exp(logits - log_rows), full_matrices=False)
+        return u, sigma, vh, log_rows
+
+    def _truncated_attention(self, q, k):
+        u, sigma, vh, log_rows = self._attention_svd(q, k)
+        r = self.num_features
+        return (u[..., :r] * sigma[..., None, :r]) @ vh[..., :r, :], log_rows
+
+    def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Singular values of ``softmax(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
+        self._check_fitted()
+        check_qk(q, k)
+        return self._attention_svd(q, k)[1]
+
+    def attention_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``P_r`` ``(..., n_q, n_k)`` in the inputs' dtype."""
+        self._check_fitted()
+        check_qk(q, k)
+        return self._truncated_attention(q, k)[0].to(q.dtype)
+
+    def kernel_matrix(self, q, k):
+        """``D P_r`` with the exact row sums ``D = diag(exp(s QKᵀ) 1)``, in the inputs' dtype."""
+        self._check_fitted()
+        check_qk(q, k)
+        approx, log_rows = self._truncated_attention(q, k)
+        return (approx * torch.exp(log_rows)).to(q.dtype)
+
+    def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
+        """``P_r V`` (non-causal only). ``chunk_size`` is accepted and unused."""
+        if causal is True:
+            raise ValueError("AttentionSVD is not causal: a masked low-rank matrix is not low rank, so the bound "
+                             "does not hold (use causal=False)")
+        self._check_call(q, k, v, causal, mode, chunk_size)
+        approx, _ = self._truncated_attention(q, k)
+        ct = compute_dtype(q.dtype)
+        num = (approx @ v.to(torch.float64)).to(ct)
+        den = torch.ones(num.shape[:-1], dtype=ct, device=num.device)
+        out = num.to(q.dtype)
+        if return_parts:
+            return AttentionParts(out, num, den, torch.zeros_like(den))
+        return out
+
+
+def output_error_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int, *,
+                       scale: float | None = None) -> torch.Tensor:
+    r"""``‖PV − (PV)_r‖_F / ‖PV‖_F``: the smallest relative attention-output error of any non-causal method whose
+    implied attention matrix has rank ≤ ``r`` (``P = softmax(s QKᵀ)``; ``(PV)_r`` the truncated SVD of the output).
+
+    A rank-≤ r matrix ``P̂`` gives an output ``P̂V`` of rank ≤ r, and Eckart–Young bounds its distance to ``PV``.
+    The floor is 0 once ``r ≥ rank(PV)`` (at most ``d_v``). Float64; ``(..., n_q, d)``, ``(..., n_k, d)``,
+    ``(..., n_k, d_v)`` → ``(...)``.
+
+    Examples
+    --------
+    >>> import torch
+    >>> q, k, v = (torch.randn(10, 4, dtype=torch.float64) for _ in range(3))
+    >>> float(output_error_floor(q, k, v, rank=4)) < 1e-12      # r ≥ d_v = 4: no floor
+    True
+    """
+    check_qk(q, k)
+    check_tensor(v, "v")
+    r = check_positive_int(rank, "rank")
+    if v.shape[-2] != k.shape[-2]:
+        raise ValueError(f"v must have one row per key, got {v.shape[-2]} rows for {k.shape[-2]} keys")
+    s = resolve_scale(q.shape[-1], scale)
+    attn = torch.softmax(s * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2)), dim=-1)
+    out = attn @ v.to(torch.float64)
+    sigma = torch.linalg.svdvals(out)
+    return sigma[..., r:].norm(dim=-1) / sigma.norm(dim=-1)
+
+
 register("nystromformer", Nystromformer, pinv="iterative")
 register("nystromformer_exact", Nystromformer, pinv="exact")
-register("lowrank_optimal", OptimalLowRank)
+register("kernel_svd", KernelSVD)
+register("attention_svd", AttentionSVD)
