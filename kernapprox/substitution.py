@@ -110,6 +110,21 @@ def _paragraphs(text: str):
     yield start, text[start:]
 
 
+def _fit_region_end(tokenizer, text: str) -> int:
+    """Character offset of text token :data:`FIT_REGION_TOKENS` (tokenising a growing prefix: a token's offsets do
+    not depend on text far beyond it, and a whole-text pass costs seconds)."""
+    size = 16 * FIT_REGION_TOKENS
+    while True:
+        offsets = tokenizer(text[:size], add_special_tokens=False, return_offsets_mapping=True,
+                            verbose=False)["offset_mapping"]
+        if len(offsets) > FIT_REGION_TOKENS + 64 or size >= len(text):
+            break
+        size *= 2
+    if len(offsets) <= FIT_REGION_TOKENS:
+        raise ValueError(f"the text has {len(offsets)} tokens, not more than the fit region ({FIT_REGION_TOKENS})")
+    return offsets[FIT_REGION_TOKENS][0]
+
+
 @functools.lru_cache(maxsize=8)
 def retrieval_corpus(num_paragraphs: int = 64, *, min_document_tokens: int = 24, max_document_tokens: int = 96,
                      min_query_words: int = 5) -> RetrievalCorpus:
@@ -132,11 +147,7 @@ def retrieval_corpus(num_paragraphs: int = 64, *, min_document_tokens: int = 24,
                          f"({max_document_tokens})")
     _, tokenizer = load_encoder()
     text, source = real.reference_text()
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    offsets = encoding["offset_mapping"]
-    if len(offsets) <= FIT_REGION_TOKENS:
-        raise ValueError(f"the text has {len(offsets)} tokens, not more than the fit region ({FIT_REGION_TOKENS})")
-    held_out_from = offsets[FIT_REGION_TOKENS][0]
+    held_out_from = _fit_region_end(tokenizer, text)
     candidates = []
     for offset, para in _paragraphs(text):
         if offset < held_out_from or not para.strip() or any(line[:1].isspace() or line.startswith(">>>")
@@ -674,3 +685,182 @@ def placement_bytes(substitution: Substitution | None, exact_layers: Iterable[in
 def _probe_points(seed: int) -> torch.Tensor:
     """Fixed points to fit an estimator for its size only (enough for landmark methods up to r = 512)."""
     return torch.from_numpy(np.random.default_rng(seed).standard_normal((512, HEAD_DIM)) * 0.3)
+
+
+# ------------------------------------------------------------------------ maps fitted on extraction windows
+TRAIN_WINDOWS = (0, 1)
+HELD_OUT_WINDOWS = (2, 3)
+NUM_WINDOWS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """Which extraction windows (:func:`kernapprox.real.load_qkv`, 512 positions each) a fit or an evaluation
+    uses, cut into segments of ``segment`` positions (each segment one attention sequence), every
+    ``query_stride``-th query of a segment kept (its softmax still runs over all keys of the segment)."""
+
+    windows: tuple[int, ...] = TRAIN_WINDOWS
+    segment: int = real.WINDOW
+    query_stride: int = 1
+    num_windows: int = NUM_WINDOWS
+
+    def __post_init__(self):
+        check_positive_int(self.num_windows, "num_windows")
+        if not self.windows or any(isinstance(w, bool) or not isinstance(w, int) or not 0 <= w < self.num_windows
+                                   for w in self.windows):
+            raise ValueError(f"windows must be indices in [0, {self.num_windows}), got {self.windows!r}")
+        if self.num_windows > FIT_REGION_WINDOWS:
+            raise ValueError(f"num_windows={self.num_windows} reaches past the fit region ({FIT_REGION_WINDOWS} "
+                             "windows) that the retrieval corpus is held out from")
+        check_positive_int(self.segment, "segment")
+        check_positive_int(self.query_stride, "query_stride")
+        if real.WINDOW % self.segment:
+            raise ValueError(f"segment must divide the window length {real.WINDOW}, got {self.segment}")
+
+    def qkv(self, layer: int, head: int, dtype: torch.dtype = torch.float32):
+        """``(q, k, v)`` of ``(layer, head)``: ``(S, segment/query_stride, d)``, ``(S, segment, d)`` twice."""
+        data = real.load_qkv(self.num_windows)
+        picked = np.concatenate([np.arange(w * real.WINDOW, (w + 1) * real.WINDOW) for w in self.windows])
+        out = []
+        for name in ("q", "k", "v"):
+            t = torch.from_numpy(np.ascontiguousarray(data[name][layer, head, picked])).to(dtype)
+            out.append(t.reshape(-1, self.segment, t.shape[-1]))
+        return out[0][:, ::self.query_stride], out[1], out[2]
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache: bool = False,
+             cache_dir=None) -> dict[tuple[int, int], object]:
+    """Fit the estimator of every ``(layer, head)`` on the model's queries and keys of the extraction ``windows``
+    (the exact model on Python's help text; disjoint from :func:`retrieval_corpus`). Returns ``{(layer, head):
+    fitted estimator}`` for :attr:`Substitution.maps` — how learned maps (trained on other text) and calibrated
+    data-dependent maps enter :func:`encode`.
+
+    With ``cache=True`` the fitted states are stored once in ``cache_dir`` (default
+    :func:`kernapprox.real.resolve_cache_dir`) as ``.npz`` (no pickles) keyed by a hash of the configuration:
+    estimator, ``r``, options, seed, windows and the extraction's text hash; the file's ``__provenance__`` entry
+    (JSON) records that configuration, the package versions, the creation date and the fitting seconds. A
+    cached file is loaded with ``allow_pickle=False`` and each map rebuilt with ``load_fitted_state`` (after a
+    fit on two placeholder tokens that only builds its structure).
+    """
+    if not isinstance(substitution, Substitution):
+        raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
+    if not isinstance(windows, Windows):
+        raise TypeError(f"windows must be a Windows, got {type(windows).__name__}")
+    if not cache:
+        return _fit_all(substitution, windows)[0]
+    config = _map_config(substitution, windows)
+    path = real.resolve_cache_dir(cache_dir) / f"maps_{substitution.estimator}_{_config_hash(config)}.npz"
+    if path.exists():
+        return _load_maps(path, substitution)
+    maps, seconds = _fit_all(substitution, windows)
+    _save_maps(path, maps, config, seconds)
+    return maps
+
+
+def _fit_all(substitution, windows):
+    import time
+
+    start = time.perf_counter()
+    maps = {}
+    for layer in range(NUM_LAYERS):
+        for head in range(NUM_HEADS):
+            q, k, _ = windows.qkv(layer, head)
+            maps[(layer, head)] = substitution.make(layer, head).fit(q, k)
+    return maps, time.perf_counter() - start
+
+
+def _map_config(substitution, windows) -> dict:
+    rng = substitution.rng
+    seed = ({"entropy": str(rng.entropy), "spawn_key": list(rng.spawn_key)}
+            if isinstance(rng, np.random.SeedSequence) else int(rng))
+    data = real.load_qkv(windows.num_windows)
+    return {"estimator": substitution.estimator, "num_features": substitution.num_features,
+            "options": {key: repr(value) for key, value in sorted(dict(substitution.options).items())},
+            "rng": seed, "windows": windows.describe(), "text_sha256": data["attrs"].get("text_sha256"),
+            "model_name": real.MODEL_NAME}
+
+
+def _config_hash(config: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def _save_maps(path, maps, config, seconds):
+    import datetime as dt
+    import importlib.metadata
+    import json
+    import os
+
+    arrays = {}
+    for (layer, head), est in maps.items():
+        for key, value in est.fitted_state().items():
+            value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+            arrays[f"L{layer}H{head}/{key}"] = value
+    provenance = {"config": config, "fit_seconds": round(seconds, 3), "torch_version": str(torch.__version__),
+                  "kernapprox_version": importlib.metadata.version("kernapprox"),
+                  "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+                  "threads": torch.get_num_threads()}
+    arrays["__provenance__"] = np.array(json.dumps(provenance, sort_keys=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _load_maps(path, substitution) -> dict:
+    placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((2, HEAD_DIM)))
+    with np.load(path, allow_pickle=False) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+    maps = {}
+    for layer in range(NUM_LAYERS):
+        for head in range(NUM_HEADS):
+            prefix = f"L{layer}H{head}/"
+            state = {}
+            for key, value in arrays.items():
+                if key.startswith(prefix):
+                    name = key[len(prefix):]
+                    state[name] = value if value.ndim else value.item()
+            est = substitution.make(layer, head).fit(placeholder, placeholder)
+            maps[(layer, head)] = est.load_fitted_state(state)
+    return maps
+
+
+def map_provenance(substitution: Substitution, windows: Windows = Windows(), cache_dir=None) -> dict | None:
+    """The ``__provenance__`` record of the cached maps of this configuration (``None`` when not cached)."""
+    import json
+
+    path = (real.resolve_cache_dir(cache_dir)
+            / f"maps_{substitution.estimator}_{_config_hash(_map_config(substitution, windows))}.npz")
+    if not path.exists():
+        return None
+    with np.load(path, allow_pickle=False) as stored:
+        return json.loads(str(stored["__provenance__"]))
+
+
+@torch.no_grad()
+def heldout_attention_error(maps: Mapping, windows: Windows = Windows(windows=HELD_OUT_WINDOWS)) -> np.ndarray:
+    """Relative RMS error of each ``(layer, head)``'s non-causal attention output with its fitted map against
+    exact softmax attention on the held-out ``windows`` (pooled over their segments:
+    ``sqrt(Σ‖ŷ−y‖² / Σ‖y‖²)``), in float64. Returns ``(layers, heads)``; ``inf`` where an output is not finite."""
+    out = np.full((NUM_LAYERS, NUM_HEADS), np.nan)
+    for (layer, head), est in maps.items():
+        q, k, v = windows.qkv(layer, head, torch.float64)
+        if windows.query_stride != 1:
+            raise ValueError("held-out evaluation uses every query (query_stride=1)")
+        approx = ka.linear_attention(q, k, v, est, causal=False, mode="chunked" if "chunked" in est.modes
+                                     else est.modes[0])
+        exact = ka.softmax_attention(q, k, v)
+        if not bool(torch.isfinite(approx).all()):
+            out[layer, head] = np.inf
+            continue
+        out[layer, head] = float(((approx - exact) ** 2).sum().sqrt() / (exact ** 2).sum().sqrt())
+    return out

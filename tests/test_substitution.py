@@ -229,3 +229,51 @@ def test_retrieval_corpus_is_deterministic_and_held_out():
         assert " ".join(text[offset:offset + 3 * len(query)].split()).startswith(query)
     with pytest.raises(ValueError, match="qualify"):
         sub.retrieval_corpus(10_000)
+
+
+# ------------------------------------------------------------------------------------------------ the study
+def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
+    """``python -m experiments.model_substitution --preset smoke`` writes a complete dataset, its figure, and
+    findings whose numbers come from the dataset."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from PIL import Image
+
+    from experiments import model_substitution as study
+    from kernapprox import sweep
+
+    root = Path(__file__).resolve().parents[1]
+    cache = tmp_path / "cache"                       # fitted maps go to a fresh cache; the extraction is reused
+    cache.mkdir()
+    extraction = real.cache_path(4, 0, root / "results" / "cache")
+    if extraction.exists():
+        (cache / extraction.name).symlink_to(extraction)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "KERNAPPROX_CACHE_DIR": str(cache)}
+    out, figure = tmp_path / "x.nc", tmp_path / "x.png"
+    done = subprocess.run([sys.executable, "-m", "experiments.model_substitution", "--preset", "smoke", "--threads",
+                           "1", "--quiet", "--out", str(out), "--figure", str(figure)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ds = sweep.load(out)
+    grid = study.EXPERIMENT.grid("smoke")
+    for name in grid["estimator"]:
+        cell = ds.sel(estimator=name, num_features=32, search=False)
+        assert np.isfinite(cell["top1_agreement"].sel(placement="E:-")).all()
+        assert np.isfinite(cell["heldout_error"]).all()
+        assert cell["layer_attention_error"].sel(placement="E:-").notnull().all()
+        assert cell["top1_agreement"].sel(placement="E:0").isnull().all()       # only the search runs hybrids
+        searched = ds.sel(estimator=name, num_features=32, search=True)
+        assert searched["final_state_error"].notnull().all()                  # all 64 placements
+        assert float(searched["final_state_error"].sel(placement="E:0,1,2,3,4,5").max()) == 0.0
+        # the search's all-substituted placement is the non-search cell (the same draws)
+        np.testing.assert_allclose(searched["final_state_error"].sel(placement="E:-"),
+                                   cell["final_state_error"].sel(placement="E:-"), rtol=1e-6)
+        kv = searched["attention_bytes"].sel(placement="E:0,1,2,3,4,5")
+        assert float(kv.max()) > 0 and (searched["attention_bytes"] <= kv.max() * 10).all()
+    assert Image.open(figure).info["Description"].startswith("Sentence retrieval")
+    text = study.findings(ds)
+    assert text == study.findings(ds) and text.count("\n- ") >= 2
+    assert "Exact model" in text and "exact layer" in text
