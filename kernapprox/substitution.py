@@ -55,8 +55,8 @@ import torch
 import kernapprox as ka
 
 from . import real
-from ._validation import check_choice, check_positive_int
-from .tasks import state_bytes as _estimator_state_bytes
+from .io import atomic_write
+from .validation import check_choice, check_positive_int
 
 NUM_LAYERS = real.NUM_LAYERS
 NUM_HEADS = real.NUM_HEADS
@@ -379,13 +379,11 @@ class EncoderRun:
 
 
 def _kind(estimator) -> str:
-    if isinstance(estimator, ka.features.ExactKernel):
-        return "exact"
-    return "attention" if hasattr(estimator, "attention") else "features"
+    return estimator.capabilities().kind
 
 
 def _data_dependent(estimator) -> bool:
-    return bool(estimator.data_dependent)
+    return estimator.capabilities().data_dependent
 
 
 class _Layers:
@@ -677,7 +675,7 @@ def placement_bytes(substitution: Substitution | None, exact_layers: Iterable[in
             est = substitution.maps[min(substitution.maps)]
         else:
             est = substitution.make(0, 0).fit(_probe_points(0), _probe_points(1))
-        per_text = np.array([_estimator_state_bytes(est, d_v, int(n), dtype) for n in seq_lens])
+        per_text = np.array([est.state_bytes(d_v, dtype, seq_len=int(n)) for n in seq_lens])
         total = total + approx * NUM_HEADS * per_text
     return total
 
@@ -743,7 +741,7 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
     estimator, ``r``, options, seed, windows and the extraction's text hash; the file's ``__provenance__`` entry
     (JSON) records that configuration, the package versions, the creation date and the fitting seconds. A
     cached file is loaded with ``allow_pickle=False`` and each map rebuilt with ``load_fitted_state`` (after a
-    fit on two placeholder tokens that only builds its structure).
+    fit on placeholder tokens that only builds its structure).
     """
     if not isinstance(substitution, Substitution):
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
@@ -794,7 +792,6 @@ def _save_maps(path, maps, config, seconds):
     import datetime as dt
     import importlib.metadata
     import json
-    import os
 
     arrays = {}
     for (layer, head), est in maps.items():
@@ -807,17 +804,18 @@ def _save_maps(path, maps, config, seconds):
                   "threads": torch.get_num_threads()}
     arrays["__provenance__"] = np.array(json.dumps(provenance, sort_keys=True))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}.npz")
-    try:
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+
+    def write(tmp):
+        with open(tmp, "wb") as f:                    # a file object: np.savez would append ".npz" to a path
+            np.savez(f, **arrays)
+
+    atomic_write(path, write)
 
 
 def _load_maps(path, substitution) -> dict:
-    placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((2, HEAD_DIM)))
+    # enough placeholder points for a map whose rank is limited by the points it is fitted on
+    size = max(2, substitution.num_features or 2)
+    placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((size, HEAD_DIM)))
     with np.load(path, allow_pickle=False) as stored:
         arrays = {key: stored[key] for key in stored.files}
     maps = {}
