@@ -56,7 +56,7 @@ GRIDS = {
     "smoke": {"estimator": [e for e in ("hedgehog",) if e in ESTIMATORS] or ["positive_orthogonal"],
               "num_features": [32], "search": [False, True], "paragraphs": [12], "train_steps": [4], "seed": [0]},
     "default": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128], "search": [False, True],
-                "paragraphs": [48], "train_steps": [50], "seed": [0, 1, 2, 3, 4]},
+                "paragraphs": [32], "train_steps": [50], "seed": [0, 1, 2, 3, 4]},
     "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256], "search": [False, True],
              "paragraphs": [96], "train_steps": [200], "seed": list(range(8))},
 }

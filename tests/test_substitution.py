@@ -277,3 +277,39 @@ def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
     text = study.findings(ds)
     assert text == study.findings(ds) and text.count("\n- ") >= 2
     assert "Exact model" in text and "exact layer" in text
+
+
+# ------------------------------------------------------------------------------------------- maps on windows
+def test_fitted_maps_are_cached_without_pickles_and_reload_exactly(tmp_path, monkeypatch):
+    s = sub.Substitution("hedgehog", num_features=8, rng=4, options={"num_steps": 2})
+    windows = sub.Windows(windows=(0, 1), segment=64, query_stride=2)
+    q, k, _ = windows.qkv(2, 3)
+    assert q.shape == (16, 32, 32) and k.shape == (16, 64, 32) and q.dtype == torch.float32
+    fitted = sub.fit_maps(s, windows, cache=True, cache_dir=tmp_path)
+    files = list(tmp_path.glob("maps_hedgehog_*.npz"))
+    assert len(files) == 1 and set(fitted) == {(layer, head) for layer in range(6) for head in range(12)}
+    with np.load(files[0], allow_pickle=False) as stored:              # plain arrays only
+        assert "L5H11/query_weight_" in stored.files
+    record = sub.map_provenance(s, windows, cache_dir=tmp_path)
+    assert record["config"]["estimator"] == "hedgehog" and record["config"]["windows"]["segment"] == 64
+    assert record["fit_seconds"] > 0 and record["config"]["text_sha256"] == real.load_qkv()["attrs"]["text_sha256"]
+    monkeypatch.setattr(sub, "_fit_all", lambda *a: (_ for _ in ()).throw(AssertionError("refitted")))
+    loaded = sub.fit_maps(s, windows, cache=True, cache_dir=tmp_path)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    for key in [(0, 0), (3, 7), (5, 11)]:
+        torch.testing.assert_close(loaded[key].features(x, "key"), fitted[key].features(x, "key"), rtol=0, atol=0)
+    other = sub.Substitution("hedgehog", num_features=8, rng=5, options={"num_steps": 2})
+    assert sub.map_provenance(other, windows, cache_dir=tmp_path) is None     # another seed, another entry
+
+
+def test_heldout_error_of_maps_fitted_on_other_windows():
+    maps = sub.fit_maps(sub.Substitution("oprf_orthogonal", num_features=32, rng=0),
+                        sub.Windows(windows=(0,), segment=128))
+    errors = sub.heldout_attention_error(maps, sub.Windows(windows=(3,)))
+    assert errors.shape == (6, 12) and np.isfinite(errors).all() and (errors > 0).all()
+    exact = {key: ka.make_estimator("exact").fit(torch.zeros(1, 32)) for key in maps}
+    assert np.abs(sub.heldout_attention_error(exact, sub.Windows(windows=(3,)))).max() < 1e-12
+    with pytest.raises(ValueError, match="fit region"):
+        sub.Windows(num_windows=sub.FIT_REGION_WINDOWS + 1)
+    with pytest.raises(ValueError, match="segment"):
+        sub.Windows(segment=100)
