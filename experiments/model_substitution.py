@@ -250,6 +250,27 @@ def _num_exact(label: str) -> int:
     return 0 if label == "E:-" else len(label[2:].split(","))
 
 
+def _memory_line(ds, estimators, ranks) -> str | None:
+    """Attention memory per text of the exact model (KV caches) against all-layer substitutions."""
+    searched = ds["attention_bytes"].sel(search=True, placement=PLACEMENTS[-1]).values
+    searched = searched[np.isfinite(searched)]
+    if not searched.size:
+        return None
+    kv = float(np.mean(searched)) / 1024
+    parts = []
+    for est in estimators:
+        for r in ranks:
+            if not applicable(est, int(r), False) or (est not in FIXED_DIMENSION and r not in (32, 128)):
+                continue
+            mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement="E:-").values
+            mem = mem[np.isfinite(mem)]
+            if mem.size:
+                label = f"{est}" if est in FIXED_DIMENSION else f"{est} r = {int(r)}"
+                parts.append(f"{label} {float(mem.mean()) / 1024:.0f} KiB")
+    return (f"- Attention memory per text (mean over the corpus's texts): exact model (six layers of KV cache) "
+            f"{kv:.0f} KiB; all layers substituted: " + "; ".join(parts) + ".")
+
+
 def findings(ds) -> str:
     """Markdown bullets; every number is computed from ``ds`` (95 % intervals: bootstrap over seeds and queries,
     Clopper–Pearson for the exact model's accuracy, bootstrap over heads and seeds for held-out errors)."""
@@ -261,7 +282,9 @@ def findings(ds) -> str:
     if hits.size:
         lo, hi = clopper_pearson(int(hits.sum()), hits.size)
         lines.append(f"- Exact model: the query's own paragraph is its nearest document for {hits.mean():.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] of {hits.size} queries.")
+                     f"[{lo:.2f}, {hi:.2f}] of {hits.size} queries; a random ranking would share "
+                     f"{10 / hits.size:.2f} of the top 10 and the top document with probability "
+                     f"{1 / hits.size:.3f}.")
     for r in [r for r in (32, 128) if r in ranks]:
         parts = []
         for est in estimators:
@@ -278,6 +301,9 @@ def findings(ds) -> str:
                          f"{float(cos.mean()):.3f}")
         if parts:
             lines.append(f"- All six layers substituted, r = {r} per head: " + "; ".join(parts) + ".")
+    memory = _memory_line(ds, estimators, ranks)
+    if memory:
+        lines.append(memory)
     for est, search_ranks in SEARCH.items():
         for r in search_ranks:
             if est not in estimators or r not in ranks or not bool(ds.search.any()):
@@ -293,6 +319,19 @@ def findings(ds) -> str:
                 lines.append(f"- {est}, r = {r}, {count} exact layer{'s' * (count > 1)}: best placement "
                              f"{best[0]} with top-10 agreement {_fmt(best[1:])} (first {count}: {_fmt(first[1:])}; "
                              f"last {count}: {_fmt(last[1:])}); none exact: {_fmt(table[0][1:])}.")
+    for est, search_ranks in SEARCH.items():
+        for r in search_ranks:
+            if est not in estimators or r not in ranks or not bool(ds.search.any()):
+                continue
+            table = {row[0]: row[1:] for row in hybrid_table(ds, est, r)}
+            if np.isnan(table["E:-"][0]):
+                continue
+            alone = {layer: table[sub.placement_label([j for j in range(NUM_LAYERS) if j != layer])]
+                     for layer in range(NUM_LAYERS)}
+            worst = min(alone, key=lambda layer: alone[layer][0])
+            best = max(alone, key=lambda layer: alone[layer][0])
+            lines.append(f"- {est}, r = {r}, one layer substituted at a time: top-10 agreement from "
+                         f"{_fmt(alone[worst])} (layer {worst}) to {_fmt(alone[best])} (layer {best}).")
     if 64 in ranks:
         parts = []
         for est in estimators:
@@ -349,6 +388,9 @@ def plot(ds, path):
     a_err.set_title("final hidden-state error (all layers)")
 
     # agreement against memory: all-layer substitutions, hybrids (best and naive), exact
+    from matplotlib import ticker
+
+    kib = 1024.0
     for est in estimators:
         style = plotting.estimator_style(est)
         pts = []
@@ -358,10 +400,13 @@ def plot(ds, path):
             mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement="E:-").mean()
             stat = mean_interval(_per_query(ds, "top10_agreement", est, int(r)))
             if not np.isnan(stat[0]):
-                pts.append((float(mem), stat[0]))
+                pts.append((float(mem) / kib, stat[0]))
         if pts:
             x, y = np.array(sorted(pts)).T
-            a_mem.plot(x, y, color=style["color"], linestyle=":", marker=style["marker"], alpha=0.6, label=est)
+            a_mem.plot(x, y, color=style["color"], linestyle=":", marker=style["marker"], alpha=0.7,
+                       label=f"{est}, all layers, r = {', '.join(str(int(r)) for r in ranks)}"
+                       if est not in FIXED_DIMENSION else f"{est}, all layers")
+    kv = None
     for est, search_ranks in SEARCH.items():
         for r in search_ranks:
             if est not in estimators or r not in ranks or not bool(ds.search.any()):
@@ -371,26 +416,37 @@ def plot(ds, path):
                 continue
             color = plotting.estimator_style(est)["color"]
             mem = {label: float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=True,
-                                                          placement=label).mean()) for label, *_ in table}
-            best, first, last = [], [], []
-            for count in range(NUM_LAYERS + 1):
+                                                          placement=label).mean()) / kib for label, *_ in table}
+            kv = mem[PLACEMENTS[-1]]
+            curves = {"best": [], "first": [], "last": []}
+            for count in range(NUM_LAYERS):
                 rows = [row for row in table if _num_exact(row[0]) == count]
                 top = max(rows, key=lambda row: row[1])
-                best.append((mem[top[0]], top[1]))
-                f = sub.placement_label(sub.first_layers(count))
-                lbl = sub.placement_label(sub.last_layers(count))
-                first.append((mem[f], next(row[1] for row in rows if row[0] == f)))
-                last.append((mem[lbl], next(row[1] for row in rows if row[0] == lbl)))
-            for pts, ls, mk, name in ((best, "-", "*", "best"), (first, "--", "v", "first k"),
-                                      (last, "-.", "^", "last k")):
-                x, y = np.array(pts).T
-                a_mem.plot(x, y, color=color, linestyle=ls, marker=mk, label=f"{est} r={r}: {name} exact")
+                curves["best"].append((mem[top[0]], top[1], count))
+                for name, layers in (("first", sub.first_layers(count)), ("last", sub.last_layers(count))):
+                    label = sub.placement_label(layers)
+                    curves[name].append((mem[label], next(row[1] for row in rows if row[0] == label), count))
+            for name, ls, mk in (("best", "-", "*"), ("first", "--", "v"), ("last", "-.", "^")):
+                x, y, _ = np.array(curves[name]).T
+                a_mem.plot(x, y, color=color, linestyle=ls, marker=mk, markersize=5 if mk == "*" else 3.5,
+                           label=f"{est} r = {r}: k exact layers, {name} k" if name != "best"
+                           else f"{est} r = {r}: best k exact layers")
+            for x, y, count in curves["best"]:
+                a_mem.annotate(str(int(count)), (x, y), textcoords="offset points", xytext=(2, 3), fontsize=6,
+                               color=color)
+    if kv is not None:
+        a_mem.plot([kv], [1.0], marker="P", color="black", linestyle="none", markersize=7,
+                   label="exact model (KV caches)")
+        a_mem.axvline(kv, color="0.5", linewidth=0.7, linestyle=":")
     a_mem.set_xscale("log")
+    a_mem.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a_mem.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    a_mem.xaxis.set_minor_formatter(ticker.NullFormatter())
     a_mem.set_ylim(-0.02, 1.05)
-    a_mem.set_xlabel("attention memory per text (bytes, mean)")
+    a_mem.set_xlabel("attention memory per text, KiB (mean over texts)")
     a_mem.set_ylabel("top-10 agreement with exact")
-    a_mem.set_title("agreement against memory; hybrids: k exact layers")
-    a_mem.legend(fontsize=5.5, ncol=1)
+    a_mem.set_title("agreement against memory (numbers: exact layers)")
+    a_mem.legend(fontsize=5.3, ncol=1, loc="lower right")
 
     # held-out per-head error at r = 64 (or the middle rank)
     r_head = 64 if 64 in ranks else int(ranks[len(ranks) // 2])
@@ -442,7 +498,8 @@ def plot(ds, path):
         "queries); median relative error of the final hidden states (band: bootstrap interval of the median). "
         "Bottom left: top-10 agreement against attention memory per text (estimators' state_bytes; exact layers "
         "hold their KV cache at the text's length); dotted: all layers substituted at each r; solid: the best "
-        "placement of k exact layers, dashed/dash-dotted: the first/last k layers exact. Bottom middle: held-out "
+        "placement of k exact layers (k written beside it), dashed/dash-dotted: the first/last k layers exact; the "
+        "cross: the exact model (all six KV caches). Bottom middle: held-out "
         f"attention-output error per head at r = {r_head} (maps fitted on windows 0–1 of the extraction, tested on "
         "windows 2–3; boxes over 72 heads and the seeds, whiskers 1.5 IQR). Bottom right: each layer's "
         "attention-output error on the activations it sees with all layers substituted (median and 10–90 % "

@@ -26,7 +26,7 @@ final hidden states' error and the embeddings. :func:`retrieval_agreement` compa
 with the exact model's on :func:`retrieval_corpus` (paragraphs of Python's help text held out from the extraction
 windows that any fitting sees: first sentence as the query, the rest as the document). :func:`search_placements`
 runs every subset of exact layers (2⁶ = 64) as a depth-first walk of the layer-by-layer choice tree, sharing the
-hidden states of common prefixes (126 layer evaluations instead of 384). :func:`placement_bytes` counts memory:
+hidden states of common prefixes (at most 126 layer evaluations instead of 384). :func:`placement_bytes` counts memory:
 an estimator's ``state_bytes`` per head, an exact layer's KV cache at the text's length.
 
 >>> from kernapprox import real, substitution as sub
@@ -34,7 +34,7 @@ an estimator's ``state_bytes`` per head, an exact layer's KV cache at the text's
 ...     model, tokenizer = sub.load_encoder()
 ...     corpus = sub.retrieval_corpus(8)
 ...     inputs = sub.tokenize(tokenizer, corpus.texts)
-...     exact = sub.encode(model, inputs)
+...     exact = sub.encode(model, inputs, keep_layer_states=True)
 ...     plan = sub.plan(sub.Substitution("positive_orthogonal", num_features=64, rng=0), layers=[5])
 ...     run = sub.encode(model, inputs, plan, reference=exact)
 ...     round(float(run.layer_attention_error[5]), 1) > 0
