@@ -343,6 +343,22 @@ def findings(ds) -> str:
         if parts:
             lines.append("- Held-out attention-output error at r = 64 (median over heads and seeds, windows 2–3 of "
                          "maps fitted on windows 0–1): " + "; ".join(parts) + ".")
+        learned = [e for e in LEARNED if e in estimators]
+        for est in learned:
+            mine = ds["heldout_error"].sel(estimator=est, num_features=64, search=False)
+            wins = []
+            for other in estimators:
+                if other == est or other in FIXED_DIMENSION:
+                    continue
+                theirs = ds["heldout_error"].sel(estimator=other, num_features=64, search=False)
+                paired = np.isfinite(mine.values) & ~np.isnan(theirs.values)
+                if paired.any():
+                    below = int((mine.values[paired] < theirs.values[paired]).sum())
+                    lo, hi = clopper_pearson(below, int(paired.sum()))
+                    wins.append(f"{other} on {below / paired.sum():.2f} [{lo:.2f}, {hi:.2f}] of {int(paired.sum())}")
+            if wins:
+                lines.append(f"- Paired by head and seed at r = 64, {est}'s held-out error is below " +
+                             "; ".join(wins) + " (head, seed) pairs.")
     return "\n".join(lines) + "\n"
 
 
