@@ -16,6 +16,7 @@ module                 estimators
 ``hybrid``             sliding window + linear attention, Scatterbrain
 ``lara``               LARA: multiple importance sampling of attention with data-dependent proposals
 ``eva``                EVA: exact local attention plus per-group control variates
+``learned``            learned maps distilled from softmax attention (Hedgehog)
 ``exact``              the exact kernel as an estimator
 =====================  ===============================================================================
 
@@ -33,6 +34,7 @@ from . import (  # noqa: F401
     exponential,
     hybrid,
     lara,
+    learned,
     lowrank,
     maclaurin,
     nystrom,
@@ -53,6 +55,7 @@ from .exponential import (
 )
 from .hybrid import Scatterbrain, WindowLinear
 from .lara import LinearRandomizedAttention
+from .learned import HedgehogFeatures
 from .lowrank import AttentionSVD, KernelSVD, Nystromformer
 from .maclaurin import RandomMaclaurinFeatures
 from .nystrom import NystromFeatures
@@ -76,7 +79,7 @@ __all__ = [
     "SimplifiedAsymmetricDenseExponentialFeatures", "AsymmetricDenseExponentialFeatures",
     "RandomMaclaurinFeatures", "TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures", "NystromFeatures",
     "Nystromformer", "KernelSVD", "AttentionSVD", "WindowLinear", "Scatterbrain", "LinearRandomizedAttention",
-    "EfficientAttentionCV",
+    "EfficientAttentionCV", "HedgehogFeatures",
     "ProjectionSampler", "GaussianSampler", "OrthogonalSampler", "StructuredSampler", "QMCSampler", "SAMPLERS",
     "make_sampler",
 ]
