@@ -60,7 +60,7 @@ import torch
 
 from ..theory import oprf_optimal_A
 from ..validation import check_positive_float
-from .random import RandomFeatureMap
+from .random import ExponentialRandomFeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS
 
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class _ExponentialFamilyFeatures(RandomFeatureMap):
+class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
     """Shared evaluation of the per-coordinate GERF form above; subclasses set ``alpha_`` and the transforms."""
 
     positive = True
@@ -93,17 +93,12 @@ class _ExponentialFamilyFeatures(RandomFeatureMap):
         """Return ``(alpha, query_transform, key_transform)``; ``None`` transforms mean the identity."""
         raise NotImplementedError
 
-    def _log_features(self, x, role):
+    def _exponents(self, x, role):
         transform = self.query_transform_ if role == "query" else self.key_transform_
         if transform is not None:
             x = x @ self._param(f"{role}_transform_", x).T
         proj = x @ self._param("weight_", x).T + self._param("frequency_offset_", x)
-        shift = proj.amax(-1, keepdim=True)
-        phi = torch.exp(proj - shift)
-        if self.eps:
-            phi = phi + self.eps
-        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) + self.log_normalizer_
-        return phi, logs
+        return proj, -0.5 * (x * x).sum(-1) + self.log_normalizer_
 
     # ------------------------------------------------------------------------------- data statistics
     def _scaled_pairs(self, q, k):
