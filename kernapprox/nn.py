@@ -20,9 +20,20 @@ Design
   and stay fixed — across forward passes, ``train()``/``eval()`` and steps — until :meth:`KernelAttention.redraw`
   (or :meth:`KernelAttention.fit`) is called. Performer-style periodic redrawing is the training loop's call.
 * **Data-dependent estimators** (``data_dependent = True``: OPRF, the dense-exponential maps, Nyström, ...) are
-  fitted on projected queries and keys: on the first batch seen by ``forward`` (detached, no gradient), or
-  explicitly with :meth:`KernelAttention.fit` on a calibration batch, which is the recommended way. They are not
-  refitted afterwards unless ``fit`` is called again.
+  fitted on projected queries and keys (detached, no gradient), and the projections they were fitted on change
+  while the layer trains. The refit policy:
+
+  - ``refit_every=k``: in training mode the map is refitted on the current batch before the first training
+    forward and then every ``k`` training forwards (``k = 1``: every step), so it follows the projections as they
+    learn; in eval mode it is never refitted (inference is deterministic). This is the policy for training.
+  - :meth:`KernelAttention.fit` on a calibration batch, explicitly (the policy for inference after training).
+  - Otherwise the map is fitted on the first batch ``forward`` sees, with a ``UserWarning`` (a map fitted at
+    randomly initialised projections and never refitted makes a trained layer worse than chance: Nyström at
+    ``r = 16`` on a copy task), and a ``UserWarning`` is raised once when the layer is used after its query or
+    key projections changed since the map was fitted (an optimizer step, a load): the map is stale.
+
+  The projections' identity is tracked through their tensors' version counters (every in-place update, e.g.
+  ``optimizer.step()`` or ``load_state_dict``, bumps them), which costs nothing per call.
 * **Buffers are the source of truth.** Everything the estimator fitted (projections, landmarks, whitening
   matrices, fitted scalars) is registered as a buffer under ``feature_state``: it is in ``state_dict``, moves
   with ``.to(device)`` and is cast by ``.to(dtype)`` like any buffer (use autocast rather than ``.half()`` to keep
@@ -31,12 +42,12 @@ Design
   state dict into a layer whose data-dependent estimator has not been fitted yet first builds the fitted
   structure from a placeholder fit and then takes every value from the state dict.
 * One estimator is shared by all heads (statistics of data-dependent maps are pooled over batch and heads).
-  There are no attention masks beyond ``causal``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
@@ -45,7 +56,7 @@ from torch import nn
 from .attention import MODES, linear_attention
 from .estimators.base import Estimator
 from .estimators.registry import make_estimator
-from .validation import as_generator, check_choice, check_positive_int, check_tensor
+from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
 
 __all__ = ["KernelAttention"]
 
@@ -55,11 +66,16 @@ class _FittedState(nn.Module):
     ``"<attribute>.<name>"`` entries live in a child module named after the attribute, so ``state_dict`` keys
     are the estimator's own. Numbers are stored as 0-d int64/float64 buffers."""
 
+    data_sized: frozenset = frozenset()      # names of this module's buffers whose shapes follow the fitting data
+    skip_next_load: bool = False             # set by the layer when it refuses a checkpoint
+
     def capture(self, est: Estimator) -> None:
         for name in list(self._buffers):
             del self._buffers[name]
         for name in list(self._modules):
             del self._modules[name]
+        self.data_sized = frozenset()
+        data_sized = est.data_sized_state_keys()
         for key, value in est.fitted_state().items():
             *path, name = key.split(".")
             module = self
@@ -67,6 +83,8 @@ class _FittedState(nn.Module):
                 if part not in module._modules:
                     module.add_module(part, _FittedState())
                 module = module._modules[part]
+            if key in data_sized:
+                module.data_sized = module.data_sized | {name}
             if isinstance(value, np.ndarray):
                 buffer = torch.from_numpy(value)                # fitted_state's copy
             elif isinstance(value, torch.Tensor):
@@ -85,19 +103,45 @@ class _FittedState(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # Replace rather than copy into: a data-dependent fit may have other shapes than the placeholder's.
+        # Replace rather than copy into (keeping this buffer's device and dtype), after torch's checks: a tensor,
+        # of the shape this estimator's parameters give (entries sized by the fitting data excepted).
+        if self.skip_next_load:                 # the layer refused the checkpoint's estimator record
+            self.skip_next_load = False
+            return
         for name, old in list(self._buffers.items()):
             key = prefix + name
-            if key in state_dict:
-                self._buffers[name] = state_dict[key].detach().to(device=old.device, dtype=old.dtype).clone()
-            elif strict:
-                missing_keys.append(key)
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+                                  f"object from checkpoint but received {type(value)}")
+                continue
+            if value.shape != old.shape and name not in self.data_sized:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {old.shape}.")
+                continue
+            self._buffers[name] = value.detach().to(device=old.device, dtype=old.dtype).clone()
         if strict:
             for key in state_dict:
                 if key.startswith(prefix):
                     head = key[len(prefix):].split(".")[0]
                     if head not in self._buffers and head not in self._modules:
                         unexpected_keys.append(key)
+
+
+def _plain(value):
+    """``value`` as plain Python data (what ``torch.load(weights_only=True)`` reads back): numbers, strings, None
+    and containers of them as they are, anything else (a sampler object) as its ``repr``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -139,6 +183,9 @@ class KernelAttention(nn.Module):
         The only source of randomness (projection weights and feature draws).
     chunk_size : int, default=64
         Chunk length of the chunked mode.
+    refit_every : int, optional
+        Data-dependent estimators only: refit the map on the current batch every ``refit_every`` training-mode
+        forward calls (the first included); never in eval mode. See the module docstring for the policy.
     bias : bool, default=True
         Biases in the four projections.
     scale : float, optional
@@ -160,8 +207,8 @@ class KernelAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
                  num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
-                 chunk_size: int = 64, bias: bool = True, scale: float | None = None, device=None, dtype=None,
-                 **options):
+                 chunk_size: int = 64, refit_every: int | None = None, bias: bool = True,
+                 scale: float | None = None, device=None, dtype=None, **options):
         super().__init__()
         self.embed_dim = check_positive_int(embed_dim, "embed_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -187,14 +234,24 @@ class KernelAttention(nn.Module):
             raise ValueError(f"estimator {estimator!r} does not support causal attention")
         self.mode = mode
         self.causal = causal
+        if refit_every is not None:
+            check_positive_int(refit_every, "refit_every")
+            if not caps.data_dependent:
+                raise ValueError(f"refit_every applies to data-dependent estimators; {estimator!r} is fitted from "
+                                 "its seed alone (use redraw() for a new draw of random features)")
+        self.refit_every = refit_every
+        self._training_forwards = 0                  # training-mode forward calls (the refit clock)
+        self._fitted_projections = None              # version fingerprint of q_proj/k_proj at the last fit
+        self._warned = set()
         # skip_init: nn.Linear's own initialisation would draw from torch's global RNG
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             nn.utils.skip_init(nn.Linear, embed_dim, embed_dim, bias=bias, dtype=dtype,
-                               device=torch.get_default_device() if device is None else device)
+                               device=torch.get_default_device() if device is None else check_device(device))
             for _ in range(4))
         self._init_projections(weight_rng)
         self.feature_state = _FittedState()
         self._signature = None
+        self.register_load_state_dict_post_hook(KernelAttention._after_load)
         if not self.estimator.capabilities().data_dependent:
             self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
 
@@ -219,6 +276,43 @@ class KernelAttention(nn.Module):
         self.feature_state.capture(self.estimator)
         self.feature_state.to(device)
         self._signature = None
+        self._fitted_projections = self._projection_versions()
+        self._warned.discard("stale")
+
+    def _projection_versions(self) -> tuple:
+        """Identity and version counter of every parameter of the query and key projections: it changes with any
+        in-place update (an optimizer step, ``load_state_dict``), not with a move or cast (``.to``)."""
+        return tuple((id(p), p._version) for layer in (self.q_proj, self.k_proj) for p in layer.parameters())
+
+    @staticmethod
+    def _after_load(module, incompatible_keys) -> None:
+        """After ``load_state_dict``: projections and fitted map come from one checkpoint, so the map is current."""
+        if module.fitted:
+            module._fitted_projections = module._projection_versions()
+
+    def _warn_once(self, cause: str, message: str) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(message, UserWarning, stacklevel=3)
+
+    @torch.no_grad()
+    def _apply_refit_policy(self, q, k) -> None:
+        """Fit, refit or warn before a forward call (data-dependent estimators only; see the module docstring)."""
+        if self.training and self.refit_every is not None:
+            if not self.fitted or self._training_forwards % self.refit_every == 0:
+                self._fit_estimator(q.detach(), k.detach())
+            self._training_forwards += 1
+            return
+        if not self.fitted:
+            self._warn_once("unfitted", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} "
+                            "was not fitted; it is fitted now on this batch's projected queries and keys and kept. "
+                            "Call fit(calibration) first, or pass refit_every=k to refit it while training")
+            self._fit_estimator(q.detach(), k.detach())
+        elif self._fitted_projections is not None and self._projection_versions() != self._fitted_projections:
+            self._warn_once("stale", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} was "
+                            "fitted on query/key projections that have changed since (an optimizer step or a "
+                            "load): the map is stale. Pass refit_every=k to refit it while training, or call "
+                            "fit(calibration) after training")
 
     def _sync(self) -> None:
         signature = self.feature_state.signature()
@@ -284,17 +378,50 @@ class KernelAttention(nn.Module):
         """``(batch, n_q, E)``, optional ``key``/``value`` ``(batch, n_k, E)`` (self-attention when omitted)
         → ``(batch, n_q, E)``. Fits a data-dependent estimator on this batch if it was never fitted."""
         q, k, v = self._project(query, key, value)
-        if not self.fitted:
-            with torch.no_grad():
-                self._fit_estimator(q.detach(), k.detach())
+        if self.estimator.capabilities().data_dependent:
+            self._apply_refit_policy(q, k)
         self._sync()
         out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
                                chunk_size=self.chunk_size)                     # (b, h, n_q, head_dim)
         batch, _, n_q, _ = out.shape
         return self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
 
+    # ---------------------------------------------------------------------------------------- state dict
+    def get_extra_state(self) -> dict:
+        """The estimator's identity, saved in ``state_dict`` under ``"_extra_state"``: its registry name and its
+        constructor parameters (``num_features``, ``scale``, options; not ``rng``), and the per-head dimension
+        the map is fitted for. :meth:`load_state_dict` refuses a state whose record differs."""
+        params = {name: _plain(value) for name, value in self.estimator.get_params().items() if name != "rng"}
+        return {"estimator": self.estimator_name, "params": params, "head_dim": self.head_dim}
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to set: the record is checked against this layer's own estimator while loading."""
+
+    def _check_record(self, record, key, error_msgs) -> bool:
+        mine = self.get_extra_state()
+        if not isinstance(record, dict) or set(record) != set(mine):
+            error_msgs.append(f"estimator mismatch for {key}: expected a record {{estimator, params, head_dim}} "
+                              f"from checkpoint, received {record!r}.")
+            return False
+        if record != mine:
+            def describe(rec):
+                params = ", ".join(f"{k}={v!r}" for k, v in rec["params"].items())
+                return f"{rec['estimator']!r} ({params}; head_dim={rec['head_dim']})"
+
+            error_msgs.append(f"estimator mismatch for {key}: copying the state of estimator {describe(record)} from "
+                              f"checkpoint, the estimator in current model is {describe(mine)}.")
+            return False
+        return True
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        record_key = prefix + "_extra_state"
+        if record_key in state_dict and not self._check_record(state_dict[record_key], record_key, error_msgs):
+            # Another estimator's state: reported (load_state_dict raises with every message); none of it is loaded.
+            self.feature_state.skip_next_load = True
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            return
         if not self.fitted and any(key.startswith(prefix + "feature_state.") for key in state_dict):
             # Build the fitted structure (attribute names, nested estimators) from a throw-away fit on
             # placeholder data from its own generator, so the layer's stream is not consumed; every value is
@@ -307,6 +434,8 @@ class KernelAttention(nn.Module):
             self.estimator.rng = stream
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if record_key not in state_dict and record_key in missing_keys:
+            missing_keys.remove(record_key)   # a state saved before the record existed: shape checks only
 
     def extra_repr(self) -> str:
         r = self.estimator.get_params()["num_features"]
