@@ -8,14 +8,16 @@ exponential family at large norms (DERF/OPRF in float32 at ``‖x‖² ≳ 150``
 underflow to 0, and a row whose dominant query–key terms sit at such entries loses all of them — a zero
 normaliser (NaN output) or one made of the wrong terms.
 
-Detection (:func:`needs_recompute`). For a positive map every stabilised term is in ``[0, 1]``, and a term lost to
-underflow is below ``tiny`` (smallest normal number) of the compute dtype. So if a row's stabilised normaliser is
-at least ``τ = sqrt(tiny)`` (1e-19 in float32), what was lost is at most ``n_k·r·tiny``, a relative error below
-``n_k·r·sqrt(tiny)``: the row is exact to rounding. Only rows below ``τ`` (or non-finite) are in doubt. The test
-costs one reduction over the ``(..., n)`` normalisers; ordinary inputs never fail it, so the common path is the
-fast path plus that reduction. Signed maps (trigonometric, Maclaurin, Nyström, Taylor, DPFP) are not checked:
-their normalisers may be small or ≤ 0 by cancellation, which is the estimator's own statistical behaviour and is
-measured by :func:`kernapprox.metrics.nonpositive_normalizer_rate`; their log-scales must still be finite.
+Detection (:func:`needs_recompute`). Every stabilised term is at most 1 in absolute value (up to the map's
+constant), and a term lost to underflow is below ``tiny`` (smallest normal number) of the compute dtype. So if a
+row's stabilised normaliser is at least ``τ = sqrt(tiny)`` (1e-19 in float32) in absolute value, what was lost is
+at most ``n_k·r·tiny``, a relative error below ``n_k·r·sqrt(tiny)`` of it (and of the sum of the terms' absolute
+values, for signed maps): the row is exact to rounding. Only rows below ``τ`` (or non-finite) are in doubt. The
+test costs one reduction over the ``(..., n)`` normalisers; ordinary inputs never fail it, so the common path is
+the fast path plus that reduction. A signed map (trigonometric, Maclaurin, Nyström, Taylor, DPFP) may have a small
+or zero normaliser by cancellation — the estimator's own behaviour, measured by
+:func:`kernapprox.metrics.nonpositive_normalizer_rate` — and is then recomputed too (rarely, and to the same
+value, more precisely); a zero normaliser stays zero.
 
 Recomputation (:func:`recompute`). First the same mode in float64 (range ``e^{±708}`` instead of ``e^{±88}``: the
 features of one vector may then span ~1400 nats instead of ~190), returned in the input dtype; if rows are still in
@@ -51,17 +53,13 @@ def trusted_normalizer(dtype: torch.dtype) -> float:
 
 
 def needs_recompute(estimator: Estimator, normalizer: torch.Tensor, log_scale: torch.Tensor) -> bool:
-    """Whether the fast result must be recomputed: a positive map with a row whose stabilised normaliser is below
-    :func:`trusted_normalizer` or not finite. Raises ``ValueError`` when a log-scale is not finite (then no
-    recomputation can help: the inputs' norms overflow the dtype)."""
+    """Whether the fast result must be recomputed: a row whose stabilised normaliser is below
+    :func:`trusted_normalizer` in absolute value, or not finite. Raises ``ValueError`` when a log-scale is not
+    finite (then no recomputation can help: the inputs' norms overflow the dtype)."""
     if not log_scale.numel():
         return False
     lo, hi = torch.aminmax(log_scale.detach())
-    if not estimator.capabilities().positive:
-        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-            raise _overflow_error(estimator, log_scale.dtype)
-        return False
-    small = normalizer.detach().amin()
+    small = normalizer.detach().abs().amin()
     ok = torch.isfinite(lo) & torch.isfinite(hi) & (small >= trusted_normalizer(normalizer.dtype))
     if bool(ok):
         return False
@@ -74,6 +72,11 @@ def check_state_read(estimator: Estimator, normalizer: torch.Tensor, log_scale: 
     """For :class:`~kernapprox.attention.recurrent.RecurrentState`: raise ``ValueError`` where a read cannot be
     trusted (:func:`needs_recompute`). A streaming state cannot be recomputed: what underflowed in it is gone, so
     the message names the fix (run the state in float64, or rescale the inputs)."""
+    if not estimator.capabilities().positive:          # a signed normaliser may be small or ≤ 0 by cancellation
+        lo, hi = torch.aminmax(log_scale.detach())
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            raise _overflow_error(estimator, log_scale.dtype)
+        return
     if needs_recompute(estimator, normalizer, log_scale):
         fix = ("run the state in float64 (cast q_t, k_t, v_t) or rescale the inputs (a smaller scale)"
                if normalizer.dtype != torch.float64 else "rescale the inputs (a smaller scale), or use "

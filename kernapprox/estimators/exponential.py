@@ -79,6 +79,10 @@ class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
         super()._fit(q, k, rng)  # projection_ (m, d)
         alpha, query_transform, key_transform = self._fit_parameters(q, k)
         alpha = np.broadcast_to(np.asarray(alpha, dtype=np.float64), (self.dim_,)).copy()
+        if not (np.all(np.isfinite(alpha)) and all(t is None or np.all(np.isfinite(t))
+                                                    for t in (query_transform, key_transform))):
+            raise ValueError(f"{type(self).__name__}: the fitted parameters are not finite in float64: the squared "
+                             "norms of the scaled fitting data overflow them; rescale q and k or pass a smaller scale")
         if np.any(alpha >= 0.125):
             raise ValueError(f"{type(self).__name__}: every α must be < 1/8 for a finite variance, got {alpha}")
         omega = self.projection_
