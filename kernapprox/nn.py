@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import MODES, linear_attention
+from .attention import MODES, RecurrentState, linear_attention, softmax_attention
 from .estimators.base import Estimator
 from .estimators.registry import make_estimator
 from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
@@ -293,21 +293,22 @@ class KernelAttention(nn.Module):
     def _warn_once(self, cause: str, message: str) -> None:
         if cause not in self._warned:
             self._warned.add(cause)
-            warnings.warn(message, UserWarning, stacklevel=3)
+            warnings.warn(message, UserWarning, stacklevel=6)    # the caller of the layer (through nn.Module)
 
-    @torch.no_grad()
     def _apply_refit_policy(self, q, k) -> None:
         """Fit, refit or warn before a forward call (data-dependent estimators only; see the module docstring)."""
         if self.training and self.refit_every is not None:
             if not self.fitted or self._training_forwards % self.refit_every == 0:
-                self._fit_estimator(q.detach(), k.detach())
+                with torch.no_grad():
+                    self._fit_estimator(q.detach(), k.detach())
             self._training_forwards += 1
             return
         if not self.fitted:
             self._warn_once("unfitted", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} "
                             "was not fitted; it is fitted now on this batch's projected queries and keys and kept. "
                             "Call fit(calibration) first, or pass refit_every=k to refit it while training")
-            self._fit_estimator(q.detach(), k.detach())
+            with torch.no_grad():
+                self._fit_estimator(q.detach(), k.detach())
         elif self._fitted_projections is not None and self._projection_versions() != self._fitted_projections:
             self._warn_once("stale", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} was "
                             "fitted on query/key projections that have changed since (an optimizer step or a "
@@ -373,18 +374,115 @@ class KernelAttention(nn.Module):
         self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
         return self
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
+                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                return_state: bool = False):
         """``(batch, n_q, E)``, optional ``key``/``value`` ``(batch, n_k, E)`` (self-attention when omitted)
-        → ``(batch, n_q, E)``. Fits a data-dependent estimator on this batch if it was never fitted."""
+        → ``(batch, n_q, E)``.
+
+        Parameters
+        ----------
+        key_padding_mask : bool Tensor ``(batch, n_k)``, optional
+            **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``.
+        attn_mask : Tensor ``(n_q, n_k)``, ``(batch, n_q, n_k)`` or ``(batch, num_heads, n_q, n_k)``, optional
+            bool with **True = takes part** (SDPA's convention — the opposite of ``nn.MultiheadAttention``'s bool
+            mask), or floating, added to the logits (``-inf`` excludes; cast to the attention dtype). Combined
+            with ``causal``; a query left without any key raises ``ValueError``.
+        return_state : bool
+            Causal self-attention with a feature map: also return the :class:`~kernapprox.RecurrentState` after
+            the whole sequence (one state per batch element and head), to continue token by token with
+            :meth:`step` (prefill, then decode).
+
+        Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
+        """
+        if not isinstance(return_state, bool):
+            raise TypeError(f"return_state must be a bool, got {return_state!r}")
+        if return_state:
+            self._check_decodable(key, value)
         q, k, v = self._project(query, key, value)
-        if self.estimator.capabilities().data_dependent:
+        masks = self._masks(key_padding_mask, attn_mask, q, k)
+        caps = self.estimator.capabilities()
+        if caps.data_dependent:
             self._apply_refit_policy(q, k)
         self._sync()
-        out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
-                               chunk_size=self.chunk_size)                     # (b, h, n_q, head_dim)
+        if caps.kind == "exact":                       # exact attention takes the masks directly
+            out = softmax_attention(q, k, v, self.causal, self.estimator.scale_, **masks)
+        else:
+            out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
+                                   chunk_size=self.chunk_size, **masks)          # (b, h, n_q, head_dim)
         batch, _, n_q, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+        if not return_state:
+            return out
+        return out, self._prefill_state(k, v, masks)
+
+    # ---------------------------------------------------------------------------------------------- decoding
+    def _check_decodable(self, key, value) -> None:
+        caps = self.estimator.capabilities()
+        if key is not None or value is not None:
+            raise ValueError("return_state needs self-attention (key and value omitted): the state continues the "
+                             "sequence that step() extends")
+        if not self.causal:
+            raise ValueError("return_state needs a causal layer (causal=True): a non-causal layer has no state that "
+                             "a next token could extend")
+        if caps.kind != "features" or "recurrent" not in caps.modes:
+            raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
+                             f"{caps.kind!r}); decoding with step() needs a feature map")
+
+    def _prefill_state(self, k, v, masks):
+        """The recurrent state after the keys and values of the prompt ``(b, h, n, ·)``."""
+        if masks:
+            raise ValueError("return_state with key_padding_mask or attn_mask is not supported: the state would "
+                             "have to leave the masked keys out per batch element; pass unpadded prompts")
+        state = RecurrentState(self.estimator, check_finite=False)
+        with torch.no_grad():
+            for t in range(k.shape[-2]):
+                state.update(k[..., t, :].detach(), v[..., t, :].detach())
+        return state
+
+    def step(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
+        to ``state`` (from ``forward(..., return_state=True)``, updated in place) and read with its own query;
+        returns the layer output for that token, of ``x``'s shape. Equal to the last row of ``forward`` on the
+        sequence extended by ``x`` (tested). The estimator is never refitted here."""
+        if not isinstance(state, RecurrentState) or state.estimator is not self.estimator:
+            raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
+                            "return_state=True)")
+        check_tensor(x, "x", min_rank=2, finite=False)
+        single = x.dim() == 3
+        if single and x.shape[1] != 1:
+            raise ValueError(f"x must be one token, (batch, E) or (batch, 1, E); got shape {tuple(x.shape)}")
+        x3 = x if single else x[:, None, :]
+        q, k, v = self._project(x3, None, None)                       # (b, h, 1, head_dim)
+        self._sync()
+        y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])       # (b, h, head_dim)
+        out = self.out_proj(y.reshape(y.shape[0], self.embed_dim))
+        return out[:, None, :] if single else out
+
+    def _masks(self, key_padding_mask, attn_mask, q, k) -> dict:
+        """The layer's masks in the ``(batch, heads, n_q, n_k)`` layout of the functional calls."""
+        batch, _, n_q, _ = q.shape
+        n_k = k.shape[-2]
+        masks = {}
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor):
+                raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
+            if key_padding_mask.shape != (batch, n_k):
+                raise ValueError(f"key_padding_mask must have shape (batch, n_k) = {(batch, n_k)}, got "
+                                 f"{tuple(key_padding_mask.shape)}")
+            masks["key_padding_mask"] = key_padding_mask[:, None, :]                # (b, 1, n_k): every head
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor):
+                raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+            if attn_mask.dim() == 3:
+                attn_mask = attn_mask[:, None]                                       # (b, 1, n_q, n_k)
+            elif attn_mask.dim() not in (2, 4):
+                raise ValueError("attn_mask must be (n_q, n_k), (batch, n_q, n_k) or (batch, num_heads, n_q, n_k), "
+                                 f"got shape {tuple(attn_mask.shape)}")
+            if attn_mask.dtype != torch.bool and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(q.dtype)
+            masks["attn_mask"] = attn_mask
+        return masks
 
     # ---------------------------------------------------------------------------------------- state dict
     def get_extra_state(self) -> dict:

@@ -4,6 +4,7 @@ buffers as the source of truth (state_dict, devices, dtypes), data-dependent fit
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -168,7 +169,8 @@ def test_data_dependent_fit_on_first_batch_or_calibration(estimator):
     with pytest.raises(ValueError, match="fit"):
         lay.redraw()
     x, other = inputs(10), inputs(11, std=2.0)
-    y = lay(x)                                                      # fits on this batch
+    with pytest.warns(UserWarning, match="was not fitted"):
+        y = lay(x)                                                  # fits on this batch, with a warning
     assert lay.fitted
     state = {k: v.clone() for k, v in lay.feature_state.state_dict().items()}
     lay(other)                                                      # and never again implicitly
@@ -252,6 +254,81 @@ def test_fitted_shapes_follow_the_parameters_except_declared_data_sized_entries(
     assert set(a) == set(b) and small.data_sized_state_keys() == large.data_sized_state_keys()
     for key in set(a) - small.data_sized_state_keys():
         assert np.shape(a[key]) == np.shape(b[key]), key
+
+
+@pytest.mark.parametrize("estimator", ["positive_orthogonal", "oprf", "taylor2", "nystrom_uniform"])
+def test_prefill_then_decode_equals_one_pass(estimator):
+    """forward(prompt, return_state=True) then step(token) token by token gives the rows of one forward pass over
+    the whole sequence (causal): the state hand-off of a decoder."""
+    size = None if ka.capabilities(estimator).fixed_dimension else 8
+    lay = layer(estimator, num_features=size, causal=True, chunk_size=3)
+    x = inputs(20, n=N + 4, std=0.5)
+    if ka.capabilities(estimator).data_dependent:
+        lay.fit(x)
+    full = lay(x)
+    out, state = lay(x[:, :N], return_state=True)
+    torch.testing.assert_close(out, full[:, :N], rtol=1e-10, atol=1e-10)
+    assert isinstance(state, ka.RecurrentState) and state.num_tokens == N
+    for t in range(N, N + 4):
+        y = lay.step(x[:, t], state)
+        assert y.shape == (2, E)
+        torch.testing.assert_close(y, full[:, t], rtol=1e-10, atol=1e-10)
+
+
+def test_decoding_needs_a_causal_feature_map():
+    x = inputs(21)
+    with pytest.raises(ValueError, match="causal"):
+        layer(causal=False)(x, return_state=True)
+    with pytest.raises(ValueError, match="fixed-size recurrent state"):
+        layer("exact", num_features=None, causal=True)(x, return_state=True)
+    with pytest.raises(ValueError, match="self-attention"):
+        layer(causal=True)(x, x, return_state=True)
+    lay = layer(causal=True)
+    _, state = lay(x, return_state=True)
+    with pytest.raises(TypeError, match="state must be the RecurrentState"):
+        layer(causal=True, rng=3).step(x[:, 0], state)
+    with pytest.raises(ValueError, match="one token"):
+        lay.step(x[:, :2], state)
+
+
+def test_refit_every_follows_the_projections_while_training():
+    """refit_every=k: refitted on the first training forward and every k-th after it, never in eval mode; without
+    a policy the first batch fits it with a warning, and a changed projection makes it stale with a warning."""
+    lay = layer("nystrom_uniform", num_features=8, refit_every=2)
+    batches = [inputs(30 + i) for i in range(5)]
+    fits = []
+    for x in batches:
+        lay(x)
+        fits.append(lay.feature_state.landmarks_.clone())
+    changed = [not torch.equal(a, b) for a, b in zip(fits, fits[1:])]
+    assert changed == [False, True, False, True]                   # refits at forwards 0, 2, 4
+    lay.eval()
+    lay(inputs(40))
+    assert torch.equal(lay.feature_state.landmarks_, fits[-1])      # eval: never refitted
+    with pytest.raises(ValueError, match="refit_every applies to data-dependent"):
+        layer("positive", refit_every=3)
+    with pytest.raises(ValueError, match="refit_every"):
+        layer("nystrom_uniform", num_features=8, refit_every=0)
+
+    lazy = layer("nystrom_uniform", num_features=8)
+    with pytest.warns(UserWarning, match="was not fitted"):
+        lazy(batches[0])
+    opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    lazy(batches[1]).square().sum().backward()
+    opt.step()
+    with pytest.warns(UserWarning, match="stale"):
+        lazy(batches[2])
+    lazy.fit(batches[3])                                            # refitted: current again, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        lazy(batches[4])
+        lazy.double()                                               # a cast is not a change of the projection
+        lazy(batches[4])
+    fresh = layer("nystrom_uniform", num_features=8, rng=5)
+    fresh.load_state_dict(lazy.state_dict())                       # projections and map from one checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh(batches[0])
 
 
 @pytest.mark.parametrize(("kwargs", "error", "match"), [
