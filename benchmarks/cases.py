@@ -416,8 +416,40 @@ def exact_vs_sdpa(cfg: Config) -> list[Row]:
     return rows
 
 
+def precision_check(cfg: Config) -> list[Row]:
+    """The cost of linear attention's precision check on ordinary inputs (FAVOR+, chunked, causal and not): the
+    call as shipped against the same call with the check disabled (:func:`kernapprox.attention.logdomain.
+    needs_recompute` patched to return False), alternately in one run. The check is one reduction over the
+    ``(..., n)`` normalisers and log-scales and one host synchronisation; ``time_ratio`` is shipped / unchecked."""
+    from kernapprox.attention import linear as linear_module
+
+    rows = []
+    n = 512 if cfg.quick else 4096
+    q, k, v = qkv(cfg, n)
+    est = favor_estimator(cfg, q)
+    real = linear_module.logdomain.needs_recompute
+    for causal in (True, False):
+        fn = _chunked(q, k, v, est, causal, cfg.chunk_size)
+        checked, unchecked = [], []
+        for _ in range(1 if cfg.quick else 5):
+            checked.append(cfg.time(fn))
+            linear_module.logdomain.needs_recompute = lambda *args: False
+            try:
+                unchecked.append(cfg.time(fn))
+            finally:
+                linear_module.logdomain.needs_recompute = real
+        ours_s = float(np.median([t.median_s for t in checked]))
+        peer_s = float(np.median([t.median_s for t in unchecked]))
+        rows.append(Row("precision_check", f"n={n} {'causal' if causal else 'non-causal'}", n, causal, ours_s,
+                        peer_s, reps=sum(t.reps for t in checked),
+                        cpu_utilisation=float(np.median([t.cpu_utilisation for t in checked])),
+                        extra={"time_ratio": ours_s / peer_s}))
+    return rows
+
+
 CASES = {
     "exact_vs_sdpa": exact_vs_sdpa,
+    "precision_check": precision_check,
     "chunked_vs_sdpa": chunked_vs_sdpa,
     "chunked_scaling": chunked_scaling,
     "chunk_size": chunk_size_sweep,

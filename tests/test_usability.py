@@ -13,6 +13,7 @@ import torch
 
 import kernapprox as ka
 from kernapprox import distributions, readout
+from kernapprox.estimators.deterministic import DPFPFeatures
 from kernapprox.nn import KernelAttention
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,3 +94,17 @@ def test_no_silent_zeros_from_exact_scale_features_on_unscaled_data():
         est.features(x)
     y = ka.linear_attention(x[None], x[None], x[None], est)
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", ["taylor2", "taylor2_based", "elu1", "dpfp"])
+def test_deterministic_maps_of_zero_and_huge_vectors(name):
+    """A zero row (as in integer data) gave NaN Taylor features (0·log 0); huge rows overflowed the powers of the
+    norm. Both are now exact: φ(0) = e_0 for Taylor, and the features of 1e15-norm rows are finite."""
+    est = (DPFPFeatures(nu=1) if name == "dpfp" else ka.make_estimator(name)).fit(torch.zeros(1, 3))
+    zero = est.features(torch.zeros(2, 3, dtype=torch.float64))
+    assert not torch.isnan(zero).any()
+    if name.startswith("taylor2"):
+        assert torch.equal(zero, torch.nn.functional.one_hot(torch.zeros(2, dtype=torch.long), zero.shape[-1])
+                           .double())
+    tilde, logs = est.features(torch.full((2, 3), 1e15), log_scale=True)
+    assert torch.isfinite(tilde).all() and torch.isfinite(logs).all()

@@ -31,7 +31,12 @@ entries of order one (for exponential maps: the per-row maximum is subtracted in
 shape ``(..., n)``. Attention code uses this split to keep the query scales out of the ratio (they cancel) and to
 shift the key scales by one constant per query row — the maximum over all keys, or over the keys up to the query
 when causal (a running maximum, in every mode) — so that ``exp`` never overflows. ``features(x, role)`` returns
-the exact-scale ``φ(x)`` (which may overflow for large norms; that is what was asked for).
+the exact-scale ``φ(x)``, and raises ``ValueError`` naming the fix where that overflows the dtype or a row
+underflows to zeros (never a silent all-zero or infinite row). ``log_features(x, role)`` returns ``(log|φ|, sign)``
+entry by entry: exact even where the features of one vector span more than the dtype's range (then ``φ̃``
+underflows to 0 at entries that may still dominate a product with another vector's features); the attention and
+kernel-matrix code falls back to it where the stabilised products cannot be trusted
+(:mod:`kernapprox.attention.logdomain`).
 
 Precision: float16/bfloat16 inputs are computed in float32; float32 and float64 stay as they are. Exact-scale
 features are returned in the input dtype; the stabilised pair ``(φ̃, ℓ)`` stays in the compute dtype (float32 for

@@ -101,7 +101,8 @@ class TaylorFeatures(_FixedMap):
         log_a = torch.log(a)
         log_norm = 0.5 * torch.logaddexp(torch.logaddexp(torch.zeros_like(log_a), 2 * log_a),
                                          4 * log_a - math.log(2.0))           # log ‖φ(x)‖
-        c0, c1, c2 = (torch.exp(p * log_a - log_norm)[..., None] for p in (0, 1, 2))
+        c0 = torch.exp(-log_norm)[..., None]                                     # (0·log a is NaN at x = 0)
+        c1, c2 = (torch.exp(p * log_a - log_norm)[..., None] for p in (1, 2))
         if self.form == "full":
             outer = (u[..., :, None] * u[..., None, :]).flatten(-2) * 0.5**0.5
             phi = torch.cat([c0, c1 * u, c2 * outer], dim=-1)
