@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from .attention import MODES, RecurrentState, linear_attention, softmax_attention
+from .attention.rules import resolve_rule
 from .estimators.base import Estimator
 from .estimators.registry import make_estimator
 from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
@@ -186,6 +187,9 @@ class KernelAttention(nn.Module):
     refit_every : int, optional
         Data-dependent estimators only: refit the map on the current batch every ``refit_every`` training-mode
         forward calls (the first included); never in eval mode. See the module docstring for the policy.
+    rule : str or rule object, default="sum"
+        The state-update rule of linear attention (:mod:`kernapprox.rules`: sum, decay, delta, least squares);
+        it must be one the estimator supports. Exact attention takes ``"sum"`` only.
     bias : bool, default=True
         Biases in the four projections.
     scale : float, optional
@@ -207,7 +211,7 @@ class KernelAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
                  num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
-                 chunk_size: int = 64, refit_every: int | None = None, bias: bool = True,
+                 chunk_size: int = 64, refit_every: int | None = None, rule="sum", bias: bool = True,
                  scale: float | None = None, device=None, dtype=None, **options):
         super().__init__()
         self.embed_dim = check_positive_int(embed_dim, "embed_dim")
@@ -234,6 +238,12 @@ class KernelAttention(nn.Module):
             raise ValueError(f"estimator {estimator!r} does not support causal attention")
         self.mode = mode
         self.causal = causal
+        self.rule = resolve_rule(rule)
+        if self.rule.name not in caps.rules:
+            raise ValueError(f"rule {self.rule.name!r} is not supported by estimator {estimator!r}; supported: "
+                             f"{', '.join(caps.rules)}")
+        if not causal and not self.rule.noncausal:
+            raise ValueError(f"the {self.rule.name} rule is causal only: use causal=True")
         if refit_every is not None:
             check_positive_int(refit_every, "refit_every")
             if not caps.data_dependent:
@@ -390,8 +400,9 @@ class KernelAttention(nn.Module):
             with ``causal``; a query left without any key raises ``ValueError``.
         return_state : bool
             Causal self-attention with a feature map: also return the :class:`~kernapprox.RecurrentState` after
-            the whole sequence (one state per batch element and head), to continue token by token with
-            :meth:`step` (prefill, then decode).
+            the whole sequence (one state per batch element and head; padded keys left out), to continue token by
+            token with :meth:`step` (prefill, then decode): the state of ``linear_attention(...,
+            return_state=True)`` handed to a ``RecurrentState`` with the layer's rule.
 
         Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
         """
@@ -405,16 +416,20 @@ class KernelAttention(nn.Module):
         if caps.data_dependent:
             self._apply_refit_policy(q, k)
         self._sync()
-        if caps.kind == "exact":                       # exact attention takes the masks directly
+        state = None
+        if caps.kind == "exact":                       # exact attention: one SDPA call (masks included)
             out = softmax_attention(q, k, v, self.causal, self.estimator.scale_, **masks)
         else:
             out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
-                                   chunk_size=self.chunk_size, **masks)          # (b, h, n_q, head_dim)
+                                   chunk_size=self.chunk_size, rule=self.rule, return_state=return_state,
+                                   **masks)                                      # (b, h, n_q, head_dim)
+            if return_state:
+                out, state = out
         batch, _, n_q, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
         if not return_state:
             return out
-        return out, self._prefill_state(k, v, masks)
+        return out, RecurrentState(self.estimator, rule=self.rule, initial_state=state)
 
     # ---------------------------------------------------------------------------------------------- decoding
     def _check_decodable(self, key, value) -> None:
@@ -429,23 +444,13 @@ class KernelAttention(nn.Module):
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
                              f"{caps.kind!r}); decoding with step() needs a feature map")
 
-    def _prefill_state(self, k, v, masks):
-        """The recurrent state after the keys and values of the prompt ``(b, h, n, ·)``."""
-        if masks:
-            raise ValueError("return_state with key_padding_mask or attn_mask is not supported: the state would "
-                             "have to leave the masked keys out per batch element; pass unpadded prompts")
-        state = RecurrentState(self.estimator, check_finite=False)
-        with torch.no_grad():
-            for t in range(k.shape[-2]):
-                state.update(k[..., t, :].detach(), v[..., t, :].detach())
-        return state
-
     def step(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
         """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
         to ``state`` (from ``forward(..., return_state=True)``, updated in place) and read with its own query;
         returns the layer output for that token, of ``x``'s shape. Equal to the last row of ``forward`` on the
         sequence extended by ``x`` (tested). The estimator is never refitted here."""
-        if not isinstance(state, RecurrentState) or state.estimator is not self.estimator:
+        if not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
+                state.rule.name != self.rule.name:
             raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
                             "return_state=True)")
         check_tensor(x, "x", min_rank=2, finite=False)

@@ -256,23 +256,53 @@ def test_fitted_shapes_follow_the_parameters_except_declared_data_sized_entries(
         assert np.shape(a[key]) == np.shape(b[key]), key
 
 
-@pytest.mark.parametrize("estimator", ["positive_orthogonal", "oprf", "taylor2", "nystrom_uniform"])
-def test_prefill_then_decode_equals_one_pass(estimator):
-    """forward(prompt, return_state=True) then step(token) token by token gives the rows of one forward pass over
-    the whole sequence (causal): the state hand-off of a decoder."""
+PREFILL_CASES = [("positive_orthogonal", "sum"), ("oprf", "sum"), ("taylor2", "sum"), ("nystrom_uniform", "sum"),
+                 ("positive_orthogonal", "delta"), ("taylor2", "decay")]
+
+
+@pytest.mark.parametrize(("estimator", "rule"), PREFILL_CASES, ids=["-".join(c) for c in PREFILL_CASES])
+@pytest.mark.parametrize("mode", ["chunked", "recurrent", "parallel"])
+def test_prefill_then_decode_equals_one_pass(estimator, rule, mode):
+    """forward(prompt, return_state=True) (padded keys included) then step(token) token by token gives
+    the rows of one forward pass over the whole sequence (causal): the state hand-off of a decoder."""
     size = None if ka.capabilities(estimator).fixed_dimension else 8
-    lay = layer(estimator, num_features=size, causal=True, chunk_size=3)
+    rule = {"sum": "sum", "delta": ka.rules.Delta(0.5), "decay": ka.rules.Decay(0.9)}[rule]
+    lay = layer(estimator, num_features=size, causal=True, chunk_size=3, mode=mode, rule=rule)
     x = inputs(20, n=N + 4, std=0.5)
     if ka.capabilities(estimator).data_dependent:
         lay.fit(x)
-    full = lay(x)
-    out, state = lay(x[:, :N], return_state=True)
+    pad = torch.zeros(2, N + 4, dtype=torch.bool)
+    pad[1, 2:4] = True                                              # two padded keys inside the second prompt
+    full = lay(x, key_padding_mask=pad)
+    out, state = lay(x[:, :N], key_padding_mask=pad[:, :N], return_state=True)
     torch.testing.assert_close(out, full[:, :N], rtol=1e-10, atol=1e-10)
-    assert isinstance(state, ka.RecurrentState) and state.num_tokens == N
+    assert isinstance(state, ka.RecurrentState)
     for t in range(N, N + 4):
         y = lay.step(x[:, t], state)
         assert y.shape == (2, E)
         torch.testing.assert_close(y, full[:, t], rtol=1e-10, atol=1e-10)
+    assert lay.step(x[:, N:N + 1], state).shape == (2, 1, E)
+
+
+def test_layer_masks_equal_the_functional_calls():
+    """key_padding_mask (batch, n_k) and attn_mask (n_q, n_k) / (batch, n_q, n_k) reach linear attention in the
+    (batch, heads, n_q, n_k) layout: the layer equals its projections around the functional call."""
+    lay = layer("positive_orthogonal", mode="parallel")
+    x = inputs(22)
+    pad = torch.zeros(2, N, dtype=torch.bool)
+    pad[0, -2:] = True
+    allowed = torch.from_numpy(np.random.default_rng(1).random((2, N, N)) < 0.7)
+    allowed[..., 0] = True
+    q, k, v = (lay._split_heads(p(x)) for p in (lay.q_proj, lay.k_proj, lay.v_proj))
+    for mask in (allowed, allowed[0]):
+        got = lay(x, key_padding_mask=pad, attn_mask=mask)
+        want = ka.linear_attention(q, k, v, lay.estimator, mode="parallel", key_padding_mask=pad[:, None],
+                                   attn_mask=mask[:, None] if mask.dim() == 3 else mask)
+        torch.testing.assert_close(got, lay.out_proj(want.transpose(1, 2).reshape(2, N, E)), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"key_padding_mask must have shape \(batch, n_k\)"):
+        lay(x, key_padding_mask=pad[:, :-1])
+    with pytest.raises(ValueError, match="has no key"):
+        lay(x, key_padding_mask=torch.ones(2, N, dtype=torch.bool))
 
 
 def test_decoding_needs_a_causal_feature_map():

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..kernel import resolve_scale
 from ..validation import check_bool, check_positive_int, check_qkv, compute_dtype, itemsize
+from .masks import check_attn_mask, check_key_padding_mask
 
 # Memory budget of the score matrix: softmax_attention calls SDPA once when all (batch, head) score matrices
 # together hold at most this many bytes in the compute dtype (256 MiB: n = 4096 with 4 heads in float32), and
@@ -116,30 +117,16 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
 
 
 def combine_masks(q, k, causal: bool, key_padding_mask=None, attn_mask=None):
-    """The masks of an attention call validated and combined into one (without the causal triangle, which is
-    applied per chunk): ``None``, a bool mask (True = takes part) or a float additive mask, broadcastable to
-    ``(..., n_q, n_k)``. Shared by exact and linear attention (see the module docstring for the conventions).
-
-    Raises ``TypeError`` / ``ValueError`` naming the argument for a mask of the wrong kind, dtype, device or shape,
-    or a float mask with NaN or ``+inf``.
-    """
-    batch, n_q, n_k = tuple(q.shape[:-2]), q.shape[-2], k.shape[-2]
+    """The masks of an attention call, validated as :func:`kernapprox.linear_attention` validates them
+    (:mod:`kernapprox.attention.masks`: same conventions, same messages), and combined into one without the causal
+    triangle (applied per chunk): ``None``, a bool mask (True = takes part) or a float additive mask, broadcastable
+    to ``(..., n_q, n_k)`` but not expanded to it (SDPA broadcasts it)."""
+    check_key_padding_mask(key_padding_mask, k)
+    check_attn_mask(attn_mask, q, k)
     mask = None
     if key_padding_mask is not None:
-        _check_mask(key_padding_mask, "key_padding_mask", q, bool_only=True)
-        if key_padding_mask.dim() < 1 or key_padding_mask.shape[-1] != n_k:
-            raise ValueError(f"key_padding_mask must have shape (..., n_k) with n_k = {n_k}, got "
-                             f"{tuple(key_padding_mask.shape)}")
-        _check_broadcast(key_padding_mask.shape[:-1], batch, "key_padding_mask", "the batch dimensions of q",
-                         f"(..., {n_k})")
         mask = ~key_padding_mask[..., None, :]                                  # True = takes part
     if attn_mask is not None:
-        _check_mask(attn_mask, "attn_mask", q, bool_only=False)
-        if attn_mask.dim() < 2:
-            raise ValueError(f"attn_mask must be broadcastable to (..., n_q, n_k) = (..., {n_q}, {n_k}), got shape "
-                             f"{tuple(attn_mask.shape)}")
-        _check_broadcast(attn_mask.shape, (*batch, n_q, n_k), "attn_mask", f"(..., n_q, n_k) = {(*batch, n_q, n_k)}",
-                         "")
         if mask is None:
             mask = attn_mask
         elif attn_mask.dtype == torch.bool:
@@ -147,31 +134,6 @@ def combine_masks(q, k, causal: bool, key_padding_mask=None, attn_mask=None):
         else:
             mask = torch.where(mask, attn_mask, -math.inf)
     return mask
-
-
-def _check_mask(mask, name, q, *, bool_only):
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
-    if bool_only and mask.dtype != torch.bool:
-        raise TypeError(f"{name} must be a bool tensor (True = padding), got {mask.dtype}")
-    if not bool_only and mask.dtype != torch.bool:
-        if mask.dtype != q.dtype:
-            raise TypeError(f"{name} must be bool (True = takes part) or of q's dtype {q.dtype} (added to the "
-                            f"logits), got {mask.dtype}")
-        if mask.numel() and bool(torch.isnan(mask).any() | torch.isposinf(mask).any()):
-            raise ValueError(f"{name} contains NaN or +inf (a float mask is added to the logits; -inf excludes)")
-    if mask.device != q.device:
-        raise ValueError(f"{name} is on device {mask.device} but q is on {q.device}")
-
-
-def _check_broadcast(shape, target, name, what, form):
-    try:
-        ok = torch.broadcast_shapes(tuple(shape), tuple(target)) == tuple(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"{name} of shape {tuple(shape)} does not broadcast to {what} {tuple(target)}"
-                         + (f"; expected {form}" if form else ""))
 
 
 def _chunk_mask(mask, causal, start, stop, kend, device):
@@ -193,12 +155,13 @@ def _check_rows(mask, start):
     if mask is None:
         return
     allowed = mask if mask.dtype == torch.bool else mask > -math.inf
-    empty = ~allowed.any(-1)
-    if bool(empty.any()):
-        row = start + int(torch.nonzero(empty.reshape(-1, empty.shape[-1]))[0, 1]) if empty.shape[-1] > 1 else start
-        raise ValueError(f"query row {row} has no key to attend to: every key is masked (key_padding_mask, "
-                         "attn_mask and causal together); its softmax is undefined (0/0). Unmask at least one key "
-                         "per query, or drop the row")
+    has_key = allowed.any(-1)
+    if not bool(has_key.all()):
+        where = torch.nonzero(~has_key)[0].tolist()
+        batch, row = tuple(where[:-1]), start + where[-1] if has_key.shape[-1] > 1 else start
+        raise ValueError(f"query {row} (batch index {batch}) has no key to attend to: key_padding_mask, attn_mask "
+                         "and causal order leave it none; softmax attention over no key is undefined (0/0). Unmask a "
+                         "key for it, or drop the row")
 
 
 def _all_finite(x: torch.Tensor) -> bool:
