@@ -390,7 +390,66 @@ def rule_scaling(cfg: Config) -> list[Row]:
     return rows
 
 
+def exact_vs_sdpa(cfg: Config) -> list[Row]:
+    """``ka.softmax_attention`` (exact attention, validation and the overflow check included) against a bare
+    ``F.scaled_dot_product_attention`` call on the same inputs: n = 4096, 2 heads, d = 64 (the reported case),
+    causal and not, measured alternately in one run so that the machine's load affects both alike. The ratio is
+    what matters (target: ours ≤ 1.2 × SDPA); ``error_ours`` is the largest absolute difference to SDPA."""
+    rows = []
+    n = 512 if cfg.quick else 4096
+    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+    q, k, v = (torch.randn(1, 2, n, HEAD_DIM, generator=gen).to(cfg.device) for _ in range(3))
+    for causal in (True, False):
+        ours_fn = functools.partial(ka.softmax_attention, q, k, v, causal)
+        peer_fn = functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=causal)
+        ours_t, peer_t = [], []
+        for _ in range(1 if cfg.quick else 5):                 # alternate: ours, peer, ours, peer, ...
+            ours_t.append(cfg.time(ours_fn))
+            peer_t.append(cfg.time(peer_fn))
+        ours_s = float(np.median([t.median_s for t in ours_t]))
+        peer_s = float(np.median([t.median_s for t in peer_t]))
+        diff = float((ours_fn() - peer_fn()).abs().max())
+        rows.append(Row("exact_vs_sdpa", f"n={n} {'causal' if causal else 'non-causal'}", n, causal, ours_s,
+                        peer_s, error_ours=diff, error_peer=0.0, reps=sum(t.reps for t in ours_t),
+                        cpu_utilisation=float(np.median([t.cpu_utilisation for t in ours_t])),
+                        extra={"time_ratio": ours_s / peer_s}))
+    return rows
+
+
+def precision_check(cfg: Config) -> list[Row]:
+    """The cost of linear attention's precision check on ordinary inputs (FAVOR+, chunked, causal and not): the
+    call as shipped against the same call with the check disabled (:func:`kernapprox.attention.logdomain.
+    needs_recompute` patched to return False), alternately in one run. The check is one reduction over the
+    ``(..., n)`` normalisers and log-scales and one host synchronisation; ``time_ratio`` is shipped / unchecked."""
+    from kernapprox.attention import linear as linear_module
+
+    rows = []
+    n = 512 if cfg.quick else 4096
+    q, k, v = qkv(cfg, n)
+    est = favor_estimator(cfg, q)
+    real = linear_module.logdomain.needs_recompute
+    for causal in (True, False):
+        fn = _chunked(q, k, v, est, causal, cfg.chunk_size)
+        checked, unchecked = [], []
+        for _ in range(1 if cfg.quick else 5):
+            checked.append(cfg.time(fn))
+            linear_module.logdomain.needs_recompute = lambda *args: False
+            try:
+                unchecked.append(cfg.time(fn))
+            finally:
+                linear_module.logdomain.needs_recompute = real
+        ours_s = float(np.median([t.median_s for t in checked]))
+        peer_s = float(np.median([t.median_s for t in unchecked]))
+        rows.append(Row("precision_check", f"n={n} {'causal' if causal else 'non-causal'}", n, causal, ours_s,
+                        peer_s, reps=sum(t.reps for t in checked),
+                        cpu_utilisation=float(np.median([t.cpu_utilisation for t in checked])),
+                        extra={"time_ratio": ours_s / peer_s}))
+    return rows
+
+
 CASES = {
+    "exact_vs_sdpa": exact_vs_sdpa,
+    "precision_check": precision_check,
     "chunked_vs_sdpa": chunked_vs_sdpa,
     "chunked_scaling": chunked_scaling,
     "chunk_size": chunk_size_sweep,

@@ -49,7 +49,15 @@ import torch
 
 from .estimators.samplers import haar_orthogonal
 from .kernel import resolve_scale
-from .validation import FLOAT_DTYPES, as_generator, check_choice, check_positive_float, check_positive_int, check_tensor
+from .validation import (
+    FLOAT_DTYPES,
+    as_generator,
+    check_choice,
+    check_device,
+    check_positive_float,
+    check_positive_int,
+    check_tensor,
+)
 
 
 class QKV(NamedTuple):
@@ -61,14 +69,7 @@ class QKV(NamedTuple):
 
 
 def _check_device(device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError:
-            raise ValueError(f"device must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
-    raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
+    return check_device(device, "device")
 
 
 class Distribution:

@@ -20,9 +20,23 @@ Design
   and stay fixed — across forward passes, ``train()``/``eval()`` and steps — until :meth:`KernelAttention.redraw`
   (or :meth:`KernelAttention.fit`) is called. Performer-style periodic redrawing is the training loop's call.
 * **Data-dependent estimators** (``data_dependent = True``: OPRF, the dense-exponential maps, Nyström, ...) are
-  fitted on projected queries and keys: on the first batch seen by ``forward`` (detached, no gradient), or
-  explicitly with :meth:`KernelAttention.fit` on a calibration batch, which is the recommended way. They are not
-  refitted afterwards unless ``fit`` is called again.
+  fitted on projected queries and keys (detached, no gradient), and the projections they were fitted on change
+  while the layer trains. The refit policy:
+
+  - ``refit_every=k``: in training mode the map is refitted on the current batch before the first training
+    forward and then every ``k`` training forwards (``k = 1``: every step), so it follows the projections as they
+    learn; in eval mode it is never refitted (inference is deterministic). This is the policy for training.
+  - :meth:`KernelAttention.fit` on a calibration batch, explicitly (the policy for inference after training).
+  - Otherwise the map is fitted on the first batch ``forward`` sees, with a ``UserWarning``, and a ``UserWarning``
+    is raised once when the layer is used after its query or key projections changed since the map was fitted
+    (an optimizer step, a load): the map is stale. Measured on the copy task of ``benchmarks/refit_copy_task.py``
+    (3 seeds, 600 Adam steps): Nyström at ``r = 16`` fitted once at the initial projections ends with a training
+    loss above chance (2.52–3.86 against ``log 8 = 2.08``) and a non-positive normaliser on 42–67 % of the rows;
+    with ``refit_every=1`` the loss is 1.97–2.95 and 8–15 % of the rows are non-positive (exact attention: loss
+    0.00, accuracy 1.0 — at ``r = 16`` Nyström does not learn the task either way).
+
+  The projections' identity is tracked through their tensors' version counters (every in-place update, e.g.
+  ``optimizer.step()`` or ``load_state_dict``, bumps them), which costs nothing per call.
 * **Buffers are the source of truth.** Everything the estimator fitted (projections, landmarks, whitening
   matrices, fitted scalars) is registered as a buffer under ``feature_state``: it is in ``state_dict``, moves
   with ``.to(device)`` and is cast by ``.to(dtype)`` like any buffer (use autocast rather than ``.half()`` to keep
@@ -31,21 +45,22 @@ Design
   state dict into a layer whose data-dependent estimator has not been fitted yet first builds the fitted
   structure from a placeholder fit and then takes every value from the state dict.
 * One estimator is shared by all heads (statistics of data-dependent maps are pooled over batch and heads).
-  There are no attention masks beyond ``causal``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import torch
 from torch import nn
 
-from .attention import MODES, linear_attention
+from .attention import MODES, RecurrentState, linear_attention, softmax_attention
+from .attention.rules import resolve_rule
 from .estimators.base import Estimator
 from .estimators.registry import make_estimator
-from .validation import as_generator, check_choice, check_positive_int, check_tensor
+from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
 
 __all__ = ["KernelAttention"]
 
@@ -55,11 +70,16 @@ class _FittedState(nn.Module):
     ``"<attribute>.<name>"`` entries live in a child module named after the attribute, so ``state_dict`` keys
     are the estimator's own. Numbers are stored as 0-d int64/float64 buffers."""
 
+    data_sized: frozenset = frozenset()      # names of this module's buffers whose shapes follow the fitting data
+    skip_next_load: bool = False             # set by the layer when it refuses a checkpoint
+
     def capture(self, est: Estimator) -> None:
         for name in list(self._buffers):
             del self._buffers[name]
         for name in list(self._modules):
             del self._modules[name]
+        self.data_sized = frozenset()
+        data_sized = est.data_sized_state_keys()
         for key, value in est.fitted_state().items():
             *path, name = key.split(".")
             module = self
@@ -67,6 +87,8 @@ class _FittedState(nn.Module):
                 if part not in module._modules:
                     module.add_module(part, _FittedState())
                 module = module._modules[part]
+            if key in data_sized:
+                module.data_sized = module.data_sized | {name}
             if isinstance(value, np.ndarray):
                 buffer = torch.from_numpy(value)                # fitted_state's copy
             elif isinstance(value, torch.Tensor):
@@ -85,19 +107,45 @@ class _FittedState(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        # Replace rather than copy into: a data-dependent fit may have other shapes than the placeholder's.
+        # Replace rather than copy into (keeping this buffer's device and dtype), after torch's checks: a tensor,
+        # of the shape this estimator's parameters give (entries sized by the fitting data excepted).
+        if self.skip_next_load:                 # the layer refused the checkpoint's estimator record
+            self.skip_next_load = False
+            return
         for name, old in list(self._buffers.items()):
             key = prefix + name
-            if key in state_dict:
-                self._buffers[name] = state_dict[key].detach().to(device=old.device, dtype=old.dtype).clone()
-            elif strict:
-                missing_keys.append(key)
+            if key not in state_dict:
+                if strict:
+                    missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if not isinstance(value, torch.Tensor):
+                error_msgs.append(f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+                                  f"object from checkpoint but received {type(value)}")
+                continue
+            if value.shape != old.shape and name not in self.data_sized:
+                error_msgs.append(f"size mismatch for {key}: copying a param with shape {value.shape} from "
+                                  f"checkpoint, the shape in current model is {old.shape}.")
+                continue
+            self._buffers[name] = value.detach().to(device=old.device, dtype=old.dtype).clone()
         if strict:
             for key in state_dict:
                 if key.startswith(prefix):
                     head = key[len(prefix):].split(".")[0]
                     if head not in self._buffers and head not in self._modules:
                         unexpected_keys.append(key)
+
+
+def _plain(value):
+    """``value`` as plain Python data (what ``torch.load(weights_only=True)`` reads back): numbers, strings, None
+    and containers of them as they are, anything else (a sampler object) as its ``repr``."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return repr(value)
 
 
 def _autocast_enabled(device_type: str) -> bool:
@@ -139,6 +187,12 @@ class KernelAttention(nn.Module):
         The only source of randomness (projection weights and feature draws).
     chunk_size : int, default=64
         Chunk length of the chunked mode.
+    refit_every : int, optional
+        Data-dependent estimators only: refit the map on the current batch every ``refit_every`` training-mode
+        forward calls (the first included); never in eval mode. See the module docstring for the policy.
+    rule : str or rule object, default="sum"
+        The state-update rule of linear attention (:mod:`kernapprox.rules`: sum, decay, delta, least squares);
+        it must be one the estimator supports. Exact attention takes ``"sum"`` only.
     bias : bool, default=True
         Biases in the four projections.
     scale : float, optional
@@ -160,8 +214,8 @@ class KernelAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
                  num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
-                 chunk_size: int = 64, bias: bool = True, scale: float | None = None, device=None, dtype=None,
-                 **options):
+                 chunk_size: int = 64, refit_every: int | None = None, rule="sum", bias: bool = True,
+                 scale: float | None = None, device=None, dtype=None, **options):
         super().__init__()
         self.embed_dim = check_positive_int(embed_dim, "embed_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
@@ -187,14 +241,30 @@ class KernelAttention(nn.Module):
             raise ValueError(f"estimator {estimator!r} does not support causal attention")
         self.mode = mode
         self.causal = causal
+        self.rule = resolve_rule(rule)
+        if self.rule.name not in caps.rules:
+            raise ValueError(f"rule {self.rule.name!r} is not supported by estimator {estimator!r}; supported: "
+                             f"{', '.join(caps.rules)}")
+        if not causal and not self.rule.noncausal:
+            raise ValueError(f"the {self.rule.name} rule is causal only: use causal=True")
+        if refit_every is not None:
+            check_positive_int(refit_every, "refit_every")
+            if not caps.data_dependent:
+                raise ValueError(f"refit_every applies to data-dependent estimators; {estimator!r} is fitted from "
+                                 "its seed alone (use redraw() for a new draw of random features)")
+        self.refit_every = refit_every
+        self._training_forwards = 0                  # training-mode forward calls (the refit clock)
+        self._fitted_projections = None              # version fingerprint of q_proj/k_proj at the last fit
+        self._warned = set()
         # skip_init: nn.Linear's own initialisation would draw from torch's global RNG
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
             nn.utils.skip_init(nn.Linear, embed_dim, embed_dim, bias=bias, dtype=dtype,
-                               device=torch.get_default_device() if device is None else device)
+                               device=torch.get_default_device() if device is None else check_device(device))
             for _ in range(4))
         self._init_projections(weight_rng)
         self.feature_state = _FittedState()
         self._signature = None
+        self.register_load_state_dict_post_hook(KernelAttention._after_load)
         if not self.estimator.capabilities().data_dependent:
             self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
 
@@ -219,6 +289,44 @@ class KernelAttention(nn.Module):
         self.feature_state.capture(self.estimator)
         self.feature_state.to(device)
         self._signature = None
+        self._fitted_projections = self._projection_versions()
+        self._warned.discard("stale")
+
+    def _projection_versions(self) -> tuple:
+        """Identity and version counter of every parameter of the query and key projections: it changes with any
+        in-place update (an optimizer step, ``load_state_dict``), not with a move or cast (``.to``)."""
+        return tuple((id(p), p._version) for layer in (self.q_proj, self.k_proj) for p in layer.parameters())
+
+    @staticmethod
+    def _after_load(module, incompatible_keys) -> None:
+        """After ``load_state_dict``: projections and fitted map come from one checkpoint, so the map is current."""
+        if module.fitted:
+            module._fitted_projections = module._projection_versions()
+
+    def _warn_once(self, cause: str, message: str) -> None:
+        if cause not in self._warned:
+            self._warned.add(cause)
+            warnings.warn(message, UserWarning, stacklevel=6)    # the caller of the layer (through nn.Module)
+
+    def _apply_refit_policy(self, q, k) -> None:
+        """Fit, refit or warn before a forward call (data-dependent estimators only; see the module docstring)."""
+        if self.training and self.refit_every is not None:
+            if not self.fitted or self._training_forwards % self.refit_every == 0:
+                with torch.no_grad():
+                    self._fit_estimator(q.detach(), k.detach())
+            self._training_forwards += 1
+            return
+        if not self.fitted:
+            self._warn_once("unfitted", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} "
+                            "was not fitted; it is fitted now on this batch's projected queries and keys and kept. "
+                            "Call fit(calibration) first, or pass refit_every=k to refit it while training")
+            with torch.no_grad():
+                self._fit_estimator(q.detach(), k.detach())
+        elif self._fitted_projections is not None and self._projection_versions() != self._fitted_projections:
+            self._warn_once("stale", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} was "
+                            "fitted on query/key projections that have changed since (an optimizer step or a "
+                            "load): the map is stale. Pass refit_every=k to refit it while training, or call "
+                            "fit(calibration) after training")
 
     def _sync(self) -> None:
         signature = self.feature_state.signature()
@@ -279,22 +387,147 @@ class KernelAttention(nn.Module):
         self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
         return self
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None,
-                value: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
+                key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                return_state: bool = False):
         """``(batch, n_q, E)``, optional ``key``/``value`` ``(batch, n_k, E)`` (self-attention when omitted)
-        → ``(batch, n_q, E)``. Fits a data-dependent estimator on this batch if it was never fitted."""
+        → ``(batch, n_q, E)``.
+
+        Parameters
+        ----------
+        key_padding_mask : bool Tensor ``(batch, n_k)``, optional
+            **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``.
+        attn_mask : Tensor ``(n_q, n_k)``, ``(batch, n_q, n_k)`` or ``(batch, num_heads, n_q, n_k)``, optional
+            bool with **True = takes part** (SDPA's convention — the opposite of ``nn.MultiheadAttention``'s bool
+            mask), or floating, added to the logits (``-inf`` excludes; cast to the attention dtype). Combined
+            with ``causal``; a query left without any key raises ``ValueError``.
+        return_state : bool
+            Causal self-attention with a feature map: also return the :class:`~kernapprox.RecurrentState` after
+            the whole sequence (one state per batch element and head; padded keys left out), to continue token by
+            token with :meth:`step` (prefill, then decode): the state of ``linear_attention(...,
+            return_state=True)`` handed to a ``RecurrentState`` with the layer's rule.
+
+        Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
+        """
+        if not isinstance(return_state, bool):
+            raise TypeError(f"return_state must be a bool, got {return_state!r}")
+        if return_state:
+            self._check_decodable(key, value)
         q, k, v = self._project(query, key, value)
-        if not self.fitted:
-            with torch.no_grad():
-                self._fit_estimator(q.detach(), k.detach())
+        masks = self._masks(key_padding_mask, attn_mask, q, k)
+        caps = self.estimator.capabilities()
+        if caps.data_dependent:
+            self._apply_refit_policy(q, k)
         self._sync()
-        out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
-                               chunk_size=self.chunk_size)                     # (b, h, n_q, head_dim)
+        state = None
+        if caps.kind == "exact":                       # exact attention: one SDPA call (masks included)
+            out = softmax_attention(q, k, v, self.causal, self.estimator.scale_, **masks)
+        else:
+            out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
+                                   chunk_size=self.chunk_size, rule=self.rule, return_state=return_state,
+                                   **masks)                                      # (b, h, n_q, head_dim)
+            if return_state:
+                out, state = out
         batch, _, n_q, _ = out.shape
-        return self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+        if not return_state:
+            return out
+        return out, RecurrentState(self.estimator, rule=self.rule, initial_state=state)
+
+    # ---------------------------------------------------------------------------------------------- decoding
+    def _check_decodable(self, key, value) -> None:
+        caps = self.estimator.capabilities()
+        if key is not None or value is not None:
+            raise ValueError("return_state needs self-attention (key and value omitted): the state continues the "
+                             "sequence that step() extends")
+        if not self.causal:
+            raise ValueError("return_state needs a causal layer (causal=True): a non-causal layer has no state that "
+                             "a next token could extend")
+        if caps.kind != "features" or "recurrent" not in caps.modes:
+            raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
+                             f"{caps.kind!r}); decoding with step() needs a feature map")
+
+    def step(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+        """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
+        to ``state`` (from ``forward(..., return_state=True)``, updated in place) and read with its own query;
+        returns the layer output for that token, of ``x``'s shape. Equal to the last row of ``forward`` on the
+        sequence extended by ``x`` (tested). The estimator is never refitted here."""
+        if not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
+                state.rule.name != self.rule.name:
+            raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
+                            "return_state=True)")
+        check_tensor(x, "x", min_rank=2, finite=False)
+        single = x.dim() == 3
+        if single and x.shape[1] != 1:
+            raise ValueError(f"x must be one token, (batch, E) or (batch, 1, E); got shape {tuple(x.shape)}")
+        x3 = x if single else x[:, None, :]
+        q, k, v = self._project(x3, None, None)                       # (b, h, 1, head_dim)
+        self._sync()
+        y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])       # (b, h, head_dim)
+        out = self.out_proj(y.reshape(y.shape[0], self.embed_dim))
+        return out[:, None, :] if single else out
+
+    def _masks(self, key_padding_mask, attn_mask, q, k) -> dict:
+        """The layer's masks in the ``(batch, heads, n_q, n_k)`` layout of the functional calls."""
+        batch, _, n_q, _ = q.shape
+        n_k = k.shape[-2]
+        masks = {}
+        if key_padding_mask is not None:
+            if not isinstance(key_padding_mask, torch.Tensor):
+                raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
+            if key_padding_mask.shape != (batch, n_k):
+                raise ValueError(f"key_padding_mask must have shape (batch, n_k) = {(batch, n_k)}, got "
+                                 f"{tuple(key_padding_mask.shape)}")
+            masks["key_padding_mask"] = key_padding_mask[:, None, :]                # (b, 1, n_k): every head
+        if attn_mask is not None:
+            if not isinstance(attn_mask, torch.Tensor):
+                raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
+            if attn_mask.dim() == 3:
+                attn_mask = attn_mask[:, None]                                       # (b, 1, n_q, n_k)
+            elif attn_mask.dim() not in (2, 4):
+                raise ValueError("attn_mask must be (n_q, n_k), (batch, n_q, n_k) or (batch, num_heads, n_q, n_k), "
+                                 f"got shape {tuple(attn_mask.shape)}")
+            if attn_mask.dtype != torch.bool and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(q.dtype)
+            masks["attn_mask"] = attn_mask
+        return masks
+
+    # ---------------------------------------------------------------------------------------- state dict
+    def get_extra_state(self) -> dict:
+        """The estimator's identity, saved in ``state_dict`` under ``"_extra_state"``: its registry name and its
+        constructor parameters (``num_features``, ``scale``, options; not ``rng``), and the per-head dimension
+        the map is fitted for. :meth:`load_state_dict` refuses a state whose record differs."""
+        params = {name: _plain(value) for name, value in self.estimator.get_params().items() if name != "rng"}
+        return {"estimator": self.estimator_name, "params": params, "head_dim": self.head_dim}
+
+    def set_extra_state(self, state) -> None:
+        """Nothing to set: the record is checked against this layer's own estimator while loading."""
+
+    def _check_record(self, record, key, error_msgs) -> bool:
+        mine = self.get_extra_state()
+        if not isinstance(record, dict) or set(record) != set(mine):
+            error_msgs.append(f"estimator mismatch for {key}: expected a record {{estimator, params, head_dim}} "
+                              f"from checkpoint, received {record!r}.")
+            return False
+        if record != mine:
+            def describe(rec):
+                params = ", ".join(f"{k}={v!r}" for k, v in rec["params"].items())
+                return f"{rec['estimator']!r} ({params}; head_dim={rec['head_dim']})"
+
+            error_msgs.append(f"estimator mismatch for {key}: copying the state of estimator {describe(record)} from "
+                              f"checkpoint, the estimator in current model is {describe(mine)}.")
+            return False
+        return True
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        record_key = prefix + "_extra_state"
+        if record_key in state_dict and not self._check_record(state_dict[record_key], record_key, error_msgs):
+            # Another estimator's state: reported (load_state_dict raises with every message); none of it is loaded.
+            self.feature_state.skip_next_load = True
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                          error_msgs)
+            return
         if not self.fitted and any(key.startswith(prefix + "feature_state.") for key in state_dict):
             # Build the fitted structure (attribute names, nested estimators) from a throw-away fit on
             # placeholder data from its own generator, so the layer's stream is not consumed; every value is
@@ -307,6 +540,8 @@ class KernelAttention(nn.Module):
             self.estimator.rng = stream
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+        if record_key not in state_dict and record_key in missing_keys:
+            missing_keys.remove(record_key)   # a state saved before the record existed: shape checks only
 
     def extra_repr(self) -> str:
         r = self.estimator.get_params()["num_features"]

@@ -147,9 +147,12 @@ def attention_readout(estimator, queries: torch.Tensor, keys: torch.Tensor, valu
     mode the estimator supports (e.g. ``"parallel"`` for the rank-r SVD references). ``"exact"`` is
     :func:`~kernapprox.softmax_attention` with ``scale = β``.
     """
-    check_tensor(queries, "queries", min_rank=3)
-    check_tensor(keys, "keys", min_rank=3)
-    check_tensor(values, "values", min_rank=3)
+    for name, tensor in (("queries", queries), ("keys", keys), ("values", values)):
+        check_tensor(tensor, name, min_rank=3)
+        if tensor.dim() != 3:
+            raise ValueError(f"{name} must be 3-D (episodes, tokens, features): one episode per row, no head "
+                             f"dimension; got shape {tuple(tensor.shape)} (flatten extra leading dimensions into "
+                             "the episode dimension)")
     beta = check_positive_float(beta, "beta")
     check_choice(fit_on, "fit_on", FIT_TARGETS)
     oracle = fit_on == "queries_and_keys"

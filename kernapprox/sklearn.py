@@ -18,6 +18,7 @@ The transform is the feature map ``φ`` of the kernel ``exp(scale · xᵀy)``, s
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 import torch
@@ -68,7 +69,8 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     n_components : int, default=100
         ``r``, the number of output features (``num_features`` of the estimator; must be even for the sin/cos
         and ``exp(±)`` maps; ignored by maps whose dimension is fixed by the input dimension, see
-        ``n_components_``).
+        ``n_components_``). Landmark maps (Nyström) use at most ``n_samples`` components: a larger value is set
+        to ``n_samples`` with a warning, as ``sklearn.kernel_approximation.Nystroem`` does.
     role : {"query", "key"}, default="query"
         Which side of the kernel ``transform`` computes. Only asymmetric maps distinguish them. Read at
         transform time: ``set_params(role="key")`` on a fitted transformer gives the key features of the same
@@ -101,9 +103,10 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     any other numeric type converted to float64 (scikit-learn's convention); the output has the dtype the
     computation ran in. A data-dependent estimator (e.g. Nyström) is fitted on ``X`` alone (``fit(q=X)``): one
     sample stands for both sides of the kernel (with ``n_components = n_samples`` Nyström then reproduces the
-    kernel on ``X``). The features are computed at their exact scale: if ``exp(scale · ‖x‖²)``-size factors
-    overflow the dtype, ``transform`` raises ``ValueError`` instead of returning ``inf`` (reduce ``scale`` or
-    standardise ``X``).
+    kernel on ``X``). The features are computed at their exact scale: if ``exp(±scale · ‖x‖²/2)``-size factors
+    overflow or underflow the dtype (unscaled data: e.g. the wine data set, ``‖x‖² ≈ 10⁶``), ``transform`` raises
+    ``ValueError`` naming the fix (standardise ``X``, e.g. with ``StandardScaler``, or reduce ``scale``) instead
+    of returning infinities or all-zero rows.
 
     Examples
     --------
@@ -165,7 +168,13 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         """Draw (or, for data-dependent maps, derive from ``X``) the feature map. ``y`` is ignored."""
         self._check_params()
         X = validate_data(self, X, dtype=[np.float64, np.float32])
-        size = None if capabilities(self.estimator).fixed_dimension else self.n_components   # documented above
+        caps = capabilities(self.estimator, **self._options)
+        size = None if caps.fixed_dimension else self.n_components   # documented above
+        if caps.rank_limited_by_points and size > X.shape[0]:
+            # scikit-learn's Nystroem: warn and cap (its wording)
+            warnings.warn("n_components > n_samples. This is not possible.\nn_components was set to n_samples, which "
+                          "results in inefficient evaluation of the full kernel.", stacklevel=2)
+            size = X.shape[0]
         est = make_estimator(self.estimator, num_features=size, rng=_as_rng(self.random_state),
                              scale=self.scale, **self._options)
         x = torch.from_numpy(np.array(X, copy=True))
@@ -186,11 +195,18 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         X = validate_data(self, X, dtype=[np.float64, np.float32], reset=False)
         x = torch.from_numpy(X if X.flags.writeable else np.array(X, copy=True))
         with torch.no_grad():
-            phi = self.estimator_.features(x, self.role)
-        if not bool(torch.isfinite(phi).all()):
-            raise ValueError(f"features of {self.estimator!r} overflowed {phi.dtype} for some rows (the kernel "
-                             f"exp(scale·xᵀy) at scale={self.scale_:.3g} exceeds the dtype's range); reduce "
-                             "scale or standardise X")
+            try:
+                phi = self.estimator_.features(x, self.role)
+            except ValueError as exc:
+                if "exact-scale features" not in str(exc):
+                    raise
+                what = "underflow" if "underflow" in str(exc) else "overflow"
+                dtype = str(x.dtype).removeprefix("torch.")
+                raise ValueError(
+                    f"the features of some rows of X {what} {dtype} at scale={self.scale_:.3g} (they would be "
+                    f"returned as {'zeros' if what == 'underflow' else 'infinities'}: the factors exp(±scale·‖x‖²/2) "
+                    "of these maps exceed the dtype's range for rows of X this large); standardise X (e.g. "
+                    "sklearn.preprocessing.StandardScaler in a pipeline) or pass a smaller scale") from exc
         return phi.numpy()
 
     def kernel(self, X, Y=None):

@@ -108,11 +108,20 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+RNG_TYPES = "None, a non-negative int seed, a numpy.random.SeedSequence or a numpy.random.Generator"
+
+
 def as_generator(rng) -> np.random.Generator:
     """Turn ``rng`` (None, int, ``SeedSequence`` or ``Generator``) into a ``Generator``.
 
     ``None`` gives fresh OS entropy (irreproducible; experiments always pass a seed). A ``Generator`` is used
-    as is (its state advances).
+    as is (its state advances). A ``torch.Generator`` is refused with its own message: draws are made with numpy
+    on the CPU in float64 (one seed, one draw on every device and dtype), so torch's generators are never used.
+
+    >>> as_generator(torch.Generator())  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: rng must be None, a non-negative int seed, ... got a torch.Generator, ...: pass an int seed instead
     """
     if isinstance(rng, np.random.Generator):
         return rng
@@ -122,7 +131,35 @@ def as_generator(rng) -> np.random.Generator:
         if rng < 0:
             raise ValueError(f"rng must be a non-negative integer seed, got {rng}")
         return np.random.default_rng(int(rng))
-    raise TypeError(f"rng must be None, an int, a numpy SeedSequence or Generator, got {type(rng).__name__}")
+    if isinstance(rng, torch.Generator):
+        raise TypeError(f"rng must be {RNG_TYPES}; got a torch.Generator, which kernapprox does not use (draws are "
+                        "made with numpy on the CPU in float64, so that one seed gives one draw on every device and "
+                        "dtype): pass an int seed instead")
+    raise TypeError(f"rng must be {RNG_TYPES}; got {type(rng).__module__}.{type(rng).__qualname__}")
+
+
+def check_device(device, name: str = "device") -> torch.device:
+    """``device`` (a ``str`` or ``torch.device``) as a ``torch.device`` that exists here.
+
+    ``ValueError`` naming ``name`` for a string that is not a device, or a CUDA device when CUDA is not available
+    (torch built without it, or no GPU visible) or its index is out of range; ``TypeError`` for anything else.
+    ``meta`` is accepted (shapes without values).
+    """
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"{name} must name a torch device (e.g. 'cpu', 'cuda:0'), got {device!r}") from None
+    elif not isinstance(device, torch.device):
+        raise TypeError(f"{name} must be a str or torch.device, got {type(device).__name__}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{name} {str(device)!r} is not available: CUDA is not available here (torch "
+                             f"{torch.__version__} built without CUDA, or no GPU visible); use 'cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{name} {str(device)!r} is not available: {torch.cuda.device_count()} CUDA device(s) "
+                             "visible")
+    return device
 
 
 def check_qk(q, k) -> None:

@@ -6,9 +6,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernapprox as ka
+from kernapprox.attention import exact as exact_attention
 
 MAPS = ("trig", "positive", "hyperbolic")
 SHAPES = [((2, 3), 63, 60), ((), 63, 60), ((3,), 17, 5)]  # (batch dims, n, d): odd sizes on purpose
@@ -181,11 +183,13 @@ def test_softmax_attention_matches_sdpa(causal, dtype, scale):
                                    F.scaled_dot_product_attention(q, k2, v2, scale=scale), rtol=tol, atol=tol)
 
 
-def test_softmax_attention_default_chunk_counts_batch_entries():
-    """The default chunk bounds the logits of all (batch, head) entries together: 2^24 of them."""
+def test_softmax_attention_default_chunk_counts_batch_entries(monkeypatch):
+    """The default chunk bounds the logits of all (batch, head) entries together (the budget, lowered here to
+    2^24 float32 logits, below the 2·5·1400² of one call), even on SDPA's math backend."""
+    monkeypatch.setattr(exact_attention, "SCORE_BUDGET_BYTES", 4 << 24)
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, 5, 1400, 8, generator=g) for _ in range(3))
-    with _LargestTensor() as spy:
+    with sdpa_kernel(SDPBackend.MATH), _LargestTensor() as spy:
         out = ka.softmax_attention(q, k, v)
     assert spy.largest <= 1 << 24 < 2 * 5 * 1400 * 1400
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=1e-5, atol=1e-5)
@@ -222,9 +226,9 @@ def _check_no_quadratic_memory(n, causal):
     assert spy.largest <= chunk * n < n * n // 8, spy.largest
     want = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    with _LargestTensor() as spy:  # the default chunk holds at most 2^24 logits over all batch entries
+    with _LargestTensor() as spy:  # the default chunk holds at most the budget's logits over all batch entries
         out_default = ka.softmax_attention(q, k, v, causal)
-    assert spy.largest <= max(1 << 24, n * 64)
+    assert spy.largest <= max(exact_attention.SCORE_BUDGET_BYTES // 4, n * 64)
     torch.testing.assert_close(out_default, out, rtol=1e-5, atol=1e-6)
 
 
@@ -300,7 +304,8 @@ def test_stabilised_where_exact_scale_features_underflow():
     computation still gives finite outputs that agree across the three causal modes and the float64 oracle."""
     q, k, v = _growing_norm_inputs(64, 16, 400.0, decreasing=True, batch=())
     est = ka.make_estimator("positive", num_features=64, rng=5).fit(q, k)
-    assert bool((est.features(k[:1], "key") == 0).all())   # the naive float32 route would divide 0 by 0
+    with pytest.raises(ValueError, match="underflow"):      # the naive float32 route would divide 0 by 0: refused
+        est.features(k[:1], "key")
     ref = ka.linear_attention_naive(q.double(), k.double(), v.double(), est, True)
     for mode in ka.MODES:
         out = ka.linear_attention(q, k, v, est, True, mode, chunk_size=CHUNK)

@@ -43,6 +43,29 @@ def test_quick_run_writes_table_and_targets(tmp_path):
     ds.close()
 
 
+def test_quick_run_never_labels_small_sizes_as_the_16k_targets(tmp_path, capsys):
+    """--quick measures n = 512 (SDPA) and 512 (exact): the targets named after 16k and 4k are "not measured",
+    never "MISSED" on numbers from another size; the exact-attention rows compare ka.softmax_attention with SDPA."""
+    out = tmp_path / "bench.nc"
+    ds = bench_run.main(["--quick", "--device", "cpu", "--out", str(out), "--budget", "0",
+                         "--cases", "chunked_vs_sdpa", "exact_vs_sdpa"])
+    table = capsys.readouterr().out
+    met = dict(zip(ds["target"].values, ds["target_met"].values))
+    for name in ("speedup_vs_sdpa_16k_causal", "speedup_vs_sdpa_16k_noncausal", "exact_time_ratio_4k_causal",
+                 "exact_time_ratio_4k_noncausal"):
+        assert met[name] == -1
+        line = next(x for x in table.splitlines() if x.startswith(name))
+        assert "not measured" in line and "MISSED" not in line
+    exact = ds["case"].values == "exact_vs_sdpa"
+    assert exact.sum() == 2 and np.all(ds["time_peer"].values[exact] > 0)
+    assert np.all(ds["error_ours"].values[exact] < 1e-5)                 # it is SDPA
+    rows = [_row("chunked_vs_sdpa", 512, 0.1, causal=True, time_peer_s=2.0),
+            _row("exact_vs_sdpa", 4096, 1.1, causal=True, time_peer_s=1.0)]
+    values = bench_run.evaluate_targets(rows)
+    assert math.isnan(values["speedup_vs_sdpa_16k_causal"])
+    assert values["exact_time_ratio_4k_causal"] == pytest.approx(1.1)
+
+
 def _row(case, n, t, causal=False, **kw):
     return Row(case, f"n={n}", n, causal, t, **kw)
 

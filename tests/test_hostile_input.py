@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 
 import kernapprox as ka
 from kernapprox.metrics import nonpositive_normalizer_rate
+from kernapprox.validation import compute_dtype
 
 ROOT = Path(__file__).resolve().parents[1]
 ESTIMATORS = ka.available_estimators()
@@ -426,6 +427,107 @@ def test_non_finite_outputs_are_flagged_by_the_normaliser(name, shape, causal, s
         flagged = (parts.normalizer <= 0) | ~torch.isfinite(parts.normalizer)
         assert not (bad_rows & ~flagged).any(), f"{name} {mode}: non-finite output with a positive normaliser"
         assert float(nonpositive_normalizer_rate(parts.normalizer).max()) >= float(bad_rows.double().mean(-1).max())
+
+
+# ----------------------------------------------------------------------------------- norms beyond the dtype
+# Scaled squared norms ‖x‖² (x = d^{-1/4} q) that make every family's exact-scale features underflow or overflow
+# (e^{±‖x‖²/2}: 1e2 already beyond float16, 1e3 beyond float32, 1e4 beyond float64), that make the exponential
+# maps' features of one vector span more than each dtype's range, and the largest the dtype holds (where the
+# squares or the logits themselves overflow). Half precision is computed in float32.
+HOSTILE_NORMS = {torch.float16: (1e2, 1e3, 1e4, 1e8), torch.bfloat16: (1e2, 1e3, 1e4, 1e30),
+                 torch.float32: (1e2, 1e3, 1e4, 1e30), torch.float64: (1e2, 1e3, 1e4, 1e200)}
+CAUSE = re.compile(r"underflow|overflow|not finite|singular|no key|diverged", re.I)
+
+
+def hostile_inputs(sq_norm, dtype, seed=0, n=6):
+    g = np.random.default_rng(seed)
+    q, k = (g.standard_normal((2, n, D)) for _ in range(2))
+    q *= np.sqrt(sq_norm) * D**0.25 / np.linalg.norm(q, axis=-1, keepdims=True)
+    k *= np.sqrt(sq_norm) * D**0.25 / np.linalg.norm(k, axis=-1, keepdims=True)
+    k[:, :2] = q[:, :2]                                          # aligned pairs: the largest kernel values
+    v = g.standard_normal((2, n, 3))
+    return tuple(torch.from_numpy(a).to(dtype) for a in (q, k, v))
+
+
+def correct_or_raise(fn):
+    """``fn()``, or None when it raises ``ValueError`` naming the numerical cause (never anything else)."""
+    try:
+        return fn()
+    except ValueError as exc:
+        assert CAUSE.search(str(exc)), f"a refusal must name its cause: {exc}"
+        return None
+
+
+def check_positive_attention(out, q, k, v, est, causal):
+    """A positive map's output is a convex combination of the values, and where the dtype resolves the logits
+    (rounding of the log-scales below 1e-3) it equals the estimator's own value from the float64 log-domain
+    path on the same (rounded) inputs."""
+    lo, hi = v.double().amin(-2, keepdim=True), v.double().amax(-2, keepdim=True)
+    eps = torch.finfo(out.dtype).eps
+    slack = 4 * eps * float(v.abs().max())
+    assert ((out.double() >= lo - slack) & (out.double() <= hi + slack)).all(), "outside the values' hull"
+    from kernapprox.attention.logdomain import log_domain_attention
+
+    want = log_domain_attention(q, k, v, est, causal).output
+    spread = float(est.log_features(q.double(), "query")[0].abs().max() + est.log_features(k.double(), "key")[0]
+                   .abs().max())
+    rounding = torch.finfo(compute_dtype(q.dtype)).eps * spread
+    if rounding < 1e-3:
+        tol = 50 * (rounding + eps) * float(v.abs().max())
+        torch.testing.assert_close(out.double(), want, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", list(HOSTILE_NORMS), ids=["f16", "bf16", "f32", "f64"])
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_norms_beyond_the_dtype_are_correct_or_raise(name, dtype):
+    """Every estimator at norms where its features underflow and overflow, in every dtype: each call either
+    raises ValueError naming the cause, or returns the right thing — exact-scale features finite without rows
+    lost to underflow; attention in every mode finite and correct for positive maps (see
+    check_positive_attention), finite or flagged by its normaliser for signed ones; kernel matrices never NaN;
+    a recurrent state finite or refused."""
+    for sq_norm in HOSTILE_NORMS[dtype]:
+        q, k, v = hostile_inputs(sq_norm, dtype)
+        if not (torch.isfinite(q).all() and torch.isfinite(k).all()):
+            continue
+        est = correct_or_raise(functools.partial(_fitted_on, name, q, k))
+        if est is None:
+            continue
+        caps = est.capabilities()
+        positive_map = caps.positive and caps.kind == "features"
+        if caps.kind == "features":
+            phi = correct_or_raise(functools.partial(est.features, k, "key"))
+            if phi is not None:
+                assert phi.dtype == dtype and torch.isfinite(phi).all()
+                tilde, _ = est.features(k, "key", log_scale=True)
+                assert not ((phi == 0).all(-1) & (tilde != 0).any(-1)).any(), "a row lost to underflow"
+        km = correct_or_raise(functools.partial(est.kernel_matrix, q, k))
+        assert km is None or not torch.isnan(km).any(), f"{name} {dtype} ‖x‖²={sq_norm}: NaN in kernel_matrix"
+        for causal in causal_options(est):
+            for mode in caps.modes:
+                parts = correct_or_raise(functools.partial(ka.linear_attention, q, k, v, est, causal, mode,
+                                                           chunk_size=4, return_parts=True))
+                if parts is None:
+                    continue
+                where = f"{name} {mode} causal={causal} {dtype} ‖x‖²={sq_norm:g}"
+                assert torch.isfinite(parts.log_scale).all(), where
+                if positive_map:
+                    assert torch.isfinite(parts.output).all(), where
+                    check_positive_attention(parts.output, q, k, v, est, causal)
+                else:
+                    bad = ~torch.isfinite(parts.output).all(-1)
+                    flagged = (parts.normalizer <= 0) | ~torch.isfinite(parts.normalizer)
+                    assert not (bad & ~flagged).any(), f"{where}: non-finite output with a positive normaliser"
+        if positive_map and "recurrent" in caps.modes:
+            out = correct_or_raise(functools.partial(_stream, ka.RecurrentState(est), q, k, v))
+            assert out is None or torch.isfinite(out).all()
+
+
+def _fitted_on(name, q, k):
+    return ka.make_estimator(name, num_features=size(name), rng=0, **OPTIONS.get(name, {})).fit(q, k)
+
+
+def _stream(state, q, k, v):
+    return torch.stack([state.step(q[:, t], k[:, t], v[:, t]) for t in range(q.shape[1])], 1)
 
 
 # ---------------------------------------------------------------------------------------- recurrent state

@@ -110,7 +110,8 @@ def test_stabilised_features_stay_accurate_where_the_exact_scale_underflows():
     q, k, v = sequences(6, batch=2, n=16, d=8)
     est = hedgehog(8, rng=0, num_steps=5).fit(q, k)
     big_q, big_k = 40.0 * q, 40.0 * k
-    assert bool((est.features(big_k, "key") == 0).all(-1).any())     # e^{-‖x‖²/2} underflows whole rows
+    with pytest.raises(ValueError, match="underflow"):                 # e^{-‖x‖²/2} underflows whole rows:
+        est.features(big_k, "key")                                     # exact scale refused, not zeros
     tilde, logs = est.features(big_k, "key", log_scale=True)
     assert bool(torch.isfinite(tilde).all() & torch.isfinite(logs).all())
     out = ka.linear_attention(big_q, big_k, v, est, mode="chunked", chunk_size=4)

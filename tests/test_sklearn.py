@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from sklearn.base import clone
-from sklearn.datasets import load_digits
+from sklearn.datasets import load_digits, load_wine
 from sklearn.linear_model import RidgeClassifier
-from sklearn.model_selection import GridSearchCV, train_test_split
+from sklearn.model_selection import GridSearchCV, cross_val_score, train_test_split
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from sklearn.utils.estimator_checks import parametrize_with_checks
@@ -43,18 +43,23 @@ def expected_failed_checks(transformer) -> dict[str, str]:
     Maps that need sin/cos or exp(±) pairs reject ``n_components = 1`` (raising ValueError at fit), which
     scikit-learn forces in the checks listed in ``N_COMPONENTS_ONE_CHECKS``.
     """
+    failing = {}
+    if transformer.scale is None:
+        failing["check_fit_idempotent"] = (
+            "the check draws inputs around 100: at attention's default scale the exact-scale features underflow "
+            "float64 (e^(-s‖x‖²/2) ≈ e^(-7000)) and transform raises with the fix instead of returning zeros")
     try:
         ka.make_estimator(transformer.estimator, num_features=1)
     except ValueError:
         reason = "the check sets n_components=1; this map needs an even number of features (pairs)"
-        return dict.fromkeys(N_COMPONENTS_ONE_CHECKS, reason)
-    return {}
+        failing.update(dict.fromkeys(N_COMPONENTS_ONE_CHECKS, reason))
+    return failing
 
 
 # The default transformer as users get it, and one per distinct feature map at scale 1e-3: check_fit_idempotent
-# draws inputs around 100, where exp(s·xᵀy) overflows float64 at attention's default scale for maps whose features
-# grow with the norm (trig, Nyström); the transformer then raises instead of returning inf, by design (see
-# test_overflow_raises).
+# draws inputs around 100, where exp(±s‖x‖²/2) overflows or underflows float64 at attention's default scale; the
+# transformer then raises instead of returning inf or zeros, by design (see test_overflow_raises and
+# test_unscaled_wine_features_that_underflow_raise_with_the_fix).
 CHECKED = [SoftmaxKernelFeatures()] + [SoftmaxKernelFeatures(name, n_components=8, scale=1e-3, random_state=0)
                                        for name in representatives()]
 
@@ -176,8 +181,37 @@ def test_input_validation_messages():
 
 def test_overflow_raises():
     X = np.full((2, 4), 30.0)                         # exp(‖x‖²/(2·sqrt(d))) = exp(900) for the trig prefactor
-    with pytest.raises(ValueError, match="overflowed"):
+    with pytest.raises(ValueError, match="overflow float64.*StandardScaler"):
         SoftmaxKernelFeatures("trig", n_components=8, random_state=0).fit_transform(X)
+
+
+@pytest.mark.parametrize("name", ["positive_orthogonal", "hyperbolic_orthogonal", "oprf_orthogonal"])
+def test_unscaled_wine_features_that_underflow_raise_with_the_fix(name):
+    """Unscaled wine (‖x‖² ≈ 10⁶) used to give all-zero features silently (CV accuracy 0.40 with no warning):
+    the exact-scale features underflow float64. transform now raises naming the fix; standardised, it works."""
+    X, y = load_wine(return_X_y=True)
+    with pytest.raises(ValueError, match="underflow float64.*StandardScaler"):
+        SoftmaxKernelFeatures(name, n_components=64, random_state=0).fit_transform(X)
+    Z = make_pipeline(StandardScaler(), SoftmaxKernelFeatures(name, n_components=64, random_state=0)).fit_transform(X)
+    assert np.isfinite(Z).all() and (np.abs(Z).max(1) > 0).all()
+
+
+def test_nystrom_caps_n_components_at_n_samples_like_scikit_learn():
+    """n_components > n_samples: scikit-learn's Nystroem warning (its wording), capped at n_samples; with every
+    point a landmark the kernel is reproduced. cross_val_score on wine at 256 components works in every fold."""
+    X = data(n=20)
+    wording = (r"^n_components > n_samples\. This is not possible\.\nn_components was set to n_samples, which "
+               r"results in inefficient evaluation of the full kernel\.$")
+    with pytest.warns(UserWarning, match=wording):
+        tr = SoftmaxKernelFeatures("nystrom_uniform", n_components=64, random_state=0).fit(X)
+    assert tr.n_components_ == 20 and tr.transform(X).shape == (20, 20)
+    np.testing.assert_allclose(tr.transform(X) @ tr.transform(X).T, np.exp(X @ X.T / np.sqrt(X.shape[1])), rtol=1e-8)
+    X, y = load_wine(return_X_y=True)
+    model = make_pipeline(StandardScaler(), SoftmaxKernelFeatures("nystrom_uniform", n_components=256,
+                                                                  random_state=0), RidgeClassifier())
+    with pytest.warns(UserWarning, match="n_components > n_samples"):
+        scores = cross_val_score(model, X, y, cv=5, error_score="raise")
+    assert scores.shape == (5,) and scores.min() > 0.9, scores
 
 
 def test_pipeline_on_digits_beats_the_linear_model():

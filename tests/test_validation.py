@@ -151,7 +151,7 @@ def test_estimator_options():
         ka.make_estimator("positive", num_features=8, eps=-1.0)
     with pytest.raises(ValueError, match="unknown sampler 'gauss'; valid values: iid, orthogonal"):
         ka.make_estimator("positive", num_features=8, sampler="gauss")
-    with pytest.raises(TypeError, match="rng must be None, an int"):
+    with pytest.raises(TypeError, match="rng must be None, a non-negative int seed"):
         ka.make_estimator("positive", num_features=8, rng="seed").fit(torch.zeros(1, 3))
     with pytest.raises(ValueError, match="rng must be a non-negative integer seed"):
         ka.make_estimator("positive", num_features=8, rng=-1).fit(torch.zeros(1, 3))

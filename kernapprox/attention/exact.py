@@ -1,52 +1,173 @@
 """Exact softmax attention, the reference every estimator is measured against.
 
-``softmax(s · Q Kᵀ [+ causal mask]) V`` computed in query chunks, so that no more than a bounded number of logits
-exists at once; its float64 loop oracle is :func:`kernapprox.attention.naive.softmax_attention_naive`.
+``softmax(s · Q Kᵀ + mask) V`` through ``torch.nn.functional.scaled_dot_product_attention`` (SDPA): one call when
+the score matrix fits a memory budget, query chunks of SDPA calls beyond it, so that no more than a bounded number
+of logits can exist at once whatever backend SDPA picks. Its float64 loop oracle is
+:func:`kernapprox.attention.naive.softmax_attention_naive`.
+
+Masks (shared with :func:`kernapprox.linear_attention`)
+------------------------------------------------------
+``key_padding_mask``
+    bool ``(..., n_k)``, **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``; its
+    leading dimensions broadcast against the batch dimensions of ``q`` (right-aligned, as torch broadcasts: pass
+    ``(batch, 1, n_k)`` for ``(batch, heads, n, d)`` inputs).
+``attn_mask``
+    bool (**True = takes part**, as SDPA) or floating (added to the logits; ``-inf`` excludes), broadcastable to
+    ``(..., n_q, n_k)``.
+``causal``
+    keys after the query excluded (``n_q = n_k``).
+
+They combine by intersection (and addition of a float mask). A query row left without any key raises
+``ValueError`` (its softmax would be 0/0: SDPA returns NaN there); nothing is returned silently as NaN.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from ..kernel import resolve_scale
-from ..validation import check_bool, check_positive_int, check_qkv, compute_dtype
+from ..validation import check_bool, check_positive_int, check_qkv, compute_dtype, itemsize
+from .masks import check_attn_mask, check_key_padding_mask
 
-_LOGITS_PER_CHUNK = 1 << 24  # default memory bound of softmax_attention's query chunks (all batch entries)
+# Memory budget of the score matrix: softmax_attention calls SDPA once when all (batch, head) score matrices
+# together hold at most this many bytes in the compute dtype (256 MiB: n = 4096 with 4 heads in float32), and
+# calls it on query chunks of at most this size beyond. SDPA's fused kernels (flash on the CPU and GPU) never
+# build the matrix; the budget bounds its math fallback (e.g. float64 on a GPU) and the explicit masks.
+SCORE_BUDGET_BYTES = 1 << 28
 
 
-def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None, *, chunk_size: int | None = None,
-                      return_lse: bool = False):
-    """Exact softmax attention ``softmax(s · Q Kᵀ [+ causal mask]) V``, computed in query chunks.
+def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None, *, key_padding_mask=None,
+                      attn_mask=None, chunk_size: int | None = None, return_lse: bool = False):
+    """Exact softmax attention ``softmax(s · Q Kᵀ + mask) V``: SDPA, in query chunks beyond a memory budget.
 
-    Never materialises more than ``chunk_size × n_k`` logits per (batch, head) (``chunk_size`` defaults so that
-    a chunk holds at most 2²⁴ logits over all batch and head entries together, 64 MiB in float32, and at least
-    one query row), so it runs at n = 32k and beyond on a CPU. Matches
-    ``torch.nn.functional.scaled_dot_product_attention``. With ``return_lse=True`` also returns the log of the
-    normaliser ``log Σ_j exp(s q_iᵀk_j)``, shape ``(..., n_q)``.
+    Parameters
+    ----------
+    q, k, v : Tensor ``(..., n_q, d)``, ``(..., n_k, d)``, ``(..., n_k, d_v)``
+        One dtype and device, equal batch dimensions. Half precision is computed in float32 and rounded once.
+    causal : bool
+        Exclude keys after each query (``n_q = n_k``).
+    scale : float, optional
+        ``s``; default ``1/sqrt(d)`` (SDPA's).
+    key_padding_mask, attn_mask : Tensor, optional
+        See the module docstring: bool key padding (True = padding), bool (True = takes part) or additive float
+        attention mask.
+    chunk_size : int, optional
+        Queries per SDPA call. Default: all of them when the score matrices of every (batch, head) entry
+        together fit :data:`SCORE_BUDGET_BYTES` in the compute dtype, else as many as fit (at least one).
+    return_lse : bool
+        Also return ``log Σ_j exp(s q_iᵀk_j + mask_ij)``, shape ``(..., n_q)`` (computed from the logits in the
+        same query chunks, not by SDPA, which does not return it).
+
+    Returns
+    -------
+    Tensor ``(..., n_q, d_v)`` in the inputs' dtype (and the log-normaliser with ``return_lse=True``).
+
+    Raises
+    ------
+    ValueError
+        A query row has no key left by the masks; or the result is not finite because the logits overflow the
+        compute dtype (the message names the fix: rescale).
     """
     check_qkv(q, k, v, causal)
     check_bool(return_lse, "return_lse")
     s = resolve_scale(q.shape[-1], scale)
-    n_q, n_k = q.shape[-2], k.shape[-2]
-    if chunk_size is None:
-        num_heads = q.numel() // max(n_q * q.shape[-1], 1)            # product of the batch dimensions
-        chunk_size = max(1, min(n_q, _LOGITS_PER_CHUNK // max(n_k * num_heads, 1)))
-    check_positive_int(chunk_size, "chunk_size")
+    batch, n_q, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     ct = compute_dtype(q.dtype)
+    mask = combine_masks(q, k, causal, key_padding_mask, attn_mask)        # None, or bool / float (..., n_q, n_k)
+    entries = math.prod(batch)
+    if chunk_size is None:
+        per_query = max(entries * n_k * itemsize(ct), 1)
+        chunk_size = max(1, min(n_q, SCORE_BUDGET_BYTES // per_query))
+    check_positive_int(chunk_size, "chunk_size")
     qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(ct)
     outs, lses = [], []
     for start in range(0, n_q, chunk_size):
         stop = min(start + chunk_size, n_q)
-        kend = stop if causal else n_k
-        logits = s * (qc[..., start:stop, :] @ kc[..., :kend, :].transpose(-1, -2))
-        if causal:
-            rows = torch.arange(start, stop, device=q.device)[:, None]
-            cols = torch.arange(kend, device=q.device)[None, :]
-            logits = logits.masked_fill(cols > rows, float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        outs.append(torch.exp(logits - lse) @ vc[..., :kend, :])
-        lses.append(lse.squeeze(-1))
-    out = torch.cat(outs, dim=-2).to(q.dtype)
+        kend = stop if causal else n_k                   # a causal chunk sees no key after its last query
+        chunk_mask = _chunk_mask(mask, causal, start, stop, kend, q.device)
+        _check_rows(chunk_mask, start)
+        if return_lse:
+            logits = s * (qc[..., start:stop, :] @ kc[..., :kend, :].transpose(-1, -2))
+            if causal and chunk_mask is None:
+                chunk_mask = torch.ones(stop - start, kend, dtype=torch.bool, device=q.device).tril()
+            if chunk_mask is not None:
+                logits = (logits.masked_fill(~chunk_mask, -math.inf) if chunk_mask.dtype == torch.bool
+                          else logits + chunk_mask)
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            outs.append(torch.exp(logits - lse) @ vc[..., :kend, :])
+            lses.append(lse.squeeze(-1))
+        else:                                            # a square causal block without mask: SDPA's is_causal
+            outs.append(F.scaled_dot_product_attention(qc[..., start:stop, :], kc[..., :kend, :], vc[..., :kend, :],
+                                                       attn_mask=chunk_mask, is_causal=causal and chunk_mask is None,
+                                                       scale=s))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
+    if out.numel() and not _all_finite(out):
+        raise ValueError(f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
+                         f"(s = {s:.3g}, max ‖q‖ = {_max_norm(q):.3g}, max ‖k‖ = {_max_norm(k):.3g}) or v is too "
+                         "large; rescale q and k (or pass a smaller scale)")
+    out = out.to(q.dtype)
     if return_lse:
         return out, torch.cat(lses, dim=-1)
     return out
+
+
+def combine_masks(q, k, causal: bool, key_padding_mask=None, attn_mask=None):
+    """The masks of an attention call, validated as :func:`kernapprox.linear_attention` validates them
+    (:mod:`kernapprox.attention.masks`: same conventions, same messages), and combined into one without the causal
+    triangle (applied per chunk): ``None``, a bool mask (True = takes part) or a float additive mask, broadcastable
+    to ``(..., n_q, n_k)`` but not expanded to it (SDPA broadcasts it)."""
+    check_key_padding_mask(key_padding_mask, k)
+    check_attn_mask(attn_mask, q, k)
+    mask = None
+    if key_padding_mask is not None:
+        mask = ~key_padding_mask[..., None, :]                                  # True = takes part
+    if attn_mask is not None:
+        if mask is None:
+            mask = attn_mask
+        elif attn_mask.dtype == torch.bool:
+            mask = mask & attn_mask
+        else:
+            mask = torch.where(mask, attn_mask, -math.inf)
+    return mask
+
+
+def _chunk_mask(mask, causal, start, stop, kend, device):
+    """The mask of queries ``start:stop`` against keys ``:kend`` (causal triangle included), or None."""
+    if not causal:
+        return None if mask is None else mask[..., start:stop, :] if mask.shape[-2] > 1 else mask
+    if mask is None and start == 0 and stop == kend:
+        return None                                       # the whole causal matrix: SDPA's is_causal
+    rows = torch.arange(start, stop, device=device)[:, None]
+    tri = torch.arange(kend, device=device)[None, :] <= rows
+    if mask is None:
+        return tri
+    part = mask[..., start:stop, :kend] if mask.shape[-2] > 1 else mask[..., :kend]
+    return part & tri if part.dtype == torch.bool else part.masked_fill(~tri, -math.inf)
+
+
+def _check_rows(mask, start):
+    """A query row with no key left (all False, or all -inf) has no softmax: raise, naming the first such row."""
+    if mask is None:
+        return
+    allowed = mask if mask.dtype == torch.bool else mask > -math.inf
+    has_key = allowed.any(-1)
+    if not bool(has_key.all()):
+        where = torch.nonzero(~has_key)[0].tolist()
+        batch, row = tuple(where[:-1]), start + where[-1] if has_key.shape[-1] > 1 else start
+        raise ValueError(f"query {row} (batch index {batch}) has no key to attend to: key_padding_mask, attn_mask "
+                         "and causal order leave it none; softmax attention over no key is undefined (0/0). Unmask a "
+                         "key for it, or drop the row")
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(x.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _max_norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.detach().double(), dim=-1).max())

@@ -39,6 +39,7 @@ from ..estimators.base import AttentionParts, Estimator
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
 from . import delta as _delta
 from . import least_squares as _ls
+from . import logdomain
 from .blocks import chunked_block_length
 from .exact import softmax_attention
 from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
@@ -466,6 +467,11 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
                                             mask, state0, return_state)
         den = den.reshape(num.shape[:-1])
         logs = logs.reshape(num.shape[:-1])
+        if logdomain.needs_recompute(estimator, den, logs):   # precision hook (see logdomain): float64, then exact
+            _, num, den, logs = logdomain.recompute(
+                q, k, v, estimator, causal, linear_attention, rule=rule, initial_state=initial_state,
+                return_state=return_state, mode=mode, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+                attn_mask=attn_mask)
         out = (num / den[..., None]).to(q.dtype)
         result = AttentionParts(out, num, den, logs) if return_parts else out
     else:

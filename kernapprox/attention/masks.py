@@ -51,13 +51,14 @@ def check_attn_mask(mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | No
     want = (*q.shape[:-2], q.shape[-2], k.shape[-2])
     if mask.dim() < 2:
         raise ValueError(f"attn_mask must have shape (..., n_q, n_k) broadcastable to {want}, got {tuple(mask.shape)}")
+    # values checked before the expansion (the same values; no (..., n_q, n_k) temporary for a broadcast mask)
+    if mask.dtype != torch.bool and bool((torch.isnan(mask) | (mask == math.inf)).any()):
+        raise ValueError("attn_mask (additive) contains NaN or +inf; use -inf to remove a pair")
     try:
         mask = mask.expand(want)
     except RuntimeError:
         raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to (..., n_q, n_k) = "
                          f"{want}") from None
-    if mask.dtype != torch.bool and bool((torch.isnan(mask) | (mask == math.inf)).any()):
-        raise ValueError("attn_mask (additive) contains NaN or +inf; use -inf to remove a pair")
     return mask
 
 

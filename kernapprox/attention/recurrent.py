@@ -17,6 +17,7 @@ import torch
 
 from ..estimators.base import Estimator
 from ..validation import check_same_kind, check_tensor, compute_dtype
+from .logdomain import check_state_read
 from .rules import (
     SENTINEL,
     DeltaState,
@@ -251,6 +252,8 @@ class RecurrentState:
                 raise ValueError("the state of some batch entry holds no key yet (every token so far was padding): "
                                  "its attention read-out is undefined (0/0)")
             num, den = normalized_read(self._state, pq)
+            if self.check_finite:                               # precision hook (see logdomain): raise, not NaN
+                check_state_read(self.estimator, den, self._state.log_scale)
             return (num / den[..., None]).to(q_t.dtype)
         qu = unit_features(pq, "query", type(self.estimator).__name__)
         out = (qu[..., None, :] @ w).squeeze(-2)

@@ -31,7 +31,12 @@ entries of order one (for exponential maps: the per-row maximum is subtracted in
 shape ``(..., n)``. Attention code uses this split to keep the query scales out of the ratio (they cancel) and to
 shift the key scales by one constant per query row — the maximum over all keys, or over the keys up to the query
 when causal (a running maximum, in every mode) — so that ``exp`` never overflows. ``features(x, role)`` returns
-the exact-scale ``φ(x)`` (which may overflow for large norms; that is what was asked for).
+the exact-scale ``φ(x)``, and raises ``ValueError`` naming the fix where that overflows the dtype or a row
+underflows to zeros (never a silent all-zero or infinite row). ``log_features(x, role)`` returns ``(log|φ|, sign)``
+entry by entry: exact even where the features of one vector span more than the dtype's range (then ``φ̃``
+underflows to 0 at entries that may still dominate a product with another vector's features); the attention and
+kernel-matrix code falls back to it where the stabilised products cannot be trusted
+(:mod:`kernapprox.attention.logdomain`).
 
 Precision: float16/bfloat16 inputs are computed in float32; float32 and float64 stay as they are. Exact-scale
 features are returned in the input dtype; the stabilised pair ``(φ̃, ℓ)`` stays in the compute dtype (float32 for
@@ -78,6 +83,7 @@ from ..validation import (
     NotFittedError,
     as_generator,
     check_choice,
+    check_positive_float,
     check_positive_int,
     check_qk,
     check_qkv,
@@ -181,7 +187,10 @@ class Estimator:
     Class attributes declare the capabilities (see :class:`Capabilities` for their meaning); subclasses set the
     ones that differ from these defaults. ``consistent = None`` means "as ``unbiased``". Read on an instance, a
     declaration is resolved for the instance's options (:meth:`capabilities`). ``context_state`` names the fitted
-    attributes a decoder must keep because they were computed from the context (counted by :meth:`state_bytes`).
+    attributes a decoder must keep because they were computed from the context (counted by :meth:`state_bytes`);
+    ``data_sized_state`` the fitted attributes whose shape depends on the number of points fitted on rather than
+    on the constructor parameters (diagnostics such as Nyström's leverage scores), which
+    :meth:`data_sized_state_keys` lists for shape checks of loaded states.
     """
 
     kind: ClassVar[str] = "features"
@@ -197,6 +206,7 @@ class Estimator:
     rules: ClassVar[tuple[str, ...]] = ("sum",)
     reference: ClassVar[str] = ""
     context_state: ClassVar[tuple[str, ...]] = ()
+    data_sized_state: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -224,6 +234,8 @@ class Estimator:
         return type(self).capabilities_for(**self.get_params())
 
     def __init__(self, *, num_features: int | None = None, rng=None, scale: float | None = None):
+        if scale is not None:
+            check_positive_float(scale, "scale")   # refused at construction, not at the first fit
         self.num_features_param = num_features
         self.rng = rng
         self.scale = scale
@@ -317,6 +329,13 @@ class Estimator:
             setattr(owner, name, value)
             owner._cache = {}
         return self
+
+    def data_sized_state_keys(self) -> set[str]:
+        """Keys of :meth:`fitted_state` (nested estimators' included) whose shapes depend on the data fitted on, not
+        on the constructor parameters: every other entry has the same shape for every fit of an estimator with the
+        same parameters and input dimension."""
+        self._check_fitted()
+        return {key for key, owner, name, _ in self._state_entries() if name in owner.data_sized_state}
 
     # ------------------------------------------------------------------------------------------ properties
     @property
@@ -445,8 +464,17 @@ class FeatureMap(Estimator):
 
         With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``,
         both in the compute dtype (float32 for half-precision ``x``); otherwise ``φ`` in ``x``'s dtype.
-        ``check_finite=False`` skips the NaN/Inf scan of ``x`` (a host synchronisation on a GPU), for callers that
-        have checked already or decode token by token.
+        ``check_finite=False`` skips the NaN/Inf scans of ``x`` and of ``ℓ`` (host synchronisations on a GPU), for
+        callers that check them themselves or decode token by token.
+
+        Raises
+        ------
+        ValueError
+            With ``log_scale=True``: the log-scale ``ℓ`` is not finite (the input norms overflow the compute
+            dtype). Without: the exact-scale features of some row overflow ``x``'s dtype, or underflow it (every
+            entry of the row below the smallest normal number although the row is not zero). The message names
+            the row's log-scale and the fix: ``log_scale=True`` (the stabilised pair, what attention uses),
+            :meth:`log_features`, or smaller inputs / ``scale``.
         """
         self._check_fitted()
         check_choice(role, "role", ROLES)
@@ -456,26 +484,124 @@ class FeatureMap(Estimator):
         out_dtype = x.dtype
         xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
         phi, logs = self._log_features(xs, role)
+        if check_finite and logs.numel() and not _all_finite(logs):
+            raise ValueError(f"{type(self).__name__}: the log-scale of the features of x is not finite in "
+                             f"{logs.dtype} (the input norms overflow it, max ‖x‖ = {_max_norm(x):.3g}); rescale x "
+                             "or pass a smaller scale")
         if log_scale:
             return phi, logs
-        return (phi * torch.exp(logs)[..., None]).to(out_dtype)
+        out = (phi * torch.exp(logs)[..., None]).to(out_dtype)
+        _check_exact_scale(out, phi, logs, type(self).__name__)
+        return out
 
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
         raise NotImplementedError
 
+    def log_features(self, x: torch.Tensor, role: str = "query", *, check_finite: bool = True):
+        """``(log|φ(x)|, sign φ(x))``, both ``(..., n, r)`` in the compute dtype: the features in the log domain.
+
+        Exact where the stabilised pair of :meth:`features` is not: maps of the exponential family (positive,
+        hyperbolic, GERF/OPRF/DERF) return the exponents themselves, so an entry far below its row's maximum (more
+        than the dtype's range, where ``φ̃`` underflows to 0) keeps its value. Other maps derive it from the
+        stabilised pair, ``log|φ̃| + ℓ`` (``-inf`` where ``φ̃`` is exactly 0, with sign 0). Used where products of
+        features must be formed in the log domain (:meth:`kernel_matrix` and the attention fallback of
+        :mod:`kernapprox.attention.logdomain`).
+        """
+        self._check_fitted()
+        check_choice(role, "role", ROLES)
+        check_tensor(x, "x", finite=check_finite)
+        if x.shape[-1] != self.dim_:
+            raise ValueError(f"x has last dimension {x.shape[-1]} but the estimator was fitted with d={self.dim_}")
+        xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
+        return self._log_abs_features(xs, role)
+
+    def _log_abs_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
+        phi, logs = self._log_features(x, role)
+        return torch.log(phi.abs()) + logs[..., None], torch.sign(phi)
+
     def kernel_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """The approximation ``φ(Q) φ(K)ᵀ`` of ``exp(s · Q Kᵀ)``, ``(..., n_q, n_k)``, in the inputs' dtype.
 
-        Computed from stabilised features and rescaled at the end, so it overflows only where the true value
-        does.
+        Computed from stabilised features, ``sign(G̃) exp(log|G̃| + ℓ_q + ℓ_k)`` with ``G̃ = φ̃(Q)φ̃(K)ᵀ``, so it
+        overflows only where the true value does. Entries whose stabilised product is below ``sqrt(tiny)`` of the
+        compute dtype may have lost their dominant terms to underflow (features spanning more than the dtype's
+        range, e.g. DERF at large norms); where such an entry could be representable it is recomputed exactly in
+        the log domain, ``Σ_j s_j exp(L_q,j + L_k,j)`` with the row-pair maximum factored out, in float64 from
+        :meth:`log_features` — so every entry is the estimator's value rounded once, or 0 / inf where that
+        underflows / overflows the dtype.
         """
         check_qk(q, k)                    # batch dimensions must agree exactly: no silent broadcasting
         pq, lq = self.features(q, "query", log_scale=True)
         pk, lk = self.features(k, "key", log_scale=True)
         ct = compute_dtype(q.dtype)
         gram = pq.to(ct) @ pk.to(ct).transpose(-1, -2)
-        return (gram * torch.exp(lq[..., :, None] + lk[..., None, :])).to(q.dtype)
+        log_scale = lq[..., :, None] + lk[..., None, :]
+        out = torch.sign(gram) * torch.exp(torch.log(gram.abs()) + log_scale)
+        threshold = _trusted_threshold(ct)
+        suspect = (gram.abs() < threshold) & (log_scale + math.log(threshold * self.num_features)
+                                               > math.log(torch.finfo(q.dtype).tiny))
+        if bool(suspect.any()):
+            exact = _log_domain_gram(*self.log_features(q.double(), "query", check_finite=False),
+                                     *self.log_features(k.double(), "key", check_finite=False))
+            out = torch.where(suspect, exact.to(ct), out)
+        return out.to(q.dtype)
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    lo, hi = torch.aminmax(x.detach())
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _max_norm(x: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(x.detach().double(), dim=-1).max())
+
+
+def _trusted_threshold(dtype: torch.dtype) -> float:
+    """``sqrt(tiny)`` of ``dtype``: a stabilised sum of terms each ≤ 1 that is at least this large lost at most
+    ``r · n · tiny`` to underflow, a relative error below ``r · n · sqrt(tiny)`` (1e-19 in float32)."""
+    return math.sqrt(torch.finfo(dtype).tiny)
+
+
+_EXACT_SCALE_FIX = ("use features(x, log_scale=True), the stabilised pair φ = φ̃·exp(ℓ) that attention uses, or "
+                    "log_features(x), or reduce the input norms (a smaller scale, standardised inputs)")
+
+
+def _check_exact_scale(out: torch.Tensor, phi: torch.Tensor, logs: torch.Tensor, name: str) -> None:
+    """Raise when exact-scale features overflow or (whole rows) underflow the output dtype."""
+    if not out.numel():
+        return
+    mag = out.detach().abs().amax(-1)
+    info = torch.finfo(out.dtype)
+    overflow = ~torch.isfinite(mag)
+    if bool(overflow.any()):
+        worst = float(logs.detach()[overflow].max())
+        raise ValueError(f"{name}: the exact-scale features overflow {out.dtype} (log-scale ℓ up to {worst:.4g}, "
+                         f"beyond log(max) = {math.log(info.max):.4g}); {_EXACT_SCALE_FIX}")
+    lost = (mag < info.tiny) & (phi.detach().abs().amax(-1) > 0)
+    if bool(lost.any()):
+        worst = float(logs.detach()[lost].min())
+        raise ValueError(f"{name}: the exact-scale features underflow {out.dtype}: every feature of some rows is "
+                         f"below its smallest normal number (log-scale ℓ down to {worst:.4g}, below log(tiny) = "
+                         f"{math.log(info.tiny):.4g}), so φ(x) would be returned as zeros; {_EXACT_SCALE_FIX}")
+
+
+def _log_domain_gram(lq, sq, lk, sk, max_elements: int = 1 << 22) -> torch.Tensor:
+    """``Σ_j sq_j sk_j exp(lq_j + lk_j)`` for every query–key pair, ``(..., n_q, n_k)``, with each pair's largest
+    exponent factored out (no underflow of the dominant term, no overflow before the final ``exp``); in query
+    chunks of at most ``max_elements`` pair-features."""
+    n_q, n_k, r = lq.shape[-2], lk.shape[-2], lq.shape[-1]
+    batch = max(1, lq.numel() // max(n_q * r, 1))
+    step = max(1, max_elements // max(batch * n_k * r, 1))
+    rows = []
+    for start in range(0, n_q, step):
+        terms = lq[..., start:start + step, None, :] + lk[..., None, :, :]          # (..., c, n_k, r)
+        signs = sq[..., start:start + step, None, :] * sk[..., None, :, :]
+        top = terms.amax(-1, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))          # all terms -inf: a zero sum
+        total = (signs * torch.exp(terms - top)).sum(-1)
+        rows.append(torch.sign(total) * torch.exp(torch.log(total.abs()) + top[..., 0]))
+    return torch.cat(rows, -2)
 
 
 class AttentionEstimator(Estimator):

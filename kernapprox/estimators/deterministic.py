@@ -16,6 +16,8 @@ features can all vanish, returns ``ℓ = 0``).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..validation import NotFittedError, check_choice, check_positive_int
@@ -92,16 +94,22 @@ class TaylorFeatures(_FixedMap):
         self._upper = (rows, cols)
 
     def _log_features(self, x, role):
-        ones = torch.ones_like(x[..., :1])
+        # Written through the unit vector u = x/a, a = ‖x‖, and log-domain coefficients, so that no power of
+        # ‖x‖ is ever formed (‖x‖⁴ overflows float32 at ‖x‖ ≈ 1e19, x_l x_m already at 1e19 per entry):
+        # φ = [1, a u, a² u⊗u/√2] and ‖φ‖² = 1 + a² + a⁴/2 in both forms.
+        a, u = _norm_and_direction(x)
+        log_a = torch.log(a)
+        log_norm = 0.5 * torch.logaddexp(torch.logaddexp(torch.zeros_like(log_a), 2 * log_a),
+                                         4 * log_a - math.log(2.0))           # log ‖φ(x)‖
+        c0 = torch.exp(-log_norm)[..., None]                                     # (0·log a is NaN at x = 0)
+        c1, c2 = (torch.exp(p * log_a - log_norm)[..., None] for p in (1, 2))
         if self.form == "full":
-            outer = (x[..., :, None] * x[..., None, :]).flatten(-2) * 0.5**0.5
-            phi = torch.cat([ones, x, outer], dim=-1)
+            outer = (u[..., :, None] * u[..., None, :]).flatten(-2) * 0.5**0.5
+            phi = torch.cat([c0, c1 * u, c2 * outer], dim=-1)
         else:
             rows, cols = (i.to(x.device) for i in self._upper)
-            phi = torch.cat([ones, x, x * x * 0.5**0.5, x[..., rows] * x[..., cols]], dim=-1)
-        sq = (x * x).sum(-1)
-        log_norm = 0.5 * torch.log1p(sq + 0.5 * sq * sq)       # ‖φ(x)‖ = sqrt(1 + ‖x‖² + ‖x‖⁴/2) in both forms
-        return phi * torch.exp(-log_norm)[..., None], log_norm
+            phi = torch.cat([c0, c1 * u, c2 * (u * u * 0.5**0.5), c2 * (u[..., rows] * u[..., cols])], dim=-1)
+        return phi, log_norm
 
 
 class EluPlusOneFeatures(_FixedMap):
@@ -125,11 +133,16 @@ class EluPlusOneFeatures(_FixedMap):
     def _output_dim(self, d):
         return d
 
+    def _log_abs_features(self, x, role):
+        # elu(x) + 1 in the log domain: log φ = x for x ≤ 0 (exp(x): the sum 1 + expm1(x) cancels to 0 long before
+        # exp underflows), log1p(x) above; exact for any finite x, even where exp(x) underflows
+        log_phi = torch.where(x > 0, torch.log1p(torch.clamp_min(x, 0.0)), torch.clamp_max(x, 0.0))
+        return log_phi, torch.ones_like(log_phi)
+
     def _log_features(self, x, role):
-        # elu(x) + 1 written as exp(x) for x ≤ 0: the sum 1 + expm1(x) cancels to 0 long before exp underflows
-        phi = torch.where(x > 0, x + 1.0, torch.exp(torch.clamp_max(x, 0.0)))
-        norm = torch.linalg.vector_norm(phi, dim=-1)
-        return phi / norm[..., None], torch.log(norm)
+        log_phi, _ = self._log_abs_features(x, role)
+        log_norm = 0.5 * torch.logsumexp(2 * log_phi, dim=-1)                  # log ‖φ(x)‖, never -inf
+        return torch.exp(log_phi - log_norm[..., None]), log_norm
 
 
 class DPFPFeatures(_FixedMap):
@@ -164,9 +177,28 @@ class DPFPFeatures(_FixedMap):
             raise ValueError(f"nu must be at most 2d - 1 = {2 * self.dim_ - 1} for d = {self.dim_}, got {self.nu}")
 
     def _log_features(self, x, role):
-        u = torch.cat([torch.relu(x), torch.relu(-x)], dim=-1)
+        # Products of the rectified coordinates divided by the largest (so they neither overflow nor underflow),
+        # normalised; ℓ = 2 log max|u| + log‖φ̂‖. A vector whose features all vanish keeps φ̃ = 0 and ℓ = 0.
+        top = x.abs().amax(-1, keepdim=True)
+        safe = torch.where(top > 0, top, torch.ones_like(top))
+        u = torch.cat([torch.relu(x), torch.relu(-x)], dim=-1) / safe
         phi = torch.cat([u * torch.roll(u, shifts=j, dims=-1) for j in range(1, self.nu + 1)], dim=-1)
-        return phi, torch.zeros_like(x[..., 0])
+        norm = torch.linalg.vector_norm(phi, dim=-1, keepdim=True)
+        nonzero = norm > 0
+        phi = phi / torch.where(nonzero, norm, torch.ones_like(norm))
+        logs = torch.where(nonzero, 2 * torch.log(safe) + torch.log(torch.where(nonzero, norm, torch.ones_like(norm))),
+                           torch.zeros_like(norm))
+        return phi, logs.squeeze(-1)
+
+
+def _norm_and_direction(x):
+    """``(‖x‖, x/‖x‖)`` without squaring large entries, shapes ``(...)`` and ``(..., d)``; ``u = 0`` for ``x = 0``."""
+    top = x.abs().amax(-1, keepdim=True)
+    safe = torch.where(top > 0, top, torch.ones_like(top))
+    scaled = x / safe
+    norm = torch.linalg.vector_norm(scaled, dim=-1, keepdim=True)
+    u = scaled / torch.where(norm > 0, norm, torch.ones_like(norm))
+    return (top * norm).squeeze(-1), u
 
 
 register("taylor2", TaylorFeatures, form="packed")

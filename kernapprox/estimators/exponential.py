@@ -60,7 +60,7 @@ import torch
 
 from ..theory import oprf_optimal_A
 from ..validation import check_positive_float
-from .random import RandomFeatureMap
+from .random import ExponentialRandomFeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS
 
@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 
-class _ExponentialFamilyFeatures(RandomFeatureMap):
+class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
     """Shared evaluation of the per-coordinate GERF form above; subclasses set ``alpha_`` and the transforms."""
 
     positive = True
@@ -79,6 +79,10 @@ class _ExponentialFamilyFeatures(RandomFeatureMap):
         super()._fit(q, k, rng)  # projection_ (m, d)
         alpha, query_transform, key_transform = self._fit_parameters(q, k)
         alpha = np.broadcast_to(np.asarray(alpha, dtype=np.float64), (self.dim_,)).copy()
+        if not (np.all(np.isfinite(alpha)) and all(t is None or np.all(np.isfinite(t))
+                                                    for t in (query_transform, key_transform))):
+            raise ValueError(f"{type(self).__name__}: the fitted parameters are not finite in float64: the squared "
+                             "norms of the scaled fitting data overflow them; rescale q and k or pass a smaller scale")
         if np.any(alpha >= 0.125):
             raise ValueError(f"{type(self).__name__}: every α must be < 1/8 for a finite variance, got {alpha}")
         omega = self.projection_
@@ -93,17 +97,12 @@ class _ExponentialFamilyFeatures(RandomFeatureMap):
         """Return ``(alpha, query_transform, key_transform)``; ``None`` transforms mean the identity."""
         raise NotImplementedError
 
-    def _log_features(self, x, role):
+    def _exponents(self, x, role):
         transform = self.query_transform_ if role == "query" else self.key_transform_
         if transform is not None:
             x = x @ self._param(f"{role}_transform_", x).T
         proj = x @ self._param("weight_", x).T + self._param("frequency_offset_", x)
-        shift = proj.amax(-1, keepdim=True)
-        phi = torch.exp(proj - shift)
-        if self.eps:
-            phi = phi + self.eps
-        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) + self.log_normalizer_
-        return phi, logs
+        return proj, -0.5 * (x * x).sum(-1) + self.log_normalizer_
 
     # ------------------------------------------------------------------------------- data statistics
     def _scaled_pairs(self, q, k):

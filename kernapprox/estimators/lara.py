@@ -607,7 +607,8 @@ class LinearRandomizedAttention(AttentionEstimator):
         top_q, top_k = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
         gram = torch.exp(log_q - top_q) @ torch.exp(log_k - top_k).transpose(-1, -2)
         scale = top_q + top_k.transpose(-1, -2) - math.log(self.noise_.shape[1])
-        return (gram * torch.exp(scale)).to(q.dtype)
+        # sign · exp(log|G| + scale): an entry that underflowed to 0 stays 0 where exp(scale) overflows (not NaN)
+        return (torch.sign(gram) * torch.exp(torch.log(gram.abs()) + scale)).to(q.dtype)
 
     def parameter_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """The noise ``ε`` (regenerable from the seed) when the estimator samples; nothing at the proposal means."""

@@ -302,7 +302,8 @@ class KernelSVD(AttentionEstimator):
         self._check_fitted()
         check_qk(q, k)
         approx, shift = self._truncated(q, k)
-        return (approx * torch.exp(shift)).to(q.dtype)
+        # sign · exp(log|K̃| + shift): an entry that is 0 stays 0 where exp(shift) overflows (never 0 · inf = NaN)
+        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + shift)).to(q.dtype)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
         """``K_r V / K_r 1`` (lower-triangular ``K_r`` if causal). ``chunk_size`` is accepted and unused."""
@@ -401,7 +402,8 @@ class AttentionSVD(KernelSVD):
         self._check_fitted()
         check_qk(q, k)
         approx, log_rows = self._truncated_attention(q, k)
-        return (approx * torch.exp(log_rows)).to(q.dtype)
+        # sign · exp(log|P_r| + log D): an entry that is 0 stays 0 where D overflows (never 0 · inf = NaN)
+        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + log_rows)).to(q.dtype)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
         """``P_r V`` (non-causal only). ``chunk_size`` is accepted and unused."""

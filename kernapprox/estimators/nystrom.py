@@ -263,6 +263,7 @@ class NystromFeatures(FeatureMap):
     consistent = True
     rank_limited_by_points = True
     context_state = ("landmarks_", "whitening_")
+    data_sized_state = ("leverage_scores_",)         # one score per candidate point: sized by the data, not by r
     reference = ("Williams & Seeger 2001 (Nyström); Zhang, Tsang & Kwok 2008 (k-means landmarks); "
                  "Musco & Musco 2017, Algorithm 3 (recursive ridge leverage scores)")
 

@@ -62,6 +62,34 @@ class RandomFeatureMap(FeatureMap):
         self.projection_ = self.sampler_.sample(self.num_frequencies, self.dim_, rng)  # (m, d) float64
 
 
+class ExponentialRandomFeatureMap(RandomFeatureMap):
+    """Random maps whose features are exponentials, ``log φ_j(x) = p_j(x) + b(x)`` with a per-feature exponent
+    ``p`` ``(..., n, r)`` and a per-row offset ``b`` ``(..., n)``: positive, hyperbolic and the GERF family.
+
+    Subclasses implement :meth:`_exponents`; the stabilised pair (``φ̃ = exp(p − max p) + eps``,
+    ``ℓ = max p + b``) and the log-domain features (``log φ = p + b``, exact even where ``φ̃`` underflows because
+    the features of one vector span more than the dtype's range) both come from it.
+    """
+
+    def _exponents(self, x, role) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _log_features(self, x, role):
+        proj, offset = self._exponents(x, role)
+        shift = proj.amax(-1, keepdim=True)
+        phi = torch.exp(proj - shift)
+        if self.eps:
+            phi = phi + self.eps
+        return phi, shift.squeeze(-1) + offset
+
+    def _log_abs_features(self, x, role):
+        proj, offset = self._exponents(x, role)
+        if self.eps:                      # log(exp(p − max p) + eps) + max p: eps is added after the row shift
+            shift = proj.amax(-1, keepdim=True)
+            proj = torch.logaddexp(proj - shift, torch.full_like(proj, math.log(self.eps))) + shift
+        return proj + offset[..., None], torch.ones_like(proj)
+
+
 class TrigonometricFeatures(RandomFeatureMap):
     r"""Trigonometric random features (random Fourier features of the softmax kernel).
 
@@ -96,7 +124,7 @@ class TrigonometricFeatures(RandomFeatureMap):
         return phi, logs
 
 
-class PositiveFeatures(RandomFeatureMap):
+class PositiveFeatures(ExponentialRandomFeatureMap):
     r"""Positive random features (FAVOR+ "SM⁺").
 
     .. math::
@@ -120,18 +148,12 @@ class PositiveFeatures(RandomFeatureMap):
     positive = True
     reference = "Choromanski et al. 2021 (Performer) Lemma 1 (map), Lemma 2 (MSE), Theorem 2 (orthogonal)"
 
-    def _log_features(self, x, role):
-        w = self._param("projection_", x)
-        proj = x @ w.T
-        shift = proj.amax(-1, keepdim=True)
-        phi = torch.exp(proj - shift)
-        if self.eps:
-            phi = phi + self.eps
-        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
-        return phi, logs
+    def _exponents(self, x, role):
+        proj = x @ self._param("projection_", x).T
+        return proj, -0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
 
 
-class HyperbolicFeatures(RandomFeatureMap):
+class HyperbolicFeatures(ExponentialRandomFeatureMap):
     r"""Hyperbolic positive random features ("SM^{hyp+}").
 
     .. math::
@@ -151,16 +173,9 @@ class HyperbolicFeatures(RandomFeatureMap):
     positive = True
     reference = "Choromanski et al. 2021 (Performer) Lemma 1 (hyperbolic), Lemma 2 (MSE)"
 
-    def _log_features(self, x, role):
-        w = self._param("projection_", x)
-        proj = x @ w.T
-        both = torch.cat([proj, -proj], dim=-1)
-        shift = both.amax(-1, keepdim=True)
-        phi = torch.exp(both - shift)
-        if self.eps:
-            phi = phi + self.eps
-        logs = shift.squeeze(-1) - 0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
-        return phi, logs
+    def _exponents(self, x, role):
+        proj = x @ self._param("projection_", x).T
+        return torch.cat([proj, -proj], dim=-1), -0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
 
 
 for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),

@@ -244,5 +244,5 @@ def make_sampler(sampler) -> ProjectionSampler:
     if isinstance(sampler, ProjectionSampler):
         return sampler
     if not isinstance(sampler, str) or sampler not in SAMPLERS:
-        raise ValueError(f"unknown sampler {sampler!r}; valid values: {', '.join(SAMPLERS)}")
+        raise ValueError(f"unknown sampler {sampler!r}; valid values: {', '.join(('iid', *SAMPLER_VARIANTS))}")
     return SAMPLERS[sampler]()
