@@ -496,7 +496,7 @@ class KernelAttention(nn.Module):
     def get_extra_state(self) -> dict:
         """The estimator's identity, saved in ``state_dict`` under ``"_extra_state"``: its registry name and its
         constructor parameters (``num_features``, ``scale``, options; not ``rng``), and the per-head dimension
-        the map is fitted for. :meth:`load_state_dict` refuses a state whose record differs."""
+        the map is fitted for. ``load_state_dict`` refuses a state whose record differs."""
         params = {name: _plain(value) for name, value in self.estimator.get_params().items() if name != "rng"}
         return {"estimator": self.estimator_name, "params": params, "head_dim": self.head_dim}
 

@@ -625,7 +625,7 @@ def retrieval_agreement(embeddings: torch.Tensor, reference: torch.Tensor, num_q
     """Nearest-neighbour retrieval of an approximate model against the exact one, per query.
 
     ``embeddings`` and ``reference`` are ``(2Q, hidden)``: ``Q`` queries then their ``Q`` documents (the order
-    of :attr:`RetrievalCorpus.texts`), unit norm. Documents are ranked by cosine similarity to each query (a
+    of ``RetrievalCorpus.texts``), unit norm. Documents are ranked by cosine similarity to each query (a
     document whose embedding is not finite ranks last). Returns per query (arrays of length ``Q``):
 
     - ``top1``: 1 where the approximate model's nearest document is the exact model's;
@@ -733,7 +733,7 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
              cache_dir=None) -> dict[tuple[int, int], object]:
     """Fit the estimator of every ``(layer, head)`` on the model's queries and keys of the extraction ``windows``
     (the exact model on Python's help text; disjoint from :func:`retrieval_corpus`). Returns ``{(layer, head):
-    fitted estimator}`` for :attr:`Substitution.maps` — how learned maps (trained on other text) and calibrated
+    fitted estimator}`` for ``Substitution.maps`` — how learned maps (trained on other text) and calibrated
     data-dependent maps enter :func:`encode`.
 
     With ``cache=True`` the fitted states are stored once in ``cache_dir`` (default

@@ -6,7 +6,7 @@ of logits can exist at once whatever backend SDPA picks. Its float64 loop oracle
 :func:`kernapprox.attention.naive.softmax_attention_naive`.
 
 Masks (shared with :func:`kernapprox.linear_attention`)
-------------------------------------------------------
+-------------------------------------------------------
 ``key_padding_mask``
     bool ``(..., n_k)``, **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``; its
     leading dimensions broadcast against the batch dimensions of ``q`` (right-aligned, as torch broadcasts: pass
