@@ -136,7 +136,9 @@ def oprf_optimal_A(rho):
     rho = np.asarray(rho, dtype=np.float64)
     if not np.all(np.isfinite(rho)) or np.any(rho < 0):
         raise ValueError(f"rho must be finite and non-negative, got {rho}")
-    return (1.0 - 2.0 * rho - np.sqrt((2.0 * rho + 1.0) ** 2 + 8.0 * rho)) / 16.0
+    t = 2.0 * rho + 1.0
+    root = t * np.sqrt(1.0 + 8.0 * rho / t / t)        # sqrt(t² + 8ρ) without squaring t (no overflow at huge ρ)
+    return (1.0 - 2.0 * rho - root) / 16.0
 
 
 def derf_log_second_moment(x, y, A, B1, B2):
