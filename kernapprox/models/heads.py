@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
-import math
+import json
 import os
 from pathlib import Path
 
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .._validation import check_positive_int
-from .training import load_or_train, resolve_cache_dir
+from .training import config_key, load_or_train, resolve_cache_dir
 from .transformer import attention_heads
 
 __all__ = ["extract_heads", "load_heads", "heads_path", "PROMPT_SEED"]
@@ -43,10 +43,9 @@ def _reference(task_name: str):
 
 
 def heads_path(task_name: str, num_prompts: int, cache_dir=None) -> Path:
-    model_config, task, train_config = _reference(task_name)
-    from .training import config_key
-
-    key = config_key(model_config, task, train_config)
+    """Where the heads of ``task_name``'s reference model on ``num_prompts`` prompts are cached (the file name
+    holds the model's cache key, so a retrained model gets a new extraction)."""
+    key = config_key(*_reference(task_name))
     return resolve_cache_dir(cache_dir) / f"trained_heads_{task_name}_{key}_p{num_prompts}.nc"
 
 
@@ -99,7 +98,7 @@ def extract_heads(task_name: str, num_prompts: int = 64, cache_dir=None):
     ds = xr.Dataset(data, attrs={
         "task": task_name, "model_key": trained.key, "model_config": trained.curve.attrs["config"],
         "prompt_seed": PROMPT_SEED, "num_prompts": num_prompts,
-        "scale": json_list(rec["scale"].tolist()),
+        "scale": json.dumps([float(v) for v in rec["scale"].tolist()]),
         "causal": "trained with a causal mask: query i saw keys j <= i only",
         "rebuild_max_abs_error": error,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "dtype": "float32"})
@@ -115,16 +114,8 @@ def extract_heads(task_name: str, num_prompts: int = 64, cache_dir=None):
     return ds
 
 
-def json_list(values) -> str:
-    import json
-
-    return json.dumps([float(v) for v in values])
-
-
 @functools.lru_cache(maxsize=4)
 def _read(path: str, mtime: float) -> dict:
-    import json
-
     import xarray as xr
 
     with xr.open_dataset(path, engine="h5netcdf") as ds:
@@ -142,10 +133,3 @@ def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
     if not path.exists():
         extract_heads(task_name, num_prompts, cache_dir)
     return _read(str(path.resolve()), path.stat().st_mtime)
-
-
-def head_dim(task_name: str) -> int:
-    """The query/key dimension of the reference model's heads."""
-    model_config, _, _ = _reference(task_name)
-    dims = {spec.qk_dim or model_config.head_dim for spec in model_config.layer_specs()}
-    return dims.pop() if len(dims) == 1 else math.nan

@@ -12,11 +12,13 @@
     fraction of query positions whose argmax logit is the label, per sequence.
 :class:`LinearRegression`
     In-context linear regression (Garg, Tsipras, Liang & Valiant 2022, ``dtsip/in-context-learning``):
-    ``x_i ~ N(0, I_d)``, ``w ~ N(0, I_d)``, ``y_i = wᵀx_i (+ σ ε_i)``; the prompt is ``x₁, y₁, …, x_k, y_k``
-    with each ``y`` written into the first coordinate of a ``d``-vector (``models.py::_combine``), read by a
-    linear embedding; the prediction of ``y_i`` is read at the token ``x_i``. The score is the squared error
-    divided by ``d`` (Garg et al.'s normalisation: the zero predictor scores ``(d + σ²)/d ≈ 1``). Least squares
-    (minimum-norm below ``d`` points) and ridge, computed on the same prompts in float64, are the baselines.
+    ``x_i ~ N(0, I_d)``, ``w ~ N(0, I_d)``, ``y_i = wᵀx_i (+ σ ε_i)``, read by a linear embedding, in one of two
+    layouts: Garg et al.'s interleaved prompt ``x₁, y₁, …, x_k, y_k`` (each ``y`` in the first coordinate of a
+    ``d``-vector, ``models.py::_combine``; the prediction of ``y_i`` read at token ``x_i``), or one token
+    ``[x_i, y_i]`` per pair followed by query tokens ``[x_q, 0]`` (von Oswald et al. 2023). The score is the
+    squared error divided by ``d`` (Garg et al.'s normalisation: the zero predictor scores ``(d + σ²)/d ≈ 1``).
+    Least squares (minimum-norm below ``d`` points) and ridge, computed on the same prompts in float64, are the
+    baselines.
 
 Both tasks draw from a numpy ``Generator`` only (float64, then cast), so a seed is one data stream everywhere.
 
@@ -25,9 +27,10 @@ Both tasks draw from a numpy ``Generator`` only (float64, then cast), so a seed 
 >>> batch = task.sample(np.random.default_rng(0), 2)
 >>> batch.inputs.shape, int((batch.labels >= 0).sum())          # 2 sequences × 4 queried keys
 (torch.Size([2, 24]), 8)
->>> reg = LinearRegression(dim=3, num_points=5)
->>> rb = reg.sample(np.random.default_rng(0), 2)
->>> rb.inputs.shape                                              # (batch, 2k, d)
+>>> reg = LinearRegression(dim=3, num_points=5, num_queries=2)
+>>> reg.sample(np.random.default_rng(0), 2).inputs.shape         # (batch, k + m, d + 1)
+torch.Size([2, 7, 4])
+>>> LinearRegression(dim=3, num_points=5, layout="interleaved").sample(np.random.default_rng(0), 2).inputs.shape
 torch.Size([2, 10, 3])
 """
 
@@ -177,8 +180,8 @@ class MQAR:
 
 # -------------------------------------------------------------------------------------- linear regression
 class RegressionBatch(NamedTuple):
-    """``inputs (B, 2k, d)`` float32 prompt tokens; ``xs (B, k, d)``, ``ys (B, k)`` and ``w (B, d)`` in float64
-    (the baselines' inputs); the prediction of ``ys[:, i]`` is read at token ``2i`` (``x_i``)."""
+    """``inputs`` float32 prompt tokens; ``xs (B, P, d)``, ``ys (B, P)`` and ``w (B, d)`` in float64, every point
+    of the prompt (context and queries; the baselines' inputs)."""
 
     inputs: torch.Tensor
     xs: torch.Tensor
@@ -186,23 +189,38 @@ class RegressionBatch(NamedTuple):
     w: torch.Tensor
 
 
+LAYOUTS = ("paired", "interleaved")
+
+
 @dataclass(frozen=True)
 class LinearRegression:
-    """In-context linear regression (Garg et al. 2022). See the module docstring.
+    """In-context linear regression (Garg et al. 2022's task). See the module docstring.
 
     Parameters
     ----------
     dim : int
         ``d``.
     num_points : int
-        ``k`` (x, y) pairs per prompt; the model predicts every ``y_i`` from the ``i`` pairs before it.
+        ``k`` in-context (x, y) pairs.
+    num_queries : int
+        ``m`` query points after the context (layout ``"paired"``).
     noise_std : float
         ``σ`` of the label noise (Garg et al.'s default task is noiseless).
+    layout : {"paired", "interleaved"}
+        ``"interleaved"`` is Garg et al.'s prompt ``x₁, y₁, …, x_k, y_k`` (``d``-vector tokens, ``y`` in the first
+        coordinate), predicting every ``y_i`` at token ``x_i`` and scored at the last one (``k − 1`` pairs in
+        context). ``"paired"`` writes each pair as one token ``[x_i, y_i]`` (``d + 1`` coordinates; von Oswald et
+        al. 2023, Zhang, Frei & Bartlett 2024) followed by ``m`` query tokens ``[x_q, 0]``, and is scored by the
+        mean over the queries: a single attention layer can then read the context as a kernel smoother, while the
+        interleaved layout first needs a previous-token head to bring ``x_i`` and ``y_i`` together (the same
+        induction plateau as MQAR; see :mod:`kernapprox.models.presets`).
     """
 
     dim: int = 5
     num_points: int = 11
+    num_queries: int = 8
     noise_std: float = 0.0
+    layout: str = "paired"
     name: ClassVar[str] = "regression"
     score_name: ClassVar[str] = "nmse"
     higher_is_better: ClassVar[bool] = False
@@ -210,20 +228,25 @@ class LinearRegression:
     def __post_init__(self):
         check_positive_int(self.dim, "dim")
         check_positive_int(self.num_points, "num_points")
+        check_positive_int(self.num_queries, "num_queries")
         check_positive_float(self.noise_std, "noise_std", allow_zero=True)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
 
     @property
     def seq_len(self) -> int:
-        return 2 * self.num_points
+        k = self.num_points
+        return k + self.num_queries if self.layout == "paired" else 2 * k
 
     @property
     def model_io(self) -> dict:
-        """A linear read-in of ``d``-vectors, one output (the prediction of ``y``)."""
-        return {"vocab_size": None, "input_dim": self.dim, "output_dim": 1}
+        """A linear read-in of the tokens, one output (the prediction of ``y``)."""
+        width = self.dim + 1 if self.layout == "paired" else self.dim
+        return {"vocab_size": None, "input_dim": width, "output_dim": 1}
 
     @property
     def difficulty(self) -> int:
-        """What a curriculum varies: the number of points."""
+        """What a curriculum varies: the number of in-context points."""
         return self.num_points
 
     def with_difficulty(self, num_points: int) -> LinearRegression:
@@ -237,38 +260,70 @@ class LinearRegression:
         """``batch`` prompts drawn from ``gen``."""
         check_positive_int(batch, "batch")
         d, k = self.dim, self.num_points
-        xs = gen.standard_normal((batch, k, d))
+        points = k + self.num_queries if self.layout == "paired" else k
+        xs = gen.standard_normal((batch, points, d))
         w = gen.standard_normal((batch, d))
         ys = np.einsum("bkd,bd->bk", xs, w)
         if self.noise_std > 0:
-            ys = ys + self.noise_std * gen.standard_normal((batch, k))
-        tokens = np.zeros((batch, 2 * k, d))
-        tokens[:, 0::2] = xs
-        tokens[:, 1::2, 0] = ys
+            ys = ys + self.noise_std * gen.standard_normal((batch, points))
+        if self.layout == "paired":
+            tokens = np.concatenate([xs, np.zeros((batch, points, 1))], axis=-1)
+            tokens[:, :k, d] = ys[:, :k]
+        else:
+            tokens = np.zeros((batch, 2 * k, d))
+            tokens[:, 0::2] = xs
+            tokens[:, 1::2, 0] = ys
+
         def as_t(a, dtype):
             return torch.as_tensor(a, device=device).to(dtype)
 
         return RegressionBatch(as_t(tokens, torch.float32), as_t(xs, torch.float64), as_t(ys, torch.float64),
                                as_t(w, torch.float64))
 
+    # ------------------------------------------------------------------------------------------- scoring
     def predictions(self, outputs: torch.Tensor) -> torch.Tensor:
-        """The model's predictions ``(B, k)``: its output ``(B, 2k, 1)`` at the ``x`` tokens."""
+        """The model's predictions: at the query tokens ``(B, m)`` (paired) or the ``x`` tokens ``(B, k)``."""
+        if self.layout == "paired":
+            return outputs[:, self.num_points:, 0]
         return outputs[:, 0::2, 0]
 
+    def targets(self, batch: RegressionBatch) -> torch.Tensor:
+        """The labels the predictions are compared with."""
+        return batch.ys[:, self.num_points:] if self.layout == "paired" else batch.ys
+
     def position_errors(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
-        """Squared error divided by ``d`` at every prompt position, ``(B, k)`` float64 (``inf`` where the
-        prediction is not finite)."""
+        """Squared error divided by ``d`` of every prediction, float64 (``inf`` where it is not finite)."""
         pred = self.predictions(outputs).double()
-        err = (pred - batch.ys).pow(2) / self.dim
+        err = (pred - self.targets(batch)).pow(2) / self.dim
         return torch.where(torch.isfinite(pred), err, torch.full_like(err, float("inf")))
 
     def loss(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
-        """Mean squared error over all prompt positions (Garg et al.'s training loss)."""
-        return (self.predictions(outputs).float() - batch.ys.float()).pow(2).mean()
+        """Mean squared error of all predictions (Garg et al.'s training loss)."""
+        return (self.predictions(outputs).float() - self.targets(batch).float()).pow(2).mean()
+
+    def _reduce(self, errors: torch.Tensor) -> torch.Tensor:
+        return errors.mean(-1) if self.layout == "paired" else errors[:, -1]
 
     def score(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
-        """Normalised squared error of the last prediction (``k − 1`` pairs in context), ``(B,)`` float64."""
-        return self.position_errors(outputs, batch)[:, -1]
+        """Normalised squared error per prompt, ``(B,)`` float64: the mean over the queries (paired) or the last
+        prediction, with ``k − 1`` pairs in context (interleaved)."""
+        return self._reduce(self.position_errors(outputs, batch))
+
+    def baseline_score(self, batch: RegressionBatch, method: str = "least_squares", alpha: float = 0.0
+                       ) -> torch.Tensor:
+        """The score of a baseline on the same prompts, ``(B,)`` float64: ``"least_squares"`` (minimum norm
+        below ``d`` points) or ``"ridge"`` with regulariser ``alpha``, fitted on the pairs each prediction may
+        see."""
+        if method not in ("least_squares", "ridge"):
+            raise ValueError(f"unknown method {method!r}; valid: least_squares, ridge")
+        if self.layout == "paired":
+            k = self.num_points
+            w = _fit(batch.xs[:, :k], batch.ys[:, :k], method, alpha)               # (B, d, 1)
+            pred = (batch.xs[:, k:] @ w)[..., 0]
+        else:
+            pred = (least_squares_predictions(batch.xs, batch.ys) if method == "least_squares"
+                    else ridge_predictions(batch.xs, batch.ys, alpha))
+        return self._reduce((pred - self.targets(batch)).pow(2) / self.dim)
 
 
 def _check_regression(xs, ys):
@@ -278,6 +333,16 @@ def _check_regression(xs, ys):
         raise ValueError(f"xs must be (B, k, d) and ys (B, k), got {tuple(xs.shape)} and {tuple(ys.shape)}")
 
 
+def _fit(x: torch.Tensor, y: torch.Tensor, method: str, alpha: float) -> torch.Tensor:
+    """``ŵ (B, d, 1)`` from ``x (B, i, d)``, ``y (B, i)`` in float64: ``X⁺y`` or ``(XᵀX + αI)⁻¹Xᵀy``."""
+    x, y = x.double(), y.double()[..., None]
+    if method == "least_squares":
+        return torch.linalg.pinv(x) @ y
+    alpha = check_positive_float(alpha, "alpha")
+    eye = torch.eye(x.shape[-1], dtype=torch.float64, device=x.device)
+    return torch.linalg.solve(x.transpose(1, 2) @ x + alpha * eye, x.transpose(1, 2) @ y)
+
+
 def least_squares_predictions(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
     """Prediction of ``y_i`` from the pairs before it by least squares, ``(B, k)`` float64.
 
@@ -285,11 +350,9 @@ def least_squares_predictions(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tenso
     Noiseless prompts give ``ŷ_i = y_i`` (to rounding) as soon as ``i ≥ d``.
     """
     _check_regression(xs, ys)
-    xs, ys = xs.double(), ys.double()
-    out = torch.zeros_like(ys)
+    out = torch.zeros_like(ys, dtype=torch.float64)
     for i in range(1, xs.shape[1]):
-        w = torch.linalg.pinv(xs[:, :i]) @ ys[:, :i, None]                       # (B, d, 1)
-        out[:, i] = (xs[:, i:i + 1] @ w)[:, 0, 0]
+        out[:, i] = (xs[:, i:i + 1].double() @ _fit(xs[:, :i], ys[:, :i], "least_squares", 0.0))[:, 0, 0]
     return out
 
 
@@ -298,14 +361,10 @@ def ridge_predictions(xs: torch.Tensor, ys: torch.Tensor, alpha: float) -> torch
     ``ŵ_i = (X_{<i}ᵀX_{<i} + α I)^{-1} X_{<i}ᵀ y_{<i}`` (the posterior mean under ``w ~ N(0, I)`` and noise
     variance ``α``); ``ŷ_0 = 0``."""
     _check_regression(xs, ys)
-    alpha = check_positive_float(alpha, "alpha")
-    xs, ys = xs.double(), ys.double()
-    eye = torch.eye(xs.shape[-1], dtype=torch.float64, device=xs.device)
-    out = torch.zeros_like(ys)
+    check_positive_float(alpha, "alpha")
+    out = torch.zeros_like(ys, dtype=torch.float64)
     for i in range(1, xs.shape[1]):
-        x = xs[:, :i]
-        w = torch.linalg.solve(x.transpose(1, 2) @ x + alpha * eye, x.transpose(1, 2) @ ys[:, :i, None])
-        out[:, i] = (xs[:, i:i + 1] @ w)[:, 0, 0]
+        out[:, i] = (xs[:, i:i + 1].double() @ _fit(xs[:, :i], ys[:, :i], "ridge", alpha))[:, 0, 0]
     return out
 
 
