@@ -19,8 +19,8 @@ associative recall (MQAR, Zoology) and in-context linear regression (Garg et al.
 Paired design: ``data_axes = (task, context, seed)``, so every estimator, rank and substitution reads the same
 prompts (and the same proxy episodes); every cell also scores the unmodified reference on them. The training
 seed is fixed (one model per configuration): intervals are over evaluation prompts and feature draws, not
-training runs. ``context`` is the number of pairs (MQAR, at ``seq_len = context · L/N`` of the training task) or
-of points (regression) in an evaluation prompt.
+training runs. ``context`` is the number of pairs in an evaluation prompt (MQAR, at ``seq_len = context · L/N``
+of the training task; regression, followed by its queries).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ _EPISODE_COORDS = {"episode": list(range(EPISODES))}
 METRICS = {
     "score": Metric(long_name="task score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
                     description="per evaluation prompt: MQAR accuracy over its query positions; regression: "
-                                "squared error divided by d, mean over the prompt's queries"),
+                                "squared error / d, mean over the queries after the context"),
     "score_exact": Metric(long_name="reference score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
                           description="the unmodified softmax reference model's score on the same prompts"),
     "layer_error": Metric(long_name="attention-output relative RMS error", units="1", dims=("layer",),
@@ -161,10 +161,11 @@ def trained(config):
 
 
 def eval_task(task, context: int):
-    """The evaluation task with ``context`` pairs (MQAR, at the training task's length per pair) or points."""
+    """The evaluation task with ``context`` pairs (MQAR at the training task's length per pair; regression with
+    its queries after them)."""
     if task.name == "mqar":
         return dataclasses.replace(task, num_pairs=context, seq_len=context * task.seq_len // task.num_pairs)
-    return task.with_difficulty(context)
+    return task.fixed(context)
 
 
 def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_layers: int) -> bool:

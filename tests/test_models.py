@@ -129,7 +129,7 @@ def test_regression_paired_prompts_and_baselines():
     assert tokens.shape == (32, 9, 4) and task.seq_len == 9 and task.model_io["input_dim"] == 4
     np.testing.assert_array_equal(tokens[..., :3], b.xs.numpy().astype(np.float32))
     np.testing.assert_array_equal(tokens[:, :5, 3], b.ys[:, :5].numpy().astype(np.float32))
-    assert (tokens[:, 5:, 3] == 0).all()                                      # queries carry no label
+    assert (tokens[:, 5:, 3] == 0).all() and b.num_context == 5               # queries carry no label
     assert float(task.baseline_score(b).max()) < 1e-20                        # k = 5 ≥ d = 3, noiseless
     ridge = task.baseline_score(b, "ridge", 0.5)
     x, y = b.xs[0, :5].numpy(), b.ys[0, :5].numpy()
@@ -139,10 +139,18 @@ def test_regression_paired_prompts_and_baselines():
     outputs = torch.zeros(32, 9, 1)
     outputs[:, 5:, 0] = b.ys[:, 5:].float()
     assert float(task.score(outputs, b).max()) < 1e-12                        # perfect predictions score 0
-    under = LinearRegression(dim=3, num_points=2, num_queries=4).sample(np.random.default_rng(5), 8)
-    assert float(LinearRegression(dim=3, num_points=2, num_queries=4).baseline_score(under).min()) > 1e-6
+    under = LinearRegression(dim=3, num_points=2, num_queries=4)               # 2 pairs < d: minimum norm
+    assert float(under.baseline_score(under.sample(np.random.default_rng(5), 8)).min()) > 1e-6
+    # every context size from min_points to k, drawn per batch from the data stream
+    mixed = LinearRegression(dim=3, num_points=6, num_queries=2, min_points=2)
+    gen = np.random.default_rng(6)
+    sizes = {mixed.sample(gen, 2).num_context for _ in range(200)}
+    assert sizes == {2, 3, 4, 5, 6}
+    assert mixed.evaluation().sample(gen, 2).num_context == 6 and mixed.with_difficulty(3).min_points == 2
     with pytest.raises(ValueError, match="layout"):
         LinearRegression(layout="garg")
+    with pytest.raises(ValueError, match="min_points"):
+        LinearRegression(num_points=4, min_points=5)
 
 
 # ------------------------------------------------------------------------------------------------ model
@@ -223,7 +231,7 @@ def test_training_is_deterministic():
 
 def test_regression_training_follows_its_curriculum():
     """Each curriculum stage is scored with its own task (the paired layout's queries follow its context)."""
-    task = LinearRegression(dim=3, num_points=6, num_queries=3)
+    task = LinearRegression(dim=3, num_points=6, num_queries=3, min_points=1)
     config = ModelConfig(d_model=16, num_layers=2, num_heads=2, mlp=True, max_len=9)
     cfg = TrainConfig(steps=8, batch_size=8, eval_every=4, eval_size=16, curriculum=((0, 2), (4, 6)))
     out = train(config, task, cfg)

@@ -131,6 +131,10 @@ class MQAR:
         """The same task with ``num_pairs`` pairs (curriculum stages)."""
         return dataclasses.replace(self, num_pairs=num_pairs)
 
+    def evaluation(self) -> MQAR:
+        """The held-out task of a training curve: this one."""
+        return self
+
     def to_dict(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
 
@@ -181,12 +185,14 @@ class MQAR:
 # -------------------------------------------------------------------------------------- linear regression
 class RegressionBatch(NamedTuple):
     """``inputs`` float32 prompt tokens; ``xs (B, P, d)``, ``ys (B, P)`` and ``w (B, d)`` in float64, every point
-    of the prompt (context and queries; the baselines' inputs)."""
+    of the prompt (the baselines' inputs); ``num_context``: the pairs in context (``paired`` layout; the points
+    after them are the queries)."""
 
     inputs: torch.Tensor
     xs: torch.Tensor
     ys: torch.Tensor
     w: torch.Tensor
+    num_context: int
 
 
 LAYOUTS = ("paired", "interleaved")
@@ -204,21 +210,26 @@ class LinearRegression:
         ``k`` in-context (x, y) pairs.
     num_queries : int
         ``m`` query points after the context (layout ``"paired"``).
+    min_points : int, optional
+        With the ``paired`` layout, draw the number of pairs of each batch uniformly from ``min_points … k``
+        (from the sampling generator), so that a model learns every context size, as Garg et al.'s models predict
+        at every prefix; ``None``: always ``k``.
     noise_std : float
         ``σ`` of the label noise (Garg et al.'s default task is noiseless).
     layout : {"paired", "interleaved"}
         ``"interleaved"`` is Garg et al.'s prompt ``x₁, y₁, …, x_k, y_k`` (``d``-vector tokens, ``y`` in the first
         coordinate), predicting every ``y_i`` at token ``x_i`` and scored at the last one (``k − 1`` pairs in
         context). ``"paired"`` writes each pair as one token ``[x_i, y_i]`` (``d + 1`` coordinates; von Oswald et
-        al. 2023, Zhang, Frei & Bartlett 2024) followed by ``m`` query tokens ``[x_q, 0]``, and is scored by the
-        mean over the queries: a single attention layer can then read the context as a kernel smoother, while the
-        interleaved layout first needs a previous-token head to bring ``x_i`` and ``y_i`` together (the same
-        induction plateau as MQAR; see :mod:`kernapprox.models.presets`).
+        al. 2023) followed by ``m`` query tokens ``[x_q, 0]``, scored by the mean over the queries: a single
+        attention layer can then read the context as a kernel smoother, while the interleaved layout first needs
+        a previous-token head to bring ``x_i`` and ``y_i`` together (the same induction plateau as MQAR; see
+        :mod:`kernapprox.models.presets`).
     """
 
     dim: int = 5
     num_points: int = 11
     num_queries: int = 8
+    min_points: int | None = None
     noise_std: float = 0.0
     layout: str = "paired"
     name: ClassVar[str] = "regression"
@@ -232,9 +243,15 @@ class LinearRegression:
         check_positive_float(self.noise_std, "noise_std", allow_zero=True)
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
+        if self.min_points is not None:
+            check_positive_int(self.min_points, "min_points")
+            if self.min_points > self.num_points or self.layout != "paired":
+                raise ValueError(f"min_points must be at most num_points={self.num_points} and needs the paired "
+                                 f"layout, got {self.min_points} with {self.layout!r}")
 
     @property
     def seq_len(self) -> int:
+        """Tokens of the longest prompt."""
         k = self.num_points
         return k + self.num_queries if self.layout == "paired" else 2 * k
 
@@ -246,12 +263,21 @@ class LinearRegression:
 
     @property
     def difficulty(self) -> int:
-        """What a curriculum varies: the number of in-context points."""
+        """What a curriculum varies: the (largest) number of in-context points."""
         return self.num_points
 
     def with_difficulty(self, num_points: int) -> LinearRegression:
-        """The same task with ``num_points`` pairs per prompt (curriculum stages)."""
-        return dataclasses.replace(self, num_points=num_points)
+        """The same task with at most ``num_points`` pairs per prompt (curriculum stages)."""
+        low = None if self.min_points is None else min(self.min_points, num_points)
+        return dataclasses.replace(self, num_points=num_points, min_points=low)
+
+    def fixed(self, num_points: int) -> LinearRegression:
+        """The task with exactly ``num_points`` pairs (evaluation at one context size)."""
+        return dataclasses.replace(self, num_points=num_points, min_points=None)
+
+    def evaluation(self) -> LinearRegression:
+        """The held-out task of a training curve: exactly ``k`` pairs."""
+        return self.fixed(self.num_points)
 
     def to_dict(self) -> dict:
         return {"name": self.name, **dataclasses.asdict(self)}
@@ -260,6 +286,8 @@ class LinearRegression:
         """``batch`` prompts drawn from ``gen``."""
         check_positive_int(batch, "batch")
         d, k = self.dim, self.num_points
+        if self.min_points is not None:
+            k = int(gen.integers(self.min_points, self.num_points + 1))
         points = k + self.num_queries if self.layout == "paired" else k
         xs = gen.standard_normal((batch, points, d))
         w = gen.standard_normal((batch, d))
@@ -278,28 +306,28 @@ class LinearRegression:
             return torch.as_tensor(a, device=device).to(dtype)
 
         return RegressionBatch(as_t(tokens, torch.float32), as_t(xs, torch.float64), as_t(ys, torch.float64),
-                               as_t(w, torch.float64))
+                               as_t(w, torch.float64), k)
 
     # ------------------------------------------------------------------------------------------- scoring
-    def predictions(self, outputs: torch.Tensor) -> torch.Tensor:
+    def predictions(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
         """The model's predictions: at the query tokens ``(B, m)`` (paired) or the ``x`` tokens ``(B, k)``."""
         if self.layout == "paired":
-            return outputs[:, self.num_points:, 0]
+            return outputs[:, batch.num_context:, 0]
         return outputs[:, 0::2, 0]
 
     def targets(self, batch: RegressionBatch) -> torch.Tensor:
         """The labels the predictions are compared with."""
-        return batch.ys[:, self.num_points:] if self.layout == "paired" else batch.ys
+        return batch.ys[:, batch.num_context:] if self.layout == "paired" else batch.ys
 
     def position_errors(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
         """Squared error divided by ``d`` of every prediction, float64 (``inf`` where it is not finite)."""
-        pred = self.predictions(outputs).double()
+        pred = self.predictions(outputs, batch).double()
         err = (pred - self.targets(batch)).pow(2) / self.dim
         return torch.where(torch.isfinite(pred), err, torch.full_like(err, float("inf")))
 
     def loss(self, outputs: torch.Tensor, batch: RegressionBatch) -> torch.Tensor:
         """Mean squared error of all predictions (Garg et al.'s training loss)."""
-        return (self.predictions(outputs).float() - self.targets(batch).float()).pow(2).mean()
+        return (self.predictions(outputs, batch).float() - self.targets(batch).float()).pow(2).mean()
 
     def _reduce(self, errors: torch.Tensor) -> torch.Tensor:
         return errors.mean(-1) if self.layout == "paired" else errors[:, -1]
@@ -317,7 +345,7 @@ class LinearRegression:
         if method not in ("least_squares", "ridge"):
             raise ValueError(f"unknown method {method!r}; valid: least_squares, ridge")
         if self.layout == "paired":
-            k = self.num_points
+            k = batch.num_context
             w = _fit(batch.xs[:, :k], batch.ys[:, :k], method, alpha)               # (B, d, 1)
             pred = (batch.xs[:, k:] @ w)[..., 0]
         else:

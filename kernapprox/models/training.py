@@ -249,7 +249,8 @@ def train(model_config: ModelConfig, task, train_config: TrainConfig) -> Trained
     with _threads(cfg.threads), torch.enable_grad():           # callers may hold no_grad
         start, cpu_start = time.perf_counter(), time.process_time()
         model = build_model(model_config, task, cfg.seed).to(device)
-        eval_batch = task.sample(eval_gen, cfg.eval_size, device=device)
+        eval_task = task.evaluation()
+        eval_batch = eval_task.sample(eval_gen, cfg.eval_size, device=device)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         rows = {name: [] for name in ("step", "train_loss", "eval_loss", "eval_score", "lr", "difficulty")}
         running, count = 0.0, 0
@@ -273,7 +274,7 @@ def train(model_config: ModelConfig, task, train_config: TrainConfig) -> Trained
             count += 1
             if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
                 model.eval()
-                eval_loss, scores = evaluate(model, task, eval_batch)
+                eval_loss, scores = evaluate(model, eval_task, eval_batch)
                 for name, value in (("step", step + 1), ("train_loss", running / count),
                                     ("eval_loss", float(eval_loss)), ("eval_score", float(scores.mean())),
                                     ("lr", lr), ("difficulty", stage.difficulty)):
