@@ -248,7 +248,7 @@ def _nan_result() -> dict:
 def run_cell(params, rng, device, data_rng):
     setup = SETUPS[params["task"]]
     sub, label, r, context = params["substitution"], params["estimator"], params["num_features"], params["context"]
-    ref_config = setup.build(device=device.type)
+    ref_config = setup.build(device=str(device))
     model_config, task, _ = ref_config
     if not applicable(setup, sub, label, r, context, model_config.num_layers):
         return _nan_result()
