@@ -36,7 +36,7 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from kernapprox import metrics, tasks
+from kernapprox import metrics, readout, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
     AttentionSpec,
@@ -91,7 +91,13 @@ ESTIMATORS = {
     "window_linear": ("window_linear", {"window": presets.WINDOW}),
     "nystrom_uniform": ("nystrom_uniform", {}),
 }
-FIXED_DIMENSION = ("exact", "taylor2", "elu1")
+
+
+def _fixed_dimension(label: str) -> bool:
+    """Whether the estimator's dimension is fixed by d (declared capability: exact, Taylor, ELU+1)."""
+    name, options = ESTIMATORS[label]
+    return readout.estimator_capabilities(name, **options).fixed_dimension
+
 PROXY_LEFT_OUT = ("window_linear",)   # position-based: the proxy's context is a set (as in icl_recall)
 SUBSTITUTIONS = ("all", "layer0", "layer1", "layer2", "layer3", "trained")
 
@@ -176,19 +182,19 @@ def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_lay
                                                           and r in setup.trained_ranks)
     if sub.startswith("layer") and int(sub[5:]) >= num_layers:
         return False
-    return (r == FIXED_SLOT) if label in FIXED_DIMENSION else True
+    return (r == FIXED_SLOT) if _fixed_dimension(label) else True
 
 
 def _spec(label: str, r: int) -> AttentionSpec:
     name, options = ESTIMATORS[label]
-    return AttentionSpec(name, num_features=None if label in FIXED_DIMENSION else r, options=options)
+    return AttentionSpec(name, num_features=None if _fixed_dimension(label) else r, options=options)
 
 
 def state_bytes(model, seq_len: int) -> int:
     """Bytes a decoder keeps for the next token (see the metric's description)."""
     total = 0
     for attn in model.attentions:
-        total += attn.num_heads * tasks.state_bytes(attn.estimator, attn.head_dim, seq_len)
+        total += attn.num_heads * readout.state_bytes(attn.estimator, attn.head_dim, seq_len)
     conv = model.config.short_conv
     return total + model.config.num_layers * conv * model.config.d_model * 4
 
@@ -229,11 +235,12 @@ def _proxy_episodes(context: int, data_rng, device):
 def _proxy(label: str, r: int, context: int, rng, data_rng, device) -> np.ndarray:
     episodes = _proxy_episodes(context, data_rng, device)
     name, options = ESTIMATORS[label]
-    if label in PROXY_LEFT_OUT or (tasks.rank_limited_by_points(name) and r > context):
+    caps = readout.estimator_capabilities(name, **options)
+    if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > context):
         return np.full(EPISODES, np.nan)
-    read, _ = tasks.paired_readouts(name, episodes.queries, episodes.keys, episodes.values,
-                                    beta=tasks.log_n_beta(context, PROXY_BETA_FACTOR),
-                                    num_features=None if label in FIXED_DIMENSION else r, rng=rng, options=options)
+    read, _ = readout.paired_readouts(name, episodes.queries, episodes.keys, episodes.values,
+                                      beta=tasks.log_n_beta(context, PROXY_BETA_FACTOR),
+                                      num_features=None if caps.fixed_dimension else r, rng=rng, options=options)
     return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
 
 

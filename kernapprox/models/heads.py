@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .._validation import check_positive_int
+from ..validation import check_positive_int
 from .training import config_key, load_or_train, resolve_cache_dir
 from .transformer import attention_heads
 

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .._validation import check_bool, check_positive_float, check_positive_int
+from ..validation import check_bool, check_positive_float, check_positive_int
 
 __all__ = ["MQAR", "MQARBatch", "LinearRegression", "RegressionBatch", "least_squares_predictions",
            "ridge_predictions", "make_task", "TASKS", "IGNORE"]

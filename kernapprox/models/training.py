@@ -53,7 +53,7 @@ import numpy as np
 import torch
 import xarray as xr
 
-from .._validation import check_choice, check_positive_float, check_positive_int
+from ..validation import check_choice, check_positive_float, check_positive_int
 from .tasks import TASKS, make_task
 from .transformer import CausalTransformer, ModelConfig
 

@@ -38,10 +38,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._rng import as_generator
-from .._validation import check_bool, check_positive_float, check_positive_int
+from ..estimators.registry import available_estimators
 from ..nn import KernelAttention
-from ..registry import available_estimators
+from ..validation import as_generator, check_bool, check_positive_float, check_positive_int
 
 __all__ = ["AttentionSpec", "ModelConfig", "CausalTransformer", "register_attention", "attention_kinds",
            "substitute", "record_attention_inputs", "attention_heads", "project_heads"]
@@ -65,6 +64,9 @@ class AttentionSpec:
         Linear-attention mode (``"chunked"``, ``"parallel"`` or ``"recurrent"``).
     options : tuple of (name, value)
         Further estimator options (JSON values), e.g. ``(("window", 8),)``.
+    rule : str
+        The state-update rule of linear attention (:mod:`kernapprox.rules`; ``"sum"``: plain linear attention).
+        Delta-rule and least-squares models belong to the state-rule studies; nothing here calibrates them.
     kind : str
         The attention factory (:func:`register_attention`); ``"kernel"`` is :class:`KernelAttention`.
     """
@@ -74,6 +76,7 @@ class AttentionSpec:
     qk_dim: int | None = None
     mode: str = "chunked"
     options: tuple = ()
+    rule: str = "sum"
     kind: str = "kernel"
 
     def __post_init__(self):
@@ -87,8 +90,9 @@ class AttentionSpec:
         if not isinstance(self.options, tuple) or not all(isinstance(o, tuple) and len(o) == 2 for o in self.options):
             raise TypeError(f"options must be a tuple of (name, value) pairs or a dict, got {self.options!r}")
         json.dumps(self.options)                                                  # JSON values only
-        if not isinstance(self.kind, str):
-            raise TypeError(f"kind must be a string, got {self.kind!r}")
+        for name in ("rule", "kind"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "options": [list(o) for o in self.options]}
@@ -181,7 +185,7 @@ def register_attention(kind: str, factory: Callable) -> None:
     The module maps ``(batch, n, d_model)`` to the same shape, causally. A layer built by another kind than
     ``"kernel"`` must carry the projections ``q_proj``, ``k_proj``, ``v_proj``, ``out_proj`` to take part in
     :func:`substitute` and :func:`attention_heads`. This is the hook for mixers outside the estimator registry
-    (e.g. a delta-rule layer); nothing is registered under other kinds here.
+    (e.g. a mixer outside the estimator protocol); nothing is registered under other kinds here.
     """
     if not isinstance(kind, str) or not kind:
         raise ValueError(f"kind must be a non-empty string, got {kind!r}")
@@ -200,7 +204,8 @@ def _kernel_attention(spec: AttentionSpec, *, d_model: int, num_heads: int, chun
     if spec.estimator not in available_estimators():
         raise ValueError(f"unknown estimator {spec.estimator!r}; available: {', '.join(available_estimators())}")
     return KernelAttention(d_model, num_heads, spec.estimator, num_features=spec.num_features, mode=spec.mode,
-                           causal=True, rng=rng, chunk_size=chunk_size, qk_dim=spec.qk_dim, **dict(spec.options))
+                           causal=True, rng=rng, chunk_size=chunk_size, qk_dim=spec.qk_dim, rule=spec.rule,
+                           **dict(spec.options))
 
 
 register_attention("kernel", _kernel_attention)
@@ -377,8 +382,7 @@ def attention_heads(model: CausalTransformer, inputs: torch.Tensor) -> dict[str,
     with record_attention_inputs(model) as records:
         model(inputs)
     parts = [project_heads(attn, rec[0]) for attn, rec in zip(model.attentions, records)]
-    scales = [1.0 / math.sqrt(attn.qk_dim) if getattr(attn.estimator, "scale", None) is None
-              else float(attn.estimator.scale) for attn in model.attentions]
+    scales = [float(attn.estimator.scale_) for attn in model.attentions]          # as fitted
     return {"q": torch.stack([p[0] for p in parts]), "k": torch.stack([p[1] for p in parts]),
             "v": torch.stack([p[2] for p in parts]), "scale": torch.tensor(scales, dtype=torch.float64)}
 
