@@ -4,7 +4,7 @@ Determinism
 -----------
 Everything random comes from one ``SeedSequence(seed)`` spawned into three numpy streams: the initialisation
 (:class:`~kernapprox.models.CausalTransformer` draws every weight from it), the training data (one batch per step
-from :meth:`task.sample`) and the held-out evaluation prompts of the curve. Training runs with a fixed number of
+from ``task.sample``) and the held-out evaluation prompts of the curve. Training runs with a fixed number of
 torch threads (``TrainConfig.threads``, set for the duration of training and put back afterwards) because the
 reduction order of a matmul depends on it; no dropout. On a CPU the same configuration then gives bitwise the
 same weights and curve (the tests check it). On CUDA, bitwise reproducibility additionally needs

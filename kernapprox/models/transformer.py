@@ -246,7 +246,8 @@ class ShortConv(nn.Module):
         self.weight = nn.Parameter(torch.from_numpy(rng.uniform(-bound, bound, size=(d_model, 1, kernel))).float())
         self.bias = nn.Parameter(torch.zeros(d_model))
 
-    def forward(self, x):                                               # (B, n, E) -> (B, n, E)
+    def forward(self, x):
+        """``(B, n, E)`` → ``(B, n, E)``."""
         k = self.weight.shape[-1]
         y = nn.functional.conv1d(nn.functional.pad(x.transpose(1, 2), (k - 1, 0)), self.weight, self.bias,
                                  groups=x.shape[-1])
@@ -273,6 +274,7 @@ class Block(nn.Module):
             self.norm2 = self.mlp = None
 
     def forward(self, x):
+        """``(B, n, E)`` → ``(B, n, E)``."""
         if self.conv is not None:
             x = x + self.conv(self.norm0(x))
         x = x + self.attn(self.norm1(x))
