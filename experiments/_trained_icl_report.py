@@ -7,7 +7,6 @@ which the paired design allows (every point reads the same prompts and the same 
 
 from __future__ import annotations
 
-import json
 import warnings
 
 import numpy as np
@@ -61,8 +60,10 @@ def _contexts(ds, task) -> list[int]:
 
 
 def _exact_slot(ds) -> dict:
-    slot = int(json.loads(ds.attrs.get("fixed_slot", "64"))) if "fixed_slot" in ds.attrs else 64
-    return {"estimator": "exact", "num_features": slot}
+    """The selection of exact attention's cells (the num_features column it runs in)."""
+    ran = ds.score_exact.sel(estimator="exact").notnull()
+    slots = [int(r) for r in ds.num_features.values if bool(ran.sel(num_features=r).any())]
+    return {"estimator": "exact", "num_features": slots[0] if slots else int(ds.num_features.values[0])}
 
 
 def spearman_points(ds: xr.DataArray | xr.Dataset, task: str, context: int):

@@ -223,8 +223,10 @@ def _proxy_episodes(context: int, data_rng, device):
     4096-candidate tables are the costly part of a cell)."""
     seq = data_rng.bit_generator.seed_seq
     key = (seq.entropy, tuple(seq.spawn_key), context, str(device))
-    if key not in _EPISODES:
-        if len(_EPISODES) >= 8:
+    if key in _EPISODES:
+        _EPISODES[key] = _EPISODES.pop(key)                   # most recently used last
+    else:
+        if len(_EPISODES) >= 16:                              # 16 MB each; a preset cycles through contexts × seeds
             _EPISODES.pop(next(iter(_EPISODES)))
         _EPISODES[key] = tasks.associative_recall(context, dim=icl_recall.KEY_DIM, value_dim=icl_recall.VALUE_DIM,
                                                   num_candidates=icl_recall.NUM_CANDIDATES, batch=EPISODES,

@@ -352,3 +352,30 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
     assert float(reg.baseline_ls.max()) < 1e-20                                       # k = 4 ≥ d = 3, noiseless
     text = trained_icl.findings(ds)
     assert "changes no score" in text and text == trained_icl.findings(ds)
+
+
+def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypatch):
+    """The proxy's memoised episodes equal a fresh draw from the cell's data stream, whichever cell came first."""
+    from experiments import trained_icl
+    from kernapprox.sweep import cell_seed_sequence, data_seed_sequence
+
+    monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(trained_icl, "_MODELS", {})
+    monkeypatch.setattr(trained_icl, "_EPISODES", {})
+    exp = trained_icl.EXPERIMENT
+
+    def cell(estimator, r):
+        params = {"task": "mqar_smoke", "substitution": "all", "estimator": estimator, "num_features": r,
+                  "context": 4, "seed": 0}
+        rng = np.random.default_rng(cell_seed_sequence(exp.name, params, 0))
+        data = np.random.default_rng(data_seed_sequence(exp.name, params, exp.data_axes, 0))
+        return trained_icl.run_cell(params, rng, torch.device("cpu"), data)
+
+    first = cell("positive_orthogonal", 16)
+    cell("elu1", 64)                                                          # fills the memo from its own cell
+    trained_icl._EPISODES.clear()
+    fresh = cell("positive_orthogonal", 16)
+    again = cell("positive_orthogonal", 16)                                   # from the memo
+    for out in (fresh, again):
+        np.testing.assert_array_equal(out["proxy_accuracy"], first["proxy_accuracy"])
+        np.testing.assert_array_equal(out["score"], first["score"])
