@@ -33,6 +33,9 @@ Values ``v`` have unit variance per coordinate. Families:
 ``real``
     queries, keys and values of every layer and head of all-MiniLM-L6-v2 on English text
     (:mod:`kernapprox.real`; needs the ``real`` extra).
+``trained_causal``
+    queries, keys and values of a small causal Transformer trained on MQAR or in-context linear regression
+    (:mod:`kernapprox.models.heads`; trained and cached on first use).
 
 Per-head projections differ; tokens (text_like) and trajectories (continuous) are shared by the heads of one
 batch element, as in a real model.
@@ -373,6 +376,71 @@ class RealHeads(Distribution):
         return out["q"], out["k"], out["v"]
 
 
+class TrainedCausalHeads(Distribution):
+    """Queries, keys and values of a small causal Transformer trained on an in-context-learning task.
+
+    The softmax reference model of ``task`` (:func:`kernapprox.models.presets.reference`: ``"mqar"``, 2 layers ×
+    2 heads of dimension 32 on Zoology's multi-query associative recall; ``"regression"``, 3 layers × 2 heads
+    on Garg et al.'s in-context linear regression) is loaded from the checkpoint cache (trained first if it is
+    missing, about a minute on a CPU) and its heads are recorded on ``num_prompts`` evaluation prompts
+    (:func:`kernapprox.models.heads.load_heads`, cached as netCDF). A draw picks, per batch element, a uniformly
+    random prompt and takes its first ``n`` tokens (a causal model's queries at a prefix saw exactly that prefix),
+    and per head slot a distinct ``(layer, head)``: from ``layer`` if given (``head`` fixes the head), else from
+    all layers. ``d`` must be the model's head dimension (32).
+
+    Unlike :class:`RealHeads` (bidirectional BERT), these heads were trained with the causal mask, and on a task
+    that needs sharp, content-based retrieval (MQAR's induction heads): the keys a linear-attention state would
+    hold. The model's scale is ``1/sqrt(32)``, the kernapprox default.
+    """
+
+    name = "trained_causal"
+
+    def __init__(self, *, task: str = "mqar", layer: int | None = None, head: int | None = None,
+                 num_prompts: int = 64, cache_dir=None):
+        from .models import presets
+
+        check_choice(task, "task", ("mqar", "regression"))
+        model_config, _, _ = presets.reference(task)
+        for value, name, top in ((layer, "layer", model_config.num_layers), (head, "head", model_config.num_heads)):
+            if value is not None:
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                    raise TypeError(f"{name} must be an int or None, got {value!r}")
+                if not 0 <= value < top:
+                    raise ValueError(f"{name} must be in [0, {top}), got {value}")
+        if head is not None and layer is None:
+            raise ValueError("head needs a layer")
+        self.task = task
+        self.layer = layer
+        self.head = head
+        self.num_prompts = check_positive_int(num_prompts, "num_prompts")
+        self.cache_dir = cache_dir
+        self._shape = (model_config.num_layers, model_config.num_heads, model_config.max_len,
+                       model_config.head_dim)
+
+    def _draw(self, batch, heads, n, d, rng):
+        from .models import heads as trained_heads
+
+        layers, num_heads, length, head_dim = self._shape
+        if d != head_dim:
+            raise ValueError(f"d must be {head_dim} (the model's head dimension) for trained heads, got {d}")
+        if n > length:
+            raise ValueError(f"n={n} exceeds the model's sequence length {length}")
+        pairs = [(lay, h) for lay in (range(layers) if self.layer is None else [self.layer])
+                 for h in (range(num_heads) if self.head is None else [self.head])]
+        if heads > len(pairs):
+            raise ValueError(f"heads={heads} exceeds the {len(pairs)} available (layer, head) pairs")
+        stream = trained_heads.load_heads(self.task, self.num_prompts, self.cache_dir)
+        out = {name: np.empty((batch, heads, n, d)) for name in ("q", "k", "v")}
+        for b in range(batch):
+            prompt = int(rng.integers(0, self.num_prompts))
+            chosen = rng.choice(len(pairs), size=heads, replace=False)
+            for slot, index in enumerate(chosen):
+                lay, h = pairs[index]
+                for name in out:
+                    out[name][b, slot] = stream[name][lay, h, prompt, :n]
+        return out["q"], out["k"], out["v"]
+
+
 _DISTRIBUTIONS: dict[str, type[Distribution]] = {}
 
 
@@ -387,7 +455,7 @@ def register_distribution(cls: type[Distribution]) -> type[Distribution]:
 
 
 for _cls in (IsotropicGaussian, AnisotropicGaussian, ClusteredGaussian, StudentT, TextLike, SmoothTrajectory,
-             RealHeads):
+             RealHeads, TrainedCausalHeads):
     register_distribution(_cls)
 
 

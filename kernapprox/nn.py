@@ -187,6 +187,11 @@ class KernelAttention(nn.Module):
         The only source of randomness (projection weights and feature draws).
     chunk_size : int, default=64
         Chunk length of the chunked mode.
+    qk_dim : int, optional
+        Per-head dimension of queries and keys, the feature map's input ``d`` (default ``head_dim``). A smaller
+        ``qk_dim`` with a fixed-dimension map sets its feature dimension, as Based projects to a small feature
+        dimension before its Taylor map (Arora et al. 2024); values keep ``head_dim``, and the default scale is
+        ``1/sqrt(qk_dim)``.
     refit_every : int, optional
         Data-dependent estimators only: refit the map on the current batch every ``refit_every`` training-mode
         forward calls (the first included); never in eval mode. See the module docstring for the policy.
@@ -214,14 +219,15 @@ class KernelAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
                  num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
-                 chunk_size: int = 64, refit_every: int | None = None, rule="sum", bias: bool = True,
-                 scale: float | None = None, device=None, dtype=None, **options):
+                 chunk_size: int = 64, qk_dim: int | None = None, refit_every: int | None = None, rule="sum",
+                 bias: bool = True, scale: float | None = None, device=None, dtype=None, **options):
         super().__init__()
         self.embed_dim = check_positive_int(embed_dim, "embed_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
         if embed_dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim})")
         self.head_dim = embed_dim // num_heads
+        self.qk_dim = self.head_dim if qk_dim is None else check_positive_int(qk_dim, "qk_dim")
         check_choice(mode, "mode", MODES)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be a bool, got {causal!r}")
@@ -258,15 +264,15 @@ class KernelAttention(nn.Module):
         self._warned = set()
         # skip_init: nn.Linear's own initialisation would draw from torch's global RNG
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.utils.skip_init(nn.Linear, embed_dim, embed_dim, bias=bias, dtype=dtype,
+            nn.utils.skip_init(nn.Linear, embed_dim, width, bias=bias, dtype=dtype,
                                device=torch.get_default_device() if device is None else check_device(device))
-            for _ in range(4))
+            for width in (num_heads * self.qk_dim, num_heads * self.qk_dim, embed_dim, embed_dim))
         self._init_projections(weight_rng)
         self.feature_state = _FittedState()
         self._signature = None
         self.register_load_state_dict_post_hook(KernelAttention._after_load)
         if not self.estimator.capabilities().data_dependent:
-            self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
+            self._fit_estimator(torch.zeros(1, self.qk_dim, dtype=torch.float64), None)
 
     # ------------------------------------------------------------------------------------------ set-up
     @torch.no_grad()
@@ -335,8 +341,8 @@ class KernelAttention(nn.Module):
             self._signature = signature
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        batch, n, _ = x.shape
-        return x.reshape(batch, n, self.num_heads, self.head_dim).transpose(1, 2)   # (b, h, n, head_dim)
+        batch, n, width = x.shape
+        return x.reshape(batch, n, self.num_heads, width // self.num_heads).transpose(1, 2)   # (b, h, n, dim)
 
     def _project(self, query, key, value):
         key = query if key is None else key
@@ -384,7 +390,7 @@ class KernelAttention(nn.Module):
         if rng is not None:
             self._feature_rng = as_generator(rng)
         self.estimator.rng = self._feature_rng
-        self._fit_estimator(torch.zeros(1, self.head_dim, dtype=torch.float64), None)
+        self._fit_estimator(torch.zeros(1, self.qk_dim, dtype=torch.float64), None)
         return self
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
@@ -498,7 +504,7 @@ class KernelAttention(nn.Module):
         constructor parameters (``num_features``, ``scale``, options; not ``rng``), and the per-head dimension
         the map is fitted for. ``load_state_dict`` refuses a state whose record differs."""
         params = {name: _plain(value) for name, value in self.estimator.get_params().items() if name != "rng"}
-        return {"estimator": self.estimator_name, "params": params, "head_dim": self.head_dim}
+        return {"estimator": self.estimator_name, "params": params, "head_dim": self.qk_dim}   # the map's input d
 
     def set_extra_state(self, state) -> None:
         """Nothing to set: the record is checked against this layer's own estimator while loading."""
@@ -533,7 +539,7 @@ class KernelAttention(nn.Module):
             # placeholder data from its own generator, so the layer's stream is not consumed; every value is
             # then replaced by the state dict's.
             size = max(64, self.estimator.get_params()["num_features"] or 0)
-            placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((1, size, self.head_dim)))
+            placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((1, size, self.qk_dim)))
             stream = self.estimator.rng
             self.estimator.rng = np.random.default_rng(0)
             self._fit_estimator(placeholder, placeholder)
@@ -546,4 +552,5 @@ class KernelAttention(nn.Module):
     def extra_repr(self) -> str:
         r = self.estimator.get_params()["num_features"]
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
-                f"num_features={r}, mode={self.mode!r}, causal={self.causal}")
+                f"num_features={r}, mode={self.mode!r}, causal={self.causal}"
+                + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else ""))

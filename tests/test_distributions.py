@@ -31,7 +31,7 @@ def real_cache(monkeypatch):
 
 
 def test_registry_lists_every_family_and_rejects_unknown_names():
-    assert set(available_distributions()) == {*SYNTHETIC, "real"}
+    assert set(available_distributions()) == {*SYNTHETIC, "real", "trained_causal"}
     with pytest.raises(ValueError, match="isotropic"):
         make_distribution("gaussian")
     with pytest.raises(TypeError):

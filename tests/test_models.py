@@ -1,0 +1,381 @@
+"""Trained causal Transformers: task generators, baselines, deterministic training, the checkpoint cache, post-hoc
+substitution and the causal modes of kernel attention inside a model. Tiny models, few steps."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from kernapprox import distributions
+from kernapprox.models import (
+    MQAR,
+    AttentionSpec,
+    CausalTransformer,
+    LinearRegression,
+    ModelConfig,
+    TrainConfig,
+    attention_heads,
+    build_model,
+    config_key,
+    least_squares_predictions,
+    load_or_train,
+    presets,
+    ridge_predictions,
+    substitute,
+    train,
+)
+from kernapprox.models import heads as trained_heads
+from kernapprox.models.tasks import IGNORE
+
+TINY_MQAR = MQAR(vocab_size=16, seq_len=16, num_pairs=3)
+TINY_MODEL = ModelConfig(d_model=16, num_layers=2, num_heads=2, max_len=16, embed_std=1.0)
+TINY_TRAIN = TrainConfig(steps=12, batch_size=8, eval_every=4, eval_size=16, curriculum=((0, 2), (6, 3)), seed=3)
+
+
+def assert_same_state(a, b):
+    """Bitwise the same state dict: every tensor equal, every other entry (the layers' estimator records) equal."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for name in sa:
+        if isinstance(sa[name], torch.Tensor):
+            assert sa[name].dtype == sb[name].dtype and torch.equal(sa[name], sb[name]), name
+        else:
+            assert sa[name] == sb[name], name
+
+
+# ------------------------------------------------------------------------------------------------ tasks
+@pytest.mark.parametrize("random_non_queries", [False, True])
+def test_mqar_sequences_follow_zoology(random_non_queries):
+    task = MQAR(vocab_size=40, seq_len=36, num_pairs=7, random_non_queries=random_non_queries)
+    b = task.sample(np.random.default_rng(0), 64)
+    half, n_pairs = 20, 7
+    keys, values, pos = b.keys.numpy(), b.values.numpy(), b.query_positions.numpy()
+    inputs, labels = b.inputs.numpy(), b.labels.numpy()
+    assert ((keys >= 1) & (keys < half)).all() and ((values >= half) & (values < 40)).all()     # disjoint halves
+    for row in range(64):
+        assert len(set(keys[row])) == n_pairs and len(set(values[row])) == n_pairs              # distinct
+        np.testing.assert_array_equal(inputs[row, 0:2 * n_pairs:2], keys[row])                  # k1 v1 k2 v2 ...
+        np.testing.assert_array_equal(inputs[row, 1:2 * n_pairs:2], values[row])
+        assert len(set(pos[row])) == n_pairs
+        assert (pos[row] >= 2 * n_pairs).all() and (pos[row] % 2 == 0).all()                   # after the pairs
+        np.testing.assert_array_equal(inputs[row, pos[row]], keys[row])                          # the key again
+        np.testing.assert_array_equal(labels[row, pos[row]], values[row])                        # its value
+        assert (labels[row] != IGNORE).sum() == n_pairs
+        others = np.setdiff1d(np.arange(2 * n_pairs, 36), pos[row])
+        if not random_non_queries:
+            assert (inputs[row, others] == 0).all()
+    # queries crowd towards the context (p(g) ∝ (g+1)^(a−1), a = 0.01)
+    counts = np.bincount(((pos - 2 * n_pairs) // 2).ravel(), minlength=11)
+    assert counts[0] == counts.max() and counts[0] > 2 * counts[-1]
+
+
+def test_weighted_draws_without_replacement():
+    """The vectorised draw has numpy's sequential law: the first pick has probability p_i, the second p_j/(1−p_i)
+    after i (checked on the pair (0, 1)); binomial bounds at 4.5 standard deviations."""
+    from kernapprox.models.tasks import _top_k_without_replacement
+
+    w = np.arange(1, 6, dtype=np.float64) ** -0.99
+    p = w / w.sum()
+    draws = _top_k_without_replacement(np.random.default_rng(9), w, 40_000, 3)
+    assert all(len(set(row)) == 3 for row in draws[:500])
+    first = np.bincount(draws[:, 0], minlength=5) / 40_000
+    assert np.all(np.abs(first - p) < 4.5 * np.sqrt(p * (1 - p) / 40_000))
+    second = np.mean((draws[:, 0] == 0) & (draws[:, 1] == 1))
+    expect = p[0] * p[1] / (1 - p[0])
+    assert abs(second - expect) < 4.5 * np.sqrt(expect * (1 - expect) / 40_000)
+
+
+def test_mqar_scores_query_positions_only():
+    task = TINY_MQAR
+    b = task.sample(np.random.default_rng(1), 4)
+    logits = torch.zeros(4, 16, 16)
+    logits[torch.arange(4)[:, None], b.query_positions, b.values] = 1.0                      # every query right
+    np.testing.assert_array_equal(task.score(logits, b).numpy(), 1.0)
+    logits[0, b.query_positions[0, 0], b.values[0, 0]] = -1.0                                  # one wrong
+    assert float(task.score(logits, b)[0]) == pytest.approx(2 / 3)
+    logits[1, 0, 0] = float("nan")                                                             # not a query slot
+    assert float(task.score(logits, b)[1]) == 1.0
+
+
+def test_mqar_rejects_impossible_configurations():
+    with pytest.raises(ValueError, match="seq_len"):
+        MQAR(vocab_size=64, seq_len=20, num_pairs=6)
+    with pytest.raises(ValueError, match="num_pairs"):
+        MQAR(vocab_size=8, seq_len=64, num_pairs=4)
+    with pytest.raises(ValueError, match="even"):
+        MQAR(vocab_size=63)
+
+
+def test_regression_interleaved_prompts_and_prefix_baselines():
+    task = LinearRegression(dim=4, num_points=9, layout="interleaved")
+    b = task.sample(np.random.default_rng(2), 16)
+    np.testing.assert_allclose(b.ys.numpy(), np.einsum("bkd,bd->bk", b.xs.numpy(), b.w.numpy()))
+    tokens = b.inputs.numpy()
+    assert tokens.shape == (16, 18, 4) and task.model_io["input_dim"] == 4
+    np.testing.assert_array_equal(tokens[:, 0::2], b.xs.numpy().astype(np.float32))
+    np.testing.assert_array_equal(tokens[:, 1::2, 0], b.ys.numpy().astype(np.float32))
+    assert (tokens[:, 1::2, 1:] == 0).all()
+    ls = least_squares_predictions(b.xs, b.ys)
+    err = (ls - b.ys).pow(2) / 4
+    assert float(err[:, 4:].max()) < 1e-20            # noiseless, k ≥ d points: least squares is exact
+    assert float(err[:, 1:4].min()) > 1e-6            # underdetermined: minimum-norm guess
+    np.testing.assert_array_equal(task.baseline_score(b).numpy(), err[:, -1].numpy())
+    # ridge against its normal equations on one prompt, and its α → 0 limit
+    alpha, i = 0.3, 5
+    x, y = b.xs[3, :i].numpy(), b.ys[3, :i].numpy()
+    w = np.linalg.solve(x.T @ x + alpha * np.eye(4), x.T @ y)
+    assert float(ridge_predictions(b.xs, b.ys, alpha)[3, i]) == pytest.approx(b.xs[3, i].numpy() @ w, rel=1e-12)
+    np.testing.assert_allclose(ridge_predictions(b.xs, b.ys, 1e-12)[:, 4:].numpy(), ls[:, 4:].numpy(), atol=1e-8)
+    # predicting 0 scores E y²/d = 1 (Garg et al.'s normalisation); sd of the mean over 36 000 errors ≈ 0.01
+    big = task.sample(np.random.default_rng(3), 4000)
+    zero = task.position_errors(torch.zeros(4000, 18, 1), big)
+    assert float(zero.mean()) == pytest.approx(1.0, abs=0.05)
+
+
+def test_regression_paired_prompts_and_baselines():
+    task = LinearRegression(dim=3, num_points=5, num_queries=4)
+    b = task.sample(np.random.default_rng(4), 32)
+    tokens = b.inputs.numpy()
+    assert tokens.shape == (32, 9, 4) and task.seq_len == 9 and task.model_io["input_dim"] == 4
+    np.testing.assert_array_equal(tokens[..., :3], b.xs.numpy().astype(np.float32))
+    np.testing.assert_array_equal(tokens[:, :5, 3], b.ys[:, :5].numpy().astype(np.float32))
+    assert (tokens[:, 5:, 3] == 0).all() and b.num_context == 5               # queries carry no label
+    assert float(task.baseline_score(b).max()) < 1e-20                        # k = 5 ≥ d = 3, noiseless
+    ridge = task.baseline_score(b, "ridge", 0.5)
+    x, y = b.xs[0, :5].numpy(), b.ys[0, :5].numpy()
+    w = np.linalg.solve(x.T @ x + 0.5 * np.eye(3), x.T @ y)
+    expect = np.mean((b.xs[0, 5:].numpy() @ w - b.ys[0, 5:].numpy()) ** 2) / 3
+    assert float(ridge[0]) == pytest.approx(expect, rel=1e-12)
+    outputs = torch.zeros(32, 9, 1)
+    outputs[:, 5:, 0] = b.ys[:, 5:].float()
+    assert float(task.score(outputs, b).max()) < 1e-12                        # perfect predictions score 0
+    under = LinearRegression(dim=3, num_points=2, num_queries=4)               # 2 pairs < d: minimum norm
+    assert float(under.baseline_score(under.sample(np.random.default_rng(5), 8)).min()) > 1e-6
+    # every context size from min_points to k, drawn per batch from the data stream
+    mixed = LinearRegression(dim=3, num_points=6, num_queries=2, min_points=2)
+    gen = np.random.default_rng(6)
+    sizes = {mixed.sample(gen, 2).num_context for _ in range(200)}
+    assert sizes == {2, 3, 4, 5, 6}
+    assert mixed.evaluation().sample(gen, 2).num_context == 6 and mixed.with_difficulty(3).min_points == 2
+    with pytest.raises(ValueError, match="layout"):
+        LinearRegression(layout="garg")
+    with pytest.raises(ValueError, match="min_points"):
+        LinearRegression(num_points=4, min_points=5)
+
+
+# ------------------------------------------------------------------------------------------------ model
+def test_model_is_causal_and_seeded():
+    a = CausalTransformer(TINY_MODEL, vocab_size=16, output_dim=16, rng=5)
+    b = CausalTransformer(TINY_MODEL, vocab_size=16, output_dim=16, rng=5)
+    assert_same_state(a, b)
+    x = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(0))
+    y = x.clone()
+    y[:, 7:] = (y[:, 7:] + 1) % 16
+    torch.testing.assert_close(a(x)[:, :7], a(y)[:, :7], rtol=0, atol=0)                  # no look-ahead
+    assert not torch.equal(a(x)[:, 7:], a(y)[:, 7:])
+
+
+@pytest.mark.parametrize("estimator,extra", [("positive_orthogonal", {"num_features": 24}), ("elu1", {"qk_dim": 5}),
+                                             ("taylor2", {"qk_dim": 3}),
+                                             ("window_linear", {"num_features": 16, "options": {"window": 3}})])
+def test_kernel_attention_in_model_modes_agree(estimator, extra):
+    """The parallel, recurrent and chunked causal modes give one model (float64; chunks of 4 on 13 tokens)."""
+    outs = {}
+    x = torch.randint(0, 16, (3, 13), generator=torch.Generator().manual_seed(1))
+    for mode in ("parallel", "recurrent", "chunked"):
+        config = ModelConfig(d_model=16, num_layers=2, num_heads=2, max_len=16, chunk_size=4,
+                             attention=AttentionSpec(estimator, mode=mode, **extra))
+        model = CausalTransformer(config, vocab_size=16, output_dim=16, rng=7).double()
+        outs[mode] = model(x)
+    torch.testing.assert_close(outs["chunked"], outs["parallel"], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(outs["recurrent"], outs["parallel"], rtol=1e-10, atol=1e-10)
+
+
+def test_exact_substitution_equals_the_reference_bitwise():
+    model = build_model(TINY_MODEL, TINY_MQAR, 0)
+    b = TINY_MQAR.sample(np.random.default_rng(4), 6)
+    ref = model(b.inputs)
+    for layers in ({0: AttentionSpec("exact")}, {1: AttentionSpec("exact")},
+                   {0: AttentionSpec("exact"), 1: AttentionSpec("exact")}):
+        assert torch.equal(substitute(model, layers, rng=0)(b.inputs), ref)
+    approx = substitute(model, {1: AttentionSpec("positive_orthogonal", num_features=32)}, rng=0)
+    assert not torch.equal(approx(b.inputs), ref)
+    assert model.layer_specs()[1].estimator == "exact"                                     # the original is kept
+
+
+def test_substitution_fits_data_dependent_estimators_on_calibration_prompts():
+    model = build_model(TINY_MODEL, TINY_MQAR, 0)
+    spec = {0: AttentionSpec("nystrom_uniform", num_features=8)}
+    with pytest.raises(ValueError, match="calibration"):
+        substitute(model, spec, rng=0)
+    calib = TINY_MQAR.sample(np.random.default_rng(5), 4).inputs
+    a = substitute(model, spec, rng=0, calibration=calib)
+    b = substitute(model, spec, rng=0, calibration=calib)
+    x = TINY_MQAR.sample(np.random.default_rng(6), 2).inputs
+    assert torch.equal(a(x), b(x))
+
+
+def test_attention_heads_rebuild_the_layers():
+    model = build_model(TINY_MODEL, TINY_MQAR, 2)
+    x = TINY_MQAR.sample(np.random.default_rng(7), 3).inputs
+    rec = attention_heads(model, x)
+    assert rec["q"].shape == (2, 3, 2, 16, 8)
+    assert trained_heads._rebuild_error(model, x, rec) < 1e-5
+
+
+# --------------------------------------------------------------------------------------------- training
+def test_training_is_deterministic():
+    a = train(TINY_MODEL, TINY_MQAR, TINY_TRAIN)
+    b = train(TINY_MODEL, TINY_MQAR, TINY_TRAIN)
+    assert_same_state(a.model, b.model)
+    for var in ("train_loss", "eval_loss", "eval_score", "lr", "difficulty"):
+        np.testing.assert_array_equal(a.curve[var].values, b.curve[var].values)
+    np.testing.assert_array_equal(a.curve.step.values, [4, 8, 12])
+    np.testing.assert_array_equal(a.curve.difficulty.values, [2, 3, 3])                    # the curriculum
+    assert a.curve.attrs["threads"] == 1 and a.curve.attrs["config_key"] == a.key
+    other = train(TINY_MODEL, TINY_MQAR, dataclasses.replace(TINY_TRAIN, seed=4))
+    assert not torch.equal(other.model.head.weight, a.model.head.weight)
+
+
+def test_regression_training_follows_its_curriculum():
+    """Each curriculum stage is scored with its own task (the paired layout's queries follow its context)."""
+    task = LinearRegression(dim=3, num_points=6, num_queries=3, min_points=1)
+    config = ModelConfig(d_model=16, num_layers=2, num_heads=2, mlp=True, max_len=9)
+    cfg = TrainConfig(steps=8, batch_size=8, eval_every=4, eval_size=16, curriculum=((0, 2), (4, 6)))
+    out = train(config, task, cfg)
+    assert np.isfinite(out.curve.train_loss.values).all() and np.isfinite(out.curve.eval_score.values).all()
+    np.testing.assert_array_equal(out.curve.difficulty.values, [2, 6])
+
+
+def test_learning_rate_schedule():
+    cfg = TrainConfig(steps=100, lr=2e-3, warmup=0.1)
+    assert cfg.lr_at(0) == pytest.approx(2e-4) and cfg.lr_at(9) == pytest.approx(2e-3)
+    assert cfg.lr_at(10) == pytest.approx(2e-3) and cfg.lr_at(55) == pytest.approx(1e-3)
+    assert cfg.lr_at(99) < 1e-5
+    assert TrainConfig(schedule="constant", lr=1e-3).lr_at(7) == 1e-3
+
+
+def test_checkpoint_cache_hit_and_miss(tmp_path):
+    first = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN, cache_dir=tmp_path)
+    assert not first.cached
+    files = sorted(p.suffix for p in (tmp_path / "trained_models").iterdir())
+    assert files == [".nc", ".pt"]
+    again = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN, cache_dir=tmp_path)
+    assert again.cached and again.key == first.key
+    assert_same_state(first.model, again.model)
+    x = TINY_MQAR.sample(np.random.default_rng(8), 4).inputs
+    assert torch.equal(first.model(x), again.model(x))
+    np.testing.assert_array_equal(first.curve.eval_score.values, again.curve.eval_score.values)
+    assert again.curve.attrs["train_seconds"] == first.curve.attrs["train_seconds"]
+    # every part of the configuration is in the key
+    changed = [(TINY_MODEL, TINY_MQAR, dataclasses.replace(TINY_TRAIN, lr=2e-3)),
+               (dataclasses.replace(TINY_MODEL, mlp=True), TINY_MQAR, TINY_TRAIN),
+               (TINY_MODEL, dataclasses.replace(TINY_MQAR, power_a=0.5), TINY_TRAIN),
+               (TINY_MODEL, TINY_MQAR, dataclasses.replace(TINY_TRAIN, threads=2))]
+    keys = {config_key(*c) for c in changed}
+    assert len(keys) == len(changed) and first.key not in keys
+    miss = load_or_train(*changed[0], cache_dir=tmp_path)
+    assert not miss.cached and miss.key != first.key
+
+
+def test_presets_realise_the_feature_dimension():
+    assert presets.taylor2_qk_dim(16) == 4 and presets.taylor2_qk_dim(64) == 9     # 15 and 55 features
+    model, task, train_cfg = presets.fixed_state("elu1", 16)
+    assert model.layer_specs()[0].qk_dim == 16 and task.num_pairs == 8 and model.short_conv == presets.SHORT_CONV
+    assert train_cfg.lr == presets.FIXED_STATE_LR["elu1"]
+    model, _, train_cfg = presets.fixed_state("window_linear", 32, presets.mqar(steps=40))
+    assert dict(model.layer_specs()[1].options) == {"window": presets.WINDOW} and train_cfg.steps == 40
+    assert train_cfg.curriculum == ((0, 2), (9, 4), (17, 8))
+    assert presets.reference("mqar")[2].curriculum == ((0, 2), (150, 4), (301, 8))
+
+
+# ------------------------------------------------------------------------------------------ distribution
+def test_trained_causal_heads_distribution(tmp_path, monkeypatch):
+    def tiny_reference(task_name, **kw):
+        return TINY_MODEL, TINY_MQAR, TINY_TRAIN
+    monkeypatch.setattr(presets, "reference", tiny_reference)
+    dist = distributions.make_distribution("trained_causal", task="mqar", num_prompts=5, cache_dir=tmp_path)
+    q, k, v = dist.sample(12, batch=3, heads=4, d=8, rng=0)
+    assert q.shape == k.shape == v.shape == (3, 4, 12, 8)
+    q2, _, _ = dist.sample(12, batch=3, heads=4, d=8, rng=0)
+    assert torch.equal(q, q2)
+    stream = trained_heads.load_heads("mqar", 5, tmp_path)
+    assert stream["attrs"]["rebuild_max_abs_error"] < 1e-5
+    assert stream["q"].shape == (2, 2, 5, 16, 8)
+    with pytest.raises(ValueError, match="head dimension"):
+        dist.sample(12, d=16, rng=0)
+    with pytest.raises(ValueError, match="layer"):
+        distributions.make_distribution("trained_causal", layer=2)
+
+
+# ------------------------------------------------------------------------------------------------ the study
+def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
+    """``python -m experiments.trained_icl --preset smoke`` trains its tiny models into a fresh cache, writes the
+    dataset and the figure; exact substitution reproduces the reference's scores exactly."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import xarray as xr
+
+    from experiments import trained_icl
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "KERNAPPROX_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    out, fig = tmp_path / "trained_icl.nc", tmp_path / "trained_icl.png"
+    proc = subprocess.run([sys.executable, "-m", "experiments.trained_icl", "--preset", "smoke", "--threads", "1",
+                           "--device", "cpu", "--out", str(out), "--figure", str(fig), "--quiet"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert fig.stat().st_size > 10_000
+    assert len(list((tmp_path / "cache" / "trained_models").glob("*.pt"))) == 5      # 2 references, 3 trained
+    with xr.open_dataset(out, engine="h5netcdf") as ds:
+        ds = ds.load()
+    exact = ds.sel(estimator="exact", num_features=trained_icl.FIXED_SLOT)
+    for sub in ("all", "layer0", "trained"):
+        ran = exact.score.sel(substitution=sub).notnull()
+        assert bool(ran.any())
+        np.testing.assert_array_equal(exact.score.sel(substitution=sub).values,
+                                      exact.score_exact.sel(substitution=sub).values)
+    assert float(exact.layer_error.sel(substitution="all").max()) == 0.0
+    prf = ds.sel(task="mqar_smoke", estimator="positive_orthogonal", context=4, num_features=16)
+    assert float(prf.layer_error.sel(substitution="layer0", layer=1).max()) == 0.0   # layer 1 left exact
+    assert float(prf.layer_error.sel(substitution="layer0", layer=0).min()) > 0.0
+    assert bool(prf.proxy_accuracy.sel(substitution="all").notnull().all())
+    assert bool(prf.proxy_accuracy.sel(substitution="layer0").isnull().all())
+    assert ds.score.sel(task="mqar_smoke", substitution="trained", estimator="taylor2" if "taylor2" in
+                        ds.estimator.values else "elu1", num_features=64).isnull().all()   # not a trained rank
+    reg = ds.sel(task="regression_smoke", context=4, substitution="all", **{"estimator": "exact",
+                                                                          "num_features": trained_icl.FIXED_SLOT})
+    assert float(reg.baseline_ls.max()) < 1e-20                                       # k = 4 ≥ d = 3, noiseless
+    text = trained_icl.findings(ds)
+    assert "changes no score" in text and text == trained_icl.findings(ds)
+
+
+def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypatch):
+    """The proxy's memoised episodes equal a fresh draw from the cell's data stream, whichever cell came first."""
+    from experiments import trained_icl
+    from kernapprox.sweep import cell_seed_sequence, data_seed_sequence
+
+    monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(trained_icl, "_MODELS", {})
+    monkeypatch.setattr(trained_icl, "_EPISODES", {})
+    exp = trained_icl.EXPERIMENT
+
+    def cell(estimator, r):
+        params = {"task": "mqar_smoke", "substitution": "all", "estimator": estimator, "num_features": r,
+                  "context": 4, "seed": 0}
+        rng = np.random.default_rng(cell_seed_sequence(exp.name, params, 0))
+        data = np.random.default_rng(data_seed_sequence(exp.name, params, exp.data_axes, 0))
+        return trained_icl.run_cell(params, rng, torch.device("cpu"), data)
+
+    first = cell("positive_orthogonal", 16)
+    cell("elu1", 64)                                                          # fills the memo from its own cell
+    trained_icl._EPISODES.clear()
+    fresh = cell("positive_orthogonal", 16)
+    again = cell("positive_orthogonal", 16)                                   # from the memo
+    for out in (fresh, again):
+        np.testing.assert_array_equal(out["proxy_accuracy"], first["proxy_accuracy"])
+        np.testing.assert_array_equal(out["score"], first["score"])
