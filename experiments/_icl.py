@@ -14,6 +14,8 @@ references), which needs the query–key matrix and is labelled so.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import xarray as xr
 
@@ -67,6 +69,23 @@ def applicable(table: dict, label: str, num_features: int, num_context: int, slo
 def not_applicable(metric_table: dict) -> dict:
     """The result of a cell that is not run: NaN for every metric."""
     return {name: np.float64(np.nan) for name in metric_table}
+
+
+_EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
+
+
+def memoised_episodes(data_rng, what: tuple, make):
+    """``make()`` (episodes drawn from a fresh ``data_rng``), memoised by the data stream's seed and ``what``: the
+    engine runs the cells of one data draw one after the other, so the episodes are drawn once per draw (they are
+    a deterministic function of that seed; nothing else may be drawn from ``data_rng`` after them)."""
+    seq = data_rng.bit_generator.seed_seq
+    key = (seq.entropy, seq.spawn_key, what)
+    if key not in _EPISODES:
+        _EPISODES[key] = make()
+        while len(_EPISODES) > 4:
+            _EPISODES.popitem(last=False)
+    _EPISODES.move_to_end(key)
+    return _EPISODES[key]
 
 
 def recall_episodes(num_pairs: int, query: str, *, rng, device, num_queries: int, dim: int = 64,

@@ -18,12 +18,14 @@ import xarray as xr
 
 from experiments._common import add_proportion, interval_note, range_text
 from experiments._icl import (
+    EPISODES,
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
     applicable,
     available,
     episode_dims,
+    memoised_episodes,
     not_applicable,
     readout_metric_table,
     readout_metrics,
@@ -69,8 +71,9 @@ REFERENCE_METRICS = {
 
 
 def _episodes(params, data_rng, device):
-    return tasks.digits_classification(params["num_context"], num_queries=params["num_queries"],
-                                       batch=len(episode_dims()["coords"]["episode"]), rng=data_rng, device=device)
+    what = ("digits", params["num_context"], params["num_queries"], str(device))
+    return memoised_episodes(data_rng, what, lambda: tasks.digits_classification(
+        params["num_context"], num_queries=params["num_queries"], batch=EPISODES, rng=data_rng, device=device))
 
 
 def run_cell(params, rng, device, data_rng):

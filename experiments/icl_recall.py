@@ -30,6 +30,7 @@ from experiments._icl import (
     available,
     episode_dims,
     legend_entries,
+    memoised_episodes,
     not_applicable,
     query_key_cosine,
     readout_metric_table,
@@ -97,8 +98,10 @@ REFERENCE_METRICS = {
 
 def _episodes(params, data_rng, device):
     n = params["num_pairs"]
-    return recall_episodes(n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]),
-                           dim=params["dim"], num_candidates=params["num_candidates"])
+    what = ("recall", n, params["query"], params["max_queries"], params["dim"], params["num_candidates"], str(device))
+    return memoised_episodes(data_rng, what, lambda: recall_episodes(
+        n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]), dim=params["dim"],
+        num_candidates=params["num_candidates"]))
 
 
 def run_cell(params, rng, device, data_rng):

@@ -19,12 +19,14 @@ import xarray as xr
 
 from experiments._common import add_summaries, interval_note, range_text
 from experiments._icl import (
+    EPISODES,
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
     applicable,
     available,
     episode_dims,
+    memoised_episodes,
     not_applicable,
     readout_metric_table,
     readout_metrics,
@@ -66,9 +68,12 @@ REFERENCE_METRICS = {
 
 
 def _episodes(params, data_rng, device):
-    return tasks.smooth_regression(params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
-                                   lengthscale=params["lengthscale"], noise_std=params["noise_std"],
-                                   batch=len(episode_dims()["coords"]["episode"]), rng=data_rng, device=device)
+    what = ("regression", params["num_context"], params["dim"], params["num_queries"], params["lengthscale"],
+            params["noise_std"], str(device))
+    return memoised_episodes(data_rng, what, lambda: tasks.smooth_regression(
+        params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
+        lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES, rng=data_rng,
+        device=device))
 
 
 def run_cell(params, rng, device, data_rng):

@@ -32,6 +32,7 @@ from experiments._icl import (
     collect_legend,
     episode_dims,
     exact_band,
+    memoised_episodes,
     not_applicable,
     readout_metric_table,
     readout_metrics,
@@ -94,7 +95,11 @@ REFERENCE_METRICS = {
 
 
 def _episodes(task, query, rng, device):
-    """(queries, keys, values, per-episode scorer, β) of one batch of episodes of ``task``."""
+    """(queries, keys, values, per-episode scorer, β) of one batch of episodes of ``task`` (memoised per draw)."""
+    return memoised_episodes(rng, (task, query, str(device)), lambda: _draw_episodes(task, query, rng, device))
+
+
+def _draw_episodes(task, query, rng, device):
     s = TASKS[task]
     if task == "recall":
         ep = recall_episodes(s["num_context"], query, rng=rng, device=device, num_queries=s["num_queries"],

@@ -18,8 +18,8 @@ for every summary of a dataset, so summaries of different kinds sit side by side
     the share of draws below the baseline in a paired comparison (:func:`paired_summary`).
 
 Entries a kind of summary does not compute are NaN. Attributes ``statistic``, ``interval``, ``level`` and
-``over`` (the pooled dimensions, comma separated) say what was computed. :func:`describe_summaries` writes the dataset-level
-``stat_convention`` text.
+``over`` (the pooled dimensions, comma separated) say what was computed. :func:`describe_summaries` writes the
+dataset-level ``stat_convention`` text.
 
 Intervals
 ---------

@@ -218,20 +218,25 @@ def paraphrase_recall(num_pairs: int, *, phrase_length: int = 8, substitutions: 
     keys, queries = np.empty((batch, n, d)), np.empty((batch, n_q, d))
     cands, value_rows = np.empty((batch, c, d_v)), np.empty((batch, n), dtype=np.int64)
     slots = np.empty((batch, n_q), dtype=np.int64)
+    rows = np.arange(n_q)[:, None]
     for b in range(batch):
         table = _unit_rows(gen.standard_normal((vocab, d)))
-        phrases = np.stack([gen.choice(vocab, size=length, replace=False) for _ in range(n)])      # (n, T)
+        phrases = np.argsort(gen.random((n, vocab)), axis=1)[:, :length]              # (n, T) distinct tokens
         keys[b] = _unit_rows(table[phrases].sum(1))
         cands[b] = _unit_rows(gen.standard_normal((c, d_v)))
         value_rows[b] = gen.choice(c, size=n, replace=False)
         slots[b] = gen.permutation(n)[:n_q]
-        for i, j in enumerate(slots[b]):
-            phrase = phrases[j].copy()
-            outside = np.setdiff1d(np.arange(vocab), phrase)
-            where = gen.choice(length, size=substitutions, replace=False)
-            phrase[where] = gen.choice(outside, size=substitutions, replace=False)
-            queries[b, i] = table[phrase].sum(0)
-        queries[b] = _unit_rows(queries[b])
+        asked = phrases[slots[b]].copy()                                             # (n_q, T)
+        where = np.argsort(gen.random((n_q, length)), axis=1)[:, :substitutions]     # distinct positions
+        new = gen.integers(0, vocab, size=(n_q, substitutions))
+        while True:       # redraw replacements that are in the phrase already or repeat another replacement
+            clash = (new[:, :, None] == asked[:, None, :]).any(-1)
+            clash |= (new[:, :, None] == new[:, None, :]).sum(-1) > 1
+            if not clash.any():
+                break
+            new = np.where(clash, gen.integers(0, vocab, size=new.shape), new)
+        asked[rows, where] = new
+        queries[b] = _unit_rows(table[asked].sum(1))
     values = np.take_along_axis(cands, value_rows[..., None], axis=1)
     targets = np.take_along_axis(value_rows, slots, axis=1)
     return RecallEpisodes(

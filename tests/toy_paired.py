@@ -1,7 +1,6 @@
 """A tiny numpy-only comparative study for the engine's tests: an estimator axis, paired data, a reference
 computed once per data draw, a fixed parameter, summaries and findings."""
 
-import numpy as np
 
 from kernapprox import stats
 from kernapprox.plotting import bullets, fmt_ci

@@ -321,8 +321,11 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         reused = len(cells) - len(todo)
         plan = (_make_plan(workers, dask, scheduler, executor, threads) if todo
                 else _Plan(_InlineExecutor(), "none", 1))
-        # references first: a cell that memoises the exact computation of its data draw finds it done sooner
-        todo.sort(key=lambda item: not item[1])
+        if experiment.data_axes:
+            # data-major order, the reference of each draw first: cells that share a data draw run one after the
+            # other, so a cell may memoise what its draw costs to make (episodes, the exact computation)
+            position = {axis: {value: i for i, value in enumerate(grid[axis])} for axis in experiment.data_axes}
+            todo.sort(key=lambda item: (tuple(position[a][item[0][a]] for a in experiment.data_axes), not item[1]))
         tasks = [CellTask(experiment.module, experiment.name, p, root_seed, cell_spawn_key(experiment.name, p),
                           str(dev), experiment.allow_tf32, plan.num_threads,
                           data_spawn_key(experiment.name, p, experiment.data_axes) if experiment.data_axes else None,
