@@ -56,7 +56,7 @@ GRIDS = {
               "seq_len": [64], "causal": [False, True], "beta": [2.0], "seed": [0, 1, 2]},
     "default": {"estimator": ESTIMATORS, "num_features": [16, 64, 256], "seq_len": [512, 2048, 8192],
                 "causal": [False, True], "beta": [2.0], "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256, 512], "seq_len": [512, 2048, 8192],
+    "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256], "seq_len": [512, 2048, 8192],
              "causal": [False, True], "beta": [1.0, 2.0], "seed": list(range(8))},
 }
 PARAMETERS = {

@@ -73,8 +73,8 @@ GRIDS = {
     "smoke": {"estimator": SMOKE, "num_features": [8, 32], "beta": [1.0], "seq_len": [64], "seed": [0, 1, 2]},
     "default": {"estimator": ESTIMATORS, "num_features": [8, 16, 32, 64, 128], "beta": [1.0, 2.0],
                 "seq_len": [256, 4096], "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": ESTIMATORS, "num_features": [8, 16, 32, 64, 128, 256, 512], "beta": [0.5, 1.0, 2.0, 4.0],
-             "seq_len": [256, 1024, 4096], "seed": list(range(8))},
+    "full": {"estimator": ESTIMATORS, "num_features": [8, 16, 32, 64, 128, 256], "beta": [0.5, 1.0, 2.0, 4.0],
+             "seq_len": [256, 4096], "seed": list(range(8))},
 }
 PARAMETERS = {
     "dim": Parameter(32, long_name="head dimension d of queries and keys", units="1"),
