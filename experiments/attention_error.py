@@ -269,14 +269,14 @@ def findings(ds: xr.Dataset) -> str:
     lines.append(f"Causal against non-causal output error on the same data (n = {n_max}, r = {r_max}, per-draw ratio): "
                  + "; ".join(f"`{n}` {fmt_ci(causal_ratio.sel(estimator=n))}" for n in names)
                  + f" — below 1 with its whole interval for {len(lo_c)} of {len(names)} maps.")
-    growth = []
-    for n in names:
-        a, b = out.sel(estimator=n, num_features=r_mid, causal=False, seq_len=[n_min, n_max]).sel(stat="estimate")
-        if np.isfinite(float(a)) and np.isfinite(float(b)):
-            growth.append(float(b / a))
-    if growth and n_max != n_min:
-        lines.append(f"At fixed r = {r_mid} the median output error changes by a factor {range_text(growth)} from "
-                     f"n = {n_min} to n = {n_max} (non-causal; medians over independent draws per length).")
+    if positive and n_max != n_min:
+        pieces = []
+        for n in positive:
+            a, b = (out.sel(estimator=n, num_features=r_mid, causal=False, seq_len=length)
+                    for length in (n_min, n_max))
+            pieces.append(f"`{n}` {fmt_ci(a)} → {fmt_ci(b)}")
+        lines.append(f"At fixed r = {r_mid}, from n = {n_min} to n = {n_max} (non-causal; independent draws per "
+                     "length): " + "; ".join(pieces) + ".")
     trig = [n for n in names if n.startswith("trig")]
     if trig:
         rate = ds["nonpositive_rate_summary"]

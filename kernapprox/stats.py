@@ -135,10 +135,15 @@ def _bootstrap(values: np.ndarray, fn, level: float, seed: int, resamples: int) 
         out[i, 3] = m
         if m == 0:
             continue
-        with np.errstate(invalid="ignore", over="ignore"):                   # inf draws: inf − inf in quantiles
+        with np.errstate(invalid="ignore", over="ignore"):
             out[i, 0] = fn(valid[None, :])[0]
             boot = fn(valid[_indices(seed, m, resamples)])
-            out[i, 1:3] = np.quantile(boot, tails, method="linear") if not np.isnan(boot).any() else np.nan
+        if np.isnan(boot).any():
+            out[i, 1:3] = np.nan
+        else:                          # ±inf statistics (inf draws) stay infinite instead of turning NaN
+            big = np.finfo(np.float64).max
+            q = np.quantile(np.clip(boot, -big, big), tails, method="linear")
+            out[i, 1:3] = np.where(q >= big, np.inf, np.where(q <= -big, -np.inf, q))
     return out.reshape(values.shape[:-1] + (4,))
 
 
