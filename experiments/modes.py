@@ -79,8 +79,8 @@ METRICS = {
     "time_per_token_s": Metric(long_name="wall time per token", units="s",
                                description="time_s / n for full-sequence methods, time_s for a decode step"),
     "carried_bytes": Metric(long_name="memory carried to the next token", units="B",
-                            description="KV cache 2·n·H·d·4 (exact) or recurrent state H·r·(d_v+1)·4 (linear), "
-                                        "float32"),
+                            description="KV cache 2·n·H·d·4 (exact) or H · estimator.state_bytes(d_v, float32, "
+                                        "seq_len=n) (linear: the state r·(d_v+1) per head), float32"),
     "peak_extra_bytes": Metric(long_name="peak extra memory of the call", units="B",
                                description="CUDA: torch.cuda.max_memory_allocated minus memory before the call "
                                            "(measured); CPU: analytic count of the largest live intermediates "
@@ -131,10 +131,13 @@ def analytic_peak_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEA
 
 
 def carried_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEAD_DIM, r: int = NUM_FEATURES,
-                  itemsize: int = 4) -> float:
-    """What generation must keep from token to token: the KV cache, or the recurrent state."""
+                  itemsize: int = 4, estimator=None) -> float:
+    """What generation must keep from token to token: the KV cache, or the recurrent state (a fitted
+    ``estimator``'s own ``state_bytes`` per head when given, else ``r·(d_v+1)`` numbers per head)."""
     if method.startswith("exact"):
         return float(2 * n * heads * d * itemsize)
+    if estimator is not None:
+        return float(heads * estimator.state_bytes(d, torch.float32, seq_len=n))
     return float(heads * r * (d + 1) * itemsize)
 
 
@@ -232,7 +235,7 @@ def run_cell(params: dict, rng: np.random.Generator, device) -> dict:
                     max_reps=1000 if decode else 20, budget_s=budget)
     per_token = t.median_s if decode else t.median_s / n
     return {"time_s": t.median_s, "time_min_s": t.min_s, "time_per_token_s": per_token,
-            "carried_bytes": carried_bytes(method, n, **shape), "repeat_times": np.asarray(t.times),
+            "carried_bytes": carried_bytes(method, n, estimator=est, **shape), "repeat_times": np.asarray(t.times),
             "peak_extra_bytes": peak, "peak_measured": float(device.type == "cuda"),
             "max_abs_deviation": deviation, "reps": t.reps, "cpu_utilisation": t.cpu_utilisation}
 
