@@ -65,7 +65,7 @@ GRIDS = {
     "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
                 "num_pairs": [256], "beta_factor": [2.0], "query": QUERIES, "seed": [0, 1, 2, 3, 4]},
     "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
-             "num_pairs": [64, 256, 1024], "beta_factor": [2.0], "query": QUERIES, "seed": list(range(6))},
+             "num_pairs": [64, 256], "beta_factor": [1.0, 2.0], "query": QUERIES, "seed": list(range(6))},
 }
 PARAMETERS = {
     "dim": Parameter(64, long_name="key and value dimension d = d_v", units="1"),

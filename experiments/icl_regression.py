@@ -44,8 +44,8 @@ GRIDS = {
               "num_features": [16, 32], "num_context": [32], "beta": [8.0], "seed": [0, 1]},
     "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
                 "num_context": [64, 512], "beta": [8.0, 32.0], "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
-             "num_context": [64, 256, 1024], "beta": [8.0, 16.0, 32.0], "seed": list(range(6))},
+    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
+             "num_context": [64, 256, 512], "beta": [8.0, 16.0, 32.0], "seed": list(range(6))},
 }
 PARAMETERS = {
     "dim": Parameter(4, long_name="input dimension d (points on the sphere S^(d−1))", units="1"),
