@@ -363,15 +363,16 @@ def findings(ds: xr.Dataset) -> str:
             + (", ".join(worse) or "none") + f"; the other {len(unresolved)} (sampler, β) pairs are not separated "
             "from 1 by their 95 % interval.")
     if n_long != n_short:
-        grow = []
+        grow, higher, same = [], [], []
         for name in [n for n in names if n in LONG_SEQUENCE]:
             a = summ.sel(estimator=name, beta=b_lo, seq_len=n_long, num_features=r_top)
             b = summ.sel(estimator=name, beta=b_lo, seq_len=n_short, num_features=r_top)
             if np.isfinite(float(a.sel(stat="estimate"))):
                 grow.append(f"`{name}` {fmt_ci(b, 2)} → {fmt_ci(a, 2)}")
+                (higher if float(a.sel(stat="lo")) > float(b.sel(stat="hi")) else same).append(f"`{name}`")
         lines.append(f"From n = {n_short} to n = {n_long} at r = {r_top}, β = {b_lo:g} (median kernel error, 95 % "
-                     f"interval): " + "; ".join(grow) + ". Random features estimate each entry independently of "
-                     "n; a fixed number of landmarks covers a longer sequence less well.")
+                     f"interval): " + "; ".join(grow) + f". Higher at n = {n_long} with separated intervals: "
+                     + (", ".join(higher) or "none") + "; not separated: " + (", ".join(same) or "none") + ".")
     hybrids = [n for n in names if split_estimator_name(n)[0] in ("scatterbrain", "window")]
     if hybrids and BASELINE in names:
         vs = ds["kernel_rel_fro_vs_baseline_summary"].sel(seq_len=n_short, num_features=r_top, beta=b_lo)

@@ -208,8 +208,12 @@ def findings(ds: xr.Dataset) -> str:
             if int(sel.sum()):
                 per.append(f"`{name}` {int((covered.sel(estimator=name) & sel).sum())}/{int(sel.sum())} "
                            f"(ratios {range_text(ratio.sel(estimator=name).where(sel).values)})")
+        below = big & (hi < theo)
+        shares = ds["abs_error_summary"].sel(stat="tail").where(below).values
         lines.append("At closed-form relative MSE ≥ 0.5 the intervals cover the closed form at: " + "; ".join(per)
-                     + ". Ratios far below 1 come with small tail shares: the draws that carry the MSE are rare.")
+                     + (f". Where the whole interval lies below the closed form ({int(below.sum())} points), the share "
+                        f"of draws with relative error above 1 is {range_text(100 * shares)} %" if int(below.sum())
+                        else "") + ".")
     tail = ds["abs_error_summary"]
     heavy = tail.sel(stat="tail").where(exact_forms)
     worst = heavy.where(heavy == heavy.max(), drop=True)

@@ -197,6 +197,8 @@ def fmt_ci(summary: xr.DataArray, digits: int = 3, *, percent: bool = False) -> 
     if percent:
         return f"{fmt_pct(est)} ({_percent_number(lo)}–{_percent_number(hi)} %)"
     sep = " to " if lo < 0 else "–"
+    while digits < 6 and len({fmt(v, digits) for v in (est, lo, hi)}) < len({est, lo, hi}):
+        digits += 1                              # e.g. 1 (0.99982–1), not 1 (1–1)
     return f"{fmt(est, digits)} ({fmt(lo, digits)}{sep}{fmt(hi, digits)})"
 
 
