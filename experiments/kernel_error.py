@@ -25,6 +25,7 @@ from matplotlib.lines import Line2D
 
 import kernapprox as ka
 from experiments._common import (
+    ATTENTION_SVD,
     BASELINE,
     DENSE_BUDGET_ENTRIES,
     KERNEL_SVD,
@@ -55,14 +56,16 @@ from kernapprox.spectrum import eckart_young_errors, kernel_singular_values
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 CLASSIC = ("trig", "positive", "hyperbolic", "maclaurin")       # data-independent, Performer-era maps
-DATA_DEPENDENT = ("nystrom", "scatterbrain", "window")
+DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", "lara", "eva")
 
 
 def consistent_estimators() -> list[str]:
-    """Registry names of the estimators whose error vanishes as ``r`` grows (``exact`` and the kernel SVD, which
-    is the reference, excluded)."""
+    """Registry names of the estimators whose error vanishes as ``r`` grows; ``exact``, the kernel SVD (the
+    reference, from the spectrum) and the attention SVD (it approximates the row-normalised matrix, not this one)
+    excluded."""
     return [name for name in ka.available_estimators()
-            if ka.capabilities(name).kind != "exact" and ka.capabilities(name).consistent and name != KERNEL_SVD]
+            if ka.capabilities(name).kind != "exact" and ka.capabilities(name).consistent
+            and name not in (KERNEL_SVD, ATTENTION_SVD)]
 
 
 ESTIMATORS = consistent_estimators()
