@@ -340,7 +340,8 @@ def findings(ds: xr.Dataset) -> str:
             ratio.append(f"{task} {range_text(e.sel(estimator=landmark).values)} (Nyström) vs "
                          f"{range_text(e.sel(estimator=random_maps).values)} (positive random maps)")
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
-    lines.append(interval_note(ds))
+    headline = [line for line in lines if line.startswith("At r = ")]
+    lines = headline + [line for line in lines if line not in headline] + [interval_note(ds)]
     return bullets(lines)
 
 

@@ -45,7 +45,7 @@ FAMILY_COLORS = {  # one hue per estimator family, the same in every figure
     "gerf": "#d55e00", "oprf": "#cc78bc", "sderf": "#8c564b", "aderf": "#7b3294", "saderf": "#b8a000",
     "nystrom": "#ca9161", "nystromformer": "#a6761d", "scatterbrain": "#1b3a6b", "window": "#6a6a6a",
     "taylor2": "#e7298a", "elu1": "#66a61e", "dpfp": "#a6cee3", "lowrank": "#000000", "exact": "#949494",
-    "hedgehog": "#c51b1b",
+    "hedgehog": "#c51b1b", "lara": "#17becf", "eva": "#9467bd", "kernel": "#000000", "attention": "#595959",
 }
 VARIANT_STYLES = {  # one line style and marker per projection sampler or named variant
     "iid": ("-", "o"), "orthogonal": ("--", "s"), "qmc": (":", "^"), "sorf": ("-.", "D"),
