@@ -9,25 +9,32 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PRESET ?= default
 DEVICE ?= auto
-# torch threads per experiment: cells are small, so one thread each and `make -j N figures` use the cores best.
+# torch threads per experiment: cells are small, so one thread each and JOBS experiments at a time use the cores best.
 THREADS ?= 1
+# experiments run at once by `make figures` (both cores of the 2-core reference machine by default)
+JOBS ?= 2
 # The torch pinned when none is importable: the CPU-friendly build. An existing torch is never replaced.
 TORCH_PIN ?= torch==2.13.0
 EXTRAS ?= dev,dask,real
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
+ALL_EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
+# The longest first, so that `make -j` does not end waiting for one long run; the others follow alphabetically.
+LONGEST_FIRST := trained_icl model_substitution kernel_error icl_recall rank_summary query_distribution spectrum \
+                 attention_error state_rules modes
+EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
+               $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))
 RESULTS     := $(patsubst %,results/%.nc,$(EXPERIMENTS))
 FIGURES     := $(patsubst %,figures/%.png,$(EXPERIMENTS))
 LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py kernapprox/*/*.py))
 # Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
-.PHONY: install test test-slow lint figures results bench docs clean distclean help
+.PHONY: install test test-slow lint figures figures-all gallery results bench docs clean distclean help
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
-	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS)), build figures/*.png"
+	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
@@ -52,11 +59,18 @@ lint: install
 	$(PY) -m ruff check kernapprox experiments tests benchmarks
 
 results: $(RESULTS)
-figures: $(FIGURES)
+# JOBS experiments at a time (one core each); the README gallery is regenerated from figures/*.md at the end.
+figures: | $(STAMP)
+	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
+figures-all: $(FIGURES)
+	@$(MAKE) --no-print-directory gallery
+gallery:
+	@if [ -f docs/generate.py ]; then $(PY) docs/generate.py readme; fi
 
-# A dataset depends on its experiment, the library and the configuration; a figure is drawn from its dataset
-# only (and the house style). An interrupted run resumes from results/<name>.nc.partial/; a failing cell stops
-# make with the cell's parameters and traceback.
+# A dataset depends on its experiment, the library and the configuration; a figure and its findings
+# (figures/<name>.md, every number computed from the dataset) are drawn from the dataset only (and the house
+# style). An interrupted run resumes from results/<name>.nc.partial/; a failing cell stops make with the cell's
+# parameters and traceback.
 $(CONFIG):
 	@mkdir -p results
 	@rm -f results/.config-*

@@ -1,26 +1,35 @@
-"""What the in-context-learning experiments share: estimator tables, applicability, read-out metrics, figures.
+"""What the in-context-learning studies share: estimator tables, applicability, episodes, per-episode read-out
+metrics, the exact reference, summaries and figures.
 
-The experiments ``icl_recall``, ``icl_regression``, ``icl_classification`` and ``rank_summary`` describe their
-estimators by a table ``label -> (registry name or FeatureMap class, constructor options)`` and run every
-estimator on the same grid axis ``num_features``; the rules below decide which cells are run, what every cell
-records about its read-out, and how results are drawn against the fitted feature dimension.
+The studies ``icl_recall``, ``icl_regression``, ``icl_classification`` and ``rank_summary`` describe their
+estimators by a table ``label -> (registry name or estimator class, constructor options)`` and run every estimator
+on the grid axis ``num_features``. Design (common random numbers): episodes are drawn from the data stream of the
+cell's data axes, so every estimator and rank reads the same episodes, and exact attention's read-out of them is
+the study's :class:`~kernapprox.sweep.Reference`, computed once per data draw and stored without the estimator
+axes. Every cell stores per-episode values (dimension ``episode``) for ``seed × episode`` replicates; the summaries
+pool them. Data-dependent maps are fitted on the context keys only (``kernapprox.readout``'s default
+``fit_on="keys"``): no read-out looks at its test queries. The exception is an *oracle* (the rank-r SVD
+references), which needs the query–key matrix and is labelled so.
 """
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import xarray as xr
 
-from kernapprox import available_estimators, metrics, readout
-from kernapprox.plotting import estimator_style, median_band, new_figure
+from experiments._common import add_proportion, add_summaries
+from kernapprox import available_estimators, metrics, readout, stats, tasks
+from kernapprox.plotting import estimator_style, new_figure, plot_summary
 from kernapprox.sweep import Metric
 
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
+EPISODES = 16              # episodes per seed: the replicates are seed × episode
 
-# The estimators of the regression and classification studies. Left out: the optimal rank-r oracle (see
-# rank_summary) and the position-based hybrids, since a context that is a set has no positions to relate.
-SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or FeatureMap class, constructor options)
-    "exact": ("exact", {}),
+# The estimators of the regression and classification studies. Left out: the rank-r oracles (see rank_summary)
+# and the position-based hybrids, since a context that is a set has no positions to relate.
+SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or estimator class, constructor options)
     "positive_orthogonal": ("positive_orthogonal", {}),
     "hyperbolic_orthogonal": ("hyperbolic_orthogonal", {}),
     "oprf_orthogonal": ("oprf_orthogonal", {}),
@@ -31,6 +40,12 @@ SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or FeatureMap class, const
     "nystrom_kmeans": ("nystrom_kmeans", {}),
     "nystrom_rls": ("nystrom_rls", {}),
 }
+
+# How recall queries relate to their stored keys: the cosine of a continuous perturbation (a random direction
+# orthogonal to the key), or "paraphrase": discrete phrase keys queried with one of their 8 tokens replaced.
+QUERY_COSINES = {"key": 1.0, "cos0.95": 0.95, "cos0.9": 0.9, "cos0.85": 0.85, "paraphrase": None}
+QUERY_AXIS = {"long_name": "recall query: the stored key ('key'), the key perturbed to a cosine ('cos<ρ>'), or a "
+                           "paraphrase of a phrase key (1 of 8 tokens replaced)", "units": "1"}
 
 
 # ------------------------------------------------------------------------------------------- grid and cells
@@ -56,41 +71,120 @@ def not_applicable(metric_table: dict) -> dict:
     return {name: np.float64(np.nan) for name in metric_table}
 
 
+_EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
+
+
+def memoised_episodes(data_rng, what: tuple, make):
+    """``make()`` (episodes drawn from a fresh ``data_rng``), memoised by the data stream's seed and ``what``: the
+    engine runs the cells of one data draw one after the other, so the episodes are drawn once per draw (they are
+    a deterministic function of that seed; nothing else may be drawn from ``data_rng`` after them)."""
+    seq = data_rng.bit_generator.seed_seq
+    key = (seq.entropy, seq.spawn_key, what)
+    if key not in _EPISODES:
+        _EPISODES[key] = make()
+        while len(_EPISODES) > 4:
+            _EPISODES.popitem(last=False)
+    _EPISODES.move_to_end(key)
+    return _EPISODES[key]
+
+
+def recall_episodes(num_pairs: int, query: str, *, rng, device, num_queries: int, dim: int = 64,
+                    num_candidates: int = 4096, batch: int = EPISODES) -> tasks.RecallEpisodes:
+    """Recall episodes for a ``query`` axis value (:data:`QUERY_COSINES`)."""
+    if query not in QUERY_COSINES:
+        raise ValueError(f"unknown query value {query!r}; valid: {', '.join(QUERY_COSINES)}")
+    common = {"dim": dim, "num_candidates": num_candidates, "num_queries": num_queries, "batch": batch, "rng": rng,
+              "device": device}
+    if QUERY_COSINES[query] is None:
+        return tasks.paraphrase_recall(num_pairs, **common)
+    return tasks.associative_recall(num_pairs, query_cosine=QUERY_COSINES[query], **common)
+
+
+def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
+    """Mean cosine of each episode's queries to the keys they ask for: ``(B,)``."""
+    keys = ep.keys.gather(1, ep.query_slots[..., None].expand(-1, -1, ep.keys.shape[-1]))
+    return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
+
+
+def episode_dims(episodes: int = EPISODES) -> dict:
+    return {"dims": ("episode",), "coords": {"episode": list(range(episodes))}}
+
+
 READOUT_DESCRIPTIONS = {  # metric -> default description of what readout_metrics records
-    "output_rel_error": "‖Ŷ−Y‖_F/‖Y‖_F against exact attention; median over episodes",
-    "nonpositive_normalizer_rate": "fraction of queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite",
-    "state_bytes": "r·(d_v+1) float32 numbers; exact attention: KV cache n·(d+d_v)",
-    "feature_dim": "r as fitted (NaN for exact attention)",
+    "output_rel_error": "‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the same episode (inf when an output is not "
+                        "finite)",
+    "nonpositive_normalizer_rate": "fraction of the episode's queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite",
+    "state_bytes": "estimator.state_bytes(d_v, float32, seq_len=n): the linear state r·(d_v+1) plus what the map "
+                   "keeps from the context (Nyström: r·d landmarks and the r×r whitening), float32",
+    "feature_dim": "r as fitted",
 }
 
 
-def readout_metric_table(**descriptions: str) -> dict[str, Metric]:
+def readout_metric_table(episodes: int = EPISODES, **descriptions: str) -> dict[str, Metric]:
     """The declarations of the metrics :func:`readout_metrics` records, in its order; a keyword replaces the
     default description (:data:`READOUT_DESCRIPTIONS`) of the metric it names."""
     unknown = sorted(set(descriptions) - set(READOUT_DESCRIPTIONS))
     if unknown:
         raise ValueError(f"no read-out metric named {', '.join(unknown)}; known: {', '.join(READOUT_DESCRIPTIONS)}")
     text = {**READOUT_DESCRIPTIONS, **descriptions}
+    per_episode = episode_dims(episodes)
     return {
         "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                                   description=text["output_rel_error"]),
+                                   description=text["output_rel_error"], **per_episode),
         "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                              description=text["nonpositive_normalizer_rate"]),
-        "state_bytes": Metric(long_name="memory read by the queries", units="byte", description=text["state_bytes"]),
+                                              description=text["nonpositive_normalizer_rate"], **per_episode),
+        "state_bytes": Metric(long_name="memory a decoder keeps from the context", units="byte",
+                              description=text["state_bytes"]),
         "feature_dim": Metric(long_name="feature dimension of the state", units="1", description=text["feature_dim"]),
     }
 
 
 def readout_metrics(read: readout.Readout, exact: readout.Readout) -> dict:
-    """What every cell records of a read-out against exact attention on the same episodes: the median over
-    episodes of the output's relative RMS error, the rate of non-positive normalisers, the state size and the
-    fitted feature dimension (NaN where the read-out has none, e.g. exact attention)."""
+    """What every cell records of a read-out against exact attention on the same episodes: per episode, the
+    output's relative RMS error and the rate of non-positive normalisers; the state size (NaN for an estimator
+    without a recurrent state) and the fitted feature dimension."""
     return {
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).median().cpu().numpy(),
-        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).mean().cpu().numpy(),
+        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).cpu().numpy(),
+        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).cpu().numpy(),
         "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
         "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
     }
+
+
+EXACT_STATE = Metric(long_name="KV cache of exact attention", units="byte",
+                     description="n·(d + d_v) float32 numbers: what exact attention keeps from the context")
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+REPLICATES = ("seed", "episode")
+
+
+def summarise_accuracy(ds: xr.Dataset, name: str, exact: str, queries) -> xr.Dataset:
+    """Accuracy summaries: pooled proportions with Clopper–Pearson intervals for ``name`` and ``exact``
+    (``queries`` per episode: a number or an array of the data dims), and the paired per-episode difference
+    ``<name>_vs_exact = name − exact`` with its bootstrap interval."""
+    for var in (name, exact):
+        successes = (ds[var] * queries).round()
+        ds = add_proportion(ds, var, successes, queries, REPLICATES)
+    diff = (ds[name] - ds[exact]).assign_attrs(
+        long_name=f"{ds[name].attrs['long_name']}: − exact attention on the same episode", units="1",
+        description=f"per episode, {name} − {exact} (identical episodes)", comparison="difference")
+    ds[f"{name}_vs_exact"] = diff
+    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
+    summary.attrs["description"] = f"summary of {name}_vs_exact over seed, episode: " + summary.attrs["interval"]
+    ds[f"{name}_vs_exact_summary"] = summary
+    return ds
+
+
+def summarise_readout(ds: xr.Dataset) -> xr.Dataset:
+    """Summaries of the read-out metrics: output error (median, interval, tail), non-positive normalisers
+    (mean with its bootstrap interval)."""
+    ds = add_summaries(ds, ["output_rel_error"], REPLICATES)
+    rate = stats.bootstrap_interval(ds["nonpositive_normalizer_rate"], REPLICATES, "mean")
+    rate.attrs.update({"long_name": ds["nonpositive_normalizer_rate"].attrs["long_name"], "units": "1",
+                       "description": "mean over seed, episode: " + rate.attrs["interval"]})
+    ds["nonpositive_normalizer_rate_summary"] = rate
+    return ds
 
 
 # ------------------------------------------------------------------------------------------------- figures
@@ -110,51 +204,59 @@ def style(label: str) -> dict:
 
 
 def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
-    """``var`` (median over seeds) against the fitted feature dimension, one line per estimator; maps with a
-    single applicable rank are drawn as one marker. Exact attention is left to the caller."""
+    """``<var>_summary`` against the fitted feature dimension, one line per estimator with its interval band;
+    maps with a single applicable rank are drawn as one marker with a bar."""
+    summary = ds[f"{var}_summary"]
     for label in labels:
-        if label == "exact":
-            continue
-        y, _, _ = median_band(ds[var].sel(estimator=label, **sel), dim="seed")
-        x, _, _ = median_band(ds["feature_dim"].sel(estimator=label, **sel), dim="seed")
-        y, x = np.asarray(y.values, dtype=float), np.asarray(x.values, dtype=float)
-        keep = np.isfinite(x) & ~np.isnan(y)
+        s = summary.sel(estimator=label, **sel)
+        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed")
+        keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
         if not keep.any():
             continue
         kw = style(label)
-        y = np.where(np.isinf(y), np.nan, y)                     # a failed read-out leaves a gap
         if keep.sum() == 1:
-            ax.plot(x[keep], y[keep], marker=kw["marker"], markersize=7, linestyle="none", color=kw["color"],
-                    label=label)
+            i = int(np.flatnonzero(keep)[0])
+            est, lo, hi = (float(s.sel(stat=k)[i]) for k in ("estimate", "lo", "hi"))
+            ax.errorbar([float(x[i])], [est], yerr=[[est - lo], [hi - est]], marker=kw["marker"], markersize=7,
+                        linestyle="none", color=kw["color"], capsize=2, label=label)
         else:
-            ax.plot(x[keep], y[keep], **kw)
+            plot_summary(ax, s.isel(num_features=np.flatnonzero(keep)), None,
+                         xvalues=x.values[keep], **kw)
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
 
 
-def score_panel(ax, ds: xr.Dataset, var: str, labels, *, ylabel: str, **sel) -> float:
-    """:func:`rank_panel` of a task score ``var`` with exact attention's median ``<var>_exact`` on the same
-    episodes as a dashed line, and the axis labels. Returns that median."""
+def exact_band(ax, summary: xr.DataArray, label: str = "exact attention (same episodes)") -> float:
+    """Exact attention's score as a dashed line with its interval as a grey band; returns the estimate."""
+    est, lo, hi = (float(summary.sel(stat=k)) for k in ("estimate", "lo", "hi"))
+    color = estimator_style("exact")["color"]
+    ax.axhline(est, color=color, linestyle="--", linewidth=1.2, label=label)
+    ax.axhspan(lo, hi, color=color, alpha=0.15, linewidth=0)
+    return est
+
+
+def score_panel(ax, ds: xr.Dataset, var: str, exact_var: str, labels, *, ylabel: str, **sel) -> float:
+    """:func:`rank_panel` of a task score with exact attention's score on the same episodes as a band, and the
+    axis labels. Returns exact attention's estimate."""
     rank_panel(ax, ds, var, labels, **sel)
-    exact = float(ds[f"{var}_exact"].sel(**sel).median())
-    ax.axhline(exact, color=estimator_style("exact")["color"], linestyle="--", linewidth=1.2,
-               label="exact attention")
+    exact_sel = {k: v for k, v in sel.items() if k in ds[f"{exact_var}_summary"].dims}
+    exact = exact_band(ax, ds[f"{exact_var}_summary"].sel(**exact_sel))
     ax.set_xlabel("feature dimension r of the state")
     ax.set_ylabel(ylabel)
     return exact
 
 
-def score_grid(ds: xr.Dataset, var: str, *, ylabel: str, decorate):
-    """A figure of :func:`score_panel` panels, rows ``beta`` and columns ``num_context``, with one legend.
+def score_grid(ds: xr.Dataset, var: str, exact_var: str, *, ylabel: str, decorate, n_axis: str):
+    """A figure of :func:`score_panel` panels, rows ``beta`` and columns ``n_axis``, with one legend.
 
-    ``decorate(ax, num_context, beta, exact)`` adds each panel's reference lines, limits and title. Returns
-    the figure."""
+    ``decorate(ax, n, beta, exact)`` adds each panel's reference lines, limits and title. Returns the figure."""
     labels = [str(v) for v in ds.estimator.values]
     betas = [float(v) for v in ds.beta.values]
-    ns = [int(v) for v in ds.num_context.values]
+    ns = [int(v) for v in ds[n_axis].values]
     fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
     for i, beta in enumerate(betas):
         for j, n in enumerate(ns):
-            exact = score_panel(axes[i, j], ds, var, labels, ylabel=ylabel, num_context=n, beta=beta)
+            exact = score_panel(axes[i, j], ds, var, exact_var, labels, ylabel=ylabel, beta=beta, **{n_axis: n})
             decorate(axes[i, j], n, beta, exact)
     collect_legend(fig, axes.flat)
     return fig

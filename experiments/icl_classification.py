@@ -3,104 +3,202 @@
 Episodes (:func:`kernapprox.tasks.digits_classification`): scikit-learn's bundled digits (1797 images, 64
 pixels, 10 classes; standardised, L2-normalised), ``n`` labelled images in context and 32 queries per episode,
 drawn without replacement. Prediction = argmax of the attention-weighted one-hot labels with inverse
-temperature ``β``. Every cell also scores exact attention and 1-NN (the ``β → ∞`` limit) on the same episodes.
-Maps whose dimension is fixed by ``d`` run only in the ``num_features = 64`` column (drawn at their own
-dimension); landmark methods with more landmarks than context images are not applicable (NaN). As in
-``icl_regression``, the optimal rank-r oracle (see ``rank_summary``) and the position-based hybrids are left out.
+temperature ``β``. The episodes come from the data stream of ``(num_context, seed)``: every estimator, rank and
+temperature reads the same episodes, and exact attention's and 1-NN's (the ``β → ∞`` limit) scores on them are the
+reference. Data-dependent maps are fitted on the context images only. Maps whose dimension is fixed by ``d`` run
+only in the ``num_features = 64`` column (drawn at their own dimension); landmark methods with more landmarks than
+context images are not applicable (NaN). As in ``icl_regression``, the rank-r oracles and the position-based
+hybrids are left out.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import xarray as xr
 
+from experiments._common import add_proportion, interval_note, range_text
 from experiments._icl import (
+    EPISODES,
     FIXED_DIMENSION_SLOT,
+    REPLICATES,
     SET_CONTEXT_ESTIMATORS,
     applicable,
     available,
+    episode_dims,
+    memoised_episodes,
     not_applicable,
     readout_metric_table,
     readout_metrics,
     score_grid,
+    summarise_accuracy,
+    summarise_readout,
 )
 from kernapprox import readout, tasks
-from kernapprox.plotting import save_figure
-from kernapprox.sweep import Experiment, Metric, run_cli
-
-NUM_QUERIES = 32
-EPISODES = 8
+from kernapprox.plotting import bullets, fmt_ci, save_figure
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 ESTIMATORS = SET_CONTEXT_ESTIMATORS
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["exact", "positive_orthogonal", "taylor2"]),
-              "num_features": [16, 64], "num_context": [50], "beta": [8.0], "seed": [0]},
+    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
+              "num_features": [16, 64], "num_context": [64], "beta": [8.0], "seed": [0, 1]},
     "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
-                "num_context": [100, 500], "beta": [4.0, 16.0], "seed": [0]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)),
-             "num_features": [16, 32, 64, 128, 256, 512, 1024, 2048, 4096],
-             "num_context": [50, 100, 200, 500, 1000], "beta": [2.0, 4.0, 8.0, 16.0, 32.0], "seed": [0, 1, 2, 3]},
+                "num_context": [100, 500], "beta": [4.0, 16.0], "seed": [0, 1, 2, 3, 4]},
+    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+             "num_context": [50, 200, 1000], "beta": [4.0, 16.0], "seed": list(range(6))},
 }
+PARAMETERS = {"num_queries": Parameter(32, long_name="query images per episode", units="1")}
+AXIS_ATTRS = {"num_context": {"long_name": "labelled context images n", "units": "1"},
+              "beta": {"long_name": "inverse temperature β (attention scale on unit-norm images)", "units": "1"}}
 
 METRICS = {
     "accuracy": Metric(long_name="classification accuracy", units="1",
-                       description="fraction of queries whose argmax attention-weighted label is right; mean over "
-                                   "episodes (a non-finite output counts as wrong)"),
+                       description="per episode, fraction of queries whose argmax attention-weighted label is right "
+                                   "(a non-finite output counts as wrong)", **episode_dims()),
     "accuracy_numerator": Metric(long_name="accuracy of the unnormalised read-out", units="1",
                                  description="as accuracy, from the numerator Σ κ̂ onehot alone (immune to "
-                                             "normaliser sign flips)"),
+                                             "normaliser sign flips)", **episode_dims()),
+    **readout_metric_table(state_bytes="estimator.state_bytes(d_v = 10 classes, float32, seq_len=n): the linear "
+                                       "state r·(d_v+1) plus what the map keeps from the context"),
+}
+REFERENCE_METRICS = {
     "accuracy_exact": Metric(long_name="exact-attention accuracy", units="1",
-                             description="exact softmax attention on the same episodes"),
+                             description="exact softmax attention on the same episodes", **episode_dims()),
     "accuracy_nearest_neighbour": Metric(long_name="1-NN accuracy", units="1",
-                                         description="nearest context image by cosine, on the same episodes"),
-    **readout_metric_table(state_bytes="r·(d_v+1) float32 numbers (d_v = 10 classes); exact attention: KV "
-                                      "cache n·(d+d_v)"),
+                                         description="nearest context image by cosine, on the same episodes",
+                                         **episode_dims()),
 }
 
 
-def run_cell(params, rng, device):
+def _episodes(params, data_rng, device):
+    what = ("digits", params["num_context"], params["num_queries"], str(device))
+    return memoised_episodes(data_rng, what, lambda: tasks.digits_classification(
+        params["num_context"], num_queries=params["num_queries"], batch=EPISODES, rng=data_rng, device=device))
+
+
+def run_cell(params, rng, device, data_rng):
     label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
-    ep = tasks.digits_classification(n, num_queries=NUM_QUERIES, batch=EPISODES, rng=rng, device=device)
+    ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
-                                        options=options)
+                                          options=options)
     return {
-        "accuracy": tasks.classification_accuracy(read.output, ep).mean().cpu().numpy(),
-        "accuracy_numerator": tasks.classification_accuracy(read.numerator, ep).mean().cpu().numpy(),
-        "accuracy_exact": tasks.classification_accuracy(exact.output, ep).mean().cpu().numpy(),
-        "accuracy_nearest_neighbour": tasks.classification_accuracy(
-            tasks.nearest_neighbour_predictions(ep), ep).mean().cpu().numpy(),
+        "accuracy": tasks.classification_accuracy(read.output, ep).cpu().numpy(),
+        "accuracy_numerator": tasks.classification_accuracy(read.numerator, ep).cpu().numpy(),
         **readout_metrics(read, exact),
     }
 
 
+def run_reference(params, device, data_rng):
+    ep = _episodes(params, data_rng, device)
+    exact = readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=params["beta"])
+    return {"accuracy_exact": tasks.classification_accuracy(exact.output, ep).cpu().numpy(),
+            "accuracy_nearest_neighbour": tasks.classification_accuracy(
+                tasks.nearest_neighbour_predictions(ep), ep).cpu().numpy()}
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    queries = int(ds["num_queries"])
+    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", queries)
+    ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", queries)
+    ds = add_proportion(ds, "accuracy_nearest_neighbour", (ds["accuracy_nearest_neighbour"] * queries).round(),
+                        queries, REPLICATES)
+    return summarise_readout(ds)
+
+
 def plot(ds: xr.Dataset, path) -> None:
     def decorate(ax, n, beta, exact):
-        nn = float(ds.accuracy_nearest_neighbour.sel(num_context=n, beta=beta).median())
-        ax.axhline(nn, color="0.2", linestyle=":", linewidth=1.0, label="1-NN")
+        nn = ds["accuracy_nearest_neighbour_summary"].sel(num_context=n, beta=beta)
+        ax.axhline(float(nn.sel(stat="estimate")), color="0.2", linestyle=":", linewidth=1.0, label="1-NN")
         ax.axhline(0.1, color="0.6", linestyle=(0, (1, 3)), linewidth=1.0, label="chance")
         ax.set_ylim(0.0, 1.0)
-        ax.set_title(f"n = {n}, β = {beta:g}: exact {exact:.2f}, 1-NN {nn:.2f}")
+        ax.set_title(f"n = {n}, β = {beta:g}: exact {exact:.2f}, 1-NN {float(nn.sel(stat='estimate')):.2f}")
 
-    fig = score_grid(ds, "accuracy", ylabel="accuracy", decorate=decorate)
+    fig = score_grid(ds, "accuracy", "accuracy_exact", ylabel="accuracy", decorate=decorate, n_axis="num_context")
     save_figure(fig, path, (
         "Few-shot classification of scikit-learn's digits (10 classes; pixels standardised, images L2-normalised) "
-        f"by an attention read-out over n labelled context images (columns) with inverse temperature β (rows): "
-        f"accuracy over {NUM_QUERIES} queries × {EPISODES} episodes (median over seeds) against the feature "
-        "dimension r of the state. Dashed: exact attention on the same episodes; dotted: 1-NN (the β → ∞ limit); "
-        "chance 0.1."),
+        "by an attention read-out over n labelled context images (columns) with inverse temperature β (rows): "
+        f"accuracy pooled over {int(ds['num_queries'])} queries × {ds.sizes['episode']} episodes × "
+        f"{ds.sizes['seed']} seeds against the feature dimension r of the state (the same episodes for every "
+        "estimator); bands and bars: 95 % Clopper–Pearson intervals. Dashed line and grey band: exact attention on "
+        "the same episodes; dotted: 1-NN (the β → ∞ limit); chance 0.1."),
         title="Few-shot digits classification against rank")
+
+
+def findings(ds: xr.Dataset) -> str:
+    names = [str(v) for v in ds.estimator.values]
+    ns = [int(v) for v in ds.num_context.values]
+    betas = [float(v) for v in ds.beta.values]
+    ranks = [int(v) for v in ds.num_features.values]
+    acc, diff = ds["accuracy_summary"], ds["accuracy_vs_exact_summary"]
+    exact, nn = ds["accuracy_exact_summary"], ds["accuracy_nearest_neighbour_summary"]
+    lines = []
+    if "nystrom_kmeans" in names:
+        reached = []
+        for n in ns:
+            for b in betas:
+                ok = [r for r in ranks if r <= n and float(diff.sel(estimator="nystrom_kmeans", num_features=r,
+                                                                    num_context=n, beta=b, stat="lo")) > -0.05]
+                reached.append(ok[0] if ok else None)
+        smallest = [r for r in reached if r is not None]
+        random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
+        best = diff.sel(num_features=max(ranks), estimator=random_maps).sel(stat="estimate").max("estimator")
+        within = (f"from r = {min(smallest)} in {sum(r == min(smallest) for r in reached)} of {len(reached)} (n, β) "
+                  "settings" if smallest else f"at no grid rank in any of the {len(reached)} (n, β) settings")
+        lines.append(
+            "Nyström with k-means landmarks fitted on the context images comes within 0.05 of exact attention's "
+            f"accuracy on the same episodes (lower end of the paired 95 % interval) {within}; the best random map "
+            f"at r = {max(ranks)} differs from exact attention's accuracy by {range_text(best.values)} across them.")
+    lines.append("Exact attention against 1-NN on the same episodes: " + "; ".join(
+        f"n = {n}, β = {b:g}: {fmt_ci(exact.sel(num_context=n, beta=b))} vs {fmt_ci(nn.sel(num_context=n, beta=b))}"
+        for n in ns for b in betas) + ".")
+    nystrom = [m for m in names if m.startswith("nystrom")]
+    for m in nystrom:
+        reach = []
+        for n in ns:
+            for b in betas:
+                ok = [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n,
+                                                                    beta=b, stat="lo")) > -0.05]
+                reach.append(f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if ok else "none"))
+        lines.append(f"`{m}` (fitted on the context images): smallest r whose paired accuracy deficit to exact "
+                     "attention is within 0.05 at the lower end of its 95 % interval: " + "; ".join(reach) + ".")
+    random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
+    if random_maps:
+        r_big = max(ranks)
+        parts = []
+        for n in ns:
+            for b in betas:
+                s = diff.sel(num_features=r_big, num_context=n, beta=b, estimator=random_maps)
+                best = random_maps[int(np.nanargmax(s.sel(stat="estimate").values))]
+                parts.append(f"n = {n}, β = {b:g}: best `{best}` {fmt_ci(s.sel(estimator=best))}")
+        lines.append(f"Random maps at r = {r_big}, accuracy minus exact attention's on the same episodes (mean per "
+                     "episode): " + "; ".join(parts) + ".")
+    trig = [m for m in names if m.startswith("trig")]
+    for m in trig:
+        rate = ds["nonpositive_normalizer_rate_summary"].sel(estimator=m, num_features=max(ranks))
+        a = acc.sel(estimator=m, num_features=max(ranks))
+        lines.append(f"`{m}` at r = {max(ranks)}: " + "; ".join(
+            f"β = {b:g}: accuracy {range_text(a.sel(beta=b, stat='estimate').values)}, normalisers ≤ 0 "
+            f"{range_text(100 * rate.sel(beta=b, stat='estimate').values)} %" for b in betas)
+            + f" (over n = {', '.join(map(str, ns))}).")
+    fixed = [m for m in names if m in ("taylor2", "elu1")]
+    if fixed:
+        lines.append("Fixed maps, accuracy minus exact attention's on the same episodes: " + "; ".join(
+            f"`{m}` {range_text(diff.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
+            for m in fixed) + " (over the n and β of the grid).")
+    lines.append(interval_note(ds))
+    return bullets(lines)
 
 
 EXPERIMENT = Experiment(
     name="icl_classification",
     title="Training-free few-shot classification of digits: accuracy against rank and context length",
-    description="How many features does each estimator need before an attention read-out over labelled "
-                "examples classifies real data (scikit-learn digits) as well as exact attention? Grid: "
-                "estimator × num_features × num_context × beta × seed.",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot)
+    description=" ".join(__doc__.split()),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"),
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
+    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

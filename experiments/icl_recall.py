@@ -1,14 +1,17 @@
-"""Associative recall without training: accuracy against state size and against the number of stored pairs.
+"""Associative recall without training: accuracy against state size, load and query perturbation.
 
 Continuous MQAR (:func:`kernapprox.tasks.associative_recall`): ``n`` pairs of random unit keys (d = 64) and
 values (d_v = 64) are written into the memory, every stored key (at most 256 per episode) is queried, and the
-read-out is decoded to the nearest of 4096 candidate values (Zoology's V/2). The inverse temperature is
-``β = beta_factor · ln n`` (``ln n`` puts about half of exact attention's mass on the match). Every cell also
-reads the same episodes with exact attention, so its accuracy and its attention-output error are measured on
-matched inputs. Maps whose dimension is fixed by ``d`` (exact, Taylor, ELU+1, DPFP) run only in the
-``num_features = 64`` column; landmark methods with more landmarks than keys are not applicable (NaN). The
-position-based hybrids (sliding window + linear, Scatterbrain) are left out: the pairs form a set and the queries
-come in random order, so a window over positions says nothing about which pair is asked for.
+read-out is decoded to the nearest of 4096 candidate values (Zoology's V/2). Queries are the stored keys, the keys
+perturbed to a cosine ρ of 0.95, 0.9 or 0.85 (a random direction orthogonal to the key), or paraphrases: discrete
+keys made of 8 tokens from a shared vocabulary, queried with one token replaced
+(:func:`kernapprox.tasks.paraphrase_recall`). The inverse temperature is ``β = beta_factor · ln n`` (``ln n`` puts
+about half of exact attention's mass on the match). The episodes come from the data stream of
+``(num_pairs, query, seed)``, so every estimator and rank reads the same episodes, and exact attention's read-out of
+them is the reference (once per draw). Data-dependent maps are fitted on the context keys only. Maps whose
+dimension is fixed by ``d`` (Taylor, ELU+1, DPFP) run only in the ``num_features = 64`` column; landmark methods
+with more landmarks than keys are not applicable (NaN). The position-based hybrids are left out: the pairs form a
+set and the queries come in random order.
 """
 
 from __future__ import annotations
@@ -16,136 +19,170 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from experiments._common import interval_note, range_text
 from experiments._icl import (
+    EXACT_STATE,
     FIXED_DIMENSION_SLOT,
+    QUERY_AXIS,
+    QUERY_COSINES,
+    REPLICATES,
     applicable,
     available,
+    episode_dims,
     legend_entries,
+    memoised_episodes,
     not_applicable,
+    query_key_cosine,
     readout_metric_table,
     readout_metrics,
+    recall_episodes,
+    summarise_accuracy,
+    summarise_readout,
 )
 from experiments._icl import style as icl_style
 from kernapprox import readout, tasks
 from kernapprox.estimators import DPFPFeatures
-from kernapprox.plotting import median_band, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
-KEY_DIM = 64
-VALUE_DIM = 64
-NUM_CANDIDATES = 4096
-MAX_QUERIES = 256
-EPISODES = 4
-
-# label -> (registry name or FeatureMap class, constructor options); unregistered names are left out
+# label -> (registry name or estimator class, constructor options); unregistered names are left out
 ESTIMATORS = {
-    "exact": ("exact", {}),
     "positive_orthogonal": ("positive_orthogonal", {}),
     "oprf_orthogonal": ("oprf_orthogonal", {}),
     "trig_orthogonal": ("trig_orthogonal", {}),
     "taylor2": ("taylor2", {}),
     "elu1": ("elu1", {}),
     "dpfp_nu1": (DPFPFeatures, {"nu": 1}),   # not registered (its normaliser can be exactly zero)
-    "dpfp_nu2": (DPFPFeatures, {"nu": 2}),
-    "dpfp_nu3": (DPFPFeatures, {"nu": 3}),
     "nystrom_uniform": ("nystrom_uniform", {}),
     "nystrom_rls": ("nystrom_rls", {}),
 }
-
+QUERIES = list(QUERY_COSINES)
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["exact", "positive_orthogonal", "taylor2", "nystrom_uniform"]),
-              "num_features": [16, 64], "num_pairs": [16, 64], "beta_factor": [2.0], "seed": [0]},
-    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [64, 256, 1024, 4096],
-                "num_pairs": [64, 256, 1024], "beta_factor": [1.0, 2.0], "seed": [0]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096, 16384],
-             "num_pairs": [16, 64, 256, 1024, 4096], "beta_factor": [0.5, 1.0, 2.0], "seed": [0, 1, 2, 3]},
+    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
+              "num_features": [16, 64], "num_pairs": [64], "beta_factor": [2.0], "query": ["key", "paraphrase"],
+              "seed": [0, 1]},
+    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+                "num_pairs": [256], "beta_factor": [2.0], "query": QUERIES, "seed": [0, 1, 2, 3, 4]},
+    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+             "num_pairs": [64, 256], "beta_factor": [1.0, 2.0], "query": QUERIES, "seed": list(range(6))},
 }
+PARAMETERS = {
+    "dim": Parameter(64, long_name="key and value dimension d = d_v", units="1"),
+    "num_candidates": Parameter(4096, long_name="candidate values the read-out is decoded against", units="1"),
+    "max_queries": Parameter(256, long_name="queries per episode at most", units="1",
+                             description="min(n, max_queries) distinct stored pairs are asked for"),
+}
+AXIS_ATTRS = {"num_pairs": {"long_name": "stored key–value pairs n", "units": "1"},
+              "beta_factor": {"long_name": "β / ln n", "units": "1"}, "query": QUERY_AXIS}
 
 METRICS = {
     "accuracy": Metric(long_name="recall accuracy", units="1",
-                       description="fraction of queries whose normalised attention output is nearest to their own "
-                                   "value among 4096 candidates; mean over episodes"),
+                       description="per episode, fraction of queries whose normalised attention output is nearest to "
+                                   "their own value among the candidates", **episode_dims()),
     "accuracy_numerator": Metric(long_name="recall accuracy of the unnormalised read-out", units="1",
                                  description="as accuracy, decoding the numerator W φ(q) alone (fast-weight "
-                                             "read-out, immune to normaliser sign flips)"),
+                                             "read-out, immune to normaliser sign flips)", **episode_dims()),
+    **readout_metric_table(),
+}
+REFERENCE_METRICS = {
     "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1",
-                             description="accuracy of exact softmax attention on the same episodes"),
-    **readout_metric_table(
-        output_rel_error="‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the same queries; median over episodes (inf "
-                         "when an output is not finite)",
-        nonpositive_normalizer_rate="fraction of queries whose estimated Σ_i φ(q)ᵀφ(k_i) ≤ 0 or is not finite",
-        state_bytes="linear state r·(d_v+1) float32 numbers; exact attention: the KV cache n·(d+d_v) float32 "
-                    "numbers"),
+                             description="accuracy of exact softmax attention on the same episodes", **episode_dims()),
+    "query_cosine": Metric(long_name="mean cosine of a query to its stored key", units="1",
+                           description="per episode (1 for query = key)", **episode_dims()),
+    "state_bytes_exact": EXACT_STATE,
+    "num_queries": Metric(long_name="queries per episode", units="1", description="min(n, max_queries)"),
     "beta": Metric(long_name="inverse temperature", units="1", description="β = beta_factor · ln(num_pairs)"),
 }
 
 
-def run_cell(params, rng, device):
+def _episodes(params, data_rng, device):
+    n = params["num_pairs"]
+    what = ("recall", n, params["query"], params["max_queries"], params["dim"], params["num_candidates"], str(device))
+    return memoised_episodes(data_rng, what, lambda: recall_episodes(
+        n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]), dim=params["dim"],
+        num_candidates=params["num_candidates"]))
+
+
+def run_cell(params, rng, device, data_rng):
     label, r, n = params["estimator"], params["num_features"], params["num_pairs"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     beta = tasks.log_n_beta(n, params["beta_factor"])
-    ep = tasks.associative_recall(n, dim=KEY_DIM, value_dim=VALUE_DIM, num_candidates=NUM_CANDIDATES,
-                                  num_queries=min(n, MAX_QUERIES), batch=EPISODES, rng=rng, device=device)
+    ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
-                                        options=options)
+                                          options=options)
     return {
-        "accuracy": tasks.recall_accuracy(read.output, ep).mean().cpu().numpy(),
-        "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).mean().cpu().numpy(),
-        "accuracy_exact": tasks.recall_accuracy(exact.output, ep).mean().cpu().numpy(),
+        "accuracy": tasks.recall_accuracy(read.output, ep).cpu().numpy(),
+        "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).cpu().numpy(),
         **readout_metrics(read, exact),
-        "beta": np.float64(beta),
     }
 
 
+def run_reference(params, device, data_rng):
+    n = params["num_pairs"]
+    beta = tasks.log_n_beta(n, params["beta_factor"])
+    ep = _episodes(params, data_rng, device)
+    exact = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=beta)
+    return {"accuracy_exact": tasks.recall_accuracy(exact.output, ep).cpu().numpy(),
+            "query_cosine": query_key_cosine(ep), "state_bytes_exact": np.float64(exact.state_bytes),
+            "num_queries": np.float64(ep.queries.shape[1]), "beta": np.float64(beta)}
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
+    ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", ds["num_queries"])
+    ds = summarise_readout(ds)
+    cos = ds["query_cosine"].mean(REPLICATES).assign_attrs(
+        long_name="mean cosine of a query to its stored key", units="1", description="mean over seed, episode")
+    ds["query_cosine_mean"] = cos
+    return ds
+
+
 # ---------------------------------------------------------------------------------------------------- figure
-def _median(ds, var, **sel):
-    med, _, _ = median_band(ds[var].sel(**sel), dim="seed")
-    return med
-
-
 def _tradeoff_panel(ax, ds, labels, n, factor):
+    acc = ds["accuracy_summary"].sel(num_pairs=n, beta_factor=factor, query="key")
     for label in labels:
-        acc = _median(ds, "accuracy", estimator=label, num_pairs=n, beta_factor=factor).values
-        size = _median(ds, "state_bytes", estimator=label, num_pairs=n, beta_factor=factor).values
-        keep = np.isfinite(acc) & np.isfinite(size)
+        s = acc.sel(estimator=label)
+        size = ds["state_bytes"].sel(estimator=label, num_pairs=n, beta_factor=factor, query="key").median("seed")
+        keep = np.isfinite(s.sel(stat="estimate").values) & np.isfinite(size.values)
         if not keep.any():
             continue
         style = icl_style(label)
-        if label == "exact":
-            ax.plot(size[keep], acc[keep], marker="*", markersize=11, linestyle="none", color=style["color"],
-                    label="exact (KV cache)")
-        elif keep.sum() == 1:
-            ax.plot(size[keep], acc[keep], marker=style["marker"], markersize=7, linestyle="none",
-                    color=style["color"], label=label)
-        else:
-            ax.plot(size[keep], acc[keep], **style)
+        est, lo, hi = (s.sel(stat=k).values[keep] for k in ("estimate", "lo", "hi"))
+        ax.errorbar(size.values[keep], est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
+                    linestyle=style["linestyle"] if keep.sum() > 1 else "none", capsize=2, label=label,
+                    markersize=7 if keep.sum() == 1 else 4)
+    exact = ds["accuracy_exact_summary"].sel(num_pairs=n, beta_factor=factor, query="key")
+    kv = float(ds["state_bytes_exact"].sel(num_pairs=n, beta_factor=factor, query="key").median())
+    ax.errorbar([kv], [float(exact.sel(stat="estimate"))], marker="*", markersize=12, color="0.3", linestyle="none",
+                label="exact (KV cache)")
+    ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")
     ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("state size (bytes, float32)")
+    ax.set_xlabel("memory kept from the context (float32; Nyström: state + landmarks + whitening)")
     ax.set_ylabel("recall accuracy")
-    ax.set_title(f"n = {n} pairs, β = {factor:g}·ln n")
+    ax.set_title(f"query = stored key, n = {n} pairs, β = {factor:g}·ln n")
 
 
-def _load_panel(ax, ds, labels, factor):
-    """Accuracy against n / r, one thin line per (estimator, r) joining the context lengths."""
+def _load_panel(ax, ds, labels, factor, query="key"):
+    """Accuracy against n / r, one line per estimator joining its ranks (the context lengths of the grid)."""
     for label in labels:
-        if label == "exact":
-            continue
-        acc = _median(ds, "accuracy", estimator=label, beta_factor=factor)         # (num_features, num_pairs)
-        dim = _median(ds, "feature_dim", estimator=label, beta_factor=factor)
+        acc = ds["accuracy_summary"].sel(estimator=label, beta_factor=factor, query=query)
+        dim = ds["feature_dim"].sel(estimator=label, beta_factor=factor, query=query).median("seed")
         style = icl_style(label)
         first = True
-        for r in acc.num_features.values:
-            a = acc.sel(num_features=r).values
-            load = acc.num_pairs.values / dim.sel(num_features=r).values
-            keep = np.isfinite(a) & np.isfinite(load)
+        for n in acc.num_pairs.values:
+            a = acc.sel(num_pairs=n)
+            load = float(n) / dim.sel(num_pairs=n).values
+            keep = np.isfinite(a.sel(stat="estimate").values) & np.isfinite(load)
             if not keep.any():
                 continue
-            ax.plot(load[keep], a[keep], color=style["color"], marker=style["marker"], linestyle=style["linestyle"],
-                    linewidth=0.8, alpha=0.85, label=label if first else None)
+            est, lo, hi = (a.sel(stat=k).values[keep] for k in ("estimate", "lo", "hi"))
+            ax.errorbar(load[keep], est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
+                        linestyle=style["linestyle"], linewidth=0.8, capsize=2, label=label if first else None)
             first = False
     load = np.logspace(-6, 8, 300, base=2)
     ax.plot(load, np.minimum(1.0, 1.0 / load), color="0.3", linestyle=(0, (4, 3)), linewidth=1.0,
@@ -155,45 +192,183 @@ def _load_panel(ax, ds, labels, factor):
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("load n / r (stored pairs per state feature)")
     ax.set_ylabel("recall accuracy")
-    ax.set_title(f"capacity, β = {factor:g}·ln n")
+    ax.set_title(f"capacity, query = stored key, β = {factor:g}·ln n")
+
+
+def _query_panel(ax, ds, labels, n, factor, r):
+    """Accuracy against the query perturbation at rank ``r`` (landmark methods at r = n; fixed maps at their
+    dimension)."""
+    queries = [str(q) for q in ds["query"].values]
+    xs = np.arange(len(queries))
+    for label in labels:
+        acc = ds["accuracy_summary"].sel(estimator=label, num_pairs=n, beta_factor=factor)
+        est_r = acc.sel(stat="estimate")
+        usable = [int(v) for v in acc.num_features.values if np.isfinite(est_r.sel(num_features=v).values).all()]
+        if not usable:
+            continue
+        rank = r if r in usable else max(usable)
+        s = acc.sel(num_features=rank)
+        style = icl_style(label)
+        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+        dim = float(ds["feature_dim"].sel(estimator=label, num_pairs=n, beta_factor=factor,
+                                          num_features=rank).median())
+        ax.errorbar(xs, est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
+                    linestyle=style["linestyle"], capsize=2, label=f"{label} (r = {dim:g})")
+    exact = ds["accuracy_exact_summary"].sel(num_pairs=n, beta_factor=factor)
+    ax.plot(xs, exact.sel(stat="estimate").values, color="0.3", marker="*", markersize=9, linestyle="--",
+            label="exact attention")
+    cos = ds["query_cosine_mean"].sel(num_pairs=n, beta_factor=factor).values
+    ax.set_xticks(xs, [f"{q}\n(cos {c:.2f})" if q == "paraphrase" else q for q, c in zip(queries, cos)],
+                  fontsize=7)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("query")
+    ax.set_ylabel("recall accuracy")
+    ax.set_title(f"query perturbation, n = {n}, random maps at r = {r}")
 
 
 def plot(ds: xr.Dataset, path) -> None:
     labels = [str(v) for v in ds.estimator.values]
-    ns = [int(v) for v in ds.num_pairs.values]
-    factors = sorted(float(v) for v in ds.beta_factor.values)
-    sharp, soft = factors[-1], factors[0]
-    ncols = max(len(ns), 2)
-    fig, axes = new_figure(2, ncols, squeeze=False, height=6.6)
-    for j, n in enumerate(ns):
-        _tradeoff_panel(axes[0, j], ds, labels, n, sharp)
-    load_factors = [sharp] + ([soft] if soft != sharp and ncols >= 3 else [])
-    for j, factor in enumerate(load_factors):
-        _load_panel(axes[1, j], ds, labels, factor)
-    handles, names = legend_entries(axes.flat)
-    for ax in list(axes[0, len(ns):]) + list(axes[1, len(load_factors):]):
-        ax.axis("off")
-    axes[1, -1].legend(handles, names, loc="center", ncol=2, frameon=False)
-    exact_acc = float(ds.accuracy_exact.median())
+    n = int(ds.num_pairs.values.max())
+    factor = float(ds.beta_factor.values.max())
+    r_query = 1024 if 1024 in ds.num_features.values else int(ds.num_features.values.max())
+    fig, axes = new_figure(2, 2, squeeze=False, width=13.5, height=8.2)
+    _tradeoff_panel(axes[0, 0], ds, labels, n, factor)
+    _load_panel(axes[0, 1], ds, labels, factor)
+    _query_panel(axes[1, 0], ds, labels, n, factor, r_query)
+    handles, names = legend_entries([axes[0, 0], axes[0, 1]])
+    axes[1, 1].axis("off")
+    axes[1, 1].legend(handles, names, loc="center left", ncol=2, frameon=False, fontsize=7.5)
+    axes[1, 0].legend(fontsize=6.5, loc="lower left", ncol=2)
     save_figure(fig, path, (
-        "Training-free continuous associative recall (d = d_v = 64 random unit keys and values, decoded among 4096 "
-        "candidate values). Top: accuracy against the memory the queries read (Zoology/Based convention: "
-        "r·(d_v+1) float32 numbers for a linear state; the KV cache n·(d+d_v) for exact attention, star) at "
-        f"β = {sharp:g}·ln n; lines join one estimator's ranks, single markers are fixed-dimension maps. Bottom: "
-        "the same accuracies against the load n/r (one line per estimator and r, joining context lengths); dashed: "
-        "the landmark law min(1, r/n); vertical line: n = r (capacity ≈ feature dimension, Schlag et al. 2021). "
-        "Nyström maps fitted on the context also hold their r landmark keys (r·d numbers), not counted here. "
-        f"Median over seeds of the mean over {EPISODES} episodes; exact attention's median accuracy over all cells "
-        f"is {exact_acc:.3f}."),
-        title="Associative recall against state size")
+        f"Training-free associative recall (d = d_v = {int(ds['dim'])} random unit keys and values, decoded among "
+        f"{int(ds['num_candidates'])} candidate values), n = {n} pairs, β = {factor:g}·ln n. Points: accuracy pooled "
+        f"over {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes (the same episodes for every estimator); "
+        "bars: 95 % Clopper–Pearson intervals over the queries. Top left: accuracy against the memory kept from the "
+        "context (estimator.state_bytes: the linear state r·(d_v+1) plus, for Nyström, the r·d landmarks and the r×r "
+        "whitening; star and dotted line: exact attention's KV cache n·(d+d_v)). Top right: accuracy against the "
+        "load n/r; dashed: the landmark law min(1, r/n). Bottom: accuracy as the queries move away from the stored "
+        "keys (cosine ρ, or a paraphrase of a discrete 8-token key with one token replaced), random maps at the "
+        "named r, landmark maps at their largest r ≤ n, fixed maps at their dimension; stars: exact attention."),
+        title="Associative recall against state size and query perturbation")
+
+
+# -------------------------------------------------------------------------------------------------- findings
+def findings(ds: xr.Dataset) -> str:
+    n = int(ds.num_pairs.values.max())
+    factor = float(ds.beta_factor.values.max())
+    at = {"num_pairs": n, "beta_factor": factor}
+    acc = ds["accuracy_summary"].sel(**at)
+    names = [str(v) for v in ds.estimator.values]
+    queries = [str(q) for q in ds["query"].values]
+    ranks = [int(v) for v in ds.num_features.values]
+    r_q = 1024 if 1024 in ranks else max(ranks)
+    cos = ds["query_cosine_mean"].sel(**at)
+    lines = []
+    random_maps = [m for m in ("trig_orthogonal", "positive_orthogonal", "oprf_orthogonal") if m in names]
+    if "trig_orthogonal" in random_maps and len(random_maps) > 1 and len(queries) > 1:
+        far = min(queries[1:], key=lambda q: float(cos.sel(query=q)))
+        trig = {q: acc.sel(estimator="trig_orthogonal", num_features=r_q, query=q) for q in (queries[0], far)}
+        others = [m for m in random_maps if m != "trig_orthogonal"]
+        lines.append(
+            f"At n = {n}, r = {r_q}, β = {factor:g}·ln n, trigonometric features recall {fmt_ci(trig[queries[0]])} "
+            f"when the query is the stored key ({queries[0]}) but {fmt_ci(trig[far])} at query cosine "
+            f"{fmt(float(cos.sel(query=far)), 2)} ({far}), where " + ", ".join(
+                f"`{m}` recalls {fmt_ci(acc.sel(estimator=m, num_features=r_q, query=far))}" for m in others)
+            + "; " + _flip_text(ds, r_q, at, random_maps, queries[0], far) + ".")
+    if random_maps:
+        per_query = []
+        for q in queries:
+            parts = ", ".join(f"{m.split('_')[0]} {fmt_ci(acc.sel(estimator=m, num_features=r_q, query=q))}"
+                              for m in random_maps)
+            per_query.append(f"{q} (cos {fmt(float(cos.sel(query=q)), 2)}): {parts}")
+        lines.append(f"Recall of the orthogonal random maps at n = {n}, r = {r_q}, β = {factor:g}·ln n, by query: "
+                     + "; ".join(per_query) + ". " + _trig_verdict(ds, r_q, at, random_maps, queries))
+    nystrom = [m for m in names if m.startswith("nystrom")]
+    if nystrom:
+        law = []
+        for q in queries:
+            values = []
+            for r in ranks:
+                if r > n:
+                    continue
+                s = acc.sel(estimator=nystrom, num_features=r, query=q).sel(stat="estimate").values
+                values.append(f"r/n = {fmt(r / n, 2)}: {range_text(s)}")
+            law.append(f"{q}: " + ", ".join(values))
+        lines.append("Nyström maps (fitted on the context keys) against the landmark law min(1, r/n): "
+                     + "; ".join(law) + ".")
+    exact = ds["accuracy_exact_summary"].sel(**at)
+    lines.append("Exact attention on the same episodes: " + "; ".join(
+        f"{q} {fmt_ci(exact.sel(query=q), 3)}" for q in queries) + ".")
+    if nystrom and n in ranks:
+        m = nystrom[0]
+        mem = float(ds["state_bytes"].sel(estimator=m, num_features=n, query="key", **at).median())
+        kv = float(ds["state_bytes_exact"].sel(query="key", **at).median())
+        lines.append(f"At r = n = {n}, `{m}` keeps {fmt(mem / 1024, 3)} kB from the context (state, {n} landmarks and "
+                     f"the {n}×{n} whitening, float32) against {fmt(kv / 1024, 3)} kB for exact attention's KV cache "
+                     f"({fmt(mem / kv, 2)}×).")
+    fixed = [m for m in names if m in ("taylor2", "dpfp_nu1", "elu1")]
+    if fixed:
+        parts = []
+        for m in fixed:
+            s = acc.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, query="key")
+            dim = float(ds["feature_dim"].sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, query="key",
+                                              **at).median())
+            parts.append(f"`{m}` (r = {fmt(dim)}) {fmt_ci(s)}")
+        lines.append("Fixed maps, query = stored key: " + "; ".join(parts) + ".")
+    if "trig_orthogonal" in names:
+        r_lo = min(ranks)
+        norm = acc.sel(estimator="trig_orthogonal", num_features=r_lo, query="key")
+        num = ds["accuracy_numerator_summary"].sel(estimator="trig_orthogonal", num_features=r_lo, query="key", **at)
+        rate = ds["nonpositive_normalizer_rate_summary"].sel(estimator="trig_orthogonal", num_features=r_lo,
+                                                            query="key", **at)
+        lines.append(f"At r = {r_lo} trigonometric features have {fmt_ci(rate, percent=True)} of normalisers ≤ 0; the "
+                     f"normalised read-out recalls {fmt_ci(norm)}, the numerator alone {fmt_ci(num)}.")
+    lines.append(interval_note(ds))
+    return bullets(lines)
+
+
+def _trig_minus_best_positive(ds, r, at, random_maps, query):
+    """Per-episode accuracy of trigonometric features minus the better positive map, with its interval."""
+    from kernapprox import stats
+
+    acc = ds["accuracy"].sel(num_features=r, query=query, **at)
+    others = [m for m in random_maps if m != "trig_orthogonal"]
+    d = acc.sel(estimator="trig_orthogonal") - acc.sel(estimator=others).max("estimator")
+    return stats.bootstrap_interval(d, REPLICATES, "mean")
+
+
+def _flip_text(ds, r, at, random_maps, near, far) -> str:
+    """Whether the paired ranking of trigonometric features against the positive maps flips from ``near`` to
+    ``far`` (both differences resolved, opposite signs)."""
+    a, b = (_trig_minus_best_positive(ds, r, at, random_maps, q) for q in (near, far))
+    sign = [1 if float(s.sel(stat="lo")) > 0 else -1 if float(s.sel(stat="hi")) < 0 else 0 for s in (a, b)]
+    if sign[0] and sign[1] and sign[0] != sign[1]:
+        return (f"paired per episode, trigonometric minus the better positive map is {fmt_ci(a)} at {near} and "
+                f"{fmt_ci(b)} at {far}: the ranking of random maps flips")
+    return (f"paired per episode, trigonometric minus the better positive map is {fmt_ci(a)} at {near} and "
+            f"{fmt_ci(b)} at {far}: the ranking does not flip with both intervals resolved")
+
+
+def _trig_verdict(ds, r, at, random_maps, queries) -> str:
+    """Whether trigonometric features beat the positive maps, per query, by the paired per-episode difference."""
+    if "trig_orthogonal" not in random_maps or len(random_maps) < 2:
+        return ""
+    words = []
+    for q in queries:
+        s = _trig_minus_best_positive(ds, r, at, random_maps, q)
+        lo, hi = float(s.sel(stat="lo")), float(s.sel(stat="hi"))
+        verdict = "above" if lo > 0 else "below" if hi < 0 else "not separated from"
+        words.append(f"{q}: {verdict} ({fmt_ci(s, 2)})")
+    return "Trigonometric minus the better positive map, paired per episode: " + "; ".join(words) + "."
 
 
 EXPERIMENT = Experiment(
-    name="icl_recall", title="Training-free associative recall: accuracy against state size and stored pairs",
-    description="How much memory does a kernel approximation need to recall n stored key-value pairs, and at "
-                "which load does each estimator fail? Grid: estimator × num_features × num_pairs × beta_factor "
-                "(β = factor·ln n) × seed.",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot)
+    name="icl_recall", title="Training-free associative recall: accuracy against state size and query perturbation",
+    description=" ".join(__doc__.split()),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"),
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS,
+                        axes=("num_pairs", "beta_factor", "query", "seed")),
+    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -36,8 +36,11 @@ import torch
 import torch.nn.functional as F
 
 import kernapprox as ka
+from experiments._common import interval_note
+from kernapprox import stats
 from kernapprox.attention import chunked_block_length  # the chunked mode's token block, for the memory count
-from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.plotting import bullets, fmt, fmt_ci
+from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
 from kernapprox.timing import measure, synchronize
 
 HEADS, HEAD_DIM, NUM_FEATURES, CHUNK_SIZE = 8, 64, 256, 64
@@ -49,6 +52,17 @@ DECODE = ["exact_decode", "linear_decode"]
 PARALLEL_MAX_N = {"cpu": 2048, "cuda": 16384}
 RECURRENT_MAX_N = {"cpu": 65536, "cuda": 65536}          # a Python loop over tokens: slow everywhere
 
+PARAMETERS = {
+    "heads": Parameter(HEADS, long_name="attention heads", units="1"),
+    "head_dim": Parameter(HEAD_DIM, long_name="head dimension d = d_v", units="1"),
+    "num_features": Parameter(NUM_FEATURES, long_name="positive random features r of the linear state", units="1"),
+    "chunk_size": Parameter(CHUNK_SIZE, long_name="chunk length of the chunked and decode modes", units="token"),
+    "min_reps": Parameter(5, long_name="timed calls per cell at least", units="1",
+                          description="the replicates of a timing study: intervals are over these repeated calls"),
+}
+AXIS_ATTRS = {"computation": {"long_name": "what is timed (exact/linear, full sequence or one decode step)",
+                              "units": "1"},
+              "budget_s": {"long_name": "timing budget per cell (repeats stop after it, past min_reps)", "units": "s"}}
 GRIDS = {
     "smoke": {"computation": METHODS, "seq_len": [32, 64], "budget_s": [0.0]},
     "default": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 8192, 16384], "budget_s": [0.2]},
@@ -65,8 +79,8 @@ METRICS = {
     "time_per_token_s": Metric(long_name="wall time per token", units="s",
                                description="time_s / n for full-sequence methods, time_s for a decode step"),
     "carried_bytes": Metric(long_name="memory carried to the next token", units="B",
-                            description="KV cache 2·n·H·d·4 (exact) or recurrent state H·r·(d_v+1)·4 (linear), "
-                                        "float32"),
+                            description="KV cache 2·n·H·d·4 (exact) or H · estimator.state_bytes(d_v, float32, "
+                                        "seq_len=n) (linear: the state r·(d_v+1) per head), float32"),
     "peak_extra_bytes": Metric(long_name="peak extra memory of the call", units="B",
                                description="CUDA: torch.cuda.max_memory_allocated minus memory before the call "
                                            "(measured); CPU: analytic count of the largest live intermediates "
@@ -80,6 +94,9 @@ METRICS = {
     "reps": Metric(long_name="timed repeats", units="1", description="calls behind the median"),
     "cpu_utilisation": Metric(long_name="CPU utilisation", units="1",
                               description="process CPU time / (wall time · threads); < 1 means a loaded machine"),
+    "repeat_times": Metric(long_name="wall time of each timed call", units="s",
+                           description="every timed call after the warm-up, in order (NaN-padded)",
+                           dims=("repeat",)),
 }
 
 
@@ -114,16 +131,19 @@ def analytic_peak_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEA
 
 
 def carried_bytes(method: str, n: int, *, heads: int = HEADS, d: int = HEAD_DIM, r: int = NUM_FEATURES,
-                  itemsize: int = 4) -> float:
-    """What generation must keep from token to token: the KV cache, or the recurrent state."""
+                  itemsize: int = 4, estimator=None) -> float:
+    """What generation must keep from token to token: the KV cache, or the recurrent state (a fitted
+    ``estimator``'s own ``state_bytes`` per head when given, else ``r·(d_v+1)`` numbers per head)."""
     if method.startswith("exact"):
         return float(2 * n * heads * d * itemsize)
+    if estimator is not None:
+        return float(heads * estimator.state_bytes(d, torch.float32, seq_len=n))
     return float(heads * r * (d + 1) * itemsize)
 
 
-def _inputs(rng: np.random.Generator, n: int, device: torch.device):
+def _inputs(rng: np.random.Generator, n: int, device: torch.device, heads: int = HEADS, d: int = HEAD_DIM):
     gen = torch.Generator(device="cpu").manual_seed(int(rng.integers(2**63 - 1)))
-    q, k, v = (torch.randn(1, HEADS, n, HEAD_DIM, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, heads, n, d, generator=gen) for _ in range(3))
     return (q * INPUT_STD).to(device), (k * INPUT_STD).to(device), v.to(device)
 
 
@@ -153,7 +173,7 @@ def _decode_exact(cache_k, cache_v, n, q_t, k_t, v_t):
     return F.scaled_dot_product_attention(q_t[..., None, :], cache_k[..., :n + 1, :], cache_v[..., :n + 1, :])
 
 
-def _call(method, n, q, k, v, est):
+def _call(method, n, q, k, v, est, chunk_size=CHUNK_SIZE):
     """``(timed callable, output check)``: the check returns the max deviation from the reference."""
     if method == "exact_full":
         return functools.partial(F.scaled_dot_product_attention, q, k, v, is_causal=True), None
@@ -172,11 +192,11 @@ def _call(method, n, q, k, v, est):
         fn = functools.partial(_decode_linear, state, snapshot, q[..., n, :], k[..., n, :], v[..., n, :])
 
         def check(y):
-            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=CHUNK_SIZE)[..., n, :]
+            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=chunk_size)[..., n, :]
             return (y - ref).abs().amax()
         return fn, check
     mode = method.removeprefix("linear_")
-    fn = functools.partial(ka.linear_attention, q, k, v, est, causal=True, mode=mode, chunk_size=CHUNK_SIZE)
+    fn = functools.partial(ka.linear_attention, q, k, v, est, causal=True, mode=mode, chunk_size=chunk_size)
 
     def check(y):
         if mode == "chunked":
@@ -184,7 +204,7 @@ def _call(method, n, q, k, v, est):
                 return torch.tensor(float("nan"))
             ref = ka.linear_attention(q, k, v, est, causal=True, mode="parallel")
         else:
-            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=CHUNK_SIZE)
+            ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=chunk_size)
         return (y - ref).abs().amax()
     return fn, check
 
@@ -194,9 +214,10 @@ def run_cell(params: dict, rng: np.random.Generator, device) -> dict:
     if not _applicable(method, n, device):
         return {name: np.nan for name in METRICS}
     decode = method in DECODE
-    q, k, v = _inputs(rng, n + 1 if decode else n, device)
-    est = ka.make_estimator("positive", num_features=NUM_FEATURES, rng=rng).fit(q)
-    fn, check = _call(method, n, q, k, v, est)
+    shape = {"heads": params["heads"], "d": params["head_dim"], "r": params["num_features"]}
+    q, k, v = _inputs(rng, n + 1 if decode else n, device, shape["heads"], shape["d"])
+    est = ka.make_estimator("positive", num_features=shape["r"], rng=rng).fit(q)
+    fn, check = _call(method, n, q, k, v, est, params["chunk_size"])
     with torch.no_grad():
         y = fn()                                                      # warm-up, and the output to check
         deviation = float(check(y)) if check is not None else np.nan
@@ -209,12 +230,12 @@ def run_cell(params: dict, rng: np.random.Generator, device) -> dict:
             synchronize(device)
             peak = float(torch.cuda.max_memory_allocated(device) - before)
         else:
-            peak = analytic_peak_bytes(method, n)
-        t = measure(fn, device, warmup=50 if decode else 0, min_reps=1, max_reps=1000 if decode else 20,
-                    budget_s=budget)
+            peak = analytic_peak_bytes(method, n, chunk_size=params["chunk_size"], **shape)
+        t = measure(fn, device, warmup=50 if decode else 0, min_reps=params["min_reps"],
+                    max_reps=1000 if decode else 20, budget_s=budget)
     per_token = t.median_s if decode else t.median_s / n
     return {"time_s": t.median_s, "time_min_s": t.min_s, "time_per_token_s": per_token,
-            "carried_bytes": carried_bytes(method, n),
+            "carried_bytes": carried_bytes(method, n, estimator=est, **shape), "repeat_times": np.asarray(t.times),
             "peak_extra_bytes": peak, "peak_measured": float(device.type == "cuda"),
             "max_abs_deviation": deviation, "reps": t.reps, "cpu_utilisation": t.cpu_utilisation}
 
@@ -262,6 +283,48 @@ def summarise(ds) -> dict:
     return out
 
 
+def summaries(ds):
+    """``time_s_summary``: the median of the repeated calls of each cell with its 95 % bootstrap interval over
+    the repeats (the replicates of a timing study)."""
+    summary = stats.bootstrap_interval(ds["repeat_times"], "repeat", "median")
+    summary.attrs.update({"long_name": "wall time of one call", "units": "s",
+                          "description": "median over the timed calls of a cell: " + summary.attrs["interval"]})
+    ds["time_s_summary"] = summary
+    return ds
+
+
+def findings(ds) -> str:
+    s = summarise(ds)
+    t = ds["time_s_summary"].squeeze("budget_s", drop=True) if "budget_s" in ds.dims else ds["time_s_summary"]
+    n_max, n_min = s["n_max"], s["n_min"]
+    lines = [
+        f"Whole causal sequence, log–log slope of time against n over the largest lengths: exact SDPA "
+        f"{fmt(s['slope_exact_full'], 2)}, chunked linear attention {fmt(s['slope_linear_chunked'], 2)}, parallel "
+        f"{fmt(s['slope_linear_parallel'], 2)}, recurrent {fmt(s['slope_linear_recurrent'], 2)}; chunked against "
+        f"exact: {_crossover_text(s)}. At n = {n_max}: exact {fmt_ci(t.sel(computation='exact_full', seq_len=n_max))} "
+        f"s, chunked {fmt_ci(t.sel(computation='linear_chunked', seq_len=n_max))} s (median of the timed calls, 95 % "
+        "interval over them).",
+        f"One generated token: with a KV cache the step grows {fmt(s['growth_exact_decode'], 3)}× from n = {n_min} to "
+        f"{n_max} ({fmt_ci(1e6 * t.sel(computation='exact_decode', seq_len=n_min))} µs → "
+        f"{fmt_ci(1e6 * t.sel(computation='exact_decode', seq_len=n_max))} µs); the RNN-mode step grows "
+        f"{fmt(s['growth_linear_decode'], 3)}× (fastest calls {fmt(s['growth_min_linear_decode'], 3)}×).",
+    ]
+    carried = ds["carried_bytes"].squeeze(drop=True)
+    lines.append(f"Memory carried between tokens at n = {n_max}: KV cache "
+                 f"{fmt(float(carried.sel(computation='exact_decode', seq_len=n_max)) / 2**20, 3)} MiB, linear state "
+                 f"{fmt(float(carried.sel(computation='linear_decode', seq_len=n_max)) / 2**20, 3)} MiB (float32).")
+    dev = ds["max_abs_deviation"]
+    lines.append(f"Every mode agrees with the chunked computation (decode steps with the full sequence) to "
+                 f"{fmt(float(dev.max()), 2)} (max absolute difference, float32).")
+    util = ds["cpu_utilisation"]
+    lines.append(f"Timings are only as good as the machine's load: the CPU utilisation of the cells ranged "
+                 f"{fmt(float(util.min()), 2)}–{fmt(float(util.max()), 2)} (1 = the process had its cores) on "
+                 f"{ds.attrs.get('device', 'an unrecorded device')}; a rerun measures new times.")
+    lines.append(interval_note(ds).replace("percentile bootstrap over the replicates",
+                                           "percentile bootstrap over the timed calls"))
+    return bullets(lines)
+
+
 def _crossover_text(s: dict) -> str:
     if not math.isfinite(s["crossover_n"]):
         return f"exact is faster at every n up to {s['n_max']}"
@@ -285,13 +348,17 @@ def plot(ds, path) -> None:
 
     def series(ax, metric, methods, scale=1.0):
         for m in methods:
+            c, mk, ls = styles[m]
+            if metric == "time_s" and "time_s_summary" in ds:
+                slope = s.get(f"slope_{m}", float("nan"))
+                label = m + (f" (slope {slope:.2f})" if math.isfinite(slope) else "")
+                summ = ds["time_s_summary"].sel(computation=m).squeeze(drop=True) * scale
+                plotting.errorbar_summary(ax, summ, "seq_len", color=c, marker=mk, linestyle=ls, label=label)
+                continue
             y = ds[metric].sel(computation=m).squeeze(drop=True).values * scale
             ok = np.isfinite(y)
             if ok.any():
-                c, mk, ls = styles[m]
-                slope = s.get(f"slope_{m}", float("nan")) if metric == "time_s" else float("nan")
-                label = m + (f" (slope {slope:.2f})" if math.isfinite(slope) and metric == "time_s" else "")
-                ax.plot(n[ok], y[ok], color=c, marker=mk, ls=ls, label=label)
+                ax.plot(n[ok], y[ok], color=c, marker=mk, ls=ls, label=m)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length n (tokens)")
@@ -338,8 +405,10 @@ def plot(ds, path) -> None:
     ax.legend(fontsize=7)
 
     device = ds.attrs.get("device", "?")
-    caption = (f"Cost of the two modes, causal, H={HEADS}, d={HEAD_DIM}, r={NUM_FEATURES} positive features, "
-               f"device {device}. Left: whole-sequence time, log-log slopes fitted on the largest n; chunked linear "
+    caption = (f"Cost of the two modes, causal, H={int(ds['heads'])}, d={int(ds['head_dim'])}, "
+               f"r={int(ds['num_features'])} positive features, device {device}. Times: median of the timed calls, "
+               "bars: 95 % bootstrap interval over them. Left: whole-sequence time, log-log slopes fitted on the "
+               "largest n; chunked linear "
                f"attention vs exact SDPA: {_crossover_text(s)}. Middle: one decode step grows "
                f"{s['growth_exact_decode']:.1f}x with a KV cache and {s['growth_linear_decode']:.2f}x in RNN mode "
                f"from n={s['n_min']} to {s['n_max']}. Right: memory carried between tokens and peak extra memory.")
@@ -353,9 +422,11 @@ EXPERIMENT = Experiment(
     description="Times exact attention (SDPA, full sequence and KV-cache decode) and linear attention (parallel, "
                 "chunked, recurrent modes and the RecurrentState decode step) against n, with the memory "
                 "carried between tokens and the peak memory of each call. Grid: computation x seq_len (x the timing "
-                "budget per cell). Answers: where does linear attention overtake exact attention, and is a decode "
-                "step O(1) in RNN mode and O(n) with a KV cache?",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False)
+                "budget per cell); the replicates are the timed calls of each cell (at least min_reps). Answers: "
+                "where does linear attention overtake exact attention, and is a decode step O(1) in RNN mode and "
+                "O(n) with a KV cache?",
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False, parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summaries, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

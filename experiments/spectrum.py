@@ -1,24 +1,25 @@
 """The state-dimension spectrum: which rank does a sequence's attention need, text against continuous signals?
 
-For each data type and sequence length ``n``, the exact matrices of four heads are decomposed in float64:
+For each data type and sequence length ``n``, the exact matrices of ``heads`` heads are decomposed in float64:
 
 * the kernel matrix ``A = exp(s QKᵀ)`` (the quantity every feature map approximates), and
 * the row-normalised attention matrix ``P = softmax(s QKᵀ)``. Any non-causal linear attention with a state of
   ``r`` features produces ``P̂ = D̂⁻¹ Φ(Q)Ψ(K)ᵀ`` of rank ≤ ``r``, so the best rank-``r`` approximation of ``P``
-  is a floor for the attention weights of every such method.
+  bounds the Frobenius error of the attention weights of every such method (and nothing else: not the output).
 
 By Eckart–Young the smallest rank reaching relative Frobenius error 1% and 10% follows from the singular values
-(:func:`kernapprox.spectrum.rank_for_relative_error`). On the first of these heads, random-feature and Nyström
-estimators are run on a grid of feature counts ``m ≤ n`` (a state larger than ``n`` is no smaller than the KV cache;
-stopping once both errors are ≤ 1%), and the smallest ``m`` of the grid reaching each target is recorded: what
-the best practical estimators need against the optimum. These sweeps cost O(n²m) per ``m`` and run up to
-``n = 512`` on a CPU (``ESTIMATOR_MAX_N``; 4096 on CUDA); beyond that only the spectra are computed.
+(:func:`kernapprox.spectrum.rank_for_relative_error`). At ``n = estimator_len`` (512) random-feature and Nyström
+estimators are run on head 0 on a grid of feature counts ``m ≤ n`` (a state larger than ``n`` is no smaller than the
+KV cache; stopping once both errors are ≤ 1%), and the smallest ``m`` of the grid reaching each target is recorded
+(``inf``: not reached with ``m ≤ n``): what the best practical estimators need against the optimum.
 
 Data: ``text_like`` (Zipf tokens with fixed random embeddings), ``real_text`` (heads of all-MiniLM-L6-v2, four
 distinct (layer, head) pairs drawn per cell among all 72, on Python's help text; beyond 512 tokens consecutive
 model windows are concatenated), and ``continuous_l{ℓ}`` (smooth Gaussian-process trajectories with correlation length
-``ℓ`` tokens). Synthetic data run at nominal ``beta = 8`` (logit spread ≈ 1.4, inside the 1.0–3.4 of the real
-heads); real heads at their own temperature. Non-causal throughout (the real model is bidirectional).
+``ℓ`` tokens). Real text runs only up to the model's 512-token window: beyond it two independent windows would be
+joined whose cross-window logits the model never computed. Synthetic data run at nominal ``beta = 8`` (logit
+spread ≈ 1.4, inside the 1.0–3.4 of the real heads); real heads at their own temperature. Non-causal throughout
+(the real model is bidirectional).
 """
 
 from __future__ import annotations
@@ -27,17 +28,20 @@ import warnings
 
 import numpy as np
 import torch
+import xarray as xr
 
 import kernapprox as ka
+from experiments._common import add_summaries, interval_note, per_draw_slope
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
+from kernapprox.plotting import bullets, fmt_ci
 from kernapprox.spectrum import (
     attention_singular_values,
     kernel_singular_values,
     rank_for_relative_error,
     smallest_size_reaching,
 )
-from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
 
 SYNTHETIC_BETA = 8.0
 SYNTHETIC = {
@@ -55,8 +59,6 @@ WANTED_ESTIMATORS = ["positive_orthogonal", "hyperbolic_orthogonal", "oprf_ortho
                      "nystrom_rls"]
 ESTIMATORS = [e for e in WANTED_ESTIMATORS if e in ka.available_estimators()]
 FEATURE_GRID = [2**i for i in range(2, 13)]                       # 4 … 4096, used up to m = n
-# Estimator sweeps cost O(n² m) per m: on a CPU they run up to n = 512 (the spectra go further).
-ESTIMATOR_MAX_N = {"cpu": 512, "cuda": 4096}
 
 
 def _grids(real_available: bool) -> dict:
@@ -64,21 +66,22 @@ def _grids(real_available: bool) -> dict:
             "continuous_l32"]
     return {
         "smoke": {"data": ["text_like", *([REAL_VALUE] if real_available else []), "continuous_l8"],
-                  "seq_len": [32, 64], "seed": [0]},
-        "default": {"data": data, "seq_len": [128, 256, 512, 1024], "seed": [0, 1]},
-        "full": {"data": data, "seq_len": [128, 256, 512, 1024, 2048, 4096], "seed": [0, 1, 2, 3, 4, 5, 6, 7]},
+                  "seq_len": [32, 64], "seed": [0, 1]},
+        "default": {"data": data, "seq_len": [128, 256, 512, 1024], "seed": [0, 1, 2, 3, 4]},
+        "full": {"data": data, "seq_len": [128, 256, 512, 1024, 2048], "seed": list(range(6))},
     }
 
 
 GRIDS = _grids(REAL_REASON is None)
+PARAMETERS = {
+    "estimator_len": Parameter(512, long_name="sequence length at which the estimators are swept", units="token",
+                               description="estimator sweeps cost O(n² m) per m; at other lengths only spectra"),
+}
+AXIS_ATTRS = {"data": {"long_name": "data type (Zipf-token text, real MiniLM heads, smooth continuous signals)",
+                       "units": "1"}}
 
 
-def _real_windows(n: int) -> int:
-    """512-token windows the cached real stream needs for ``n`` tokens (at least the shared 4-window cache)."""
-    return max(4, -(-n // real.WINDOW))
-
-
-HEADS = 4                # heads per cell for the spectra; the estimator sweeps run on head 0
+HEADS = 2                # heads per cell for the spectra (they share the cell's tokens); estimators run on head 0
 _HEAD = {"head": list(range(HEADS))}
 _TARGET = {"target": TARGETS} | _HEAD
 _EST_M = {"estimator": ESTIMATORS, "num_features": FEATURE_GRID}
@@ -105,11 +108,12 @@ METRICS = {
                                                                                                     "num_features"),
                                       coords=_EST_M),
     "features_kernel": Metric(long_name="features an estimator needs for a kernel error", units="1",
-                              description="smallest m of the grid with kernel_error ≤ target (NaN: none ≤ n)",
+                              description="smallest m of the grid with kernel_error ≤ target (inf: none ≤ n; NaN: "
+                                          "not run)",
                               dims=("estimator", "target"), coords=_EST_T),
     "features_attention": Metric(long_name="features an estimator needs for an attention-matrix error", units="1",
-                                 description="smallest m of the grid with attention_weights_error ≤ target (NaN: "
-                                             "none ≤ n)", dims=("estimator", "target"), coords=_EST_T),
+                                 description="smallest m of the grid with attention_weights_error ≤ target (inf: "
+                                             "none ≤ n; NaN: not run)", dims=("estimator", "target"), coords=_EST_T),
     "beta_eff": Metric(long_name="effective inverse temperature", units="1",
                        description="s · mean‖q_i‖ · mean‖k_j‖", dims=("head",), coords=_HEAD),
     "logit_std": Metric(long_name="spread of the logits", units="1", description="std of s q_iᵀk_j over all pairs",
@@ -127,7 +131,7 @@ def distribution_for(value: str, n: int):
         name, params = SYNTHETIC[value]
         return make_distribution(name, beta=SYNTHETIC_BETA, **params)
     if value == REAL_VALUE:
-        return make_distribution("real", num_windows=_real_windows(n))
+        return make_distribution("real")
     raise ValueError(f"unknown data axis value {value!r}")
 
 
@@ -154,6 +158,8 @@ def run_cell(params, rng, device):
         warnings.warn(f"skipping {REAL_VALUE}: {REAL_REASON}", stacklevel=1)
         return dict(_NAN)
     n = params["seq_len"]
+    if params["data"] == REAL_VALUE and n > real.WINDOW:
+        return dict(_NAN)                          # beyond one model window: no real attention to decompose
     dist = distribution_for(params["data"], n)
     q, k, _ = dist.sample(n, heads=HEADS, rng=rng, device=device, dtype=torch.float64)
     q, k = q[0], k[0]                                                             # (heads, n, d)
@@ -172,22 +178,74 @@ def run_cell(params, rng, device):
     exact_kernel = torch.exp(logits)
     shape = (len(ESTIMATORS), len(FEATURE_GRID))
     kern, attn = np.full(shape, np.nan), np.full(shape, np.nan)
-    if n <= ESTIMATOR_MAX_N.get(q.device.type, ESTIMATOR_MAX_N["cpu"]):
+    swept = n == params["estimator_len"]
+    if swept:
         for e, name in enumerate(ESTIMATORS):
             kern[e], attn[e] = estimator_errors(q, k, exact_kernel, exact_weights, name, rng)
     out["kernel_error"], out["attention_weights_error"] = kern, attn
-    out["features_kernel"] = np.array([[smallest_size_reaching(kern[e], FEATURE_GRID, t) for t in TARGETS]
-                                       for e in range(len(ESTIMATORS))])
-    out["features_attention"] = np.array([[smallest_size_reaching(attn[e], FEATURE_GRID, t) for t in TARGETS]
-                                          for e in range(len(ESTIMATORS))])
+
+    def needed(errors, t):
+        if not swept:
+            return np.nan
+        m = smallest_size_reaching(errors, FEATURE_GRID, t)
+        return np.inf if np.isnan(m) else m                  # swept, but no m ≤ n reached the target
+
+    out["features_kernel"] = np.array([[needed(kern[e], t) for t in TARGETS] for e in range(len(ESTIMATORS))])
+    out["features_attention"] = np.array([[needed(attn[e], t) for t in TARGETS] for e in range(len(ESTIMATORS))])
     return out
 
 
-# --------------------------------------------------------------------------------------------------- figure
+# ------------------------------------------------------------------------------------------------ summaries
 RANDOM_FEATURES = [e for e in ESTIMATORS if not e.startswith("nystrom")]
 NYSTROM = [e for e in ESTIMATORS if e.startswith("nystrom")]
 
 
+def _head_mean(da: xr.DataArray, what: str) -> xr.DataArray:
+    out = da.mean("head")
+    out.attrs = {**da.attrs, "description": f"{da.attrs.get('description', '')}; mean over the {HEADS} heads of a "
+                                            f"draw (they share its tokens), {what}"}
+    return out
+
+
+def rank_growth(rank: xr.DataArray) -> xr.DataArray:
+    """Per draw, the log–log slope of the (head-mean) rank against n over the lengths where it was computed."""
+    out = per_draw_slope(rank, "seq_len")
+    out.attrs = {"long_name": "growth exponent of the rank in n", "units": "1",
+                 "description": "per draw, least-squares slope of log(rank) against log(n) over the grid lengths "
+                                "(1: proportional to n)"}
+    return out
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    for name in ("rank_kernel", "rank_attention", "beta_eff", "logit_std", "distinct_queries"):
+        ds[f"{name}_draw"] = _head_mean(ds[name], "one value per draw")
+    for name in ("kernel_sv", "attention_sv"):
+        ds[f"{name}_draw"] = ds[name].median("head").assign_attrs(
+            long_name=ds[name].attrs["long_name"], units="1", description=ds[name].attrs["description"]
+            + "; median over the heads of a draw")
+    for name in ("rank_kernel", "rank_attention"):
+        ds[f"{name}_growth"] = rank_growth(ds[f"{name}_draw"])
+    ds["rank_attention_head0"] = ds["rank_attention"].sel(head=0, drop=True).assign_attrs(
+        long_name="rank for a relative error of the attention matrix, head 0", units="1",
+        description="the head the estimators are swept on (paired with them)")
+    ds["rank_kernel_head0"] = ds["rank_kernel"].sel(head=0, drop=True).assign_attrs(
+        long_name="rank for a relative error of the kernel matrix, head 0", units="1",
+        description="the head the estimators are swept on (paired with them)")
+    for group, members in (("nystrom", NYSTROM), ("random_features", RANDOM_FEATURES)):
+        for what in ("kernel", "attention"):
+            da = ds[f"features_{what}"].sel(estimator=[m for m in members if m in ds.estimator.values])
+            ds[f"features_{what}_best_{group}"] = da.min("estimator", skipna=False).assign_attrs(
+                long_name=f"features the best {group.replace('_', ' ')} estimator needs ({what} matrix)", units="1",
+                description=f"per draw, the smallest features_{what} over {', '.join(map(str, da.estimator.values))} "
+                            "(inf: none reached the target with m ≤ n)")
+    names = [f"{n}_draw" for n in ("rank_kernel", "rank_attention", "beta_eff", "logit_std", "distinct_queries",
+                                   "kernel_sv", "attention_sv")]
+    names += ["rank_kernel_growth", "rank_attention_growth", "rank_attention_head0", "rank_kernel_head0"]
+    names += [f"features_{w}_best_{g}" for w in ("kernel", "attention") for g in ("nystrom", "random_features")]
+    return add_summaries(ds, names, "seed", tail_threshold=None)
+
+
+# --------------------------------------------------------------------------------------------------- figure
 def data_colors(values):
     """text: warm colours; continuous: greens from rough (light) to smooth (dark)."""
     import seaborn as sns
@@ -205,89 +263,71 @@ def _label(value):
     return {"text_like": "text-like (Zipf tokens)", REAL_VALUE: "real text heads (MiniLM)"}.get(value, value)
 
 
-def _best(da, names):
-    """Smallest feature count over a group of estimators (NaN where none reached the target)."""
-    names = [e for e in names if e in da.estimator.values]
-    return da.sel(estimator=names).min("estimator", skipna=True) if names else None
-
-
-def _samples(da):
-    """Seeds and heads pooled into one ``sample`` dimension."""
-    return da.stack(sample=("seed", "head"))
-
-
 def plot(ds, path):
     from matplotlib import ticker
-    from matplotlib.patches import Patch
 
     from kernapprox import plotting
 
     values = [str(v) for v in ds.data.values]
     colors = data_colors(values)
     ns = [int(n) for n in ds.seq_len.values]
-    n_max = ns[-1]
     fig, axes = plotting.new_figure(2, 3, width=14.5, height=7.4, squeeze=False)
-    for col, (var, what) in enumerate((("kernel_sv", "kernel matrix A = exp(s QKᵀ)"),
-                                       ("attention_sv", "attention matrix P = softmax(s QKᵀ)"))):
+    for col, (var, what) in enumerate((("kernel_sv", "kernel"), ("attention_sv", "attention"))):
         ax = axes[0, col]
         for v in values:
-            med, lo, hi = plotting.median_band(_samples(ds[var].sel(data=v, seq_len=n_max)), dim="sample")
-            idx = np.arange(1, med.size + 1)
-            ok = np.isfinite(med.values) & (med.values > 0)
-            ax.plot(idx[ok], med.values[ok], color=colors[v], label=_label(v))
-            ax.fill_between(idx[ok], np.maximum(lo.values[ok], 1e-300), hi.values[ok], color=colors[v], alpha=0.15,
-                            linewidth=0)
+            finite = [n for n in ns if bool(np.isfinite(ds[f"{var}_draw"].sel(data=v, seq_len=n)).any())]
+            if not finite:
+                continue
+            n_show = finite[-1]
+            s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=n_show)
+            idx = np.arange(1, s.sizes["sv_index"] + 1)
+            est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+            ok = np.isfinite(est) & (est > 0)
+            ax.plot(idx[ok], est[ok], color=colors[v], label=f"{_label(v)}, n = {n_show}")
+            ax.fill_between(idx[ok], np.maximum(lo[ok], 1e-300), hi[ok], color=colors[v], alpha=0.15, linewidth=0)
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_ylim(1e-12, 1.5)
         ax.set_xlabel("index i")
         ax.set_ylabel("σ_i / σ_1")
-        ax.set_title(f"spectrum of the {what.split(' ')[0]} matrix, n = {n_max}")
+        ax.set_title(f"spectrum of the {what} matrix at the largest n")
         ax = axes[1, col]
-        rank = ds["rank_kernel" if col == 0 else "rank_attention"]
+        rank = ds[f"rank_{what}_draw_summary"]
         for v in values:
             for t, style in zip(TARGETS, ("-", "--")):
-                med, lo, hi = plotting.median_band(_samples(rank.sel(data=v, target=t)), dim="sample")
-                ax.plot(ns, med.values, color=colors[v], linestyle=style, marker="o",
-                        label=_label(v) if t == TARGETS[0] else None)
-                ax.fill_between(ns, lo.values, hi.values, color=colors[v], alpha=0.12, linewidth=0)
+                plotting.plot_summary(ax, rank.sel(data=v, target=t), "seq_len", color=colors[v], linestyle=style,
+                                      marker="o", label=_label(v) if t == TARGETS[0] else None)
         ax.plot(ns, ns, color="0.5", linestyle=":", linewidth=1.0, label="rank = n")
         plotting.loglog_rank_axes(ax, xlabel="sequence length n", ylabel="rank r for the target")
         ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.set_title(f"rank for 1% (solid) / 10% (dashed) error, {what.split(' ')[0]} matrix")
+        ax.set_title(f"rank for 1% (solid) / 10% (dashed) error, {what} matrix")
     axes[0, 0].legend(fontsize=6.5)
     axes[1, 0].legend(fontsize=6.5)
-
-    # Estimators against the optimum at the largest n where they ran.
-    ran = [n for n in ns if bool(np.isfinite(ds["kernel_error"].sel(seq_len=n)).any())]
-    for row, (feat, rank, what) in enumerate((("features_attention", "rank_attention", "attention matrix"),
-                                              ("features_kernel", "rank_kernel", "kernel matrix"))):
+    n_est = int(ds["estimator_len"])
+    for row, what in enumerate(("attention", "kernel")):
         ax = axes[row, 2]
-        if not ran:
+        if n_est not in ns:
             ax.set_visible(False)
             continue
-        n_est = ran[-1]
-        groups = [("optimal (SVD)", None, "#444444"), ("best Nyström", NYSTROM, "#ca9161"),
-                  ("best random features", RANDOM_FEATURES, "#de8f05")]
+        groups = [("optimal (SVD)", f"rank_{what}_head0_summary", "#444444"),
+                  ("best Nyström", f"features_{what}_best_nystrom_summary", "#ca9161"),
+                  ("best random features", f"features_{what}_best_random_features_summary", "#de8f05")]
         width = 0.8 / (len(groups) * len(TARGETS))
-        handles = []
-        for g, (name, members, color) in enumerate(groups):
+        for g, (name, var, color) in enumerate(groups):
             for t_i, t in enumerate(TARGETS):
-                if members is None:
-                    da = ds[rank].sel(seq_len=n_est, target=t, head=0)     # the estimators' head: paired
-                else:
-                    best = _best(ds[feat].sel(seq_len=n_est, target=t), members)
-                    if best is None:
-                        continue
-                    da = best
-                med = da.median("seed", skipna=False).sel(data=values).values
-                reached = np.isfinite(med)
+                s = ds[var].sel(seq_len=n_est, target=t, data=values)
+                est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
                 x = np.arange(len(values)) + (g * len(TARGETS) + t_i - (len(groups) * len(TARGETS) - 1) / 2) * width
+                reached = np.isfinite(est)
                 hatch = None if t_i == 0 else "//"
-                ax.bar(x[reached], med[reached], width, color=color, hatch=hatch, edgecolor="white")
-                handles.append(Patch(facecolor=color, edgecolor="white", hatch=hatch, label=f"{name}, {t:.0%}"))
-                ax.bar(x[~reached], np.full((~reached).sum(), n_est), width, color="none", edgecolor=color,
-                       hatch=hatch, linestyle="--", linewidth=0.8)
+                ax.bar(x[reached], est[reached], width, color=color, hatch=hatch, edgecolor="white",
+                       label=f"{name}, {t:.0%}")
+                bars = reached & np.isfinite(hi)
+                ax.errorbar(x[bars], est[bars], yerr=[est[bars] - lo[bars], hi[bars] - est[bars]], fmt="none",
+                            ecolor="0.2", elinewidth=0.7, capsize=1.5)
+                miss = np.isinf(est)
+                ax.bar(x[miss], np.full(miss.sum(), n_est), width, color="none", edgecolor=color, hatch=hatch,
+                       linestyle="--", linewidth=0.8)
         ax.axhline(n_est, color="0.5", linestyle=":", linewidth=1.0)
         ax.set_yscale("log", base=2)
         ax.set_ylim(1, n_est * 1.6)
@@ -295,22 +335,84 @@ def plot(ds, path):
         ax.set_xticks(np.arange(len(values)), [_label(v).replace(", ", ",\n").replace(" (", "\n(")
                                                for v in values], fontsize=6.5)
         ax.set_ylabel("rank / features needed")
-        ax.set_title(f"needed for 1% / 10% error, {what}, n = {n_est}")
-        handles.append(Patch(facecolor="none", edgecolor="0.3", linestyle="--", label="not reached at m ≤ n"))
-        ax.legend(handles=handles, fontsize=6, ncol=2, loc="lower left")
+        ax.set_title(f"needed for 1% / 10% error, {what} matrix, n = {n_est}")
+        ax.legend(fontsize=6, ncol=2, loc="lower left")
     fig.suptitle("The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences")
-    beta = SYNTHETIC_BETA
     plotting.save_figure(fig, path, (
-        f"Top left/centre: singular values σ_i/σ_1 of a head's kernel matrix exp(s QKᵀ) and of its row-normalised "
-        f"attention matrix at n = {n_max} (median and 10–90% band over seeds × {HEADS} heads). Bottom left/centre: "
-        "smallest rank r "
-        "whose best (truncated-SVD, Eckart–Young) approximation has relative Frobenius error ≤ 1% (solid) or 10% "
-        "(dashed), against n; dotted: r = n. Right: at the largest n where the estimators ran, the optimal rank "
-        "of head 0 next to the smallest m of a power-of-two grid (m ≤ n) at which the best Nyström and the best "
-        "random-feature estimator reach the target on that head (median over seeds; dashed outline at n: not "
-        "reached). "
-        f"Synthetic data at nominal beta = {beta:g}, d = 32; real heads of all-MiniLM-L6-v2 on Python's help "
-        "text at their own temperature, non-causal."))
+        "Top left/centre: singular values σ_i/σ_1 of a head's kernel matrix exp(s QKᵀ) and of its row-normalised "
+        f"attention matrix at the largest n of each data type: median over {ds.sizes['seed']} seeds (each the median "
+        f"over its {HEADS} heads) and 95 % bootstrap band. Bottom left/centre: smallest rank r whose best "
+        "(truncated-SVD, Eckart–Young) approximation has relative Frobenius error ≤ 1% (solid) or 10% (dashed), "
+        "against n (head-mean per draw; median and 95 % band over seeds); dotted: r = n. Right: at "
+        f"n = {n_est}, the optimal rank of head 0 next to the smallest m of a power-of-two grid (m ≤ n) at which the "
+        "best Nyström and the best random-feature estimator reach the target on that head (median over seeds, bars: "
+        "95 % interval; dashed outline at n: not reached). The SVD ranks bound the Frobenius error of the matrix "
+        f"they decompose only. Synthetic data at nominal beta = {SYNTHETIC_BETA:g}, d = 32; real heads of "
+        "all-MiniLM-L6-v2 on Python's help text at their own temperature, up to one 512-token window; non-causal."))
+
+
+# -------------------------------------------------------------------------------------------------- findings
+def findings(ds: xr.Dataset) -> str:
+    values = [str(v) for v in ds.data.values]
+    ns = [int(n) for n in ds.seq_len.values]
+    n_max, n_min = max(ns), min(ns)
+    rank = ds["rank_attention_draw_summary"]
+    growth = ds["rank_attention_growth_summary"]
+    lines = []
+    parts = []
+    for v in values:
+        finite = [n for n in ns if np.isfinite(float(rank.sel(data=v, seq_len=n, target=TARGETS[0],
+                                                             stat="estimate")))]
+        if not finite:
+            continue
+        parts.append(f"{_label(v)} {fmt_ci(rank.sel(data=v, seq_len=finite[-1], target=TARGETS[0]))} at "
+                     f"n = {finite[-1]} (growth exponent {fmt_ci(growth.sel(data=v, target=TARGETS[0]), 2)} over "
+                     f"n = {finite[0]}–{finite[-1]})")
+    lines.append(f"Rank a truncated SVD needs for {TARGETS[0]:.0%} relative Frobenius error of the attention matrix "
+                 "softmax(s QKᵀ) (head mean per draw; median over seeds): " + "; ".join(parts)
+                 + ". An exponent of 1 would mean a rank proportional to n.")
+    kern = ds["rank_kernel_draw_summary"]
+    parts = [f"{_label(v)} {fmt_ci(kern.sel(data=v, seq_len=n_max, target=TARGETS[0]))}" for v in values
+             if np.isfinite(float(kern.sel(data=v, seq_len=n_max, target=TARGETS[0], stat="estimate")))]
+    if parts:
+        lines.append(f"For the kernel matrix exp(s QKᵀ) at n = {n_max} the same target needs: " + "; ".join(parts)
+                     + ".")
+    if "text_like" in values:
+        dq = ds["distinct_queries_draw_summary"].sel(data="text_like")
+        lines.append(f"Text-like sequences hold {fmt_ci(dq.sel(seq_len=n_min), 3)} distinct tokens at n = {n_min} and "
+                     f"{fmt_ci(dq.sel(seq_len=n_max), 3)} at n = {n_max}; their 1% attention rank is "
+                     f"{fmt_ci(rank.sel(data='text_like', seq_len=n_min, target=TARGETS[0]), 3)} and "
+                     f"{fmt_ci(rank.sel(data='text_like', seq_len=n_max, target=TARGETS[0]), 3)}.")
+    if REAL_VALUE in values:
+        b = ds["beta_eff_draw_summary"].sel(data=REAL_VALUE)
+        finite = [n for n in ns if np.isfinite(float(b.sel(seq_len=n, stat="estimate")))]
+        if finite and n_max > finite[-1]:
+            lines.append(f"Real MiniLM heads (β_eff {fmt_ci(b.sel(seq_len=finite[-1]), 2)} at n = {finite[-1]}) are "
+                         f"decomposed up to one model window, n = {finite[-1]}: longer sequences would join windows "
+                         "the model attended over separately.")
+    n_est = int(ds["estimator_len"])
+    if n_est in ns:
+        t = TARGETS[-1]
+        parts = []
+        for v in values:
+            opt = ds["rank_attention_head0_summary"].sel(data=v, seq_len=n_est, target=t)
+            nys = ds["features_attention_best_nystrom_summary"].sel(data=v, seq_len=n_est, target=t)
+            rf = ds["features_attention_best_random_features_summary"].sel(data=v, seq_len=n_est, target=t)
+            if not np.isfinite(float(opt.sel(stat="estimate"))):
+                continue
+            parts.append(f"{_label(v)}: optimum {_needed(opt)}, best Nyström {_needed(nys)}, best random features "
+                         f"{_needed(rf)}")
+        lines.append(f"Features needed for {t:.0%} attention-matrix error at n = {n_est} (head 0, medians over seeds; "
+                     "'not reached' = no m ≤ n did): " + "; ".join(parts) + ".")
+    lines.append(interval_note(ds))
+    return bullets(lines)
+
+
+def _needed(summary) -> str:
+    est = float(summary.sel(stat="estimate"))
+    if np.isinf(est):
+        return "not reached"
+    return fmt_ci(summary, 3)
 
 
 EXPERIMENT = Experiment(
@@ -318,10 +420,12 @@ EXPERIMENT = Experiment(
     title="The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences",
     description=("Singular-value decay of one head's exact kernel and attention matrices and the rank needed for a "
                  "1% / 10% relative Frobenius error (Eckart–Young), against sequence length, for Zipf-token text, "
-                 "real MiniLM heads on English text and smooth continuous signals of three correlation lengths; "
+                 "real MiniLM heads on English text (up to one 512-token window) and smooth continuous signals of "
+                 "three correlation lengths; "
                  "compared with the feature counts random-feature and Nyström estimators need for the same "
                  "targets. Grid: data × n × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot)
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS,
+    summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

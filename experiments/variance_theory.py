@@ -1,25 +1,27 @@
 """Do the empirical mean-squared errors of the random-feature estimators match their closed forms?
 
-For one pair ``(x, y)`` with prescribed ``‖x+y‖`` and ``‖x−y‖`` (random orientation, the same for every
-estimator; ``‖x‖ = ‖y‖``; inputs used as is: ``scale = 1``) each cell draws ``replicates`` independent estimators
-(fresh projections each time), computes ``φ(x)ᵀφ(y)`` and compares the mean squared error with the closed form
-of :mod:`kernapprox.theory`: Performer Lemma 2 for ``trig``, ``positive`` and ``hyperbolic``; Performer
-Theorem 2 (an upper bound) for ``positive_orthogonal``; the GERF variance for ``gerf`` (its fixed ``A``) and
-``oprf`` (``A*`` fitted on the pair). Results are relative to ``SM(x, y)²``; each empirical value comes with its
-standard error from the replicates, and the bias of the estimate (zero for every estimator here) with its own.
+For one pair ``(x, y)`` with prescribed ``‖x+y‖`` and ``‖x−y‖`` (a random orientation per seed, the same pair for
+every estimator; ``‖x‖ = ‖y‖``; inputs used as is: ``scale = 1``) each cell draws ``replicates`` independent
+estimators (fresh projections each time) and stores every estimate ``φ(x)ᵀφ(y)`` relative to ``SM(x, y) = exp(xᵀy)``.
+The closed forms of :mod:`kernapprox.theory` sit beside the Monte Carlo values: Performer Lemma 2 for ``trig``,
+``positive`` and ``hyperbolic``; Performer Theorem 2 (an upper bound) for ``positive_orthogonal``; the GERF
+variance for ``gerf`` (its fixed ``A``) and ``oprf`` (``A*`` fitted on the pair). The summaries pool seeds and
+replicates: the mean squared relative error with its bootstrap interval (what the closed forms predict), the
+median absolute relative error with its 10/90 % quantiles and the share of draws whose error exceeds the kernel
+itself (the heavy tail a mean hides), and the relative bias with its interval.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+import xarray as xr
 
 import kernapprox as ka
-from kernapprox import theory
-from kernapprox.plotting import estimator_style, identity_line, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, run_cli
-
-DIM = 16
+from experiments._common import add_summaries, interval_note, range_text
+from kernapprox import stats, theory
+from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, fmt_pct, identity_line, new_figure, save_figure
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 
 def _lemma2(name):
@@ -32,39 +34,45 @@ THEORY = {
     "positive": (_lemma2("positive"), False),
     "hyperbolic": (_lemma2("hyperbolic"), False),
     "positive_orthogonal": (lambda x, y, est, m: theory.orthogonal_positive_mse_bound(x, y, m), True),
+    "gerf": (lambda x, y, est, m: theory.gerf_variance(x, y, est.A_, m), False),
+    "oprf": (lambda x, y, est, m: theory.gerf_variance(x, y, est.A_, m), False),
 }
-if hasattr(theory, "gerf_variance"):
-    for _name in ("gerf", "oprf"):
-        THEORY[_name] = (lambda x, y, est, m: theory.gerf_variance(x, y, est.A_, m), False)
 ESTIMATORS = [name for name in THEORY if name in ka.available_estimators()]
 NORMS = [0.25, 0.5, 1.0, 1.5, 2.0]
 
 GRIDS = {
     "smoke": {"estimator": ESTIMATORS, "sum_norm": [0.5, 1.5], "diff_norm": [1.0], "num_features": [16],
-              "replicates": [64], "seed": [0]},
+              "seed": [0, 1, 2]},
     "default": {"estimator": ESTIMATORS, "sum_norm": NORMS, "diff_norm": NORMS, "num_features": [16],
-                "replicates": [500], "seed": [0]},
-    "full": {"estimator": ESTIMATORS, "sum_norm": NORMS + [2.5], "diff_norm": NORMS + [2.5],
-             "num_features": [16], "replicates": [20000], "seed": [0, 1, 2]},
+                "seed": [0, 1, 2, 3, 4]},
+    "full": {"estimator": ESTIMATORS, "sum_norm": NORMS + [2.5], "diff_norm": NORMS + [2.5], "num_features": [16, 64],
+             "seed": list(range(10))},
+}
+PARAMETERS = {
+    "dim": Parameter(16, long_name="dimension d of x and y", units="1"),
+    "replicates": Parameter(100, long_name="independent estimator draws per cell", units="1",
+                            description="each draw is a fresh fit (new projections) on the cell's pair"),
+}
+AXIS_ATTRS = {
+    "sum_norm": {"long_name": "‖x + y‖", "units": "1"},
+    "diff_norm": {"long_name": "‖x − y‖", "units": "1"},
+    "num_features": {"long_name": "feature dimension r (trig, hyperbolic: r/2 frequencies)", "units": "1"},
 }
 
 METRICS = {
-    "relative_mse_empirical": Metric(long_name="empirical relative MSE", units="1",
-                                     description="mean over replicates of (φ(x)ᵀφ(y) − SM)² / SM²"),
-    "relative_mse_se": Metric(long_name="standard error of the empirical relative MSE", units="1",
-                              description="sample standard deviation of the squared relative errors / √replicates"),
+    "estimate_ratio": Metric(long_name="estimate over the kernel", units="1",
+                             description="φ(x)ᵀφ(y) / SM(x, y) for each independent draw of the estimator",
+                             dims=("replicate",)),
     "relative_mse_theory": Metric(long_name="closed-form relative MSE", units="1",
                                   description="MSE/SM² from kernapprox.theory (an upper bound where "
                                               "theory_is_upper_bound = 1)"),
     "theory_is_upper_bound": Metric(long_name="closed form is an upper bound", units="1",
                                     description="1 for Performer Theorem 2 (orthogonal features), else 0"),
-    "relative_bias": Metric(long_name="empirical relative bias", units="1",
-                            description="(mean of φ(x)ᵀφ(y) − SM) / SM over replicates"),
-    "relative_bias_se": Metric(long_name="standard error of the relative bias", units="1",
-                               description="sample standard deviation of φ(x)ᵀφ(y)/SM / √replicates"),
-    "kernel_value": Metric(long_name="softmax kernel SM(x, y)", units="1", description="exp(xᵀy)"),
     "num_frequencies": Metric(long_name="random frequencies m", units="1",
                               description="m in the closed forms (r/2 for trig and hyperbolic, r otherwise)"),
+}
+REFERENCE_METRICS = {
+    "kernel_value": Metric(long_name="softmax kernel SM(x, y)", units="1", description="exp(xᵀy) of the cell's pair"),
 }
 
 
@@ -78,7 +86,7 @@ def pair_with_norms(sum_norm: float, diff_norm: float, dim: int, rng: np.random.
 
 def run_cell(params, rng, device, data_rng):
     name = params["estimator"]
-    x, y = pair_with_norms(params["sum_norm"], params["diff_norm"], DIM, data_rng)
+    x, y = pair_with_norms(params["sum_norm"], params["diff_norm"], params["dim"], data_rng)
     xt = torch.as_tensor(x[None], dtype=torch.float64, device=device)        # (1, d)
     yt = torch.as_tensor(y[None], dtype=torch.float64, device=device)
     replicates = params["replicates"]
@@ -86,64 +94,169 @@ def run_cell(params, rng, device, data_rng):
     for i in range(replicates):  # independent draws: the estimator is the black box under test
         est = ka.make_estimator(name, num_features=params["num_features"], rng=rng, scale=1.0).fit(xt, yt)
         values[i] = est.kernel_matrix(xt, yt)[0, 0]
-    ratio = values.cpu().numpy() / theory.softmax_kernel(x, y)
-    sq = (ratio - 1.0) ** 2
+    sm = float(theory.softmax_kernel(x, y))
     mse_fn, is_bound = THEORY[name]
     m = getattr(est, "num_frequencies", est.num_features)
-    sm = float(theory.softmax_kernel(x, y))
-    return {"relative_mse_empirical": sq.mean(), "relative_mse_se": sq.std(ddof=1) / np.sqrt(replicates),
-            "relative_mse_theory": float(mse_fn(x, y, est, m)) / sm**2, "theory_is_upper_bound": float(is_bound),
-            "relative_bias": ratio.mean() - 1.0, "relative_bias_se": ratio.std(ddof=1) / np.sqrt(replicates),
-            "kernel_value": sm, "num_frequencies": float(m)}
+    return {"estimate_ratio": values.cpu().numpy() / sm, "relative_mse_theory": float(mse_fn(x, y, est, m)) / sm**2,
+            "theory_is_upper_bound": float(is_bound), "num_frequencies": float(m)}
+
+
+def run_reference(params, device, data_rng):
+    x, y = pair_with_norms(params["sum_norm"], params["diff_norm"], params["dim"], data_rng)
+    return {"kernel_value": float(theory.softmax_kernel(x, y))}
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+DRAWS = ("seed", "replicate")
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    ratio = ds["estimate_ratio"]
+    ds["squared_error"] = ((ratio - 1.0) ** 2).assign_attrs(
+        long_name="squared relative error", units="1", description="(φ(x)ᵀφ(y)/SM − 1)² per draw")
+    ds["abs_error"] = abs(ratio - 1.0).assign_attrs(
+        long_name="absolute relative error", units="1", description="|φ(x)ᵀφ(y)/SM − 1| per draw")
+    mse = stats.bootstrap_interval(ds["squared_error"], DRAWS, "mean")
+    mse.attrs.update({"long_name": "empirical relative MSE", "units": "1",
+                      "description": "mean of squared_error over seeds and replicates: " + mse.attrs["interval"]})
+    ds["relative_mse_summary"] = mse
+    bias = stats.bootstrap_interval(ratio - 1.0, DRAWS, "mean")
+    bias.attrs.update({"long_name": "relative bias", "units": "1",
+                       "description": "mean of φ(x)ᵀφ(y)/SM − 1: " + bias.attrs["interval"]})
+    ds["relative_bias_summary"] = bias
+    ds = add_summaries(ds, ["abs_error"], DRAWS)
+    theory_value = ds["relative_mse_theory"].median("seed")
+    ds["relative_mse_theory_pair"] = theory_value.assign_attrs(
+        long_name="closed-form relative MSE of the pair", units="1",
+        description="relative_mse_theory (equal for every seed's orientation of the pair: the formulas depend on "
+                    "the norms only), median over seeds")
+    return ds
 
 
 # ------------------------------------------------------------------------------------------------------ plot
 def plot(ds, path):
-    fig, (ax, axr) = new_figure(1, 2, width=11.0, height=4.6)
-    emp = ds["relative_mse_empirical"].mean("seed")
-    se = np.sqrt((ds["relative_mse_se"] ** 2).mean("seed") / ds.sizes["seed"])
-    theo = ds["relative_mse_theory"].mean("seed")
-    lo, hi = float(theo.min()), float(max(theo.max(), emp.max()))
-    identity_line(ax, lo / 2, hi * 2)
+    fig, (ax, axr, axt) = new_figure(1, 3, width=15.5, height=4.6)
+    mse = ds["relative_mse_summary"].isel(num_features=0)
+    theo = ds["relative_mse_theory_pair"].isel(num_features=0)
+    tail = ds["abs_error_summary"].isel(num_features=0)
+    lo_t, hi_t = float(theo.min()), float(max(theo.max(), mse.sel(stat="estimate").max()))
+    identity_line(ax, lo_t / 2, hi_t * 2)
     for name in ds.estimator.values:
         style = estimator_style(str(name))
         bound = bool(ds["theory_is_upper_bound"].sel(estimator=name).max())
         t = theo.sel(estimator=name).values.ravel()
-        e = emp.sel(estimator=name).values.ravel()
-        s = se.sel(estimator=name).values.ravel()
+        e, lo, hi = (mse.sel(estimator=name, stat=s).values.ravel() for s in ("estimate", "lo", "hi"))
         label = f"{name} (theory = Thm 2 bound)" if bound else str(name)
         face = "none" if bound else style["color"]
-        ax.errorbar(t, e, yerr=2 * s, fmt="none", ecolor=style["color"], elinewidth=0.7, alpha=0.6)
+        ax.errorbar(t, e, yerr=[e - lo, hi - e], fmt="none", ecolor=style["color"], elinewidth=0.7, alpha=0.6)
         ax.scatter(t, e, marker=style["marker"], facecolor=face, edgecolor=style["color"], s=22, label=label)
-        axr.errorbar(t, e / t, yerr=2 * s / t, fmt=style["marker"], color=style["color"], mfc=face, ms=4,
+        axr.errorbar(t, e / t, yerr=[(e - lo) / t, (hi - e) / t], fmt=style["marker"], color=style["color"], mfc=face,
+                     ms=4, elinewidth=0.7, label=label)
+        tf, tlo, thi = (tail.sel(estimator=name, stat=s).values.ravel() for s in ("tail", "tail_lo", "tail_hi"))
+        axt.errorbar(t, tf, yerr=[tf - tlo, thi - tf], fmt=style["marker"], color=style["color"], mfc=face, ms=4,
                      elinewidth=0.7, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("closed-form relative MSE  MSE/SM²")
-    ax.set_ylabel("empirical relative MSE")
+    for a in (ax, axr):
+        a.set_xscale("log")
+        a.set_yscale("log")
+        a.set_xlabel("closed-form relative MSE  MSE/SM²")
+    ax.set_ylabel("empirical relative MSE (mean over draws)")
     ax.set_title("empirical against closed form")
     ax.legend(fontsize=7, loc="upper left")
     axr.axhline(1.0, color="0.2", linewidth=0.9)
-    axr.set_xscale("log")
-    axr.set_yscale("log")
-    axr.set_xlabel("closed-form relative MSE  MSE/SM²")
     axr.set_ylabel("empirical / closed form")
-    axr.set_title("ratio (bars: ±2 standard errors)")
+    axr.set_title("ratio (bars: 95 % bootstrap interval)")
+    axt.set_xscale("log")
+    axt.set_xlabel("closed-form relative MSE  MSE/SM²")
+    axt.set_ylabel("share of draws with |φ(x)ᵀφ(y)/SM − 1| > 1")
+    axt.set_title("the heavy tail (bars: Clopper–Pearson 95 %)")
     fig.suptitle("Random-feature MSE: Monte Carlo against closed forms", fontsize=11, fontweight="bold")
-    reps = int(ds.replicates.values.max())
+    draws = ds.sizes["seed"] * ds.sizes["replicate"]
     save_figure(fig, path, (
-        f"Each point is one pair (x, y) in d = {DIM} with ‖x+y‖ and ‖x−y‖ on the grid "
+        f"Each point is one pair (x, y) in d = {int(ds['dim'])} with ‖x+y‖ and ‖x−y‖ on the grid "
         f"{', '.join(f'{v:g}' for v in ds.sum_norm.values)} (inputs used as is), r = "
-        f"{int(ds.num_features.values[0])} features. Vertical: mean of (φ(x)ᵀφ(y) − SM)²/SM² over {reps} "
-        "independent draws of the estimator (bars: ±2 standard errors); horizontal: the closed form "
-        "(Performer Lemma 2 for trig/positive/hyperbolic, the GERF variance for GERF and OPRF, the Theorem 2 upper "
-        "bound for orthogonal positive features, hollow markers, which should lie on or below the line). Black "
-        "line: equality. Heavy-tailed squared errors make the Monte Carlo mean fall short at large MSE."))
+        f"{int(ds.num_features.values[0])} features, {draws} independent draws of the estimator "
+        f"({ds.sizes['seed']} seeds, each its own orientation of the pair, × {ds.sizes['replicate']}). Left: mean of "
+        "(φ(x)ᵀφ(y) − SM)²/SM² against the closed form (Performer Lemma 2 for trig/positive/hyperbolic, the GERF "
+        "variance for GERF and OPRF, the Theorem 2 upper bound for orthogonal positive features, hollow markers, "
+        "which should lie on or below the line); bars: 95 % percentile-bootstrap intervals of the mean. Middle: "
+        "their ratio. Right: share of draws whose relative error exceeds 1, with Clopper–Pearson intervals: where "
+        "it is small but not zero, a few hundred draws mostly miss the rare huge errors that carry the MSE."))
+
+
+# -------------------------------------------------------------------------------------------------- findings
+def findings(ds: xr.Dataset) -> str:
+    ds = ds.isel(num_features=0)
+    mse, theo = ds["relative_mse_summary"], ds["relative_mse_theory_pair"]
+    exact_forms = ds["theory_is_upper_bound"].max("seed") == 0
+    lo, hi = mse.sel(stat="lo"), mse.sel(stat="hi")
+    covered = (lo <= theo) & (theo <= hi)
+    small = (theo < 0.5) & exact_forms
+    ratio = mse.sel(stat="estimate") / theo
+    draws = ds.sizes["seed"] * ds.sizes["replicate"]
+    lines = []
+    n_small = int(small.sum())
+    lines.append(
+        f"Where the closed-form relative MSE is below 0.5, the Monte Carlo MSE over {draws} draws matches it: its "
+        f"95 % interval covers the closed form at {int((covered & small).sum())} of {n_small} (estimator, pair) "
+        f"points, median ratio {fmt(float(ratio.where(small).median()))}.")
+    big = (theo >= 0.5) & exact_forms
+    if int(big.sum()):
+        names = [str(n) for n in ds.estimator.values]
+        per = []
+        for name in names:
+            sel = big.sel(estimator=name)
+            if int(sel.sum()):
+                per.append(f"`{name}` {int((covered.sel(estimator=name) & sel).sum())}/{int(sel.sum())} "
+                           f"(ratios {range_text(ratio.sel(estimator=name).where(sel).values)})")
+        below = big & (hi < theo)
+        shares = ds["abs_error_summary"].sel(stat="tail").where(below).values
+        lines.append("At closed-form relative MSE ≥ 0.5 the intervals cover the closed form at: " + "; ".join(per)
+                     + (f". Where the whole interval lies below the closed form ({int(below.sum())} points), the share "
+                        f"of draws with relative error above 1 is {range_text(100 * shares)} %" if int(below.sum())
+                        else "") + ".")
+    tail = ds["abs_error_summary"]
+    heavy = tail.sel(stat="tail").where(exact_forms)
+    worst = heavy.where(heavy == heavy.max(), drop=True)
+    if worst.size:
+        where = {d: worst[d].values[0] for d in ("estimator", "sum_norm", "diff_norm")}
+        s = tail.sel(**where)
+        lines.append(
+            f"The largest share of draws with relative error above 1 is "
+            f"{fmt_ci(_triple(s, 'tail'), percent=True)} (`{where['estimator']}`, ‖x+y‖ = {where['sum_norm']:g}, "
+            f"‖x−y‖ = {where['diff_norm']:g}); the median relative error there is {fmt_ci(s)}, against a closed-form "
+            f"root-MSE of {fmt(float(np.sqrt(theo.sel(**where))))}.")
+    bias = ds["relative_bias_summary"]
+    off = (bias.sel(stat="lo") > 0) | (bias.sel(stat="hi") < 0)
+    total = int(bias.sel(stat="estimate").notnull().sum())
+    lines.append(f"The relative bias is zero within its 95 % interval at {total - int(off.sum())} of {total} cells "
+                 f"(about {fmt_pct(0.05)} are expected outside by chance).")
+    if "positive_orthogonal" in ds.estimator.values:
+        above = lo.sel(estimator="positive_orthogonal") > theo.sel(estimator="positive_orthogonal")
+        lines.append(f"Orthogonal positive features exceed the Theorem 2 bound with their whole interval at "
+                     f"{int(above.sum())} of {int(theo.sel(estimator='positive_orthogonal').notnull().sum())} pairs.")
+    if {"gerf", "oprf"} <= set(map(str, ds.estimator.values)):
+        s_min, s_max = float(ds.sum_norm.min()), float(ds.sum_norm.max())
+        d0 = float(ds.diff_norm.values[0])
+        pieces = []
+        for s_norm in (s_min, s_max):
+            pieces.append(f"‖x+y‖ = {s_norm:g}: OPRF {fmt_ci(mse.sel(estimator='oprf', sum_norm=s_norm, diff_norm=d0))}"
+                          f" against GERF {fmt_ci(mse.sel(estimator='gerf', sum_norm=s_norm, diff_norm=d0))}")
+        lines.append(f"OPRF's fitted A* against GERF's fixed A (relative MSE at ‖x−y‖ = {d0:g}): " + "; ".join(pieces)
+                     + ".")
+    lines.append(interval_note(ds))
+    return bullets(lines)
+
+
+def _triple(summary, prefix):
+    values = [float(summary.sel(stat=s)) for s in (prefix, f"{prefix}_lo", f"{prefix}_hi")]
+    return xr.DataArray(values, dims="stat", coords={"stat": ["estimate", "lo", "hi"]})
 
 
 EXPERIMENT = Experiment(name="variance_theory", title="Random-feature MSE: Monte Carlo against closed forms",
                         description=" ".join(__doc__.split()), grids=GRIDS, metrics=METRICS, run_cell=run_cell,
-                        plot=plot, data_axes=("sum_norm", "diff_norm", "seed"))
+                        plot=plot, data_axes=("sum_norm", "diff_norm", "seed"),
+                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
+                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

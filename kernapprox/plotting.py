@@ -1,9 +1,12 @@
 """One house style for every figure: seaborn's whitegrid theme, log–log error-vs-rank axes, medians with
-percentile bands computed in xarray, reference slopes, theory overlays and captions drawn under the figure.
+intervals, reference slopes, theory overlays, captions drawn under the figure, and the findings' number format.
 
-Figures are pure functions of result datasets (they never recompute an estimator). Summary statistics are
-computed here with xarray (``median_band``), not by seaborn's estimators, so that bands on log axes are bands of
-the data, not of its logarithm's mean.
+Figures are pure functions of result datasets (they never recompute an estimator). The summaries a figure draws
+are stored in the dataset (:mod:`kernapprox.stats`: a ``stat`` dimension with ``estimate``, ``lo``, ``hi``, ...);
+:func:`plot_summary` draws one as a line with its interval as a band, :func:`errorbar_summary` as markers with
+bars. ``median_band`` (medians and percentile bands computed in xarray, not by seaborn's estimators, so that bands
+on log axes are bands of the data) stays for quick looks. Findings texts format their numbers with :func:`fmt`
+and intervals with :func:`fmt_ci`, so every study writes them alike.
 
 >>> import numpy as np, tempfile, xarray as xr
 >>> from kernapprox.plotting import (estimator_style, loglog_rank_axes, median_band, new_figure,
@@ -23,6 +26,9 @@ the data, not of its logarithm's mean.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
 import textwrap
 import warnings
 import zlib
@@ -39,7 +45,7 @@ FAMILY_COLORS = {  # one hue per estimator family, the same in every figure
     "gerf": "#d55e00", "oprf": "#cc78bc", "sderf": "#8c564b", "aderf": "#7b3294", "saderf": "#b8a000",
     "nystrom": "#ca9161", "nystromformer": "#a6761d", "scatterbrain": "#1b3a6b", "window": "#6a6a6a",
     "taylor2": "#e7298a", "elu1": "#66a61e", "dpfp": "#a6cee3", "lowrank": "#000000", "exact": "#949494",
-    "hedgehog": "#c51b1b",
+    "hedgehog": "#c51b1b", "lara": "#17becf", "eva": "#9467bd", "kernel": "#000000", "attention": "#595959",
 }
 VARIANT_STYLES = {  # one line style and marker per projection sampler or named variant
     "iid": ("-", "o"), "orthogonal": ("--", "s"), "qmc": (":", "^"), "sorf": ("-.", "D"),
@@ -110,6 +116,110 @@ def plot_median_band(ax, da: xr.DataArray, x: str, dim: str = "seed", q=(0.1, 0.
     return line
 
 
+def _summary(summary: xr.DataArray) -> xr.DataArray:
+    if "stat" not in summary.dims or list(summary["stat"].values[:3]) != ["estimate", "lo", "hi"]:
+        raise ValueError(f"{summary.name!r} is not a summary (a 'stat' dimension starting estimate, lo, hi; see "
+                         "kernapprox.stats)")
+    return summary
+
+
+def plot_summary(ax, summary: xr.DataArray, x: str | None = None, *, band_alpha: float = 0.18, xvalues=None,
+                 **line_kw):
+    """Draw a stored summary against coordinate ``x``: its estimate as a line and its ``lo``–``hi`` interval as a
+    band of the line's colour. Points where the estimate is NaN are left out (a gap); ``inf`` is drawn as a gap
+    too. Returns the line (``None`` if nothing is finite)."""
+    summary = _summary(summary)
+    xs = np.asarray(summary[x].values if xvalues is None else xvalues, dtype=float)
+    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in ("estimate", "lo", "hi"))
+    if est.ndim != 1 or est.shape != xs.shape:
+        raise ValueError(f"plot_summary needs a 1-D summary along {x!r}, got dims {summary.dims}")
+    keep = np.isfinite(est) & np.isfinite(xs)
+    if not keep.any():
+        return None
+    (line,) = ax.plot(xs[keep], est[keep], **line_kw)
+    band = keep & np.isfinite(lo)
+    ax.fill_between(xs[band], lo[band], np.where(np.isfinite(hi[band]), hi[band], np.nanmax(est[keep]) * 1e3),
+                    color=line.get_color(), alpha=band_alpha, linewidth=0)
+    return line
+
+
+def errorbar_summary(ax, summary: xr.DataArray, x, **kw):
+    """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name)."""
+    summary = _summary(summary)
+    xs = np.asarray(summary[x].values if isinstance(x, str) else x, dtype=float)
+    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in ("estimate", "lo", "hi"))
+    keep = np.isfinite(est)
+    style = {"linestyle": "none", "capsize": 2, "elinewidth": 0.8, **kw}
+    return ax.errorbar(xs[keep], est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], **style)
+
+
+# ------------------------------------------------------------------------------------------- findings text
+def fmt(value, digits: int = 3) -> str:
+    """A number for a findings sentence: ``digits`` significant digits, plain between 1e-3 and 1e5, otherwise
+    ``a·10^b``, with a true minus sign; ``inf`` and NaN are spelled out. The same value always gives the same
+    text."""
+    value = float(value)
+    if math.isnan(value):
+        return "n/a"
+    if math.isinf(value):
+        return "∞" if value > 0 else "−∞"
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        text = f"{value:.{digits}g}"
+        text = text if "e" not in text else f"{value:.0f}"
+    else:
+        mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+        text = f"{mantissa}·10^{int(exponent)}"
+    return text.replace("-", "−")
+
+
+def _percent_number(value: float) -> str:
+    p = 100.0 * value
+    if p == 0:
+        return "0"
+    if abs(p) >= 1:
+        return f"{p:.1f}".rstrip("0").rstrip(".")
+    return fmt(p, 2)
+
+
+def fmt_pct(value) -> str:
+    """A fraction as a percentage for a findings sentence (``0.125`` → ``12.5 %``; one decimal from 1 % up)."""
+    value = float(value)
+    return "n/a" if math.isnan(value) else f"{_percent_number(value)} %"
+
+
+def fmt_ci(summary: xr.DataArray, digits: int = 3, *, percent: bool = False) -> str:
+    """``estimate (lo–hi)`` of one summary entry (a 0-d selection with a ``stat`` dimension); ``percent`` writes
+    fractions as percentages (``12.5 % (9.1–16.4 %)``)."""
+    summary = _summary(summary)
+    est, lo, hi = (float(summary.sel(stat=s)) for s in ("estimate", "lo", "hi"))
+    if percent:
+        return f"{fmt_pct(est)} ({_percent_number(lo)}–{_percent_number(hi)} %)"
+    sep = " to " if lo < 0 else "–"
+    while digits < 6 and len({fmt(v, digits) for v in (est, lo, hi)}) < len({est, lo, hi}):
+        digits += 1                              # e.g. 1 (0.99982–1), not 1 (1–1)
+    return f"{fmt(est, digits)} ({fmt(lo, digits)}{sep}{fmt(hi, digits)})"
+
+
+def bullets(lines) -> str:
+    """Markdown bullets, one per non-empty line (the findings' format)."""
+    return "\n".join(f"- {' '.join(str(line).split())}" for line in lines if line)
+
+
+_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("figure_source", default=None)
+
+
+@contextlib.contextmanager
+def figure_source(text: str):
+    """While active, :func:`save_figure` stores ``text`` (the dataset and its digest) in the PNG's ``Source``."""
+    token = _SOURCE.set(text)
+    try:
+        yield
+    finally:
+        _SOURCE.reset(token)
+
+
 def loglog_rank_axes(ax, xlabel: str = "number of features r", ylabel: str | None = None, base: int = 2) -> None:
     """Log–log axes for error against rank: powers of ``base`` on x written as plain numbers."""
     ax.set_xscale("log", base=base)
@@ -161,6 +271,8 @@ def save_figure(fig: Figure, path, caption: str, *, title: str | None = None, wi
         title = fig._suptitle.get_text()
     metadata = {"Title": title or path.stem, "Description": " ".join(caption.split()),
                 "Software": f"kernapprox {__version__}"}
+    if _SOURCE.get() is not None:
+        metadata["Source"] = _SOURCE.get()
     path.parent.mkdir(parents=True, exist_ok=True)
     from .io import atomic_write
 

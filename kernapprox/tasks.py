@@ -21,6 +21,9 @@ Tasks
     to the nearest row of a candidate table of values (``num_candidates`` rows, 4096 = V/2 as in Zoology; the
     stored values are a random subset of it). Retrieval needs ``β ≳ ln n`` (target mass
     ``e^β / (e^β + (n−1) e^{β²/2d}) ≥ ½``).
+:func:`paraphrase_recall`
+    The same with discrete keys: each key is a phrase of token embeddings from a shared vocabulary and each query
+    the phrase with some tokens replaced (a paraphrase-like perturbation, towards other keys' tokens).
 :func:`smooth_regression`
     In-context (Nadaraya–Watson) regression of a smooth random function on the sphere ``S^{d−1}``: a Gaussian-
     process draw with squared-exponential covariance ``exp(−‖x−x'‖²/2ℓ²)`` (random-Fourier approximation with
@@ -48,7 +51,7 @@ from .validation import as_generator, check_choice, check_positive_float, check_
 
 __all__ = [
     "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes",
-    "associative_recall", "decode_nearest", "recall_accuracy",
+    "associative_recall", "paraphrase_recall", "decode_nearest", "recall_accuracy",
     "smooth_regression", "normalized_mse",
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
     "log_n_beta",
@@ -174,6 +177,67 @@ def associative_recall(num_pairs: int, *, dim: int = 64, value_dim: int | None =
         u = gen.standard_normal(queries.shape)
         u -= (u * queries).sum(-1, keepdims=True) * queries                  # orthogonal to the key
         queries = rho * queries + math.sqrt(1.0 - rho * rho) * _unit_rows(u)
+    targets = np.take_along_axis(value_rows, slots, axis=1)
+    return RecallEpisodes(
+        keys=_to_torch(keys, device, dtype), values=_to_torch(values, device, dtype),
+        queries=_to_torch(queries, device, dtype), candidates=_to_torch(cands, device, dtype),
+        targets=torch.as_tensor(targets, device=device), query_slots=torch.as_tensor(slots, device=device))
+
+
+def paraphrase_recall(num_pairs: int, *, phrase_length: int = 8, substitutions: int = 1, vocab_size: int = 1024,
+                      dim: int = 64, value_dim: int | None = None, num_candidates: int = 4096,
+                      num_queries: int | None = None, batch: int = 8, rng=None, device=None,
+                      dtype: torch.dtype = torch.float32) -> RecallEpisodes:
+    """Recall with discrete keys queried by paraphrases: each key is a phrase of tokens, each query the phrase
+    with some tokens replaced.
+
+    A vocabulary of ``vocab_size`` random unit token embeddings (``d = dim``) is drawn per episode; key ``j`` is
+    the normalised sum of ``phrase_length`` distinct tokens (keys share tokens when ``n · phrase_length`` is not
+    small against the vocabulary, as text does), and the query for key ``j`` is the normalised sum of the same
+    phrase with ``substitutions`` of its tokens replaced by tokens outside it. A query's cosine to its key is
+    about ``1 − substitutions/phrase_length`` (7/8 by default), but it moves towards other keys' tokens rather
+    than in a random direction. Values, candidates and scoring are those of :func:`associative_recall`.
+    """
+    n = check_positive_int(num_pairs, "num_pairs")
+    device = _check_common(batch, device, dtype)
+    length = check_positive_int(phrase_length, "phrase_length")
+    if isinstance(substitutions, bool) or not isinstance(substitutions, int) or not 0 <= substitutions <= length:
+        raise ValueError(f"substitutions must be an integer in [0, phrase_length], got {substitutions!r}")
+    vocab = check_positive_int(vocab_size, "vocab_size")
+    if vocab < length + substitutions:
+        raise ValueError(f"vocab_size must be at least phrase_length + substitutions, got {vocab}")
+    d = check_positive_int(dim, "dim")
+    d_v = d if value_dim is None else check_positive_int(value_dim, "value_dim")
+    c = check_positive_int(num_candidates, "num_candidates")
+    if c < n:
+        raise ValueError(f"num_candidates must be >= num_pairs, got {c} < {n}")
+    n_q = n if num_queries is None else check_positive_int(num_queries, "num_queries")
+    if n_q > n:
+        raise ValueError(f"num_queries must be <= num_pairs (each query asks for a distinct key), got {n_q} > {n}")
+    gen = as_generator(rng)
+    keys, queries = np.empty((batch, n, d)), np.empty((batch, n_q, d))
+    cands, value_rows = np.empty((batch, c, d_v)), np.empty((batch, n), dtype=np.int64)
+    slots = np.empty((batch, n_q), dtype=np.int64)
+    rows = np.arange(n_q)[:, None]
+    for b in range(batch):
+        table = _unit_rows(gen.standard_normal((vocab, d)))
+        phrases = np.argsort(gen.random((n, vocab)), axis=1)[:, :length]              # (n, T) distinct tokens
+        keys[b] = _unit_rows(table[phrases].sum(1))
+        cands[b] = _unit_rows(gen.standard_normal((c, d_v)))
+        value_rows[b] = gen.choice(c, size=n, replace=False)
+        slots[b] = gen.permutation(n)[:n_q]
+        asked = phrases[slots[b]].copy()                                             # (n_q, T)
+        where = np.argsort(gen.random((n_q, length)), axis=1)[:, :substitutions]     # distinct positions
+        new = gen.integers(0, vocab, size=(n_q, substitutions))
+        while True:       # redraw replacements that are in the phrase already or repeat another replacement
+            clash = (new[:, :, None] == asked[:, None, :]).any(-1)
+            clash |= (new[:, :, None] == new[:, None, :]).sum(-1) > 1
+            if not clash.any():
+                break
+            new = np.where(clash, gen.integers(0, vocab, size=new.shape), new)
+        asked[rows, where] = new
+        queries[b] = _unit_rows(table[asked].sum(1))
+    values = np.take_along_axis(cands, value_rows[..., None], axis=1)
     targets = np.take_along_axis(value_rows, slots, axis=1)
     return RecallEpisodes(
         keys=_to_torch(keys, device, dtype), values=_to_torch(values, device, dtype),

@@ -32,13 +32,15 @@ def synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Timing:
-    """Median wall time of ``reps`` calls after warm-up, with the spread and the CPU-time utilisation."""
+    """Median wall time of ``reps`` calls after warm-up, with the spread and the CPU-time utilisation; ``times``
+    holds every timed call (for intervals over the repeats)."""
 
     median_s: float
     min_s: float
     max_s: float
     reps: int
     cpu_utilisation: float   # process CPU time / (wall time · torch threads); ~1 on an idle CPU machine
+    times: tuple[float, ...] = ()
 
     def as_dict(self) -> dict:
         return {"median_s": self.median_s, "min_s": self.min_s, "max_s": self.max_s, "reps": self.reps,
@@ -64,7 +66,7 @@ def measure(fn: Callable[[], object], device: torch.device, *, min_reps: int = 3
         cpu += time.process_time() - c0
     threads = torch.get_num_threads() if device.type == "cpu" else 1
     return Timing(float(np.median(times)), float(min(times)), float(max(times)), len(times),
-                  float(cpu / (sum(times) * threads)))
+                  float(cpu / (sum(times) * threads)), tuple(times))
 
 
 def gemm_rate(device: torch.device, size: int = 2048, dtype: torch.dtype = torch.float32,

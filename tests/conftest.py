@@ -23,3 +23,29 @@ def _deterministic_torch():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def smoke_run(tmp_path_factory):
+    """``smoke_run(name) -> (module, dataset, folder)``: the smoke preset of ``experiments.<name>``, run once per
+    test session (per xdist worker) into a temporary folder (``folder / "x.nc"``)."""
+    import importlib
+
+    from kernapprox import sweep
+
+    runs = {}
+
+    def get(name):
+        if name not in runs:
+            module = importlib.import_module(f"experiments.{name}")
+            folder = tmp_path_factory.mktemp(name)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                ds = sweep.run(module.EXPERIMENT, preset="smoke", out=folder / "x.nc", device="cpu", progress=False)
+            finally:
+                torch.set_num_threads(threads)
+            runs[name] = module, ds, folder
+        return runs[name]
+
+    return get

@@ -1,91 +1,159 @@
-"""The in-context-learning experiments: smoke presets run through the engine, datasets hold what the metrics
-promise, figures are written from the datasets alone."""
+"""The in-context-learning experiments: smoke presets run through the engine with paired episodes, the exact
+reference is stored once per draw, a Nyström map at r = n reproduces it on every stored episode, read-outs fit on
+the context only, and figures are written from the datasets alone."""
 
 import numpy as np
 import pytest
 import torch
 
-from experiments import icl_classification, icl_recall, icl_regression, rank_summary
-from kernapprox import available_estimators, sweep
+from experiments import _icl, icl_classification, icl_recall, icl_regression, rank_summary
+from kernapprox import available_estimators, readout
 
 EXPERIMENTS = [icl_recall, icl_regression, icl_classification, rank_summary]
-
-
-
-@pytest.fixture(scope="module")
-def smoke_results(tmp_path_factory):
-    out = {}
-    torch.set_num_threads(1)
-    for module in EXPERIMENTS:
-        path = tmp_path_factory.mktemp(module.EXPERIMENT.name) / "result.nc"
-        out[module.EXPERIMENT.name] = (sweep.run(module.EXPERIMENT, preset="smoke", out=path, device="cpu"), path)
-    return out
+SCORES = {"icl_recall": ("accuracy", "accuracy_exact"), "icl_regression": ("nmse", "nmse_exact"),
+          "icl_classification": ("accuracy", "accuracy_exact"), "rank_summary": ("score", "score_exact")}
+NYSTROM = "nystrom_uniform"
 
 
 @pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.EXPERIMENT.name)
-def test_smoke_dataset_and_figure(module, smoke_results, tmp_path):
-    ds, _ = smoke_results[module.EXPERIMENT.name]
-    assert list(ds.sizes)[: len(module.EXPERIMENT.axes)] == module.EXPERIMENT.axes
+def test_smoke_dataset_and_figure(module, smoke_run, tmp_path):
+    _, ds, _ = smoke_run(module.EXPERIMENT.name)
+    exp = module.EXPERIMENT
+    assert list(ds.sizes)[: len(exp.axes)] == exp.axes
+    assert ds.sizes["episode"] == _icl.EPISODES and "seed" in exp.data_axes and "estimator" not in exp.data_axes
     for name, metric in module.METRICS.items():
         assert ds[name].attrs["long_name"] == metric.long_name
-    assert ds.state_bytes.notnull().any()
+    score, exact = SCORES[exp.name]
+    assert set(ds[exact].dims) == set(exp.reference_axes) | {"episode"}      # stored once, no estimator axis
+    assert ds.state_bytes.notnull().any() and f"{score}_summary" in ds and f"{score}_vs_exact" in ds
     png = tmp_path / "figure.png"
-    module.EXPERIMENT.plot(ds, png)
+    exp.plot(ds, png)
     assert png.stat().st_size > 10_000
 
 
-def test_recall_smoke_values(smoke_results):
-    ds, _ = smoke_results["icl_recall"]
-    exact = ds.sel(estimator="exact", num_features=icl_recall.FIXED_DIMENSION_SLOT)
-    assert float(exact.accuracy.min()) == 1.0                                   # β = 2 ln n, n ≤ 64
-    for n in ds.num_pairs.values:
-        assert float(exact.state_bytes.sel(num_pairs=n).item()) == n * (64 + 64) * 4
-    # fixed-dimension maps run in one column only; the others are NaN
-    assert ds.accuracy.sel(estimator="exact", num_features=16).isnull().all()
+@pytest.mark.parametrize("module", [icl_recall, icl_regression, icl_classification], ids=lambda m: m.EXPERIMENT.name)
+def test_nystrom_at_r_equal_n_reproduces_exact_attention_on_every_stored_episode(module, smoke_run):
+    """With every context key as a landmark the read-out is exact attention: the stored per-episode score equals
+    the reference's on the same episodes (the pairing the paired differences rely on)."""
+    _, ds, _ = smoke_run(module.EXPERIMENT.name)
+    score, exact = SCORES[module.EXPERIMENT.name]
+    n_axis = "num_pairs" if "num_pairs" in ds.dims else "num_context"
+    checked = 0
+    for n in ds[n_axis].values:
+        if int(n) not in ds.num_features.values:
+            continue
+        read = ds[score].sel(estimator=NYSTROM, num_features=int(n), **{n_axis: n})
+        ref = ds[exact].sel(**{n_axis: n}).broadcast_like(read)
+        np.testing.assert_allclose(read.values, ref.values, rtol=1e-5, atol=1e-6)
+        checked += read.size
+    assert checked >= 32
+
+
+def test_rank_summary_nystrom_at_r_equal_n_reproduces_exact_attention():
+    """rank_summary's tasks are larger than its smoke grid: one cell per task at r = n, against the reference."""
+    cpu = torch.device("cpu")
+    for task in ("recall", "regression"):
+        params = {"task": task, "query": "key", "estimator": NYSTROM, "seed": 0,
+                  "num_features": rank_summary.TASKS[task]["num_context"]}
+        out = rank_summary.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(5))
+        ref = rank_summary.run_reference(params, cpu, np.random.default_rng(5))
+        np.testing.assert_allclose(out["score"], ref["score_exact"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.EXPERIMENT.name)
+def test_read_outs_fit_on_the_context_only(module, monkeypatch):
+    """Every read-out of a study fits data-dependent maps on the context keys (``fit_on="keys"``); only the
+    labelled rank-r oracles see the queries."""
+    seen = []
+    real = readout.paired_readouts
+
+    def spy(*args, fit_on="keys", **kwargs):
+        seen.append((args[0], fit_on))
+        return real(*args, fit_on=fit_on, **kwargs)
+
+    monkeypatch.setattr(readout, "paired_readouts", spy)
+    exp = module.EXPERIMENT
+    grid = exp.grid("smoke")
+    cpu = torch.device("cpu")
+    for label in grid["estimator"]:
+        params = {**exp.parameter_values(), **{axis: values[0] for axis, values in grid.items()}, "estimator": label}
+        exp.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(1))
+    oracles = getattr(module, "ORACLES", {})
+    assert seen and all(fit == ("queries_and_keys" if name in oracles else "keys") for name, fit in seen), seen
+
+
+def test_recall_smoke_values(smoke_run):
+    _, ds, _ = smoke_run("icl_recall")
+    exact = ds["accuracy_exact"]
+    assert float(exact.min()) == 1.0                                             # β = 2 ln n, n ≤ 64
+    assert float(ds["state_bytes_exact"].max()) == int(ds.num_pairs.max()) * (64 + 64) * 4
+    assert ds.accuracy.sel(estimator="taylor2", num_features=16).isnull().all()   # fixed maps: one column only
     prf = ds.sel(estimator="positive_orthogonal")
-    np.testing.assert_array_equal(prf.feature_dim.squeeze().values.min(-1), ds.num_features.values)
-    assert float(prf.output_rel_error.min()) > 0
-    assert float(prf.nonpositive_normalizer_rate.max()) == 0.0                  # positive features
-    np.testing.assert_allclose(ds.accuracy_exact.squeeze().values[np.isfinite(ds.accuracy.squeeze().values)], 1.0)
+    assert float(prf.output_rel_error.min()) > 0 and float(prf.nonpositive_normalizer_rate.max()) == 0.0
+    cos = ds["query_cosine"]
+    assert float(cos.sel(query="key").min()) == pytest.approx(1.0, abs=1e-6)
+    assert 0.7 < float(cos.sel(query="paraphrase").mean()) < 0.95
+    # Nyström's memory counts its landmarks and whitening (estimator.state_bytes), beyond the linear state
+    nys = float(ds.state_bytes.sel(estimator=NYSTROM, num_features=64, query="key").median())
+    assert nys > 64 * (64 + 1) * 4
+    diff = ds["accuracy_vs_exact"].sel(estimator=NYSTROM, num_features=64)
+    assert float(abs(diff).max()) == 0.0
 
 
-def test_regression_and_classification_smoke_values(smoke_results):
-    ds, _ = smoke_results["icl_regression"]
-    exact = ds.sel(estimator="exact", num_features=icl_regression.FIXED_DIMENSION_SLOT)
-    assert 0.0 < float(exact.nmse.min()) < 1.0
-    np.testing.assert_array_equal(exact.nmse.values, exact.nmse_exact.values)     # the same episodes
-    ds, _ = smoke_results["icl_classification"]
-    exact = ds.sel(estimator="exact", num_features=icl_regression.FIXED_DIMENSION_SLOT)
-    assert 0.6 <= float(exact.accuracy.min()) <= 1.0                          # digits, n = 50
-    assert float(exact.output_rel_error.max()) == 0.0
-    assert 0.6 <= float(ds.accuracy_nearest_neighbour.min()) <= 1.0
+def test_regression_and_classification_smoke_values(smoke_run):
+    _, ds, _ = smoke_run("icl_regression")
+    assert 0.0 < float(ds.nmse_exact.min()) < 1.0
+    ratio = ds["nmse_vs_exact"].sel(estimator=NYSTROM, num_features=32)
+    np.testing.assert_allclose(ratio, 1.0, rtol=1e-5)
+    _, ds, _ = smoke_run("icl_classification")
+    assert 0.5 <= float(ds.accuracy_exact.mean()) <= 1.0
+    assert 0.5 <= float(ds.accuracy_nearest_neighbour.mean()) <= 1.0
+    summary = ds["accuracy_exact_summary"]
+    assert float(summary.sel(stat="trials").max()) == ds.sizes["seed"] * ds.sizes["episode"] * 32
 
 
-def test_rank_summary_smoke_values(smoke_results):
-    ds, _ = smoke_results["rank_summary"]
+def test_rank_summary_smoke_values(smoke_run):
+    _, ds, _ = smoke_run("rank_summary")
     assert set(ds.task.values) == {"recall", "regression", "classification"}
-    prf = ds.sel(estimator="positive_orthogonal")
+    prf = ds.sel(estimator="positive_orthogonal", query="key")
     assert bool((prf.output_rel_error > 0).all())
     assert float(ds.score_exact.sel(task="recall").min()) >= 0.99
+    # regression and classification query fresh points: only the "key" value of the query axis runs
+    assert ds.score.sel(task="regression", query="paraphrase").isnull().all()
 
 
 def test_cells_are_reproducible_and_not_applicable_cells_are_nan():
-    params = {"estimator": "positive_orthogonal", "num_features": 16, "num_pairs": 16, "beta_factor": 2.0,
-              "seed": 0}
+    exp = icl_recall.EXPERIMENT
+    params = {**exp.parameter_values(), "estimator": "positive_orthogonal", "num_features": 16, "num_pairs": 16,
+              "beta_factor": 2.0, "query": "cos0.9", "seed": 0}
     cpu = torch.device("cpu")
-    a = icl_recall.run_cell(params, np.random.default_rng(123), cpu)
-    b = icl_recall.run_cell(params, np.random.default_rng(123), cpu)
-    assert a == b and set(a) == set(icl_recall.METRICS)
-    fixed = icl_recall.run_cell({**params, "estimator": "exact", "num_features": 16}, np.random.default_rng(1), cpu)
+    a = icl_recall.run_cell(params, np.random.default_rng(123), cpu, np.random.default_rng(7))
+    b = icl_recall.run_cell(params, np.random.default_rng(123), cpu, np.random.default_rng(7))
+    assert set(a) == set(icl_recall.METRICS)
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
+    fixed = icl_recall.run_cell({**params, "estimator": "taylor2"}, np.random.default_rng(1), cpu,
+                                np.random.default_rng(7))
     assert all(np.isnan(v) for v in fixed.values())
 
 
 def test_applicability_rules():
-    table = {"exact": ("exact", {}), "taylor2": ("taylor2", {}), "positive": ("positive", {}),
-             "landmarks": ("nystrom_uniform", {})}
-    assert icl_regression.applicable(table, "exact", 64, 10)
-    assert not icl_regression.applicable(table, "exact", 16, 10)
-    assert icl_regression.applicable(table, "positive", 4096, 10)                # random maps: any r
+    table = {"taylor2": ("taylor2", {}), "positive": ("positive", {}), "landmarks": ("nystrom_uniform", {})}
+    assert _icl.applicable(table, "taylor2", 64, 10)
+    assert not _icl.applicable(table, "taylor2", 16, 10)
+    assert _icl.applicable(table, "positive", 4096, 10)                # random maps: any r
     if "nystrom_uniform" in available_estimators():
-        assert not icl_regression.applicable(table, "landmarks", 128, 64)       # more landmarks than keys
-        assert icl_regression.applicable(table, "landmarks", 64, 64)
+        assert not _icl.applicable(table, "landmarks", 128, 64)       # more landmarks than keys
+        assert _icl.applicable(table, "landmarks", 64, 64)
+
+
+def test_query_axis_values_make_the_promised_episodes():
+    for query, cosine in _icl.QUERY_COSINES.items():
+        ep = _icl.recall_episodes(32, query, rng=0, device="cpu", num_queries=32, batch=2)
+        measured = _icl.query_key_cosine(ep)
+        if cosine is not None:
+            np.testing.assert_allclose(measured, cosine, atol=1e-5)
+        else:
+            assert bool(((measured > 0.7) & (measured < 0.95)).all())
+    with pytest.raises(ValueError, match="query"):
+        _icl.recall_episodes(32, "cos0.5", rng=0, device="cpu", num_queries=32)

@@ -1,7 +1,10 @@
 """The experiment engine: grids × seeds → executor → resumable store → one xarray dataset per experiment.
 
 An experiment module defines ``GRIDS`` (presets), ``METRICS``, ``run_cell(params, rng, device)`` and
-``plot(ds, path)``, wraps them in :class:`Experiment` and calls :func:`run_cli`. From Python:
+``plot(ds, path)``, wraps them in :class:`Experiment` and calls :func:`run_cli`. A comparative study (an
+``estimator`` axis) also declares ``data_axes`` (refused otherwise), usually a :class:`Reference` computed once per
+data draw, fixed :class:`Parameter` values, a ``summarise`` that adds paired comparisons and summaries with
+intervals (:mod:`kernapprox.stats`), and ``findings(ds) -> str``, written beside the figure. From Python:
 
 >>> from kernapprox.sweep import run, load
 >>> ds = run(EXPERIMENT, preset="smoke", out="results/x.nc", device="cpu")   # doctest: +SKIP
@@ -16,12 +19,24 @@ anything but an earlier result of the same experiment is never overwritten.
 """
 
 from ._cli import build_parser, run_cli
-from ._experiment import Experiment, Metric, cell_key, cell_seed_sequence, data_seed_sequence, iter_cells
-from ._run import SweepError, default_output, resolve_device, run
+from ._experiment import (
+    AXIS_ATTRS,
+    Experiment,
+    Metric,
+    Parameter,
+    Reference,
+    cell_key,
+    cell_seed_sequence,
+    data_seed_sequence,
+    iter_cells,
+)
+from ._figures import dataset_digest, draw, findings_text, read_digest
+from ._run import SweepError, default_output, resolve_device, resolve_grid, run, summarise_dataset
 from ._store import MARKER, OutputPathError, load
 from ._worker import CellError
 
-__all__ = ["Experiment", "Metric", "run", "run_cli", "load", "cell_seed_sequence", "data_seed_sequence", "cell_key",
-           "iter_cells",
+__all__ = ["Experiment", "Metric", "Parameter", "Reference", "AXIS_ATTRS", "run", "run_cli", "load",
+           "cell_seed_sequence", "data_seed_sequence", "cell_key", "iter_cells", "resolve_grid",
+           "summarise_dataset", "draw", "findings_text", "dataset_digest", "read_digest",
            "build_parser", "default_output", "resolve_device", "SweepError", "CellError", "OutputPathError",
            "MARKER"]

@@ -7,8 +7,9 @@ import sys
 import textwrap
 from pathlib import Path
 
-from ._experiment import Experiment, grid_size, parse_value
-from ._run import default_output, run
+from ._experiment import Experiment, axis_type, grid_size, parse_text, parse_value
+from ._figures import draw
+from ._run import default_output, run, summarise_dataset
 from ._store import load
 from ._worker import CellError
 
@@ -21,11 +22,22 @@ def _describe_presets(experiment: Experiment) -> str:
             shown = ", ".join(map(str, values))
             lines.append(textwrap.fill(f"{axis}: {shown}", width=100, initial_indent="      ",
                                        subsequent_indent="          "))
+    if experiment.parameters:
+        lines.append("fixed parameters (--set NAME=VALUE):")
+        for name, p in experiment.parameters.items():
+            lines.append(textwrap.fill(f"{name} = {p.value!r} ({p.units}): {p.long_name}", width=100,
+                                       initial_indent="  ", subsequent_indent="      "))
     lines.append("metrics:")
     for name, metric in experiment.metrics.items():
         dims = f" [{', '.join(metric.dims)}]" if metric.dims else ""
         lines.append(textwrap.fill(f"{name}{dims} ({metric.units}): {metric.long_name}", width=100,
                                    initial_indent="  ", subsequent_indent="      "))
+    if experiment.reference is not None:
+        lines.append(f"reference, once per data draw over {', '.join(experiment.reference_axes)}:")
+        for name, metric in experiment.reference.metrics.items():
+            dims = f" [{', '.join(metric.dims)}]" if metric.dims else ""
+            lines.append(textwrap.fill(f"{name}{dims} ({metric.units}): {metric.long_name}", width=100,
+                                       initial_indent="  ", subsequent_indent="      "))
     return "\n".join(lines)
 
 
@@ -38,7 +50,8 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
 
             Each cell's randomness comes from the experiment name, the cell's coordinate values and --root-seed,
             so one cell run alone (--only axis=value ...) reproduces its stored numbers. An interrupted run
-            resumes from {default_output(experiment)}.partial/ (--no-resume starts over)."""),
+            resumes from {default_output(experiment)}.partial/ (--no-resume starts over). A run whose grid or
+            parameters differ from the preset is stored with preset = "custom" and the grid it ran."""),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     default_preset = "default" if "default" in presets else presets[0]
     parser.add_argument("--preset", choices=presets, default=default_preset,
@@ -49,6 +62,9 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
                                                   f"with --only {default_output(experiment, True)})")
     parser.add_argument("--only", nargs="+", action="extend", metavar="AXIS=VALUE", default=[],
                         help="run only these values of an axis (repeat for several values or axes)")
+    parser.add_argument("--set", nargs="+", action="extend", metavar="NAME=V[,V...]", default=[], dest="set",
+                        help="replace an axis's values by any values (AXIS=v1,v2) or change a fixed parameter "
+                             "(NAME=value); the dataset records the grid it ran")
     parser.add_argument("--workers", type=int, default=0, metavar="N",
                         help="0: run in this process (default); N: a spawn process pool of N workers")
     parser.add_argument("--dask", action="store_true", help="with --workers N: a dask LocalCluster of N processes")
@@ -62,7 +78,8 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
                         help="resubmissions of a cell lost with its worker (default 2)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figure from the dataset at --out")
     parser.add_argument("--figure", type=Path,
-                        help=f"figure path (default figures/{experiment.name}.png; a slice run draws none)")
+                        help=f"figure path (default figures/{experiment.name}.png; a slice or custom run draws none "
+                             "unless given); the findings go beside it (.md)")
     parser.add_argument("--no-figure", dest="draw", action="store_false", help="write the dataset only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -83,29 +100,56 @@ def _parse_only(experiment: Experiment, items: list[str], parser) -> dict:
     return only
 
 
+def _parse_set(experiment: Experiment, items: list[str], parser) -> tuple[dict, dict]:
+    """``--set`` items → ``(axis -> values, parameter -> value)``."""
+    axes: dict[str, list] = {}
+    parameters: dict = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name or not text:
+            parser.error(f"--set expects NAME=VALUE or AXIS=V1,V2,..., got {item!r}")
+        try:
+            if name in experiment.axes:
+                kind = axis_type(experiment.known_values(name))
+                axes[name] = [parse_text(kind, part, f"--set {name}") for part in text.split(",")]
+            elif name in experiment.parameters:
+                kind = type(experiment.parameters[name].value)
+                parameters[name] = parse_text(kind, text, f"--set {name}")
+            else:
+                parser.error(f"--set: {name!r} is neither an axis ({', '.join(experiment.axes)}) nor a fixed "
+                             f"parameter ({', '.join(experiment.parameters) or 'none'})")
+        except ValueError as exc:
+            parser.error(str(exc))
+    return axes, parameters
+
+
 def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run or plot, and exit with a clear message on errors."""
     parser = build_parser(experiment)
     args = parser.parse_args(argv)
     only = _parse_only(experiment, args.only, parser)
-    out = args.out or default_output(experiment, only)
-    figure = args.figure or (None if only else Path("figures") / f"{experiment.name}.png")
+    set_axes, set_parameters = _parse_set(experiment, args.set, parser)
+    custom = bool(set_axes or set_parameters)
+    out = args.out or default_output(experiment, only, custom)
+    figure = args.figure or (None if only or custom else Path("figures") / f"{experiment.name}.png")
     raw = sys.argv[1:] if argv is None else argv
     try:
         if args.plot_only:
             if figure is None:
-                parser.error("--plot-only with --only needs --figure")
+                parser.error("--plot-only with --only or --set needs --figure")
             ds = load(out)
+            if experiment.summarise is not None and "stat_convention" not in ds.attrs:
+                ds = summarise_dataset(experiment, ds)        # a dataset written before summaries existed
         else:
             ds = run(experiment, preset=args.preset, out=out, device=args.device, only=only or None,
                      workers=args.workers, resume=args.resume, seeds=args.seeds, root_seed=args.root_seed,
                      dask=args.dask, scheduler=args.scheduler, max_retries=args.max_retries, threads=args.threads,
-                     progress=False if args.quiet else None,
+                     progress=False if args.quiet else None, set_values=set_axes or None,
+                     parameters=set_parameters or None,
                      history=f"python -m {experiment.module} " + " ".join(raw))
         if figure is not None and (args.plot_only or args.draw):
-            figure.parent.mkdir(parents=True, exist_ok=True)
-            experiment.plot(ds, figure)
-            print(f"{experiment.name}: figure -> {figure}", file=sys.stderr)
+            written = draw(experiment, ds, figure, source=str(out))
+            print(f"{experiment.name}: {' and '.join(map(str, written))}", file=sys.stderr)
     except (ValueError, TypeError, FileNotFoundError, CellError, RuntimeError) as exc:
         print(f"error: {experiment.name}: {exc}", file=sys.stderr)
         raise SystemExit(2 if isinstance(exc, ValueError | TypeError | FileNotFoundError) else 1) from None

@@ -5,6 +5,11 @@ axis). A *cell* is one point of the grid: ``params`` maps every axis to one valu
 from :func:`cell_seed_sequence`, built from the experiment name and the cell's coordinate *values* (never their
 positions), so adding values to an axis, reordering axes or running one cell alone never changes an existing
 cell's numbers.
+
+Comparative studies (a grid with an ``estimator`` axis) must declare ``data_axes``: every estimator then sees
+bit-identical inputs for equal data-axis values, and an optional :class:`Reference` (exact attention, a spectrum)
+is computed once per data draw and stored without the estimator axes. Fixed parameters (:class:`Parameter`) are
+part of the experiment, stored as scalar coordinates with units and changeable from the command line.
 """
 
 from __future__ import annotations
@@ -55,6 +60,80 @@ class Metric:
         for dim in self.coords or {}:
             if dim not in self.dims:
                 raise ValueError(f"Metric coords names {dim!r}, which is not one of its dims {self.dims}")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """A fixed parameter of an experiment (not a grid axis): its default value and what it is.
+
+    ``run_cell`` finds it in ``params`` under its name; ``--set name=value`` changes it for a run. The dataset
+    stores it as a scalar coordinate with ``long_name`` and ``units`` (and all of them in the ``parameters``
+    attribute, JSON).
+    """
+
+    value: bool | int | float | str
+    long_name: str
+    units: str
+    description: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.value, AXIS_TYPES):
+            raise TypeError(f"Parameter value must be a bool, int, float or str, got {self.value!r}")
+        for attr in ("long_name", "units"):
+            if not isinstance(getattr(self, attr), str) or not getattr(self, attr):
+                raise ValueError(f"Parameter {attr} must be a non-empty string, got {getattr(self, attr)!r}")
+
+
+@dataclass(frozen=True)
+class Reference:
+    """What a comparative study computes once per data draw, without the estimator axes (e.g. exact attention's
+    score on the episodes every estimator reads, the spectrum of the exact kernel matrix).
+
+    Parameters
+    ----------
+    run_cell : callable ``(params, device, data_rng) -> dict``
+        ``params`` holds the values of ``axes`` (and the fixed parameters); ``data_rng`` is the data stream of
+        the experiment's ``data_axes``, so the reference draws exactly the inputs the estimator cells draw.
+        Deterministic given its inputs (no other randomness).
+    metrics : mapping name -> Metric
+        Stored with dims ``axes`` (in grid order) then each metric's own dims.
+    axes : tuple of str, optional
+        Grid axes the reference depends on: the data axes (default) plus read-out parameters such as ``beta``.
+        Never ``estimator`` or ``num_features``.
+    """
+
+    run_cell: Callable
+    metrics: Mapping[str, Metric]
+    axes: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        if not callable(self.run_cell):
+            raise TypeError("Reference run_cell must be a callable (params, device, data_rng) -> dict")
+        if not isinstance(self.metrics, Mapping) or not self.metrics:
+            raise ValueError("Reference metrics must be a non-empty mapping name -> Metric")
+        for name, metric in self.metrics.items():
+            if not isinstance(metric, Metric):
+                raise TypeError(f"reference metric {name!r} must be a Metric, got {type(metric).__name__}")
+        object.__setattr__(self, "metrics", dict(self.metrics))
+        if self.axes is not None:
+            if isinstance(self.axes, str):
+                raise ValueError(f"Reference axes must be a tuple of axis names, got {self.axes!r}")
+            object.__setattr__(self, "axes", tuple(self.axes))
+
+
+# The axis whose presence makes a study comparative, and the axes that describe a method, never the data.
+COMPARED_AXIS = "estimator"
+METHOD_AXES = ("estimator", "num_features")
+
+# Coordinate attributes of the axes that most studies share; an experiment's ``axis_attrs`` adds or overrides.
+AXIS_ATTRS = {
+    "seed": {"long_name": "replicate (independent data draw)", "units": "1"},
+    "estimator": {"long_name": "estimator (kernapprox registry name or study label)", "units": "1"},
+    "num_features": {"long_name": "feature dimension r of the state", "units": "1"},
+    "seq_len": {"long_name": "sequence length n", "units": "token"},
+    "beta": {"long_name": "nominal inverse temperature β", "units": "1"},
+    "causal": {"long_name": "causal attention", "units": "1"},
+}
 
 
 def _check_axis_values(preset: str, axis: str, values) -> list:
@@ -126,6 +205,20 @@ class Experiment:
         the values of these axes only (:func:`data_seed_sequence`), so every cell that shares them draws the same
         data (e.g. the same queries and keys for every estimator and rank: paired comparisons, and exact
         references that a cell may memoise by ``data_rng.bit_generator.seed_seq``). ``rng`` stays per cell.
+        Required for a comparative study (a grid with an ``estimator`` axis); must include ``seed`` when the
+        grid has one, and never ``estimator`` or ``num_features``.
+    reference : Reference, optional
+        Computed once per data draw and stored once (no estimator axis).
+    parameters : mapping name -> Parameter
+        Fixed parameters; ``run_cell`` receives them in ``params``.
+    axis_attrs : mapping axis -> {"long_name", "units", ...}
+        Coordinate attributes of the grid axes (added to :data:`AXIS_ATTRS`).
+    summarise : callable ``(dataset) -> dataset``, optional
+        Adds the derived variables (paired comparisons, summaries with intervals: :mod:`kernapprox.stats`) the
+        figure and the findings read; applied by the engine before the dataset is written.
+    findings : callable ``(dataset) -> str``, optional
+        Markdown bullets whose every number is computed from the dataset; written beside the figure
+        (``figures/<name>.md``).
     module : str, optional
         Importable module holding the experiment (found from ``run_cell``); worker processes import it.
     """
@@ -139,6 +232,11 @@ class Experiment:
     plot: Callable
     allow_tf32: bool = False
     data_axes: tuple[str, ...] = ()
+    reference: Reference | None = None
+    parameters: Mapping[str, Parameter] = field(default_factory=dict)
+    axis_attrs: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    summarise: Callable | None = None
+    findings: Callable | None = None
     module: str | None = field(default=None)
 
     def __post_init__(self):
@@ -175,16 +273,96 @@ class Experiment:
         if isinstance(self.data_axes, str) or not all(a in axes[0] for a in self.data_axes):
             raise ValueError(f"data_axes must be a tuple of grid axes {axes[0]}, got {self.data_axes!r}")
         object.__setattr__(self, "data_axes", tuple(self.data_axes))
+        self._check_comparative(axes[0])
         if self.data_axes and "data_rng" not in inspect.signature(self.run_cell).parameters:
             raise TypeError("an experiment with data_axes needs run_cell(params, rng, device, data_rng)")
+        self._check_reference(axes[0])
+        self._check_parameters(axes[0])
+        if self.summarise is not None and not callable(self.summarise):
+            raise TypeError("Experiment summarise must be a callable (dataset) -> dataset")
+        if self.findings is not None and not callable(self.findings):
+            raise TypeError("Experiment findings must be a callable (dataset) -> str")
         object.__setattr__(self, "grids", grids)
         object.__setattr__(self, "metrics", dict(self.metrics))
         if self.module is None:
             object.__setattr__(self, "module", _default_module(self.run_cell))
 
+    def _check_comparative(self, axes: list[str]) -> None:
+        """A study with an estimator axis compares estimators: refuse it unless the data are paired."""
+        if COMPARED_AXIS in axes and not self.data_axes:
+            raise ValueError(
+                f"experiment {self.name!r} compares estimators (its grid has an {COMPARED_AXIS!r} axis) but declares "
+                "no data_axes: declare the axes that define the data (e.g. data_axes=('seq_len', 'seed')) so that "
+                "every estimator and the exact reference see bit-identical inputs (common random numbers)")
+        method = [a for a in self.data_axes if a in METHOD_AXES]
+        if method:
+            raise ValueError(f"data_axes of {self.name!r} name method axes {method}: the data must not depend on the "
+                             "estimator or its rank, or the comparison is not paired")
+        if self.data_axes and "seed" in axes and "seed" not in self.data_axes:
+            raise ValueError(f"data_axes of {self.name!r} must include 'seed': otherwise every seed reads the same "
+                             "data and the replicates are not independent")
+
+    def _check_reference(self, axes: list[str]) -> None:
+        if self.reference is None:
+            return
+        if not isinstance(self.reference, Reference):
+            raise TypeError(f"Experiment reference must be a Reference, got {type(self.reference).__name__}")
+        if not self.data_axes:
+            raise ValueError("an experiment with a reference needs data_axes (the reference is per data draw)")
+        ref_axes = self.reference.axes if self.reference.axes is not None else self.data_axes
+        unknown = [a for a in ref_axes if a not in axes]
+        if unknown or any(a in METHOD_AXES for a in ref_axes) or not set(self.data_axes) <= set(ref_axes):
+            raise ValueError(f"reference axes must contain the data axes {self.data_axes}, be grid axes and never "
+                             f"{METHOD_AXES}; got {ref_axes}")
+        object.__setattr__(self.reference, "axes", tuple(a for a in axes if a in ref_axes))   # grid order
+        for name, metric in self.reference.metrics.items():
+            if not _NAME.match(name) or name in self.metrics or name == "cell_seconds":
+                raise ValueError(f"reference metric name {name!r} must be an identifier distinct from the metrics")
+            clash = {name, *metric.dims} & set(axes)
+            if clash:
+                raise ValueError(f"reference metric {name!r} uses names that are grid axes: {sorted(clash)}")
+
+    def _check_parameters(self, axes: list[str]) -> None:
+        if not isinstance(self.parameters, Mapping):
+            raise TypeError("Experiment parameters must be a mapping name -> Parameter")
+        for name, parameter in self.parameters.items():
+            if not isinstance(parameter, Parameter):
+                raise TypeError(f"parameter {name!r} must be a Parameter, got {type(parameter).__name__}")
+            if not _NAME.match(name) or name in axes or name in self.metrics:
+                raise ValueError(f"parameter name {name!r} must be an identifier that is not an axis or a metric")
+        object.__setattr__(self, "parameters", dict(self.parameters))
+        if not isinstance(self.axis_attrs, Mapping) or any(a not in axes for a in self.axis_attrs):
+            raise ValueError(f"axis_attrs must map grid axes {axes} to attribute dicts, got {self.axis_attrs!r}")
+        object.__setattr__(self, "axis_attrs", {a: dict(v) for a, v in self.axis_attrs.items()})
+
     @property
     def axes(self) -> list[str]:
         return list(next(iter(self.grids.values())))
+
+    @property
+    def reference_axes(self) -> tuple[str, ...]:
+        """The grid axes a reference cell is defined by (empty without a reference)."""
+        return self.reference.axes if self.reference is not None else ()
+
+    def coordinate_attrs(self, axis: str) -> dict:
+        """``long_name`` and ``units`` (and any other attribute) of the coordinate ``axis``."""
+        return {"long_name": axis.replace("_", " "), "units": "1", **AXIS_ATTRS.get(axis, {}),
+                **self.axis_attrs.get(axis, {})}
+
+    def parameter_values(self, overrides: Mapping | None = None) -> dict:
+        """The fixed parameters' values, with ``overrides`` (name -> value, checked against each default's type)."""
+        values = {name: p.value for name, p in self.parameters.items()}
+        for name, value in (overrides or {}).items():
+            if name not in self.parameters:
+                known = ", ".join(self.parameters) or "none"
+                raise ValueError(f"unknown parameter {name!r} of {self.name!r}; parameters: {known}")
+            kind = type(self.parameters[name].value)
+            if kind is float and type(value) is int:
+                value = float(value)
+            if type(value) is not kind:
+                raise TypeError(f"parameter {name!r} takes {kind.__name__} values, got {value!r}")
+            values[name] = value
+        return values
 
     def grid(self, preset: str) -> dict[str, list]:
         """A copy of the grid of ``preset`` (``ValueError`` listing the presets if unknown)."""
@@ -289,9 +467,30 @@ def select(experiment: Experiment, grid: dict[str, list], only: Mapping | None) 
     return out
 
 
-def parse_value(experiment: Experiment, axis: str, text: str):
-    """Parse ``text`` as a value of ``axis`` (its type is that of the axis in the experiment's presets)."""
-    kind = axis_type(experiment.known_values(axis))
+def replace_values(experiment: Experiment, grid: dict[str, list], new: Mapping | None) -> dict[str, list]:
+    """Replace the values of axes by any values of the axis's type (``--set axis=v1,v2``)."""
+    if not new:
+        return grid
+    if not isinstance(new, Mapping):
+        raise TypeError(f"set_values must be a mapping axis -> list of values, got {type(new).__name__}")
+    out = dict(grid)
+    for axis, values in new.items():
+        if axis not in grid:
+            raise ValueError(f"set: unknown axis {axis!r}; axes: {', '.join(grid)} (fixed parameters: "
+                             f"{', '.join(experiment.parameters) or 'none'})")
+        values = list(values) if isinstance(values, list | tuple) else [values]
+        kind = axis_type(grid[axis])
+        if kind is float:
+            values = [float(v) if type(v) is int else v for v in values]
+        checked = _check_axis_values("--set", axis, values)
+        if axis_type(checked) is not kind:
+            raise TypeError(f"set: axis {axis!r} takes {kind.__name__} values, got {values!r}")
+        out[axis] = checked
+    return out
+
+
+def parse_text(kind: type, text: str, where: str):
+    """Parse ``text`` as a value of type ``kind`` (bool, int, float, str); ``where`` names the option."""
     if kind is str:
         return text
     if kind is bool:
@@ -300,8 +499,13 @@ def parse_value(experiment: Experiment, axis: str, text: str):
             return True
         if lowered in ("false", "0", "no"):
             return False
-        raise ValueError(f"--only {axis}={text}: expected true or false")
+        raise ValueError(f"{where}: expected true or false, got {text!r}")
     try:
         return kind(text)
     except ValueError:
-        raise ValueError(f"--only {axis}={text}: expected a {kind.__name__}") from None
+        raise ValueError(f"{where}: expected a {kind.__name__}, got {text!r}") from None
+
+
+def parse_value(experiment: Experiment, axis: str, text: str):
+    """Parse ``text`` as a value of ``axis`` (its type is that of the axis in the experiment's presets)."""
+    return parse_text(axis_type(experiment.known_values(axis)), text, f"--only {axis}")

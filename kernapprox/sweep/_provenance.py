@@ -104,8 +104,13 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device, executor: str,
-                     precision: dict, history: str, fingerprint: str, cell_threads: int | None = None) -> dict:
-    """Global attributes of a result dataset (strings and numbers; JSON for structures)."""
+                     precision: dict, history: str, fingerprint: str, cell_threads: int | None = None,
+                     parameters: dict | None = None, changes: dict | None = None) -> dict:
+    """Global attributes of a result dataset (strings and numbers; JSON for structures).
+
+    ``preset`` is the preset's name only when the run covered that preset's grid with the default parameters;
+    otherwise it is ``"custom"``, ``preset_base`` names the preset it started from and ``grid_changes`` (JSON)
+    says what changed (``--seeds``, ``--only``, ``--set``). ``grid`` is always the grid actually run."""
     threads = thread_counts()
     if cell_threads is not None:
         threads["torch_num_threads"] = cell_threads
@@ -114,8 +119,11 @@ def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device
         "title": experiment.title,
         "experiment": experiment.name,
         "description": experiment.description,
-        "preset": preset,
+        "preset": "custom" if changes else preset,
+        "preset_base": preset,
+        "grid_changes": json.dumps(changes or {}),
         "grid": json.dumps(grid),
+        "parameters": json.dumps(parameters or {}),
         "root_seed": int(root_seed),
         "git_revision": git_revision(where),
         "code_fingerprint": fingerprint,

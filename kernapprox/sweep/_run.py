@@ -33,12 +33,12 @@ from ._experiment import (
     cell_spawn_key,
     check_root_seed,
     data_spawn_key,
-    grid_size,
     iter_cells,
+    replace_values,
     select,
 )
 from ._provenance import code_fingerprint, command_line, provenance_attrs
-from ._store import ProgressStore, assemble, check_output_path, write
+from ._store import REFERENCE_MARK, ProgressStore, assemble, check_output_path, reference_key, write
 from ._worker import CellError, CellTask, execute_cell, init_pool_worker, precision_settings
 
 
@@ -67,10 +67,43 @@ def resolve_device(device) -> torch.device:
     return dev
 
 
-def default_output(experiment: Experiment, only=None) -> Path:
-    """``results/<name>.nc``; a slice run (``only``) goes to ``results/<name>.only.nc`` so it never replaces the
-    full result."""
-    return Path("results") / (f"{experiment.name}.only.nc" if only else f"{experiment.name}.nc")
+def default_output(experiment: Experiment, only=None, custom: bool = False) -> Path:
+    """``results/<name>.nc``; a slice run (``only``) goes to ``results/<name>.only.nc`` and a run with a changed
+    grid or parameters (``custom``) to ``results/<name>.custom.nc``, so neither replaces the preset's result."""
+    if only:
+        return Path("results") / f"{experiment.name}.only.nc"
+    return Path("results") / (f"{experiment.name}.custom.nc" if custom else f"{experiment.name}.nc")
+
+
+def resolve_grid(experiment: Experiment, preset: str, *, seeds: int | None = None, only=None, set_values=None,
+                 parameters=None) -> tuple[dict[str, list], dict, dict]:
+    """The grid a run covers and the fixed parameters it uses: ``(grid, parameter values, changes)``.
+
+    ``changes`` records how the run departs from the preset (``seeds``, ``only``, ``set``, ``parameters``; empty
+    when it is the preset itself), so the dataset says which grid it holds instead of a preset label alone.
+    """
+    grid = experiment.grid(preset)
+    changes: dict = {}
+    if seeds is not None:
+        if "seed" not in grid:
+            raise ValueError(f"seeds: experiment {experiment.name!r} has no 'seed' axis")
+        if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 < seeds <= sys.maxsize:
+            raise ValueError(f"seeds must be a positive integer (at most {sys.maxsize}), got {seeds!r}")
+        grid["seed"] = list(range(seeds))
+        changes["seeds"] = seeds
+    grid = replace_values(experiment, grid, set_values)
+    grid = select(experiment, grid, only)
+    values = experiment.parameter_values(parameters)
+    if set_values:
+        changes["set"] = {axis: grid[axis] for axis in set_values}
+    if only:
+        changes["only"] = {axis: grid[axis] for axis in only}
+    changed = {k: v for k, v in values.items() if v != experiment.parameters[k].value}
+    if changed:
+        changes["parameters"] = changed
+    if grid == experiment.grid(preset) and not changed:
+        changes = {}
+    return grid, values, changes
 
 
 # -------------------------------------------------------------------------------------------------- executors
@@ -205,7 +238,8 @@ def _drain(queue, pending, plan, lose, rebuild, on_done):
 def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", only=None, workers: int = 0,
         resume: bool = True, *, seeds: int | None = None, root_seed: int = 0, executor=None, dask: bool = False,
         scheduler: str | None = None, max_retries: int = 2, threads: int | None = None,
-        progress: bool | None = None, history: str | None = None) -> xr.Dataset:
+        progress: bool | None = None, history: str | None = None, set_values=None,
+        parameters=None) -> xr.Dataset:
     """Run ``experiment``'s grid ``preset`` and write the dataset to ``out``; returns the dataset.
 
     Parameters
@@ -219,6 +253,10 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     device : "auto", "cpu", "cuda", "cuda:N" or torch.device
     only : mapping axis -> value or list of values, optional
         Run a slice of the grid (values must be values of the experiment).
+    set_values : mapping axis -> list of values, optional
+        Replace the values of axes by any values of their type (``--set axis=v1,v2``).
+    parameters : mapping name -> value, optional
+        Change fixed parameters of the experiment (``--set name=value``).
     workers : int
         0 runs cells in this process; ``N`` > 0 uses a spawn process pool of N workers (or, with ``dask``, a
         dask ``LocalCluster`` of N worker processes).
@@ -254,15 +292,9 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         raise ValueError(f"threads must be a positive integer, got {threads!r}")
     if not isinstance(resume, bool):
         raise TypeError(f"resume must be a bool, got {resume!r}")
-    grid = experiment.grid(preset)
-    if seeds is not None:
-        if "seed" not in grid:
-            raise ValueError(f"seeds: experiment {experiment.name!r} has no 'seed' axis")
-        if isinstance(seeds, bool) or not isinstance(seeds, int) or not 0 < seeds <= sys.maxsize:
-            raise ValueError(f"seeds must be a positive integer (at most {sys.maxsize}), got {seeds!r}")
-        grid["seed"] = list(range(seeds))
-    grid = select(experiment, grid, only)
-    out = Path(out) if out is not None else default_output(experiment, only)
+    grid, values, changes = resolve_grid(experiment, preset, seeds=seeds, only=only, set_values=set_values,
+                                         parameters=parameters)
+    out = Path(out) if out is not None else default_output(experiment, only, bool(changes))
     dev = resolve_device(device)
     root_seed = check_root_seed(root_seed)
     check_output_path(out, experiment.name)
@@ -270,35 +302,46 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
 
     started = datetime.now(UTC)
     clock = time.perf_counter()
+    cpu_clock = _cpu_seconds()
     fingerprint = code_fingerprint(experiment.module)
     manifest = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
-                "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32}
+                "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32,
+                "parameters": json.dumps(values, sort_keys=True)}
     store = ProgressStore(out)
     driver_threads = torch.get_num_threads()  # in-process cells may change it; put it back afterwards
     try:
         finished, note = store.open(manifest, resume)
         if note:
             print(f"{experiment.name}: {note}", file=sys.stderr)
-        cells = [params for _, params in iter_cells(grid)]
-        keys = [cell_key(p) for p in cells]
-        todo = [p for p, k in zip(cells, keys) if k not in finished]
+        cells = [(params, False) for _, params in iter_cells(grid)]
+        ref_grid = {a: grid[a] for a in experiment.reference_axes}
+        cells += [(params, True) for _, params in iter_cells(ref_grid)] if ref_grid else []
+        keys = [reference_key(p) if ref else cell_key(p) for p, ref in cells]
+        todo = [(p, ref) for (p, ref), k in zip(cells, keys) if k not in finished]
         reused = len(cells) - len(todo)
         plan = (_make_plan(workers, dask, scheduler, executor, threads) if todo
                 else _Plan(_InlineExecutor(), "none", 1))
+        if experiment.data_axes:
+            # data-major order, the reference of each draw first: cells that share a data draw run one after the
+            # other, so a cell may memoise what its draw costs to make (episodes, the exact computation)
+            position = {axis: {value: i for i, value in enumerate(grid[axis])} for axis in experiment.data_axes}
+            todo.sort(key=lambda item: (tuple(position[a][item[0][a]] for a in experiment.data_axes), not item[1]))
         tasks = [CellTask(experiment.module, experiment.name, p, root_seed, cell_spawn_key(experiment.name, p),
                           str(dev), experiment.allow_tf32, plan.num_threads,
-                          data_spawn_key(experiment.name, p, experiment.data_axes) if experiment.data_axes else None)
-                 for p in todo]
+                          data_spawn_key(experiment.name, p, experiment.data_axes) if experiment.data_axes else None,
+                          values, ref)
+                 for p, ref in todo]
         show = sys.stderr.isatty() if progress is None else bool(progress)
         from tqdm.auto import tqdm
 
         with tqdm(total=len(tasks), desc=experiment.name, unit="cell", disable=not show, smoothing=0.1) as bar:
             def on_done(task, outcome):
-                key = cell_key(task.params)
+                key = reference_key(task.params) if task.reference else cell_key(task.params)
                 if key in finished:  # a resubmitted duplicate: the first result stands
                     return
-                store.put(key, task.params, outcome.metrics, outcome.seconds)
-                finished[key] = {"params": task.params, "metrics": outcome.metrics, "seconds": outcome.seconds}
+                stored = {**task.params, REFERENCE_MARK: True} if task.reference else task.params
+                store.put(key, stored, outcome.metrics, outcome.seconds)
+                finished[key] = {"params": stored, "metrics": outcome.metrics, "seconds": outcome.seconds}
                 bar.update(1)
 
             ok = False
@@ -309,23 +352,57 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                 plan.close(cancel=not ok)
         ended = datetime.now(UTC)
         wall = time.perf_counter() - clock
+        cpu = _cpu_seconds() - cpu_clock
         attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description,
                                  precision_settings(experiment.allow_tf32),
                                  history if history is not None else command_line(), fingerprint,
-                                 plan.num_threads)
+                                 plan.num_threads, values, changes)
         attrs.update({"time_start": started.isoformat(timespec="seconds"),
                       "time_end": ended.isoformat(timespec="seconds"), "wall_seconds": round(wall, 3),
-                      "cells_total": grid_size(grid), "cells_run": len(tasks), "cells_reused": reused,
+                      "cpu_seconds": round(cpu, 3),
+                      "cells_total": len(cells), "cells_run": len(tasks), "cells_reused": reused,
                       "timings": json.dumps({"start": started.isoformat(), "end": ended.isoformat(),
-                                             "wall_seconds": wall, "cells_run": len(tasks), "cells_reused": reused})})
-        ds = assemble(experiment, grid, {k: finished[k] for k in keys}, attrs)
+                                             "wall_seconds": wall, "cpu_seconds": cpu, "cells_run": len(tasks),
+                                             "cells_reused": reused})})
+        ds = assemble(experiment, grid, {k: finished[k] for k in keys}, attrs, values)
+        ds = summarise_dataset(experiment, ds)
         write(ds, out)
     finally:
         store.release()
         if torch.get_num_threads() != driver_threads:
             torch.set_num_threads(driver_threads)
     store.remove()
-    print(f"{experiment.name} [{preset}]: {len(tasks)} cells run, {reused} reused, "
-          f"{time.perf_counter() - clock:.1f} s on {dev} "
+    print(f"{experiment.name} [{ds.attrs['preset']}]: {len(tasks)} cells run, {reused} reused, "
+          f"{time.perf_counter() - clock:.1f} s on {dev}, {_cpu_seconds() - cpu_clock:.1f} CPU-s "
           f"({plan.description}) -> {out}", file=sys.stderr)
     return ds
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (pool workers), user and system."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def summarise_dataset(experiment: Experiment, ds: xr.Dataset) -> xr.Dataset:
+    """Apply the experiment's ``summarise`` (paired comparisons, summaries with intervals) and document the
+    summaries in the attributes (:func:`kernapprox.stats.describe_summaries`). Every variable it adds must carry
+    ``long_name``, ``units`` and ``description``; every summary its ``statistic``, ``interval`` and ``over``."""
+    from .. import stats
+
+    if experiment.summarise is None:
+        return ds
+    out = experiment.summarise(ds.copy())                 # a shallow copy: what it adds is visible here
+    if not isinstance(out, xr.Dataset):
+        raise TypeError(f"summarise of {experiment.name!r} must return an xarray.Dataset, got {type(out).__name__}")
+    for name in set(out.data_vars) - set(ds.data_vars):
+        var = out[name]
+        missing = [a for a in ("long_name", "units", "description") if not var.attrs.get(a)]
+        if stats.is_summary(var):
+            missing += [a for a in ("statistic", "interval", "over") if a not in var.attrs]
+        if missing:
+            raise ValueError(f"summarise of {experiment.name!r}: variable {name!r} lacks attributes {missing}")
+    out.attrs.update(stats.describe_summaries(out))
+    return out

@@ -9,7 +9,9 @@ Progress store
     store is removed once the dataset is written.
 Dataset
     dims = grid axes (then each array metric's extra dims); variables = metrics (float64, NaN where a cell has
-    not run) and ``cell_seconds``; attributes carry the provenance. Written with the ``h5netcdf`` engine to a
+    not run) and ``cell_seconds``; the reference's metrics (if the experiment has one) over the reference axes
+    only, with ``reference_seconds``; coordinates carry ``long_name`` and ``units``, fixed parameters are scalar
+    coordinates; attributes carry the provenance. Written with the ``h5netcdf`` engine to a
     temporary file in the same folder, fsync'ed, then ``os.replace``'d, so no partial file is ever visible at
     the final path. Our files carry the attribute ``kernapprox_experiment``; an existing file at the output path
     that is unreadable, foreign or of another experiment is never overwritten.
@@ -196,8 +198,15 @@ def _pad_to(arr: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     return out
 
 
-def _extra_dim_sizes(metrics: Mapping[str, Metric], cells: Mapping[str, dict]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
+def _extra_dim_sizes(tables, sizes: dict[str, int] | None = None) -> dict[str, int]:
+    """Sizes of the metrics' own dims over ``tables = [(metrics, cells), ...]`` (shared dims must agree)."""
+    sizes = {} if sizes is None else sizes
+    for metrics, cells in tables:
+        _dim_sizes(metrics, cells, sizes)
+    return sizes
+
+
+def _dim_sizes(metrics: Mapping[str, Metric], cells: Mapping[str, dict], sizes: dict[str, int]) -> None:
     for name, metric in metrics.items():
         for i, dim in enumerate(metric.dims):
             if metric.coords and dim in metric.coords:
@@ -209,35 +218,68 @@ def _extra_dim_sizes(metrics: Mapping[str, Metric], cells: Mapping[str, dict]) -
                 continue
             observed = [c["metrics"][name].shape[i] for c in cells.values() if c["metrics"][name].ndim]
             sizes[dim] = max([sizes.get(dim, 0), *observed]) or 1
-    return sizes
 
 
-def assemble(experiment: Experiment, grid: dict[str, list], cells: Mapping[str, dict],
-             attrs: Mapping[str, object]) -> xr.Dataset:
-    """Build the dataset of ``grid`` from finished cells (by :func:`cell_key`); NaN where a cell is missing."""
+REFERENCE_MARK = "__reference__"
+
+
+def reference_key(params: Mapping) -> str:
+    """The progress-store key of the reference cell with these reference-axis values."""
+    return cell_key({**params, REFERENCE_MARK: True})
+
+
+def _fill(metrics, grid, cells, key_of, sizes):
     axes = list(grid)
     shape = tuple(len(grid[a]) for a in axes)
-    sizes = _extra_dim_sizes(experiment.metrics, cells)
-    data = {name: np.full(shape + tuple(sizes[d] for d in m.dims), np.nan) for name, m in experiment.metrics.items()}
+    data = {name: np.full(shape + tuple(sizes[d] for d in m.dims), np.nan) for name, m in metrics.items()}
     seconds = np.full(shape, np.nan)
     for index, params in iter_cells(grid):
-        cell = cells.get(cell_key(params))
+        cell = cells.get(key_of(params))
         if cell is None:
             continue
         seconds[index] = cell["seconds"]
-        for name, metric in experiment.metrics.items():
+        for name, metric in metrics.items():
             data[name][index] = _pad_to(cell["metrics"][name], tuple(sizes[d] for d in metric.dims))
-    coords = {axis: _coordinate(values) for axis, values in grid.items()}
-    for metric in experiment.metrics.values():
-        for dim in metric.dims:
-            given = (metric.coords or {}).get(dim)
-            coords.setdefault(dim, np.asarray(given) if given is not None else np.arange(sizes[dim]))
     variables = {name: xr.Variable(axes + list(m.dims), data[name],
                                    {"long_name": m.long_name, "units": m.units, "description": m.description})
-                 for name, m in experiment.metrics.items()}
+                 for name, m in metrics.items()}
+    return variables, seconds
+
+
+def assemble(experiment: Experiment, grid: dict[str, list], cells: Mapping[str, dict],
+             attrs: Mapping[str, object], parameters: Mapping[str, object] | None = None) -> xr.Dataset:
+    """Build the dataset of ``grid`` from finished cells (by :func:`cell_key`, reference cells by
+    :func:`reference_key`); NaN where a cell is missing. ``parameters``: the fixed parameters' values."""
+    axes = list(grid)
+    reference = experiment.reference
+    ref_grid = {a: grid[a] for a in experiment.reference_axes}
+    ref_cells = {k: c for k, c in cells.items() if c["params"].get(REFERENCE_MARK)}
+    cells = {k: c for k, c in cells.items() if k not in ref_cells}
+    tables = [(experiment.metrics, cells)] + ([(reference.metrics, ref_cells)] if reference is not None else [])
+    sizes = _extra_dim_sizes(tables)
+    variables, seconds = _fill(experiment.metrics, grid, cells, cell_key, sizes)
     variables["cell_seconds"] = xr.Variable(axes, seconds, {
         "long_name": "wall time of the cell", "units": "s",
         "description": "seconds spent in run_cell where the cell ran (NaN: the cell has not run)"})
+    if reference is not None:
+        ref_vars, ref_seconds = _fill(reference.metrics, ref_grid, ref_cells, reference_key, sizes)
+        for var in ref_vars.values():
+            var.attrs["reference"] = "computed once per data draw, without the estimator axes"
+        variables.update(ref_vars)
+        variables["reference_seconds"] = xr.Variable(list(ref_grid), ref_seconds, {
+            "long_name": "wall time of the reference cell", "units": "s",
+            "description": "seconds spent in the reference's run_cell (NaN: not run)"})
+    coords = {axis: xr.Variable(axis, _coordinate(values), experiment.coordinate_attrs(axis))
+              for axis, values in grid.items()}
+    for metrics in [experiment.metrics] + ([reference.metrics] if reference is not None else []):
+        for metric in metrics.values():
+            for dim in metric.dims:
+                given = (metric.coords or {}).get(dim)
+                coords.setdefault(dim, np.asarray(given) if given is not None else np.arange(sizes[dim]))
+    for name, value in (parameters or {}).items():
+        p = experiment.parameters[name]
+        coords[name] = xr.Variable((), value, {"long_name": p.long_name, "units": p.units,
+                                               "description": p.description or "fixed parameter of the study"})
     ds = xr.Dataset(variables, coords=coords)
     ds.attrs.update({MARKER: experiment.name, "kernapprox_format": FORMAT_VERSION, **attrs})
     return ds

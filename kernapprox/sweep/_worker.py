@@ -50,6 +50,8 @@ class CellTask:
     allow_tf32: bool = False
     num_threads: int | None = None
     data_spawn_key: tuple[int, ...] | None = None
+    parameters: dict | None = None       # the experiment's fixed parameters, merged into params for run_cell
+    reference: bool = False              # a reference cell (Experiment.reference), params = its axes only
 
 
 @dataclass(frozen=True)
@@ -100,21 +102,24 @@ def precision_flags() -> dict:
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
-def normalise_metrics(experiment: Experiment, result) -> dict[str, np.ndarray]:
-    """Check a cell's return value against the experiment's metrics; return float64 numpy arrays.
+def normalise_metrics(experiment: Experiment, result, reference: bool = False) -> dict[str, np.ndarray]:
+    """Check a cell's return value against the experiment's metrics (or its reference's); return float64 numpy
+    arrays.
 
     Every metric must be present and no other key; values are numpy arrays/scalars or Python numbers (bool and
     integers are stored as float64, where NaN marks what did not run). Torch tensors are refused: convert them
     (``.cpu().numpy()``) in the cell, where the device transfer is visible.
     """
+    table = experiment.reference.metrics if reference else experiment.metrics
+    what = "the reference's run_cell" if reference else "run_cell"
     if not isinstance(result, dict):
-        raise TypeError(f"run_cell must return a dict metric -> value, got {type(result).__name__}")
-    missing = [m for m in experiment.metrics if m not in result]
-    extra = [k for k in result if k not in experiment.metrics]
+        raise TypeError(f"{what} must return a dict metric -> value, got {type(result).__name__}")
+    missing = [m for m in table if m not in result]
+    extra = [k for k in result if k not in table]
     if missing or extra:
-        raise ValueError(f"run_cell returned keys {sorted(result)}; missing metrics {missing}, unknown keys {extra}")
+        raise ValueError(f"{what} returned keys {sorted(result)}; missing metrics {missing}, unknown keys {extra}")
     out = {}
-    for name, metric in experiment.metrics.items():
+    for name, metric in table.items():
         value = result[name]
         if not isinstance(value, np.ndarray | np.generic | numbers.Real):
             raise TypeError(f"metric {name!r}: expected a numpy array/scalar or a real number, got "
@@ -149,21 +154,26 @@ def execute_cell(task: CellTask) -> CellOutcome:
         if task.data_spawn_key is not None:
             extra["data_rng"] = np.random.default_rng(np.random.SeedSequence(task.root_seed,
                                                                              spawn_key=task.data_spawn_key))
+        params = {**(task.parameters or {}), **task.params}
         try:
             start = time.perf_counter()
-            result = experiment.run_cell(dict(task.params), rng, device, **extra)
+            if task.reference:
+                result = experiment.reference.run_cell(params, device, extra["data_rng"])
+            else:
+                result = experiment.run_cell(params, rng, device, **extra)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
         finally:
             restore_precision(previous)
-        return CellOutcome(dict(task.params), normalise_metrics(experiment, result), seconds)
+        return CellOutcome(dict(task.params), normalise_metrics(experiment, result, task.reference), seconds)
     except CellError:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure of the cell itself is reported, not retried
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
-        raise CellError(f"experiment {task.experiment!r} failed: {type(exc).__name__}: {exc}", dict(task.params),
+        what = "reference of experiment" if task.reference else "experiment"
+        raise CellError(f"{what} {task.experiment!r} failed: {type(exc).__name__}: {exc}", dict(task.params),
                         traceback.format_exc()) from None
 
 

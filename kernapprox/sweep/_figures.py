@@ -1,0 +1,74 @@
+"""Drawing a result: the figure and its findings, from the dataset alone, tied together by the data's digest.
+
+:func:`draw` writes ``<figure>.png`` with the experiment's ``plot`` and, when the experiment has ``findings``,
+``<figure>.md``: its markdown bullets (every number computed from the dataset) and a last line naming the dataset
+and the digest of its values (:func:`dataset_digest`). The PNG's ``Source`` metadata carries the same digest, so a
+figure and its findings can be checked to come from the same data; both are deterministic functions of the
+dataset (the same dataset gives byte-identical text).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import numpy as np
+import xarray as xr
+
+from ..io import atomic_write
+
+TIMING_VARIABLES = ("cell_seconds", "reference_seconds")
+_DIGEST_LINE = re.compile(r"<!-- findings of (?P<source>\S+) \((?P<module>[^)]*)\); "
+                          r"data digest (?P<digest>[0-9a-f]+) -->")
+
+
+def dataset_digest(ds: xr.Dataset) -> str:
+    """SHA-256 (16 hex digits) of a dataset's coordinates and data values, without the wall times of its cells
+    or any attribute (provenance, dates), so that two runs that computed the same numbers have the same digest."""
+    digest = hashlib.sha256()
+    for group in (ds.coords, ds.data_vars):
+        for name in sorted(group):
+            if name in TIMING_VARIABLES:
+                continue
+            var = group[name]
+            digest.update(f"{name}:{','.join(map(str, var.dims))}:{var.shape}".encode())
+            values = np.asarray(var.values)
+            if values.dtype.kind in "biuf":
+                digest.update(np.ascontiguousarray(values, dtype=np.float64).tobytes())
+            else:
+                digest.update("\x1f".join(map(str, values.ravel().tolist())).encode())
+    return digest.hexdigest()[:16]
+
+
+def findings_text(experiment, ds: xr.Dataset, source: str) -> str:
+    """The markdown written beside the figure: the experiment's findings, then the line naming the data."""
+    body = experiment.findings(ds)
+    if not isinstance(body, str) or not body.strip():
+        raise ValueError(f"findings of {experiment.name!r} must return non-empty markdown text")
+    return (body.strip() + f"\n\n<!-- findings of {source} ({experiment.module}); data digest "
+            f"{dataset_digest(ds)} -->\n")
+
+
+def read_digest(markdown: str) -> str | None:
+    """The data digest named by a findings file's last line (``None`` if it has none)."""
+    match = _DIGEST_LINE.search(markdown)
+    return match["digest"] if match else None
+
+
+def draw(experiment, ds: xr.Dataset, figure, *, source: str = "the dataset") -> list[Path]:
+    """Write the figure (and the findings beside it, ``.md``); returns the paths written."""
+    from .. import plotting
+
+    figure = Path(figure)
+    figure.parent.mkdir(parents=True, exist_ok=True)
+    digest = dataset_digest(ds)
+    with plotting.figure_source(f"{source}; data digest {digest}"):
+        experiment.plot(ds, figure)
+    written = [figure]
+    if experiment.findings is not None:
+        text = findings_text(experiment, ds, source)
+        path = figure.with_suffix(".md")
+        atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+        written.append(path)
+    return written

@@ -1,0 +1,131 @@
+"""kernapprox.stats: the intervals every study stores cover what they claim, on distributions with known answers,
+and the summaries follow the one documented convention."""
+
+import numpy as np
+import pytest
+import xarray as xr
+from scipy import stats as scipy_stats
+
+from kernapprox import stats
+
+REPLICATIONS = 400   # independent data sets per coverage check: the coverage estimate has SE ≈ 0.011 at 0.95
+
+
+def _draws(sampler, m, seed=0):
+    """``REPLICATIONS`` independent data sets of ``m`` draws, as a DataArray (replication, draw)."""
+    rng = np.random.default_rng(seed)
+    return xr.DataArray(sampler(rng, (REPLICATIONS, m)), dims=("replication", "draw"))
+
+
+@pytest.mark.parametrize("name, sampler, median", [
+    ("normal", lambda rng, size: rng.normal(1.0, 2.0, size), 1.0),
+    ("lognormal", lambda rng, size: rng.lognormal(-1.0, 1.5, size), np.exp(-1.0)),
+    ("pareto", lambda rng, size: rng.pareto(1.5, size), 2 ** (1 / 1.5) - 1),   # heavy tail, infinite variance
+])
+def test_bootstrap_interval_of_the_median_covers_the_true_median(name, sampler, median):
+    """Percentile bootstrap of the median with 40 draws: coverage of the true median close to 95 % (the
+    interval is a pair of order statistics; its exact coverage for m = 40 is 0.94–0.97)."""
+    s = stats.bootstrap_interval(_draws(sampler, 40), "draw", "median", resamples=400)
+    covered = (s.sel(stat="lo") <= median) & (median <= s.sel(stat="hi"))
+    coverage = float(covered.mean())
+    assert 0.91 <= coverage <= 0.99, (name, coverage)
+
+
+def test_bootstrap_interval_of_the_mean_covers_the_true_mean():
+    s = stats.bootstrap_interval(_draws(lambda rng, size: rng.exponential(2.0, size), 80), "draw", "mean",
+                                 resamples=400)
+    coverage = float(((s.sel(stat="lo") <= 2.0) & (2.0 <= s.sel(stat="hi"))).mean())
+    assert 0.91 <= coverage <= 0.98, coverage
+
+
+def test_clopper_pearson_is_exact_and_conservative():
+    """Exact coverage computed by summing the binomial law over every outcome: never below the level."""
+    for n in (5, 16, 100, 1000):
+        for p in (0.01, 0.1, 0.5, 0.93):
+            k = np.arange(n + 1)
+            lo, hi = stats.binomial_interval(k, np.full_like(k, n))
+            coverage = scipy_stats.binom.pmf(k, n, p)[(lo <= p) & (p <= hi)].sum()
+            assert coverage >= 0.95 - 1e-9, (n, p, coverage)
+    lo, hi = stats.binomial_interval(0, 10)
+    assert lo == 0.0 and np.isclose(hi, 1 - 0.025 ** 0.1)          # closed form at k = 0
+    lo, hi = stats.binomial_interval(10, 10)
+    assert hi == 1.0 and np.isclose(lo, 0.025 ** 0.1)
+    lo, hi = stats.binomial_interval(8, 10)
+    assert np.isclose(lo, scipy_stats.beta.ppf(0.025, 8, 3)) and np.isclose(hi, scipy_stats.beta.ppf(0.975, 9, 2))
+
+
+def test_binomial_interval_keeps_dataarrays():
+    k = xr.DataArray([0, 3, 7], dims="x")
+    lo, hi = stats.binomial_interval(k, 7)
+    assert isinstance(lo, xr.DataArray) and lo.dims == ("x",) and float(hi[-1]) == 1.0
+    with pytest.raises(ValueError, match="successes"):
+        stats.binomial_interval(8, 7)
+    assert np.isnan(stats.binomial_interval(0, 0)[0])
+
+
+def test_summarise_convention_quantiles_and_tail():
+    rng = np.random.default_rng(3)
+    data = rng.lognormal(0.0, 1.0, size=(2, 3, 500))
+    da = xr.DataArray(data, dims=("estimator", "seed", "episode"), coords={"estimator": ["a", "b"]},
+                      attrs={"long_name": "error", "units": "1"})
+    s = stats.summarise(da, ("seed", "episode"))
+    assert s.dims == ("estimator", "stat") and s.stat.values.tolist() == list(stats.STATS)
+    assert stats.is_summary(s) and s.attrs["over"] == "seed, episode" and s.attrs["statistic"] == "median"
+    flat = data.reshape(2, -1)
+    np.testing.assert_allclose(s.sel(stat="estimate"), np.median(flat, -1))
+    np.testing.assert_allclose(s.sel(stat="q10"), np.quantile(flat, 0.1, -1))
+    np.testing.assert_allclose(s.sel(stat="tail"), (flat > 1).mean(-1))
+    assert bool((s.sel(stat="tail_lo") < s.sel(stat="tail")).all() and (s.sel(stat="count") == 1500).all())
+    assert np.isnan(s.sel(stat="successes")).all()                      # not a proportion: NaN entries
+
+
+def test_summaries_skip_nan_draws_and_keep_inf():
+    da = xr.DataArray([[1.0, 2.0, np.nan, np.inf, 3.0], [np.nan] * 5], dims=("x", "seed"))
+    s = stats.summarise(da, "seed")
+    assert float(s.sel(x=0, stat="count")) == 4 and float(s.sel(x=0, stat="estimate")) == 2.5
+    assert float(s.sel(x=0, stat="tail")) == 0.75                      # 2, inf, 3 exceed 1
+    assert np.isnan(s.sel(x=1)).sel(stat=["estimate", "lo", "hi"]).all() and float(s.sel(x=1, stat="count")) == 0
+
+
+def test_summaries_are_deterministic_and_independent_of_slice_order():
+    rng = np.random.default_rng(5)
+    da = xr.DataArray(rng.normal(size=(4, 9)), dims=("x", "seed"))
+    a = stats.summarise(da, "seed")
+    b = stats.summarise(da.isel(x=[3, 2, 1, 0]), "seed").isel(x=[3, 2, 1, 0])
+    xr.testing.assert_identical(a, b)
+    xr.testing.assert_identical(a, stats.summarise(da, "seed"))
+
+
+def test_proportion_summary_pools_trials():
+    acc = xr.DataArray([[0.5, 1.0, np.nan]], dims=("x", "episode"))
+    s = stats.proportion_summary(acc * 10, 10, "episode")
+    assert float(s.sel(x=0, stat="estimate")) == 0.75 and float(s.sel(x=0, stat="trials")) == 20
+    lo, hi = stats.binomial_interval(15, 20)
+    assert float(s.sel(x=0, stat="lo")) == pytest.approx(lo) and float(s.sel(x=0, stat="hi")) == pytest.approx(hi)
+
+
+def test_paired_comparisons_and_their_summary():
+    rng = np.random.default_rng(7)
+    base = rng.lognormal(size=30)
+    da = xr.DataArray(np.stack([base, 0.5 * base * rng.lognormal(0, 0.1, 30), base * rng.lognormal(0, 1, 30)]),
+                      dims=("estimator", "seed"), coords={"estimator": ["base", "half", "noisy"]}, name="err")
+    ratio = stats.paired(da, "estimator", "base", op="ratio")
+    np.testing.assert_allclose(ratio.sel(estimator="base"), 1.0)
+    s = stats.paired_summary(ratio, "seed")
+    assert float(s.sel(estimator="half", stat="hi")) < 1 and float(s.sel(estimator="half", stat="below")) == 1.0
+    assert float(s.sel(estimator="noisy", stat="lo")) < 1 < float(s.sel(estimator="noisy", stat="hi"))
+    diff = stats.paired(da, "estimator", "base")
+    np.testing.assert_allclose(diff.sel(estimator="half"), da.sel(estimator="half") - da.sel(estimator="base"))
+    with pytest.raises(ValueError, match="baseline"):
+        stats.paired(da, "estimator", "missing")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda da: stats.summarise(da, "nope"), "not dimensions"),
+    (lambda da: stats.bootstrap_interval(da, "seed", level=1.5), "level"),
+    (lambda da: stats.bootstrap_interval(da, "seed", "mode"), "statistic"),
+    (lambda da: stats.bootstrap_interval(da, "seed", resamples=10), "resamples"),
+])
+def test_bad_arguments_are_named(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(xr.DataArray(np.ones((2, 5)), dims=("x", "seed")))
