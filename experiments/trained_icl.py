@@ -52,6 +52,8 @@ from kernapprox.sweep import Experiment, Metric, run_cli
 EPISODES = 16          # evaluation prompts per cell (and proxy episodes)
 FIXED_SLOT = 64        # the num_features column of maps whose dimension is fixed (exact, Taylor, ELU+1)
 PROXY_BETA_FACTOR = 2.0
+_PROXY_DIM = icl_recall.PARAMETERS["dim"].value                  # icl_recall's d = d_v
+_PROXY_CANDIDATES = icl_recall.PARAMETERS["num_candidates"].value
 RIDGE_ALPHA = 0.1
 
 
@@ -228,8 +230,8 @@ def _proxy_episodes(context: int, data_rng, device):
     else:
         if len(_EPISODES) >= 16:                              # 16 MB each; a preset cycles through contexts × seeds
             _EPISODES.pop(next(iter(_EPISODES)))
-        _EPISODES[key] = tasks.associative_recall(context, dim=icl_recall.KEY_DIM, value_dim=icl_recall.VALUE_DIM,
-                                                  num_candidates=icl_recall.NUM_CANDIDATES, batch=EPISODES,
+        _EPISODES[key] = tasks.associative_recall(context, dim=_PROXY_DIM, value_dim=_PROXY_DIM,
+                                                  num_candidates=_PROXY_CANDIDATES, batch=EPISODES,
                                                   rng=data_rng, device=device)
     return _EPISODES[key]
 
