@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..validation import check_positive_float, check_positive_int
+from . import fused
 from .base import FeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS, make_sampler
@@ -74,7 +75,16 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
     def _exponents(self, x, role) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def _fused_arguments(self, x, role) -> tuple:
+        """``(x', W, o, [c, eps])`` of the fused kernel (:func:`kernapprox.estimators.fused.exponential`), with
+        ``log φ_j = (x'Wᵀ)_j + o_j − ½‖x'‖² + c``: what :meth:`_exponents` computes, as parameters."""
+        raise NotImplementedError
+
     def _log_features(self, x, role):
+        if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "exponential"):
+            out = fused.run("exponential", *self._fused_arguments(fused.flat(x), role))
+            if out is not None:
+                return fused.unflat(out, x.shape[:-1])
         proj, offset = self._exponents(x, role)
         shift = proj.amax(-1, keepdim=True)
         phi = torch.exp(proj - shift)
@@ -118,9 +128,14 @@ class TrigonometricFeatures(RandomFeatureMap):
 
     def _log_features(self, x, role):
         w = self._param("projection_", x)
+        const = -0.5 * math.log(self.num_frequencies)
+        if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "trigonometric"):
+            out = fused.run("trigonometric", fused.flat(x), w, fused.scalars(self, "trig", x, const))
+            if out is not None:
+                return fused.unflat(out, x.shape[:-1])
         proj = x @ w.T
         phi = torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1)
-        logs = 0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
+        logs = 0.5 * (x * x).sum(-1) + const
         return phi, logs
 
 
@@ -152,6 +167,11 @@ class PositiveFeatures(ExponentialRandomFeatureMap):
         proj = x @ self._param("projection_", x).T
         return proj, -0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
 
+    def _fused_arguments(self, x, role):
+        w = self._param("projection_", x)
+        zeros = fused.cached(self, "zero_offset", x, lambda: torch.zeros(w.shape[0]))
+        return x, w, zeros, fused.scalars(self, "positive", x, -0.5 * math.log(self.num_frequencies), self.eps)
+
 
 class HyperbolicFeatures(ExponentialRandomFeatureMap):
     r"""Hyperbolic positive random features ("SM^{hyp+}").
@@ -176,6 +196,12 @@ class HyperbolicFeatures(ExponentialRandomFeatureMap):
     def _exponents(self, x, role):
         proj = x @ self._param("projection_", x).T
         return torch.cat([proj, -proj], dim=-1), -0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
+
+    def _fused_arguments(self, x, role):
+        w = fused.cached(self, "hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
+                                                                           -torch.as_tensor(self.projection_)]))
+        zeros = fused.cached(self, "zero_offset", x, lambda: torch.zeros(w.shape[0]))
+        return x, w, zeros, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps)
 
 
 for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),
