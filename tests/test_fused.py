@@ -29,6 +29,7 @@ import kernapprox as ka
 from kernapprox.estimators import fused
 
 EXPONENTIAL = ("positive", "positive_orthogonal", "hyperbolic", "gerf", "oprf", "sderf", "saderf", "aderf")
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 FORMS = {**{name: "exponential" for name in EXPONENTIAL}, "trig": "trigonometric", "nystrom_uniform": "nystrom"}
 
 
@@ -261,3 +262,24 @@ def test_inductor_kernels_float64_and_eps(fresh):
         got = ka.linear_attention(qf, kf, vf, est, causal=True)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
+
+
+@requires_cuda
+@pytest.mark.xdist_group("inductor")
+def test_triton_kernels_equal_eager_on_cuda(fresh):
+    """On a GPU the same kernels are Triton code: every form, every mode, float32, to rounding."""
+    if not fused.available("cuda")[0]:
+        pytest.skip(fused.available("cuda")[1])
+    q, k, v = (t.cuda() for t in data())
+    for name in ("positive", "hyperbolic", "sderf", "trig", "nystrom_uniform"):
+        est = fitted(name, q, k)
+        for mode in ("parallel", "recurrent", "chunked"):
+            for causal in (False, True):
+                call = dict(causal=causal, mode=mode, return_parts=True, chunk_size=32)
+                with fused.mode("off"):
+                    ref = ka.linear_attention(q, k, v, est, **call)
+                    ref64 = ka.linear_attention(q.double(), k.double(), v.double(), est, **call)
+                with fused.mode("on"):
+                    got = ka.linear_attention(q, k, v, est, **call)
+                for part, a, b, c in zip(ref._fields, got, ref, ref64):
+                    _rounding_close(a, b, c, f"cuda {name} {mode} causal={causal} {part}")

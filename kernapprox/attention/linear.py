@@ -265,13 +265,14 @@ def _chunk_scales(carry, sigma, da):
     return (torch.cummax(e - lag, 1).values + lag)[:, 1:]
 
 
-def _chunk_states(summary, state, c_before, c_end, da):
+def _chunk_states(summary, state, c_before, c_end, da, states=None, final=None):
     """States before each chunk of a block, and the state after the block (any layout of the state's two axes).
 
     ``S_0`` is the carried state (zero before the first block) and ``S_{j+1} = S_j e^{c⁻_j + da − c⁺_j} + U_j``:
     the recurrence at chunk granularity (``da = C log γ``), every factor ≤ 1. With many chunks the same sums come
     from one product with the weights ``e^{c⁺_i + (j−1−i) da − c⁻_j}`` (``i < j``) and ``e^{c⁻_0 + j da − c⁻_j}``
-    for the carried state.
+    for the carried state. ``states`` and ``final`` are optional output buffers (no gradient): shaped like
+    ``summary`` and like one of its chunks.
     """
     g = c_end.shape[1]
     decay = torch.exp(c_before + da - c_end)[..., None, None]                # (B, g, 1, 1)
@@ -283,7 +284,7 @@ def _chunk_states(summary, state, c_before, c_end, da):
             rows.append(torch.addcmul(summary[:, j], rows[-1], decay[:, j]))
         states = torch.stack(rows, 1)
     elif g <= _SEQUENTIAL_CHUNKS:
-        states = torch.empty_like(summary)
+        states = torch.empty_like(summary) if states is None else states
         if state is None:
             states[:, 0] = 0
         else:
@@ -305,13 +306,31 @@ def _chunk_states(summary, state, c_before, c_end, da):
             weights = torch.cat([torch.exp(carried)[..., None], weights], -1)
             stacked = torch.cat([state[:, None], summary], 1)
         states = (weights @ stacked.flatten(-2)).view(summary.shape)
-    return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
+    if final is None or needs_grad:
+        return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
+    return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1], out=final)
+
+
+class _Workspace:
+    """Buffers of the causal chunked mode, allocated once per call and reused by every block (no gradient):
+    fresh allocations of a few MB per block cost page faults and cache misses. ``get(name, shape)`` is a contiguous
+    view of the first ``prod(shape)`` entries of the buffer ``name`` (sized by its first request)."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device, self.buffers = dtype, device, {}
+
+    def get(self, name, shape):
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf[:size].view(shape)
 
 
 def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c_carry, inplace):
     """Causal chunked mode over blocks of ``block`` tokens (see :func:`_normalized_chunked`); writes the rows to
     ``sink``; returns the final (transposed) state and its log-scale. ``inplace``: no gradient is needed, so the
-    block's own temporaries may be overwritten."""
+    products write into buffers reused by every block (:class:`_Workspace`)."""
     batch, n = qf.shape[:2]
     size = chunk_size
     ct = sink.den.dtype
@@ -319,8 +338,9 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
     pos_a = torch.arange(size, device=qf.device, dtype=ct) * a if a else None
     if c_carry is None:
         c_carry = torch.full((batch,), SENTINEL, dtype=ct, device=qf.device)
+    ws = _Workspace(ct, qf.device) if inplace else None
     pad = 0
-    for start in range(0, n, block):
+    for index, start in enumerate(range(0, n, block)):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")
         pk, lk = key_features(start, stop)
@@ -330,8 +350,8 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
             pq, pk, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (pq, pk, vb))
             lq = torch.nn.functional.pad(lq, (0, pad))
             lk = torch.nn.functional.pad(lk, (0, pad), value=SENTINEL)
-        g, r = (length + pad) // size, pq.shape[-1]
-        pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, -1)
+        g, r, dv1 = (length + pad) // size, pq.shape[-1], vb.shape[-1]
+        pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, dv1)
         lk, lq = lk.view(batch, g, size), lq.view(batch, g, size)
         if a:
             lk = lk - pos_a                                                  # ℓ'_p = ℓ_p − p log γ
@@ -340,21 +360,39 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
         c_before = torch.cat([c_carry[:, None], c_end[:, :-1]], 1)           # (B, g)
         c_rows = torch.maximum(local, (c_before + a)[..., None])            # (B, g, C)
         row_logs = lq + c_rows if not a else lq + c_rows + pos_a
+        key_w = torch.exp(lk - c_end[..., None] if not a else lk + (size - 1) * a - c_end[..., None])[..., None]
         # intra-chunk weights e^{ℓ'_l − c'_p}: exponents ≤ 0 where l ≤ p; the future ones are clamped (no overflow,
         # no exp of -inf, which is slow) and then zeroed
-        weights = torch.exp(torch.clamp_max(lk[..., None, :] - c_rows[..., :, None], 0.0))
-        scores = pq @ pk.transpose(-1, -2)
-        scores = scores.mul_(weights) if inplace else scores * weights
-        scores = scores.masked_fill_(future, 0.0) if inplace else scores.masked_fill(future, 0.0)
-        out = scores @ vb                                                    # intra-chunk, (B, g, C, d_v+1)
-        key_w = lk - c_end[..., None] if not a else lk + (size - 1) * a - c_end[..., None]
-        summary = (vb * torch.exp(key_w)[..., None]).transpose(-1, -2) @ pk  # (B, g, d_v+1, r)
-        if g > 1 or state is not None:
-            states, state = _chunk_states(summary, state, c_before, c_end, size * a)   # S_jᵀ: (B, g, d_v+1, r)
-            out = torch.addcmul(out, pq @ states.transpose(-1, -2),
-                                torch.exp(c_before[..., None] + a - c_rows)[..., None])
+        exponent = lk[..., None, :] - c_rows[..., :, None]
+        bg = batch * g
+        if ws is None:
+            scores = (pq @ pk.transpose(-1, -2)) * torch.exp(torch.clamp_max(exponent, 0.0))
+            out = scores.masked_fill(future, 0.0) @ vb                       # intra-chunk, (B, g, C, d_v+1)
+            summary = (vb * key_w).transpose(-1, -2) @ pk                    # (B, g, d_v+1, r)
         else:
-            state = summary[:, -1]
+            weights = torch.clamp_max(exponent, 0.0, out=ws.get("weights", exponent.shape)).exp_()
+            scores = torch.bmm(pq.view(bg, size, r), pk.view(bg, size, r).transpose(-1, -2),
+                               out=ws.get("scores", (bg, size, size))).view(weights.shape)
+            scores.mul_(weights).masked_fill_(future, 0.0)
+            out = torch.bmm(scores.view(bg, size, size), vb.view(bg, size, dv1),
+                            out=ws.get("out", (bg, size, dv1))).view(batch, g, size, dv1)
+            weighted = torch.mul(vb, key_w, out=ws.get("weighted", vb.shape))
+            summary = torch.bmm(weighted.view(bg, size, dv1).transpose(-1, -2), pk.view(bg, size, r),
+                                out=ws.get("summary", (bg, dv1, r))).view(batch, g, dv1, r)
+        if g > 1 or state is not None:
+            one = (batch, dv1, r)                     # the carried state: two buffers, alternately written
+            buffers = {} if ws is None else {"states": ws.get("states", summary.shape),
+                                             "final": ws.get(f"final{index % 2}", one)}
+            states, state = _chunk_states(summary, state, c_before, c_end, size * a, **buffers)   # S_jᵀ
+            factor = torch.exp(c_before[..., None] + a - c_rows)[..., None]
+            if ws is None:
+                out = torch.addcmul(out, pq @ states.transpose(-1, -2), factor)
+            else:
+                read = torch.bmm(pq.view(bg, size, r), states.view(bg, dv1, r).transpose(-1, -2),
+                                 out=ws.get("read", (bg, size, dv1))).view(out.shape)
+                out.addcmul_(read, factor)
+        else:
+            state = summary[:, -1].clone() if ws is not None else summary[:, -1]
         c_carry = c_end[:, -1]
         sink.write(start, out.reshape(batch, g * size, -1)[:, :length], row_logs.reshape(batch, -1)[:, :length])
     if pad and a:        # the last chunk was padded: its scale was decayed to the padded end, not to token n−1
