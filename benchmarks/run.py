@@ -239,11 +239,12 @@ def main(argv: list[str] | None = None) -> xr.Dataset:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: leave as is)")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timed calls per measurement")
     parser.add_argument("--fused", choices=fused.MODES, default=None,
-                        help="fused feature maps (kernapprox.estimators.fused): on (default; each case's warm-up call "
-                             "compiles, the 'fusion' case times the compilation), auto, or off (the eager code; the "
-                             "default with --quick, which must not spend seconds compiling)")
+                        help="fused feature maps (kernapprox.estimators.fused): large (default: auto's rules without "
+                             "its warm-up, so each case's untimed warm-up call compiles; the 'fusion' case times the "
+                             "compilation), auto, on (every call), or off (the eager code; the default with --quick, "
+                             "which must not spend seconds compiling)")
     args = parser.parse_args(argv)
-    args.fused = args.fused or ("off" if args.quick else "on")
+    args.fused = args.fused or ("off" if args.quick else "large")
     previous = fused.set_mode(args.fused)
     try:
         return _run(args, argv)

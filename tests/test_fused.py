@@ -91,7 +91,7 @@ def test_auto_policy(monkeypatch, fresh):
         assert fused.status()["exponential"]["eager_entries"] == {"cpu": 4 * big}
         assert not fused.use_fused(x, big - 1, "exponential")                   # small calls never compile
         assert not fused.use_fused(x.double(), big, "exponential")               # float64: the precision path
-        assert not fused.use_fused(x.requires_grad_(), big, "exponential")       # training: eager
+        assert not fused.use_fused(x.clone().requires_grad_(), big, "exponential")     # training: eager
         with torch.no_grad():
             assert fused.use_fused(x, big, "exponential")
         monkeypatch.setattr(fused, "_compiling", lambda: True)                    # inside an outer compilation
@@ -99,6 +99,12 @@ def test_auto_policy(monkeypatch, fresh):
         monkeypatch.setattr(fused, "_compiling", lambda: False)
         monkeypatch.setattr(fused, "available", lambda device: (False, "no compiler"))
         assert not fused.use_fused(x, big, "exponential")
+    monkeypatch.setattr(fused, "available", lambda device: (True, "test"))
+    fused.reset()
+    with fused.mode("large"):                                                    # auto without the warm-up
+        assert fused.use_fused(x, big, "exponential")
+        assert not fused.use_fused(x, big - 1, "exponential")
+        assert not fused.use_fused(x.double(), big, "exponential")
     with fused.mode("on"):
         assert fused.use_fused(x.double(), 1, "exponential")
     with fused.mode("off"):

@@ -27,14 +27,21 @@ The switch
 ``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode`:
 
 ``"auto"`` (default)
-    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries (a
-    compilation costs seconds, so small calls never trigger one); the compute dtype is float32 (half inputs are
-    computed in float32); no gradient is needed; :func:`torch.compile` can run on the device (a C++ compiler on a
-    CPU, Triton on a GPU; :func:`available`); the call is not itself being traced by :func:`torch.compile` (an
-    outer compilation fuses the eager code itself); and the kernel has not failed in this process.
+    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries;
+    the compute dtype is float32 (half inputs are computed in float32); no gradient is needed; :func:`torch.compile`
+    can run on the device (a C++ compiler on a CPU, Triton on a GPU; :func:`available`); the call is not itself
+    being traced by :func:`torch.compile` (an outer compilation fuses the eager code itself); the kernel has not
+    failed in this process; and the process has already computed :data:`WARMUP_ENTRIES` feature entries of such
+    calls eagerly (per kernel and device type). The last rule is the ski-rental rule: a compilation costs seconds
+    (measured: see the guide), so it is bought only once the eager work done so far would have paid for it — a
+    process that computes a few large calls never compiles, one that computes many compiles early, and neither
+    pays more than twice what the better choice in hindsight would have cost.
+``"large"``
+    the same rules without the warm-up: the first eligible call compiles (benchmarks, and processes known to do
+    much work, e.g. inference over a data set).
 ``"on"``
     fused for every call (any size and dtype, with autograd), except inside an outer compilation and after a
-    failure: for tests and measurements.
+    failure: for tests.
 ``"off"``
     eager always.
 
@@ -44,9 +51,9 @@ first call of each compiled variant (kernel, device, dtype, autograd) is checked
 first rows; a mismatch beyond rounding disables the kernel the same way. :func:`status` reports each kernel's
 state and compilation time.
 
-Compilation time is measured by ``python -m benchmarks.run --cases fusion`` (cold and warm on-disk cache), with the
-eager and fused times against the size; ``docs/guide/performance.md`` gives the numbers and why
-:data:`MIN_ENTRIES` is where it is.
+Compilation time is measured by ``python -m benchmarks.run --cases fusion`` (cold and warm on-disk cache, each
+kernel in a fresh process), with the eager and fused times against the size; ``docs/guide/performance.md`` gives
+the numbers behind :data:`MIN_ENTRIES` and :data:`WARMUP_ENTRIES`.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import warnings
 
 import torch
 
-MODES = ("auto", "on", "off")
+MODES = ("auto", "large", "on", "off")
 _ALIASES = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "auto"}
 
 # Auto mode fuses only calls producing at least this many feature entries (rows × r, all batch entries together):
@@ -167,7 +174,7 @@ def use_fused(x: torch.Tensor, entries: int, kernel: str, *params: torch.Tensor)
         return False
     k = _KERNELS[kernel]
     device = x.device.type
-    if k.compiled is not None:
+    if _mode == "large" or k.compiled is not None:
         return True
     k.eager_entries[device] = k.eager_entries.get(device, 0) + entries
     return k.eager_entries[device] > WARMUP_ENTRIES.get(device, WARMUP_ENTRIES["cuda"])
