@@ -177,8 +177,13 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
     def values(start, stop):                      # [V 1] of one block, built per block (a cache-sized copy)
         return torch.cat([vf[:, start:stop].to(ct), ones[:, :stop - start]], -1)
 
+    ws = _Workspace(ct, q.device) if inplace else None
+    r = estimator.num_features
+
     def features(x, role):
-        pf, lf = estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
+        buffer = None if ws is None else ws.get(role, (*x.shape[:-1], r))        # reused by every block
+        pf, lf = estimator.features(x, role, log_scale=True, check_finite=False,  # x was checked by the caller
+                                    buffer=buffer)
         return pf.to(ct), lf.to(ct)
 
     def key_features(start, stop):
@@ -189,13 +194,11 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
 
     state = c = None                                                     # state: (batch, d_v + 1, r)
     if state0 is not None:
-        r = state0.w.shape[-2]
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
     if causal:
-        state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c,
-                                   inplace)
+        state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
     else:
         for start in range(0, n_k, block):
             pk, lk = key_features(start, start + block)
@@ -211,7 +214,6 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         for start in range(0, n, block):
             pq, lq = features(qf[:, start:start + block], "query")
             sink.write(start, pq @ state.transpose(-1, -2), lq + c[:, None])
-    r = state.shape[-1]
     final = NormalizedState(state[:, :d_v].transpose(-1, -2).reshape(*batch_shape, r, d_v),
                             state[:, d_v].reshape(*batch_shape, r), c.reshape(batch_shape))
     num, den, logs, out = sink.result(batch_shape)
@@ -327,10 +329,10 @@ class _Workspace:
         return buf[:size].view(shape)
 
 
-def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c_carry, inplace):
+def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c_carry, ws):
     """Causal chunked mode over blocks of ``block`` tokens (see :func:`_normalized_chunked`); writes the rows to
-    ``sink``; returns the final (transposed) state and its log-scale. ``inplace``: no gradient is needed, so the
-    products write into buffers reused by every block (:class:`_Workspace`)."""
+    ``sink``; returns the final (transposed) state and its log-scale. ``ws``: the call's :class:`_Workspace` when
+    no gradient is needed (the products write into buffers reused by every block), else None."""
     batch, n = qf.shape[:2]
     size = chunk_size
     ct = sink.den.dtype
@@ -338,7 +340,6 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
     pos_a = torch.arange(size, device=qf.device, dtype=ct) * a if a else None
     if c_carry is None:
         c_carry = torch.full((batch,), SENTINEL, dtype=ct, device=qf.device)
-    ws = _Workspace(ct, qf.device) if inplace else None
     pad = 0
     for index, start in enumerate(range(0, n, block)):
         stop = min(start + block, n)

@@ -110,7 +110,7 @@ class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
         if transform is not None:
             x = x @ self._param(f"{role}_transform_", x).T
         return (x, self._param("weight_", x), self._param("frequency_offset_", x),
-                fused.scalars(self, "gerf", x, self.log_normalizer_, self.eps))
+                fused.scalars(self, "gerf", x, self.log_normalizer_, self.eps, 1.0))
 
     # ------------------------------------------------------------------------------- data statistics
     def _scaled_pairs(self, q, k):

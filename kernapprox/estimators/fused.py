@@ -174,13 +174,17 @@ def use_fused(x: torch.Tensor, entries: int, kernel: str, *params: torch.Tensor)
         return False
     k = _KERNELS[kernel]
     device = x.device.type
-    if _mode == "large" or k.compiled is not None:
+    if _mode == "large" or k.verified:
         return True
     k.eager_entries[device] = k.eager_entries.get(device, 0) + entries
     return k.eager_entries[device] > WARMUP_ENTRIES.get(device, WARMUP_ENTRIES["cuda"])
 
 
 # --------------------------------------------------------------------------------------------------- kernels
+# Each kernel is an epilogue: it takes the projection ``p`` (N, m) that a library GEMM computed (into a buffer the
+# caller may reuse block after block), the rows ``x`` (N, d) and a few numbers as a tensor, and turns ``p`` into the
+# stabilised features. The in-place variant (no gradient) overwrites ``p``; the functional one (autograd) returns
+# new tensors.
 def _exp_nonpositive(t):
     """``exp(t)`` for ``t ≤ 0`` with results below the dtype's smallest normal number flushed to 0: a subnormal
     result costs a CPU's vector ``exp`` about 16 times an ordinary one (measured), and such a term is below the
@@ -190,105 +194,112 @@ def _exp_nonpositive(t):
     return torch.where(t < low, 0.0, torch.exp(torch.clamp_min(t, low)))
 
 
-def exponential(x, weight, offset, scalars):
-    """``(φ̃, ℓ)`` of the exponential form: ``p = xWᵀ + o``, ``φ̃ = exp(p − max p) + eps``,
-    ``ℓ = max p − ½‖x‖² + c`` with ``scalars = [c, eps]``; ``x`` ``(N, d)``, ``W`` ``(r, d)``, ``o`` ``(r,)``."""
-    proj = torch.addmm(offset, x, weight.T)
+def _log_scale(shift, x, scalars):
+    """``ℓ = max p + c − k·½‖x‖²`` with ``scalars = [c, eps, k]`` (``k`` is 0 or 1; with ``k = 0`` the norm is not
+    used at all, not even as ``0·∞``)."""
+    norm = torch.where(scalars[2] == 0, 0.0, scalars[2] * 0.5 * (x * x).sum(-1))
+    return shift + scalars[0] - norm
+
+
+def stabilised_exp_(proj, x, scalars):
+    """In place: ``p ← exp(p − max_j p_j) + eps`` row by row; returns ``ℓ`` (:func:`_log_scale`)."""
     shift = proj.amax(-1, keepdim=True)
-    phi = _exp_nonpositive(proj - shift) + scalars[1]
-    return phi, shift.squeeze(-1) - 0.5 * (x * x).sum(-1) + scalars[0]
+    proj.copy_(_exp_nonpositive(proj - shift) + scalars[1])
+    return _log_scale(shift.squeeze(-1), x, scalars)
 
 
-def trigonometric(x, weight, scalars):
-    """``(φ̃, ℓ)`` of the trigonometric form: ``φ̃ = (sin xWᵀ, cos xWᵀ)``, ``ℓ = ½‖x‖² + c``, ``scalars = [c]``."""
-    proj = x @ weight.T
+def stabilised_exp(proj, x, scalars):
+    """:func:`stabilised_exp_` without the mutation: ``(φ̃, ℓ)``."""
+    shift = proj.amax(-1, keepdim=True)
+    return _exp_nonpositive(proj - shift) + scalars[1], _log_scale(shift.squeeze(-1), x, scalars)
+
+
+def sincos_(proj, x, scalars, phi):
+    """Into ``phi`` (N, 2m): ``(sin p, cos p)``; returns ``½‖x‖² + c`` (``scalars = [c]``)."""
+    m = proj.shape[-1]
+    phi[:, :m].copy_(torch.sin(proj))
+    phi[:, m:].copy_(torch.cos(proj))
+    return 0.5 * (x * x).sum(-1) + scalars[0]
+
+
+def sincos(proj, x, scalars):
+    """:func:`sincos_` without the mutation: ``(φ̃, ℓ)``."""
     return torch.cat([torch.sin(proj), torch.cos(proj)], -1), 0.5 * (x * x).sum(-1) + scalars[0]
-
-
-def nystrom(x, landmarks, half_sq_norms, whitening):
-    """``(φ̃, ℓ)`` of the Nyström form: ``p = xZᵀ − h``, ``φ̃ = exp(p − max p) G^{+1/2}``, ``ℓ = max p``."""
-    logits = x @ landmarks.T - half_sq_norms
-    shift = logits.amax(-1, keepdim=True)
-    return _exp_nonpositive(logits - shift) @ whitening, shift.squeeze(-1)
 
 
 def _close(fused_out, eager_out, scale) -> bool:
     """Agreement to rounding: every entry within ``64·ε·scale`` (``scale`` bounds the entries' magnitude and the
     amplification of a rounding of the kernel's input), NaN where the other is NaN."""
     eps = torch.finfo(eager_out.dtype).eps
-    diff = (fused_out.detach() - eager_out.detach()).abs()
-    both_nan = torch.isnan(fused_out.detach()) & torch.isnan(eager_out.detach())
-    return bool(((diff <= 64 * eps * scale) | both_nan | (fused_out.detach() == eager_out.detach())).all())
+    got, ref = fused_out.detach(), eager_out.detach()
+    both_nan = torch.isnan(got) & torch.isnan(ref)
+    return bool(((((got - ref).abs()) <= 64 * eps * scale) | both_nan | (got == ref)).all())
 
 
-def _verify_exponential(args, got, ref):
-    x = args[0]
-    phi_ok = _close(got[0], ref[0], 1.0 + float(args[3][1].abs()))
-    # ℓ = max p − ½‖x‖² + c: rounding of each term, relative to its size
-    size = 1.0 + ref[1].detach().abs() + 0.5 * (x * x).sum(-1).detach() + float(args[3][0].abs())
-    return phi_ok and _close(got[1], ref[1], size)
+def _verify_exp(proj, x, scalars, got):
+    """``got = (φ̃, ℓ)`` of the first rows against the eager epilogue on their projection ``proj``."""
+    phi, logs = stabilised_exp(proj, x, scalars)
+    size = 1.0 + logs.detach().abs() + 0.5 * (x * x).sum(-1).detach() + float(scalars[0].abs())
+    return _close(got[0], phi, 1.0 + float(scalars[1].abs())) and _close(got[1], logs, size)
 
 
-def _verify_trigonometric(args, got, ref):
-    x = args[0]
-    proj_size = 1.0 + (x.detach().abs() @ args[1].detach().abs().T).amax(-1, keepdim=True)   # sin/cos of |p|
-    size = 1.0 + ref[1].detach().abs() + 0.5 * (x * x).sum(-1).detach()
-    return _close(got[0], ref[0], proj_size) and _close(got[1], ref[1], size)
-
-
-def _verify_nystrom(args, got, ref):
-    x, landmarks, half, whitening = args
-    logits = x @ landmarks.T - half
-    e = torch.exp(logits - logits.amax(-1, keepdim=True))
-    # a rounding of each exp (relative, times the size of the exponent) amplified by |G^{+1/2}|
-    spread = 1.0 + (logits - logits.amax(-1, keepdim=True)).abs()
-    bound = (e * spread) @ whitening.abs()
-    return _close(got[0], ref[0], bound + bound.amax(-1, keepdim=True)) and _close(got[1], ref[1],
-                                                                                 1.0 + ref[1].detach().abs())
+def _verify_sincos(proj, x, scalars, got):
+    phi, logs = sincos(proj, x, scalars)
+    size = 1.0 + logs.detach().abs() + 0.5 * (x * x).sum(-1).detach()
+    return _close(got[0], phi, 1.0 + proj.detach().abs().amax(-1, keepdim=True)) and _close(got[1], logs, size)
 
 
 class _Kernel:
-    """A kernel's eager function, its compiled version (built on first use) and its state in this process."""
+    """A kernel's eager functions (in place and functional), their compiled versions (built on first use) and the
+    kernel's state in this process."""
 
-    def __init__(self, fn, verify):
-        self.fn, self.verify = fn, verify
-        self.compiled = None
+    def __init__(self, name, inplace, functional, verify):
+        self.name, self.fns, self.verify = name, {"inplace": inplace, "functional": functional}, verify
+        self.compiled: dict = {}
         self.failed: str | None = None
         self.verified: set = set()
         self.compile_s: dict[str, float] = {}
         self.eager_entries: dict[str, int] = {}       # auto mode: entries of large calls computed eagerly so far
 
-    def _compile(self):
-        if self.compiled is None:
-            self.compiled = torch.compile(self.fn, dynamic=True, backend=_BACKEND,
-                                          **({"options": {"cpp.dynamic_threads": True}}
-                                             if _BACKEND == "inductor" else {}))
-        return self.compiled
+    def _compile(self, variant):
+        if variant not in self.compiled:
+            self.compiled[variant] = torch.compile(self.fns[variant], dynamic=True, backend=_BACKEND,
+                                                   **({"options": {"cpp.dynamic_threads": True}}
+                                                      if _BACKEND == "inductor" else {}))
+        return self.compiled[variant]
 
     def disable(self, reason: str):
         self.failed = reason
-        warnings.warn(f"kernapprox: the fused {self.fn.__name__} feature kernel is disabled for this process "
+        warnings.warn(f"kernapprox: the fused {self.name} feature kernel is disabled for this process "
                       f"({reason}); the eager code runs instead (set KERNAPPROX_FUSED=off to silence this)",
-                      RuntimeWarning, stacklevel=4)
+                      RuntimeWarning, stacklevel=5)
 
-    def __call__(self, *args):
-        grad = torch.is_grad_enabled() and any(a.requires_grad for a in args)
-        key = (args[0].device.type, args[0].dtype, grad)
-        context = contextlib.nullcontext() if grad else torch.no_grad()
+    def __call__(self, grad: bool, proj, x, scalars, *out):
+        """``(φ̃, ℓ)``, or None after a failure (the caller runs the eager code). In place: ``proj`` (or ``out``)
+        receives the features."""
+        variant = "functional" if grad else "inplace"
+        key = (proj.device.type, proj.dtype, variant)
+        first = key not in self.verified
         try:
             start = time.perf_counter()
-            with context:
-                out = self._compile()(*args)
-            if key not in self.verified:
+            head = None
+            if first:                           # what the first rows looked like, for the check against eager
+                head = (proj[:_VERIFY_ROWS].detach().clone(), x[:_VERIFY_ROWS].detach(), scalars)
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                result = self._compile(variant)(proj, x, scalars, *out)
+            if grad:
+                phi, logs = result
+            else:
+                phi, logs = (out[0] if out else proj), result
+            if first:
                 self.compile_s[f"{key[0]}/{str(key[1]).removeprefix('torch.')}{'/grad' if grad else ''}"] = (
                     time.perf_counter() - start)
-                head = tuple(a[:_VERIFY_ROWS] if i == 0 else a for i, a in enumerate(args))
-                with context:
-                    ref = self.fn(*head)
-                if not self.verify(head, tuple(o[:_VERIFY_ROWS] for o in out), ref):
+                with torch.no_grad():
+                    ok = self.verify(*head, (phi[:_VERIFY_ROWS], logs[:_VERIFY_ROWS]))
+                if not ok:
                     raise _Mismatch("its first result differs from the eager kernel beyond rounding")
                 self.verified.add(key)
-            return out
+            return phi, logs
         except Exception as exc:  # noqa: BLE001 - any compiler or runtime failure means: run the eager code
             self.disable(_describe(exc))
             return None
@@ -311,14 +322,61 @@ class _Mismatch(RuntimeError):
 # generation (cheap), which checks the dispatch and the traced graphs but not the generated code.
 _BACKEND = "inductor"
 
-_KERNELS = {"exponential": _Kernel(exponential, _verify_exponential),
-            "trigonometric": _Kernel(trigonometric, _verify_trigonometric),
-            "nystrom": _Kernel(nystrom, _verify_nystrom)}
+_KERNELS = {"exponential": _Kernel("exponential", stabilised_exp_, stabilised_exp, _verify_exp),
+            "trigonometric": _Kernel("trigonometric", sincos_, sincos, _verify_sincos)}
 
 
-def run(kernel: str, *args):
-    """The compiled ``kernel`` on ``args``, or ``None`` where it is unavailable or failed (run the eager code)."""
-    return _KERNELS[kernel](*args)
+# ------------------------------------------------------------------------------------------ feature maps
+def _grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _into(buffer, shape, like):
+    """``buffer`` viewed as ``shape`` if it fits (same dtype and device, contiguous, exactly that many entries),
+    else None (the product allocates)."""
+    if buffer is None or buffer.dtype != like.dtype or buffer.device != like.device or not buffer.is_contiguous():
+        return None
+    return buffer.view(shape) if buffer.numel() == math.prod(shape) else None
+
+
+def exponential_features(x, weight, offset, scalars, buffer=None):
+    """Fused ``(φ̃, ℓ)`` of the exponential form for rows ``x`` (N, d): ``p = xWᵀ + o`` by a library GEMM (into
+    ``buffer`` when given and no gradient is needed), then the compiled :func:`stabilised_exp_`. ``offset`` may
+    be None (zero); ``scalars = [c, eps, k]``. None when the kernel is unavailable (run the eager code)."""
+    grad = _grad(x, weight, offset)
+    out = None if grad else _into(buffer, (x.shape[0], weight.shape[0]), x)
+    if offset is None:
+        proj = torch.mm(x, weight.T) if out is None else torch.mm(x, weight.T, out=out)
+    else:
+        proj = torch.addmm(offset, x, weight.T) if out is None else torch.addmm(offset, x, weight.T, out=out)
+    return _KERNELS["exponential"](grad, proj, x, scalars)
+
+
+def trigonometric_features(x, weight, scalars, buffer=None):
+    """Fused ``(φ̃, ℓ)`` of the trigonometric form: ``p = xWᵀ``, then the compiled :func:`sincos_` into
+    ``buffer`` (or a new tensor). None when the kernel is unavailable."""
+    grad = _grad(x, weight)
+    proj = x @ weight.T
+    if grad:
+        return _KERNELS["trigonometric"](True, proj, x, scalars)
+    shape = (x.shape[0], 2 * weight.shape[0])
+    out = _into(buffer, shape, x)
+    return _KERNELS["trigonometric"](False, proj, x, scalars, torch.empty(shape, dtype=x.dtype, device=x.device)
+                                     if out is None else out)
+
+
+def nystrom_features(x, landmarks, half_sq_norms, whitening, scalars, buffer=None):
+    """Fused ``(φ̃, ℓ)`` of the Nyström form: ``p = xZᵀ − h`` (GEMM), the compiled :func:`stabilised_exp_`
+    (``scalars = [0, 0, 0]``: ``ℓ = max p``), then ``φ̃ = e G^{+1/2}`` (GEMM into ``buffer`` when given). None
+    when the kernel is unavailable."""
+    grad = _grad(x)
+    proj = torch.addmm(-half_sq_norms, x, landmarks.T)
+    result = _KERNELS["exponential"](grad, proj, x, scalars)
+    if result is None:
+        return None
+    e, logs = result
+    out = None if grad else _into(buffer, (x.shape[0], whitening.shape[1]), x)
+    return (e @ whitening if out is None else torch.mm(e, whitening, out=out)), logs
 
 
 def status() -> dict:
@@ -335,7 +393,7 @@ def reset() -> None:
     """Forget compiled kernels, failures and timings (the next fused call compiles again); for tests and
     measurements. Dynamo's own caches are reset too."""
     for k in _KERNELS.values():
-        k.compiled, k.failed = None, None
+        k.compiled, k.failed = {}, None
         k.verified.clear()
         k.compile_s.clear()
         k.eager_entries.clear()

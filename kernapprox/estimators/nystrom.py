@@ -351,12 +351,17 @@ class NystromFeatures(FeatureMap):
         return dtype if torch.finfo(dtype).eps * self.amplification() <= FLOAT32_FEATURE_TOLERANCE else torch.float64
 
     def _log_features(self, x, role):
+        return self._log_features_into(x, role, None)
+
+    def _log_features_into(self, x, role, buffer):
         xc = x.to(self.feature_dtype(x.dtype))
         z = self._param("landmarks_", xc)
         half = self._param("landmark_half_sq_norms_", xc)
         whitening = self._param("whitening_", xc)
-        if fused.use_fused(xc, xc.numel() // xc.shape[-1] * self.num_features, "nystrom"):
-            out = fused.run("nystrom", fused.flat(xc), z, half, whitening)
+        if fused.use_fused(xc, xc.numel() // xc.shape[-1] * self.num_features, "exponential"):
+            scratch = None if buffer is None or xc.dtype != x.dtype else fused.flat(buffer)
+            out = fused.nystrom_features(fused.flat(xc), z, half, whitening,
+                                         fused.scalars(self, "nystrom", xc, 0, 0, 0), buffer=scratch)
             if out is not None:
                 phi, shift = fused.unflat(out, x.shape[:-1])
                 return phi.to(x.dtype), shift.to(x.dtype)

@@ -76,13 +76,18 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
         raise NotImplementedError
 
     def _fused_arguments(self, x, role) -> tuple:
-        """``(x', W, o, [c, eps])`` of the fused kernel (:func:`kernapprox.estimators.fused.exponential`), with
-        ``log φ_j = (x'Wᵀ)_j + o_j − ½‖x'‖² + c``: what :meth:`_exponents` computes, as parameters."""
+        """``(x', W, o, [c, eps, 1])`` of the fused kernel (:func:`kernapprox.estimators.fused.exponential_features`),
+        with ``log φ_j = (x'Wᵀ)_j + o_j − ½‖x'‖² + c`` (``o`` None for zero): what :meth:`_exponents` computes, as
+        parameters."""
         raise NotImplementedError
 
     def _log_features(self, x, role):
+        return self._log_features_into(x, role, None)
+
+    def _log_features_into(self, x, role, buffer):
         if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "exponential"):
-            out = fused.run("exponential", *self._fused_arguments(fused.flat(x), role))
+            out = fused.exponential_features(*self._fused_arguments(fused.flat(x), role),
+                                             buffer=None if buffer is None else fused.flat(buffer))
             if out is not None:
                 return fused.unflat(out, x.shape[:-1])
         proj, offset = self._exponents(x, role)
@@ -127,10 +132,14 @@ class TrigonometricFeatures(RandomFeatureMap):
     reference = "Choromanski et al. 2021 (Performer) §2.3 eq. (5), Lemma 2; Rahimi & Recht 2007"
 
     def _log_features(self, x, role):
+        return self._log_features_into(x, role, None)
+
+    def _log_features_into(self, x, role, buffer):
         w = self._param("projection_", x)
         const = -0.5 * math.log(self.num_frequencies)
         if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "trigonometric"):
-            out = fused.run("trigonometric", fused.flat(x), w, fused.scalars(self, "trig", x, const))
+            out = fused.trigonometric_features(fused.flat(x), w, fused.scalars(self, "trig", x, const),
+                                               buffer=None if buffer is None else fused.flat(buffer))
             if out is not None:
                 return fused.unflat(out, x.shape[:-1])
         proj = x @ w.T
@@ -168,9 +177,8 @@ class PositiveFeatures(ExponentialRandomFeatureMap):
         return proj, -0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
 
     def _fused_arguments(self, x, role):
-        w = self._param("projection_", x)
-        zeros = fused.cached(self, "zero_offset", x, lambda: torch.zeros(w.shape[0]))
-        return x, w, zeros, fused.scalars(self, "positive", x, -0.5 * math.log(self.num_frequencies), self.eps)
+        return (x, self._param("projection_", x), None,
+                fused.scalars(self, "positive", x, -0.5 * math.log(self.num_frequencies), self.eps, 1.0))
 
 
 class HyperbolicFeatures(ExponentialRandomFeatureMap):
@@ -200,8 +208,8 @@ class HyperbolicFeatures(ExponentialRandomFeatureMap):
     def _fused_arguments(self, x, role):
         w = fused.cached(self, "hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
                                                                            -torch.as_tensor(self.projection_)]))
-        zeros = fused.cached(self, "zero_offset", x, lambda: torch.zeros(w.shape[0]))
-        return x, w, zeros, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps)
+        return x, w, None, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps,
+                                         1.0)
 
 
 for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),
