@@ -83,7 +83,8 @@ figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.$* --plot-only --out $< --figure $@
 
 bench: install
-	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.run --threads 2
+	$(PY) -m benchmarks.report results/bench.nc --out benchmarks/RESULTS.md
 
 # The docs extra is installed on its own stamp, after (never instead of) the main install; the site is rebuilt from
 # scratch (-E) so that every warning shows, and any warning fails the build.

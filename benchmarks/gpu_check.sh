@@ -28,8 +28,12 @@ EOF
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit --format=csv \
     | tee -a "$OUT/device.txt" || true
 
-echo "== benchmarks (CUDA, float32; TF32 as the defaults above)"
-"$PY" -m benchmarks.run --device cuda --out "$OUT/bench.nc" 2>&1 | tee "$OUT/bench.txt"
+echo "== benchmarks (CUDA, float32; TF32 as the defaults above; fused feature maps: Triton kernels)"
+# every case, the 'machine' ceilings and the 'fusion' case (eager vs fused feature maps, Triton compile times) included
+"$PY" -m benchmarks.run --device cuda --fused large --out "$OUT/bench.nc" 2>&1 | tee "$OUT/bench.txt"
+echo "== the same attention cases with the eager feature maps (what fusion changes on this GPU)"
+"$PY" -m benchmarks.run --device cuda --fused off --cases machine chunked_vs_sdpa flop_rate \
+    --out "$OUT/bench_eager.nc" 2>&1 | tee "$OUT/bench_eager.txt"
 
 echo "== modes: full preset (n = 1k..64k), then gpu preset (n = 1k..512k)"
 "$PY" -m experiments.modes --preset full --device cuda --out "$OUT/modes_full.nc" --figure "$OUT/modes_full.png" \

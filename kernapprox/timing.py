@@ -80,6 +80,27 @@ def gemm_rate(device: torch.device, size: int = 2048, dtype: torch.dtype = torch
     return 2.0 * size**3 / t.median_s
 
 
+def memory_bandwidth(device: torch.device, megabytes: int = 256, budget_s: float = 0.5) -> float:
+    """Achieved bytes/s of ``a = b + c`` (STREAM's "add") over float32 arrays of ``megabytes`` each, far beyond
+    the caches: 3 arrays' bytes moved per call (two read, one written; write-allocate traffic not counted)."""
+    n = megabytes * (1 << 20) // 4
+    b = torch.ones(n, device=device)
+    c = torch.ones(n, device=device)
+    a = torch.empty(n, device=device)
+    t = measure(lambda: torch.add(b, c, out=a), device, min_reps=3, budget_s=budget_s)
+    return 3.0 * 4 * n / t.median_s
+
+
+def exp_rate(device: torch.device, entries: int = 1 << 19, budget_s: float = 0.3) -> float:
+    """Achieved ``exp`` evaluations/s (float32, in place, arguments in [−8, 0]: no special values) on a block that
+    stays in cache: the element-wise ceiling of an exponential feature map."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    src = (-8 * torch.rand(entries, generator=gen)).to(device)
+    out = torch.empty_like(src)
+    t = measure(lambda: torch.exp(src, out=out), device, min_reps=3, budget_s=budget_s)
+    return entries / t.median_s
+
+
 # --------------------------------------------------------------------------------------------- FLOP counts
 # Only the multiply-adds of matrix products are counted (2 flops each): that is the work a GEMM rate bounds.
 # Element-wise work (exp, scaling, masks) is real cost but not counted, so a rate near the GEMM rate means the

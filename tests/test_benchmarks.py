@@ -137,3 +137,22 @@ def test_modes_summary_helpers():
     assert modes.crossover(n, exact, linear) == pytest.approx(4000, rel=1e-9)
     assert modes.analytic_peak_bytes("linear_parallel", 4096) > modes.analytic_peak_bytes("linear_chunked", 4096)
     assert modes.carried_bytes("linear_decode", 10) == modes.carried_bytes("linear_decode", 10**6)
+
+
+def test_report_table_is_read_from_the_dataset(tmp_path):
+    """benchmarks.report writes one row per target with the dataset's value and verdict, and the run's machine state."""
+    from benchmarks import report
+
+    out = tmp_path / "bench.nc"
+    ds = bench_run.main(["--quick", "--device", "cpu", "--out", str(out), "--budget", "0",
+                         "--cases", "decode_step"])
+    text = report.main([str(out), "--out", str(tmp_path / "RESULTS.md")])
+    assert (tmp_path / "RESULTS.md").read_text() == text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`" in line]
+    assert len(rows) == len(bench_run.TARGETS)
+    growth = next(line for line in rows if "`decode_step_growth`" in line)
+    value = float(ds["target_value"].sel(target="decode_step_growth"))
+    assert f"| {value:.3g} |" in growth
+    assert ("| met |" in growth) == (int(ds["target_met"].sel(target="decode_step_growth")) == 1)
+    assert "not measured" in next(line for line in rows if "`speedup_vs_sdpa_16k_causal`" in line)
+    assert "load average" in text and "--quick" in text

@@ -188,6 +188,40 @@ def test_float32_features_agree_with_float64():
     assert float((f32.double() - f64).norm() / f64.norm()) < 1e-5
 
 
+@pytest.mark.parametrize("std", [0.02, 0.1, 0.5, 1.0])
+def test_precision_policy_keeps_float32_features_within_the_tolerance(std):
+    """precision="auto": float32 features are computed in float32 exactly when eps32 · amplification ≤ 1e-5, and
+    are then within 1e-5 (relative, Frobenius) of the float64 features of the same fit; otherwise in float64."""
+    from kernapprox.estimators.nystrom import FLOAT32_FEATURE_TOLERANCE
+
+    x = randn((1024, 16), 30, std).float()
+    est = NystromFeatures(num_features=64, rng=0).fit(x)
+    amplification = est.amplification()
+    in_float32 = torch.finfo(torch.float32).eps * amplification <= FLOAT32_FEATURE_TOLERANCE
+    assert est.feature_dtype(torch.float32) == (torch.float32 if in_float32 else torch.float64)
+    assert est.feature_dtype(torch.float64) == torch.float64
+    reference = NystromFeatures(num_features=64, rng=0, precision="float64").fit(x).features(x, "key", log_scale=True)
+    phi, logs = est.features(x, "key", log_scale=True)
+    assert phi.dtype == torch.float32
+    err = float((phi.double() - reference[0].double()).norm() / reference[0].double().norm())
+    assert err <= (FLOAT32_FEATURE_TOLERANCE if in_float32 else 1e-6), (std, amplification, err)
+    torch.testing.assert_close(logs, reference[1], rtol=1e-6, atol=1e-5)
+
+
+def test_precision_options():
+    x = randn((400, 8), 31, 0.03).float()                     # near-coincident landmarks: a large amplification
+    auto = NystromFeatures(num_features=32, rng=0).fit(x)
+    assert auto.amplification() > 1e3 and auto.feature_dtype(torch.float32) == torch.float64
+    assert NystromFeatures(num_features=32, rng=0, precision="input").fit(x).feature_dtype(torch.float32) == \
+        torch.float32
+    well = randn((400, 8), 32, 1.0).float()
+    assert NystromFeatures(num_features=32, rng=0).fit(well).feature_dtype(torch.float32) == torch.float32
+    assert NystromFeatures(num_features=32, rng=0, precision="float64").fit(well).feature_dtype(torch.float32) == \
+        torch.float64
+    with pytest.raises(ValueError, match="precision"):
+        NystromFeatures(num_features=4, precision="half")
+
+
 def test_one_map_for_the_whole_batch():
     q, k = randn((2, 3, 10, 4), 20), randn((2, 3, 10, 4), 21)
     est = NystromFeatures(num_features=16, rng=0).fit(q, k)

@@ -139,12 +139,13 @@ def _normalized_recurrent(pq, lq, pk, lk, v, causal, a, state):
 
 
 # ------------------------------------------------------------------------------------- normalised: chunked
-def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0):
+def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0, want_num):
     """The chunked mode of the sum and decay rules, computed block by block: features of one block of tokens at a
     time (never of the whole sequence), and within a causal block every chunk at once.
 
-    Numerator and normaliser come out of one product with ``[V 1]`` (the state is ``r × (d_v+1)``). Causal, with
-    positions ``p`` counted from each chunk's start and ``ℓ'_p = ℓ_p − p log γ`` (``= ℓ_p`` for the sum):
+    Numerator and normaliser come out of one product with ``[V 1]``; the state is kept transposed,
+    ``Sᵀ = [V 1]ᵀ Φ̃_K`` of shape ``(d_v+1) × r``, so that neither product has a transposed feature operand. Causal,
+    with positions ``p`` counted from each chunk's start and ``ℓ'_p = ℓ_p − p log γ`` (``= ℓ_p`` for the sum):
 
     - chunk scales: the state after chunk ``j`` has log-scale ``s_j = max(s_{j−1} + C log γ, σ_j)`` with
       ``σ_j = max_p ℓ'_p + (C−1) log γ`` (the chunk's own largest key, decayed to its end);
@@ -157,8 +158,11 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
 
     Non-causal: the key pass accumulates the state under a running maximum (rescaled by ``e^{c_old + L log γ −
     c_new}`` after a block of ``L`` keys), then the query pass reads the final state; the shift is the maximum over
-    all (decayed) keys. Padded keys have
-    zero features and the sentinel log-scale. Returns ``(num, den, log_scale, final_state)``.
+    all (decayed) keys. Padded keys have zero features and the sentinel log-scale.
+
+    Each block's rows are written as they are computed: with ``want_num`` the numerators, else the outputs
+    ``num/den`` directly (in the input dtype, while the block is in cache); normalisers and log-scales always.
+    Returns ``(num or None, den, log_scale, final_state, output or None)``.
     """
     ct = compute_dtype(q.dtype)
     batch_shape, (n, d), (n_k, d_v) = q.shape[:-2], q.shape[-2:], v.shape[-2:]
@@ -168,12 +172,18 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
     padf = None if padding is None else padding.reshape(batch, n_k)
     block = chunked_block_length(batch, estimator.num_features, chunk_size, max(n, n_k), q.device)
     ones = torch.ones(batch, block, 1, dtype=ct, device=v.device)
+    inplace = not (torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)))
 
     def values(start, stop):                      # [V 1] of one block, built per block (a cache-sized copy)
         return torch.cat([vf[:, start:stop].to(ct), ones[:, :stop - start]], -1)
 
+    ws = _Workspace(ct, q.device) if inplace else None
+    r = estimator.num_features
+
     def features(x, role):
-        pf, lf = estimator.features(x, role, log_scale=True, check_finite=False)   # x was checked by the caller
+        buffer = None if ws is None else ws.get(role, (*x.shape[:-1], r))        # reused by every block
+        pf, lf = estimator.features(x, role, log_scale=True, check_finite=False,  # x was checked by the caller
+                                    buffer=buffer)
         return pf.to(ct), lf.to(ct)
 
     def key_features(start, stop):
@@ -182,16 +192,13 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
             pk, lk = _mask_keys(pk, lk, padf[:, start:stop])
         return pk, lk
 
-    state = c = None
+    state = c = None                                                     # state: (batch, d_v + 1, r)
     if state0 is not None:
-        r = state0.w.shape[-2]
-        state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1)
+        state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
-    num_den = torch.empty(batch, n, d_v + 1, dtype=ct, device=q.device)
-    logs = torch.empty(batch, n, dtype=ct, device=q.device)
+    sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
     if causal:
-        state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, num_den, logs,
-                                   state, c)
+        state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
     else:
         for start in range(0, n_k, block):
             pk, lk = key_features(start, start + block)
@@ -201,18 +208,44 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
                 c = None if c is None else c + length * a
             c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
             weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
-            update = pk.transpose(-1, -2) @ (values(start, start + length) * weights)
+            update = (values(start, start + length) * weights).transpose(-1, -2) @ pk        # (batch, d_v+1, r)
             state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
             c = c_new
         for start in range(0, n, block):
             pq, lq = features(qf[:, start:start + block], "query")
-            num_den[:, start:start + block] = pq @ state
-            logs[:, start:start + block] = lq + c[:, None]
-    r = state.shape[-2]
-    final = NormalizedState(state[..., :d_v].reshape(*batch_shape, r, d_v), state[..., d_v].reshape(*batch_shape, r),
-                            c.reshape(batch_shape))
-    return (num_den[..., :d_v].reshape(*batch_shape, n, d_v), num_den[..., d_v].reshape(*batch_shape, n),
-            logs.reshape(*batch_shape, n), final)
+            sink.write(start, pq @ state.transpose(-1, -2), lq + c[:, None])
+    final = NormalizedState(state[:, :d_v].transpose(-1, -2).reshape(*batch_shape, r, d_v),
+                            state[:, d_v].reshape(*batch_shape, r), c.reshape(batch_shape))
+    num, den, logs, out = sink.result(batch_shape)
+    return num, den, logs, final, out
+
+
+class _Rows:
+    """Where the chunked mode writes each block's rows: ``num/den`` (the output, in ``out_dtype``) or the numerator,
+    and always the normaliser and the log-scale."""
+
+    def __init__(self, batch, n, d_v, ct, out_dtype, device, want_num):
+        self.den = torch.empty(batch, n, dtype=ct, device=device)
+        self.logs = torch.empty(batch, n, dtype=ct, device=device)
+        self.num = torch.empty(batch, n, d_v, dtype=ct, device=device) if want_num else None
+        self.out = None if want_num else torch.empty(batch, n, d_v, dtype=out_dtype, device=device)
+
+    def write(self, start, num_den, logs):
+        """Rows ``start:start+L`` from ``num_den`` ``(batch, L, d_v+1)`` (numerators, then the normaliser)."""
+        stop = start + num_den.shape[1]
+        den = num_den[..., -1]
+        self.den[:, start:stop] = den
+        self.logs[:, start:stop] = logs
+        if self.num is not None:
+            self.num[:, start:stop] = num_den[..., :-1]
+        else:
+            self.out[:, start:stop] = num_den[..., :-1] / den[..., None]
+
+    def result(self, batch_shape):
+        n = self.den.shape[1]
+        num = None if self.num is None else self.num.reshape(*batch_shape, n, -1)
+        out = None if self.out is None else self.out.reshape(*batch_shape, n, -1)
+        return num, self.den.reshape(*batch_shape, n), self.logs.reshape(*batch_shape, n), out
 
 
 # Up to this many chunks per block (CPU-sized blocks) the chunk states are a loop of fused multiply-adds; beyond
@@ -234,13 +267,14 @@ def _chunk_scales(carry, sigma, da):
     return (torch.cummax(e - lag, 1).values + lag)[:, 1:]
 
 
-def _chunk_states(summary, state, c_before, c_end, da):
-    """States before each chunk of a block, and the state after the block.
+def _chunk_states(summary, state, c_before, c_end, da, states=None, final=None):
+    """States before each chunk of a block, and the state after the block (any layout of the state's two axes).
 
     ``S_0`` is the carried state (zero before the first block) and ``S_{j+1} = S_j e^{c⁻_j + da − c⁺_j} + U_j``:
     the recurrence at chunk granularity (``da = C log γ``), every factor ≤ 1. With many chunks the same sums come
     from one product with the weights ``e^{c⁺_i + (j−1−i) da − c⁻_j}`` (``i < j``) and ``e^{c⁻_0 + j da − c⁻_j}``
-    for the carried state.
+    for the carried state. ``states`` and ``final`` are optional output buffers (no gradient): shaped like
+    ``summary`` and like one of its chunks.
     """
     g = c_end.shape[1]
     decay = torch.exp(c_before + da - c_end)[..., None, None]                # (B, g, 1, 1)
@@ -252,7 +286,7 @@ def _chunk_states(summary, state, c_before, c_end, da):
             rows.append(torch.addcmul(summary[:, j], rows[-1], decay[:, j]))
         states = torch.stack(rows, 1)
     elif g <= _SEQUENTIAL_CHUNKS:
-        states = torch.empty_like(summary)
+        states = torch.empty_like(summary) if states is None else states
         if state is None:
             states[:, 0] = 0
         else:
@@ -274,21 +308,40 @@ def _chunk_states(summary, state, c_before, c_end, da):
             weights = torch.cat([torch.exp(carried)[..., None], weights], -1)
             stacked = torch.cat([state[:, None], summary], 1)
         states = (weights @ stacked.flatten(-2)).view(summary.shape)
-    return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
+    if final is None or needs_grad:
+        return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1])
+    return states, torch.addcmul(summary[:, -1], states[:, -1], decay[:, -1], out=final)
 
 
-def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, num_den, logs, state, c_carry):
-    """Causal chunked mode over blocks of ``block`` tokens (see :func:`_normalized_chunked`); writes ``num_den``,
-    ``logs``; returns the final state and its log-scale."""
+class _Workspace:
+    """Buffers of the causal chunked mode, allocated once per call and reused by every block (no gradient):
+    fresh allocations of a few MB per block cost page faults and cache misses. ``get(name, shape)`` is a contiguous
+    view of the first ``prod(shape)`` entries of the buffer ``name`` (sized by its first request)."""
+
+    def __init__(self, dtype, device):
+        self.dtype, self.device, self.buffers = dtype, device, {}
+
+    def get(self, name, shape):
+        size = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[name] = torch.empty(size, dtype=self.dtype, device=self.device)
+        return buf[:size].view(shape)
+
+
+def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c_carry, ws):
+    """Causal chunked mode over blocks of ``block`` tokens (see :func:`_normalized_chunked`); writes the rows to
+    ``sink``; returns the final (transposed) state and its log-scale. ``ws``: the call's :class:`_Workspace` when
+    no gradient is needed (the products write into buffers reused by every block), else None."""
     batch, n = qf.shape[:2]
     size = chunk_size
-    ct = num_den.dtype
+    ct = sink.den.dtype
     future = torch.ones(size, size, dtype=torch.bool, device=qf.device).triu(1)
     pos_a = torch.arange(size, device=qf.device, dtype=ct) * a if a else None
     if c_carry is None:
         c_carry = torch.full((batch,), SENTINEL, dtype=ct, device=qf.device)
     pad = 0
-    for start in range(0, n, block):
+    for index, start in enumerate(range(0, n, block)):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")
         pk, lk = key_features(start, stop)
@@ -298,8 +351,8 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, nu
             pq, pk, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (pq, pk, vb))
             lq = torch.nn.functional.pad(lq, (0, pad))
             lk = torch.nn.functional.pad(lk, (0, pad), value=SENTINEL)
-        g, r = (length + pad) // size, pq.shape[-1]
-        pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, -1)
+        g, r, dv1 = (length + pad) // size, pq.shape[-1], vb.shape[-1]
+        pq, pk, vb = pq.view(batch, g, size, r), pk.view(batch, g, size, r), vb.reshape(batch, g, size, dv1)
         lk, lq = lk.view(batch, g, size), lq.view(batch, g, size)
         if a:
             lk = lk - pos_a                                                  # ℓ'_p = ℓ_p − p log γ
@@ -308,18 +361,41 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, nu
         c_before = torch.cat([c_carry[:, None], c_end[:, :-1]], 1)           # (B, g)
         c_rows = torch.maximum(local, (c_before + a)[..., None])            # (B, g, C)
         row_logs = lq + c_rows if not a else lq + c_rows + pos_a
-        logs[:, start:stop] = row_logs.reshape(batch, -1)[:, :length]
-        log_w = (lk[..., None, :] - c_rows[..., :, None]).masked_fill(future, float("-inf"))
-        out = ((pq @ pk.transpose(-1, -2)) * torch.exp(log_w)) @ vb          # intra-chunk, (B, g, C, d_v+1)
-        key_w = lk - c_end[..., None] if not a else lk + (size - 1) * a - c_end[..., None]
-        summary = pk.transpose(-1, -2) @ (vb * torch.exp(key_w)[..., None])  # (B, g, r, d_v+1)
-        if g > 1 or state is not None:
-            states, state = _chunk_states(summary, state, c_before, c_end, size * a)   # S_j: (B, g, r, d_v+1)
-            out = out + (pq @ states) * torch.exp(c_before[..., None] + a - c_rows)[..., None]
+        key_w = torch.exp(lk - c_end[..., None] if not a else lk + (size - 1) * a - c_end[..., None])[..., None]
+        # intra-chunk weights e^{ℓ'_l − c'_p}: exponents ≤ 0 where l ≤ p; the future ones are clamped (no overflow,
+        # no exp of -inf, which is slow) and then zeroed
+        exponent = lk[..., None, :] - c_rows[..., :, None]
+        bg = batch * g
+        if ws is None:
+            scores = (pq @ pk.transpose(-1, -2)) * torch.exp(torch.clamp_max(exponent, 0.0))
+            out = scores.masked_fill(future, 0.0) @ vb                       # intra-chunk, (B, g, C, d_v+1)
+            summary = (vb * key_w).transpose(-1, -2) @ pk                    # (B, g, d_v+1, r)
         else:
-            state = summary[:, -1]
+            weights = torch.clamp_max(exponent, 0.0, out=ws.get("weights", exponent.shape)).exp_()
+            scores = torch.bmm(pq.view(bg, size, r), pk.view(bg, size, r).transpose(-1, -2),
+                               out=ws.get("scores", (bg, size, size))).view(weights.shape)
+            scores.mul_(weights).masked_fill_(future, 0.0)
+            out = torch.bmm(scores.view(bg, size, size), vb.view(bg, size, dv1),
+                            out=ws.get("out", (bg, size, dv1))).view(batch, g, size, dv1)
+            weighted = torch.mul(vb, key_w, out=ws.get("weighted", vb.shape))
+            summary = torch.bmm(weighted.view(bg, size, dv1).transpose(-1, -2), pk.view(bg, size, r),
+                                out=ws.get("summary", (bg, dv1, r))).view(batch, g, dv1, r)
+        if g > 1 or state is not None:
+            one = (batch, dv1, r)                     # the carried state: two buffers, alternately written
+            buffers = {} if ws is None else {"states": ws.get("states", summary.shape),
+                                             "final": ws.get(f"final{index % 2}", one)}
+            states, state = _chunk_states(summary, state, c_before, c_end, size * a, **buffers)   # S_jᵀ
+            factor = torch.exp(c_before[..., None] + a - c_rows)[..., None]
+            if ws is None:
+                out = torch.addcmul(out, pq @ states.transpose(-1, -2), factor)
+            else:
+                read = torch.bmm(pq.view(bg, size, r), states.view(bg, dv1, r).transpose(-1, -2),
+                                 out=ws.get("read", (bg, size, dv1))).view(out.shape)
+                out.addcmul_(read, factor)
+        else:
+            state = summary[:, -1].clone() if ws is not None else summary[:, -1]
         c_carry = c_end[:, -1]
-        num_den[:, start:stop] = out.reshape(batch, g * size, -1)[:, :length]
+        sink.write(start, out.reshape(batch, g * size, -1)[:, :length], row_logs.reshape(batch, -1)[:, :length])
     if pad and a:        # the last chunk was padded: its scale was decayed to the padded end, not to token n−1
         c_carry = c_carry - pad * a
     return state, c_carry
@@ -463,16 +539,19 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2])
 
     if rule.normalized:
-        num, den, logs, final = _normalized(q, k, v, estimator, causal, mode, chunk_size, rule.log_decay, padding,
-                                            mask, state0, return_state)
-        den = den.reshape(num.shape[:-1])
-        logs = logs.reshape(num.shape[:-1])
+        num, den, logs, final, out = _normalized(q, k, v, estimator, causal, mode, chunk_size, rule.log_decay,
+                                                 padding, mask, state0, return_state, return_parts)
+        rows = (*q.shape[:-2], q.shape[-2])
+        den = den.reshape(rows)
+        logs = logs.reshape(rows)
         if logdomain.needs_recompute(estimator, den, logs):   # precision hook (see logdomain): float64, then exact
             _, num, den, logs = logdomain.recompute(
                 q, k, v, estimator, causal, linear_attention, rule=rule, initial_state=initial_state,
                 return_state=return_state, mode=mode, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
                 attn_mask=attn_mask)
-        out = (num / den[..., None]).to(q.dtype)
+            out = None
+        if out is None:                                # the chunked mode divides block by block when it can
+            out = (num / den[..., None]).to(q.dtype)
         result = AttentionParts(out, num, den, logs) if return_parts else out
     else:
         if rule.name == "least_squares":
@@ -494,9 +573,11 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     return result
 
 
-def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, state0, want_state):
+def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, state0, want_state, want_num):
+    """``(num, den, log_scale, final_state, output)``: the output only where the mode computed it (else None, and
+    the numerator is returned); the chunked mode returns the numerator only when ``want_num``."""
     if mode == "chunked":
-        return _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0)
+        return _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, state0, want_num)
     pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
     vc = v.to(pq.dtype)
     if mode == "parallel":
@@ -504,7 +585,7 @@ def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, 
         if mask is not None:
             log_mask = (mask.to(pq.dtype) if mask.dtype != torch.bool
                         else torch.zeros(mask.shape, dtype=pq.dtype, device=pq.device).masked_fill(~mask, -math.inf))
-        return _normalized_parallel(pq, lq, pk, lk, vc, causal, a, log_mask, state0, want_state)
+        return (*_normalized_parallel(pq, lq, pk, lk, vc, causal, a, log_mask, state0, want_state), None)
     if state0 is None:
         state0 = Sum().empty_state(pk.shape[:-2], pk.shape[-1], vc.shape[-1], pq.dtype, pq.device)
-    return _normalized_recurrent(pq, lq, pk, lk, vc, causal, a, state0)
+    return (*_normalized_recurrent(pq, lq, pk, lk, vc, causal, a, state0), None)

@@ -459,13 +459,17 @@ class FeatureMap(Estimator):
 
     # -------------------------------------------------------------------------------------------- features
     def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,
-                 check_finite: bool = True):
+                 check_finite: bool = True, buffer: torch.Tensor | None = None):
         """Feature map ``φ(x)``: ``(..., n, d) -> (..., n, r)``.
 
         With ``log_scale=True`` returns ``(φ̃, ℓ)``, ``φ = φ̃ · exp(ℓ)[..., None]``, ``ℓ`` of shape ``(..., n)``,
         both in the compute dtype (float32 for half-precision ``x``); otherwise ``φ`` in ``x``'s dtype.
         ``check_finite=False`` skips the NaN/Inf scans of ``x`` and of ``ℓ`` (host synchronisations on a GPU), for
-        callers that check them themselves or decode token by token.
+        callers that check them themselves or decode token by token. ``buffer`` (with ``log_scale=True`` only): a
+        contiguous ``(..., n, r)`` tensor of the compute dtype on ``x``'s device that the map may write ``φ̃`` into
+        instead of allocating — maps with a fused kernel (:mod:`kernapprox.estimators.fused`) do, others ignore it;
+        the returned ``φ̃`` may be ``buffer`` itself. For callers that compute features block after block (the
+        chunked mode), where a fresh allocation per block costs page faults.
 
         Raises
         ------
@@ -482,8 +486,10 @@ class FeatureMap(Estimator):
         if x.shape[-1] != self.dim_:
             raise ValueError(f"x has last dimension {x.shape[-1]} but the estimator was fitted with d={self.dim_}")
         out_dtype = x.dtype
+        if buffer is not None:
+            _check_buffer(buffer, x, self.num_features, log_scale)
         xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
-        phi, logs = self._log_features(xs, role)
+        phi, logs = self._log_features(xs, role) if buffer is None else self._log_features_into(xs, role, buffer)
         if check_finite and logs.numel() and not _all_finite(logs):
             raise ValueError(f"{type(self).__name__}: the log-scale of the features of x is not finite in "
                              f"{logs.dtype} (the input norms overflow it, max ‖x‖ = {_max_norm(x):.3g}); rescale x "
@@ -497,6 +503,11 @@ class FeatureMap(Estimator):
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
         raise NotImplementedError
+
+    def _log_features_into(self, x: torch.Tensor, role: str, buffer: torch.Tensor):
+        """:meth:`_log_features`, free to write ``φ̃`` into ``buffer`` (checked by :meth:`features`); by default
+        the buffer is not used."""
+        return self._log_features(x, role)
 
     def log_features(self, x: torch.Tensor, role: str = "query", *, check_finite: bool = True):
         """``(log|φ(x)|, sign φ(x))``, both ``(..., n, r)`` in the compute dtype: the features in the log domain.
@@ -546,6 +557,19 @@ class FeatureMap(Estimator):
                                      *self.log_features(k.double(), "key", check_finite=False))
             out = torch.where(suspect, exact.to(ct), out)
         return out.to(q.dtype)
+
+
+def _check_buffer(buffer, x, r, log_scale) -> None:
+    if not isinstance(buffer, torch.Tensor):
+        raise TypeError(f"buffer must be a torch.Tensor, got {type(buffer).__name__}")
+    if not log_scale:
+        raise ValueError("buffer is for the stabilised features: pass log_scale=True")
+    shape = (*x.shape[:-1], r)
+    if (tuple(buffer.shape) != shape or buffer.dtype != compute_dtype(x.dtype) or buffer.device != x.device
+            or not buffer.is_contiguous()):
+        raise ValueError(f"buffer must be a contiguous {shape} tensor of {compute_dtype(x.dtype)} on {x.device}, got "
+                         f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
+                         f"{'' if buffer.is_contiguous() else ' (not contiguous)'}")
 
 
 def _all_finite(x: torch.Tensor) -> bool:

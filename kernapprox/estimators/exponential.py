@@ -60,6 +60,7 @@ import torch
 
 from ..theory import oprf_optimal_A
 from ..validation import check_positive_float
+from . import fused
 from .random import ExponentialRandomFeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS
@@ -103,6 +104,13 @@ class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
             x = x @ self._param(f"{role}_transform_", x).T
         proj = x @ self._param("weight_", x).T + self._param("frequency_offset_", x)
         return proj, -0.5 * (x * x).sum(-1) + self.log_normalizer_
+
+    def _fused_arguments(self, x, role):
+        transform = self.query_transform_ if role == "query" else self.key_transform_
+        if transform is not None:
+            x = x @ self._param(f"{role}_transform_", x).T
+        return (x, self._param("weight_", x), self._param("frequency_offset_", x),
+                fused.scalars(self, "gerf", x, self.log_normalizer_, self.eps, 1.0))
 
     # ------------------------------------------------------------------------------- data statistics
     def _scaled_pairs(self, q, k):

@@ -20,6 +20,7 @@ import math
 import torch
 
 from ..validation import check_positive_float, check_positive_int
+from . import fused
 from .base import FeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS, make_sampler
@@ -74,7 +75,21 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
     def _exponents(self, x, role) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def _fused_arguments(self, x, role) -> tuple:
+        """``(x', W, o, [c, eps, 1])`` of the fused kernel (:func:`kernapprox.estimators.fused.exponential_features`),
+        with ``log φ_j = (x'Wᵀ)_j + o_j − ½‖x'‖² + c`` (``o`` None for zero): what :meth:`_exponents` computes, as
+        parameters."""
+        raise NotImplementedError
+
     def _log_features(self, x, role):
+        return self._log_features_into(x, role, None)
+
+    def _log_features_into(self, x, role, buffer):
+        if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "exponential"):
+            out = fused.exponential_features(*self._fused_arguments(fused.flat(x), role),
+                                             buffer=None if buffer is None else fused.flat(buffer))
+            if out is not None:
+                return fused.unflat(out, x.shape[:-1])
         proj, offset = self._exponents(x, role)
         shift = proj.amax(-1, keepdim=True)
         phi = torch.exp(proj - shift)
@@ -117,10 +132,19 @@ class TrigonometricFeatures(RandomFeatureMap):
     reference = "Choromanski et al. 2021 (Performer) §2.3 eq. (5), Lemma 2; Rahimi & Recht 2007"
 
     def _log_features(self, x, role):
+        return self._log_features_into(x, role, None)
+
+    def _log_features_into(self, x, role, buffer):
         w = self._param("projection_", x)
+        const = -0.5 * math.log(self.num_frequencies)
+        if fused.use_fused(x, x.numel() // x.shape[-1] * self.num_features, "trigonometric"):
+            out = fused.trigonometric_features(fused.flat(x), w, fused.scalars(self, "trig", x, const),
+                                               buffer=None if buffer is None else fused.flat(buffer))
+            if out is not None:
+                return fused.unflat(out, x.shape[:-1])
         proj = x @ w.T
         phi = torch.cat([torch.sin(proj), torch.cos(proj)], dim=-1)
-        logs = 0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
+        logs = 0.5 * (x * x).sum(-1) + const
         return phi, logs
 
 
@@ -152,6 +176,10 @@ class PositiveFeatures(ExponentialRandomFeatureMap):
         proj = x @ self._param("projection_", x).T
         return proj, -0.5 * (x * x).sum(-1) - 0.5 * math.log(self.num_frequencies)
 
+    def _fused_arguments(self, x, role):
+        return (x, self._param("projection_", x), None,
+                fused.scalars(self, "positive", x, -0.5 * math.log(self.num_frequencies), self.eps, 1.0))
+
 
 class HyperbolicFeatures(ExponentialRandomFeatureMap):
     r"""Hyperbolic positive random features ("SM^{hyp+}").
@@ -176,6 +204,12 @@ class HyperbolicFeatures(ExponentialRandomFeatureMap):
     def _exponents(self, x, role):
         proj = x @ self._param("projection_", x).T
         return torch.cat([proj, -proj], dim=-1), -0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
+
+    def _fused_arguments(self, x, role):
+        w = fused.cached(self, "hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
+                                                                           -torch.as_tensor(self.projection_)]))
+        return x, w, None, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps,
+                                         1.0)
 
 
 for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),

@@ -1,0 +1,62 @@
+"""Rooflines of the speed targets: the best ratio this machine allows, from the rates measured in the same run.
+
+The chunked mode's work per head for ``n`` tokens (``d`` input dimension, ``r`` features, ``d_v + 1`` value columns
+with the normaliser, chunk length ``C``), as executed (not only the "useful" half of the intra-chunk products):
+
+=======================  ======================  =====================================================
+part                     FLOPs                   shape of one product
+=======================  ======================  =====================================================
+projections (q and k)    ``2 · 2ndr``            ``(L × d)(d × r)``
+chunk summaries          ``2n(d_v+1)r``          ``((d_v+1) × C)(C × r)``
+state reads              ``2nr(d_v+1)``          ``(C × r)(r × (d_v+1))``
+intra-chunk scores       ``2nCr`` (causal)       ``(C × r)(r × C)``
+intra-chunk values       ``2nC(d_v+1)`` (causal) ``(C × C)(C × (d_v+1))``
+=======================  ======================  =====================================================
+
+plus ``2nr`` evaluations of ``exp`` (features of queries and keys) and ``nC`` more when causal (the intra-chunk
+weights), and ``4n(2d + d_v)`` bytes of inputs and output (float32) — 1 KiB per token and head, nothing next to
+the compute: every target is compute-bound. Two lower bounds on the time:
+
+``physical``
+    every product at the square-GEMM rate ``G`` (2048², the machine's practical peak) and every ``exp`` at the
+    measured ``exp`` rate ``X``: ``T = F/G + E/X`` (the ``exp`` polynomial runs on the same vector units);
+``shapes``
+    every product at the rate measured for its own shape (small GEMMs run below ``G``), and the ``exp`` as above.
+
+The speed-up bound is SDPA's measured time over ``T``; the GEMM-fraction bound is the counted FLOPs
+(:func:`kernapprox.timing.linear_attention_flops`, which counts half the intra-chunk scores) over ``T · G``.
+"""
+
+from __future__ import annotations
+
+import math
+
+PARTS = {
+    "projection": "projection (L*8 x 64)(64 x 256)",
+    "summaries": "chunk summaries (65 x C)(C x 256)",
+    "reads": "state reads (C x 256)(256 x 65)",
+    "scores": "intra-chunk scores (C x 256)(256 x C)",
+    "values": "intra-chunk values (C x C)(C x 65)",
+}
+
+
+def chunked_work(n: int, heads: int, d: int, r: int, d_v: int, chunk: int, causal: bool) -> dict:
+    """FLOPs per product kind, ``exp`` evaluations and bytes of the chunked mode (features included)."""
+    dv1 = d_v + 1
+    flops = {"projection": 4.0 * n * d * r, "summaries": 2.0 * n * dv1 * r, "reads": 2.0 * n * r * dv1,
+             "scores": 2.0 * n * chunk * r if causal else 0.0, "values": 2.0 * n * chunk * dv1 if causal else 0.0}
+    exps = 2.0 * n * r + (n * chunk if causal else 0.0)
+    bytes_moved = 4.0 * n * (2 * d + d_v + d_v + 2)
+    return {"flops": {k: v * heads for k, v in flops.items()}, "exps": exps * heads, "bytes": bytes_moved * heads}
+
+
+def lower_bounds(work: dict, rates: dict) -> dict:
+    """``{"physical": s, "shapes": s}`` (NaN where a rate is missing) from :func:`chunked_work` and the machine
+    rates (keys: the labels of :func:`benchmarks.cases.machine`)."""
+    g, x, bw = (rates.get(k, math.nan) for k in ("gemm 2048^2", "exp (cache-sized block)", "memory bandwidth"))
+    total = sum(work["flops"].values())
+    memory = work["bytes"] / bw
+    physical = max(total / g + work["exps"] / x, memory)
+    shapes = sum(f / rates.get(PARTS[k], math.nan) for k, f in work["flops"].items() if f) + work["exps"] / x
+    return {"physical": physical, "shapes": max(shapes, memory), "memory": memory, "flops": total,
+            "exps": work["exps"]}
