@@ -35,7 +35,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_summaries, interval_note
+from experiments._common import add_paired, add_summaries, interval_note, resolved
 from experiments._icl import (
     EPISODES,
     FIXED_DIMENSION_SLOT,
@@ -46,7 +46,7 @@ from experiments._icl import (
     memoised_episodes,
     summarise_accuracy,
 )
-from kernapprox import readout, tasks
+from kernapprox import readout, stats, tasks
 from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
@@ -309,7 +309,9 @@ def _headline(ds, n) -> str:
 
 
 def _best_per_budget(ds, task, n) -> str:
-    """The best (map, rule) among the states not larger than the KV cache, by the point estimate."""
+    """The best (map, rule) among the states not larger than the KV cache by the point estimate, and whether it is
+    resolved from the runner-up: the paired comparison per episode (same episodes; difference of accuracies, ratio
+    of nMSE) with its bootstrap interval."""
     var = _var(task)
     kv = float(ds["kv_cache_memory"].sel(task=task, num_pairs=n))
     rows = []
@@ -318,13 +320,29 @@ def _best_per_budget(ds, task, n) -> str:
         for rule in ds.rule.values:
             size = float(ds["state_memory"].sel(**sel, rule=rule))
             s = ds[f"{var}_summary"].sel(**sel, rule=rule)
-            rows.append((size, float(s.sel(stat="estimate")), s, f"`{name}` r = {dim} with {rule}"))
+            rows.append((size, float(s.sel(stat="estimate")), s, f"`{name}` r = {dim} with {rule}",
+                         {**sel, "rule": str(rule)}))
     small = [row for row in rows if row[0] <= kv and np.isfinite(row[1])]
     if not small:
         return f"{task}: no map and rule keeps a state smaller than the KV cache ({_kib(kv)})."
-    pick = max(small, key=lambda row: row[1]) if _recall(task) else min(small, key=lambda row: row[1])
-    return (f"{task}: the best state not larger than the KV cache ({_kib(kv)}) is {pick[3]}, {fmt_ci(pick[2])} "
-            f"({_kib(pick[0])}).")
+    ranked = sorted(small, key=lambda row: -row[1] if _recall(task) else row[1])
+    pick = ranked[0]
+    text = (f"{task}: the best point estimate among the states not larger than the KV cache ({_kib(kv)}) is "
+            f"{pick[3]}, {fmt_ci(pick[2])} ({_kib(pick[0])})")
+    if len(ranked) < 2:
+        return text + "."
+    second = ranked[1]
+    a, b = ds[var].sel(**pick[4]), ds[var].sel(**second[4])
+    if _recall(task):
+        comparison = (a - b).assign_attrs(comparison="difference")
+        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="mean"), "−"
+    else:
+        comparison = (a / b).assign_attrs(comparison="ratio")
+        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="median"), "/"
+    verdict = ("resolved" if resolved(summary) else
+               f"not resolved (the interval contains {fmt(summary.attrs['neutral'])}: either may be the best)")
+    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({_kib(second[0])}); paired per episode, "
+            f"best {word} runner-up {fmt_ci(summary)}: {verdict}.")
 
 
 # ---------------------------------------------------------------------------------------------------- figure
