@@ -187,8 +187,10 @@ def _headline(ds) -> str:
         text += f"; with every layer's attention replaced post hoc it recalls from {span[0]} to {span[1]}"
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     if np.isfinite(_estimate(rho)):
-        text += (f", and the training-free read-out (icl_recall's) ranks the {_points(ds, task, c)} (estimator, r) "
-                 f"points as the trained model does with Spearman ρ = {fmt_ci(rho, 2)}")
+        agree = ("orders them as the trained model does" if float(rho.sel(stat="lo")) > 0 else
+                 "is not resolved from no agreement with the trained model")
+        text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out (icl_recall's) "
+                 f"{agree}: Spearman ρ = {fmt_ci(rho, 2)}")
     return text + "."
 
 
@@ -217,7 +219,8 @@ def _post_hoc_lines(ds, task, c) -> list[str]:
         one = ds.sel(**sel, substitution=name, estimator="positive_orthogonal")
         if not _ran(one.score):
             continue
-        r = int(one.num_features.values[len(one.num_features) // 2])
+        rs = [int(v) for v in one.num_features.values if _ran(one.score.sel(num_features=v))]
+        r = rs[len(rs) // 2]
         score = fmt_ci(one["score_summary"].sel(num_features=r), 2)
         err = fmt_ci(one["layer_error_summary"].sel(num_features=r, layer=layer), 2)
         errs.append(f"layer {int(layer)} alone: score {score}, output error {err}")
