@@ -43,7 +43,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_proportion, add_summaries, interval_note
+from experiments._common import add_paired, add_proportion, add_summaries, interval_note, resolved
 from kernapprox import real, stats
 from kernapprox.plotting import bullets, fmt, fmt_ci
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
@@ -306,6 +306,24 @@ def _best(table, count):
     return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
 
 
+def _runner_up(table, count, best: str):
+    rows = {label: s for label, s in table.items() if _num_exact(label) == count and label != best}
+    return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
+
+
+def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
+    """Paired top-10 agreement of placement ``a`` − placement ``b`` (same maps, same queries): per query the mean
+    over seeds of the difference, then the mean over queries with its bootstrap interval over queries."""
+    v = ds["top10_agreement"].sel(estimator=est, num_features=r, search=True).squeeze(drop=True)
+    diff = (v.sel(placement=a) - v.sel(placement=b)).mean("seed").assign_attrs(comparison="difference")
+    return stats.paired_summary(diff, QUERIES, statistic="mean")
+
+
+def _difference_text(ds, est: str, r: int, a: str, b: str) -> str:
+    d = _placement_difference(ds, est, r, a, b)
+    return f"paired per query {a} − {b} {fmt_ci(d, 2)}, " + ("resolved" if resolved(d) else "not resolved")
+
+
 def findings(ds) -> str:
     """Markdown bullets; every number is computed from ``ds`` (95 % intervals: bootstrap over queries of the
     per-query means over seeds; Clopper–Pearson for the exact model's accuracy; bootstrap over heads and seeds for
@@ -340,8 +358,12 @@ def findings(ds) -> str:
             naive = [f"{which} {count}: {fmt_ci(table[label], 2)}" for which, label in (
                 ("first", sub.placement_label(sub.first_layers(count))),
                 ("last", sub.placement_label(sub.last_layers(count)))) if label in table]
-            lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best placement is "
-                         f"{best[0]} with top-10 agreement {fmt_ci(best[1], 2)} (" + "; ".join(naive)
+            tried = sum(_num_exact(label) == count for label in table)
+            second = _runner_up(table, count, best[0])
+            versus = (f"; runner-up {second[0]} {fmt_ci(second[1], 2)}, "
+                      + _difference_text(ds, est, r, best[0], second[0]) if second is not None else "")
+            lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {tried} placements "
+                         f"is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} (" + "; ".join(naive)
                          + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
         alone = {layer: table.get(sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]))
                  for layer in range(NUM_LAYERS)}
@@ -349,8 +371,10 @@ def findings(ds) -> str:
         if alone:
             worst = min(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
             top = max(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
+            labels = {layer: sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]) for layer in alone}
             lines.append(f"`{est}`, r = {r}, one layer substituted at a time: top-10 agreement from "
-                         f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}).")
+                         f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
+                         + _difference_text(ds, est, r, labels[top], labels[worst]) + ".")
     lines += _heldout_lines(ds, estimators, ranks)
     lines.append(interval_note(ds))
     return bullets(lines)
@@ -367,8 +391,11 @@ def _headline(ds, estimators, ranks) -> str:
         table = hybrid_table(ds, est, rs)
         best = _best(table, 2)
         if best is not None and NONE_EXACT in table:
-            text += (f"; keeping two layers exact ({best[0]}) raises `{est}` at r = {rs} from "
-                     f"{fmt_ci(table[NONE_EXACT], 2)} to {fmt_ci(best[1], 2)}")
+            d = _placement_difference(ds, est, rs, best[0], NONE_EXACT)
+            verb = "raises" if resolved(d) and float(d.sel(stat="estimate")) > 0 else "does not resolvably change"
+            text += (f"; keeping two layers exact ({best[0]}, the best of {sum(_num_exact(k) == 2 for k in table)} "
+                     f"such placements) {verb} `{est}` at r = {rs}: {fmt_ci(table[NONE_EXACT], 2)} → "
+                     f"{fmt_ci(best[1], 2)}, paired per query {fmt_ci(d, 2)}")
             break
     return text + "."
 
@@ -420,7 +447,7 @@ def _heldout_lines(ds, estimators, ranks) -> list[str]:
             share = xr.DataArray(p.sel(stat=["below", "below_lo", "below_hi"]).values, dims="stat",
                                  coords={"stat": ["estimate", "lo", "hi"]})
             wins.append(f"`{base}` on {fmt_ci(share, 2)} of {int(p.sel(stat='count'))} (median ratio "
-                        f"{fmt_ci(p, 2)})")
+                        f"{fmt_ci(p, 2)}{'' if resolved(p) else ', not resolved from 1'})")
         if wins:
             lines.append(f"Paired by head and seed at r = {r}, `{est}`'s held-out error is below " + "; ".join(wins)
                          + " (layer, head, seed) triples.")
