@@ -315,7 +315,8 @@ def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
     """Paired top-10 agreement of placement ``a`` − placement ``b`` (same maps, same queries): per query the mean
     over seeds of the difference, then the mean over queries with its bootstrap interval over queries."""
     v = ds["top10_agreement"].sel(estimator=est, num_features=r, search=True).squeeze(drop=True)
-    diff = (v.sel(placement=a) - v.sel(placement=b)).mean("seed").assign_attrs(comparison="difference")
+    diff = v.sel(placement=a) - v.sel(placement=b)
+    diff = (diff.mean("seed") if "seed" in diff.dims else diff).assign_attrs(comparison="difference")
     return stats.paired_summary(diff, QUERIES, statistic="mean")
 
 
