@@ -187,8 +187,9 @@ def _headline(ds) -> str:
         text += f"; with every layer's attention replaced post hoc it recalls from {span[0]} to {span[1]}"
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     if np.isfinite(_estimate(rho)):
-        agree = ("orders them as the trained model does" if float(rho.sel(stat="lo")) > 0 else
-                 "is not resolved from no agreement with the trained model")
+        agree = ("ranks them in agreement with the trained model's post-hoc accuracy (interval above 0)"
+                 if float(rho.sel(stat="lo")) > 0 else
+                 "is not resolved from no agreement with the trained model's post-hoc accuracy (interval contains 0)")
         text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out (icl_recall's) "
                  f"{agree}: Spearman ρ = {fmt_ci(rho, 2)}")
     return text + "."
@@ -390,8 +391,9 @@ def _frontier(ax, ds, task, c):
         if str(est) == "exact":
             ax.plot(x[keep], s[keep], marker="*", markersize=12, linestyle="none", color=st["color"],
                     label="softmax reference (KV cache)")
-        else:
-            ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)"})
+        else:       # a family trained at one r only: a larger marker
+            ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)",
+                                         **({"markersize": 8} if keep.sum() == 1 else {})})
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("state size (bytes, float32)")
