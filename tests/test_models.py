@@ -343,12 +343,14 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
         assert float(abs(exact.score_vs_exact.sel(substitution=sub)).max()) == 0.0
     assert float(exact.layer_error.sel(substitution="all").max()) == 0.0
     prf = ds.sel(task="mqar_smoke", estimator="positive_orthogonal", context=4, num_features=16)
-    assert float(prf.layer_error.sel(substitution="layer0", layer=1).max()) == 0.0   # layer 1 left exact
-    assert float(prf.layer_error.sel(substitution="layer0", layer=0).min()) > 0.0
+    one = ds.sel(task="mqar_smoke", estimator="positive_orthogonal", context=4, num_features=trained_icl.FIXED_SLOT)
+    assert float(one.layer_error.sel(substitution="layer0", layer=1).max()) == 0.0   # layer 1 left exact
+    assert float(one.layer_error.sel(substitution="layer0", layer=0).min()) > 0.0
     assert bool(prf.proxy_accuracy.sel(substitution="all").notnull().all())
-    assert bool(prf.proxy_accuracy.sel(substitution="layer0").isnull().all())
-    # one layer at a time only at the largest context
+    assert bool(one.proxy_accuracy.sel(substitution="layer0").isnull().all())
+    # one layer at a time only at the largest context and r = FIXED_SLOT
     assert ds.score.sel(task="mqar_smoke", substitution="layer0", context=2).isnull().all()
+    assert prf.score.sel(substitution="layer0").isnull().all()
     assert ds.score.sel(task="mqar_smoke", substitution="trained", estimator="taylor2" if "taylor2" in
                         ds.estimator.values else "elu1", num_features=64).isnull().all()   # not a trained rank
     reg = ds.sel(task="regression_smoke", context=4)
@@ -399,3 +401,21 @@ def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypat
     params, _, data = streams("exact", 64)
     np.testing.assert_array_equal(trained_icl.run_reference(params, torch.device("cpu"), data)["score_exact"],
                                   reference["score_exact"])
+
+
+def test_trained_icl_applicable_cells_of_the_default_setups():
+    """Which fixed-state models the default MQAR setup trains, and one layer at a time at r = FIXED_SLOT only."""
+    from experiments import trained_icl
+
+    mqar = trained_icl.SETUPS["mqar"]
+    assert mqar.trains("positive_orthogonal", 16) and mqar.trains("positive_orthogonal", 64)
+    assert mqar.trains("taylor2", 16) and not mqar.trains("taylor2", 64)
+    assert not mqar.trains("exact", 16) and not mqar.trains("nystrom_uniform", 16)   # not a fixed-state family
+    slot = trained_icl.FIXED_SLOT
+    assert trained_icl.applicable(mqar, "trained", "exact", slot, 8, 2)
+    assert not trained_icl.applicable(mqar, "trained", "elu1", 64, 8, 2)
+    assert trained_icl.applicable(mqar, "layer1", "positive_orthogonal", slot, 8, 2)
+    assert not trained_icl.applicable(mqar, "layer1", "positive_orthogonal", 16, 8, 2)
+    assert not trained_icl.applicable(mqar, "layer1", "positive_orthogonal", slot, 4, 2)   # not the largest context
+    assert not trained_icl.applicable(mqar, "layer2", "positive_orthogonal", slot, 8, 2)   # the model has 2 layers
+    assert trained_icl.applicable(mqar, "all", "positive_orthogonal", 16, 4, 2)
