@@ -189,7 +189,8 @@ def test_smoke_dataset_findings_and_figure(smoke):
     # the summaries are the stats module's: the estimate is the mean over seeds × pairs, inside its interval
     s = ds["ratio_summary"]
     np.testing.assert_allclose(s.sel(stat="estimate"), ds["ratio"].mean(("seed", "pair")), rtol=1e-12)
-    assert bool((s.sel(stat="lo") <= s.sel(stat="estimate")).all() and (s.sel(stat="estimate") <= s.sel(stat="hi")).all())
+    est = s.sel(stat="estimate")
+    assert bool((s.sel(stat="lo") <= est).all() and (est <= s.sel(stat="hi")).all())
     assert float(abs(ds["ratio_vs_regularized"].sel(sampler="regularized")).max()) == 0.0
     one = s.sel(sampler="sorf", dim=32, level="two_sqrt_d", feature_map="positive").squeeze(drop=True)
     assert f"sorf {sampler_bias.fmt_ci(one)}" in text
