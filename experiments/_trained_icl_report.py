@@ -1,7 +1,8 @@
-"""The figure and the findings of ``trained_icl``, read from its dataset only.
+"""The figure, the findings and the rank correlation of ``trained_icl``, read from its dataset only.
 
-Intervals are percentile bootstraps over evaluation prompts (seeds × episodes pooled: the prompts are i.i.d.)
-with a fixed bootstrap seed; the rank correlation resamples the prompts jointly for every (estimator, r) point,
+Every number comes from the summaries :func:`experiments.trained_icl.summarise` stores (:mod:`kernapprox.stats`):
+means over seeds × prompts with percentile-bootstrap intervals (the prompts are i.i.d.), and Spearman's ρ of the
+proxy against the post-hoc accuracy, whose bootstrap resamples the prompts jointly for every (estimator, r) point,
 which the paired design allows (every point reads the same prompts and the same proxy episodes).
 """
 
@@ -11,40 +12,16 @@ import warnings
 
 import numpy as np
 import xarray as xr
-from scipy import stats
+from scipy import stats as scipy_stats
 
-from experiments._icl import legend_entries
+from experiments._common import interval_note
+from experiments._icl import REPLICATES, legend_entries
 from experiments._icl import style as icl_style
-from kernapprox.plotting import new_figure, save_figure
-
-BOOT = 2000
-BOOT_SEED = 20240
+from kernapprox import stats
+from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _prompts(da: xr.DataArray) -> np.ndarray:
-    """The per-prompt values of a slice with dims (seed, episode) as one flat array (NaN dropped)."""
-    values = np.asarray(da.transpose("seed", "episode").values, dtype=float).ravel()
-    return values[~np.isnan(values)]
-
-
-def mean_ci(values: np.ndarray, seed: int = BOOT_SEED) -> tuple[float, float, float]:
-    """Mean and its 95 % percentile-bootstrap interval (``inf`` values make the mean ``inf``)."""
-    values = np.asarray(values, dtype=float)
-    if values.size == 0:
-        return np.nan, np.nan, np.nan
-    gen = np.random.default_rng(seed)
-    idx = gen.integers(0, values.size, size=(BOOT, values.size))
-    with np.errstate(invalid="ignore"):
-        means = values[idx].mean(1)
-        lo, hi = np.percentile(means, [2.5, 97.5])
-    return float(values.mean()), float(lo), float(hi)
-
-
-def _fmt(m, lo, hi, digits=3) -> str:
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
 def _tasks(ds, family: str) -> list[str]:
     """Task labels of ``family`` ("mqar"/"regression") present in ``ds``."""
     return [str(t) for t in ds.task.values if str(t).startswith(family)]
@@ -59,15 +36,12 @@ def _contexts(ds, task) -> list[int]:
     return [int(c) for c in ds.context.values if _ran(sel.sel(context=c))]
 
 
-def _exact_slot(ds) -> dict:
-    """The selection of exact attention's cells (the num_features column it runs in)."""
-    ran = ds.score_exact.sel(estimator="exact").notnull()
-    slots = [int(r) for r in ds.num_features.values if bool(ran.sel(num_features=r).any())]
-    return {"estimator": "exact", "num_features": slots[0] if slots else int(ds.num_features.values[0])}
+def _estimate(summary: xr.DataArray) -> float:
+    return float(summary.sel(stat="estimate"))
 
 
-def spearman_points(ds: xr.DataArray | xr.Dataset, task: str, context: int):
-    """``(labels, proxy (P, S, E), trained (P, S, E))`` of the approximate (estimator, r) points with a proxy
+def spearman_points(ds: xr.Dataset, task: str, context: int):
+    """``(labels, proxy (P, S, E), post hoc (P, S, E))`` of the approximate (estimator, r) points with a proxy
     value (exact attention, first on both sides by construction, is left out)."""
     sel = ds.sel(task=task, substitution="all", context=context)
     labels, xs, ys = [], [], []
@@ -91,134 +65,226 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     a, b = a[keep], b[keep]
     if a.size < 3 or np.ptp(a) == 0 or np.ptp(b) == 0:
         return np.nan
-    return float(stats.spearmanr(a, b).statistic)
+    return float(scipy_stats.spearmanr(a, b).statistic)
 
 
-def rank_correlation(ds, task: str, context: int, seed: int = BOOT_SEED):
-    """Spearman's ρ between the proxy and the post-hoc accuracy over (estimator, r) points, with a 95 % bootstrap
-    interval (prompts resampled jointly); ``(ρ, lo, hi, number of points)``."""
+def rank_correlation(ds: xr.Dataset, task: str, context: int) -> tuple[xr.DataArray, int]:
+    """Spearman's ρ between the proxy's and the post-hoc mean accuracy over the (estimator, r) points, with its
+    percentile-bootstrap interval (:func:`kernapprox.stats.bootstrap_interval` over the prompts, each resample
+    taking the same prompts for every point): ``(summary with a stat dimension, number of points)``."""
     labels, x, y = spearman_points(ds, task, context)
+    shape = (ds.sizes["seed"], ds.sizes["episode"])
+    prompts = xr.DataArray(np.arange(np.prod(shape), dtype=float).reshape(shape), dims=REPLICATES)
     if len(labels) < 3:
-        return np.nan, np.nan, np.nan, len(labels)
+        return stats.bootstrap_interval(prompts * np.nan, REPLICATES, "mean") * np.nan, len(labels)
     x, y = x.reshape(len(labels), -1), y.reshape(len(labels), -1)
-    rho = _spearman(np.nanmean(x, 1), np.nanmean(y, 1))
-    gen = np.random.default_rng(seed)
-    boot = []
-    for _ in range(BOOT):
-        idx = gen.integers(0, x.shape[1], size=x.shape[1])
-        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+
+    def spearman_rho(index: np.ndarray) -> np.ndarray:
+        """ρ of the points' mean accuracies over each row of prompt indices ``(R, m)``."""
+        out = np.empty(index.shape[0])
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)        # a point without a finite resampled mean
-            boot.append(_spearman(np.nanmean(x[:, idx], 1), np.nanmean(y[:, idx], 1)))
-    boot = np.asarray(boot, dtype=float)
-    boot = boot[np.isfinite(boot)]
-    lo, hi = (np.percentile(boot, [2.5, 97.5]) if boot.size else (np.nan, np.nan))
-    return float(rho), float(lo), float(hi), len(labels)
+            for i, row in enumerate(index.astype(int)):
+                out[i] = _spearman(np.nanmean(x[:, row], 1), np.nanmean(y[:, row], 1))
+        return out
+
+    return stats.bootstrap_interval(prompts, REPLICATES, spearman_rho), len(labels)
+
+
+def rank_correlations(ds: xr.Dataset) -> xr.DataArray:
+    """``proxy_rank_correlation``: :func:`rank_correlation` for every MQAR task and context with proxy values
+    (NaN elsewhere), dims ``(task, context, stat)``; attribute ``points``: the number of (estimator, r) points of
+    each, as a JSON-free ``task:context=points`` list."""
+    data = np.full((ds.sizes["task"], ds.sizes["context"], len(stats.STATS)), np.nan)
+    attrs, points = {}, []
+    for i, task in enumerate(ds.task.values):
+        for j, context in enumerate(ds.context.values):
+            if not _ran(ds["proxy_accuracy"].sel(task=task, context=context)):
+                continue
+            summary, count = rank_correlation(ds, str(task), int(context))
+            data[i, j] = summary.values
+            attrs = summary.attrs
+            points.append(f"{task}:{int(context)}={count}")
+    out = xr.DataArray(data, dims=("task", "context", "stat"),
+                       coords={"task": ds.task.values, "context": ds.context.values, "stat": list(stats.STATS)})
+    interval = attrs.get("interval", "95% percentile bootstrap over seed, episode")
+    out.attrs = {"long_name": "Spearman's ρ of proxy and post-hoc accuracy", "units": "1",
+                 "description": "rank correlation over the approximate (estimator, r) points of substitution = all "
+                                "between the mean proxy_accuracy and the mean score; the bootstrap resamples the "
+                                "prompts jointly for every point: " + interval,
+                 "statistic": "spearman_rho", "interval": interval, "level": attrs.get("level", stats.LEVEL),
+                 "over": "seed, episode", "points": ", ".join(points)}
+    return out
+
+
+def _points(ds, task, context) -> int:
+    for item in ds["proxy_rank_correlation"].attrs.get("points", "").split(", "):
+        if item.startswith(f"{task}:{context}="):
+            return int(item.split("=")[1])
+    return 0
+
+
+def _post_hoc_range(ds, task, c) -> tuple[str, str] | None:
+    """The lowest and highest post-hoc score among the approximate estimators (every layer, context ``c``)."""
+    s = ds["score_summary"].sel(task=task, context=c, substitution="all").drop_sel(estimator="exact")
+    est = s.sel(stat="estimate")
+    if not np.isfinite(est.values).any():
+        return None
+    out = []
+    for pick in (est.argmin(...), est.argmax(...)):
+        one = s.isel({k: int(v) for k, v in pick.items()})
+        dim = float(ds["feature_dim"].sel(task=task, context=c, substitution="all", estimator=one.estimator,
+                                          num_features=one.num_features).max())
+        out.append(f"{fmt_ci(one, 2)} (`{str(one.estimator.values)}`, r = {fmt(dim)})")
+    return out[0], out[1]
 
 
 # ------------------------------------------------------------------------------------------------- findings
 def findings(ds: xr.Dataset) -> str:
     """Markdown bullets; every number is computed from ``ds`` (means with 95 % bootstrap intervals over prompts)."""
-    lines = []
-    exact = _exact_slot(ds)
+    lines = [_headline(ds)]
     for task in _tasks(ds, "mqar"):
         for c in _contexts(ds, task):
-            sel = ds.sel(task=task, context=c, substitution="all", **exact)
-            lines.append(f"- {task}: the softmax reference recalls {_fmt(*mean_ci(_prompts(sel.score_exact)))} of the "
-                         f"queries with {c} pairs (seq_len {int(sel.seq_len.max())}, {sel.score_exact.size} prompts).")
+            sel = {"task": task, "context": c}
+            lines.append(f"{task}: the softmax reference recalls {fmt_ci(ds['score_exact_summary'].sel(**sel))} of "
+                         f"the queries with {c} pairs (seq_len {int(ds['seq_len'].sel(**sel).max())}, "
+                         f"{int(ds['score_exact_summary'].sel(**sel, stat='count'))} prompts).")
     for task in _tasks(ds, "regression"):
         for c in _contexts(ds, task):
-            sel = {"task": task, "context": c, "substitution": "all", **exact}
-            ref, ls, ridge = (mean_ci(_prompts(ds[v].sel(**sel))) for v in ("score_exact", "baseline_ls",
-                                                                             "baseline_ridge"))
-            lines.append(f"- {task}: with {c} examples in context the reference's normalised error is "
-                         f"{_fmt(*ref)}; least squares {_fmt(*ls)}, ridge {_fmt(*ridge)} on the same prompts.")
-    sub = ds.sel(**exact)
-    diff = np.abs(sub.score - sub.score_exact).sel(substitution=[s for s in ds.substitution.values if s != "trained"])
-    if _ran(diff):
-        lines.append(f"- Substituting exact attention for the reference's own (every layer or one) changes no score: "
-                     f"max |difference| = {float(diff.max()):.1e} over {int(np.isfinite(diff.values).sum())} "
+            sel = {"task": task, "context": c}
+            ref, ls, ridge = (fmt_ci(ds[f"{v}_summary"].sel(**sel)) for v in ("score_exact", "baseline_ls",
+                                                                               "baseline_ridge"))
+            lines.append(f"{task}: with {c} examples in context the reference's normalised error is {ref}; least "
+                         f"squares {ls}, ridge {ridge} on the same prompts.")
+    exact = ds["score_vs_exact"].sel(estimator="exact").drop_sel(substitution="trained", errors="ignore")
+    if _ran(exact):
+        lines.append(f"Substituting exact attention for the reference's own (every layer or one) changes no score: "
+                     f"max |difference| = {fmt(float(abs(exact).max()))} over {int(exact.notnull().sum())} "
                      "prompt scores.")
     for task in _tasks(ds, "mqar") + _tasks(ds, "regression"):
         cs = _contexts(ds, task)
-        if not cs:
-            continue
-        c = cs[-1]
-        sel = ds.sel(task=task, context=c, substitution="all")
-        parts = []
-        for est in sel.estimator.values:
-            if str(est) == "exact":
-                continue
-            rs = [int(r) for r in sel.num_features.values if _ran(sel.score.sel(estimator=est, num_features=r))]
-            if not rs:
-                continue
-            ends = [f"{mean_ci(_prompts(sel.score.sel(estimator=est, num_features=r)))[0]:.2f} at r = "
-                    f"{int(sel.feature_dim.sel(estimator=est, num_features=r).max())}" for r in dict.fromkeys(
-                        (rs[0], rs[-1]))]
-            parts.append(f"{est} {' → '.join(ends)}")
-        if parts:
-            lines.append(f"- {task}, every layer substituted post hoc ({c} in context): " + "; ".join(parts) + ".")
-        errs = []
-        for layer in ds.layer.values:
-            name = f"layer{int(layer)}"
-            if name not in ds.substitution.values:
-                continue
-            one = ds.sel(task=task, context=c, substitution=name, estimator="positive_orthogonal")
-            if not _ran(one.score):
-                continue
-            r = int(one.num_features.values[len(one.num_features) // 2])
-            m = mean_ci(_prompts(one.score.sel(num_features=r)))
-            e = float(one.layer_error.sel(num_features=r, layer=layer).median())
-            errs.append(f"layer {int(layer)} alone: score {_fmt(*m, digits=2)}, output error {e:.2f}")
-        if errs:
-            lines.append(f"- {task}, positive_orthogonal at r = {r} in one layer: " + "; ".join(errs) + ".")
+        if cs:
+            lines += _post_hoc_lines(ds, task, cs[-1])
     for task in _tasks(ds, "mqar"):
         cs = _contexts(ds, task)
-        if not cs:
+        if cs:
+            lines += _mqar_lines(ds, task, cs[-1])
+    lines.append(_training_line(ds))
+    lines.append(interval_note(ds))
+    return bullets(lines)
+
+
+def _headline(ds) -> str:
+    mqar = [t for t in _tasks(ds, "mqar") if _contexts(ds, t)]
+    if not mqar:
+        return "No MQAR model in this dataset."
+    task = mqar[0]
+    c = _contexts(ds, task)[-1]
+    ref = fmt_ci(ds["score_exact_summary"].sel(task=task, context=c))
+    text = f"A trained MQAR Transformer ({task}, {c} pairs) recalls {ref} with softmax attention"
+    span = _post_hoc_range(ds, task, c)
+    if span:
+        text += f"; with every layer's attention replaced post hoc it recalls from {span[0]} to {span[1]}"
+    rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
+    if np.isfinite(_estimate(rho)):
+        agree = ("ranks them in agreement with the trained model's post-hoc accuracy (interval above 0)"
+                 if float(rho.sel(stat="lo")) > 0 else
+                 "is not resolved from no agreement with the trained model's post-hoc accuracy (interval contains 0)")
+        text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out (icl_recall's) "
+                 f"{agree}: Spearman ρ = {fmt_ci(rho, 2)}")
+    return text + "."
+
+
+def _post_hoc_lines(ds, task, c) -> list[str]:
+    lines = []
+    sel = {"task": task, "context": c}
+    s = ds["score_summary"].sel(**sel, substitution="all")
+    parts = []
+    for est in s.estimator.values:
+        if str(est) == "exact":
             continue
-        c = cs[-1]
-        sel = ds.sel(task=task, context=c, substitution="trained")
-        parts = []
+        rs = [int(r) for r in s.num_features.values if np.isfinite(_estimate(s.sel(estimator=est, num_features=r)))]
+        if not rs:
+            continue
+        ends = [f"{fmt_ci(s.sel(estimator=est, num_features=r), 2)} at r = "
+                f"{fmt(float(ds['feature_dim'].sel(**sel, substitution='all', estimator=est, num_features=r).max()))}"
+                for r in dict.fromkeys((rs[0], rs[-1]))]
+        parts.append(f"`{est}` {' → '.join(ends)}")
+    if parts:
+        lines.append(f"{task}, every layer substituted post hoc ({c} in context): " + "; ".join(parts) + ".")
+    errs, r = [], None
+    for layer in ds.layer.values:
+        name = f"layer{int(layer)}"
+        if name not in ds.substitution.values:
+            continue
+        one = ds.sel(**sel, substitution=name, estimator="positive_orthogonal")
+        if not _ran(one.score):
+            continue
+        rs = [int(v) for v in one.num_features.values if _ran(one.score.sel(num_features=v))]
+        r = rs[len(rs) // 2]
+        score = fmt_ci(one["score_summary"].sel(num_features=r), 2)
+        err = fmt_ci(one["layer_error_summary"].sel(num_features=r, layer=layer), 2)
+        errs.append(f"layer {int(layer)} alone: score {score}, output error {err}")
+    if errs:
+        lines.append(f"{task}, `positive_orthogonal` at r = {r} in one layer ({c} in context; output error: median "
+                     "over seeds of the prompts' median): " + "; ".join(errs) + ".")
+    return lines
+
+
+def _mqar_lines(ds, task, c) -> list[str]:
+    lines = []
+    sel = ds.sel(task=task, context=c, substitution="trained")
+    parts = []
+    for est in sel.estimator.values:
+        for r in sel.num_features.values:
+            one = sel.sel(estimator=est, num_features=r)
+            if not _ran(one.score):
+                continue
+            parts.append(f"`{est}` r = {int(r) if str(est) != 'exact' else 'KV'}: {fmt_ci(one['score_summary'], 2)} "
+                         f"at {fmt(float(one.state_bytes.max()) / 1024)} KiB")
+    if parts:
+        lines.append(f"{task}, trained from scratch ({c} pairs): " + "; ".join(parts) + ".")
+    beta = ds["reference_beta"].sel(task=task, context=c).mean("seed")
+    beta = [fmt(float(v), 2) for v in beta.values if np.isfinite(v)]
+    if beta:
+        factor = float(ds["proxy_beta_factor"])
+        lines.append(f"{task}: the reference's layers attend at effective β = s·mean‖q‖·mean‖k‖ = {', '.join(beta)} "
+                     f"(layer 0, 1, …; {c} pairs, mean over seeds); the proxy reads at β = {fmt(factor)} ln {c} = "
+                     f"{fmt(factor * np.log(c), 2)}.")
+    rho = ds["proxy_rank_correlation"].sel(task=task)
+    parts = [f"{int(cc)} pairs: ρ = {fmt_ci(rho.sel(context=cc), 2)} over {_points(ds, task, int(cc))} points"
+             for cc in rho.context.values if np.isfinite(_estimate(rho.sel(context=cc)))]
+    if parts:
+        lines.append(f"{task}: Spearman's ρ of the training-free proxy's and the post-hoc accuracy over the "
+                     "(estimator, r) points, prompts resampled jointly: " + "; ".join(parts) + ".")
+    elif _points(ds, task, c):
+        lines.append(f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the "
+                     f"{_points(ds, task, c)} points ({c} pairs): one side does not vary.")
+    return lines
+
+
+def _training_line(ds) -> str:
+    seconds = {}
+    for task in ds.task.values:
+        ref = ds.sel(task=task)
+        wall, cpu = float(ref["reference_train_seconds"].max()), float(ref["reference_train_cpu_seconds"].max())
+        if np.isfinite(wall):
+            seconds[(str(task), "reference")] = (cpu, wall)
+        sel = ref.sel(substitution="trained") if "trained" in ds.substitution.values else None
+        if sel is None:
+            continue
         for est in sel.estimator.values:
             for r in sel.num_features.values:
                 one = sel.sel(estimator=est, num_features=r)
-                if not _ran(one.score):
-                    continue
-                m = mean_ci(_prompts(one.score))
-                parts.append(f"{est} r = {int(r) if str(est) != 'exact' else 'KV'}: {m[0]:.2f} [{m[1]:.2f}, {m[2]:.2f}]"
-                             f" at {float(one.state_bytes.max()) / 1024:.1f} KiB")
-        if parts:
-            lines.append(f"- {task}, trained from scratch ({c} pairs): " + "; ".join(parts) + ".")
-        beta = ds.reference_beta.sel(task=task, context=c, substitution="all", **exact).mean("seed")
-        beta = [f"{float(v):.1f}" for v in beta.values if np.isfinite(v)]
-        if beta:
-            lines.append(f"- {task}: the reference's layers attend at effective β = s·mean‖q‖·mean‖k‖ = "
-                         f"{', '.join(beta)} (layer 0, 1, …; {c} pairs); the proxy reads at β = 2 ln {c} = "
-                         f"{2 * np.log(c):.1f}.")
-        rho, lo, hi, npts = rank_correlation(ds, task, c)
-        if npts and np.isfinite(rho):
-            lines.append(f"- {task}: the training-free proxy and the post-hoc accuracy rank the {npts} (estimator, r) "
-                         f"points with Spearman ρ = {_fmt(rho, lo, hi, 2)} ({c} pairs).")
-        elif npts:
-            lines.append(f"- {task}: the rank correlation of proxy and post-hoc accuracy is undefined over the {npts} "
-                         f"points ({c} pairs): one side does not vary.")
-    seconds = {}
-    for task in ds.task.values:
-        for sub in ds.substitution.values:
-            sel = ds.sel(task=task, substitution=sub)
-            for est in sel.estimator.values:
-                for r in sel.num_features.values:
-                    one = sel.sel(estimator=est, num_features=r)
-                    wall, cpu = float(one.train_seconds.max()), float(one.train_cpu_seconds.max())
-                    if np.isfinite(wall):
-                        key = (str(task), "reference" if sub != "trained" or str(est) == "exact" else
-                               f"{est} r={int(r)}")
-                        seconds[key] = (cpu, wall)
-    if seconds:
-        cpu, wall = (sum(v[i] for v in seconds.values()) for i in (0, 1))
-        lines.append(f"- Training: {len(seconds)} models, {cpu:.0f} CPU seconds in total on one thread ({wall:.0f} s "
-                     "wall on the machine as it was shared): "
-                     + ", ".join(f"{t} {m} {c:.0f} s" for (t, m), (c, _) in sorted(seconds.items())) + ".")
-    return "\n".join(lines)
+                wall, cpu = float(one.train_seconds.max()), float(one.train_cpu_seconds.max())
+                if np.isfinite(wall):
+                    seconds[(str(task), f"{est} r={int(r)}")] = (cpu, wall)
+    if not seconds:
+        return ""
+    cpu, wall = (sum(v[i] for v in seconds.values()) for i in (0, 1))
+    return (f"Training: {len(seconds)} models, {fmt(cpu)} CPU seconds in total on one thread ({fmt(wall)} s wall on "
+            "the machine as it was shared): " + ", ".join(f"{t} {m} {fmt(c, 2)} s" for (t, m), (c, _) in
+                                                          sorted(seconds.items())) + ".")
 
 
 # ------------------------------------------------------------------------------------------------------ plot
@@ -227,25 +293,19 @@ def _curve(ax, ds, task, sub, var, context, *, log=False):
     for est in sel.estimator.values:
         if str(est) == "exact":
             continue
-        xs, ms, los, his = [], [], [], []
-        for r in sel.num_features.values:
-            one = sel.sel(estimator=est, num_features=r)
-            if not _ran(one[var]):
-                continue
-            m, lo, hi = mean_ci(_prompts(one[var]))
-            xs.append(float(one.feature_dim.max()))
-            ms.append(m)
-            los.append(lo)
-            his.append(hi)
-        if not xs:
+        s = sel[f"{var}_summary"].sel(estimator=est)
+        x = sel.feature_dim.sel(estimator=est).max("seed").values
+        est_v, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+        keep = np.isfinite(est_v) & np.isfinite(x)
+        if not keep.any():
             continue
         style = icl_style(str(est))
-        if len(xs) == 1:
-            ax.errorbar(xs, ms, yerr=[[ms[0] - los[0]], [his[0] - ms[0]]], marker=style["marker"], linestyle="none",
-                        color=style["color"], label=str(est), markersize=6)
+        if keep.sum() == 1:
+            ax.errorbar(x[keep], est_v[keep], yerr=[est_v[keep] - lo[keep], hi[keep] - est_v[keep]],
+                        marker=style["marker"], linestyle="none", color=style["color"], label=str(est), markersize=6)
         else:
-            ax.plot(xs, ms, **style)
-            ax.fill_between(xs, los, his, color=style["color"], alpha=0.15, linewidth=0)
+            ax.plot(x[keep], est_v[keep], **style)
+            ax.fill_between(x[keep], lo[keep], hi[keep], color=style["color"], alpha=0.15, linewidth=0)
     ax.set_xscale("log", base=2)
     if log:
         ax.set_yscale("log")
@@ -253,53 +313,51 @@ def _curve(ax, ds, task, sub, var, context, *, log=False):
 
 
 def plot(ds: xr.Dataset, path) -> None:
-    exact = _exact_slot(ds)
     fig, axes = new_figure(2, 3, squeeze=False, width=13.5, height=7.6)
-    mq = _tasks(ds, "mqar")[:1]
-    rg = _tasks(ds, "regression")[:1]
+    mq = [t for t in _tasks(ds, "mqar") if _contexts(ds, t)][:1]
+    rg = [t for t in _tasks(ds, "regression") if _contexts(ds, t)][:1]
     notes = []
-    if mq and _contexts(ds, mq[0]):
+    if mq:
         task = mq[0]
         c = _contexts(ds, task)[-1]
-        ref = mean_ci(_prompts(ds.score_exact.sel(task=task, context=c, substitution="all", **exact)))[0]
         ax = axes[0, 0]
         _curve(ax, ds, task, "all", "score", c)
-        ax.axhline(ref, color="k", linestyle="--", linewidth=1.0, label="softmax reference")
+        ax.axhline(_estimate(ds["score_exact_summary"].sel(task=task, context=c)), color="k", linestyle="--",
+                   linewidth=1.0, label="softmax reference")
         ax.set_ylim(-0.03, 1.03)
         ax.set_ylabel("MQAR accuracy")
         ax.set_title(f"(b) post hoc, every layer ({c} pairs)")
         ax = axes[0, 1]
-        sel = ds.sel(task=task, substitution="all", context=c)
-        for est in sel.estimator.values:
+        err = ds["layer_error_summary"].sel(task=task, substitution="all", context=c, stat="estimate")
+        for est in err.estimator.values:
             if str(est) == "exact":
                 continue
-            for layer, ls in zip(sel.layer.values, ("-", "--", ":")):
-                err = sel.layer_error.sel(estimator=est, layer=layer).median("seed")
-                x = sel.feature_dim.sel(estimator=est).max("seed")
-                keep = np.isfinite(err.values) & np.isfinite(x.values)
+            x = ds["feature_dim"].sel(task=task, substitution="all", context=c, estimator=est).max("seed")
+            for layer, ls in zip(err.layer.values, ("-", "--", ":")):
+                e = err.sel(estimator=est, layer=layer)
+                keep = np.isfinite(e.values) & np.isfinite(x.values)
                 if keep.any():
                     st = icl_style(str(est))
-                    ax.plot(x.values[keep], err.values[keep], color=st["color"], marker=st["marker"], linestyle=ls,
+                    ax.plot(x.values[keep], e.values[keep], color=st["color"], marker=st["marker"], linestyle=ls,
                             label=str(est) if layer == 0 else None)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("feature dimension r per head")
         ax.set_ylabel("attention-output rel. RMS error")
         ax.set_title("(b) per-layer error, own activations (— layer 0, - - layer 1)")
-        _frontier(axes[1, 0], ds, task, c, exact)
+        _frontier(axes[1, 0], ds, task, c)
         _proxy_panel(axes[1, 1], ds, task, c)
         _context_panel(axes[1, 2], ds, task)
         notes.insert(0, f"MQAR panels: task {task}, {c} pairs in context")
-    if rg and _contexts(ds, rg[0]):
+    if rg:
         task = rg[0]
         c = _contexts(ds, task)[-1]
         ax = axes[0, 2]
         _curve(ax, ds, task, "all", "score", c, log=True)
-        sel = {"task": task, "context": c, "substitution": "all", **exact}
-        notes.append(f"regression panel: task {task}, {c} pairs in context, 8 queries")
+        notes.append(f"regression panel: task {task}, {c} pairs in context")
         for var, label, ls in (("score_exact", "softmax reference", "--"), ("baseline_ridge", "ridge", ":"),
                                ("baseline_ls", "least squares", "-.")):
-            m = mean_ci(_prompts(ds[var].sel(**sel)))[0]
+            m = _estimate(ds[f"{var}_summary"].sel(task=task, context=c))
             if m > 1e-6:                                     # noiseless least squares is exact beyond d points
                 ax.axhline(m, color="k", linestyle=ls, linewidth=1.0, label=label)
             else:
@@ -321,23 +379,21 @@ def plot(ds: xr.Dataset, path) -> None:
         title="In-context learning in trained Transformers")
 
 
-def _frontier(ax, ds, task, c, exact):
+def _frontier(ax, ds, task, c):
     sel = ds.sel(task=task, context=c, substitution="trained")
     for est in sel.estimator.values:
-        xs, ms = [], []
-        for r in sel.num_features.values:
-            one = sel.sel(estimator=est, num_features=r)
-            if _ran(one.score):
-                xs.append(float(one.state_bytes.max()))
-                ms.append(mean_ci(_prompts(one.score))[0])
-        if not xs:
+        s = sel["score_summary"].sel(estimator=est, stat="estimate").values
+        x = sel.state_bytes.sel(estimator=est).max("seed").values
+        keep = np.isfinite(s) & np.isfinite(x)
+        if not keep.any():
             continue
         st = icl_style(str(est))
         if str(est) == "exact":
-            ax.plot(xs, ms, marker="*", markersize=12, linestyle="none", color=st["color"],
+            ax.plot(x[keep], s[keep], marker="*", markersize=12, linestyle="none", color=st["color"],
                     label="softmax reference (KV cache)")
-        else:
-            ax.plot(xs, ms, **{**st, "label": f"{est} (trained)"})
+        else:       # a family trained at one r only: a larger marker
+            ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)",
+                                         **({"markersize": 8} if keep.sum() == 1 else {})})
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("state size (bytes, float32)")
@@ -346,18 +402,20 @@ def _frontier(ax, ds, task, c, exact):
 
 
 def _proxy_panel(ax, ds, task, c):
-    labels, x, y = spearman_points(ds, task, c)
-    for (est, r), xv, yv in zip(labels, x, y):
+    sel = ds.sel(task=task, context=c, substitution="all")
+    for est, r in spearman_points(ds, task, c)[0]:
         st = icl_style(est)
-        ax.plot(np.nanmean(xv), np.nanmean(yv), marker=st["marker"], color=st["color"], linestyle="none",
+        x = _estimate(sel["proxy_accuracy_summary"].sel(estimator=est, num_features=r))
+        y = _estimate(sel["score_summary"].sel(estimator=est, num_features=r))
+        ax.plot(x, y, marker=st["marker"], color=st["color"], linestyle="none",
                 markersize=3 + 1.5 * np.log2(max(r, 2)) / 2)
     ax.plot([0, 1], [0, 1], color="0.5", linewidth=0.8)
-    rho, lo, hi, npts = rank_correlation(ds, task, c)
+    rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     ax.set_xlim(-0.03, 1.03)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("training-free read-out accuracy (proxy)")
     ax.set_ylabel("trained model, post-hoc accuracy")
-    ax.set_title(f"(d) Spearman ρ = {rho:.2f} [{lo:.2f}, {hi:.2f}], {npts} points")
+    ax.set_title(f"(d) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points")
 
 
 def _context_panel(ax, ds, task):
@@ -365,19 +423,15 @@ def _context_panel(ax, ds, task):
     r = 64 if 64 in sel.num_features.values else int(sel.num_features.values[-1])
     for est in sel.estimator.values:
         slot = sel.sel(estimator=est)
-        one = slot.sel(num_features=r if _ran(slot.score.sel(num_features=r)) else slot.num_features.values[0])
-        if not _ran(one.score):
-            for rr in slot.num_features.values:
-                if _ran(slot.score.sel(num_features=rr)):
-                    one = slot.sel(num_features=rr)
-                    break
-        xs, ms = [], []
-        for c in one.context.values:
-            if _ran(one.score.sel(context=c)):
-                xs.append(float(one.seq_len.sel(context=c).max()))
-                ms.append(mean_ci(_prompts(one.score.sel(context=c)))[0])
-        if xs:
-            ax.plot(xs, ms, **icl_style(str(est)))
+        ranks = [r] + [int(v) for v in slot.num_features.values if v != r]
+        rank = next((rr for rr in ranks if _ran(slot.score.sel(num_features=rr))), None)
+        if rank is None:
+            continue
+        s = slot["score_summary"].sel(num_features=rank, stat="estimate").values
+        x = ds["seq_len"].sel(task=task).max("seed").values
+        keep = np.isfinite(s) & np.isfinite(x)
+        if keep.any():
+            ax.plot(x[keep], s[keep], **icl_style(str(est)))
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("prompt length (tokens)")

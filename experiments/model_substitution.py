@@ -3,23 +3,35 @@ and placement of exact layers; learned (distilled) maps against random, data-dep
 
 Each cell runs the real model (:mod:`kernapprox.substitution`) on held-out paragraphs of Python's help text
 (:func:`~kernapprox.substitution.retrieval_corpus`: first sentence = query, rest = document) with the attention of
-every layer (``search = False``), or of every subset of layers (``search = True``, 64 placements, for the
-families and ranks in :data:`SEARCH`), replaced by one estimator at ``r`` features per head, and compares with the
-exact model on the same token ids (paired): top-1 and top-10 agreement of each query's nearest documents, the
-embedding cosine, the relative error of the final hidden states and of each layer's attention output, and the
-attention memory per text (estimators' ``state_bytes`` per head; exact layers: their KV cache at the text's
-length). ``search = False`` cells also measure each head's held-out attention-output error: maps fitted on the
-extraction windows 0–1, evaluated on windows 2–3 (512 tokens each; never in-sample).
+every layer (``search = False``), or of the hybrid placements of exact layers (``search = True``: every subset of
+at most ``search_max_exact`` exact layers, every single substituted layer and the naive first/last ``k``:
+:func:`~kernapprox.substitution.hybrid_placements`, for the estimators named by ``search_estimators`` at
+``r = search_rank``), replaced by one estimator at ``r`` features per head, and compares with the exact model on
+the same token ids (paired): top-1 and top-10 agreement of each query's nearest documents, the embedding cosine,
+the relative error of the final hidden states and of each layer's attention output, and the attention memory per
+text (estimators' ``state_bytes`` per head; exact layers: their KV cache at the text's length). ``search = False``
+cells at ``r = heldout_rank`` (and the fixed-dimension maps' cells) also measure each head's held-out
+attention-output error: maps fitted on the extraction windows 0–1, evaluated on windows 2–3 (512 tokens each;
+never in-sample).
+The exact model's own retrieval and KV caches are the study's :class:`~kernapprox.sweep.Reference`.
 
-Families (:data:`FAMILIES`): random (``positive_orthogonal``, FAVOR+), data-dependent random
-(``oprf_orthogonal``), Nyström (``nystrom_kmeans``), Taylor (``taylor2``, dimension fixed by ``d``: run at
-``r = 32`` cells only, its true dimension stored in ``feature_dimension``) and learned (``hedgehog``: trained per
-``(layer, head)`` for ``train_steps`` steps on windows 0–1, cached in ``results/cache``). Data-dependent
+Families (:data:`FAMILIES`, the study's one estimator table): random (``positive_orthogonal``, FAVOR+),
+data-dependent random (``oprf_orthogonal``), Nyström (``nystrom_kmeans``), Taylor (``taylor2``, dimension fixed
+by ``d``: run at ``r = 32`` cells only, its true dimension stored in ``feature_dimension``) and learned
+(``hedgehog``: trained per ``(layer, head)`` for ``train_steps`` steps on windows 0–1, cached in
+``results/cache``). Data-dependent
 closed-form maps are fitted per ``(layer, head)`` on the running input (all texts' real tokens, at most
-:data:`FIT_POINTS`); learned maps never see the input. ``seed`` indexes the random draws (projections,
+``fit_points``); learned maps never see the input. ``seed`` indexes the random draws (projections,
 initialisations, k-means seeds): cells sharing ``paragraphs`` and ``seed`` share the root seed, so the
 ``search = False`` and ``search = True`` cells of one family draw the same maps.
+
+Summaries (:mod:`kernapprox.stats`): retrieval agreement as the mean over queries of each query's mean over seeds,
+with a percentile-bootstrap interval over the queries (the corpus is the sample; every seed reads the same
+queries); final-state, embedding and per-layer errors as medians over seeds; held-out head errors as medians over
+layers × heads × seeds, with paired ratios against each baseline map on the same heads and seeds
+(``heldout_error_vs_<baseline>``, and the share of heads where the map is below it).
 """
+
 
 from __future__ import annotations
 
@@ -28,10 +40,13 @@ import warnings
 
 import numpy as np
 import torch
+import xarray as xr
 
 import kernapprox as ka
-from kernapprox import real
-from kernapprox.sweep import Experiment, Metric, run_cli
+from experiments._common import add_paired, add_proportion, add_summaries, interval_note, resolved
+from kernapprox import real, stats
+from kernapprox.plotting import bullets, fmt, fmt_ci
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 REAL_REASON = real.unavailable_reason()
 if REAL_REASON is not None:
@@ -39,43 +54,66 @@ if REAL_REASON is not None:
 else:
     from kernapprox import substitution as sub
 
+# The study's estimators, one table: registry name -> family (unregistered names are left out).
 FAMILIES = {"positive_orthogonal": "random", "oprf_orthogonal": "data-dependent random",
             "nystrom_kmeans": "Nyström", "taylor2": "Taylor", "hedgehog": "learned"}
 ESTIMATORS = [name for name in FAMILIES if name in ka.available_estimators()]
 LEARNED = ("hedgehog",)                   # trained on the extraction windows, never on the input
 FIXED_DIMENSION = {"taylor2": 32}          # estimator -> the num_features cell it runs in
-SEARCH = {"positive_orthogonal": (32,), "hedgehog": (32,)}   # estimator -> ranks of the exhaustive placement search
-FIT_POINTS = 1024                          # data-dependent fits on the input: at most this many tokens per head
-TRAIN = dict(windows=(0, 1), segment=64, query_stride=2)     # learned-map training / calibration data
-LEARNING_RATE = 0.05
+HELDOUT_BASELINES = ("positive_orthogonal", "oprf_orthogonal", "nystrom_kmeans")   # paired against the others
+# learned-map training / calibration data: every 4th query of each 64-token segment (its softmax over all 64 keys)
+TRAIN = dict(windows=(0, 1), segment=64, query_stride=4)
 NUM_LAYERS, NUM_HEADS = real.NUM_LAYERS, real.NUM_HEADS
 PLACEMENTS = ([sub.placement_label(p) for p in sub.all_placements()] if REAL_REASON is None
               else ["E:-"])
+NONE_EXACT, ALL_EXACT = "E:-", "E:" + ",".join(map(str, range(NUM_LAYERS)))
+QUERIES = "query"
 
 GRIDS = {
     "smoke": {"estimator": [e for e in ("hedgehog",) if e in ESTIMATORS] or ["positive_orthogonal"],
-              "num_features": [32], "search": [False, True], "paragraphs": [12], "train_steps": [4], "seed": [0]},
-    "default": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128], "search": [False, True],
-                "paragraphs": [32], "train_steps": [50], "seed": [0, 1, 2, 3, 4]},
+              "num_features": [32, 64], "search": [False, True], "paragraphs": [12], "train_steps": [4],
+              "seed": [0]},
+    # r from d/2 to 2d (head dimension d = 32); CPU budget about 200 s in one process, learned maps trained (cold)
+    "default": {"estimator": ESTIMATORS, "num_features": [16, 32, 64], "search": [False, True],
+                "paragraphs": [32], "train_steps": [30], "seed": [0, 1, 2, 3, 4]},
     "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256], "search": [False, True],
              "paragraphs": [96], "train_steps": [200], "seed": list(range(8))},
+}
+PARAMETERS = {
+    "fit_points": Parameter(1024, long_name="tokens per head a data-dependent map is fitted on at most", units="1",
+                            description="every ceil(N / fit_points)-th of the N real tokens of the input"),
+    "learning_rate": Parameter(0.05, long_name="learning rate of the learned maps' training (Adam)", units="1"),
+    "heldout_rank": Parameter(64, long_name="r at which each head's held-out attention error is measured",
+                              units="1", description="fixed-dimension maps: in their own cell"),
+    "search_rank": Parameter(32, long_name="r of the hybrid placement search", units="1"),
+    "search_estimators": Parameter("hedgehog", long_name="estimators whose hybrid placements are searched",
+                                   units="1", description="comma-separated registry names"),
+    "search_max_exact": Parameter(2, long_name="exact layers per searched placement at most", units="1",
+                                  description="besides single substituted layers and the naive first/last k "
+                                              "(kernapprox.substitution.hybrid_placements)"),
+}
+AXIS_ATTRS = {
+    "num_features": {"long_name": "features per head r", "units": "1"},
+    "search": {"long_name": "hybrid placements searched (else every layer substituted)", "units": "1"},
+    "paragraphs": {"long_name": "held-out paragraphs of the retrieval corpus", "units": "1"},
+    "train_steps": {"long_name": "training steps of the learned maps", "units": "1"},
+    "seed": {"long_name": "replicate (independent draw of every map: projections, initialisations, k-means)",
+             "units": "1"},
 }
 
 _PL = ("placement",)
 _PL_COORDS = {"placement": PLACEMENTS}
+_LAYERS = {"layer": list(range(NUM_LAYERS))}
 METRICS = {
     "top1_agreement": Metric("top-1 agreement with the exact model", "1",
                              "per query: 1 if the nearest document under the substituted model is the exact model's",
-                             dims=("placement", "query"), coords=_PL_COORDS),
+                             dims=("placement", QUERIES), coords=_PL_COORDS),
     "top10_agreement": Metric("top-10 agreement with the exact model", "1",
                               "per query: |top-10 documents (substituted) ∩ top-10 (exact)| / 10",
-                              dims=("placement", "query"), coords=_PL_COORDS),
+                              dims=("placement", QUERIES), coords=_PL_COORDS),
     "self_hit": Metric("retrieval accuracy", "1",
                        "per query: 1 if the nearest document is the query's own paragraph (substituted model)",
-                       dims=("placement", "query"), coords=_PL_COORDS),
-    "exact_self_hit": Metric("retrieval accuracy of the exact model", "1",
-                             "per query: 1 if the exact model's nearest document is the query's own paragraph",
-                             dims=("query",)),
+                       dims=("placement", QUERIES), coords=_PL_COORDS),
     "embedding_cosine": Metric("embedding cosine to the exact model", "1",
                                "mean over queries and documents of cos(e, e_exact)", dims=_PL, coords=_PL_COORDS),
     "final_state_error": Metric("relative error of the final hidden states", "1",
@@ -83,20 +121,26 @@ METRICS = {
                                 dims=_PL, coords=_PL_COORDS),
     "hidden_error": Metric("relative error of each layer's output states", "1",
                            "as final_state_error, after each layer", dims=("placement", "layer"),
-                           coords={**_PL_COORDS, "layer": list(range(NUM_LAYERS))}),
+                           coords={**_PL_COORDS, **_LAYERS}),
     "layer_attention_error": Metric("relative error of a substituted layer's attention output", "1",
                                     "sqrt(Σ‖ŷ−y‖²/Σ‖y‖²) against exact attention on the same q, k, v (the layer's "
                                     "own error on the activations it sees); NaN for exact layers",
-                                    dims=("placement", "layer"),
-                                    coords={**_PL_COORDS, "layer": list(range(NUM_LAYERS))}),
+                                    dims=("placement", "layer"), coords={**_PL_COORDS, **_LAYERS}),
     "attention_bytes": Metric("attention memory per text", "byte",
                               "mean over texts of Σ_layers Σ_heads (state_bytes, or the KV cache n·(d+d_v)·4 of "
                               "an exact layer at the text's n)", dims=_PL, coords=_PL_COORDS),
     "heldout_error": Metric("held-out attention-output error per head", "1",
                             "maps fitted on extraction windows 0–1, evaluated on windows 2–3 (non-causal, 512 "
-                            "tokens): sqrt(Σ‖ŷ−y‖²/Σ‖y‖²)", dims=("layer", "head"),
-                            coords={"layer": list(range(NUM_LAYERS)), "head": list(range(NUM_HEADS))}),
+                            "tokens): sqrt(Σ‖ŷ−y‖²/Σ‖y‖²); cells at r = heldout_rank and fixed-dimension maps",
+                            dims=("layer", "head"), coords={**_LAYERS, "head": list(range(NUM_HEADS))}),
     "feature_dimension": Metric("feature dimension per head", "1", "the estimator's r (its own for fixed maps)"),
+}
+REFERENCE_METRICS = {
+    "exact_self_hit": Metric("retrieval accuracy of the exact model", "1",
+                             "per query: 1 if the exact model's nearest document is the query's own paragraph",
+                             dims=(QUERIES,)),
+    "exact_attention_bytes": Metric("attention memory per text of the exact model", "byte",
+                                    "mean over texts of the six layers' KV caches, n·(d+d_v)·4 bytes per head"),
 }
 
 
@@ -109,12 +153,17 @@ def _nan_result(num_queries: int) -> dict:
     return out
 
 
-def applicable(name: str, num_features: int, search: bool) -> bool:
-    """Whether a cell runs: fixed-dimension maps only in their rank cell, the search only where :data:`SEARCH`
-    asks for it."""
+def searched(params) -> list[str]:
+    """The estimators whose hybrid placements are searched (``search_estimators``)."""
+    return [name.strip() for name in params["search_estimators"].split(",") if name.strip()]
+
+
+def applicable(name: str, num_features: int, search: bool, params) -> bool:
+    """Whether a cell runs: fixed-dimension maps only in their rank cell, the search only for the searched
+    estimators at ``search_rank``."""
     if name in FIXED_DIMENSION and num_features != FIXED_DIMENSION[name]:
         return False
-    return not search or num_features in SEARCH.get(name, ())
+    return not search or (name in searched(params) and num_features == params["search_rank"])
 
 
 @functools.lru_cache(maxsize=2)
@@ -129,28 +178,31 @@ def _context(paragraphs: int, device: str):
     return model, corpus, inputs, exact, hits
 
 
-def substitution_for(name: str, num_features: int, root: int, train_steps: int, *, cache: bool = True):
+def substitution_for(name: str, num_features: int, root: int, params, *, cache: bool = True):
     """The :class:`~kernapprox.substitution.Substitution` a cell runs (learned maps trained and cached first)."""
     r = None if name in FIXED_DIMENSION else num_features
     if name in LEARNED:
-        options = {"num_steps": train_steps, "learning_rate": LEARNING_RATE}
+        options = {"num_steps": params["train_steps"], "learning_rate": params["learning_rate"]}
         spec = sub.Substitution(name, num_features=r, rng=root, options=options)
         maps = sub.fit_maps(spec, sub.Windows(**TRAIN), cache=cache)
         return sub.Substitution(name, num_features=r, rng=root, options=options, maps=maps)
-    return sub.Substitution(name, num_features=r, rng=root, fit="input", fit_points=FIT_POINTS)
+    return sub.Substitution(name, num_features=r, rng=root, fit="input", fit_points=params["fit_points"])
+
+
+def _check_real():
+    if REAL_REASON is not None:
+        raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
 
 
 def run_cell(params, rng, device, data_rng):
     name, r, search = params["estimator"], params["num_features"], params["search"]
-    if REAL_REASON is not None:
-        raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
-    model, corpus, inputs, exact, hits = _context(params["paragraphs"], str(device))
+    _check_real()
+    model, corpus, inputs, exact, _ = _context(params["paragraphs"], str(device))
     out = _nan_result(len(corpus))
-    if not applicable(name, r, search):
+    if not applicable(name, r, search, params):
         return out
-    out["exact_self_hit"] = hits
     root = int(data_rng.integers(2**63))                # shared by every cell of this (paragraphs, seed)
-    subst = substitution_for(name, r, root, params["train_steps"])
+    subst = substitution_for(name, r, root, params)
 
     def record(exact_layers, run):
         i = PLACEMENTS.index(sub.placement_label(exact_layers))
@@ -165,233 +217,278 @@ def run_cell(params, rng, device, data_rng):
         out["attention_bytes"][i] = float(np.mean(sub.placement_bytes(subst, exact_layers, inputs.lengths)))
 
     if search:
-        sub.search_placements(model, inputs, subst, record, reference=exact)
+        sub.search_placements(model, inputs, subst, record, reference=exact,
+                              placements=sub.hybrid_placements(params["search_max_exact"]))
     else:
         record((), sub.encode(model, inputs, sub.plan(subst), reference=exact))
-        maps = subst.maps if subst.maps is not None else sub.fit_maps(
-            sub.Substitution(name, num_features=subst.num_features, rng=root), sub.Windows(**TRAIN))
-        out["heldout_error"] = sub.heldout_attention_error(maps)
+        if r == params["heldout_rank"] or name in FIXED_DIMENSION:
+            maps = subst.maps if subst.maps is not None else sub.fit_maps(
+                sub.Substitution(name, num_features=subst.num_features, rng=root), sub.Windows(**TRAIN))
+            out["heldout_error"] = sub.heldout_attention_error(maps)
     fixed = subst.num_features is None                 # the dimension is d's: read it off a map
     out["feature_dimension"] = float(subst.make(0, 0).fit(torch.zeros(1, real.HEAD_DIM)).num_features if fixed
                                      else subst.num_features)
     return out
 
 
+def run_reference(params, device, data_rng):
+    """The exact model on the corpus: its own retrieval accuracy and its KV caches (deterministic)."""
+    _check_real()
+    _, _, inputs, _, hits = _context(params["paragraphs"], str(device))
+    kv = sub.placement_bytes(None, range(NUM_LAYERS), inputs.lengths)
+    return {"exact_self_hit": np.asarray(hits, dtype=np.float64), "exact_attention_bytes": float(np.mean(kv))}
+
+
 # ------------------------------------------------------------------------------------------------ summaries
-BOOTSTRAP_SEED = 20240917
-BOOTSTRAP_SAMPLES = 2000
+HEAD_DRAWS = ("layer", "head", "seed")
 
 
-def mean_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
-    """Mean of a ``(seed, query)`` array and its percentile-bootstrap interval, resampling seeds and queries
-    independently (fixed bootstrap seed). NaN rows/columns (cells not run) are dropped first."""
-    values = np.asarray(values, dtype=float)
-    if values.ndim == 1:
-        values = values[None]
-    values = values[~np.all(np.isnan(values), axis=1)]
-    values = values[:, ~np.all(np.isnan(values), axis=0)]
-    if values.size == 0:
-        return (np.nan, np.nan, np.nan)
-    gen = np.random.default_rng(BOOTSTRAP_SEED)
-    s, q = values.shape
-    rows = gen.integers(0, s, size=(BOOTSTRAP_SAMPLES, s))
-    cols = gen.integers(0, q, size=(BOOTSTRAP_SAMPLES, q))
-    stats = np.array([np.nanmean(values[r][:, c]) for r, c in zip(rows, cols)])
-    alpha = (1 - level) / 2
-    return float(np.nanmean(values)), float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    """Agreement: per query the mean over seeds, then the mean over queries with its bootstrap interval over
+    queries. Errors and cosines: medians over seeds. Held-out head errors: medians over layers × heads × seeds and
+    paired ratios against each baseline map. The exact model's accuracy: a Clopper–Pearson proportion."""
+    for name in ("top1_agreement", "top10_agreement", "self_hit"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)              # cells that do not run: all NaN
+            per_query = ds[name].mean("seed")
+        summary = stats.bootstrap_interval(per_query, QUERIES, "mean")
+        summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": "1",
+                              "description": f"{name}: mean over seeds per query, then over queries: "
+                                             + summary.attrs["interval"] + " (of the per-query means)"})
+        ds[f"{name}_summary"] = summary
+    ds = add_summaries(ds, ["final_state_error", "layer_attention_error"], "seed")
+    ds = add_summaries(ds, ["embedding_cosine"], "seed", tail_threshold=None)
+    ds = add_summaries(ds, ["heldout_error"], HEAD_DRAWS)
+    for baseline in HELDOUT_BASELINES:
+        if baseline in ds.estimator.values:
+            ds = add_paired(ds, "heldout_error", baseline, HEAD_DRAWS, op="ratio")
+    ds = add_proportion(ds, "exact_self_hit", ds["exact_self_hit"].isel(seed=0, drop=True), 1.0, (QUERIES,))
+    return ds
 
 
-def median_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
-    """Median of the finite-or-inf entries of ``values`` (flattened) and its percentile-bootstrap interval."""
-    v = np.asarray(values, dtype=float).ravel()
-    v = v[~np.isnan(v)]
-    if v.size == 0:
-        return (np.nan, np.nan, np.nan)
-    gen = np.random.default_rng(BOOTSTRAP_SEED)
-    stats = np.median(v[gen.integers(0, v.size, size=(BOOTSTRAP_SAMPLES, v.size))], axis=1)
-    alpha = (1 - level) / 2
-    return float(np.median(v)), float(np.quantile(stats, alpha)), float(np.quantile(stats, 1 - alpha))
-
-
-def clopper_pearson(successes: int, trials: int, level: float = 0.95) -> tuple[float, float]:
-    from scipy.stats import beta
-
-    alpha = 1 - level
-    lo = 0.0 if successes == 0 else float(beta.ppf(alpha / 2, successes, trials - successes + 1))
-    hi = 1.0 if successes == trials else float(beta.ppf(1 - alpha / 2, successes + 1, trials - successes))
-    return lo, hi
-
-
-def _fmt(stat: tuple[float, float, float], digits: int = 2) -> str:
-    m, lo, hi = stat
-    return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
-
-
-def _per_query(ds, var, estimator, r, placement="E:-", search=None):
-    """``(seed, query)`` values of ``var`` for one estimator, rank and placement (search cells if the placement
-    needs them)."""
-    if search is None:
-        search = placement != "E:-"
-    da = ds[var].sel(estimator=estimator, num_features=r, search=search, placement=placement)
-    return da.squeeze([d for d in da.dims if d not in ("seed", "query")], drop=True).transpose("seed", "query").values
-
-
-def hybrid_table(ds, estimator: str, r: int, var: str = "top10_agreement") -> list[tuple[str, float, float, float]]:
-    """Every placement of a search cell: ``(label, mean, lo, hi)`` of ``var`` (mean over seeds and queries, 95 %
-    bootstrap interval), in the order of :data:`PLACEMENTS`."""
-    rows = []
-    for label in PLACEMENTS:
-        vals = _per_query(ds, var, estimator, r, label, search=True)
-        rows.append((label, *mean_interval(vals)))
-    return rows
-
-
+# ------------------------------------------------------------------------------------------------- findings
 def _num_exact(label: str) -> int:
-    return 0 if label == "E:-" else len(label[2:].split(","))
+    return 0 if label == NONE_EXACT else len(label[2:].split(","))
 
 
-def _memory_line(ds, estimators, ranks) -> str | None:
-    """Attention memory per text of the exact model (KV caches) against all-layer substitutions."""
-    searched = ds["attention_bytes"].sel(search=True, placement=PLACEMENTS[-1]).values
-    searched = searched[np.isfinite(searched)]
-    if not searched.size:
-        return None
-    kv = float(np.mean(searched)) / 1024
-    parts = []
-    for est in estimators:
-        for r in ranks:
-            if not applicable(est, int(r), False) or (est not in FIXED_DIMENSION and r not in (32, 128)):
-                continue
-            mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement="E:-").values
-            mem = mem[np.isfinite(mem)]
-            if mem.size:
-                label = f"{est}" if est in FIXED_DIMENSION else f"{est} r = {int(r)}"
-                parts.append(f"{label} {float(mem.mean()) / 1024:.0f} KiB")
-    return (f"- Attention memory per text (mean over the corpus's texts): exact model (six layers of KV cache) "
-            f"{kv:.0f} KiB; all layers substituted: " + "; ".join(parts) + ".")
+def _all_layers(ds, var, est, r):
+    """``<var>`` (a summary) of the all-layer substitution of ``est`` at ``r`` (its own cell for fixed maps)."""
+    return ds[var].sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r), search=False,
+                       placement=NONE_EXACT).squeeze(drop=True)
+
+
+def _ran(summary) -> bool:
+    return bool(np.isfinite(float(summary.sel(stat="estimate"))))
+
+
+def _dim(ds, est, r) -> int:
+    return int(np.nanmax(ds["feature_dimension"].sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r)).values))
+
+
+def hybrid_table(ds, est: str, r: int) -> dict[str, xr.DataArray]:
+    """``label -> top10_agreement summary`` of every placement searched for ``est`` at ``r``, in the order of
+    :data:`PLACEMENTS`."""
+    s = ds["top10_agreement_summary"].sel(estimator=est, num_features=r, search=True).squeeze(drop=True)
+    return {label: s.sel(placement=label) for label in PLACEMENTS if _ran(s.sel(placement=label))}
+
+
+def _searches(ds) -> list[tuple[str, int]]:
+    out = []
+    for est in ds.estimator.values:
+        for r in ds.num_features.values:
+            if True in ds.search.values and hybrid_table(ds, str(est), int(r)):
+                out.append((str(est), int(r)))
+    return out
+
+
+def _best(table, count):
+    rows = {label: s for label, s in table.items() if _num_exact(label) == count}
+    return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
+
+
+def _runner_up(table, count, best: str):
+    rows = {label: s for label, s in table.items() if _num_exact(label) == count and label != best}
+    return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
+
+
+def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
+    """Paired top-10 agreement of placement ``a`` − placement ``b`` (same maps, same queries): per query the mean
+    over seeds of the difference, then the mean over queries with its bootstrap interval over queries."""
+    v = ds["top10_agreement"].sel(estimator=est, num_features=r, search=True).squeeze(drop=True)
+    diff = v.sel(placement=a) - v.sel(placement=b)
+    diff = (diff.mean("seed") if "seed" in diff.dims else diff).assign_attrs(comparison="difference")
+    return stats.paired_summary(diff, QUERIES, statistic="mean")
+
+
+def _difference_text(ds, est: str, r: int, a: str, b: str) -> str:
+    d = _placement_difference(ds, est, r, a, b)
+    return f"paired per query {a} − {b} {fmt_ci(d, 2)}, " + ("resolved" if resolved(d) else "not resolved")
 
 
 def findings(ds) -> str:
-    """Markdown bullets; every number is computed from ``ds`` (95 % intervals: bootstrap over seeds and queries,
-    Clopper–Pearson for the exact model's accuracy, bootstrap over heads and seeds for held-out errors)."""
-    lines = []
+    """Markdown bullets; every number is computed from ``ds`` (95 % intervals: bootstrap over queries of the
+    per-query means over seeds; Clopper–Pearson for the exact model's accuracy; bootstrap over heads and seeds for
+    held-out errors)."""
     estimators = [str(e) for e in ds.estimator.values]
     ranks = [int(r) for r in ds.num_features.values]
-    hits = ds["exact_self_hit"].max(("estimator", "num_features", "search", "seed")).values
-    hits = hits[~np.isnan(hits)]
-    if hits.size:
-        lo, hi = clopper_pearson(int(hits.sum()), hits.size)
-        lines.append(f"- Exact model: the query's own paragraph is its nearest document for {hits.mean():.2f} "
-                     f"[{lo:.2f}, {hi:.2f}] of {hits.size} queries; a random ranking would share "
-                     f"{10 / hits.size:.2f} of the top 10 and the top document with probability "
-                     f"{1 / hits.size:.3f}.")
-    for r in [r for r in (32, 128) if r in ranks]:
+    lines = [_headline(ds, estimators, ranks)]
+    hits = ds["exact_self_hit_summary"].squeeze(drop=True)
+    n = int(hits.sel(stat="trials"))
+    lines.append(f"Exact model: the query's own paragraph is its nearest document for {fmt_ci(hits, 2)} of {n} "
+                 f"queries; a random ranking would share {fmt(10 / n, 2)} of the top 10 and the top document with "
+                 f"probability {fmt(1 / n, 2)}.")
+    for r in [r for r in ranks if r in (32, max(ranks))]:
         parts = []
         for est in estimators:
-            rr = FIXED_DIMENSION.get(est, r)
-            if rr not in ranks:
+            if FIXED_DIMENSION.get(est, r) not in ranks or not _ran(_all_layers(ds, "top1_agreement_summary", est, r)):
                 continue
-            top1 = mean_interval(_per_query(ds, "top1_agreement", est, rr))
-            top10 = mean_interval(_per_query(ds, "top10_agreement", est, rr))
-            cos = ds["embedding_cosine"].sel(estimator=est, num_features=rr, search=False, placement="E:-")
-            if np.isnan(top1[0]):
-                continue
-            dim = int(np.nanmax(ds["feature_dimension"].sel(estimator=est, num_features=rr).values))
-            parts.append(f"{est} (r = {dim}): top-1 {_fmt(top1)}, top-10 {_fmt(top10)}, cosine "
-                         f"{float(cos.mean()):.3f}")
+            parts.append(f"`{est}` (r = {_dim(ds, est, r)}): top-1 "
+                         f"{fmt_ci(_all_layers(ds, 'top1_agreement_summary', est, r), 2)}, top-10 "
+                         f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}, embedding cosine "
+                         f"{fmt_ci(_all_layers(ds, 'embedding_cosine_summary', est, r), 3)}")
         if parts:
-            lines.append(f"- All six layers substituted, r = {r} per head: " + "; ".join(parts) + ".")
-    memory = _memory_line(ds, estimators, ranks)
-    if memory:
-        lines.append(memory)
-    for est, search_ranks in SEARCH.items():
-        for r in search_ranks:
-            if est not in estimators or r not in ranks or not bool(ds.search.any()):
+            lines.append(f"All six layers substituted, r = {r} per head: " + "; ".join(parts) + ".")
+    lines.append(_memory_line(ds, estimators, ranks))
+    for est, r in _searches(ds):
+        table = hybrid_table(ds, est, r)
+        none = table.get(NONE_EXACT)
+        for count in (1, 2):
+            best = _best(table, count)
+            if best is None:
                 continue
-            table = hybrid_table(ds, est, r)
-            if np.isnan(table[0][1]):
+            naive = [f"{which} {count}: {fmt_ci(table[label], 2)}" for which, label in (
+                ("first", sub.placement_label(sub.first_layers(count))),
+                ("last", sub.placement_label(sub.last_layers(count)))) if label in table]
+            tried = sum(_num_exact(label) == count for label in table)
+            second = _runner_up(table, count, best[0])
+            versus = (f"; runner-up {second[0]} {fmt_ci(second[1], 2)}, "
+                      + _difference_text(ds, est, r, best[0], second[0]) if second is not None else "")
+            lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {tried} placements "
+                         f"is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} (" + "; ".join(naive)
+                         + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
+        alone = {layer: table.get(sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]))
+                 for layer in range(NUM_LAYERS)}
+        alone = {layer: s for layer, s in alone.items() if s is not None}
+        if alone:
+            worst = min(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
+            top = max(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
+            labels = {layer: sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]) for layer in alone}
+            lines.append(f"`{est}`, r = {r}, one layer substituted at a time: top-10 agreement from "
+                         f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
+                         + _difference_text(ds, est, r, labels[top], labels[worst]) + ".")
+    lines += _heldout_lines(ds, estimators, ranks)
+    lines.append(interval_note(ds))
+    return bullets(lines)
+
+
+def _headline(ds, estimators, ranks) -> str:
+    r = 128 if 128 in ranks else max(ranks)
+    parts = [f"`{est}`{f' (r = {_dim(ds, est, r)})' if est in FIXED_DIMENSION else ''} "
+             f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}" for est in estimators
+             if FIXED_DIMENSION.get(est, r) in ranks and _ran(_all_layers(ds, "top10_agreement_summary", est, r))]
+    text = (f"With the attention of all six layers of all-MiniLM-L6-v2 replaced at r = {r} features per head, the "
+            "share of each query's top-10 documents that the exact model also retrieves is " + ", ".join(parts))
+    for est, rs in _searches(ds):
+        table = hybrid_table(ds, est, rs)
+        best = _best(table, 2)
+        if best is not None and NONE_EXACT in table:
+            d = _placement_difference(ds, est, rs, best[0], NONE_EXACT)
+            verb = "raises" if resolved(d) and float(d.sel(stat="estimate")) > 0 else "does not resolvably change"
+            text += (f"; keeping two layers exact ({best[0]}, the best of {sum(_num_exact(k) == 2 for k in table)} "
+                     f"such placements) {verb} `{est}` at r = {rs}: {fmt_ci(table[NONE_EXACT], 2)} → "
+                     f"{fmt_ci(best[1], 2)}, paired per query {fmt_ci(d, 2)}")
+            break
+    return text + "."
+
+
+def _memory_line(ds, estimators, ranks) -> str:
+    """Attention memory per text of the exact model (KV caches) against all-layer substitutions."""
+    kv = float(ds["exact_attention_bytes"].max()) / 1024
+    parts = []
+    shown = (32, max(ranks))
+    for est in estimators:
+        for r in ranks:
+            if not applicable(est, r, False, _parameters(ds)) or (est not in FIXED_DIMENSION and r not in shown):
                 continue
-            for count in (1, 2):
-                rows = [row for row in table if _num_exact(row[0]) == count]
-                best = max(rows, key=lambda row: row[1])
-                first = next(row for row in rows if row[0] == sub.placement_label(sub.first_layers(count)))
-                last = next(row for row in rows if row[0] == sub.placement_label(sub.last_layers(count)))
-                lines.append(f"- {est}, r = {r}, {count} exact layer{'s' * (count > 1)}: best placement "
-                             f"{best[0]} with top-10 agreement {_fmt(best[1:])} (first {count}: {_fmt(first[1:])}; "
-                             f"last {count}: {_fmt(last[1:])}); none exact: {_fmt(table[0][1:])}.")
-    for est, search_ranks in SEARCH.items():
-        for r in search_ranks:
-            if est not in estimators or r not in ranks or not bool(ds.search.any()):
+            mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement=NONE_EXACT).max()
+            if np.isfinite(float(mem)):
+                label = f"`{est}`" if est in FIXED_DIMENSION else f"`{est}` r = {r}"
+                parts.append(f"{label} {fmt(float(mem) / 1024)} KiB")
+    return (f"Attention memory per text (mean over the corpus's texts): exact model (six layers of KV cache) "
+            f"{fmt(kv)} KiB; all layers substituted: " + "; ".join(parts) + ".")
+
+
+def _parameters(ds) -> dict:
+    return {name: ds[name].item() for name in PARAMETERS}
+
+
+def _heldout_lines(ds, estimators, ranks) -> list[str]:
+    r = int(_parameters(ds)["heldout_rank"])
+    if r not in ranks:
+        return []
+    s = ds["heldout_error_summary"]
+    parts = []
+    for est in estimators:
+        one = s.sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r), search=False).squeeze(drop=True)
+        if _ran(one):
+            parts.append(f"`{est}` (r = {_dim(ds, est, r)}) {fmt_ci(one, 2)}")
+    lines = []
+    if parts:
+        lines.append(f"Held-out attention-output error per head at r = {r} (median over layers × heads × seeds, "
+                     "maps fitted on extraction windows 0–1 and tested on windows 2–3): " + "; ".join(parts) + ".")
+    for est in [e for e in LEARNED if e in estimators]:
+        wins = []
+        for base in HELDOUT_BASELINES:
+            var = f"heldout_error_vs_{base}_summary"
+            if var not in ds:
                 continue
-            table = {row[0]: row[1:] for row in hybrid_table(ds, est, r)}
-            if np.isnan(table["E:-"][0]):
+            p = ds[var].sel(estimator=est, num_features=r, search=False).squeeze(drop=True)
+            if not _ran(p):
                 continue
-            alone = {layer: table[sub.placement_label([j for j in range(NUM_LAYERS) if j != layer])]
-                     for layer in range(NUM_LAYERS)}
-            worst = min(alone, key=lambda layer: alone[layer][0])
-            best = max(alone, key=lambda layer: alone[layer][0])
-            lines.append(f"- {est}, r = {r}, one layer substituted at a time: top-10 agreement from "
-                         f"{_fmt(alone[worst])} (layer {worst}) to {_fmt(alone[best])} (layer {best}).")
-    if 64 in ranks:
-        parts = []
-        for est in estimators:
-            rr = FIXED_DIMENSION.get(est, 64)
-            vals = ds["heldout_error"].sel(estimator=est, num_features=rr, search=False).values
-            stat = median_interval(vals)
-            if not np.isnan(stat[0]):
-                parts.append(f"{est} {_fmt(stat)}")
-        if parts:
-            lines.append("- Held-out attention-output error at r = 64 (median over heads and seeds, windows 2–3 of "
-                         "maps fitted on windows 0–1): " + "; ".join(parts) + ".")
-        learned = [e for e in LEARNED if e in estimators]
-        for est in learned:
-            mine = ds["heldout_error"].sel(estimator=est, num_features=64, search=False)
-            wins = []
-            for other in estimators:
-                if other == est or other in FIXED_DIMENSION:
-                    continue
-                theirs = ds["heldout_error"].sel(estimator=other, num_features=64, search=False)
-                paired = np.isfinite(mine.values) & ~np.isnan(theirs.values)
-                if paired.any():
-                    below = int((mine.values[paired] < theirs.values[paired]).sum())
-                    lo, hi = clopper_pearson(below, int(paired.sum()))
-                    wins.append(f"{other} on {below / paired.sum():.2f} [{lo:.2f}, {hi:.2f}] of {int(paired.sum())}")
-            if wins:
-                lines.append(f"- Paired by head and seed at r = 64, {est}'s held-out error is below " +
-                             "; ".join(wins) + " (head, seed) pairs.")
-    return "\n".join(lines) + "\n"
+            share = xr.DataArray(p.sel(stat=["below", "below_lo", "below_hi"]).values, dims="stat",
+                                 coords={"stat": ["estimate", "lo", "hi"]})
+            wins.append(f"`{base}` on {fmt_ci(share, 2)} of {int(p.sel(stat='count'))} (median ratio "
+                        f"{fmt_ci(p, 2)}{'' if resolved(p) else ', not resolved from 1'})")
+        if wins:
+            lines.append(f"Paired by head and seed at r = {r}, `{est}`'s held-out error is below " + "; ".join(wins)
+                         + " (layer, head, seed) triples.")
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------- figure
+def _rank_curve(ax, ds, var, est, ranks, **style):
+    """``<var>`` (a summary) of the all-layer substitution against the feature dimension, with its band."""
+    xs, rows = [], []
+    for r in ranks:
+        if not applicable(est, r, False, _parameters(ds)):
+            continue
+        s = _all_layers(ds, var, est, r)
+        if _ran(s):
+            xs.append(_dim(ds, est, r))
+            rows.append([float(s.sel(stat=k)) for k in ("estimate", "lo", "hi")])
+    if not xs:
+        return
+    m, lo, hi = np.array(rows).T
+    ax.plot(xs, m, **style)
+    ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+
+
 def plot(ds, path):
+    from matplotlib import ticker
+
     from kernapprox import plotting
 
     estimators = [str(e) for e in ds.estimator.values]
-    ranks = np.array([int(r) for r in ds.num_features.values])
+    ranks = [int(r) for r in ds.num_features.values]
+    params = _parameters(ds)
     fig, axes = plotting.new_figure(2, 3, width=15.0, height=8.2, squeeze=False)
     (a_top1, a_top10, a_err), (a_mem, a_head, a_layer) = axes
 
     for est in estimators:
         style = plotting.estimator_style(est)
-        xs, stats1, stats10, errs = [], [], [], []
-        for r in ranks:
-            if not applicable(est, int(r), False):
-                continue
-            dim = ds["feature_dimension"].sel(estimator=est, num_features=r, search=False).max().item()
-            s1 = mean_interval(_per_query(ds, "top1_agreement", est, int(r)))
-            if np.isnan(s1[0]):
-                continue
-            xs.append(dim)
-            stats1.append(s1)
-            stats10.append(mean_interval(_per_query(ds, "top10_agreement", est, int(r))))
-            fe = ds["final_state_error"].sel(estimator=est, num_features=r, search=False, placement="E:-").values
-            errs.append(median_interval(fe))
-        for ax, stats in ((a_top1, stats1), (a_top10, stats10), (a_err, errs)):
-            if not xs:
-                continue
-            m, lo, hi = np.array(stats).T
-            ax.plot(xs, m, **style)
-            ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+        _rank_curve(a_top1, ds, "top1_agreement_summary", est, ranks, **style)
+        _rank_curve(a_top10, ds, "top10_agreement_summary", est, ranks, **style)
+        _rank_curve(a_err, ds, "final_state_error_summary", est, ranks, **style)
     for ax, label in ((a_top1, "top-1 agreement with exact"), (a_top10, "top-10 agreement with exact")):
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.02, 1.02)
@@ -403,57 +500,52 @@ def plot(ds, path):
     plotting.loglog_rank_axes(a_err, xlabel="features per head r", ylabel="relative error of final states")
     a_err.set_title("final hidden-state error (all layers)")
 
-    # agreement against memory: all-layer substitutions, hybrids (best and naive), exact
-    from matplotlib import ticker
-
+    # agreement against memory: all-layer substitutions, hybrids (best searched and naive), exact
     kib = 1024.0
     for est in estimators:
         style = plotting.estimator_style(est)
         pts = []
         for r in ranks:
-            if not applicable(est, int(r), False):
+            if not applicable(est, r, False, params):
                 continue
-            mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement="E:-").mean()
-            stat = mean_interval(_per_query(ds, "top10_agreement", est, int(r)))
-            if not np.isnan(stat[0]):
-                pts.append((float(mem) / kib, stat[0]))
+            s = _all_layers(ds, "top10_agreement_summary", est, r)
+            mem = float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=False,
+                                                  placement=NONE_EXACT).max())
+            if _ran(s):
+                pts.append((mem / kib, float(s.sel(stat="estimate"))))
         if pts:
             x, y = np.array(sorted(pts)).T
             a_mem.plot(x, y, color=style["color"], linestyle=":", marker=style["marker"], alpha=0.7,
-                       label=f"{est}, all layers, r = {', '.join(str(int(r)) for r in ranks)}"
+                       label=f"{est}, all layers, r = {', '.join(map(str, ranks))}"
                        if est not in FIXED_DIMENSION else f"{est}, all layers")
-    kv = None
-    for est, search_ranks in SEARCH.items():
-        for r in search_ranks:
-            if est not in estimators or r not in ranks or not bool(ds.search.any()):
+    for est, r in _searches(ds):
+        table = hybrid_table(ds, est, r)
+        color = plotting.estimator_style(est)["color"]
+        mem = {label: float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=True,
+                                                      placement=label).max()) / kib for label in table}
+        curves = {"best": [], "first": [], "last": []}
+        for count in range(NUM_LAYERS):
+            best = _best(table, count)
+            exhaustive = count <= params["search_max_exact"] or count >= NUM_LAYERS - 1
+            if best is not None and exhaustive:
+                curves["best"].append((mem[best[0]], float(best[1].sel(stat="estimate")), count))
+            for name, layers in (("first", sub.first_layers(count)), ("last", sub.last_layers(count))):
+                label = sub.placement_label(layers)
+                if label in table:
+                    curves[name].append((mem[label], float(table[label].sel(stat="estimate")), count))
+        for name, ls, mk in (("best", "-", "*"), ("first", "--", "v"), ("last", "-.", "^")):
+            if not curves[name]:
                 continue
-            table = hybrid_table(ds, est, r)
-            if np.isnan(table[0][1]):
-                continue
-            color = plotting.estimator_style(est)["color"]
-            mem = {label: float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=True,
-                                                          placement=label).mean()) / kib for label, *_ in table}
-            kv = mem[PLACEMENTS[-1]]
-            curves = {"best": [], "first": [], "last": []}
-            for count in range(NUM_LAYERS):
-                rows = [row for row in table if _num_exact(row[0]) == count]
-                top = max(rows, key=lambda row: row[1])
-                curves["best"].append((mem[top[0]], top[1], count))
-                for name, layers in (("first", sub.first_layers(count)), ("last", sub.last_layers(count))):
-                    label = sub.placement_label(layers)
-                    curves[name].append((mem[label], next(row[1] for row in rows if row[0] == label), count))
-            for name, ls, mk in (("best", "-", "*"), ("first", "--", "v"), ("last", "-.", "^")):
-                x, y, _ = np.array(curves[name]).T
-                a_mem.plot(x, y, color=color, linestyle=ls, marker=mk, markersize=5 if mk == "*" else 3.5,
-                           label=f"{est} r = {r}: k exact layers, {name} k" if name != "best"
-                           else f"{est} r = {r}: best k exact layers")
-            for x, y, count in curves["best"]:
-                a_mem.annotate(str(int(count)), (x, y), textcoords="offset points", xytext=(2, 3), fontsize=6,
-                               color=color)
-    if kv is not None:
-        a_mem.plot([kv], [1.0], marker="P", color="black", linestyle="none", markersize=7,
-                   label="exact model (KV caches)")
-        a_mem.axvline(kv, color="0.5", linewidth=0.7, linestyle=":")
+            x, y, _ = np.array(curves[name]).T
+            a_mem.plot(x, y, color=color, linestyle=ls, marker=mk, markersize=5 if mk == "*" else 3.5,
+                       label=f"{est} r = {r}: k exact layers, {name} k" if name != "best"
+                       else f"{est} r = {r}: best searched placement of k exact layers")
+        for x, y, count in curves["best"]:
+            a_mem.annotate(str(int(count)), (x, y), textcoords="offset points", xytext=(2, 3), fontsize=6,
+                           color=color)
+    kv = float(ds["exact_attention_bytes"].max()) / kib
+    a_mem.plot([kv], [1.0], marker="P", color="black", linestyle="none", markersize=7, label="exact model (KV caches)")
+    a_mem.axvline(kv, color="0.5", linewidth=0.7, linestyle=":")
     a_mem.set_xscale("log")
     a_mem.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     a_mem.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
@@ -464,8 +556,8 @@ def plot(ds, path):
     a_mem.set_title("agreement against memory (numbers: exact layers)")
     a_mem.legend(fontsize=5.3, ncol=1, loc="lower right")
 
-    # held-out per-head error at r = 64 (or the middle rank)
-    r_head = 64 if 64 in ranks else int(ranks[len(ranks) // 2])
+    # held-out per-head error at heldout_rank (boxes of the per-head, per-seed draws)
+    r_head = int(params["heldout_rank"])
     data, labels = [], []
     for est in estimators:
         rr = FIXED_DIMENSION.get(est, r_head)
@@ -491,14 +583,10 @@ def plot(ds, path):
         rr = FIXED_DIMENSION.get(est, r_head)
         if rr not in ranks:
             continue
-        da = ds["layer_attention_error"].sel(estimator=est, num_features=rr, search=False, placement="E:-")
-        da = da.squeeze([d for d in da.dims if d not in ("seed", "layer")], drop=True)
-        med, lo, hi = plotting.median_band(da, dim="seed")
-        if not np.isfinite(med.values).any():
-            continue
-        style = plotting.estimator_style(est)
-        a_layer.plot(med.layer.values, med.values, **style)
-        a_layer.fill_between(med.layer.values, lo.values, hi.values, color=style["color"], alpha=0.15, linewidth=0)
+        s = ds["layer_attention_error_summary"].sel(estimator=est, num_features=rr, search=False,
+                                                    placement=NONE_EXACT).squeeze(drop=True)
+        if np.isfinite(s.sel(stat="estimate").values).any():
+            plotting.plot_summary(a_layer, s, "layer", **plotting.estimator_style(est))
     a_layer.set_yscale("log")
     a_layer.set_xlabel("layer")
     a_layer.set_ylabel("attention-output error of the layer")
@@ -509,29 +597,32 @@ def plot(ds, path):
     plotting.save_figure(fig, path, (
         f"Sentence retrieval over {n} held-out paragraphs of Python's help text (query: first sentence; document: "
         "the rest), every layer's attention replaced by the estimator (r features per head, 12 heads, 6 layers) "
-        "and compared with the exact model on the same tokens. Top row: mean top-1 / top-10 agreement of each "
-        "query's nearest documents with the exact model's (band: 95 % bootstrap interval over seeds and "
-        "queries); median relative error of the final hidden states (band: bootstrap interval of the median). "
-        "Bottom left: top-10 agreement against attention memory per text (estimators' state_bytes; exact layers "
-        "hold their KV cache at the text's length); dotted: all layers substituted at each r; solid: the best "
-        "placement of k exact layers (k written beside it), dashed/dash-dotted: the first/last k layers exact; the "
-        "cross: the exact model (all six KV caches). Bottom middle: held-out "
-        f"attention-output error per head at r = {r_head} (maps fitted on windows 0–1 of the extraction, tested on "
-        "windows 2–3; boxes over 72 heads and the seeds, whiskers 1.5 IQR). Bottom right: each layer's "
-        "attention-output error on the activations it sees with all layers substituted (median and 10–90 % "
-        "band over seeds)."))
+        "and compared with the exact model on the same tokens. Top row: top-1 / top-10 agreement of each query's "
+        f"nearest documents with the exact model's (mean over queries of the mean over {ds.sizes['seed']} seeds; "
+        "band: 95 % bootstrap interval over queries); median relative error of the final hidden states over seeds "
+        "(band: bootstrap interval of the median). Bottom left: top-10 agreement against attention memory per "
+        "text (estimators' state_bytes; exact layers hold their KV cache at the text's length); dotted: all layers "
+        "substituted at each r; solid: the best searched placement of k exact layers (k written beside it; every "
+        f"placement is searched for k ≤ {int(params['search_max_exact'])} and k ≥ 5, only the naive ones between), "
+        "dashed/dash-dotted: the first/last k layers exact; the cross: the exact model (all six KV caches). Bottom "
+        f"middle: held-out attention-output error per head at r = {r_head} (maps fitted on windows 0–1 of the "
+        "extraction, tested on windows 2–3; boxes over 72 heads and the seeds, whiskers 1.5 IQR). Bottom right: "
+        "each layer's attention-output error on the activations it sees with all layers substituted (median over "
+        "seeds and its 95 % bootstrap interval)."))
 
 
 EXPERIMENT = Experiment(
     name="model_substitution",
     title="all-MiniLM-L6-v2 end to end on approximate attention: retrieval, hybrids and learned maps",
-    description=("What sentence retrieval loses when every layer (or every subset of layers) of all-MiniLM-L6-v2 "
-                 "runs on an approximate attention of r features per head: random, data-dependent random, Nyström, "
-                 "Taylor and learned (Hedgehog-distilled) maps; top-1/top-10 agreement with the exact model, "
-                 "embedding cosine, final-state and per-layer errors, attention memory per placement, and each "
-                 "head's held-out attention error. Grid: estimator × r × placement search × corpus × training "
-                 "steps × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"))
+    description=("What sentence retrieval loses when every layer (or a hybrid placement of exact layers) of "
+                 "all-MiniLM-L6-v2 runs on an approximate attention of r features per head: random, data-dependent "
+                 "random, Nyström, Taylor and learned (Hedgehog-distilled) maps; top-1/top-10 agreement with the "
+                 "exact model, embedding cosine, final-state and per-layer errors, attention memory per placement, "
+                 "and each head's held-out attention error. Grid: estimator × r × placement search × corpus × "
+                 "training steps × seed."),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"),
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

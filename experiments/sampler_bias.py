@@ -17,9 +17,13 @@ Measurement: each cell draws ``num_rows`` rows with its sampler and, for each pa
 the rows of :func:`kernapprox.theory.sign_averaged_ratio` — the per-row product divided by the kernel, with the
 coordinate signs (and, for the chi-norm samplers, the independent norm) integrated out exactly; every sampler
 here is invariant under those operations, so this is the estimator's mean-to-kernel ratio with a much smaller
-Monte-Carlo error than the raw products. The within-cell standard error comes from 32 groups of consecutive rows
-(whole sampler blocks, hence independent). Intervals in :func:`findings` are percentile bootstraps over seeds and
-pairs (fixed bootstrap seed).
+Monte-Carlo error than the raw products. The within-cell standard error comes from ``row_groups`` groups of
+consecutive rows (whole sampler blocks, hence independent: ``num_rows / row_groups ≥ d``). The sphere closed form
+is the study's :class:`~kernapprox.sweep.Reference` (stored without the sampler axis). Summaries
+(:mod:`kernapprox.stats`): the mean ratio over seeds × pairs with its percentile-bootstrap interval
+(``ratio_summary``; the pairs of a cell share its rows but point in independent directions, and their errors are
+nearly uncorrelated), the per-draw ratio to the closed form (``ratio_vs_closed_form``) and the paired difference
+from SMREG on the same pairs (``ratio_vs_regularized``).
 """
 
 from __future__ import annotations
@@ -29,31 +33,41 @@ import math
 import numpy as np
 import xarray as xr
 
-from kernapprox import theory
+from experiments._common import add_paired, interval_note, range_text
+from kernapprox import stats, theory
 from kernapprox.estimators.samplers import make_sampler
-from kernapprox.plotting import estimator_style, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 SAMPLERS = ["iid", "regularized", "sorf", "sorf_chi"]
 CHI_NORMS = {"iid", "sorf_chi"}           # norms are independent chi(d) draws: integrated out by quadrature
 MAPS = ["positive", "oprf"]
-LEVELS = {  # level -> (a, b) with ‖x+y‖² = a + b·√d, and its label
+LEVELS = {  # level -> (a, b, label) with ‖x+y‖² = a + b·√d
     "fixed_4": (4.0, 0.0, "‖x+y‖² = 4"),
     "half_sqrt_d": (0.0, 0.5, "‖x+y‖² = √d/2"),
     "sqrt_d": (0.0, 1.0, "‖x+y‖² = √d"),
     "two_sqrt_d": (0.0, 2.0, "‖x+y‖² = 2√d"),
 }
 SAMPLER_COLORS = {"iid": "#555555", "regularized": "#0173b2", "sorf": "#d55e00", "sorf_chi": "#029e73"}
-ROW_GROUPS = 32
-BOOTSTRAP_SEED = 20240613
-BOOTSTRAP_REPS = 2000
+DRAWS = ("seed", "pair")                  # the replicates: independent pairs of independent cells
 
 GRIDS = {  # num_rows: rows drawn per cell; num_pairs: pairs per seed and level
     "smoke": {"sampler": SAMPLERS, "dim": [16, 32], "num_rows": [2**10], "num_pairs": [2], "seed": [0, 1]},
-    "default": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128], "num_rows": [2**13], "num_pairs": [4],
+    "default": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128], "num_rows": [2**12], "num_pairs": [4],
                 "seed": [0, 1, 2, 3, 4]},
     "full": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128, 256], "num_rows": [2**16], "num_pairs": [8],
              "seed": list(range(10))},
+}
+PARAMETERS = {
+    "row_groups": Parameter(32, long_name="groups of consecutive rows for the within-cell standard error", units="1",
+                            description="each group must hold whole sampler blocks: num_rows / row_groups a "
+                                        "multiple of d"),
+}
+AXIS_ATTRS = {
+    "sampler": {"long_name": "projection sampler (kernapprox.estimators.samplers)", "units": "1"},
+    "dim": {"long_name": "dimension d of q and k", "units": "1"},
+    "num_rows": {"long_name": "projection rows drawn per cell", "units": "1"},
+    "num_pairs": {"long_name": "pairs (x, y) per seed and level", "units": "1"},
 }
 
 _COORDS = {"level": list(LEVELS), "feature_map": MAPS}
@@ -63,11 +77,13 @@ METRICS = {
                                 "chi-norm samplers norm-) averaged per-row product / SM",
                     dims=("level", "feature_map", "pair"), coords=_COORDS),
     "ratio_se": Metric(long_name="standard error of the ratio", units="1",
-                       description=f"from {ROW_GROUPS} groups of consecutive rows (whole sampler blocks)",
+                       description="from row_groups groups of consecutive rows (whole sampler blocks)",
                        dims=("level", "feature_map", "pair"), coords=_COORDS),
+}
+REFERENCE_METRICS = {
     "closed_form": Metric(long_name="sphere closed form of the ratio", units="1",
                           description="theory.regularized_mean_ratio: rows uniform on the sphere of radius √d "
-                                      "(exact for the regularized sampler)",
+                                      "(exact for the regularized sampler); a function of d and the level only",
                           dims=("level", "feature_map"), coords=_COORDS),
     "norm2": Metric(long_name="‖x+y‖²", units="1", description="the level's value, the same for every pair",
                     dims=("level",), coords={"level": list(LEVELS)}),
@@ -83,116 +99,172 @@ def draw_pairs(dim: int, num_pairs: int, rng: np.random.Generator) -> tuple[np.n
     return q / dim**0.25, k / dim**0.25
 
 
+def _levels(dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(‖x+y‖², OPRF's A*)`` of every level at dimension ``dim``."""
+    norm2 = np.array([a + b * math.sqrt(dim) for a, b, _ in LEVELS.values()])
+    return norm2, np.array([float(theory.oprf_optimal_A(v / dim)) for v in norm2])
+
+
+def _gerf_a(name: str, a_opt: float) -> float:
+    return 0.0 if name == "positive" else a_opt
+
+
+ROW_BLOCK = 512     # rows per call of sign_averaged_ratio: its temporaries stay small (whole-cell calls spent about
+                    # half their CPU time in the kernel faulting in fresh pages); values are per row, so identical
+
+
+def _row_ratios(rows: np.ndarray, x: np.ndarray, y: np.ndarray, A: float, radial) -> np.ndarray:
+    """:func:`kernapprox.theory.sign_averaged_ratio` of every row, evaluated :data:`ROW_BLOCK` rows at a time."""
+    return np.concatenate([theory.sign_averaged_ratio(rows[i:i + ROW_BLOCK], x, y, A=A, radial=radial)
+                           for i in range(0, len(rows), ROW_BLOCK)])
+
+
 def run_cell(params, rng, device, data_rng):
     dim, rows_per_cell, num_pairs, sampler = params["dim"], params["num_rows"], params["num_pairs"], params["sampler"]
+    groups = params["row_groups"]
     if dim & (dim - 1):
         raise ValueError(f"dim must be a power of two (SORF rows then have norm exactly √d), got {dim}")
+    if rows_per_cell % groups or (rows_per_cell // groups) % dim:
+        raise ValueError(f"num_rows / row_groups must be a multiple of dim (whole sampler blocks per group), got "
+                         f"num_rows = {rows_per_cell}, row_groups = {groups}, dim = {dim}")
     x, y = draw_pairs(dim, num_pairs, data_rng)
     rows = make_sampler(sampler).sample(rows_per_cell, dim, rng)
     radial = "chi" if sampler in CHI_NORMS else None
+    norm2, a_opt = _levels(dim)
     shape = (len(LEVELS), len(MAPS), num_pairs)
     ratio, se = np.empty(shape), np.empty(shape)
-    closed, norm2, a_opt = np.empty(shape[:2]), np.empty(shape[0]), np.empty(shape[0])
-    for i, (a, b, _) in enumerate(LEVELS.values()):
-        norm2[i] = a + b * math.sqrt(dim)
-        a_opt[i] = float(theory.oprf_optimal_A(norm2[i] / dim))
+    for i in range(len(LEVELS)):
         for j, name in enumerate(MAPS):
-            gerf_a = 0.0 if name == "positive" else a_opt[i]
-            closed[i, j] = float(theory.regularized_mean_ratio(norm2[i], dim, A=gerf_a))
             for p in range(num_pairs):
                 factor = math.sqrt(norm2[i] / float((x[p] + y[p]) @ (x[p] + y[p])))
-                values = theory.sign_averaged_ratio(rows, factor * x[p], factor * y[p], A=gerf_a, radial=radial)
-                groups = values.reshape(ROW_GROUPS, -1).mean(1)
+                values = _row_ratios(rows, factor * x[p], factor * y[p], _gerf_a(name, a_opt[i]), radial)
                 ratio[i, j, p] = values.mean()
-                se[i, j, p] = groups.std(ddof=1) / math.sqrt(ROW_GROUPS)
-    return {"ratio": ratio, "ratio_se": se, "closed_form": closed, "norm2": norm2, "oprf_A": a_opt}
+                se[i, j, p] = values.reshape(groups, -1).mean(1).std(ddof=1) / math.sqrt(groups)
+    return {"ratio": ratio, "ratio_se": se}
+
+
+def run_reference(params, device, data_rng):
+    """The sphere closed form at each level and map (deterministic in d; the pairs are not needed)."""
+    norm2, a_opt = _levels(params["dim"])
+    closed = np.array([[float(theory.regularized_mean_ratio(v, params["dim"], A=_gerf_a(name, a)))
+                        for name in MAPS] for v, a in zip(norm2, a_opt)])
+    return {"closed_form": closed, "norm2": norm2, "oprf_A": a_opt}
 
 
 # -------------------------------------------------------------------------------------------- summaries
-def _bootstrap_interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of ``values`` (all draws pooled), fixed seed."""
-    values = np.asarray(values, dtype=np.float64).ravel()
-    values = values[np.isfinite(values)]
-    gen = np.random.default_rng(BOOTSTRAP_SEED)
-    means = values[gen.integers(0, len(values), size=(BOOTSTRAP_REPS, len(values)))].mean(1)
-    tail = (1.0 - level) / 2.0
-    return float(np.quantile(means, tail)), float(np.quantile(means, 1.0 - tail))
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    """The mean ratio over seeds × pairs with its bootstrap interval; per draw, the ratio to the sphere closed
+    form and the paired difference from SMREG on the same pairs, with their intervals."""
+    mean = stats.bootstrap_interval(ds["ratio"], DRAWS, "mean")
+    mean.attrs.update({"long_name": ds["ratio"].attrs["long_name"], "units": "1",
+                       "description": "mean of ratio over seed, pair: " + mean.attrs["interval"]})
+    ds["ratio_summary"] = mean
+    to_closed = (ds["ratio"] / ds["closed_form"]).assign_attrs(
+        long_name="mean estimate / kernel: / the sphere closed form", units="1", baseline="closed_form",
+        comparison="ratio", description="per draw, ratio / closed_form (1: the mean of rows uniform on the sphere "
+                                        "of radius √d, SMREG's law)")
+    ds["ratio_vs_closed_form"] = to_closed
+    summary = stats.paired_summary(to_closed, DRAWS, statistic="mean")
+    summary.attrs["description"] = "summary of ratio_vs_closed_form over seed, pair: " + summary.attrs["interval"]
+    ds["ratio_vs_closed_form_summary"] = summary
+    if "regularized" in ds["sampler"].values:
+        ds = add_paired(ds, "ratio", "regularized", DRAWS, op="difference", dim="sampler", statistic="mean")
+    return ds
 
 
-def summary(ds: xr.Dataset) -> xr.Dataset:
-    """Mean ratio over seeds and pairs with its 95 % bootstrap interval, per sampler, dim, level and map;
-    and the closed form."""
-    ratio = ds["ratio"].squeeze(("num_rows", "num_pairs"), drop=True)
-    mean = ratio.mean(("seed", "pair"))
-    lo = xr.zeros_like(mean)
-    hi = xr.zeros_like(mean)
-    for index in np.ndindex(*mean.shape):
-        sel = dict(zip(mean.dims, index))
-        lo[sel], hi[sel] = _bootstrap_interval(ratio.isel(sel).values)
-    closed = ds["closed_form"].squeeze(("num_rows", "num_pairs"), drop=True).isel(seed=0, sampler=0, drop=True)
-    return xr.Dataset({"mean": mean, "lo": lo, "hi": hi, "closed_form": closed})
+def _closed(ds: xr.Dataset) -> xr.DataArray:
+    """The closed form per (dim, level, feature_map) (equal for every seed: a function of d and the level)."""
+    return ds["closed_form"].isel(num_pairs=0, seed=0, drop=True)
+
+
+def _summary(ds: xr.Dataset, name: str) -> xr.DataArray:
+    return ds[name].squeeze(("num_rows", "num_pairs"), drop=True)
+
+
+def _contains(summary: xr.DataArray, value: float) -> xr.DataArray:
+    return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
 
 
 def findings(ds: xr.Dataset) -> str:
-    """Markdown bullets: every number computed from ``ds`` (means over seeds and pairs, 95 % bootstrap intervals)."""
-    s = summary(ds)
+    """Markdown bullets; every number computed from ``ds`` (means over seeds × pairs with 95 % bootstrap
+    intervals)."""
+    s = _summary(ds, "ratio_summary")
+    closed = _closed(ds)
     dims = [int(d) for d in s.dim.values]
     samplers = [str(v) for v in s.sampler.values]
-    n_draws = ds.sizes["seed"] * ds.sizes["pair"]
+    lo_d, hi_d = dims[0], dims[-1]
+    level = "two_sqrt_d"
 
-    def cell(sampler, dim, level, name="positive"):
-        sel = {"sampler": sampler, "dim": dim, "level": level, "feature_map": name}
-        return f"{float(s['mean'].sel(sel)):.3f} [{float(s['lo'].sel(sel)):.3f}, {float(s['hi'].sel(sel)):.3f}]"
+    def cell(sampler, dim, lvl=level, name="positive"):
+        return fmt_ci(s.sel(sampler=sampler, dim=dim, level=lvl, feature_map=name))
 
-    def closed(dim, level, name="positive"):
-        return float(s["closed_form"].sel(dim=dim, level=level, feature_map=name))
+    def cf(dim, lvl=level, name="positive"):
+        return fmt(float(closed.sel(dim=dim, level=lvl, feature_map=name)))
 
-    lines = [f"- Mean estimate / kernel of positive features over {ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs "
-             f"({n_draws} draws per value, 95 % bootstrap intervals) at {LEVELS['two_sqrt_d'][2]}, a typical "
-             "independent pair of unit-variance q, k at Performer scaling:"]
+    lines = []
+    if {"sorf", "regularized"} <= set(samplers):
+        control = (f"; Gaussian rows (iid) give {cell('iid', lo_d)} and {cell('iid', hi_d)}" if "iid" in samplers
+                   else "")
+        lines.append(
+            f"SORF is not unbiased at Performer scaling: for a typical unit-variance pair ({LEVELS[level][2]}) "
+            f"positive random features with SORF rows estimate {cell('sorf', lo_d)} of the kernel at d = {lo_d} and "
+            f"{cell('sorf', hi_d)} at d = {hi_d}, close to SMREG ({cell('regularized', lo_d)}, "
+            f"{cell('regularized', hi_d)}) and as the sphere closed form says ({cf(lo_d)}, {cf(hi_d)}){control}.")
     for dim in dims:
-        parts = [f"{name} {cell(name, dim, 'two_sqrt_d')}" for name in samplers]
-        lines.append(f"  - d = {dim}: " + "; ".join(parts) + f"; sphere closed form {closed(dim, 'two_sqrt_d'):.3f}.")
-    lines.append(f"- At {LEVELS['fixed_4'][2]} (fixed norm, Yu et al.'s regime) the bias vanishes as d grows: "
-                 + "; ".join(f"d = {dim}: SORF {cell('sorf', dim, 'fixed_4')}, SMREG "
-                             f"{cell('regularized', dim, 'fixed_4')}, closed form {closed(dim, 'fixed_4'):.3f}"
-                             for dim in dims if {"sorf", "regularized"} <= set(samplers)) + ".")
+        lines.append(f"Mean estimate / kernel, positive features, {LEVELS[level][2]}, d = {dim}: "
+                     + "; ".join(f"{name} {cell(name, dim)}" for name in samplers)
+                     + f"; sphere closed form {cf(dim)}.")
+    if {"sorf", "regularized"} <= set(samplers):
+        lines.append(f"At {LEVELS['fixed_4'][2]} (a fixed norm: Yu et al.'s regime) the bias shrinks as d grows, as "
+                     "the closed form's does: "
+                     + "; ".join(f"d = {dim}: SORF {cell('sorf', dim, 'fixed_4')}, SMREG "
+                                 f"{cell('regularized', dim, 'fixed_4')}, closed form {cf(dim, 'fixed_4')}"
+                                 for dim in dims) + ".")
     if "sorf" in samplers:
-        lo, hi = s["lo"].sel(sampler="sorf"), s["hi"].sel(sampler="sorf")
-        inside = (lo <= s["closed_form"]) & (hi >= s["closed_form"])
-        dev = s["mean"].sel(sampler="sorf") / s["closed_form"] - 1.0
-        lines.append(f"- SORF has SMREG's bias: over every d, level and map its interval contains the sphere closed "
-                     f"form in {int(inside.sum())} of {inside.size} cells, and its mean is within "
-                     f"{float(dev.min()):+.3f} to {float(dev.max()):+.3f} (relative) of it. At ‖x+y‖² = c√d the "
-                     f"closed form tends to e^(−c²/4) as d grows ({math.exp(-1 / 16):.3f}, {math.exp(-1 / 4):.3f}, "
-                     f"{math.exp(-1):.3f} for c = 0.5, 1, 2), not to 1.")
+        vs = _summary(ds, "ratio_vs_closed_form_summary").sel(sampler="sorf")
+        inside = _contains(vs, 1.0)
+        text = (f"SORF's mean follows the sphere closed form (SMREG's law): over every d, level and map its mean "
+                f"divided by the closed form has an interval containing 1 in {int(inside.sum())} of {inside.size} "
+                f"cells (estimates "
+                f"{range_text(vs.sel(stat='estimate').values, 3)})")
+        if "ratio_vs_regularized_summary" in ds:
+            diff = _summary(ds, "ratio_vs_regularized_summary").sel(sampler="sorf")
+            resolved = ~_contains(diff, 0.0)
+            text += (f", and SORF − SMREG on the same pairs is {range_text(diff.sel(stat='estimate').values, 2)}, "
+                     f"resolved from 0 in {int(resolved.sum())} of {resolved.size} cells"
+                     + (": the two laws are close, not identical" if resolved.any() else ""))
+        lines.append(text + f". At ‖x+y‖² = c√d the closed form tends to e^(−c²/4) as d grows ("
+                     f"{fmt(math.exp(-1 / 16))}, {fmt(math.exp(-1 / 4))}, {fmt(math.exp(-1))} for c = 0.5, 1, 2), "
+                     "not to 1.")
     if "oprf" in [str(v) for v in s.feature_map.values]:
-        dim = dims[-1]
-        a_value = float(ds["oprf_A"].sel(level="two_sqrt_d", dim=dim).squeeze().isel(seed=0, sampler=0))
-        parts = [f"{name} {cell(name, dim, 'two_sqrt_d', 'oprf')}" for name in samplers]
-        lines.append(f"- OPRF (A = {a_value:.3f}) at d = {dim}, {LEVELS['two_sqrt_d'][2]}: "
-                     + "; ".join(parts)
-                     + f"; sphere closed form {closed(dim, 'two_sqrt_d', 'oprf'):.3f}. For GERF-family maps the "
-                     "fixed norm enters through e^(2A‖ω‖²) as well as through the projection; Gaussian norms "
-                     "(iid, sorf_chi) remove both.")
+        a_value = float(ds["oprf_A"].sel(level=level, dim=hi_d).isel(num_pairs=0, seed=0))
+        lines.append(f"OPRF (A = {fmt(a_value)}) at d = {hi_d}, {LEVELS[level][2]}: "
+                     + "; ".join(f"{name} {cell(name, hi_d, name='oprf')}" for name in samplers)
+                     + f"; sphere closed form {cf(hi_d, name='oprf')}. For GERF-family maps the fixed norm enters "
+                     "through e^(2A‖ω‖²) as well as through the projection; Gaussian norms (iid, sorf_chi) remove "
+                     "both.")
     if "sorf_chi" in samplers:
-        dev = np.abs(s["mean"].sel(sampler="sorf_chi") - 1.0)
+        chi = s.sel(sampler="sorf_chi")
+        dev = np.abs(chi.sel(stat="estimate") - 1.0)
         at = {k: v.item() for k, v in dev.argmax(...).items()}
-        where = {k: s[k].values[v] for k, v in at.items()}
-        inside = ((s["lo"].sel(sampler="sorf_chi") <= 1.0) & (s["hi"].sel(sampler="sorf_chi") >= 1.0))
-        lines.append(f"- sorf_chi (SORF directions, chi(d) norms): its interval contains 1 in {int(inside.sum())} of "
+        where = {k: chi[k].values[v] for k, v in at.items()}
+        inside = _contains(chi, 1.0)
+        lines.append(f"sorf_chi (SORF directions, chi(d) norms): its interval contains 1 in {int(inside.sum())} of "
                      f"{inside.size} cells; the largest deviation is at d = {int(where['dim'])}, "
                      f"{LEVELS[str(where['level'])][2]}, {where['feature_map']}: "
                      f"{cell('sorf_chi', int(where['dim']), str(where['level']), str(where['feature_map']))}.")
     if "iid" in samplers:
-        inside = ((s["lo"].sel(sampler="iid") <= 1.0) & (s["hi"].sel(sampler="iid") >= 1.0))
-        lines.append(f"- Control: Gaussian rows (iid) contain 1 in {int(inside.sum())} of {inside.size} intervals.")
-    return "\n".join(lines)
+        inside = _contains(s.sel(sampler="iid"), 1.0)
+        lines.append(f"Control: Gaussian rows (iid) contain 1 in {int(inside.sum())} of {inside.size} intervals.")
+    lines.append(f"Each value pools {ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs of "
+                 f"{int(ds.num_rows.values[0])} rows each. " + interval_note(ds))
+    return bullets(lines)
 
 
 # ------------------------------------------------------------------------------------------------------ plot
 def plot(ds: xr.Dataset, path) -> None:
-    s = summary(ds)
+    s = _summary(ds, "ratio_summary")
+    closed = _closed(ds)
     maps = [str(v) for v in s.feature_map.values]
     levels = [str(v) for v in s.level.values]
     fig, axes = new_figure(len(maps), len(levels), squeeze=False, sharex=True, width=11.5, height=6.4)
@@ -200,17 +272,16 @@ def plot(ds: xr.Dataset, path) -> None:
     for i, name in enumerate(maps):
         for j, c in enumerate(levels):
             ax = axes[i, j]
-            cf = s["closed_form"].sel(feature_map=name, level=c)
-            ax.plot(dims, cf.values, color="black", linewidth=2.0, label="sphere closed form")
+            ax.plot(dims, closed.sel(feature_map=name, level=c).values, color="black", linewidth=2.0,
+                    label="sphere closed form")
             for k, sampler in enumerate(s.sampler.values):
-                sel = {"sampler": sampler, "feature_map": name, "level": c}
-                mean = s["mean"].sel(sel).values
-                err = np.stack([mean - s["lo"].sel(sel).values, s["hi"].sel(sel).values - mean])
+                one = s.sel(sampler=sampler, feature_map=name, level=c)
+                est, lo, hi = (one.sel(stat=q).values for q in ("estimate", "lo", "hi"))
                 style = estimator_style(f"{name}_{sampler}" if sampler != "iid" else name)
                 shift = 1.0 + 0.03 * (k - 1.5)
-                ax.errorbar(dims * shift, mean, yerr=err, color=SAMPLER_COLORS.get(str(sampler), "0.3"),
-                            marker=style["marker"], linestyle=style["linestyle"], ms=4, linewidth=1.0, capsize=2,
-                            label=str(sampler))
+                ax.errorbar(dims * shift, est, yerr=np.stack([est - lo, hi - est]),
+                            color=SAMPLER_COLORS.get(str(sampler), "0.3"), marker=style["marker"],
+                            linestyle=style["linestyle"], ms=4, linewidth=1.0, capsize=2, label=str(sampler))
             ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
             ax.set_xscale("log", base=2)
             ax.set_xticks(dims, [str(int(d)) for d in dims])
@@ -226,14 +297,16 @@ def plot(ds: xr.Dataset, path) -> None:
         f"y = k/d^(1/4), unit-variance q, k rescaled to a level of ‖x+y‖² (columns; 2√d is a typical "
         f"independent pair), for positive features and OPRF (rows). Markers: mean over "
         f"{ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs of the sign-averaged per-row product over "
-        f"{int(ds.num_rows.values[0])} rows per draw; bars: 95 % bootstrap intervals. Black: closed form for rows "
-        "uniform on the sphere of radius √d (exact for SMREG). iid: Gaussian rows (unbiased control); sorf_chi: "
-        "SORF directions with chi(d) norms."))
+        f"{int(ds.num_rows.values[0])} rows per draw; bars: 95 % percentile-bootstrap intervals. Black: closed form "
+        "for rows uniform on the sphere of radius √d (exact for SMREG). iid: Gaussian rows (unbiased control); "
+        "sorf_chi: SORF directions with chi(d) norms."))
 
 
 EXPERIMENT = Experiment(name="sampler_bias", title="Bias of the SORF and SMREG samplers at Performer scaling",
                         description=" ".join(__doc__.split("\n\n")[0].split()), grids=GRIDS, metrics=METRICS,
-                        run_cell=run_cell, plot=plot, data_axes=("dim", "num_pairs", "seed"))
+                        run_cell=run_cell, plot=plot, data_axes=("dim", "num_pairs", "seed"),
+                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
+                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

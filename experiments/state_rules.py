@@ -1,17 +1,19 @@
 """Beyond the sum rule: recall and in-context regression against state memory, for four ways to write the state.
 
 One feature map ``φ`` gives a fixed-size state; the rule (:mod:`kernapprox.rules`) decides what it holds:
-the sum of linear attention, a decayed sum (γ = 0.99), the delta rule (β = 1) and the least-squares state
-(ridge λ = 0.1). Each cell reads the same episodes with every rule and one draw of the map per episode, so rules
-are compared on bit-identical inputs and features (paired), and exact softmax attention reads them too.
+the sum of linear attention, a decayed sum (γ = ``decay_gamma``), the delta rule (β = ``delta_beta``) and the
+least-squares state (ridge λ = ``ridge``). Each cell reads the same episodes with every rule and one draw of the map
+per episode, so rules are compared on bit-identical inputs and features (paired, metric dimension ``rule``); the
+episodes and the map seeds come from the data stream of ``(task, num_pairs, seed)``, so every map and rank reads
+the same episodes, and exact softmax attention's read-out of them is the study's reference (once per data draw).
 
 Tasks (``task`` axis):
 
 ``recall_rho1``, ``recall_rho0.9``
     continuous multi-query associative recall (:func:`kernapprox.tasks.associative_recall`): ``n`` pairs of random
-    unit keys (d = 32) and values (d_v = 64), every stored key queried once (queries perturbed to cosine ρ with
-    their key for ``rho0.9``), read-outs decoded to the nearest of 4096 candidate values; accuracy per episode.
-    Inverse temperature β = 2 ln n.
+    unit keys (d = 32) and values (d_v = 64), every stored key queried once (at most 256; queries perturbed to
+    cosine ρ with their key for ``rho0.9``), read-outs decoded to the nearest of 4096 candidate values; accuracy per
+    episode. Inverse temperature β = 2 ln n.
 ``regression``
     in-context regression of a smooth random function on the sphere S³ (:func:`kernapprox.tasks.smooth_regression`,
     Gaussian-process draw of lengthscale 0.7, noise 0.1, ``n`` context points, 64 queries), β = 8; normalised
@@ -28,122 +30,145 @@ sum and decay, ``r d_v`` for delta, ``r² + r d_v`` for least squares, plus what
 
 from __future__ import annotations
 
-import math
-from collections import OrderedDict
-
 import numpy as np
 import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._icl import FIXED_DIMENSION_SLOT
-from kernapprox import readout, tasks
-from kernapprox.plotting import estimator_style, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, run_cli
+from experiments._common import add_paired, add_summaries, interval_note, resolved
+from experiments._icl import (
+    EPISODES,
+    FIXED_DIMENSION_SLOT,
+    REPLICATES,
+    applicable,
+    available,
+    episode_dims,
+    memoised_episodes,
+    summarise_accuracy,
+)
+from kernapprox import readout, stats, tasks
+from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
-KEY_DIM = 32
-VALUE_DIM = 64
-NUM_CANDIDATES = 4096
-BETA_FACTOR = 2.0                 # recall: β = 2 ln n
-REGRESSION_DIM = 4
-REGRESSION_BETA = 8.0
-REGRESSION_QUERIES = 64
-LENGTHSCALE = 0.7
-NOISE_STD = 0.1
-EPISODES = 16
-MAX_QUERIES = 256
-
-RULES = {"sum": "sum", "decay": ka.rules.Decay(0.99), "delta": ka.rules.Delta(1.0),
-         "least_squares": ka.rules.LeastSquares(0.1)}
+# label -> (registry name or estimator class, constructor options). The default preset runs every entry that is
+# registered here except those in FULL_ONLY; add a map in this one table.
+ESTIMATORS = {
+    "positive_orthogonal": ("positive_orthogonal", {}),
+    "taylor2": ("taylor2", {}),
+    "nystrom_uniform": ("nystrom_uniform", {}),
+    "elu1": ("elu1", {}),
+    "trig_orthogonal": ("trig_orthogonal", {}),
+    "oprf_orthogonal": ("oprf_orthogonal", {}),
+}
+FULL_ONLY = ("trig_orthogonal", "oprf_orthogonal")
+RULE_NAMES = ("sum", "decay", "delta", "least_squares")
 TASKS = {"recall_rho1": ("recall", 1.0), "recall_rho0.9": ("recall", 0.9), "regression": ("regression", None)}
-ESTIMATORS = ["positive_orthogonal", "taylor2", "nystrom_uniform", "elu1", "trig_orthogonal", "oprf_orthogonal"]
 
 GRIDS = {
-    "smoke": {"task": ["recall_rho1", "regression"], "estimator": ["positive_orthogonal", "taylor2", "nystrom_uniform"],
+    "smoke": {"task": ["recall_rho1", "regression"],
+              "estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
               "num_features": [16, 64], "num_pairs": [32], "seed": [0, 1]},
-    "default": {"task": list(TASKS), "estimator": ESTIMATORS[:4], "num_features": [64, 256], "num_pairs": [256],
-                "seed": [0, 1, 2, 3, 4]},
-    "full": {"task": list(TASKS), "estimator": ESTIMATORS, "num_features": [16, 64, 256, 1024],
-             "num_pairs": [64, 256, 1024], "seed": list(range(8))},
+    "default": {"task": list(TASKS), "estimator": available(ESTIMATORS, [e for e in ESTIMATORS if e not in FULL_ONLY]),
+                "num_features": [64, 256], "num_pairs": [256], "seed": [0, 1, 2, 3, 4]},
+    "full": {"task": list(TASKS), "estimator": available(ESTIMATORS, list(ESTIMATORS)),
+             "num_features": [16, 64, 256, 1024], "num_pairs": [64, 256, 1024], "seed": list(range(8))},
+}
+PARAMETERS = {
+    "key_dim": Parameter(32, long_name="recall: key dimension d", units="1"),
+    "value_dim": Parameter(64, long_name="recall: value dimension d_v", units="1"),
+    "num_candidates": Parameter(4096, long_name="recall: candidate values a read-out is decoded against", units="1"),
+    "max_queries": Parameter(256, long_name="recall: queries per episode at most", units="1",
+                             description="min(n, max_queries) distinct stored pairs are asked for"),
+    "beta_factor": Parameter(2.0, long_name="recall: β / ln n", units="1"),
+    "regression_dim": Parameter(4, long_name="regression: input dimension d (points on S^(d−1))", units="1"),
+    "regression_beta": Parameter(8.0, long_name="regression: inverse temperature β", units="1"),
+    "regression_queries": Parameter(64, long_name="regression: fresh queries per episode", units="1"),
+    "lengthscale": Parameter(0.7, long_name="regression: lengthscale of the Gaussian-process target", units="1"),
+    "noise_std": Parameter(0.1, long_name="regression: standard deviation of the label noise", units="1"),
+    "decay_gamma": Parameter(0.99, long_name="decay rule: factor γ applied to the state per token", units="1"),
+    "delta_beta": Parameter(1.0, long_name="delta rule: write strength β", units="1"),
+    "ridge": Parameter(0.1, long_name="least-squares rule: ridge λ", units="1"),
+}
+AXIS_ATTRS = {
+    "task": {"long_name": "task: recall with queries at cosine ρ to their key, or in-context regression",
+             "units": "1"},
+    "num_pairs": {"long_name": "context size n (stored pairs or regression points)", "units": "1"},
 }
 
-_PER_RULE = ("rule", "episode")
+_PER_RULE = {"dims": ("rule", "episode"), "coords": {"rule": list(RULE_NAMES), "episode": list(range(EPISODES))}}
 METRICS = {
-    "accuracy": Metric(long_name="recall accuracy", units="1", dims=_PER_RULE,
-                       coords={"rule": list(RULES), "episode": list(range(EPISODES))},
-                       description="fraction of an episode's queries decoded to their own value among 4096 candidates "
+    "accuracy": Metric(long_name="recall accuracy", units="1", **_PER_RULE,
+                       description="fraction of an episode's queries decoded to their own value among the candidates "
                                    "(recall tasks; NaN for regression)"),
-    "nmse": Metric(long_name="normalised MSE", units="1", dims=_PER_RULE,
-                   coords={"rule": list(RULES), "episode": list(range(EPISODES))},
+    "nmse": Metric(long_name="normalised MSE", units="1", **_PER_RULE,
                    description="Σ(ŷ−f)²/Σ(f−f̄)² over an episode's queries (regression; NaN for recall)"),
-    "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1", dims=("episode",),
-                             coords={"episode": list(range(EPISODES))},
-                             description="exact softmax attention on the same episodes (recall tasks)"),
-    "nmse_exact": Metric(long_name="exact-attention normalised MSE", units="1", dims=("episode",),
-                         coords={"episode": list(range(EPISODES))},
-                         description="exact softmax attention on the same episodes (regression)"),
-    "state_bytes": Metric(long_name="state memory", units="byte", dims=("rule",), coords={"rule": list(RULES)},
+    "state_bytes": Metric(long_name="state memory", units="byte", dims=("rule",), coords={"rule": list(RULE_NAMES)},
                           description="float32 bytes a decoder keeps under the rule: its state plus the map's "
                                       "context-dependent fitted values (kernapprox.rules.Rule.state_bytes)"),
-    "kv_cache_bytes": Metric(long_name="exact attention memory", units="byte",
-                             description="the KV cache of the context, n·(d + d_v) float32 numbers"),
     "feature_dim": Metric(long_name="feature dimension r", units="1", description="r of the fitted map"),
 }
+REFERENCE_METRICS = {
+    "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1", **episode_dims(),
+                             description="exact softmax attention on the same episodes (recall tasks; NaN for "
+                                         "regression)"),
+    "nmse_exact": Metric(long_name="exact-attention normalised MSE", units="1", **episode_dims(),
+                         description="exact softmax attention on the same episodes (regression; NaN for recall)"),
+    "kv_cache_bytes": Metric(long_name="exact attention memory", units="byte",
+                             description="the KV cache of the context, n·(d + d_v) float32 numbers"),
+    "num_queries": Metric(long_name="queries per episode", units="1",
+                          description="recall: min(n, max_queries); regression: regression_queries"),
+}
+
+
+def rules(params) -> dict:
+    """The rules of the study, named as the ``rule`` coordinate, with the run's parameters."""
+    return {"sum": "sum", "decay": ka.rules.Decay(params["decay_gamma"]), "delta": ka.rules.Delta(params["delta_beta"]),
+            "least_squares": ka.rules.LeastSquares(params["ridge"])}
+
+
+def _recall(task: str) -> bool:
+    return TASKS[task][0] == "recall"
 
 
 # ------------------------------------------------------------------------------------------------------ data
-def _episodes(task, n, data_rng, device):
-    kind, rho = TASKS[task]
-    if kind == "recall":
-        return tasks.associative_recall(n, dim=KEY_DIM, value_dim=VALUE_DIM, num_candidates=NUM_CANDIDATES,
-                                        num_queries=min(n, MAX_QUERIES), query_cosine=rho, batch=EPISODES,
-                                        rng=data_rng, device=device)
-    return tasks.smooth_regression(n, dim=REGRESSION_DIM, num_queries=REGRESSION_QUERIES, lengthscale=LENGTHSCALE,
-                                   noise_std=NOISE_STD, batch=EPISODES, rng=data_rng, device=device)
+def _data(params, data_rng, device):
+    """The episodes and the map seed of each episode, drawn once per data stream (memoised: the reference and the
+    cells of every estimator, rank and rule of the same task, n and seed read them)."""
+    task, n = params["task"], params["num_pairs"]
+    names = ("key_dim", "value_dim", "num_candidates", "max_queries", "regression_dim", "regression_queries",
+             "lengthscale", "noise_std")
+
+    def make():
+        if _recall(task):
+            ep = tasks.associative_recall(n, dim=params["key_dim"], value_dim=params["value_dim"],
+                                          num_candidates=params["num_candidates"],
+                                          num_queries=min(n, params["max_queries"]), query_cosine=TASKS[task][1],
+                                          batch=EPISODES, rng=data_rng, device=device)
+        else:
+            ep = tasks.smooth_regression(n, dim=params["regression_dim"], num_queries=params["regression_queries"],
+                                         lengthscale=params["lengthscale"], noise_std=params["noise_std"],
+                                         batch=EPISODES, rng=data_rng, device=device)
+        return ep, data_rng.integers(0, 2**63 - 1, size=EPISODES)
+
+    return memoised_episodes(data_rng, ("state_rules", task, n, *(params[k] for k in names), str(device)), make)
 
 
 def _qkv(task, ep):
-    if TASKS[task][0] == "recall":
+    if _recall(task):
         return ep.queries, ep.keys, ep.values
     return ep.x_query, ep.x, ep.y
 
 
-def _beta(task, n):
-    return tasks.log_n_beta(n, BETA_FACTOR) if TASKS[task][0] == "recall" else REGRESSION_BETA
+def _beta(params):
+    return tasks.log_n_beta(params["num_pairs"], params["beta_factor"]) if _recall(params["task"]) else \
+        params["regression_beta"]
 
 
 def _score(task, outputs, ep):
     """Per-episode accuracy (recall) or normalised MSE (regression) of outputs ``(B, n_q, d_v)``."""
-    if TASKS[task][0] == "recall":
+    if _recall(task):
         return tasks.recall_accuracy(outputs, ep).cpu().numpy()
     return tasks.normalized_mse(outputs, ep).cpu().numpy()
-
-
-_DATA: OrderedDict = OrderedDict()      # one data draw (episodes, map seeds, exact scores) per data stream
-
-
-def _data(params, data_rng, device):
-    """Episodes, the map seed of each episode and exact attention's scores, drawn once per data stream (the
-    cells of the other estimators, ranks and rules of the same task, n and seed reuse them)."""
-    seq = data_rng.bit_generator.seed_seq
-    key = (seq.entropy, tuple(seq.spawn_key), str(device))
-    if key not in _DATA:
-        task, n = params["task"], params["num_pairs"]
-        ep = _episodes(task, n, data_rng, device)
-        seeds = data_rng.integers(0, 2**63 - 1, size=EPISODES)
-        q, k, v = _qkv(task, ep)
-        exact = _score(task, ka.softmax_attention(q, k, v, scale=_beta(task, n)), ep)
-        _DATA[key] = (ep, seeds, exact)
-        while len(_DATA) > 4:
-            _DATA.popitem(last=False)
-    return _DATA[key]
-
-
-def _applicable(name, r, n):
-    caps = ka.capabilities(name)
-    if caps.fixed_dimension:
-        return r == FIXED_DIMENSION_SLOT
-    return not (caps.rank_limited_by_points and r > n)
 
 
 def _nan(shape):
@@ -151,64 +176,64 @@ def _nan(shape):
 
 
 def run_cell(params, rng, device, data_rng):
-    task, name, r, n = params["task"], params["estimator"], params["num_features"], params["num_pairs"]
-    if not _applicable(name, r, n):
-        return {"accuracy": _nan((len(RULES), EPISODES)), "nmse": _nan((len(RULES), EPISODES)),
-                "accuracy_exact": _nan(EPISODES), "nmse_exact": _nan(EPISODES), "state_bytes": _nan(len(RULES)),
-                "kv_cache_bytes": np.float64(np.nan), "feature_dim": np.float64(np.nan)}
-    ep, seeds, exact = _data(params, data_rng, device)
+    task, label, r, n = params["task"], params["estimator"], params["num_features"], params["num_pairs"]
+    rule_table = rules(params)
+    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
+        return {"accuracy": _nan((len(rule_table), EPISODES)), "nmse": _nan((len(rule_table), EPISODES)),
+                "state_bytes": _nan(len(rule_table)), "feature_dim": np.float64(np.nan)}
+    name, options = ESTIMATORS[label]
+    ep, seeds = _data(params, data_rng, device)
     q, k, v = _qkv(task, ep)
-    beta = _beta(task, n)
-    scores = np.empty((len(RULES), EPISODES))
+    scores = np.empty((len(rule_table), EPISODES))
     for b in range(EPISODES):
-        est = readout.build_estimator(name, beta=beta, num_features=r, rng=int(seeds[b])).fit(k[b])
+        est = readout.build_estimator(name, beta=_beta(params), num_features=r, rng=int(seeds[b]), **options).fit(k[b])
         outs = torch.stack([ka.linear_attention(q[b], k[b], v[b], est, False, "parallel", rule=rule)
-                            for rule in RULES.values()])                                   # (rules, n_q, d_v)
-        one = ep._replace(**{field: getattr(ep, field)[b:b + 1].expand(len(RULES), *getattr(ep, field).shape[1:])
-                             for field in ("candidates", "targets")}) if TASKS[task][0] == "recall" else \
-            ep._replace(f_query=ep.f_query[b:b + 1].expand(len(RULES), *ep.f_query.shape[1:]))
+                            for rule in rule_table.values()])                               # (rules, n_q, d_v)
+        one = ep._replace(**{field: getattr(ep, field)[b:b + 1].expand(len(rule_table), *getattr(ep, field).shape[1:])
+                             for field in ("candidates", "targets")}) if _recall(task) else \
+            ep._replace(f_query=ep.f_query[b:b + 1].expand(len(rule_table), *ep.f_query.shape[1:]))
         scores[:, b] = _score(task, outs, one)
-    recall = TASKS[task][0] == "recall"
-    d_v = v.shape[-1]
     return {
-        "accuracy": scores if recall else _nan(scores.shape),
-        "nmse": _nan(scores.shape) if recall else scores,
-        "accuracy_exact": exact if recall else _nan(EPISODES),
-        "nmse_exact": _nan(EPISODES) if recall else exact,
-        "state_bytes": np.array([ka.rules.resolve_rule(rule).state_bytes(est, d_v) for rule in RULES.values()],
-                                dtype=np.float64),
-        "kv_cache_bytes": np.float64(n * (k.shape[-1] + d_v) * 4),
+        "accuracy": scores if _recall(task) else _nan(scores.shape),
+        "nmse": _nan(scores.shape) if _recall(task) else scores,
+        "state_bytes": np.array([ka.rules.resolve_rule(rule).state_bytes(est, v.shape[-1])
+                                 for rule in rule_table.values()], dtype=np.float64),
         "feature_dim": np.float64(est.num_features),
     }
 
 
+def run_reference(params, device, data_rng):
+    """Exact softmax attention on the episodes of the data draw, and its KV cache."""
+    task, n = params["task"], params["num_pairs"]
+    ep, _ = _data(params, data_rng, device)
+    q, k, v = _qkv(task, ep)
+    exact = _score(task, ka.softmax_attention(q, k, v, scale=_beta(params)), ep)
+    return {"accuracy_exact": exact if _recall(task) else _nan(EPISODES),
+            "nmse_exact": _nan(EPISODES) if _recall(task) else exact,
+            "kv_cache_bytes": np.float64(n * (k.shape[-1] + v.shape[-1]) * 4),
+            "num_queries": np.float64(q.shape[1])}
+
+
 # ------------------------------------------------------------------------------------------------ summaries
-LEVEL = 0.95
-RESAMPLES = 2000
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    """Recall: pooled accuracies with Clopper–Pearson intervals, per episode paired differences against the sum
+    rule and against exact attention (bootstrap of the mean). Regression: median nMSE with its interval, 10/90 %
+    quantiles and the share of episodes worse than predicting the mean; the paired ratio against the sum rule."""
+    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
+    ds = add_paired(ds, "accuracy", "sum", REPLICATES, op="difference", dim="rule", statistic="mean")
+    ds = add_summaries(ds, ["nmse", "nmse_exact"], REPLICATES)
+    ds = add_paired(ds, "nmse", "sum", REPLICATES, op="ratio", dim="rule")
+    memory = ds["state_bytes"].max("seed").assign_attrs(
+        long_name="state memory", units="byte", description="state_bytes of the cell (equal for every seed), max "
+                                                            "over seeds")
+    ds["state_memory"] = memory
+    ds["kv_cache_memory"] = ds["kv_cache_bytes"].max("seed").assign_attrs(
+        long_name="exact attention memory", units="byte", description="kv_cache_bytes, max over seeds")
+    return ds
 
 
-def _interval(values: np.ndarray, statistic=np.mean, seed: int = 0) -> tuple[float, float, float]:
-    """``(estimate, lo, hi)``: the statistic of the valid values and its 95 % percentile-bootstrap interval
-    (2000 resamples from ``default_rng([seed, m])`` for ``m`` valid values: deterministic)."""
-    x = np.asarray(values, dtype=np.float64).ravel()
-    x = x[~np.isnan(x)]
-    if x.size == 0:
-        return (math.nan, math.nan, math.nan)
-    idx = np.random.default_rng([seed, x.size]).integers(0, x.size, size=(RESAMPLES, x.size))
-    boot = statistic(x[idx], axis=1)
-    lo, hi = np.quantile(boot, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
-    return float(statistic(x)), float(lo), float(hi)
-
-
-def summary(ds: xr.Dataset, var: str, **sel) -> tuple[float, float, float]:
-    """Mean accuracy (recall) or median normalised MSE (regression) over seeds × episodes, with its interval."""
-    values = ds[var].sel(**sel).values
-    return _interval(values, np.mean if var.startswith("accuracy") else np.median)
-
-
-def _fmt(triple, digits=2) -> str:
-    est, lo, hi = triple
-    return f"{est:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+def _var(task: str) -> str:
+    return "accuracy" if _recall(task) else "nmse"
 
 
 def _configs(ds, task, n):
@@ -222,55 +247,102 @@ def _configs(ds, task, n):
     return out
 
 
+def _kib(value) -> str:
+    return f"{fmt(float(value) / 1024)} KiB"
+
+
 def findings(ds: xr.Dataset) -> str:
-    """Markdown bullets computed from the dataset: each rule's score per map and state size with 95 % intervals
-    (percentile bootstrap over seeds × episodes), the paired gain of least squares and delta over the sum, and
-    the state memory."""
-    lines = []
+    """Markdown bullets computed from the dataset: each rule's score per map and state size with its 95 % interval
+    (Clopper–Pearson for recall accuracies, bootstrap of the median for nMSE), the paired change of each rule against
+    the sum rule on the same episodes and map draws, the state memory, and the best state below the KV cache."""
     n = int(ds.num_pairs.values.max())
-    seeds, episodes = ds.sizes["seed"], ds.sizes["episode"]
-    for task in ds.task.values:
-        recall = TASKS[str(task)][0] == "recall"
-        var = "accuracy" if recall else "nmse"
-        what = (f"recall accuracy (mean over {seeds} seeds × {episodes} episodes)" if recall else
-                f"normalised MSE (median over {seeds} seeds × {episodes} episodes)")
-        exact = summary(ds, f"{var}_exact", task=task, num_pairs=n)
-        lines.append(f"- **{task}, n = {n}**: {what}, 95 % bootstrap intervals; exact attention "
-                     f"{_fmt(exact)} with a {ds.kv_cache_bytes.sel(task=task, num_pairs=n).max().item() / 1024:.1f} "
-                     "KiB KV cache.")
+    lines = [_headline(ds, n)]
+    for task in [str(t) for t in ds.task.values]:
+        var = _var(task)
+        at = {"task": task, "num_pairs": n}
+        exact = ds[f"{var}_exact_summary"].sel(**at)
+        what = ("recall accuracy pooled over" if _recall(task) else "median normalised MSE over")
+        lines.append(f"{task}, n = {n}: {what} {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes; exact "
+                     f"attention {fmt_ci(exact)} with a {_kib(ds['kv_cache_memory'].sel(**at))} KV cache.")
         for name, r, dim in _configs(ds, task, n):
-            sel = dict(task=task, estimator=name, num_features=r, num_pairs=n)
-            parts = []
-            for rule in ds.rule.values:
-                kib = float(np.nanmax(ds.state_bytes.sel(**sel, rule=rule).values)) / 1024
-                parts.append(f"{rule} {_fmt(summary(ds, var, **sel, rule=rule))} ({kib:.1f} KiB)")
-            gains = []
-            for rule in ("delta", "least_squares"):
-                if rule in ds.rule.values:
-                    diff = ds[var].sel(**sel, rule=rule) - ds[var].sel(**sel, rule="sum")
-                    gains.append(f"{rule} − sum {_fmt(_interval(diff.values, np.mean if recall else np.median))}")
-            lines.append(f"  - {name}, r = {dim}: " + "; ".join(parts) + ". Paired: " + ", ".join(gains) + ".")
-        best = _best_per_budget(ds, task, n, var, recall)
+            sel = {**at, "estimator": name, "num_features": r}
+            parts = [f"{rule} {fmt_ci(ds[f'{var}_summary'].sel(**sel, rule=rule))} "
+                     f"({_kib(ds['state_memory'].sel(**sel, rule=rule))})" for rule in ds.rule.values]
+            word = "−" if _recall(task) else "/"
+            paired = [f"{rule} {word} sum {fmt_ci(ds[f'{var}_vs_sum_summary'].sel(**sel, rule=rule))}"
+                      for rule in ("delta", "least_squares") if rule in ds.rule.values]
+            lines.append(f"{task}, `{name}` r = {dim}: " + "; ".join(parts) + ". Paired per episode: "
+                         + ", ".join(paired) + ".")
+        best = _best_per_budget(ds, task, n)
         if best:
-            lines.append("  - " + best)
-    return "\n".join(lines)
+            lines.append(best)
+    lines.append(interval_note(ds))
+    return bullets(lines)
 
 
-def _best_per_budget(ds, task, n, var, recall) -> str:
-    """The best (map, rule) at each state budget below the KV cache, by the point estimate."""
-    kv = float(ds.kv_cache_bytes.sel(task=task, num_pairs=n).max())
+HEADLINE_MAPS = ("positive_orthogonal", "nystrom_uniform", "taylor2")   # the maps the headline names, if run
+
+
+def _headline(ds, n) -> str:
+    """Recall at n with the stored key as query, sum / delta / least squares on the same features, for the
+    :data:`HEADLINE_MAPS` at their largest rank whose least-squares state fits in the KV cache (else their
+    smallest)."""
+    task = "recall_rho1" if "recall_rho1" in ds.task.values else str(ds.task.values[0])
+    var = _var(task)
+    at = {"task": task, "num_pairs": n}
+    kv = float(ds["kv_cache_memory"].sel(**at))
+    parts = []
+    for name in [m for m in HEADLINE_MAPS if m in ds.estimator.values] or [str(ds.estimator.values[0])]:
+        configs = [c for c in _configs(ds, task, n) if c[0] == name]
+        if not configs:
+            continue
+        fits = [c for c in configs if float(ds["state_memory"].sel(**at, estimator=name, num_features=c[1],
+                                                                   rule="least_squares")) <= kv]
+        _, r, dim = fits[-1] if fits else configs[0]
+        s = ds[f"{var}_summary"].sel(**at, estimator=name, num_features=r)
+        parts.append(f"`{name}` r = {dim}: " + ", ".join(
+            f"{fmt_ci(s.sel(rule=rule))}" for rule in ("sum", "delta", "least_squares")))
+    exact = ds[f"{var}_exact_summary"].sel(**at)
+    score = "recall" if _recall(task) else "normalised MSE"
+    return (f"{score.capitalize()} at n = {n} ({task}) with the sum, delta and least-squares rules writing the same "
+            f"features into the state: " + "; ".join(parts) + f" (exact attention {fmt_ci(exact)}).")
+
+
+def _best_per_budget(ds, task, n) -> str:
+    """The best (map, rule) among the states not larger than the KV cache by the point estimate, and whether it is
+    resolved from the runner-up: the paired comparison per episode (same episodes; difference of accuracies, ratio
+    of nMSE) with its bootstrap interval."""
+    var = _var(task)
+    kv = float(ds["kv_cache_memory"].sel(task=task, num_pairs=n))
     rows = []
     for name, r, dim in _configs(ds, task, n):
-        sel = dict(task=task, estimator=name, num_features=r, num_pairs=n)
+        sel = {"task": task, "estimator": name, "num_features": r, "num_pairs": n}
         for rule in ds.rule.values:
-            size = float(np.nanmax(ds.state_bytes.sel(**sel, rule=rule).values))
-            rows.append((size, summary(ds, var, **sel, rule=rule), f"{name} r = {dim} with {rule}"))
-    small = [row for row in rows if row[0] <= kv]
+            size = float(ds["state_memory"].sel(**sel, rule=rule))
+            s = ds[f"{var}_summary"].sel(**sel, rule=rule)
+            rows.append((size, float(s.sel(stat="estimate")), s, f"`{name}` r = {dim} with {rule}",
+                         {**sel, "rule": str(rule)}))
+    small = [row for row in rows if row[0] <= kv and np.isfinite(row[1])]
     if not small:
-        return f"no map and rule keeps a state smaller than the KV cache ({kv / 1024:.1f} KiB)"
-    pick = max(small, key=lambda row: row[1][0]) if recall else min(small, key=lambda row: row[1][0])
-    return (f"best state not larger than the KV cache ({kv / 1024:.1f} KiB): {pick[2]}, {_fmt(pick[1])} "
-            f"({pick[0] / 1024:.1f} KiB)")
+        return f"{task}: no map and rule keeps a state smaller than the KV cache ({_kib(kv)})."
+    ranked = sorted(small, key=lambda row: -row[1] if _recall(task) else row[1])
+    pick = ranked[0]
+    text = (f"{task}: the best point estimate among the states not larger than the KV cache ({_kib(kv)}) is "
+            f"{pick[3]}, {fmt_ci(pick[2])} ({_kib(pick[0])})")
+    if len(ranked) < 2:
+        return text + "."
+    second = ranked[1]
+    a, b = ds[var].sel(**pick[4]), ds[var].sel(**second[4])
+    if _recall(task):
+        comparison = (a - b).assign_attrs(comparison="difference")
+        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="mean"), "−"
+    else:
+        comparison = (a / b).assign_attrs(comparison="ratio")
+        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="median"), "/"
+    verdict = ("resolved" if resolved(summary) else
+               f"not resolved (the interval contains {fmt(summary.attrs['neutral'])}: either may be the best)")
+    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({_kib(second[0])}); paired per episode, "
+            f"best {word} runner-up {fmt_ci(summary)}: {verdict}.")
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -284,28 +356,24 @@ def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(1, len(task_list) + 1, squeeze=False, height=3.6)
     axes = axes[0]
     for ax, task in zip(axes, task_list):
-        recall = TASKS[task][0] == "recall"
-        var = "accuracy" if recall else "nmse"
+        recall = _recall(task)
+        var = _var(task)
+        at = {"task": task, "num_pairs": n}
         for name in ds.estimator.values:
             color = estimator_style(str(name))["color"]
             for rule in ds.rule.values:
-                xs, ys, los, his = [], [], [], []
-                for r in ds.num_features.values:
-                    sel = dict(task=task, estimator=name, num_features=r, num_pairs=n, rule=rule)
-                    size = ds.state_bytes.sel(**sel).values
-                    if not np.isfinite(size).any():
-                        continue
-                    est, lo, hi = summary(ds, var, **sel)
-                    xs.append(float(np.nanmax(size)))
-                    ys.append(est)
-                    los.append(est - lo)
-                    his.append(hi - est)
-                if xs:
-                    ax.errorbar(xs, ys, yerr=[los, his], color=color, marker=RULE_MARKERS.get(str(rule), "x"),
-                                markersize=4.5, linewidth=0.9, capsize=2,
-                                linestyle=RULE_LINES.get(str(rule), "-") if len(xs) > 1 else "none")
-        est, lo, hi = summary(ds, f"{var}_exact", task=task, num_pairs=n)
-        kv = float(ds.kv_cache_bytes.sel(task=task, num_pairs=n).max())
+                s = ds[f"{var}_summary"].sel(**at, estimator=name, rule=rule)
+                size = ds["state_memory"].sel(**at, estimator=name, rule=rule).values
+                est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+                keep = np.isfinite(size) & np.isfinite(est)
+                if not keep.any():
+                    continue
+                ax.errorbar(size[keep], est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], color=color,
+                            marker=RULE_MARKERS.get(str(rule), "x"), markersize=4.5, linewidth=0.9, capsize=2,
+                            linestyle=RULE_LINES.get(str(rule), "-") if keep.sum() > 1 else "none")
+        exact = ds[f"{var}_exact_summary"].sel(**at)
+        est, lo, hi = (float(exact.sel(stat=k)) for k in ("estimate", "lo", "hi"))
+        kv = float(ds["kv_cache_memory"].sel(**at))
         ax.errorbar([kv], [est], yerr=[[est - lo], [hi - est]], color="k", marker="*", markersize=10,
                     linestyle="none")
         ax.set_xscale("log", base=2)
@@ -330,26 +398,29 @@ def plot(ds: xr.Dataset, path) -> None:
     legend.legend(loc="center", frameon=False)
     caption = (
         f"Four state-update rules on one axis of memory, n = {n} context pairs: the sum of linear attention, a "
-        f"decayed sum (γ = {RULES['decay'].gamma}), the delta rule (β = {RULES['delta'].beta}) and the "
-        f"least-squares state (λ = {RULES['least_squares'].ridge}); colour: feature map, marker and line style: "
-        "rule, lines join a map's feature dimensions. Recall: continuous MQAR, d = 32 keys, d_v = 64 values, "
-        "decoded among 4096 candidates, queries equal to (ρ = 1) or at cosine 0.9 from their key, β = 2 ln n; "
-        "regression: smooth function on S³, β = 8, normalised MSE (dotted: predicting the mean). Points: mean "
-        f"accuracy or median nMSE over {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes with 95 % "
-        "percentile-bootstrap intervals; every rule reads the same episodes with the same map draw. Memory: the "
-        "rule's state (float32; least squares keeps r² + r·d_v numbers) plus Nyström's landmarks and whitening; "
-        "star: exact attention with its KV cache.")
-    save_figure(fig, path, caption,
-        title="State-update rules: recall and regression against state memory")
+        f"decayed sum (γ = {float(ds['decay_gamma']):g}), the delta rule (β = {float(ds['delta_beta']):g}) and the "
+        f"least-squares state (λ = {float(ds['ridge']):g}); colour: feature map, marker and line style: rule, lines "
+        f"join a map's feature dimensions. Recall: continuous MQAR, d = {int(ds['key_dim'])} keys, "
+        f"d_v = {int(ds['value_dim'])} values, decoded among {int(ds['num_candidates'])} candidates, queries equal to "
+        f"(ρ = 1) or at cosine 0.9 from their key, β = {float(ds['beta_factor']):g} ln n; regression: smooth function "
+        f"on S^{int(ds['regression_dim']) - 1}, β = {float(ds['regression_beta']):g}, normalised MSE (dotted: "
+        f"predicting the mean). Points: accuracy pooled over {ds.sizes['seed']} seeds × {ds.sizes['episode']} "
+        "episodes with 95 % Clopper–Pearson intervals, or median nMSE with its 95 % percentile-bootstrap interval; "
+        "every rule reads the same episodes with the same map draw. Memory: the rule's state (float32; least squares "
+        "keeps r² + r·d_v numbers) plus Nyström's landmarks and whitening; star: exact attention with its KV cache.")
+    save_figure(fig, path, caption, title="State-update rules: recall and regression against state memory")
 
 
 EXPERIMENT = Experiment(
     name="state_rules", title="Sum, decay, delta and least-squares states: recall and regression against memory",
     description="Can a fixed-size state hold what exact attention recalls, and which way of writing it gets "
                 "closest? Grid: task × estimator × num_features × num_pairs × seed; every cell reads its "
-                f"{EPISODES} episodes with the rules {', '.join(RULES)} (metric dimension rule) and with exact "
-                "attention, on data shared by all estimators and ranks of the same task, n and seed.",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"))
+                f"{EPISODES} episodes with the rules {', '.join(RULE_NAMES)} (metric dimension rule), on data shared "
+                "by all estimators and ranks of the same task, n and seed; exact attention reads them once per data "
+                "draw (the reference).",
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"),
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

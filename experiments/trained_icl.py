@@ -17,10 +17,20 @@ associative recall (MQAR, Zoology) and in-context linear regression (Garg et al.
     β = 2 ln n, exact queries) at the same estimator, ``r`` and number of pairs, against the post-hoc accuracy.
 
 Paired design: ``data_axes = (task, context, seed)``, so every estimator, rank and substitution reads the same
-prompts (and the same proxy episodes); every cell also scores the unmodified reference on them. The training
-seed is fixed (one model per configuration): intervals are over evaluation prompts and feature draws, not
-training runs. ``context`` is the number of pairs in an evaluation prompt (MQAR, at ``seq_len = context · L/N``
-of the training task; regression, followed by its queries).
+prompts (and the same proxy episodes), and the unmodified reference's score on them (with the least-squares and
+ridge baselines and the heads' effective temperature) is the study's :class:`~kernapprox.sweep.Reference`,
+computed once per data draw. The training seed is fixed (one model per configuration): intervals are over
+evaluation prompts and feature draws, not training runs. ``context`` is the number of pairs in an evaluation
+prompt (MQAR, at ``seq_len = context · L/N`` of the training task; regression, followed by its queries).
+Substituting one layer at a time is measured at each task's largest evaluation context and at ``r = 64`` (the
+column of the fixed-dimension maps) only; every other substitution at every context.
+
+Summaries (:mod:`kernapprox.stats`, read by the figure and the findings of :mod:`experiments._trained_icl_report`):
+mean scores over seeds × prompts with percentile-bootstrap intervals (``score_summary``, ``score_exact_summary``,
+the baselines', ``proxy_accuracy_summary``), the per-prompt paired difference from the reference
+(``score_vs_exact``), each layer's attention-output error (median over seeds, ``layer_error_summary``) and
+Spearman's ρ between the proxy and the post-hoc accuracy over the (estimator, r) points
+(``proxy_rank_correlation``, bootstrap resampling the prompts jointly for every point).
 """
 
 from __future__ import annotations
@@ -36,7 +46,8 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from kernapprox import metrics, readout, tasks
+from experiments._icl import EPISODES, REPLICATES, episode_dims, memoised_episodes
+from kernapprox import metrics, readout, stats, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
     AttentionSpec,
@@ -47,30 +58,34 @@ from kernapprox.models import (
     record_attention_inputs,
     substitute,
 )
-from kernapprox.sweep import Experiment, Metric, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
-EPISODES = 16          # evaluation prompts per cell (and proxy episodes)
 FIXED_SLOT = 64        # the num_features column of maps whose dimension is fixed (exact, Taylor, ELU+1)
-PROXY_BETA_FACTOR = 2.0
-_PROXY_DIM = icl_recall.PARAMETERS["dim"].value                  # icl_recall's d = d_v
-_PROXY_CANDIDATES = icl_recall.PARAMETERS["num_candidates"].value
-RIDGE_ALPHA = 0.1
 
 
 @dataclass(frozen=True)
 class Setup:
     """One trained configuration: the task family, its softmax reference (``build(device=...)`` returns
-    ``(ModelConfig, task, TrainConfig)``), the evaluation contexts and the ranks of the fixed-state models
-    trained from scratch."""
+    ``(ModelConfig, task, TrainConfig)``), the evaluation contexts, the ranks at which every fixed-state family is
+    trained from scratch, and further ``(estimator, r)`` models trained from scratch."""
 
     task: str
     build: Callable
     contexts: tuple
     trained_ranks: tuple = ()
+    trained_extra: tuple = ()
+
+    def trains(self, label: str, r: int) -> bool:
+        """Whether the fixed-state model of ``label`` at feature dimension ``r`` is trained from scratch."""
+        return label in presets.FIXED_STATE_ESTIMATORS and (r in self.trained_ranks
+                                                             or (label, r) in self.trained_extra)
 
 
 SETUPS = {
-    "mqar": Setup("mqar", presets.mqar, (4, 8), (16, 64)),
+    # fixed-state models: every family at r = 16, the random map also at r = 64 (its accuracy could grow with r;
+    # the deterministic maps are at 1 already at r = 16): with the softmax references, 7 models trained when the
+    # checkpoint cache is cold, about 170 of the default preset's CPU seconds
+    "mqar": Setup("mqar", presets.mqar, (4, 8), (16,), (("positive_orthogonal", 64),)),
     "regression": Setup("regression", presets.regression, (4, 8, 11)),
     "mqar_smoke": Setup("mqar", functools.partial(presets.mqar, d_model=32, seq_len=32, num_pairs=4, steps=12),
                         (2, 4), (16,)),
@@ -83,7 +98,8 @@ SETUPS = {
                                                       vocab_size=256, steps=8000), (8, 16, 32), (16, 64, 256)),
 }
 
-# post-hoc estimators: label -> (registry name, options); fixed-dimension maps run in the FIXED_SLOT column
+# Post-hoc estimators, one table: label -> (registry name, options). Fixed-dimension maps run in the FIXED_SLOT
+# column; the fixed-state models trained from scratch are presets.FIXED_STATE_ESTIMATORS' (those of this table).
 ESTIMATORS = {
     "exact": ("exact", {}),
     "positive_orthogonal": ("positive_orthogonal", {}),
@@ -93,13 +109,6 @@ ESTIMATORS = {
     "window_linear": ("window_linear", {"window": presets.WINDOW}),
     "nystrom_uniform": ("nystrom_uniform", {}),
 }
-
-
-def _fixed_dimension(label: str) -> bool:
-    """Whether the estimator's dimension is fixed by d (declared capability: exact, Taylor, ELU+1)."""
-    name, options = ESTIMATORS[label]
-    return readout.estimator_capabilities(name, **options).fixed_dimension
-
 PROXY_LEFT_OUT = ("window_linear",)   # position-based: the proxy's context is a set (as in icl_recall)
 SUBSTITUTIONS = ("all", "layer0", "layer1", "layer2", "layer3", "trained")
 
@@ -113,46 +122,71 @@ GRIDS = {
              "estimator": list(ESTIMATORS), "num_features": [16, 32, 64, 128, 256, 512, 1024],
              "context": [4, 8, 11, 16, 32], "seed": list(range(8))},
 }
+PARAMETERS = {
+    "proxy_beta_factor": Parameter(2.0, long_name="proxy: β / ln n of the training-free read-out", units="1"),
+    "proxy_dim": Parameter(icl_recall.PARAMETERS["dim"].value, long_name="proxy: key and value dimension d = d_v",
+                           units="1", description="icl_recall's"),
+    "proxy_candidates": Parameter(icl_recall.PARAMETERS["num_candidates"].value, units="1",
+                                  long_name="proxy: candidate values the read-out is decoded against",
+                                  description="icl_recall's"),
+    "ridge_alpha": Parameter(0.1, long_name="regression: ridge baseline's α", units="1"),
+}
+AXIS_ATTRS = {
+    "task": {"long_name": "trained configuration (task family and model)", "units": "1"},
+    "substitution": {"long_name": "what replaces the reference's attention: every layer post hoc ('all'), one layer "
+                                  "post hoc ('layer<i>'), or a model trained from scratch ('trained')", "units": "1"},
+    "estimator": {"long_name": "estimator (kernapprox registry name; 'exact' is softmax attention)", "units": "1"},
+    "num_features": {"long_name": "feature dimension r per head", "units": "1"},
+    "context": {"long_name": "pairs in an evaluation prompt", "units": "1"},
+}
 
-_EPISODE = ("episode",)
-_EPISODE_COORDS = {"episode": list(range(EPISODES))}
+_PER_PROMPT = episode_dims()
 METRICS = {
-    "score": Metric(long_name="task score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
+    "score": Metric(long_name="task score", units="1", **_PER_PROMPT,
                     description="per evaluation prompt: MQAR accuracy over its query positions; regression: "
                                 "squared error / d, mean over the queries after the context"),
-    "score_exact": Metric(long_name="reference score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
-                          description="the unmodified softmax reference model's score on the same prompts"),
     "layer_error": Metric(long_name="attention-output relative RMS error", units="1", dims=("layer",),
                           description="per layer: ‖Ŷ−Y‖_F/‖Y‖_F of the substituted attention against exact attention "
                                       "on the same input (the substituted model's own activations), median over "
                                       "prompts; 0 for layers left exact; NaN for trained models"),
-    "reference_beta": Metric(long_name="effective inverse temperature of the reference", units="1",
-                             dims=("layer",), description="mean over heads and prompts of s·mean‖q‖·mean‖k‖ "
-                                                          "of the reference model's layer on these prompts"),
     "state_bytes": Metric(long_name="state read by the last token", units="byte",
                           description="Σ over layers and heads: linear state r·(d_v+1), KV cache n·(d_qk+d_v) for "
                                       "exact attention, window + linear state for the hybrid, plus kernel·d_model "
                                       "for a short convolution; float32, at the prompt's length"),
     "feature_dim": Metric(long_name="feature dimension per head", units="1",
                           description="r as realised (NaN for exact attention)"),
-    "seq_len": Metric(long_name="prompt length", units="token", description="tokens in an evaluation prompt"),
-    "proxy_accuracy": Metric(long_name="training-free read-out accuracy", units="1", dims=_EPISODE,
-                             coords=_EPISODE_COORDS,
-                             description="icl_recall's read-out (d = 64, 4096 candidates, β = 2 ln n, exact "
-                                         "queries) with n = context pairs at the same estimator and r, per "
-                                         "episode; MQAR cells with substitution = all only"),
-    "baseline_ls": Metric(long_name="least-squares score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
-                          description="regression: least squares (minimum norm) on the same prompts"),
-    "baseline_ridge": Metric(long_name="ridge score", units="1", dims=_EPISODE, coords=_EPISODE_COORDS,
-                             description=f"regression: ridge (α = {RIDGE_ALPHA}) on the same prompts"),
-    "train_seconds": Metric(long_name="training time of the evaluated model", units="s",
+    "proxy_accuracy": Metric(long_name="training-free read-out accuracy", units="1", **_PER_PROMPT,
+                             description="icl_recall's read-out (d = d_v = proxy_dim, proxy_candidates candidates, "
+                                         "β = proxy_beta_factor · ln n, exact queries) with n = context pairs at the "
+                                         "same estimator and r, per episode; MQAR cells with substitution = all "
+                                         "only"),
+    "train_seconds": Metric(long_name="training time of the model trained from scratch", units="s",
                             description="wall seconds of its training run (from the checkpoint's curve; one torch "
-                                        "thread; grows with the load of a shared machine)"),
-    "train_cpu_seconds": Metric(long_name="training CPU time of the evaluated model", units="s",
+                                        "thread; grows with the load of a shared machine); substitution = trained"),
+    "train_cpu_seconds": Metric(long_name="training CPU time of the model trained from scratch", units="s",
                                 description="CPU seconds of the training process (one torch thread: the time on a "
-                                            "quiet core)"),
-    "train_score": Metric(long_name="held-out score at the end of training", units="1",
-                          description="the training curve's last held-out score (full task)"),
+                                            "quiet core); substitution = trained"),
+    "train_score": Metric(long_name="held-out score of the model trained from scratch", units="1",
+                          description="the training curve's last held-out score (full task); substitution = trained"),
+}
+REFERENCE_METRICS = {
+    "score_exact": Metric(long_name="reference score", units="1", **_PER_PROMPT,
+                          description="the unmodified softmax reference model's score on the prompts every cell of "
+                                      "the data draw reads"),
+    "baseline_ls": Metric(long_name="least-squares score", units="1", **_PER_PROMPT,
+                          description="regression: least squares (minimum norm) on the same prompts"),
+    "baseline_ridge": Metric(long_name="ridge score", units="1", **_PER_PROMPT,
+                             description="regression: ridge (α = ridge_alpha) on the same prompts"),
+    "reference_beta": Metric(long_name="effective inverse temperature of the reference", units="1",
+                             dims=("layer",), description="mean over heads and prompts of s·mean‖q‖·mean‖k‖ "
+                                                          "of the reference model's layer on these prompts"),
+    "seq_len": Metric(long_name="prompt length", units="token", description="tokens in an evaluation prompt"),
+    "reference_train_seconds": Metric(long_name="training time of the softmax reference", units="s",
+                                      description="wall seconds of its training run (one torch thread)"),
+    "reference_train_cpu_seconds": Metric(long_name="training CPU time of the softmax reference", units="s",
+                                          description="CPU seconds of its training run (one torch thread)"),
+    "reference_train_score": Metric(long_name="held-out score of the softmax reference at the end of training",
+                                    units="1", description="the training curve's last held-out score (full task)"),
 }
 
 
@@ -176,13 +210,21 @@ def eval_task(task, context: int):
     return task.fixed(context)
 
 
+def _fixed_dimension(label: str) -> bool:
+    """Whether the estimator's dimension is fixed by d (declared capability: exact, Taylor, ELU+1)."""
+    name, options = ESTIMATORS[label]
+    return readout.estimator_capabilities(name, **options).fixed_dimension
+
+
 def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_layers: int) -> bool:
+    """Whether a cell runs: the setup's contexts; trained models where the setup trains them; one layer at a time
+    at the largest context and r = FIXED_SLOT only; fixed-dimension maps in the FIXED_SLOT column."""
     if context not in setup.contexts:
         return False
     if sub == "trained":
-        return (label == "exact" and r == FIXED_SLOT) or (label in presets.FIXED_STATE_ESTIMATORS
-                                                          and r in setup.trained_ranks)
-    if sub.startswith("layer") and int(sub[5:]) >= num_layers:
+        return (label == "exact" and r == FIXED_SLOT) or setup.trains(label, r)
+    if sub.startswith("layer") and (int(sub[5:]) >= num_layers or context != max(setup.contexts)
+                                    or r != FIXED_SLOT):
         return False
     return (r == FIXED_SLOT) if _fixed_dimension(label) else True
 
@@ -217,85 +259,122 @@ def _layer_errors(model, reference, prompts, layers) -> np.ndarray:
     return out
 
 
-_EPISODES: dict = {}
+def _data(params, data_rng, device):
+    """The data draw of ``(task, context, seed)``: the reference's configuration, the evaluation task, its prompts
+    and (MQAR) the proxy's episodes, drawn in this order from ``data_rng`` once per draw (memoised: the reference and
+    every cell of the draw read them)."""
+    ref_config = SETUPS[params["task"]].build(device=str(device))
+    task, context = ref_config[1], params["context"]
+    ev = eval_task(task, context)
+
+    def make():
+        prompts = ev.sample(data_rng, EPISODES, device=device)
+        proxy = (tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
+                                          num_candidates=params["proxy_candidates"], batch=EPISODES, rng=data_rng,
+                                          device=device) if task.name == "mqar" else None)
+        return prompts, proxy
+
+    what = ("trained_icl", params["task"], context, params["proxy_dim"], params["proxy_candidates"], str(device))
+    prompts, proxy = memoised_episodes(data_rng, what, make)
+    return ref_config, ev, prompts, proxy
 
 
-def _proxy_episodes(context: int, data_rng, device):
-    """The proxy's episodes of a data stream: drawn once per process for the cells that share the stream (the
-    4096-candidate tables are the costly part of a cell)."""
-    seq = data_rng.bit_generator.seed_seq
-    key = (seq.entropy, tuple(seq.spawn_key), context, str(device))
-    if key in _EPISODES:
-        _EPISODES[key] = _EPISODES.pop(key)                   # most recently used last
-    else:
-        if len(_EPISODES) >= 16:                              # 16 MB each; a preset cycles through contexts × seeds
-            _EPISODES.pop(next(iter(_EPISODES)))
-        _EPISODES[key] = tasks.associative_recall(context, dim=_PROXY_DIM, value_dim=_PROXY_DIM,
-                                                  num_candidates=_PROXY_CANDIDATES, batch=EPISODES,
-                                                  rng=data_rng, device=device)
-    return _EPISODES[key]
-
-
-def _proxy(label: str, r: int, context: int, rng, data_rng, device) -> np.ndarray:
-    episodes = _proxy_episodes(context, data_rng, device)
+def _proxy(label: str, r: int, params, episodes, rng) -> np.ndarray:
     name, options = ESTIMATORS[label]
     caps = readout.estimator_capabilities(name, **options)
-    if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > context):
+    if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > params["context"]):
         return np.full(EPISODES, np.nan)
     read, _ = readout.paired_readouts(name, episodes.queries, episodes.keys, episodes.values,
-                                      beta=tasks.log_n_beta(context, PROXY_BETA_FACTOR),
+                                      beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
                                       num_features=None if caps.fixed_dimension else r, rng=rng, options=options)
     return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
 
 
-def _nan_result() -> dict:
-    out = {}
-    for name, metric in METRICS.items():
-        out[name] = np.full(EPISODES, np.nan) if metric.dims == _EPISODE else np.float64(np.nan)
-    return out
+def _nan_result(table: dict) -> dict:
+    return {name: np.full(EPISODES, np.nan) if metric.dims == ("episode",) else np.float64(np.nan)
+            for name, metric in table.items()}
 
 
 @torch.no_grad()
 def run_cell(params, rng, device, data_rng):
     setup = SETUPS[params["task"]]
     sub, label, r, context = params["substitution"], params["estimator"], params["num_features"], params["context"]
-    ref_config = setup.build(device=str(device))
-    model_config, task, _ = ref_config
+    model_config = setup.build(device=str(device))[0]
     if not applicable(setup, sub, label, r, context, model_config.num_layers):
-        return _nan_result()
+        return _nan_result(METRICS)
+    ref_config, ev, prompts, proxy = _data(params, data_rng, device)
+    task = ref_config[1]
     reference = trained(ref_config)
-    ev = eval_task(task, context)
-    prompts = ev.sample(data_rng, EPISODES, device=device)
-    ref_out = reference.model(prompts.inputs)
-    result = _nan_result()
-    result["score_exact"] = ev.score(ref_out, prompts).cpu().numpy()
-    heads = attention_heads(reference.model, prompts.inputs)
-    result["reference_beta"] = np.array([float(effective_beta(heads["q"][i], heads["k"][i]).mean())
-                                         for i in range(model_config.num_layers)])
+    result = _nan_result(METRICS)
     if sub == "trained":
         evaluated = reference if label == "exact" else trained(presets.fixed_state(label, r, ref_config))
         model = evaluated.model
-        outputs = model(prompts.inputs)
+        if label != "exact":
+            result["train_seconds"] = np.float64(evaluated.curve.attrs["train_seconds"])
+            result["train_cpu_seconds"] = np.float64(evaluated.curve.attrs["train_cpu_seconds"])
+            result["train_score"] = np.float64(evaluated.curve.eval_score.values[-1])
     else:
         layers = list(range(model_config.num_layers)) if sub == "all" else [int(sub[5:])]
         calibration = task.sample(rng, EPISODES, device=device).inputs     # for data-dependent estimators
         model = substitute(reference.model, {i: _spec(label, r) for i in layers}, rng=rng, calibration=calibration)
-        outputs = model(prompts.inputs)
         result["layer_error"] = _layer_errors(model, reference.model, prompts, layers)
-        evaluated = reference
         if sub == "all" and task.name == "mqar":
-            result["proxy_accuracy"] = _proxy(label, r, context, rng, data_rng, device)
-    result["score"] = ev.score(outputs, prompts).cpu().numpy()
-    if task.name == "regression":
-        result["baseline_ls"] = ev.baseline_score(prompts, "least_squares").cpu().numpy()
-        result["baseline_ridge"] = ev.baseline_score(prompts, "ridge", RIDGE_ALPHA).cpu().numpy()
+            result["proxy_accuracy"] = _proxy(label, r, params, proxy, rng)
+    result["score"] = ev.score(model(prompts.inputs), prompts).cpu().numpy()
     result["state_bytes"] = np.float64(state_bytes(model, ev.seq_len))
     result["feature_dim"] = np.float64(_feature_dim(model))
-    result["seq_len"] = np.float64(ev.seq_len)
-    result["train_seconds"] = np.float64(evaluated.curve.attrs["train_seconds"])
-    result["train_cpu_seconds"] = np.float64(evaluated.curve.attrs["train_cpu_seconds"])
-    result["train_score"] = np.float64(evaluated.curve.eval_score.values[-1])
     return result
+
+
+@torch.no_grad()
+def run_reference(params, device, data_rng):
+    """The unmodified softmax reference on the prompts of the data draw: its score, the regression baselines, the
+    effective temperature of its layers, the prompt length and its training record."""
+    setup = SETUPS[params["task"]]
+    if params["context"] not in setup.contexts:
+        return _nan_result(REFERENCE_METRICS)
+    ref_config, ev, prompts, _ = _data(params, data_rng, device)
+    reference = trained(ref_config)
+    out = _nan_result(REFERENCE_METRICS)
+    out["score_exact"] = ev.score(reference.model(prompts.inputs), prompts).cpu().numpy()
+    heads = attention_heads(reference.model, prompts.inputs)
+    out["reference_beta"] = np.array([float(effective_beta(heads["q"][i], heads["k"][i]).mean())
+                                      for i in range(ref_config[0].num_layers)])
+    if ref_config[1].name == "regression":
+        out["baseline_ls"] = ev.baseline_score(prompts, "least_squares").cpu().numpy()
+        out["baseline_ridge"] = ev.baseline_score(prompts, "ridge", params["ridge_alpha"]).cpu().numpy()
+    out["seq_len"] = np.float64(ev.seq_len)
+    out["reference_train_seconds"] = np.float64(reference.curve.attrs["train_seconds"])
+    out["reference_train_cpu_seconds"] = np.float64(reference.curve.attrs["train_cpu_seconds"])
+    out["reference_train_score"] = np.float64(reference.curve.eval_score.values[-1])
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ summaries
+def _mean_summary(ds: xr.Dataset, name: str) -> None:
+    summary = stats.bootstrap_interval(ds[name], REPLICATES, "mean")
+    summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": ds[name].attrs.get("units", "1"),
+                          "description": f"mean of {name} over seed, episode: " + summary.attrs["interval"]})
+    ds[f"{name}_summary"] = summary
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    """Means over prompts with bootstrap intervals, the paired difference from the reference per prompt, the
+    layers' errors over seeds, and Spearman's ρ of proxy and post-hoc accuracy with its interval."""
+    for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy"):
+        _mean_summary(ds, name)
+    diff = (ds["score"] - ds["score_exact"]).assign_attrs(
+        long_name="task score: − the reference's on the same prompt", units="1", baseline="reference",
+        comparison="difference", description="per prompt, score − score_exact (identical prompts)")
+    ds["score_vs_exact"] = diff
+    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
+    summary.attrs["description"] = "summary of score_vs_exact over seed, episode: " + summary.attrs["interval"]
+    ds["score_vs_exact_summary"] = summary
+    layer = stats.summarise(ds["layer_error"], "seed")
+    layer.attrs["description"] = "summary of layer_error over seed: " + layer.attrs["interval"]
+    ds["layer_error_summary"] = layer
+    ds["proxy_rank_correlation"] = report.rank_correlations(ds)
+    return ds
 
 
 def findings(ds: xr.Dataset) -> str:
@@ -314,7 +393,9 @@ EXPERIMENT = Experiment(
                 "estimator at rank r (every layer or one); fixed-state models trained from scratch at feature "
                 "dimension r; the training-free read-out accuracy against the trained post-hoc accuracy. Grid: "
                 "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "context", "seed"))
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "context", "seed"),
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -26,8 +26,10 @@ final hidden states' error and the embeddings. :func:`retrieval_agreement` compa
 with the exact model's on :func:`retrieval_corpus` (paragraphs of Python's help text held out from the extraction
 windows that any fitting sees: first sentence as the query, the rest as the document). :func:`search_placements`
 runs every subset of exact layers (2⁶ = 64) as a depth-first walk of the layer-by-layer choice tree, sharing the
-hidden states of common prefixes (at most 126 layer evaluations instead of 384). :func:`placement_bytes` counts memory:
-an estimator's ``state_bytes`` per head, an exact layer's KV cache at the text's length.
+hidden states of common prefixes (at most 126 layer evaluations instead of 384), or a bounded set of them
+(:func:`hybrid_placements`: at most ``k`` exact layers, single substituted layers and the naive first/last
+``k``). :func:`placement_bytes` counts memory: an estimator's ``state_bytes`` per head, an exact layer's KV cache
+at the text's length.
 
 >>> from kernapprox import real, substitution as sub
 >>> if real.is_available():
@@ -588,18 +590,27 @@ def _check_plan(plan) -> dict[int, Substitution]:
 
 @torch.no_grad()
 def search_placements(model, inputs: EncoderInput, substitution: Substitution, visit: Callable, *,
-                      reference: EncoderRun) -> None:
-    """Every placement of exact layers: call ``visit(exact_layers, run)`` for each of the 2⁶ subsets.
+                      reference: EncoderRun, placements: Iterable[Iterable[int]] | None = None) -> None:
+    """Every placement of exact layers (or the given ``placements``): call ``visit(exact_layers, run)`` for each.
 
     A depth-first walk over the layers, each either exact or substituted, sharing the hidden states of common
-    prefixes: 2 + 4 + … + 64 = 126 layer evaluations. Data-dependent maps are fitted at each node on the
-    activations of that prefix; data-independent ones are drawn once per ``(layer, head)``. ``run`` is the
-    :class:`EncoderRun` of that placement (without layer states), measured against ``reference``.
+    prefixes: 2 + 4 + … + 64 = 126 layer evaluations for all 2⁶ subsets; with ``placements`` (iterables of the
+    layers that keep exact attention) only the prefixes that lead to one of them are evaluated, and each is
+    visited once, in the walk's order. Data-dependent maps are fitted at each node on the activations of that
+    prefix; data-independent ones are drawn once per ``(layer, head)``, so a placement's run does not depend on
+    which others are searched. ``run`` is the :class:`EncoderRun` of that placement (without layer states),
+    measured against ``reference``.
     """
     if not isinstance(substitution, Substitution):
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
     if reference is None or reference.layer_states is None:
         raise ValueError("reference must be an exact run with keep_layer_states=True")
+    prefixes = None
+    if placements is not None:
+        chosen = [_check_layers(p, "placements") for p in placements]
+        if not chosen:
+            raise ValueError("placements must name at least one placement (None: all of them)")
+        prefixes = {tuple(layer in p for layer in range(depth)) for p in chosen for depth in range(NUM_LAYERS + 1)}
     layers = _Layers(model, inputs)
 
     def walk(layer, hidden, exact_layers, errors, states):
@@ -607,6 +618,8 @@ def search_placements(model, inputs: EncoderInput, substitution: Substitution, v
             visit(tuple(exact_layers), _finish(hidden, errors, states, inputs, reference, False))
             return
         for keep_exact in (True, False):
+            if prefixes is not None and tuple(j in exact_layers for j in range(layer)) + (keep_exact,) not in prefixes:
+                continue
             if keep_exact:
                 nxt, err = reference.layer_states[layer], None     # the exact prefix needs no recomputation
                 if exact_layers != list(range(layer)):
@@ -617,6 +630,16 @@ def search_placements(model, inputs: EncoderInput, substitution: Substitution, v
             walk(layer + 1, nxt, exact_layers + [layer] if keep_exact else exact_layers, new_errors, states + [nxt])
 
     walk(0, layers.embed(), [], {}, [])
+
+
+def hybrid_placements(max_exact: int) -> list[tuple[int, ...]]:
+    """The placements a bounded hybrid search visits, in :func:`all_placements` order: every subset of at most
+    ``max_exact`` exact layers, every single substituted layer (all others exact: each layer's own sensitivity),
+    and the naive placements (the first ``k`` and the last ``k`` layers exact, every ``k``)."""
+    max_exact = _check_count(max_exact)
+    naive = {tuple(first_layers(k)) for k in range(NUM_LAYERS + 1)} | {tuple(last_layers(k))
+                                                                     for k in range(NUM_LAYERS + 1)}
+    return [p for p in all_placements() if len(p) <= max_exact or len(p) >= NUM_LAYERS - 1 or p in naive]
 
 
 # ------------------------------------------------------------------------------------------------ metrics

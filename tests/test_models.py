@@ -334,48 +334,88 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
     with xr.open_dataset(out, engine="h5netcdf") as ds:
         ds = ds.load()
     exact = ds.sel(estimator="exact", num_features=trained_icl.FIXED_SLOT)
+    assert "estimator" not in ds.score_exact.dims                     # the reference: once per data draw
     for sub in ("all", "layer0", "trained"):
         ran = exact.score.sel(substitution=sub).notnull()
         assert bool(ran.any())
-        np.testing.assert_array_equal(exact.score.sel(substitution=sub).values,
-                                      exact.score_exact.sel(substitution=sub).values)
+        np.testing.assert_array_equal(exact.score.sel(substitution=sub).where(ran).values,
+                                      ds.score_exact.broadcast_like(ran).where(ran).values)
+        assert float(abs(exact.score_vs_exact.sel(substitution=sub)).max()) == 0.0
     assert float(exact.layer_error.sel(substitution="all").max()) == 0.0
     prf = ds.sel(task="mqar_smoke", estimator="positive_orthogonal", context=4, num_features=16)
-    assert float(prf.layer_error.sel(substitution="layer0", layer=1).max()) == 0.0   # layer 1 left exact
-    assert float(prf.layer_error.sel(substitution="layer0", layer=0).min()) > 0.0
+    one = ds.sel(task="mqar_smoke", estimator="positive_orthogonal", context=4, num_features=trained_icl.FIXED_SLOT)
+    assert float(one.layer_error.sel(substitution="layer0", layer=1).max()) == 0.0   # layer 1 left exact
+    assert float(one.layer_error.sel(substitution="layer0", layer=0).min()) > 0.0
     assert bool(prf.proxy_accuracy.sel(substitution="all").notnull().all())
-    assert bool(prf.proxy_accuracy.sel(substitution="layer0").isnull().all())
+    assert bool(one.proxy_accuracy.sel(substitution="layer0").isnull().all())
+    # one layer at a time only at the largest context and r = FIXED_SLOT
+    assert ds.score.sel(task="mqar_smoke", substitution="layer0", context=2).isnull().all()
+    assert prf.score.sel(substitution="layer0").isnull().all()
     assert ds.score.sel(task="mqar_smoke", substitution="trained", estimator="taylor2" if "taylor2" in
                         ds.estimator.values else "elu1", num_features=64).isnull().all()   # not a trained rank
-    reg = ds.sel(task="regression_smoke", context=4, substitution="all", **{"estimator": "exact",
-                                                                          "num_features": trained_icl.FIXED_SLOT})
+    reg = ds.sel(task="regression_smoke", context=4)
     assert float(reg.baseline_ls.max()) < 1e-20                                       # k = 4 ≥ d = 3, noiseless
+    s = ds.score_summary.sel(task="mqar_smoke", substitution="all", estimator="positive_orthogonal", context=4,
+                             num_features=16)
+    np.testing.assert_allclose(float(s.sel(stat="estimate")), float(prf.score.sel(substitution="all").mean()))
     text = trained_icl.findings(ds)
-    assert "changes no score" in text and text == trained_icl.findings(ds)
+    assert "changes no score" in text and text == trained_icl.findings(ds.copy(deep=True))
+    assert text.startswith("- ") and "95 % intervals" in text.splitlines()[-1]
 
 
 def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypatch):
-    """The proxy's memoised episodes equal a fresh draw from the cell's data stream, whichever cell came first."""
-    from experiments import trained_icl
+    """The memoised prompts and proxy episodes equal a fresh draw from the cell's data stream, whichever cell (or the
+    reference) came first."""
+    import collections
+
+    from experiments import _icl, trained_icl
     from kernapprox.sweep import cell_seed_sequence, data_seed_sequence
 
     monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(trained_icl, "_MODELS", {})
-    monkeypatch.setattr(trained_icl, "_EPISODES", {})
+    monkeypatch.setattr(_icl, "_EPISODES", collections.OrderedDict())
     exp = trained_icl.EXPERIMENT
 
-    def cell(estimator, r):
+    def streams(estimator, r):
         params = {"task": "mqar_smoke", "substitution": "all", "estimator": estimator, "num_features": r,
-                  "context": 4, "seed": 0}
-        rng = np.random.default_rng(cell_seed_sequence(exp.name, params, 0))
+                  "context": 4, "seed": 0, **exp.parameter_values()}
+        rng = np.random.default_rng(cell_seed_sequence(exp.name, {k: params[k] for k in exp.axes}, 0))
         data = np.random.default_rng(data_seed_sequence(exp.name, params, exp.data_axes, 0))
+        return params, rng, data
+
+    def cell(estimator, r):
+        params, rng, data = streams(estimator, r)
         return trained_icl.run_cell(params, rng, torch.device("cpu"), data)
 
     first = cell("positive_orthogonal", 16)
-    cell("elu1", 64)                                                          # fills the memo from its own cell
-    trained_icl._EPISODES.clear()
+    params, _, data = streams("exact", 64)
+    reference = trained_icl.run_reference(params, torch.device("cpu"), data)   # from the memo
+    cell("elu1", 64)
+    _icl._EPISODES.clear()
     fresh = cell("positive_orthogonal", 16)
     again = cell("positive_orthogonal", 16)                                   # from the memo
     for out in (fresh, again):
         np.testing.assert_array_equal(out["proxy_accuracy"], first["proxy_accuracy"])
         np.testing.assert_array_equal(out["score"], first["score"])
+    _icl._EPISODES.clear()
+    params, _, data = streams("exact", 64)
+    np.testing.assert_array_equal(trained_icl.run_reference(params, torch.device("cpu"), data)["score_exact"],
+                                  reference["score_exact"])
+
+
+def test_trained_icl_applicable_cells_of_the_default_setups():
+    """Which fixed-state models the default MQAR setup trains, and one layer at a time at r = FIXED_SLOT only."""
+    from experiments import trained_icl
+
+    mqar = trained_icl.SETUPS["mqar"]
+    assert mqar.trains("positive_orthogonal", 16) and mqar.trains("positive_orthogonal", 64)
+    assert mqar.trains("taylor2", 16) and not mqar.trains("taylor2", 64)
+    assert not mqar.trains("exact", 16) and not mqar.trains("nystrom_uniform", 16)   # not a fixed-state family
+    slot = trained_icl.FIXED_SLOT
+    assert trained_icl.applicable(mqar, "trained", "exact", slot, 8, 2)
+    assert not trained_icl.applicable(mqar, "trained", "elu1", 64, 8, 2)
+    assert trained_icl.applicable(mqar, "layer1", "positive_orthogonal", slot, 8, 2)
+    assert not trained_icl.applicable(mqar, "layer1", "positive_orthogonal", 16, 8, 2)
+    assert not trained_icl.applicable(mqar, "layer1", "positive_orthogonal", slot, 4, 2)   # not the largest context
+    assert not trained_icl.applicable(mqar, "layer2", "positive_orthogonal", slot, 8, 2)   # the model has 2 layers
+    assert trained_icl.applicable(mqar, "all", "positive_orthogonal", 16, 4, 2)

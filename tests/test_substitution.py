@@ -170,6 +170,40 @@ def test_head_seeds_do_not_depend_on_the_placement(encoder):
     assert other.layer_attention_error[3] != alone.layer_attention_error[3]
 
 
+def test_a_bounded_search_visits_its_placements_once_with_the_full_search_results(encoder, monkeypatch):
+    """``placements=`` walks only the prefixes leading to the given placements, visits each once, and every run
+    equals the one of the full search (data-independent maps: the same draws whatever else is searched)."""
+    model, tokenizer = encoder
+    s = sub.Substitution("positive_orthogonal", num_features=16, rng=7)
+    inputs = sub.tokenize(tokenizer, TEXTS)
+    reference = sub.encode(model, inputs, keep_layer_states=True)
+    wanted = sub.hybrid_placements(2)
+    naive = {tuple(range(k)) for k in range(7)} | {tuple(range(6 - k, 6)) for k in range(7)}
+    assert len(wanted) == 1 + 6 + 15 + 4 + 6 + 1 and set(wanted) >= naive | {(0, 1, 3, 4, 5)}
+    assert all(len(p) <= 2 or len(p) >= 5 or p in naive for p in wanted)
+    full, bounded, steps = {}, [], []
+    sub.search_placements(model, inputs, s, lambda exact, run: full.setdefault(exact, run), reference=reference)
+    original = sub._Layers.step
+
+    def counting(self, layer, hidden, substitution):
+        steps.append(layer)
+        return original(self, layer, hidden, substitution)
+
+    monkeypatch.setattr(sub._Layers, "step", counting)
+    sub.search_placements(model, inputs, s, lambda exact, run: bounded.append((exact, run)), reference=reference,
+                          placements=wanted)
+    monkeypatch.undo()
+    assert sorted(p for p, _ in bounded) == sorted(wanted)
+    assert len(steps) == 81                                   # of the full walk's 120 non-free layer evaluations
+    for exact_layers, run in bounded:
+        assert run.final_state_error == full[exact_layers].final_state_error
+        torch.testing.assert_close(run.embeddings, full[exact_layers].embeddings, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="at least one"):
+        sub.search_placements(model, inputs, s, lambda *a: None, reference=reference, placements=[])
+    with pytest.raises(ValueError, match="placements"):
+        sub.search_placements(model, inputs, s, lambda *a: None, reference=reference, placements=[(7,)])
+
+
 def test_prefitted_maps_are_used_as_given(encoder):
     model, tokenizer = encoder
     inputs = sub.tokenize(tokenizer, TEXTS)
@@ -259,24 +293,36 @@ def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     ds = sweep.load(out)
     grid = study.EXPERIMENT.grid("smoke")
+    params = study.EXPERIMENT.parameter_values()
+    searched = [sub.placement_label(p) for p in sub.hybrid_placements(params["search_max_exact"])]
+    assert "estimator" not in ds["exact_self_hit"].dims                        # the reference: once per draw
     for name in grid["estimator"]:
         cell = ds.sel(estimator=name, num_features=32, search=False)
         assert np.isfinite(cell["top1_agreement"].sel(placement="E:-")).all()
-        assert np.isfinite(cell["heldout_error"]).all()
+        assert cell["heldout_error"].isnull().all()                           # only at r = heldout_rank
+        assert np.isfinite(ds["heldout_error"].sel(estimator=name, num_features=params["heldout_rank"],
+                                                   search=False)).all()
         assert cell["layer_attention_error"].sel(placement="E:-").notnull().all()
         assert cell["top1_agreement"].sel(placement="E:0").isnull().all()       # only the search runs hybrids
-        searched = ds.sel(estimator=name, num_features=32, search=True)
-        assert searched["final_state_error"].notnull().all()                  # all 64 placements
-        assert float(searched["final_state_error"].sel(placement="E:0,1,2,3,4,5").max()) == 0.0
+        found = ds.sel(estimator=name, num_features=32, search=True)
+        assert found["final_state_error"].sel(placement=searched).notnull().all()
+        assert found["final_state_error"].drop_sel(placement=searched).isnull().all()
+        assert float(found["final_state_error"].sel(placement="E:0,1,2,3,4,5").max()) == 0.0
         # the search's all-substituted placement is the non-search cell (the same draws)
-        np.testing.assert_allclose(searched["final_state_error"].sel(placement="E:-"),
+        np.testing.assert_allclose(found["final_state_error"].sel(placement="E:-"),
                                    cell["final_state_error"].sel(placement="E:-"), rtol=1e-6)
-        kv = searched["attention_bytes"].sel(placement="E:0,1,2,3,4,5")
-        assert float(kv.max()) > 0 and (searched["attention_bytes"] <= kv.max() * 10).all()
+        kv = found["attention_bytes"].sel(placement="E:0,1,2,3,4,5")
+        assert float(kv.max()) > 0 and (found["attention_bytes"].sel(placement=searched) <= kv.max() * 10).all()
+        np.testing.assert_allclose(float(kv.max()), float(ds["exact_attention_bytes"].max()))
     assert Image.open(figure).info["Description"].startswith("Sentence retrieval")
     text = study.findings(ds)
-    assert text == study.findings(ds) and text.count("\n- ") >= 2
-    assert "Exact model" in text and "exact layer" in text
+    assert text == study.findings(ds.copy(deep=True)) and text.count("\n- ") >= 2
+    assert "Exact model" in text and "exact layer" in text and "95 % intervals" in text.splitlines()[-1]
+    s = ds["top10_agreement_summary"].sel(estimator=grid["estimator"][0], num_features=32, search=False,
+                                          placement="E:-").squeeze(drop=True)
+    per_query = ds["top10_agreement"].sel(estimator=grid["estimator"][0], num_features=32, search=False,
+                                          placement="E:-").mean("seed")
+    np.testing.assert_allclose(float(s.sel(stat="estimate")), float(per_query.mean()))
 
 
 # ------------------------------------------------------------------------------------------- maps on windows

@@ -317,3 +317,17 @@ def test_dask_local_cluster_on_loopback(tmp_path, reference):
     assert by_address.attrs["executor"].startswith("dask.distributed")
     assert_same_metrics(by_address, reference)
     assert_same_metrics(by_executor, reference)
+
+
+def test_threads_limit_numpy_blas_inside_the_cells_and_are_restored(tmp_path):
+    """``threads=1`` holds numpy's BLAS to one thread while the cells run (a multithreaded BLAS on busy cores spins),
+    and the process's own limit is back afterwards."""
+    import toy_threads
+
+    before = toy_threads.blas_threads()
+    ds = sweep.run(toy_threads.EXPERIMENT, preset="smoke", out=tmp_path / "t.nc", device="cpu", progress=False,
+                   threads=1)
+    if np.isnan(before):
+        pytest.skip("no BLAS library found by threadpoolctl")
+    assert float(ds["blas_threads"].max()) == 1.0
+    assert toy_threads.blas_threads() == before

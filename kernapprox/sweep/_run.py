@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures as cf
+import contextlib
 import json
 import multiprocessing
 import os
@@ -346,7 +347,8 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
 
             ok = False
             try:
-                _execute(tasks, plan, max_retries, on_done)
+                with blas_threads(plan.num_threads):
+                    _execute(tasks, plan, max_retries, on_done)
                 ok = True
             finally:
                 plan.close(cancel=not ok)
@@ -376,6 +378,18 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
           f"{time.perf_counter() - clock:.1f} s on {dev}, {_cpu_seconds() - cpu_clock:.1f} CPU-s "
           f"({plan.description}) -> {out}", file=sys.stderr)
     return ds
+
+
+def blas_threads(num_threads: int | None):
+    """A context limiting numpy's and scipy's BLAS/OpenMP thread pools (threadpoolctl) to ``num_threads``, the torch
+    thread count of the cells this process runs (``None``: no limit). Without it a multithreaded BLAS call
+    (``eigh``, ``qr``) on cores already busy spins its threads instead of working: on a loaded 2-core machine a
+    256×256 ``eigh`` took 10× its one-thread time."""
+    if num_threads is None:
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=num_threads)
 
 
 def _cpu_seconds() -> float:

@@ -183,3 +183,6 @@ def init_pool_worker(num_threads: int | None) -> None:
 
     if num_threads:
         torch.set_num_threads(num_threads)
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(limits=num_threads)          # numpy/scipy BLAS too, for the worker's lifetime
