@@ -113,6 +113,14 @@ def ratio_phrase(summary: xr.DataArray, *, better: str = "lower", worse: str = "
     return f"{better if float(summary.sel(stat='estimate')) < 1 else worse} ({text})"
 
 
+def verdict(summary: xr.DataArray, *, below: str = "lower", above: str = "higher") -> str:
+    """``below``/``above`` where a paired summary's interval excludes its neutral value (1 for ratios, 0 for
+    differences), ``"not resolved"`` where it does not (the two are not separated by these data)."""
+    if not resolved(summary):
+        return "not resolved"
+    return below if float(summary.sel(stat="estimate")) < float(summary.attrs.get("neutral", 0.0)) else above
+
+
 def range_text(values, digits: int = 2) -> str:
     """``"0.12–0.29"`` for the finite values given (``"n/a"`` if none)."""
     values = np.asarray([v for v in np.ravel(values) if np.isfinite(v)], dtype=float)

@@ -47,6 +47,7 @@ from experiments._common import (
     registered,
     sized_configuration,
     smallest_state,
+    verdict,
 )
 from kernapprox import stats
 from kernapprox.distributions import effective_beta, make_distribution
@@ -69,9 +70,11 @@ RANDOM_FEATURES = registered("trig", "trig_orthogonal", "positive", "positive_or
                              "oprf_orthogonal")
 POSITIVE = [name for name in RANDOM_FEATURES if not name.startswith("trig")]
 OPRF = "oprf_orthogonal"
+NYSTROM = "nystrom_uniform"
 SIZED = {label: spec for label, spec in {**EQUAL_BYTES, **EQUAL_BYTES_COMPARATORS}.items()
          if registered(spec[0])}                    # label -> (registry name, options), sized by the budget
 ESTIMATORS = RANDOM_FEATURES + list(SIZED)
+LARA_EVA = [label for label in SIZED if label in EQUAL_BYTES]   # the estimators of issue [9]
 MATCHED = [n for n in (BASELINE, OPRF) if n in RANDOM_FEATURES] + list(SIZED)   # the equal-bytes panels
 
 GRIDS = {
@@ -246,6 +249,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         ds = add_paired(ds, "output_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
     if OPRF in ds.estimator.values:
         ds = add_paired(ds, "output_rel_rms", OPRF, "seed", op="ratio", label="oprf")
+    if NYSTROM in ds.estimator.values:
+        ds = add_paired(ds, "output_rel_rms", NYSTROM, "seed", op="ratio", label="nystrom")
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = ds["output_rel_rms"] / _uniform(ds)
     ratio.attrs = {"long_name": f"output error / that of {UNIFORM} on the same draw", "units": "1",
@@ -343,7 +348,7 @@ def plot(ds, path):
             plot_summary(ax, den.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
                          **{**style, "linestyle": ":", "marker": "x", "label": f"{name}: normaliser"})
         loglog_rank_axes(ax, ylabel="relative RMS error")
-        ax.set_title(f"positive maps: numerator (solid) vs normaliser (dotted), n = {n_max}", fontsize=8)
+        ax.set_title(f"numerator (solid), normaliser (dotted), n = {n_max}", fontsize=8)
 
         ax = axes[row, 2]
         for name in names:
@@ -443,24 +448,29 @@ def _matched_findings(ds) -> list[str]:
             lines.append(f"Equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}, median "
                          "output error over seeds [configuration, state kept]: " + " — ".join(pieces)
                          + f"; {UNIFORM}: {fmt_ci(uni)}.")
-    if "output_rel_rms_vs_oprf_summary" in ds:
-        vs = ds["output_rel_rms_vs_oprf_summary"].sel(seq_len=n)
+    for label, baseline, title, who in (("oprf", OPRF, f"OPRF (`{OPRF}`)", list(SIZED)),
+                                        ("baseline", BASELINE, f"FAVOR+ (`{BASELINE}`)", LARA_EVA),
+                                        ("nystrom", NYSTROM, f"Nyström with uniform landmarks (`{NYSTROM}`)",
+                                         LARA_EVA)):
+        var = f"output_rel_rms_vs_{label}_summary"
+        if var not in ds:
+            continue
+        vs = ds[var].sel(seq_len=n)
         parts = []
-        for m in [m for m in names if m in SIZED]:
+        for m in [m for m in names if m in who and m != baseline]:
             cells = []
             for causal in ds.causal.values:
                 for beta in betas:
                     for r in ranks:
                         s = vs.sel(estimator=m, beta=beta, causal=causal, num_features=r)
                         if np.isfinite(float(s.sel(stat="estimate"))):
-                            word = ("lower" if float(s.sel(stat="hi")) < 1 else "higher"
-                                    if float(s.sel(stat="lo")) > 1 else "n.s.")
-                            cells.append(f"{'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)} {word}")
+                            cells.append(f"{'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)} {verdict(s)}")
             if cells:
                 parts.append(f"`{m}`: " + ", ".join(cells))
-        lines.append(f"Against OPRF (`{OPRF}`) on the same draws at equal state bytes (n = {n}; per-draw ratio of "
-                     "output errors, median with its interval; lower/higher: the interval excludes 1; n.s.: it does "
-                     "not; nc = non-causal, c = causal): " + "; ".join(parts) + ".")
+        if parts:
+            lines.append(f"Against {title} on the same draws at equal state bytes (n = {n}; per-draw ratio of "
+                         "output errors, median with its interval; lower/higher: the interval excludes 1; not "
+                         "resolved: it does not; nc = non-causal, c = causal): " + "; ".join(parts) + ".")
     means = [m for m in names if m.endswith("_mean")]
     if means:
         vs = ds["output_rel_rms_vs_uniform_summary"].sel(seq_len=n)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import budget_bytes, interval_note, range_text
+from experiments._common import budget_bytes, interval_note, range_text, verdict
 from experiments._icl import (
     BATCH_READOUTS,
     EXACT_STATE,
@@ -71,6 +71,7 @@ ESTIMATORS = {
 }
 SIZED = [label for label in SET_CONTEXT_EQUAL_BYTES if label in ESTIMATORS]
 OPRF = "oprf_orthogonal"
+FAVOR = "positive_orthogonal"
 RANDOM_MAPS = ("positive_orthogonal", "oprf_orthogonal", "trig_orthogonal")
 MATCHED_BUDGETS = (64, 256)    # the budgets (FAVOR+ features) at which the LARA/EVA rows run and are compared
 QUERIES = list(QUERY_COSINES)
@@ -167,12 +168,14 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
     ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", ds["num_queries"])
     ds = summarise_readout(ds)
-    if OPRF in ds.estimator.values:
-        diff = stats.paired(ds["accuracy"], "estimator", OPRF, op="difference")
-        ds["accuracy_vs_oprf"] = diff
-        summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-        summary.attrs["description"] = "summary of accuracy_vs_oprf over seed, episode: " + summary.attrs["interval"]
-        ds["accuracy_vs_oprf_summary"] = summary
+    for label, baseline in (("oprf", OPRF), ("favor", FAVOR)):
+        if baseline in ds.estimator.values:
+            diff = stats.paired(ds["accuracy"], "estimator", baseline, op="difference")
+            ds[f"accuracy_vs_{label}"] = diff
+            summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
+            summary.attrs["description"] = (f"summary of accuracy_vs_{label} over seed, episode: "
+                                            + summary.attrs["interval"])
+            ds[f"accuracy_vs_{label}_summary"] = summary
     cos = ds["query_cosine"].mean(REPLICATES).assign_attrs(
         long_name="mean cosine of a query to its stored key", units="1", description="mean over seed, episode")
     ds["query_cosine_mean"] = cos
@@ -456,24 +459,24 @@ def _matched_findings(ds, n, factor) -> list[str]:
                      + (f"; not applicable (no configuration within the budget): {', '.join(missing)}"
                         if missing else "")
                      + ". LARA and EVA read each episode's test queries as a batch (their proposals use them).")
-    if "accuracy_vs_oprf_summary" in ds:
-        vs = ds["accuracy_vs_oprf_summary"].sel(**at)
+    for label, name, title in (("oprf", OPRF, "OPRF"), ("favor", FAVOR, "FAVOR+")):
+        if f"accuracy_vs_{label}_summary" not in ds:
+            continue
+        vs = ds[f"accuracy_vs_{label}_summary"].sel(**at)
         parts = []
-        for label in [label for label in labels if label in SIZED]:
+        for sized in [sized for sized in labels if sized in SIZED]:
             cells = []
             for r in [r for r in MATCHED_BUDGETS if r in ds.num_features.values]:
                 for q in queries:
-                    d = vs.sel(estimator=label, num_features=r, query=q)
+                    d = vs.sel(estimator=sized, num_features=r, query=q)
                     if np.isfinite(float(d.sel(stat="estimate"))):
-                        word = ("above" if float(d.sel(stat="lo")) > 0 else "below"
-                                if float(d.sel(stat="hi")) < 0 else "n.s.")
-                        cells.append(f"r={r} {q} {fmt_ci(d, 2)} {word}")
+                        cells.append(f"r={r} {q} {fmt_ci(d, 2)} {verdict(d, below='below', above='above')}")
             if cells:
-                parts.append(f"`{label}`: " + ", ".join(cells))
+                parts.append(f"`{sized}`: " + ", ".join(cells))
         if parts:
-            lines.append(f"LARA and EVA minus OPRF (`{OPRF}`) at equal state bytes, accuracy per episode on the same "
-                         "episodes (mean difference with its bootstrap interval; above/below: the interval excludes "
-                         "0; n.s.: it does not): " + "; ".join(parts) + ".")
+            lines.append(f"LARA and EVA minus {title} (`{name}`) at equal state bytes, accuracy per episode on the "
+                         "same episodes (mean difference with its bootstrap interval; above/below: the interval "
+                         "excludes 0; not resolved: it does not): " + "; ".join(parts) + ".")
     return lines
 
 

@@ -48,6 +48,7 @@ from experiments._common import (
     ratio_phrase,
     registered,
     sized_configuration,
+    verdict,
 )
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
@@ -506,16 +507,14 @@ def _sized_findings(ds, names, values, betas) -> list[str]:
             for fam in families:
                 s = vs.sel(estimator=name, distribution=fam, beta=b1)
                 if np.isfinite(float(s.sel(stat="estimate"))):
-                    word = ("lower" if float(s.sel(stat="hi")) < 1 else "higher" if float(s.sel(stat="lo")) > 1
-                            else "n.s.")
-                    cells.append(f"{fam} {fmt_ci(s)} {word}")
+                    cells.append(f"{fam} {fmt_ci(s)} {verdict(s)}")
             if real_values:
                 med = vs.sel(estimator=name, distribution=real_values, beta=REAL_BETA, stat="estimate").values
                 cells.append(f"real layers {range_text(med)} (medians per layer)")
             parts.append(f"`{name}`: " + ", ".join(cells) if cells else f"`{name}`: n/a")
         lines.append(f"LARA and EVA against {label} on the same samples at equal state bytes (budget of FAVOR+ at "
                      f"r = {r}, {fmt(budget / 1024)} KiB, n = {int(ds.seq_len)}; nominal β = {b1:g}; paired ratio of "
-                     "output errors; lower/higher: the interval excludes 1, n.s.: it does not): "
+                     "output errors; lower/higher: the interval excludes 1; not resolved: it does not): "
                      + "; ".join(parts) + ".")
     others = [n for n in names if n not in ORACLES and n not in RANDOM]
     iso = [f"`{n}` {fmt_ci(err.sel(estimator=n, distribution='isotropic', beta=b1))}"
