@@ -94,3 +94,56 @@ def test_icl_sized_readouts_stay_below_the_kv_cache_and_within_the_budget():
         if name.startswith("eva"):
             assert config["window"] == 0
         assert _icl.sized_readout(_icl.SET_CONTEXT_EQUAL_BYTES, label, 4096, num_context=n, d=d, d_v=d) is None
+
+
+def _studies_feature_sized():
+    """Every registry name the studies size by features (random maps, Nyström, LARA, hybrids)."""
+    from experiments import query_distribution
+    names = {n for n in query_distribution.ESTIMATORS if n not in query_distribution.ORACLES}
+    names |= {spec[0] for spec in attention_error.SIZED.values()} | set(attention_error.RANDOM_FEATURES)
+    names |= {spec[0] for spec in _icl.SET_CONTEXT_EQUAL_BYTES.values()}
+    return sorted(n for n in names if n not in _common.GROUP_SIZED)
+
+
+RANDOM_MAPS = {"trig", "trig_orthogonal", "positive", "positive_orthogonal", "hyperbolic_orthogonal", "oprf",
+               "oprf_orthogonal"}
+
+
+@pytest.mark.parametrize("name", _studies_feature_sized())
+def test_every_feature_sized_estimator_of_the_studies_follows_the_rule(name):
+    """The largest configuration within B(r): within the budget, one more step is over it (or over n landmarks);
+    the random-feature maps run at r itself; an estimator that fits nothing has a smallest state over B(r)."""
+    n, r = 256, 64
+    budget = _common.budget_bytes(r, d=D, d_v=D_V, seq_len=n)
+    config = _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=n)
+    if config is None:                                  # nothing fits: even its smallest state is over the budget
+        assert _common.smallest_state(name, {}, d=D, d_v=D_V, seq_len=n) > budget and name not in RANDOM_MAPS
+        return
+    used, step = config["num_features"], _common._feature_step(name, {})
+    assert _bytes(name, n, num_features=used) <= budget
+    if not (ka.capabilities(name).rank_limited_by_points and used + step > n):
+        assert _bytes(name, n, num_features=used + step) > budget
+    if name in RANDOM_MAPS:
+        assert used == r
+
+
+@pytest.mark.parametrize("name", ["eva", "eva_mean"])
+def test_both_eva_variants_are_sized_by_groups_within_the_budget(name):
+    n, budget = 512, _common.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
+    config = _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=n)
+    g = config["group_size"]
+    assert _bytes(name, n, num_features=config["num_features"], group_size=g) <= budget
+    assert g == 1 or _bytes(name, n, num_features=-(-n // (g - 1)), group_size=g - 1) > budget
+
+
+@pytest.mark.parametrize("r", [64, 256])
+def test_icl_recall_budgets_at_n_256_fit_every_lara_eva_row(r):
+    """At the recall study's n = 256 pairs and d = 64 both matched budgets are below the KV cache and every
+    LARA/EVA row gets a configuration within them, checked against the estimator's own state_bytes."""
+    from experiments import icl_recall
+    n, d = 256, int(icl_recall.EXPERIMENT.parameter_values()["dim"])
+    for label in icl_recall.SIZED:
+        name, config, budget = _icl.sized_readout(icl_recall.ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
+        x = torch.randn(n, d, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        est = ka.make_estimator(name, rng=0, **config).fit(x, x)
+        assert est.state_bytes(d, torch.float32, seq_len=n) <= budget < _icl.kv_cache_bytes(n, d, d)
