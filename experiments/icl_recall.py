@@ -310,7 +310,7 @@ def _matched_panel(ax, ds, n, factor, r):
     ax.set_xlabel("query")
     ax.set_ylabel("recall accuracy")
     ax.set_title(f"equal state bytes: budget of FAVOR+ at r = {r} ({budget / 1024:.3g} KiB)", fontsize=9)
-    ax.legend(fontsize=5.5, loc="lower left", ncol=2)
+    ax.legend(fontsize=5.5, loc="center right", ncol=2)
 
 
 def plot(ds: xr.Dataset, path) -> None:
