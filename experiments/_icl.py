@@ -19,7 +19,7 @@ import collections
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_proportion, add_summaries
+from experiments._common import add_proportion, add_summaries, budget_bytes, sized_configuration
 from kernapprox import available_estimators, metrics, readout, stats, tasks
 from kernapprox.plotting import estimator_style, new_figure, plot_summary
 from kernapprox.sweep import Metric
@@ -40,6 +40,23 @@ SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or estimator class, constr
     "nystrom_kmeans": ("nystrom_kmeans", {}),
     "nystrom_rls": ("nystrom_rls", {}),
 }
+
+# LARA and EVA in the in-context studies, compared with the other estimators at equal state bytes (the EQUAL_BYTES
+# configurations of experiments._common, sized by sized_readout): label -> (registry name, constructor options).
+# A context here is a set (pairs or points in random order, queries unrelated to positions), so EVA runs without
+# its exact local window (window = 0): a window of positions would hand each query a random band of keys. Both
+# are defined for non-causal attention and build their proposals from the queries they are given (LARA: segment
+# means of the queries and keys; EVA: the mean query), so their read-out of a query depends on the other test
+# queries of the episode: they read a batch of queries at once (BATCH_READOUTS, fit_on="queries_and_keys"), an
+# advantage the context-only read-outs do not have, named wherever they are compared.
+SET_CONTEXT_EQUAL_BYTES = {
+    "lara": ("lara", {}),
+    "lara_balance": ("lara_balance", {}),
+    "lara_mean": ("lara_mean", {}),
+    "eva_w0": ("eva", {"window": 0}),
+    "eva_mean_w0": ("eva_mean", {"window": 0}),
+}
+BATCH_READOUTS = ("lara", "lara_balance", "lara_mean", "eva", "eva_mean")   # registry names (see above)
 
 # How recall queries relate to their stored keys: the cosine of a continuous perturbation (a random direction
 # orthogonal to the key), or "paraphrase": discrete phrase keys queried with one of their 8 tokens replaced.
@@ -64,6 +81,26 @@ def applicable(table: dict, label: str, num_features: int, num_context: int, slo
     if caps.fixed_dimension:
         return num_features == slot
     return not (caps.rank_limited_by_points and num_features > num_context)
+
+
+def kv_cache_bytes(num_context: int, d: int, d_v: int) -> int:
+    """What exact attention keeps from a context of ``num_context`` tokens: ``n (d + d_v)`` float32 numbers."""
+    return num_context * (d + d_v) * 4
+
+
+def sized_readout(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
+                  ) -> tuple[str, dict, int] | None:
+    """``(registry name, constructor arguments, budget)`` of an equal-bytes estimator (``table[label]``) at the
+    budget of FAVOR+ at ``num_features`` features (:func:`experiments._common.budget_bytes`), or ``None`` where it
+    is not run: no configuration fits the budget, or the budget reaches exact attention's KV cache (there the
+    context itself fits, and a compressed state has nothing to compress). Pass the arguments to
+    :func:`kernapprox.readout.paired_readouts` as ``num_features=args.pop("num_features"), options=args``."""
+    name, options = table[label]
+    budget = budget_bytes(num_features, d=d, d_v=d_v, seq_len=num_context)
+    if budget >= kv_cache_bytes(num_context, d, d_v):
+        return None
+    config = sized_configuration(name, options, budget, d=d, d_v=d_v, seq_len=num_context)
+    return None if config is None else (name, config, budget)
 
 
 def not_applicable(metric_table: dict) -> dict:

@@ -11,6 +11,19 @@ normaliser ``Z_i`` (``‖N̂/Z − Y‖_F/‖Y‖_F``), computed from the stabil
 nothing overflows. The normaliser error is the relative RMS of ``Ẑ_i/Z_i − 1`` over queries (and the RMS of
 ``log(Ẑ_i/Z_i)`` over the queries where ``Ẑ_i > 0``). The rate of non-positive normalisers ``Ẑ_i ≤ 0`` counts the
 failures of signed maps such as ``trig``.
+
+Equal state bytes: ``num_features`` is the memory budget ``r``. The random-feature maps run with ``r`` features; the
+estimators whose memory is not ``r·(d_v + 1)`` — LARA (``lara``, ``lara_balance``, ``lara_mean``: draws, key sums
+and proposal landmarks), EVA (``eva``, ``eva_mean``: an exact window of 32 keys and per-group summaries, whose size
+depends on ``n``), Nyström with uniform landmarks (landmarks and whitening) and the window hybrids (``window_linear``,
+``scatterbrain``: 64 exact keys beside the features) — run at their largest configuration whose
+``state_bytes(d_v, float32, seq_len=n)`` fits the budget ``B(r)``, the state of FAVOR+/OPRF at ``r`` features
+(:func:`experiments._common.sized_configuration`); the configuration (features, EVA's group size) and its bytes
+are stored per cell. An estimator with no configuration within the budget, or LARA in causal attention (defined
+non-causally), is not applicable there: NaN, with its smallest possible state stored. The reference also stores
+the error of the uniform average of the values (all of them, or the prefix when causal), the output of attention
+that ignores the keys. Values of β below the largest run up to ``beta_sweep_max_len`` tokens only (the exact
+reference at the longest length costs most).
 """
 
 from __future__ import annotations
@@ -22,13 +35,19 @@ import xarray as xr
 import kernapprox as ka
 from experiments._common import (
     BASELINE,
+    EQUAL_BYTES,
+    EQUAL_BYTES_COMPARATORS,
     add_paired,
     add_summaries,
+    budget_bytes,
     interval_note,
     per_draw_slope,
     range_text,
     ratio_phrase,
     registered,
+    sized_configuration,
+    smallest_state,
+    verdict,
 )
 from kernapprox import stats
 from kernapprox.distributions import effective_beta, make_distribution
@@ -47,15 +66,24 @@ from kernapprox.plotting import (
 )
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
-ESTIMATORS = registered("trig", "trig_orthogonal", "positive", "positive_orthogonal", "hyperbolic_orthogonal",
-                        "oprf_orthogonal")
-POSITIVE = [name for name in ESTIMATORS if not name.startswith("trig")]
+RANDOM_FEATURES = registered("trig", "trig_orthogonal", "positive", "positive_orthogonal", "hyperbolic_orthogonal",
+                             "oprf_orthogonal")
+POSITIVE = [name for name in RANDOM_FEATURES if not name.startswith("trig")]
+OPRF = "oprf_orthogonal"
+NYSTROM = "nystrom_uniform"
+SIZED = {label: spec for label, spec in {**EQUAL_BYTES, **EQUAL_BYTES_COMPARATORS}.items()
+         if registered(spec[0])}                    # label -> (registry name, options), sized by the budget
+ESTIMATORS = RANDOM_FEATURES + list(SIZED)
+LARA_EVA = [label for label in SIZED if label in EQUAL_BYTES]   # the estimators of issue [9]
+MATCHED = [n for n in (BASELINE, OPRF) if n in RANDOM_FEATURES] + list(SIZED)   # the equal-bytes panels
 
 GRIDS = {
-    "smoke": {"estimator": registered("trig", "positive", "positive_orthogonal"), "num_features": [16, 64],
-              "seq_len": [64], "causal": [False, True], "beta": [2.0], "seed": [0, 1, 2]},
+    "smoke": {"estimator": registered("trig", "positive", "positive_orthogonal") + [
+                  label for label in ("lara", "eva_mean") if label in SIZED],
+              "num_features": [16, 256], "seq_len": [64], "causal": [False, True], "beta": [2.0],
+              "seed": [0, 1, 2]},
     "default": {"estimator": ESTIMATORS, "num_features": [16, 64, 256], "seq_len": [512, 2048, 8192],
-                "causal": [False, True], "beta": [2.0], "seed": [0, 1, 2, 3, 4]},
+                "causal": [False, True], "beta": [1.0, 2.0], "seed": [0, 1, 2, 3, 4]},
     "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256], "seq_len": [512, 2048, 8192],
              "causal": [False, True], "beta": [1.0, 2.0], "seed": list(range(8))},
 }
@@ -64,8 +92,15 @@ PARAMETERS = {
     "heads": Parameter(2, long_name="independent heads per draw", units="1",
                        description="each head its own data; one estimator draw shared by the heads of a cell; "
                                    "per-draw values are medians over heads"),
+    "long_beta": Parameter(2.0, long_name="the β at which every sequence length runs", units="1"),
+    "beta_sweep_max_len": Parameter(2048, long_name="longest sequence at which the other β values run",
+                                    units="token",
+                                    description="beyond it only long_beta runs (cells and references NaN)"),
 }
-AXIS_ATTRS = {"beta": {"long_name": "nominal inverse temperature β (E‖q‖² = β√d)", "units": "1"}}
+AXIS_ATTRS = {"beta": {"long_name": "nominal inverse temperature β (E‖q‖² = β√d)", "units": "1"},
+              "num_features": {"long_name": "memory budget: the feature count r of FAVOR+ (random-feature maps "
+                                            "run with r features; the others at their largest configuration whose "
+                                            "state fits B(r), the state of FAVOR+/OPRF at r)", "units": "1"}}
 
 METRICS = {
     "output_rel_rms": Metric(long_name="relative RMS error of the attention output", units="1",
@@ -80,10 +115,28 @@ METRICS = {
                                              "heads"),
     "nonpositive_rate": Metric(long_name="rate of non-positive normalisers", units="1",
                                description="fraction of queries with Ẑ_i ≤ 0 or not finite; mean over heads"),
+    "state_bytes": Metric(long_name="state kept by the configuration run", units="byte",
+                          description="estimator.state_bytes(d_v, float32, seq_len=n); NaN where not applicable"),
+    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
+                           description="the larger state of FAVOR+ and OPRF at r features (float32)"),
+    "features_used": Metric(long_name="num_features of the configuration run", units="1",
+                            description="r for random features; the largest value within the budget for the "
+                                        "others (EVA: its number of groups ⌈n/g⌉); NaN where not applicable"),
+    "group_size": Metric(long_name="EVA's group size g", units="token",
+                         description="the smallest group size whose state fits the budget; NaN for the others"),
+    "smallest_state_bytes": Metric(long_name="smallest state of the estimator's configurations", units="byte",
+                                   description="at this n (one feature; EVA: its best group size): what an "
+                                               "estimator that fits no budget would need"),
 }
 REFERENCE_METRICS = {
     "beta_eff": Metric(long_name="effective inverse temperature", units="1",
                        description="mean over pairs of ‖q_i‖‖k_j‖/√d, mean over heads"),
+    "uniform_rel_rms": Metric(long_name="relative RMS error of the uniform average of the values", units="1",
+                              description="‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of all values (non-causal attention); "
+                                          "median over heads"),
+    "uniform_rel_rms_causal": Metric(long_name="relative RMS error of the uniform prefix average", units="1",
+                                     description="‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of v_1..v_i (causal attention); "
+                                                 "median over heads"),
 }
 
 
@@ -107,12 +160,39 @@ def exact_attention(data_rng, q, k, v, causal):
     return _EXACT[key]
 
 
+def _runs(params) -> bool:
+    """Whether the cell's data draw is in the design (β other than ``long_beta`` up to ``beta_sweep_max_len``)."""
+    return params["beta"] == params["long_beta"] or params["seq_len"] <= params["beta_sweep_max_len"]
+
+
+def configuration(params) -> tuple[str, dict | None, dict]:
+    """``(registry name, constructor arguments or None, bookkeeping)`` of the cell's estimator at its budget: ``r``
+    features for random-feature maps, the largest configuration within ``B(r)`` for the others (None: none fits,
+    or a non-causal-only estimator in causal attention)."""
+    label, r, n, d = params["estimator"], params["num_features"], params["seq_len"], params["dim"]
+    budget = budget_bytes(r, d=d, d_v=d, seq_len=n)
+    if label not in SIZED:
+        return label, {"num_features": None if ka.capabilities(label).fixed_dimension else r}, {"budget": budget}
+    name, options = SIZED[label]
+    info = {"budget": budget, "smallest": smallest_state(name, options, d=d, d_v=d, seq_len=n)}
+    if params["causal"] and not ka.capabilities(name, **options).causal:
+        return name, None, info
+    return name, sized_configuration(name, options, budget, d=d, d_v=d, seq_len=n), info
+
+
 def run_cell(params, rng, device, data_rng):
+    if not _runs(params):
+        return {name: np.nan for name in METRICS}
+    name, kwargs, info = configuration(params)
+    book = {"budget_bytes": float(info["budget"]), "smallest_state_bytes": float(info.get("smallest", np.nan))}
+    if kwargs is None:                                          # not applicable: nothing fits, or causal LARA
+        return {**{m: np.nan for m in METRICS}, **book}
     q, k, v = _data(params, data_rng, device)
     causal = params["causal"]
-    name = params["estimator"]
-    r = None if ka.capabilities(name).fixed_dimension else params["num_features"]
-    est = ka.make_estimator(name, num_features=r, rng=rng).fit(q, k)
+    est = ka.make_estimator(name, rng=rng, **kwargs).fit(q, k)
+    state = est.state_bytes(params["dim"], torch.float32, seq_len=params["seq_len"])
+    if params["estimator"] in MATCHED and state > info["budget"]:      # the equal-bytes rule, checked per cell
+        raise RuntimeError(f"{params['estimator']} keeps {state} bytes, over its budget of {info['budget']}")
     parts = ka.linear_attention(q, k, v, est, causal=causal, mode="chunked", return_parts=True)
     exact, lse = exact_attention(data_rng, q, k, v, causal)                 # (..., n, d_v), (..., n)
     to_exact = torch.exp(parts.log_scale - lse)                # true part / Z_i, from the stabilised parts
@@ -125,14 +205,25 @@ def run_cell(params, rng, device, data_rng):
             "numerator_rel_rms": _median(relative_rms_error(numerator, exact)),
             "normalizer_rel_rms": _median(((ratio - 1.0) ** 2).mean(-1).sqrt()),
             "normalizer_log_rms": _median(log_rms),
-            "nonpositive_rate": nonpositive_normalizer_rate(parts.normalizer).mean().item()}
+            "nonpositive_rate": nonpositive_normalizer_rate(parts.normalizer).mean().item(),
+            "state_bytes": float(state), "features_used": float(kwargs.get("num_features") or np.nan),
+            "group_size": float(kwargs.get("group_size", np.nan)), **book}
 
 
 def run_reference(params, device, data_rng):
+    if not _runs(params):
+        return {name: np.nan for name in REFERENCE_METRICS}
     q, k, v = _data(params, data_rng, device)
+    uniform = {}
     for causal in (False, True):                                # fill the memo the cells of this draw read
-        exact_attention(data_rng, q, k, v, causal)
-    return {"beta_eff": effective_beta(q, k).mean().item()}
+        exact, _ = exact_attention(data_rng, q, k, v, causal)
+        if causal:
+            mean = v.cumsum(-2) / torch.arange(1, v.shape[-2] + 1, dtype=v.dtype, device=v.device)[:, None]
+        else:
+            mean = v.mean(-2, keepdim=True).expand_as(v)
+        uniform[causal] = _median(relative_rms_error(mean, exact))
+    return {"beta_eff": effective_beta(q, k).mean().item(), "uniform_rel_rms": uniform[False],
+            "uniform_rel_rms_causal": uniform[True]}
 
 
 def _median(values: torch.Tensor) -> float:
@@ -142,25 +233,99 @@ def _median(values: torch.Tensor) -> float:
 
 # ------------------------------------------------------------------------------------------------ summaries
 ERRORS = ["output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms", "normalizer_log_rms"]
+UNIFORM = "the uniform average of the values"
+
+
+def _uniform(ds: xr.Dataset) -> xr.DataArray:
+    """The uniform-average error of each draw along ``causal`` (non-causal: all values; causal: the prefix)."""
+    both = xr.concat([ds["uniform_rel_rms"], ds["uniform_rel_rms_causal"]], dim="causal")
+    return both.assign_coords(causal=[False, True]).reindex(causal=ds.causal.values)   # (sel: a bool mask)
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    ds = add_summaries(ds, ERRORS + ["beta_eff"], "seed")
+    ds = add_summaries(ds, ERRORS + ["beta_eff", "uniform_rel_rms", "uniform_rel_rms_causal"], "seed")
     ds = add_summaries(ds, ["nonpositive_rate"], "seed", tail_threshold=None)
     if BASELINE in ds.estimator.values:
         ds = add_paired(ds, "output_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
+    if OPRF in ds.estimator.values:
+        ds = add_paired(ds, "output_rel_rms", OPRF, "seed", op="ratio", label="oprf")
+    if NYSTROM in ds.estimator.values:
+        ds = add_paired(ds, "output_rel_rms", NYSTROM, "seed", op="ratio", label="nystrom")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = ds["output_rel_rms"] / _uniform(ds)
+    ratio.attrs = {"long_name": f"output error / that of {UNIFORM} on the same draw", "units": "1",
+                   "description": "per draw, output_rel_rms / uniform_rel_rms (causal: uniform_rel_rms_causal); "
+                                  "below 1: closer to softmax attention than attention that ignores the keys",
+                   "baseline": "uniform average", "comparison": "ratio"}
+    ds["output_rel_rms_vs_uniform"] = ratio
+    summary = stats.paired_summary(ratio, "seed")
+    summary.attrs["description"] = "summary of output_rel_rms_vs_uniform over seed: " + summary.attrs["interval"]
+    ds["output_rel_rms_vs_uniform_summary"] = summary
     return ds
 
 
 # ------------------------------------------------------------------------------------------------------ plot
+def _matched_length(ds) -> int:
+    """The sequence length of the equal-bytes panels and findings: 2048 when present."""
+    lengths = [int(n) for n in ds.seq_len.values]
+    return 2048 if 2048 in lengths else lengths[len(lengths) // 2]
+
+
+def _not_applicable(ds, name, **sel) -> list[int]:
+    """The budgets r at which ``name`` did not run (no configuration fits, or causal LARA)."""
+    used = ds["features_used"].sel(estimator=name, **sel)
+    return [int(r) for r in ds.num_features.values if not bool(used.sel(num_features=r).notnull().any())]
+
+
+def _matched_panel(ax, ds, n, beta, causal):
+    """Output error against the budget B(r) at one length, β and causality, every estimator at equal state bytes
+    (markers with their intervals, side by side), with the uniform average of the values (dotted) and the
+    estimators that fit no budget named."""
+    names = [m for m in MATCHED if m in ds.estimator.values]
+    out = ds["output_rel_rms_summary"].sel(seq_len=n, beta=beta, causal=causal)
+    budget = ds["budget_bytes"].sel(seq_len=n, beta=beta, causal=causal).max(["estimator", "seed"]).values / 1024
+    missing = []
+    for i, name in enumerate(names):
+        style = estimator_style(name)
+        s = out.sel(estimator=name)
+        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+        keep = np.isfinite(est)
+        if keep.any():
+            x = budget[keep] * 2 ** (0.05 * (i - (len(names) - 1) / 2))       # side by side at each budget
+            ax.errorbar(x, est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], color=style["color"],
+                        marker=style["marker"], linestyle=style["linestyle"], linewidth=1.0, capsize=2,
+                        label=name)
+        gaps = _not_applicable(ds, name, seq_len=n, beta=beta, causal=causal)
+        if gaps:
+            missing.append(f"{name}: {'all' if len(gaps) == ds.sizes['num_features'] else ', '.join(map(str, gaps))}")
+    uni = ds[f"uniform_rel_rms{'_causal' if causal else ''}_summary"].sel(seq_len=n, beta=beta)
+    ax.axhline(float(uni.sel(stat="estimate")), color="0.35", linestyle=":", linewidth=1.2, label=f"{UNIFORM}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    low, high = ax.get_ylim()
+    if low < 1e-3 < high:                       # exact reproductions (EVA with one key per group) sit on the axis
+        ax.set_ylim(1e-3, high)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+    ax.set_xlabel("state budget B(r) (KiB, float32)")
+    ax.set_ylabel("‖Ŷ−Y‖_F / ‖Y‖_F")
+    ax.set_title(f"equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}", fontsize=8.5)
+    if missing:
+        ax.text(0.02, 0.02, "not applicable at r =\n" + "\n".join(missing), transform=ax.transAxes, fontsize=5.5,
+                va="bottom", ha="left", color="0.3")
+
+
 def plot(ds, path):
-    ds = ds.sel(beta=ds.beta.values.max())
-    names = [str(n) for n in ds.estimator.values]
+    full = ds
+    betas = sorted((float(b) for b in full.beta.values), reverse=True)
+    ds = ds.sel(beta=betas[0])
+    names = [n for n in RANDOM_FEATURES if n in ds.estimator.values]
     n_max = int(ds.seq_len.values.max())
+    n_match = _matched_length(full)
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
     r = ds.num_features.values
     out, num, den = (ds[f"{m}_summary"] for m in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms"))
-    fig, axes = new_figure(ds.sizes["causal"], 4, width=15.5, height=3.3 * ds.sizes["causal"] + 0.7,
+    ncols = 4 + len(betas)
+    fig, axes = new_figure(ds.sizes["causal"], ncols, width=3.9 * ncols, height=3.4 * ds.sizes["causal"] + 0.9,
                            squeeze=False)
     for row, causal in enumerate(ds.causal.values):
         kind = "causal" if causal else "non-causal"
@@ -168,7 +333,8 @@ def plot(ds, path):
         for name in names:
             plot_summary(ax, out.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
                          **estimator_style(name))
-        y0 = float(out.sel(seq_len=n_max, causal=causal, stat="estimate").isel(num_features=0).median())
+        y0 = float(out.sel(estimator=names, seq_len=n_max, causal=causal, stat="estimate").isel(num_features=0)
+                   .median())
         reference_slope(ax, r, 1.5 * y0)
         loglog_rank_axes(ax, ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error, n = {n_max}, {kind}", fontsize=9)
@@ -182,7 +348,7 @@ def plot(ds, path):
             plot_summary(ax, den.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
                          **{**style, "linestyle": ":", "marker": "x", "label": f"{name}: normaliser"})
         loglog_rank_axes(ax, ylabel="relative RMS error")
-        ax.set_title(f"positive maps: numerator (solid) vs normaliser (dotted), n = {n_max}", fontsize=8.5)
+        ax.set_title(f"numerator (solid), normaliser (dotted), n = {n_max}", fontsize=8)
 
         ax = axes[row, 2]
         for name in names:
@@ -208,34 +374,136 @@ def plot(ds, path):
             ax.legend(fontsize=6.5)
         else:
             ax.text(0.5, 0.5, "no estimator produced Ẑ ≤ 0", ha="center", transform=ax.transAxes)
-    beta = float(ds.beta.values)
+        for j, beta in enumerate(betas):
+            _matched_panel(axes[row, 4 + j], full, n_match, beta, bool(causal))
+    handles, labels = axes[0, 4].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False,
+               title="equal state bytes", title_fontsize=7.5)
+    beta = betas[0]
     beta_eff = float(ds["beta_eff_summary"].sel(seq_len=n_max, stat="estimate"))
     fig.suptitle("Attention-output error of linear attention against exact softmax attention", fontsize=11,
                  fontweight="bold")
     save_figure(fig, path, (
-        f"Isotropic Gaussian q, k in d = {int(ds['dim'])} at β = {beta:g} (measured {beta_eff:.2f}), standard "
-        f"Gaussian values, {int(ds['heads'])} heads per draw, float64, chunked mode; exact attention computed in "
-        f"query blocks. Lines: median over {ds.sizes['seed']} seeds of the per-draw median over heads; bands: 95 % "
-        "bootstrap interval of that median. Left: relative RMS output error against the state dimension r (grey "
-        "dashed: r^(-1/2)). Second: numerator Σ κ v and normaliser Z = Σ κ of the positive maps, both relative to "
-        "the exact normaliser. Third: output error against sequence length n at fixed r. Right: fraction of queries "
-        "whose estimated normaliser is ≤ 0 (signed trigonometric features only), darker = longer sequences."))
+        f"Isotropic Gaussian q, k in d = {int(ds['dim'])} at β = {beta:g} (measured {beta_eff:.2f}) in the first four "
+        f"columns, standard Gaussian values, {int(ds['heads'])} heads per draw, float64, chunked mode; exact "
+        f"attention computed in query blocks. Lines: median over {ds.sizes['seed']} seeds of the per-draw median "
+        "over heads; bands: 95 % bootstrap interval of that median. Columns 1–4, random-feature maps: relative RMS "
+        "output error against the number of features r (grey dashed: r^(-1/2)); numerator Σ κ v and normaliser "
+        "Z = Σ κ of the positive maps, both relative to the exact normaliser; output error against sequence length n "
+        "at fixed r; fraction of queries whose estimated normaliser is ≤ 0 (signed trigonometric features only), "
+        f"darker = longer sequences. Last columns, equal state bytes at n = {n_match}: every estimator at its "
+        "largest configuration whose state (estimator.state_bytes, float32: for LARA its draws, key sums and "
+        "proposal landmarks; for EVA its window of 32 keys and group summaries; for Nyström its landmarks and "
+        "whitening; for the hybrids their window of 64 keys) fits the budget B(r) of FAVOR+/OPRF at r = "
+        f"{', '.join(str(int(v)) for v in ds.num_features.values)} features, against that budget; dotted: the "
+        "output error of the uniform average of the values (attention that ignores the keys). Estimators with no "
+        "configuration within a budget, and LARA in causal attention (defined non-causally), are not applicable "
+        "there and named in the panel."))
 
 
 # -------------------------------------------------------------------------------------------------- findings
+def _kb(value) -> str:
+    return f"{fmt(float(value) / 1024, 3)} KiB"
+
+
+def _matched_entry(ds, name, n, beta, causal, r) -> str:
+    """``name`` at one cell of the equal-bytes design: its error with interval and the configuration it ran, or
+    why it is not applicable."""
+    at = {"estimator": name, "seq_len": n, "beta": beta, "causal": causal, "num_features": r}
+    used = ds["features_used"].sel(**at)
+    if not bool(used.notnull().any()):
+        if name in SIZED and causal and not ka.capabilities(SIZED[name][0], **SIZED[name][1]).causal:
+            return f"`{name}` n/a (non-causal only)"
+        smallest = float(ds["smallest_state_bytes"].sel(**at).max())
+        return f"`{name}` n/a (needs ≥ {_kb(smallest)})"
+    error = fmt_ci(ds["output_rel_rms_summary"].sel(**at))
+    if name not in SIZED:
+        return f"`{name}` {error}"
+    config = f"r' = {int(used.median())}"
+    if bool(ds["group_size"].sel(**at).notnull().any()):
+        config = f"{int(used.median())} groups of {int(ds['group_size'].sel(**at).median())}"
+    return f"`{name}` {error} [{config}, {_kb(ds['state_bytes'].sel(**at).median())}]"
+
+
+def _matched_findings(ds) -> list[str]:
+    """The equal-bytes comparison at n = 2048: errors with intervals per budget, β and causality; paired ratios
+    against OPRF; the mean-draw variants against the uniform average."""
+    names = [m for m in MATCHED if m in ds.estimator.values]
+    if len(names) <= 2:
+        return []
+    n = _matched_length(ds)
+    ranks = [int(r) for r in ds.num_features.values if r >= 64] or [int(r) for r in ds.num_features.values]
+    betas = sorted(float(b) for b in ds.beta.values)
+    lines = []
+    for causal in (False, True):
+        if causal not in ds.causal.values:
+            continue
+        for beta in betas:
+            pieces = []
+            for r in ranks:
+                budget = float(ds["budget_bytes"].sel(num_features=r, seq_len=n, beta=beta, causal=causal).max())
+                entries = "; ".join(_matched_entry(ds, m, n, beta, causal, r) for m in names)
+                pieces.append(f"r = {r} (budget {_kb(budget)}): {entries}")
+            uni = ds[f"uniform_rel_rms{'_causal' if causal else ''}_summary"].sel(seq_len=n, beta=beta)
+            lines.append(f"Equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}, median "
+                         "output error over seeds [configuration, state kept]: " + " — ".join(pieces)
+                         + f"; {UNIFORM}: {fmt_ci(uni)}.")
+    for label, baseline, title, who in (("oprf", OPRF, f"OPRF (`{OPRF}`)", list(SIZED)),
+                                        ("baseline", BASELINE, f"FAVOR+ (`{BASELINE}`)", LARA_EVA),
+                                        ("nystrom", NYSTROM, f"Nyström with uniform landmarks (`{NYSTROM}`)",
+                                         LARA_EVA)):
+        var = f"output_rel_rms_vs_{label}_summary"
+        if var not in ds:
+            continue
+        vs = ds[var].sel(seq_len=n)
+        parts = []
+        for m in [m for m in names if m in who and m != baseline]:
+            cells = []
+            for causal in ds.causal.values:
+                for beta in betas:
+                    for r in ranks:
+                        s = vs.sel(estimator=m, beta=beta, causal=causal, num_features=r)
+                        if np.isfinite(float(s.sel(stat="estimate"))):
+                            cells.append(f"{'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)} {verdict(s)}")
+            if cells:
+                parts.append(f"`{m}`: " + ", ".join(cells))
+        if parts:
+            lines.append(f"Against {title} on the same draws at equal state bytes (n = {n}; per-draw ratio of "
+                         "output errors, median with its interval; lower/higher: the interval excludes 1; not "
+                         "resolved: it does not; nc = non-causal, c = causal): " + "; ".join(parts) + ".")
+    means = [m for m in names if m.endswith("_mean")]
+    if means:
+        vs = ds["output_rel_rms_vs_uniform_summary"].sel(seq_len=n)
+        cells = []
+        for m in means:
+            for causal in ds.causal.values:
+                for beta in betas:
+                    for r in ranks:
+                        s = vs.sel(estimator=m, beta=beta, causal=causal, num_features=r)
+                        if np.isfinite(float(s.sel(stat="estimate"))):
+                            cells.append(f"`{m}` {'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)}")
+        lines.append(f"The draws at the proposal means against {UNIFORM} on the same draws (n = {n}; per-draw ratio "
+                     "of output errors; 1 = no better than ignoring the keys): " + ", ".join(cells) + ".")
+    return lines
+
+
 def findings(ds: xr.Dataset) -> str:
+    full = ds
     ds = ds.sel(beta=ds.beta.values.max())
     beta = float(ds.beta)
     out = ds["output_rel_rms_summary"]
-    names = [str(n) for n in ds.estimator.values]
+    everyone = [str(n) for n in ds.estimator.values]
+    names = [n for n in RANDOM_FEATURES if n in everyone]
     n_max, n_min = int(ds.seq_len.max()), int(ds.seq_len.min())
     r_max, r_min = int(ds.num_features.max()), int(ds.num_features.min())
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
     lines = []
     top = out.sel(seq_len=n_max, num_features=r_max, causal=False)
-    order = [names[i] for i in np.argsort(top.sel(stat="estimate").values)]
-    head = (f"At n = {n_max}, r = {r_max}, β = {beta:g} (non-causal) the smallest median output error is "
-            f"`{order[0]}`'s, {fmt_ci(top.sel(estimator=order[0]))}")
+    ran = [n for n in everyone if np.isfinite(float(top.sel(estimator=n, stat="estimate")))]
+    order = sorted(ran, key=lambda n: float(top.sel(estimator=n, stat="estimate")))
+    budget = float(ds["budget_bytes"].sel(seq_len=n_max, num_features=r_max, causal=False).max())
+    head = (f"At n = {n_max}, β = {beta:g} (non-causal), at equal state bytes (the budget of FAVOR+ at r = {r_max}, "
+            f"{_kb(budget)}) the smallest median output error is `{order[0]}`'s, {fmt_ci(top.sel(estimator=order[0]))}")
     other = order[1] if order[0] == BASELINE and len(order) > 1 else order[0]
     if "output_rel_rms_vs_baseline_summary" in ds and other != BASELINE:
         vs = ds["output_rel_rms_vs_baseline_summary"].sel(seq_len=n_max, num_features=r_max, causal=False,
@@ -244,6 +512,7 @@ def findings(ds: xr.Dataset) -> str:
                  f"{fmt_ci(top.sel(estimator=BASELINE))}) on the same draws, below it in "
                  f"{fmt_pct(float(vs.sel(stat='below')))} of them")
     lines.append(head + ".")
+    lines.extend(_matched_findings(full))
     positive = [n for n in names if n in POSITIVE]
     if positive:
         split = stats.bootstrap_interval(
@@ -267,12 +536,12 @@ def findings(ds: xr.Dataset) -> str:
             "Monte Carlo rate is −0.5); the output error "
             f"falls more slowly than both of its parts for {slower} of {len(positive)} positive maps.")
     causal_ratio = stats.bootstrap_interval(
-        ds["output_rel_rms"].sel(causal=True, seq_len=n_max, num_features=r_max)
-        / ds["output_rel_rms"].sel(causal=False, seq_len=n_max, num_features=r_max), "seed")
+        ds["output_rel_rms"].sel(estimator=names, causal=True, seq_len=n_max, num_features=r_max)
+        / ds["output_rel_rms"].sel(estimator=names, causal=False, seq_len=n_max, num_features=r_max), "seed")
     lo_c = [n for n in names if float(causal_ratio.sel(estimator=n, stat="hi")) < 1]
     lines.append(f"Causal against non-causal output error on the same data (n = {n_max}, r = {r_max}, per-draw ratio): "
                  + "; ".join(f"`{n}` {fmt_ci(causal_ratio.sel(estimator=n))}" for n in names)
-                 + f" — below 1 with its whole interval for {len(lo_c)} of {len(names)} maps.")
+                 + f" — below 1 with its whole interval for {len(lo_c)} of {len(names)} random-feature maps.")
     if positive and n_max != n_min:
         pieces = []
         for n in positive:
@@ -293,10 +562,12 @@ def findings(ds: xr.Dataset) -> str:
                           f"{fmt_ci(e_lo)}), {fmt_ci(hi_r, percent=True)} at r = {r_max}")
         lines.append(f"Signed trigonometric features fail where their normaliser is ≤ 0 (n = {n_max}, non-causal): "
                      + "; ".join(pieces) + ".")
-    if positive:
-        worst = float(ds["nonpositive_rate"].sel(estimator=positive).max())
-        lines.append(f"The largest rate of non-positive normalisers among the positive maps, over every cell and "
-                     f"draw, is {fmt(worst)}.")
+    signed = [n for n in everyone if n.startswith("trig") or n.startswith("nystrom")]
+    unsigned = [n for n in everyone if n not in signed]
+    if unsigned:
+        worst = float(full["nonpositive_rate"].sel(estimator=unsigned).max())
+        lines.append(f"The largest rate of non-positive normalisers among the positive estimators (every one but "
+                     f"trigonometric features and Nyström), over every cell and draw, is {fmt(worst)}.")
     lines.append(interval_note(ds))
     return bullets(lines)
 

@@ -12,6 +12,14 @@ them is the reference (once per draw). Data-dependent maps are fitted on the con
 dimension is fixed by ``d`` (Taylor, ELU+1, DPFP) run only in the ``num_features = 64`` column; landmark methods
 with more landmarks than keys are not applicable (NaN). The position-based hybrids are left out: the pairs form a
 set and the queries come in random order.
+
+LARA (``lara``, ``lara_mean``) and EVA without its positional window (``eva_w0``, ``eva_mean_w0``) are compared at
+equal state bytes: in their rows ``num_features`` is the budget ``r``, and each runs its largest configuration
+whose ``state_bytes`` fits the state of FAVOR+/OPRF at ``r`` features (:func:`experiments._icl.sized_readout`; the
+configuration and its bytes are stored per cell), at the budgets of the comparison (``MATCHED_BUDGETS``, r = 64
+and 256, both below exact attention's KV cache) only; where nothing fits they are not applicable (NaN). Both
+build their proposals from the batch of test queries of an episode (non-causal attention by definition), so unlike
+the other read-outs they see the other test queries (``fit_on="queries_and_keys"``).
 """
 
 from __future__ import annotations
@@ -19,13 +27,15 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import interval_note, range_text
+from experiments._common import budget_bytes, interval_note, range_text, verdict
 from experiments._icl import (
+    BATCH_READOUTS,
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
     QUERY_AXIS,
     QUERY_COSINES,
     REPLICATES,
+    SET_CONTEXT_EQUAL_BYTES,
     applicable,
     available,
     episode_dims,
@@ -36,11 +46,12 @@ from experiments._icl import (
     readout_metric_table,
     readout_metrics,
     recall_episodes,
+    sized_readout,
     summarise_accuracy,
     summarise_readout,
 )
 from experiments._icl import style as icl_style
-from kernapprox import readout, tasks
+from kernapprox import readout, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
@@ -55,11 +66,19 @@ ESTIMATORS = {
     "dpfp_nu1": (DPFPFeatures, {"nu": 1}),   # not registered (its normaliser can be exactly zero)
     "nystrom_uniform": ("nystrom_uniform", {}),
     "nystrom_rls": ("nystrom_rls", {}),
+    **{label: SET_CONTEXT_EQUAL_BYTES[label]  # sized by the state budget of FAVOR+ at r (see the module notes)
+       for label in ("lara", "lara_mean", "eva_w0", "eva_mean_w0")},
 }
+SIZED = [label for label in SET_CONTEXT_EQUAL_BYTES if label in ESTIMATORS]
+OPRF = "oprf_orthogonal"
+FAVOR = "positive_orthogonal"
+RANDOM_MAPS = ("positive_orthogonal", "oprf_orthogonal", "trig_orthogonal")
+MATCHED_BUDGETS = (64, 256)    # the budgets (FAVOR+ features) at which the LARA/EVA rows run and are compared
 QUERIES = list(QUERY_COSINES)
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
+    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform", "lara",
+                                                  "eva_w0"]),
               "num_features": [16, 64], "num_pairs": [64], "beta_factor": [2.0], "query": ["key", "paraphrase"],
               "seed": [0, 1]},
     "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
@@ -84,6 +103,9 @@ METRICS = {
                                  description="as accuracy, decoding the numerator W φ(q) alone (fast-weight "
                                              "read-out, immune to normaliser sign flips)", **episode_dims()),
     **readout_metric_table(),
+    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
+                           description="the larger state of FAVOR+ and OPRF at r features (float32); the LARA and "
+                                       "EVA rows run their largest configuration within it"),
 }
 REFERENCE_METRICS = {
     "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1",
@@ -105,18 +127,30 @@ def _episodes(params, data_rng, device):
 
 
 def run_cell(params, rng, device, data_rng):
-    label, r, n = params["estimator"], params["num_features"], params["num_pairs"]
+    label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
+    budget = {"budget_bytes": np.float64(budget_bytes(r, d=d, d_v=d, seq_len=n))}
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
+    fit_on = "keys"
+    if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
+        if r not in MATCHED_BUDGETS:                     # run at the budgets of the equal-bytes comparison only
+            return {**not_applicable(METRICS), **budget}
+        sized = sized_readout(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
+        if sized is None:
+            return {**not_applicable(METRICS), **budget}
+        name, options, _ = sized
+        options = dict(options)
+        r = options.pop("num_features")
+        fit_on = "queries_and_keys" if name in BATCH_READOUTS else "keys"
     beta = tasks.log_n_beta(n, params["beta_factor"])
     ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
-                                          options=options)
+                                          options=options, fit_on=fit_on)
     return {
         "accuracy": tasks.recall_accuracy(read.output, ep).cpu().numpy(),
         "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).cpu().numpy(),
-        **readout_metrics(read, exact),
+        **readout_metrics(read, exact), **budget,
     }
 
 
@@ -134,6 +168,14 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
     ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", ds["num_queries"])
     ds = summarise_readout(ds)
+    for label, baseline in (("oprf", OPRF), ("favor", FAVOR)):
+        if baseline in ds.estimator.values:
+            diff = stats.paired(ds["accuracy"], "estimator", baseline, op="difference")
+            ds[f"accuracy_vs_{label}"] = diff
+            summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
+            summary.attrs["description"] = (f"summary of accuracy_vs_{label} over seed, episode: "
+                                            + summary.attrs["interval"])
+            ds[f"accuracy_vs_{label}_summary"] = summary
     cos = ds["query_cosine"].mean(REPLICATES).assign_attrs(
         long_name="mean cosine of a query to its stored key", units="1", description="mean over seed, episode")
     ds["query_cosine_mean"] = cos
@@ -226,18 +268,70 @@ def _query_panel(ax, ds, labels, n, factor, r):
     ax.set_title(f"query perturbation, n = {n}, random maps at r = {r}")
 
 
+def matched_cells(ds, n, factor, r) -> dict:
+    """Equal state bytes at the budget of FAVOR+ at ``r`` features: ``label -> grid rank`` of the cell each
+    estimator is compared at — ``r`` itself for the random maps and the LARA/EVA rows (sized to the budget in the
+    cell), and for the others (landmark and fixed maps) their largest grid rank whose state fits the budget."""
+    at = {"num_pairs": n, "beta_factor": factor, "query": "key"}
+    budget = float(ds["budget_bytes"].sel(num_features=r, **at).max())
+    cells = {}
+    for label in (str(v) for v in ds.estimator.values):
+        acc = ds["accuracy"].sel(estimator=label, **at)
+        state = ds["state_bytes"].sel(estimator=label, **at).median("seed")
+        if label in SIZED or label in RANDOM_MAPS:
+            if bool(acc.sel(num_features=r).notnull().any()):
+                cells[label] = r
+            continue
+        fits = [int(v) for v in ds.num_features.values
+                if bool(acc.sel(num_features=v).notnull().any()) and float(state.sel(num_features=v)) <= budget]
+        if fits:
+            cells[label] = max(fits)
+    return cells
+
+
+def _matched_panel(ax, ds, n, factor, r):
+    """Accuracy against the query perturbation, every estimator at equal state bytes (:func:`matched_cells`)."""
+    queries = [str(q) for q in ds["query"].values]
+    xs = np.arange(len(queries))
+    at = {"num_pairs": n, "beta_factor": factor}
+    budget = float(ds["budget_bytes"].sel(num_features=r, query="key", **at).max())
+    for label, rank in matched_cells(ds, n, factor, r).items():
+        s = ds["accuracy_summary"].sel(estimator=label, num_features=rank, **at)
+        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+        kb = float(ds["state_bytes"].sel(estimator=label, num_features=rank, query="key", **at).median()) / 1024
+        style = icl_style(label)
+        ax.errorbar(xs, est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
+                    linestyle=style["linestyle"], capsize=2, label=f"{label} ({kb:.3g} KiB)")
+    exact = ds["accuracy_exact_summary"].sel(**at)
+    ax.plot(xs, exact.sel(stat="estimate").values, color="0.3", marker="*", markersize=9, linestyle="--",
+            label="exact attention")
+    ax.set_xticks(xs, queries, fontsize=7)
+    ax.set_ylim(-0.03, 1.03)
+    ax.set_xlabel("query")
+    ax.set_ylabel("recall accuracy")
+    ax.set_title(f"equal state bytes: budget of FAVOR+ at r = {r} ({budget / 1024:.3g} KiB)", fontsize=9)
+    ax.legend(fontsize=5.5, loc="center right", ncol=2)
+
+
 def plot(ds: xr.Dataset, path) -> None:
     labels = [str(v) for v in ds.estimator.values]
+    unsized = [label for label in labels if label not in SIZED]
     n = int(ds.num_pairs.values.max())
     factor = float(ds.beta_factor.values.max())
-    r_query = 1024 if 1024 in ds.num_features.values else int(ds.num_features.values.max())
-    fig, axes = new_figure(2, 2, squeeze=False, width=13.5, height=8.2)
+    ranks = [int(v) for v in ds.num_features.values]
+    r_query = 1024 if 1024 in ranks else max(ranks)
+    budgets = [r for r in MATCHED_BUDGETS if r in ranks] or ranks[-1:]
+    fig, axes = new_figure(2, 3, squeeze=False, width=19.0, height=8.6)
     _tradeoff_panel(axes[0, 0], ds, labels, n, factor)
-    _load_panel(axes[0, 1], ds, labels, factor)
-    _query_panel(axes[1, 0], ds, labels, n, factor, r_query)
+    _load_panel(axes[0, 1], ds, unsized, factor)
+    _query_panel(axes[1, 0], ds, unsized, n, factor, r_query)
+    for ax, r in zip([axes[0, 2], axes[1, 1]], budgets):
+        _matched_panel(ax, ds, n, factor, r)
+    for ax in [axes[0, 2], axes[1, 1]][len(budgets):]:
+        ax.axis("off")
     handles, names = legend_entries([axes[0, 0], axes[0, 1]])
-    axes[1, 1].axis("off")
-    axes[1, 1].legend(handles, names, loc="center left", ncol=2, frameon=False, fontsize=7.5)
+    axes[1, 2].axis("off")
+    axes[1, 2].legend(handles, names, loc="center left", ncol=2, frameon=False, fontsize=7.5)
     axes[1, 0].legend(fontsize=6.5, loc="lower left", ncol=2)
     save_figure(fig, path, (
         f"Training-free associative recall (d = d_v = {int(ds['dim'])} random unit keys and values, decoded among "
@@ -245,10 +339,15 @@ def plot(ds: xr.Dataset, path) -> None:
         f"over {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes (the same episodes for every estimator); "
         "bars: 95 % Clopper–Pearson intervals over the queries. Top left: accuracy against the memory kept from the "
         "context (estimator.state_bytes: the linear state r·(d_v+1) plus, for Nyström, the r·d landmarks and the r×r "
-        "whitening; star and dotted line: exact attention's KV cache n·(d+d_v)). Top right: accuracy against the "
-        "load n/r; dashed: the landmark law min(1, r/n). Bottom: accuracy as the queries move away from the stored "
-        "keys (cosine ρ, or a paraphrase of a discrete 8-token key with one token replaced), random maps at the "
-        "named r, landmark maps at their largest r ≤ n, fixed maps at their dimension; stars: exact attention."),
+        "whitening, for LARA its draws, key sums and proposal landmarks, for EVA its group summaries; star and dotted "
+        "line: exact attention's KV cache n·(d+d_v)). Top middle: accuracy against the load n/r; dashed: the landmark "
+        "law min(1, r/n). Bottom left: accuracy as the queries move away from the stored keys (cosine ρ, or a "
+        "paraphrase of a discrete 8-token key with one token replaced), random maps at the named r, landmark maps "
+        "at their largest r ≤ n, fixed maps at their dimension; stars: exact attention. Top right and bottom "
+        "middle, equal state bytes: every estimator within the state budget of FAVOR+ at the named r (the random "
+        "maps at r; LARA and EVA, without its positional window, at their largest configuration within it, reading "
+        "the episode's test queries as a batch; the landmark and fixed maps at their largest grid rank within it), "
+        "its state in the legend; an estimator absent there fits no configuration within the budget."),
         title="Associative recall against state size and query perturbation")
 
 
@@ -283,6 +382,7 @@ def findings(ds: xr.Dataset) -> str:
             per_query.append(f"{q} (cos {fmt(float(cos.sel(query=q)), 2)}): {parts}")
         lines.append(f"Recall of the orthogonal random maps at n = {n}, r = {r_q}, β = {factor:g}·ln n, by query: "
                      + "; ".join(per_query) + ". " + _trig_verdict(ds, r_q, at, random_maps, queries))
+    lines.extend(_matched_findings(ds, n, factor))
     nystrom = [m for m in names if m.startswith("nystrom")]
     if nystrom:
         law = []
@@ -325,6 +425,59 @@ def findings(ds: xr.Dataset) -> str:
                      f"normalised read-out recalls {fmt_ci(norm)}, the numerator alone {fmt_ci(num)}.")
     lines.append(interval_note(ds))
     return bullets(lines)
+
+
+def _configuration(ds, label, rank, at) -> str:
+    """``[draws = 84, 64.6 KiB]`` (EVA: ``[86 groups of 3, …]``): the configuration a cell ran and its state."""
+    dim = float(ds["feature_dim"].sel(estimator=label, num_features=rank, query="key", **at).median())
+    kb = float(ds["state_bytes"].sel(estimator=label, num_features=rank, query="key", **at).median()) / 1024
+    if label in SIZED and ESTIMATORS[label][0].startswith("eva"):
+        n = int(at["num_pairs"])
+        return f"[{dim:g} groups of {-(-n // int(dim))}, {fmt(kb)} KiB]"
+    return f"[{'r' if label not in SIZED else 'draws'} = {dim:g}, {fmt(kb)} KiB]"
+
+
+def _matched_findings(ds, n, factor) -> list[str]:
+    """Recall by query at equal state bytes (:func:`matched_cells`), and the LARA/EVA rows against OPRF paired per
+    episode."""
+    labels = [str(v) for v in ds.estimator.values]
+    if not any(label in SIZED for label in labels):
+        return []
+    at = {"num_pairs": n, "beta_factor": factor}
+    queries = [str(q) for q in ds["query"].values]
+    acc = ds["accuracy_summary"].sel(**at)
+    lines = []
+    for r in [r for r in MATCHED_BUDGETS if r in ds.num_features.values]:
+        budget = float(ds["budget_bytes"].sel(num_features=r, query="key", **at).max())
+        cells = matched_cells(ds, n, factor, r)
+        parts = [f"`{label}` {_configuration(ds, label, rank, at)}: " + ", ".join(
+            f"{q} {fmt_ci(acc.sel(estimator=label, num_features=rank, query=q))}" for q in queries)
+            for label, rank in cells.items()]
+        missing = [f"`{label}`" for label in labels if label in SIZED and label not in cells]
+        lines.append(f"Equal state bytes, n = {n}, β = {factor:g}·ln n, budget of FAVOR+ at r = {r} "
+                     f"({fmt(budget / 1024)} KiB), recall by query [configuration, state kept]: " + "; ".join(parts)
+                     + (f"; not applicable (no configuration within the budget): {', '.join(missing)}"
+                        if missing else "")
+                     + ". LARA and EVA read each episode's test queries as a batch (their proposals use them).")
+    for label, name, title in (("oprf", OPRF, "OPRF"), ("favor", FAVOR, "FAVOR+")):
+        if f"accuracy_vs_{label}_summary" not in ds:
+            continue
+        vs = ds[f"accuracy_vs_{label}_summary"].sel(**at)
+        parts = []
+        for sized in [sized for sized in labels if sized in SIZED]:
+            cells = []
+            for r in [r for r in MATCHED_BUDGETS if r in ds.num_features.values]:
+                for q in queries:
+                    d = vs.sel(estimator=sized, num_features=r, query=q)
+                    if np.isfinite(float(d.sel(stat="estimate"))):
+                        cells.append(f"r={r} {q} {fmt_ci(d, 2)} {verdict(d, below='below', above='above')}")
+            if cells:
+                parts.append(f"`{sized}`: " + ", ".join(cells))
+        if parts:
+            lines.append(f"LARA and EVA minus {title} (`{name}`) at equal state bytes, accuracy per episode on the "
+                         "same episodes (mean difference with its bootstrap interval; above/below: the interval "
+                         "excludes 0; not resolved: it does not): " + "; ".join(parts) + ".")
+    return lines
 
 
 def _trig_minus_best_positive(ds, r, at, random_maps, query):

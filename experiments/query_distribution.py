@@ -10,6 +10,15 @@ rank-r SVD references are oracles computed from the exact matrices). The sample'
 ``β_eff``; ``β_eff`` alone does not determine the error (the logit spread and the tails of the norms matter too),
 which the families at equal ``β_eff`` show.
 
+Equal state bytes: ``num_features`` is the memory budget ``r``. Every estimator with a recurrent state runs at its
+largest configuration whose ``state_bytes(d_v, float32, seq_len=n)`` fits ``B(r)``, the state of FAVOR+/OPRF at
+``r`` features (:func:`experiments._common.sized_configuration`): the random-feature maps at ``r`` itself; Nyström
+at the landmarks its landmarks and whitening leave room for; LARA (``lara``, ``lara_balance``, ``lara_mean``) at
+its draws; EVA (``eva``, ``eva_mean``, exact window of 32 keys) at its number of groups; the window hybrids
+(``window_linear``, ``scatterbrain``, 64 exact keys) at their features. The configuration and its bytes are stored
+per estimator and budget; where none fits, the estimator is not applicable (NaN). The rank-r SVD references keep no
+state (they need the whole matrix) and run at rank ``r`` (``r ≤ n``).
+
 Families: the synthetic ones of :mod:`kernapprox.distributions` at ``beta`` ∈ the grid, and ``real_L0``…``real_L5``:
 heads of that layer of all-MiniLM-L6-v2 on Python's help text at their own temperature (run at ``beta = 1.0``
 only; other ``beta`` values are NaN for them). Without the ``real`` extra the real values leave the grid with a
@@ -28,13 +37,18 @@ import kernapprox as ka
 from experiments._common import (
     ATTENTION_SVD,
     BASELINE,
+    EQUAL_BYTES,
+    EQUAL_BYTES_COMPARATORS,
     KERNEL_SVD,
     add_paired,
     add_summaries,
+    budget_bytes,
     interval_note,
     range_text,
     ratio_phrase,
     registered,
+    sized_configuration,
+    verdict,
 )
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
@@ -42,8 +56,13 @@ from kernapprox.plotting import bullets, fmt, fmt_ci
 from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
 
 ESTIMATORS = registered("positive", "positive_orthogonal", "trig", "hyperbolic_orthogonal", "oprf",
-                        "nystrom_uniform", "nystrom_kmeans", "nystrom_rls", KERNEL_SVD, ATTENTION_SVD)
+                        "nystrom_uniform", "nystrom_kmeans", "nystrom_rls", KERNEL_SVD, ATTENTION_SVD,
+                        *EQUAL_BYTES, *(n for n in EQUAL_BYTES_COMPARATORS if not n.startswith("nystrom")))
+assert all(options == {} for name, options in {**EQUAL_BYTES, **EQUAL_BYTES_COMPARATORS}.values())
 ORACLES = {KERNEL_SVD: "kernel SVD (oracle)", ATTENTION_SVD: "attention SVD (oracle)"}
+OPRF = "oprf"
+SIZED = [name for name in ESTIMATORS if name in EQUAL_BYTES]        # LARA and EVA
+RANDOM = ("positive", "positive_orthogonal", "trig", "hyperbolic_orthogonal", "oprf")
 NUM_FEATURES = [16, 64, 256]
 SYNTHETIC = {  # axis value -> (registered name, parameters other than beta)
     "isotropic": ("isotropic", {}),
@@ -96,6 +115,16 @@ METRICS = {
     "nonpositive_rate": Metric(long_name="fraction of non-positive normalisers", units="1",
                                description="queries with Σ_j φ(q)ᵀφ(k_j) ≤ 0 or non-finite, mean over heads",
                                dims=_PER, coords=_COORDS),
+    "state_bytes": Metric(long_name="state kept by the configuration run", units="byte",
+                          description="estimator.state_bytes(d_v, float32, seq_len=n) of the configuration within "
+                                      "the budget; NaN where none fits and for the SVD references (no state)",
+                          dims=_PER, coords=_COORDS),
+    "features_used": Metric(long_name="num_features of the configuration run", units="1",
+                            description="the largest within the budget (EVA: its number of groups); the rank for "
+                                        "the SVD references", dims=_PER, coords=_COORDS),
+    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
+                           description="the larger state of FAVOR+ and OPRF at r features (float32)",
+                           dims=("num_features",), coords={"num_features": NUM_FEATURES}),
     "beta_eff": Metric(long_name="effective inverse temperature", units="1",
                        description="s · mean_i‖q_i‖ · mean_j‖k_j‖ (mean over all pairs of s‖q_i‖‖k_j‖), median "
                                    "over heads"),
@@ -119,16 +148,21 @@ def distribution_for(value: str, beta: float):
     raise ValueError(f"unknown distribution axis value {value!r}")
 
 
-def _applicable(name: str, m: int, n: int) -> bool:
-    if ka.capabilities(name).rank_limited_by_points:
-        return m <= n                         # landmarks or singular vectors of one head's n points
-    return True
+def configuration(name: str, m: int, n: int, d: int, d_v: int) -> dict | None:
+    """Constructor arguments of ``name`` at budget ``m``: the largest configuration whose state fits ``B(m)``
+    (:func:`experiments._common.sized_configuration`), or rank ``m ≤ n`` for the SVD references (no state); None
+    where nothing fits."""
+    if name in ORACLES:
+        return {"num_features": m} if m <= n else None
+    return sized_configuration(name, {}, budget_bytes(m, d=d, d_v=d_v, seq_len=n), d=d, d_v=d_v, seq_len=n)
 
 
-def evaluate_head(q, k, v, name: str, m: int, seed: int, exact_kernel, exact_output) -> tuple[float, float, float]:
-    """(kernel error, attention error, non-positive rate) of estimator ``name`` with ``m`` features fitted on one
-    head ``(n, d)``, against that head's exact kernel matrix and non-causal attention output."""
-    est = ka.make_estimator(name, num_features=m, rng=seed).fit(q, k)
+def evaluate_head(q, k, v, name: str, config: dict, seed: int, exact_kernel, exact_output
+                  ) -> tuple[float, float, float, float]:
+    """(kernel error, attention error, non-positive rate, state bytes) of estimator ``name`` built with
+    ``config`` and fitted on one head ``(n, d)``, against that head's exact kernel matrix and non-causal attention
+    output."""
+    est = ka.make_estimator(name, rng=seed, **config).fit(q, k)
     approx = est.kernel_matrix(q, k)
     if name == ATTENTION_SVD:                # it approximates the row-normalised matrix: no kernel-matrix error
         kernel_err = torch.tensor(float("nan"))
@@ -137,7 +171,8 @@ def evaluate_head(q, k, v, name: str, m: int, seed: int, exact_kernel, exact_out
     parts = ka.linear_attention(q, k, v, est, causal=False, mode="parallel", return_parts=True)
     attn_err = metrics.relative_rms_error(parts.output, exact_output)
     bad = metrics.nonpositive_normalizer_rate(parts.normalizer)
-    return float(kernel_err), float(attn_err), float(bad)
+    state = np.nan if name in ORACLES else est.state_bytes(v.shape[-1], torch.float32, seq_len=q.shape[-2])
+    return float(kernel_err), float(attn_err), float(bad), float(state)
 
 
 def run_cell(params, rng, device):
@@ -151,24 +186,32 @@ def run_cell(params, rng, device):
     heads = params["real_heads" if params["distribution"] in REAL_VALUES else "synthetic_heads"]
     q, k, v = dist.sample(n, heads=heads, rng=rng, device=device, dtype=torch.float64)
     q, k, v = q[0], k[0], v[0]                                             # (heads, n, d)
+    d, d_v = q.shape[-1], v.shape[-1]
     shape = (len(ESTIMATORS), len(NUM_FEATURES), heads)
-    errs = {key: np.full(shape, np.nan) for key in ("kernel", "attention", "bad")}
+    errs = {key: np.full(shape, np.nan) for key in ("kernel", "attention", "bad", "state")}
+    used = np.full(shape[:2], np.nan)
     seeds = rng.integers(0, 2**63, size=shape)
     exact_kernel = ka.kernel_matrix(q, k)
     exact_output = ka.softmax_attention(q, k, v)
-    for h in range(heads):
-        for e, name in enumerate(ESTIMATORS):
-            for j, m in enumerate(NUM_FEATURES):
-                if _applicable(name, m, n):
-                    out = evaluate_head(q[h], k[h], v[h], name, m, int(seeds[e, j, h]), exact_kernel[h],
-                                        exact_output[h])
-                    errs["kernel"][e, j, h], errs["attention"][e, j, h], errs["bad"][e, j, h] = out
+    for e, name in enumerate(ESTIMATORS):
+        for j, m in enumerate(NUM_FEATURES):
+            config = configuration(name, m, n, d, d_v)
+            if config is None:
+                continue
+            used[e, j] = config["num_features"]
+            for h in range(heads):
+                out = evaluate_head(q[h], k[h], v[h], name, config, int(seeds[e, j, h]), exact_kernel[h],
+                                    exact_output[h])
+                errs["kernel"][e, j, h], errs["attention"][e, j, h], errs["bad"][e, j, h], errs["state"][e, j, h] = out
     s = 1.0 / np.sqrt(q.shape[-1])
     logits = s * (q @ k.transpose(-1, -2))
     return {
         "kernel_rel_fro": np.median(errs["kernel"], -1),
         "attention_rel_rms": np.median(errs["attention"], -1),
         "nonpositive_rate": errs["bad"].mean(-1),
+        "state_bytes": np.median(errs["state"], -1),
+        "features_used": used,
+        "budget_bytes": np.array([budget_bytes(m, d=d, d_v=d_v, seq_len=n) for m in NUM_FEATURES], dtype=float),
         "beta_eff": float(effective_beta(q, k).median()),
         "beta_eff_max": float(effective_beta(q, k, statistic="max").median()),
         "logit_std": float(logits.std(dim=(-1, -2)).median()),
@@ -181,6 +224,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = add_summaries(ds, ["nonpositive_rate"], "seed", tail_threshold=None)
     if BASELINE in ds.estimator.values:
         ds = add_paired(ds, "attention_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
+    if OPRF in ds.estimator.values:
+        ds = add_paired(ds, "attention_rel_rms", OPRF, "seed", op="ratio", label="oprf")
     return ds
 
 
@@ -232,6 +277,14 @@ def _clip_bottom(ax, bottom=1e-4):
         ax.set_ylim(bottom, hi)
 
 
+def panel_budget(ds, estimator, m: int) -> int:
+    """The budget of an estimator's panel: ``m``, or the smallest budget at which it runs when nothing of it fits
+    ``B(m)``."""
+    used = ds["features_used"].sel(estimator=estimator).isel(seq_len=0)
+    runs = [int(r) for r in ds.num_features.values if bool(used.sel(num_features=r).notnull().any())]
+    return m if m in runs or not runs else min(runs)
+
+
 def plot(ds, path):
     from kernapprox import plotting
 
@@ -248,9 +301,14 @@ def plot(ds, path):
     axes = axes.ravel()
     for i, est in enumerate(estimators):
         ax = axes[i]
-        _against_beta(ax, ds, "attention_rel_rms", est, m, families, real_values, colors, layer_colors,
+        m_est = panel_budget(ds, est, m)
+        _against_beta(ax, ds, "attention_rel_rms", est, m_est, families, real_values, colors, layer_colors,
                       label=i == 0)
-        ax.set_title(f"{ORACLES.get(est, est)} (r = {m})")
+        used = ds["features_used"].sel(estimator=est, num_features=m_est).median().values
+        what = f"rank {m_est}" if est in ORACLES else f"budget r = {m_est}: {fmt(float(used))} features"
+        if est in EQUAL_BYTES and str(est).startswith("eva"):
+            what = f"budget r = {m_est}: {fmt(float(used))} groups"
+        ax.set_title(f"{ORACLES.get(est, est)} ({what})", fontsize=8.5)
         ax.set_xlabel("measured β_eff = s·mean‖q‖·mean‖k‖")
         ax.set_ylabel("attention output rel. error")
         ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle=":")
@@ -272,7 +330,7 @@ def plot(ds, path):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     _clip_bottom(ax)
-    ax.set_title(f"kernel matrix error, {ref} (r = {m})")
+    ax.set_title(f"kernel matrix error, {ref} (budget r = {m})")
     ax.set_xlabel("measured β_eff")
     ax.set_ylabel("‖Â − A‖_F / ‖A‖_F")
     ax.legend(fontsize=6, ncol=2)
@@ -292,7 +350,7 @@ def plot(ds, path):
                        linewidth=0.8, zorder=3)
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 0.62)
-    ax.set_title(f"non-positive normalisers (r = {m})")
+    ax.set_title(f"non-positive normalisers (budget r = {m})")
     ax.set_xlabel("measured β_eff (line: isotropic; ◆: real layers)")
     ax.set_ylabel("fraction of queries")
     if ax.get_legend_handles_labels()[0]:
@@ -314,22 +372,27 @@ def plot(ds, path):
         if est in ORACLES:
             style.update(color="black", label=ORACLES[est])
         plotting.plot_summary(ax, summary.sel(estimator=est), "num_features", **style)
-    plotting.loglog_rank_axes(ax, ylabel="attention output rel. error")
+    plotting.loglog_rank_axes(ax, xlabel="budget r (FAVOR+ features at equal state)",
+                              ylabel="attention output rel. error")
     _clip_bottom(ax)
-    ax.set_title(f"error vs rank, {title}")
+    ax.set_title(f"error vs budget, {title}", fontsize=8.5)
     for ax in axes[len(estimators) + 3:]:
         ax.set_visible(False)
     n = int(ds.seq_len.values[0])
     fig.suptitle("Estimator error against the effective temperature of queries and keys")
     plotting.save_figure(fig, path, (
-        f"Panels 1–{len(estimators)}: relative RMS error of the non-causal attention output at r = {m} features "
+        f"Panels 1–{len(estimators)}: relative RMS error of the non-causal attention output at equal state bytes — "
+        f"every estimator at its largest configuration whose state (estimator.state_bytes, float32) fits the budget "
+        f"of FAVOR+ at r = {m} features, or at the smallest grid budget where it fits (named in the title; EVA "
+        "and the window hybrids need more than the smaller budgets) — "
         f"against the measured β_eff of the sample (n = {n}, d = 32): median over {ds.sizes['seed']} seeds (each the "
         "median over its heads) with its 95 % bootstrap band; lines: synthetic families over their nominal beta grid; "
         "diamonds with bars: heads of all-MiniLM-L6-v2 on Python's help text, one per layer (their own temperature). "
         "The kernel-SVD and attention-SVD references are oracles computed from the exact matrices: they minimise the "
-        "Frobenius error of the kernel (resp. attention) matrix, not the output error. Then: kernel-matrix error on "
+        "Frobenius error of the kernel (resp. attention) matrix, not the output error; they keep no state and run "
+        "at rank r. Then: kernel-matrix error on "
         f"the {ref} family; fraction of queries whose estimated normaliser is ≤ 0 (signed estimators only); error "
-        "against rank pooled over the real layers and seeds (median and 95 % bootstrap band)."))
+        "against the budget pooled over the real layers and seeds (median and 95 % bootstrap band)."))
 
 
 # -------------------------------------------------------------------------------------------------- findings
@@ -353,8 +416,10 @@ def findings(ds: xr.Dataset) -> str:
         nys = [n for n in names if n.startswith("nystrom")]
         if nys and "attention_rel_rms_vs_baseline_summary" in ds:
             vs = ds["attention_rel_rms_vs_baseline_summary"].sel(distribution="isotropic", num_features=m)
-            lines.append(f"Nyström against FAVOR+ on the same isotropic samples (r = {m}, paired ratio of output "
-                         "errors): " + "; ".join(
+            landmarks = range_text(ds["features_used"].sel(estimator=nys, num_features=m).values)
+            lines.append(f"Nyström against FAVOR+ on the same isotropic samples at equal state bytes (budget of "
+                         f"FAVOR+ at r = {m}, {fmt(float(ds['budget_bytes'].sel(num_features=m).max()) / 1024)} KiB: "
+                         f"{landmarks} landmarks; paired ratio of output errors): " + "; ".join(
                              f"β = {bb:g}: " + ", ".join(f"`{n}` {ratio_phrase(vs.sel(estimator=n, beta=bb))}"
                                                          for n in nys) for bb in (betas[0], betas[-1])) + ".")
     if {"isotropic", "anisotropic"} <= set(values) and "positive" in names:
@@ -397,15 +462,17 @@ def findings(ds: xr.Dataset) -> str:
             e = err.sel(distribution=fam, beta=b1, num_features=m, stat="estimate")
             parts.append(f"{fam}: Nyström {range_text(e.sel(estimator=nys).values)}, random features "
                          f"{range_text(e.sel(estimator=randoms).values)}")
-        lines.append(f"On structured data at nominal β = {b1:g} (r = {m}, medians over seeds): " + "; ".join(parts)
-                     + ".")
+        lines.append(f"On structured data at nominal β = {b1:g} (equal state bytes: budget r = {m}, medians over "
+                     "seeds): " + "; ".join(parts) + ".")
+    lines.extend(_sized_findings(ds, names, values, betas))
     real_values = [v for v in values if v.startswith("real_L")]
     if real_values:
         rb = beta.sel(distribution=real_values, beta=REAL_BETA, stat="estimate").values
         e = err.sel(distribution=real_values, beta=REAL_BETA, num_features=m, stat="estimate")
         parts = [f"`{n}` {range_text(e.sel(estimator=n).values)}" for n in names]
         lines.append(f"The MiniLM heads sit at β_eff {range_text(rb)} (median per layer); median output error per "
-                     f"layer at r = {m}: " + "; ".join(parts) + ". The SVD references are oracles that minimise a "
+                     f"layer at equal state bytes (budget r = {m}; n/a: no configuration within it): "
+                     + "; ".join(parts) + ". The SVD references are oracles (rank r, no state) that minimise a "
                      "matrix's Frobenius error, not the output error.")
     if "trig" in names and "isotropic" in values:
         rate = ds["nonpositive_rate_summary"].sel(distribution="isotropic", estimator="trig", num_features=m)
@@ -414,6 +481,51 @@ def findings(ds: xr.Dataset) -> str:
                      f"{fmt_ci(rate.sel(beta=betas[-1]), percent=True)} at β = {betas[-1]:g}.")
     lines.append(interval_note(ds))
     return bullets(lines)
+
+
+def _sized_findings(ds, names, values, betas) -> list[str]:
+    """LARA and EVA against FAVOR+ and OPRF at equal state bytes: per family at nominal β = 1, and over the real
+    layers, at the largest budget (where EVA fits)."""
+    sized = [n for n in names if n in SIZED]
+    if not sized or "attention_rel_rms_vs_baseline_summary" not in ds:
+        return []
+    r = int(ds.num_features.max())
+    b1 = 1.0 if 1.0 in betas else betas[0]
+    budget = float(ds["budget_bytes"].sel(num_features=r).max())
+    families = [f for f in FAMILY_ORDER if f in values]
+    real_values = [v for v in values if v.startswith("real_L")]
+    err = ds["attention_rel_rms_summary"].sel(num_features=r)
+    lines = []
+    for label, var in (("FAVOR+", "attention_rel_rms_vs_baseline_summary"),
+                       ("OPRF (`oprf`)", "attention_rel_rms_vs_oprf_summary")):
+        if var not in ds:
+            continue
+        vs = ds[var].sel(num_features=r)
+        parts = []
+        for name in sized:
+            cells = []
+            for fam in families:
+                s = vs.sel(estimator=name, distribution=fam, beta=b1)
+                if np.isfinite(float(s.sel(stat="estimate"))):
+                    cells.append(f"{fam} {fmt_ci(s)} {verdict(s)}")
+            if real_values:
+                med = vs.sel(estimator=name, distribution=real_values, beta=REAL_BETA, stat="estimate").values
+                cells.append(f"real layers {range_text(med)} (medians per layer)")
+            parts.append(f"`{name}`: " + ", ".join(cells) if cells else f"`{name}`: n/a")
+        lines.append(f"LARA and EVA against {label} on the same samples at equal state bytes (budget of FAVOR+ at "
+                     f"r = {r}, {fmt(budget / 1024)} KiB, n = {int(ds.seq_len)}; nominal β = {b1:g}; paired ratio of "
+                     "output errors; lower/higher: the interval excludes 1; not resolved: it does not): "
+                     + "; ".join(parts) + ".")
+    others = [n for n in names if n not in ORACLES and n not in RANDOM]
+    iso = [f"`{n}` {fmt_ci(err.sel(estimator=n, distribution='isotropic', beta=b1))}"
+           for n in [BASELINE, OPRF, *others] if n in names] if "isotropic" in values else []
+    if iso:
+        config = ", ".join(f"`{n}` {fmt(float(ds['features_used'].sel(estimator=n, num_features=r).median()))}"
+                           for n in others)
+        lines.append(f"Output errors on isotropic data at nominal β = {b1:g}, equal state bytes (budget r = {r}; "
+                     "median over seeds): " + "; ".join(iso) + f" (features, landmarks, draws or groups within the "
+                     f"budget: {config}).")
+    return lines
 
 
 EXPERIMENT = Experiment(

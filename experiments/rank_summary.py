@@ -15,6 +15,15 @@ references are oracles fitted on the query–key matrix itself: the kernel SVD (
 rank-r approximation of the row-normalised attention matrix, which bounds that matrix's Frobenius error only);
 neither bounds the output error or the score. Maps whose dimension is fixed by ``d`` (Taylor) run in the
 ``num_features = 64`` column; landmark methods and the oracles need ``r ≤ n`` (NaN otherwise).
+
+LARA (``lara``) and EVA without its positional window (``eva_w0``), the papers' sampled estimators, are compared
+at equal state bytes: in their rows ``num_features`` is the budget ``r`` (the state of FAVOR+/OPRF at ``r``
+features, in each task's dimensions), each runs its largest configuration within it
+(:func:`experiments._icl.sized_readout`), at budgets below exact attention's KV cache only, and not applicable
+(NaN) where nothing fits; the figure places them at their budget ``r``. They run with the stored keys as queries
+(``query = key``) only: recall with perturbed queries at equal state bytes is ``icl_recall``'s. They build their
+proposals from the batch of test queries of an episode, so their read-outs see the other test queries
+(``fit_on="queries_and_keys"``).
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, interval_note, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, budget_bytes, interval_note, range_text
 from experiments._icl import (
+    BATCH_READOUTS,
     EPISODES,
     QUERY_AXIS,
     REPLICATES,
+    SET_CONTEXT_EQUAL_BYTES,
     applicable,
     available,
     collect_legend,
@@ -37,11 +48,12 @@ from experiments._icl import (
     readout_metric_table,
     readout_metrics,
     recall_episodes,
+    sized_readout,
     summarise_readout,
 )
 from experiments._icl import style as icl_style
 from kernapprox import readout, stats, tasks
-from kernapprox.plotting import bullets, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
+from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
 from kernapprox.sweep import Experiment, Metric, Reference, run_cli
 
 TASKS = {  # task -> settings
@@ -61,13 +73,16 @@ ESTIMATORS = {  # label -> (registry name, constructor options)
     "nystrom_rls": ("nystrom_rls", {}),
     KERNEL_SVD: (KERNEL_SVD, {}),
     ATTENTION_SVD: (ATTENTION_SVD, {}),
+    **{label: SET_CONTEXT_EQUAL_BYTES[label] for label in ("lara", "eva_w0")},   # sized by the state budget
 }
 ORACLES = {KERNEL_SVD: "kernel SVD (oracle)", ATTENTION_SVD: "attention SVD (oracle)"}
+SIZED = ("lara", "eva_w0")
+COMPARED = ("positive_orthogonal", "oprf_orthogonal")       # the equal-bytes baselines of the findings
 QUERIES = ["key", "cos0.9", "paraphrase"]
 
 GRIDS = {
     "smoke": {"task": list(TASKS), "query": ["key", "paraphrase"],
-              "estimator": available(ESTIMATORS, ["positive_orthogonal", KERNEL_SVD]),
+              "estimator": available(ESTIMATORS, ["positive_orthogonal", KERNEL_SVD, "lara"]),
               "num_features": [16, 32], "seed": [0]},
     "default": {"task": list(TASKS), "query": QUERIES, "estimator": available(ESTIMATORS, list(ESTIMATORS)),
                 "num_features": [16, 64, 256, 1024, 4096], "seed": [0, 1, 2, 3, 4]},
@@ -86,6 +101,9 @@ METRICS = {  # the output error first, as in the stored datasets
                     description="per episode; recall and classification: accuracy; regression: normalised MSE",
                     **episode_dims()),
     **{k: v for k, v in _READOUT_METRICS.items() if k != "output_rel_error"},
+    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
+                           description="the larger state of FAVOR+ and OPRF at r features in the task's dimensions "
+                                       "(float32); the LARA and EVA rows run their largest configuration within it"),
 }
 REFERENCE_METRICS = {
     "score_exact": Metric(long_name="task score of exact attention", units="1",
@@ -121,13 +139,27 @@ def _runs(task: str, query: str) -> bool:
 
 def run_cell(params, rng, device, data_rng):
     task, query, label, r = params["task"], params["query"], params["estimator"], params["num_features"]
-    if not _runs(task, query) or not applicable(ESTIMATORS, label, r, TASKS[task]["num_context"]):
+    n = TASKS[task]["num_context"]
+    if not _runs(task, query) or not applicable(ESTIMATORS, label, r, n):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]
     queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
+    d, d_v = keys.shape[-1], values.shape[-1]
+    budget = {"budget_bytes": np.float64(budget_bytes(r, d=d, d_v=d_v, seq_len=n))}
+    fit_on = "queries_and_keys" if label in ORACLES else "keys"
+    if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
+        if query != "key":                               # the perturbed recall queries are icl_recall's
+            return {**not_applicable(METRICS), **budget}
+        sized = sized_readout(ESTIMATORS, label, r, num_context=n, d=d, d_v=d_v)
+        if sized is None:
+            return {**not_applicable(METRICS), **budget}
+        name, options, _ = sized
+        options = dict(options)
+        r = options.pop("num_features")
+        fit_on = "queries_and_keys" if name in BATCH_READOUTS else "keys"
     read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
-                                          options=options, fit_on="queries_and_keys" if label in ORACLES else "keys")
-    return {"score": score(read.output).cpu().numpy(), **readout_metrics(read, exact)}
+                                          options=options, fit_on=fit_on)
+    return {"score": score(read.output).cpu().numpy(), **readout_metrics(read, exact), **budget}
 
 
 def run_reference(params, device, data_rng):
@@ -185,6 +217,8 @@ def _rank_lines(ax, ds, var, labels, **sel):
     for label in labels:
         s = summary.sel(estimator=label, **sel)
         x = ds["feature_dim"].sel(estimator=label, **sel).median("seed")
+        if label in SIZED:                           # at equal state bytes: placed at the budget r
+            x = x.copy(data=np.where(np.isfinite(x.values), ds.num_features.values.astype(float), np.nan))
         keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
         if not keep.any():
             continue
@@ -260,7 +294,9 @@ def plot(ds: xr.Dataset, path) -> None:
           "256 points, normalised MSE (lower is better); classification: digits, 200 labelled images. Lines: medians "
           f"(errors, nMSE) or pooled accuracies over {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes; bands "
           "and bars: 95 % bootstrap (medians) or Clopper–Pearson (accuracies) intervals; markers alone are "
-          "fixed-dimension maps. Black: the kernel-SVD oracle (the best rank-r kernel in Frobenius norm; it bounds no "
+          "fixed-dimension maps; LARA and EVA (without its positional window) at equal state bytes, placed at their "
+          "budget r: the features of FAVOR+ with the same state (their own draws or groups are fewer). Black: the "
+          "kernel-SVD oracle (the best rank-r kernel in Frobenius norm; it bounds no "
           "output error or score); grey dashed: the attention-SVD oracle where present. Read-outs fit on the context "
           "keys; the oracles see the queries."),
         title="Rank, attention error and in-context score")
@@ -340,9 +376,46 @@ def findings(ds: xr.Dataset) -> str:
             ratio.append(f"{task} {range_text(e.sel(estimator=landmark).values)} (Nyström) vs "
                          f"{range_text(e.sel(estimator=random_maps).values)} (positive random maps)")
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
+    lines.extend(_matched_findings(ds))
     headline = [line for line in lines if line.startswith("At r = ")]
     lines = headline + [line for line in lines if line not in headline] + [interval_note(ds)]
     return bullets(lines)
+
+
+def _matched_findings(ds) -> list[str]:
+    """LARA and EVA against FAVOR+ and OPRF at equal state bytes, per task (query = key): output error and score
+    with their intervals, and the configuration each sized estimator ran."""
+    labels = [str(v) for v in ds.estimator.values]
+    sized = [m for m in SIZED if m in labels]
+    if not sized:
+        return []
+    compared = [m for m in COMPARED if m in labels] + sized
+    err, score = ds["output_rel_error_summary"], ds["score_summary"]
+    parts = []
+    for task in (str(t) for t in ds.task.values):
+        cells = []
+        for r in (int(v) for v in ds.num_features.values):
+            at = {"task": task, "query": "key", "num_features": r}
+            ran = [m for m in sized if bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any())]
+            if not ran:
+                continue
+            budget = float(ds["budget_bytes"].sel(**at).max())
+            entries = []
+            for m in compared:
+                if not bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any()):
+                    entries.append(f"`{m}` n/a")
+                    continue
+                kb = float(ds["state_bytes"].sel(estimator=m, **at).median()) / 1024
+                dim = float(ds["feature_dim"].sel(estimator=m, **at).median())
+                unit = "groups" if m.startswith("eva") else "draws" if m.startswith("lara") else "features"
+                entries.append(f"`{m}` [{fmt(dim)} {unit}, "
+                               f"{fmt(kb)} KiB] error {fmt_ci(err.sel(estimator=m, **at))}, "
+                               f"{SCORE_NAMES[task]} {fmt_ci(score.sel(estimator=m, **at))}")
+            cells.append(f"r = {r} ({fmt(budget / 1024)} KiB): " + "; ".join(entries))
+        if cells:
+            parts.append(f"{task}: " + " — ".join(cells))
+    return [("LARA and EVA at equal state bytes (budget of FAVOR+ at r in each task's dimensions, query = key; "
+             "LARA and EVA read the episode's test queries as a batch): " + " | ".join(parts) + ".")]
 
 
 EXPERIMENT = Experiment(

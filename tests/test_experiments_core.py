@@ -145,8 +145,8 @@ def test_variance_theory_matches_lemma_2_where_tails_are_light():
 @pytest.mark.parametrize("causal", [False, True])
 def test_attention_error_split_is_exact_for_the_exact_kernel(causal):
     rng, data_rng = _rngs()
-    params = {"estimator": "exact", "num_features": 8, "seq_len": 40, "causal": causal, "beta": 2.0, "seed": 0,
-              "dim": 32, "heads": 4}
+    params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "exact", "num_features": 8,
+              "seq_len": 40, "causal": causal, "beta": 2.0, "seed": 0, "dim": 32, "heads": 4}
     out = attention_error.run_cell(params, rng, torch.device("cpu"), data_rng)
     for metric in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms", "normalizer_log_rms"):
         assert out[metric] < 1e-12, (metric, out)
@@ -155,8 +155,8 @@ def test_attention_error_split_is_exact_for_the_exact_kernel(causal):
 
 def test_attention_error_parts_match_a_direct_float64_computation():
     """Numerator and normaliser relative to the exact normaliser, recomputed without stabilisation."""
-    params = {"estimator": "positive", "num_features": 32, "seq_len": 24, "causal": True, "beta": 1.0, "seed": 0,
-              "dim": 32, "heads": 4}
+    params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "positive", "num_features": 32,
+              "seq_len": 24, "causal": True, "beta": 1.0, "seed": 0, "dim": 32, "heads": 4}
     out = attention_error.run_cell(params, np.random.default_rng(9), torch.device("cpu"), np.random.default_rng(4))
     dist = make_distribution("isotropic", beta=1.0)
     q, k, v = dist.sample(24, heads=4, d=32, rng=np.random.default_rng(4), dtype=torch.float64)

@@ -63,7 +63,8 @@ def test_rank_summary_nystrom_at_r_equal_n_reproduces_exact_attention():
 @pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.EXPERIMENT.name)
 def test_read_outs_fit_on_the_context_only(module, monkeypatch):
     """Every read-out of a study fits data-dependent maps on the context keys (``fit_on="keys"``); only the
-    labelled rank-r oracles see the queries."""
+    labelled rank-r oracles and the estimators whose definition reads the batch of test queries (LARA, EVA:
+    ``_icl.BATCH_READOUTS``, named as such in the studies) see the queries."""
     seen = []
     real = readout.paired_readouts
 
@@ -79,7 +80,9 @@ def test_read_outs_fit_on_the_context_only(module, monkeypatch):
         params = {**exp.parameter_values(), **{axis: values[0] for axis, values in grid.items()}, "estimator": label}
         exp.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(1))
     oracles = getattr(module, "ORACLES", {})
-    assert seen and all(fit == ("queries_and_keys" if name in oracles else "keys") for name, fit in seen), seen
+    batch = set(_icl.BATCH_READOUTS)
+    assert seen and all(fit == ("queries_and_keys" if name in oracles or name in batch else "keys")
+                        for name, fit in seen), seen
 
 
 def test_recall_smoke_values(smoke_run):
