@@ -105,7 +105,12 @@ def test_auto_policy(monkeypatch, fresh):
         assert fused.use_fused(x, big, "exponential")
         assert not fused.use_fused(x, big - 1, "exponential")
         assert not fused.use_fused(x.double(), big, "exponential")
+        cap = fused.MAX_ENTRIES[("trigonometric", "cpu")]                       # measured slower fused beyond
+        assert fused.use_fused(x, cap, "trigonometric")
+        assert not fused.use_fused(x, cap + 1, "trigonometric")
+        assert fused.use_fused(x, cap + 1, "exponential")
     with fused.mode("on"):
+        assert fused.use_fused(x, fused.MAX_ENTRIES[("trigonometric", "cpu")] + 1, "trigonometric")
         assert fused.use_fused(x.double(), 1, "exponential")
     with fused.mode("off"):
         assert not fused.use_fused(x, big, "exponential")

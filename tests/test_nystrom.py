@@ -448,3 +448,19 @@ def test_output_error_floor_below_d_v():
             assert floor <= float(torch.linalg.matrix_norm(got - out) / torch.linalg.matrix_norm(out)), (name, r)
     with pytest.raises(ValueError, match="one row per key"):
         output_error_floor(q, k, v[:5], 2)
+
+
+def test_fit_leaves_numpy_blas_threads_as_they_were():
+    """The fit's m × m eigendecomposition runs on one BLAS thread (kernapprox.estimators.linalg) and restores
+    numpy's thread count afterwards."""
+    from threadpoolctl import threadpool_info
+
+    before = [(p["internal_api"], p["num_threads"]) for p in threadpool_info() if p["user_api"] == "blas"]
+    x = torch.randn(300, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    ka.make_estimator("nystrom_uniform", num_features=32, rng=0).fit(x)
+    after = [(p["internal_api"], p["num_threads"]) for p in threadpool_info() if p["user_api"] == "blas"]
+    assert after == before
+    from kernapprox.estimators.linalg import one_blas_thread
+    with one_blas_thread():
+        inside = [p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"]
+    assert inside and all(n == 1 for n in inside)

@@ -602,7 +602,10 @@ def _check_exact_scale(out: torch.Tensor, phi: torch.Tensor, logs: torch.Tensor,
         worst = float(logs.detach()[overflow].max())
         raise ValueError(f"{name}: the exact-scale features overflow {out.dtype} (log-scale ℓ up to {worst:.4g}, "
                          f"beyond log(max) = {math.log(info.max):.4g}); {_EXACT_SCALE_FIX}")
-    lost = (mag < info.tiny) & (phi.detach().abs().amax(-1) > 0)
+    small = mag < info.tiny
+    if not bool(small.any()):                      # the usual case: no second pass over phi
+        return
+    lost = small & (phi.detach().abs().amax(-1) > 0)
     if bool(lost.any()):
         worst = float(logs.detach()[lost].min())
         raise ValueError(f"{name}: the exact-scale features underflow {out.dtype}: every feature of some rows is "

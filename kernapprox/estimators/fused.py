@@ -27,7 +27,7 @@ The switch
 ``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode`:
 
 ``"auto"`` (default)
-    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries;
+    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries (and at most :data:`MAX_ENTRIES` for a kernel measured slower than the eager code beyond that size);
     the compute dtype is float32 (half inputs are computed in float32); no gradient is needed; :func:`torch.compile`
     can run on the device (a C++ compiler on a CPU, Triton on a GPU; :func:`available`); the call is not itself
     being traced by :func:`torch.compile` (an outer compilation fuses the eager code itself); the kernel has not
@@ -80,6 +80,12 @@ MIN_ENTRIES = 1 << 18
 # device type): compile when the eager work done so far would have paid for the compilation (the ski-rental rule:
 # never more than twice the cost of the best choice made knowing the future). See the module docstring.
 WARMUP_ENTRIES = {"cpu": 1 << 32, "cuda": 1 << 36}
+
+# ... and at most this many where the compiled kernel was measured slower than the eager code (kernel, device
+# type): on a CPU the fused sin/cos epilogue ran at 1.2-1.5x the eager speed up to 2^21 entries but at 0.38-0.47x
+# at 2^23-2^25 entries (``python -m benchmarks.run --cases fusion``, 2 threads, the run behind
+# benchmarks/RESULTS.md); the chunked mode's token blocks (2^19 entries) stay fused.
+MAX_ENTRIES = {("trigonometric", "cpu"): 1 << 21}
 
 # Rows of a compiled call that are compared with the eager kernel the first time a variant runs.
 _VERIFY_ROWS = 256
@@ -167,6 +173,8 @@ def use_fused(x: torch.Tensor, entries: int, kernel: str, *params: torch.Tensor)
     if _mode == "on":
         return True
     if entries < MIN_ENTRIES or x.dtype != torch.float32:
+        return False
+    if entries > MAX_ENTRIES.get((kernel, x.device.type), entries):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
         return False

@@ -42,6 +42,7 @@ import torch
 
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import fused
+from .linalg import one_blas_thread
 from .base import FeatureMap
 from .registry import register
 
@@ -317,8 +318,9 @@ class NystromFeatures(FeatureMap):
         elif self.landmarks == "kmeans":
             self.landmarks_ = _kmeans_centroids(pool, m, rng, self.kmeans_n_init, self.kmeans_max_iter)
         self.landmark_half_sq_norms_ = 0.5 * (self.landmarks_**2).sum(-1)
-        gram = gaussian_gram(self.landmarks_, self.landmarks_)
-        eigenvalues, vectors = np.linalg.eigh(0.5 * (gram + gram.T))
+        with one_blas_thread():                         # an m × m problem: see kernapprox.estimators.linalg
+            gram = gaussian_gram(self.landmarks_, self.landmarks_)
+            eigenvalues, vectors = np.linalg.eigh(0.5 * (gram + gram.T))
         eigenvalues, vectors = eigenvalues[::-1].copy(), vectors[:, ::-1].copy()
         if self.regularization == "cutoff":
             keep = eigenvalues > self.regularizer * eigenvalues[0]
@@ -329,7 +331,8 @@ class NystromFeatures(FeatureMap):
             inv_sqrt = np.where(shifted > 0, 1.0 / np.sqrt(np.abs(shifted)), 0.0)
             rank = int((eigenvalues >= self.regularizer).sum())
         self.eigenvalues_ = eigenvalues
-        self.whitening_ = (vectors * inv_sqrt) @ vectors.T
+        with one_blas_thread():
+            self.whitening_ = (vectors * inv_sqrt) @ vectors.T
         self.regularizer_ = self.regularizer
         self.effective_rank_ = rank
 
