@@ -45,9 +45,59 @@ def markdown_table(ds: xr.Dataset) -> str:
         lines.append(f"| {str(t['target_description'].values)} (`{name}`) | {_fmt(float(t['target_value']))} | "
                      f"{str(t['target_sense'].values)} {float(t['target_threshold']):g} | {bound} | "
                      f"{VERDICT[int(t['target_met'])]} |")
+    lines += _rows_table(ds, "chunked_vs_sdpa", "Chunked linear attention against SDPA (same inputs)",
+                         [("n", "seq_len", "d"), ("causal", "causal", "d"), ("chunked [s]", "time_ours", "g"),
+                          ("SDPA [s]", "time_peer", "g"), ("speed-up", "speedup", "g")])
+    lines += _rows_table(ds, "decode_step", "Decode step: recurrent state against one query over a KV cache",
+                         [("cache n", "seq_len", "d"), ("state step [s]", "time_ours", "g"),
+                          ("KV-cache step [s]", "time_peer", "g"), ("ratio", "speedup", "g")])
+    lines += _rows_table(ds, "flop_rate", "Achieved rate of features + linear attention",
+                         [("row", None, "s"), ("time [s]", "time_ours", "g"), ("GFLOP/s", "flops_per_s", "G"),
+                          ("of the GEMM rate", "extra:fraction_of_gemm", "g")])
+    lines += _rows_table(ds, "nystrom_vs_sklearn", "Nyström features against scikit-learn's Nystroem",
+                         [("row", None, "s"), ("ours [s]", "time_ours", "g"), ("Nystroem [s]", "time_peer", "g"),
+                          ("speed-up", "speedup", "g"), ("error ours", "error_ours", "g"),
+                          ("error Nystroem", "error_peer", "g"), ("feature dtype", "extra:feature_dtype", "s")])
+    lines += _rows_table(ds, "fusion", "Fused (compiled) against eager feature maps, one call, and the compilation",
+                         [("row", None, "s"), ("fused [s]", "time_ours", "g"), ("eager [s]", "time_peer", "g"),
+                          ("speed-up", "speedup", "g"), ("compile cold [s]", "extra:compile_cold_s", "g"),
+                          ("compile warm [s]", "extra:compile_warm_s", "g"),
+                          ("break-even entries", "extra:break_even_entries", "g")])
     if int(a.get("quick", 0)):
         lines += ["", "This is a `--quick` run (tiny sizes): a smoke test, not a measurement."]
     return "\n".join(lines) + "\n"
+
+
+def _cell(value, fmt: str) -> str:
+    if fmt == "s":
+        return str(value)
+    if fmt == "d":
+        return str(int(value))
+    value = float(value)
+    return _fmt(value / 1e9) if fmt == "G" else _fmt(value)
+
+
+def _rows_table(ds: xr.Dataset, case: str, title: str, columns) -> list[str]:
+    """The rows of one benchmark case (status ok) as a Markdown table; ``columns``: (header, variable or
+    ``extra:key`` or None for the row's label, format)."""
+    rows = [i for i, (c, st) in enumerate(zip(ds["case"].values, ds["status"].values)) if c == case and st == "ok"]
+    if not rows:
+        return []
+    out = ["", f"**{title}** (`{case}`)", "", "| " + " | ".join(h for h, _, _ in columns) + " |",
+           "|" + "---|" * len(columns)]
+    for i in rows:
+        extra = json.loads(str(ds["extra"].values[i]))
+        cells = []
+        for _, var, fmt in columns:
+            if var is None:
+                value = str(ds["row"].values[i]).split(": ", 1)[-1]
+            elif var.startswith("extra:"):
+                value = extra.get(var.removeprefix("extra:"), math.nan)
+            else:
+                value = ds[var].values[i]
+            cells.append(_cell(value, fmt))
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def main(argv: list[str] | None = None) -> str:

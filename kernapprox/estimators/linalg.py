@@ -22,5 +22,5 @@ def _controller():
 
 def one_blas_thread():
     """Context manager: numpy's (and scipy's, when loaded) BLAS pools limited to one thread inside the block
-    (:mod:`threadpoolctl`, a controller built once per process: entering costs microseconds)."""
+    (threadpoolctl, a controller built once per process: entering costs microseconds)."""
     return _controller().limit(limits=1, user_api="blas")
