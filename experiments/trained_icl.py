@@ -229,6 +229,17 @@ def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_lay
     return (r == FIXED_SLOT) if _fixed_dimension(label) else True
 
 
+def landmarks_available(label: str, r: int, task) -> bool:
+    """Whether a map whose rank is limited by its points (Nyström) can have ``r`` landmarks: a substituted layer
+    is fitted on the queries and keys of ``EPISODES`` calibration prompts of the training task (``2·EPISODES·
+    seq_len`` candidates per head). Cells beyond it are not applicable (NaN), like the fixed-dimension maps outside
+    their column: e.g. the full preset's r = 512, 1024 on the regression task's short prompts."""
+    name, options = ESTIMATORS[label]
+    if not readout.estimator_capabilities(name, **options).rank_limited_by_points:
+        return True
+    return r <= 2 * EPISODES * task.seq_len
+
+
 def _spec(label: str, r: int) -> AttentionSpec:
     name, options = ESTIMATORS[label]
     return AttentionSpec(name, num_features=None if _fixed_dimension(label) else r, options=options)
@@ -314,6 +325,8 @@ def run_cell(params, rng, device, data_rng):
             result["train_cpu_seconds"] = np.float64(evaluated.curve.attrs["train_cpu_seconds"])
             result["train_score"] = np.float64(evaluated.curve.eval_score.values[-1])
     else:
+        if not landmarks_available(label, r, task):
+            return result
         layers = list(range(model_config.num_layers)) if sub == "all" else [int(sub[5:])]
         calibration = task.sample(rng, EPISODES, device=device).inputs     # for data-dependent estimators
         model = substitute(reference.model, {i: _spec(label, r) for i in layers}, rng=rng, calibration=calibration)

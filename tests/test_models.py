@@ -419,3 +419,20 @@ def test_trained_icl_applicable_cells_of_the_default_setups():
     assert not trained_icl.applicable(mqar, "layer1", "positive_orthogonal", slot, 4, 2)   # not the largest context
     assert not trained_icl.applicable(mqar, "layer2", "positive_orthogonal", slot, 8, 2)   # the model has 2 layers
     assert trained_icl.applicable(mqar, "all", "positive_orthogonal", 16, 4, 2)
+
+
+def test_trained_icl_nystrom_beyond_its_calibration_points_is_not_applicable():
+    """The full preset asks r = 1024 on the regression task, whose calibration prompts hold fewer queries and keys:
+    such a Nyström cell is not applicable (NaN), never an error that stops the preset; random maps are unaffected."""
+    from experiments import trained_icl
+
+    task = trained_icl.SETUPS["regression"].build(device="cpu")[1]
+    candidates = 2 * trained_icl.EPISODES * task.seq_len
+    assert trained_icl.landmarks_available("nystrom_uniform", candidates, task)
+    assert not trained_icl.landmarks_available("nystrom_uniform", candidates + 1, task)
+    assert trained_icl.landmarks_available("positive_orthogonal", 4 * candidates, task)
+    import kernapprox as ka
+    q = torch.randn(1, trained_icl.EPISODES * task.seq_len, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="exceeds the number of candidate landmarks"):
+        ka.make_estimator("nystrom_uniform", num_features=candidates + 1, rng=0).fit(q, q)
+    ka.make_estimator("nystrom_uniform", num_features=candidates, rng=0).fit(q, q)
