@@ -60,11 +60,18 @@ def hyperbolic_mse(x, y, m):
 
 def orthogonal_positive_mse_bound(x, y, m):
     """Theorem 2: for ``m ≤ d`` orthogonal (chi-norm) frequencies,
-    ``MSE(SM^{ort+}_m) ≤ MSE(SM⁺_m) − 2(m−1)/(m(d+2)) · (SM(x,y) − exp(−(‖x‖²+‖y‖²)/2))²``."""
+    ``MSE(SM^{ort+}_m) ≤ MSE(SM⁺_m) − 2(m−1)/(m(d+2)) · (SM(x,y) − exp(−(‖x‖²+‖y‖²)/2))²``.
+
+    For ``m = k·d`` (``k`` independent Haar blocks of ``d`` rows, the ``orthogonal`` sampler) the estimator is the
+    mean of ``k`` independent unbiased block estimators, so its MSE is a block's divided by ``k``: the bound at
+    ``d`` times ``d/m``. Other ``m > d`` (a partial last block) raise."""
     x, y, m = *_xy(x, y), _m(m)
     d = x.shape[-1]
     if m > d:
-        raise ValueError(f"Theorem 2 holds for m <= d, got m={m}, d={d}")
+        if m % d:
+            raise ValueError(f"Theorem 2 holds for m <= d or m a multiple of d (independent blocks), got m={m}, "
+                             f"d={d}")
+        return orthogonal_positive_mse_bound(x, y, d) * (d / m)
     gap = softmax_kernel(x, y) - np.exp(-0.5 * ((x * x).sum(-1) + (y * y).sum(-1)))
     return positive_mse(x, y, m) - 2 * (m - 1) / (m * (d + 2)) * gap**2
 

@@ -225,3 +225,17 @@ def test_relative_mse_forms():
         np.testing.assert_allclose(theory.relative_mse("trig", x, y, 2), math.sinh(dn / 2) ** 2, rtol=1e-10)
         np.testing.assert_allclose(theory.relative_mse("positive", x, y, 2), math.expm1(zn) / 2, rtol=1e-10)
         np.testing.assert_allclose(theory.relative_mse("hyperbolic", x, y, 2), math.sinh(zn / 2) ** 2, rtol=1e-10)
+
+
+def test_theorem2_bound_for_several_independent_blocks():
+    """m = k·d: the mean of k independent unbiased block estimators has a block's MSE over k, so the bound is the
+    one at d times d/m; its exact MSE (closed form of one block over k) stays below it. A partial block raises."""
+    for xp, yp in ORTHO_PAIRS:
+        one = theory.orthogonal_positive_mse_bound(xp, yp, ORTHO_DIM)
+        for k in (2, 4):
+            bound = theory.orthogonal_positive_mse_bound(xp, yp, k * ORTHO_DIM)
+            assert bound == pytest.approx(one / k, rel=1e-12)
+            exact_block, _ = theory.positive_error_moments(xp, yp, ORTHO_DIM, sampler="orthogonal")
+            assert exact_block / k <= bound
+        with pytest.raises(ValueError, match="multiple of d"):
+            theory.orthogonal_positive_mse_bound(xp, yp, ORTHO_DIM + 1)
