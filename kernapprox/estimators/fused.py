@@ -27,7 +27,8 @@ The switch
 ``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode`:
 
 ``"auto"`` (default)
-    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries (and at most :data:`MAX_ENTRIES` for a kernel measured slower than the eager code beyond that size);
+    fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries
+    (and at most :data:`MAX_ENTRIES` for a kernel measured slower than the eager code beyond that size);
     the compute dtype is float32 (half inputs are computed in float32); no gradient is needed; :func:`torch.compile`
     can run on the device (a C++ compiler on a CPU, Triton on a GPU; :func:`available`); the call is not itself
     being traced by :func:`torch.compile` (an outer compilation fuses the eager code itself); the kernel has not

@@ -42,8 +42,8 @@ import torch
 
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import fused
-from .linalg import one_blas_thread
 from .base import FeatureMap
+from .linalg import one_blas_thread
 from .registry import register
 
 LANDMARK_METHODS = ("uniform", "kmeans", "rls")
