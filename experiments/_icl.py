@@ -103,6 +103,20 @@ def sized_readout(table: dict, label: str, num_features: int, *, num_context: in
     return None if config is None else (name, config, budget)
 
 
+def sized_readout_arguments(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
+                            ) -> tuple[str, dict, int, str] | None:
+    """:func:`sized_readout` unpacked for :func:`kernapprox.readout.paired_readouts`: ``(registry name, options,
+    num_features, fit_on)``, ``fit_on`` ``"queries_and_keys"`` for the batch read-outs (:data:`BATCH_READOUTS`), else
+    ``"keys"``; ``None`` where the estimator is not run."""
+    sized = sized_readout(table, label, num_features, num_context=num_context, d=d, d_v=d_v)
+    if sized is None:
+        return None
+    name, options, _ = sized
+    options = dict(options)
+    r = options.pop("num_features")
+    return name, options, r, ("queries_and_keys" if name in BATCH_READOUTS else "keys")
+
+
 def not_applicable(metric_table: dict) -> dict:
     """The result of a cell that is not run: NaN for every metric."""
     return {name: np.float64(np.nan) for name in metric_table}

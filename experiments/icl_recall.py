@@ -29,7 +29,6 @@ import xarray as xr
 
 from experiments._common import budget_bytes, interval_note, range_text, verdict
 from experiments._icl import (
-    BATCH_READOUTS,
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
     QUERY_AXIS,
@@ -46,7 +45,7 @@ from experiments._icl import (
     readout_metric_table,
     readout_metrics,
     recall_episodes,
-    sized_readout,
+    sized_readout_arguments,
     summarise_accuracy,
     summarise_readout,
 )
@@ -136,13 +135,10 @@ def run_cell(params, rng, device, data_rng):
     if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
         if r not in MATCHED_BUDGETS:                     # run at the budgets of the equal-bytes comparison only
             return {**not_applicable(METRICS), **budget}
-        sized = sized_readout(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
+        sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
         if sized is None:
             return {**not_applicable(METRICS), **budget}
-        name, options, _ = sized
-        options = dict(options)
-        r = options.pop("num_features")
-        fit_on = "queries_and_keys" if name in BATCH_READOUTS else "keys"
+        name, options, r, fit_on = sized
     beta = tasks.log_n_beta(n, params["beta_factor"])
     ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,

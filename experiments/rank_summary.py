@@ -33,7 +33,6 @@ import xarray as xr
 
 from experiments._common import ATTENTION_SVD, KERNEL_SVD, budget_bytes, interval_note, range_text
 from experiments._icl import (
-    BATCH_READOUTS,
     EPISODES,
     QUERY_AXIS,
     REPLICATES,
@@ -48,7 +47,7 @@ from experiments._icl import (
     readout_metric_table,
     readout_metrics,
     recall_episodes,
-    sized_readout,
+    sized_readout_arguments,
     summarise_readout,
 )
 from experiments._icl import style as icl_style
@@ -150,13 +149,10 @@ def run_cell(params, rng, device, data_rng):
     if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
         if query != "key":                               # the perturbed recall queries are icl_recall's
             return {**not_applicable(METRICS), **budget}
-        sized = sized_readout(ESTIMATORS, label, r, num_context=n, d=d, d_v=d_v)
+        sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d_v)
         if sized is None:
             return {**not_applicable(METRICS), **budget}
-        name, options, _ = sized
-        options = dict(options)
-        r = options.pop("num_features")
-        fit_on = "queries_and_keys" if name in BATCH_READOUTS else "keys"
+        name, options, r, fit_on = sized
     read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
                                           options=options, fit_on=fit_on)
     return {"score": score(read.output).cpu().numpy(), **readout_metrics(read, exact), **budget}

@@ -312,6 +312,18 @@ class SmoothTrajectory(_SyntheticDistribution):
         return s * (x @ w[0][None]), s * (x @ w[1][None]), x @ w[2][None]
 
 
+def _check_layer_head(layer, head, num_layers: int, num_heads: int) -> None:
+    """``layer`` and ``head``: an int in range or None; a head needs its layer."""
+    for value, name, top in ((layer, "layer", num_layers), (head, "head", num_heads)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int or None, got {value!r}")
+            if not 0 <= value < top:
+                raise ValueError(f"{name} must be in [0, {top}), got {value}")
+    if head is not None and layer is None:
+        raise ValueError("head needs a layer")
+
+
 class RealHeads(Distribution):
     """Queries, keys and values of all-MiniLM-L6-v2 (6 layers × 12 heads, head dimension 32) on English text.
 
@@ -332,14 +344,7 @@ class RealHeads(Distribution):
                  cache_dir=None):
         from . import real
 
-        for value, name, top in ((layer, "layer", real.NUM_LAYERS), (head, "head", real.NUM_HEADS)):
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    raise TypeError(f"{name} must be an int or None, got {value!r}")
-                if not 0 <= value < top:
-                    raise ValueError(f"{name} must be in [0, {top}), got {value}")
-        if head is not None and layer is None:
-            raise ValueError("head needs a layer")
+        _check_layer_head(layer, head, real.NUM_LAYERS, real.NUM_HEADS)
         self.layer = layer
         self.head = head
         self.num_windows = check_positive_int(num_windows, "num_windows")
@@ -401,14 +406,7 @@ class TrainedCausalHeads(Distribution):
 
         check_choice(task, "task", ("mqar", "regression"))
         model_config, _, _ = presets.reference(task)
-        for value, name, top in ((layer, "layer", model_config.num_layers), (head, "head", model_config.num_heads)):
-            if value is not None:
-                if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                    raise TypeError(f"{name} must be an int or None, got {value!r}")
-                if not 0 <= value < top:
-                    raise ValueError(f"{name} must be in [0, {top}), got {value}")
-        if head is not None and layer is None:
-            raise ValueError("head needs a layer")
+        _check_layer_head(layer, head, model_config.num_layers, model_config.num_heads)
         self.task = task
         self.layer = layer
         self.head = head

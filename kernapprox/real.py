@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .io import atomic_write
 from .validation import check_positive_int
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -223,13 +224,7 @@ def extract_windows(num_windows: int = 4, start: int = 0, cache_dir=None):
     )
     target = cache_path(num_windows, start, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    try:
-        ds.to_netcdf(tmp, engine="h5netcdf")
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(target, lambda tmp: ds.to_netcdf(tmp, engine="h5netcdf"))
     return ds
 
 

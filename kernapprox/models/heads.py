@@ -21,12 +21,12 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..io import atomic_write
 from ..validation import check_positive_int
 from .training import config_key, load_or_train, resolve_cache_dir
 from .transformer import attention_heads
@@ -104,13 +104,7 @@ def extract_heads(task_name: str, num_prompts: int = 64, cache_dir=None):
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "dtype": "float32"})
     target = heads_path(task_name, num_prompts, cache_dir)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    try:
-        ds.to_netcdf(tmp, engine="h5netcdf")
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    atomic_write(target, lambda tmp: ds.to_netcdf(tmp, engine="h5netcdf"))
     return ds
 
 
