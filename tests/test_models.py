@@ -164,6 +164,21 @@ def test_regression_paired_prompts_and_baselines():
         LinearRegression(num_points=4, min_points=5)
 
 
+def test_regression_query_flag_marks_the_queries_and_nothing_else():
+    plain = LinearRegression(dim=3, num_points=5, num_queries=4)
+    flagged = dataclasses.replace(plain, query_flag=True)
+    a, b = plain.sample(np.random.default_rng(4), 8), flagged.sample(np.random.default_rng(4), 8)
+    assert flagged.model_io["input_dim"] == plain.model_io["input_dim"] + 1 == 5
+    np.testing.assert_array_equal(b.inputs[..., :4].numpy(), a.inputs.numpy())          # same draws, same tokens
+    assert (b.inputs[:, :5, 4] == 0).all() and (b.inputs[:, 5:, 4] == 1).all()
+    torch.testing.assert_close(flagged.baseline_score(b), plain.baseline_score(a), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="query_flag"):
+        LinearRegression(layout="interleaved", query_flag=True)
+    with pytest.raises(TypeError, match="query_flag"):
+        LinearRegression(query_flag=1)
+    assert presets.regression()[1].query_flag and not presets.regression(layout="interleaved", min_points=None)[1].query_flag
+
+
 # ------------------------------------------------------------------------------------------------ model
 def test_model_is_causal_and_seeded():
     a = CausalTransformer(TINY_MODEL, vocab_size=16, output_dim=16, rng=5)

@@ -15,7 +15,8 @@
     ``x_i ~ N(0, I_d)``, ``w ~ N(0, I_d)``, ``y_i = wᵀx_i (+ σ ε_i)``, read by a linear embedding, in one of two
     layouts: Garg et al.'s interleaved prompt ``x₁, y₁, …, x_k, y_k`` (each ``y`` in the first coordinate of a
     ``d``-vector, ``models.py::_combine``; the prediction of ``y_i`` read at token ``x_i``), or one token
-    ``[x_i, y_i]`` per pair followed by query tokens ``[x_q, 0]`` (von Oswald et al. 2023). The score is the
+    ``[x_i, y_i]`` per pair followed by query tokens ``[x_q, 0]`` (von Oswald et al. 2023; optionally with a
+    query-flag coordinate, ``[x_i, y_i, 0]`` and ``[x_q, 0, 1]``). The score is the
     squared error divided by ``d`` (Garg et al.'s normalisation: the zero predictor scores ``(d + σ²)/d ≈ 1``).
     Least squares (minimum-norm below ``d`` points) and ridge, computed on the same prompts in float64, are the
     baselines.
@@ -216,6 +217,9 @@ class LinearRegression:
         at every prefix; ``None``: always ``k``.
     noise_std : float
         ``σ`` of the label noise (Garg et al.'s default task is noiseless).
+    query_flag : bool
+        With the ``paired`` layout, one more token coordinate: 0 on the context pairs, 1 on the queries, so that a
+        query ``[x_q, 0, 1]`` cannot be read as a context pair whose label happens to be 0.
     layout : {"paired", "interleaved"}
         ``"interleaved"`` is Garg et al.'s prompt ``x₁, y₁, …, x_k, y_k`` (``d``-vector tokens, ``y`` in the first
         coordinate), predicting every ``y_i`` at token ``x_i`` and scored at the last one (``k − 1`` pairs in
@@ -232,6 +236,7 @@ class LinearRegression:
     min_points: int | None = None
     noise_std: float = 0.0
     layout: str = "paired"
+    query_flag: bool = False
     name: ClassVar[str] = "regression"
     score_name: ClassVar[str] = "nmse"
     higher_is_better: ClassVar[bool] = False
@@ -243,6 +248,10 @@ class LinearRegression:
         check_positive_float(self.noise_std, "noise_std", allow_zero=True)
         if self.layout not in LAYOUTS:
             raise ValueError(f"unknown layout {self.layout!r}; valid: {', '.join(LAYOUTS)}")
+        if not isinstance(self.query_flag, bool):
+            raise TypeError(f"query_flag must be a bool, got {type(self.query_flag).__name__}")
+        if self.query_flag and self.layout != "paired":
+            raise ValueError("query_flag needs the paired layout")
         if self.min_points is not None:
             check_positive_int(self.min_points, "min_points")
             if self.min_points > self.num_points or self.layout != "paired":
@@ -258,7 +267,7 @@ class LinearRegression:
     @property
     def model_io(self) -> dict:
         """A linear read-in of the tokens, one output (the prediction of ``y``)."""
-        width = self.dim + 1 if self.layout == "paired" else self.dim
+        width = self.dim + 1 + int(self.query_flag) if self.layout == "paired" else self.dim
         return {"vocab_size": None, "input_dim": width, "output_dim": 1}
 
     @property
@@ -295,8 +304,10 @@ class LinearRegression:
         if self.noise_std > 0:
             ys = ys + self.noise_std * gen.standard_normal((batch, points))
         if self.layout == "paired":
-            tokens = np.concatenate([xs, np.zeros((batch, points, 1))], axis=-1)
+            tokens = np.concatenate([xs, np.zeros((batch, points, 1 + int(self.query_flag)))], axis=-1)
             tokens[:, :k, d] = ys[:, :k]
+            if self.query_flag:
+                tokens[:, k:, d + 1] = 1.0
         else:
             tokens = np.zeros((batch, 2 * k, d))
             tokens[:, 0::2] = xs
