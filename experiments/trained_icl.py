@@ -4,8 +4,9 @@ Small causal Transformers are trained (:mod:`kernapprox.models`, cached under ``
 associative recall (MQAR, Zoology) and in-context linear regression (Garg et al. 2022), then:
 
 (a) **reference**: the softmax model's score on evaluation prompts (MQAR accuracy per prompt; regression: the
-    squared error of the last prediction over ``d``, with least squares and ridge on the same prompts);
-(b) **post-hoc substitution** (``substitution = all | layer0 | … | layer3``): the attention of every layer, or
+    squared error over ``d`` of the predictions at the queries after the context, with least squares and ridge on
+    the same prompts);
+(b) **post-hoc substitution** (``substitution = all | layer0 | … | layer7``): the attention of every layer, or
     of one layer, is rebuilt from an estimator at rank ``r`` with the trained projections, nothing retrained; each
     substituted layer's attention-output error is measured on the model's own activations (the substituted
     layer against exact attention on the same input), together with the task score;
@@ -110,7 +111,7 @@ ESTIMATORS = {
     "nystrom_uniform": ("nystrom_uniform", {}),
 }
 PROXY_LEFT_OUT = ("window_linear",)   # position-based: the proxy's context is a set (as in icl_recall)
-SUBSTITUTIONS = ("all", "layer0", "layer1", "layer2", "layer3", "trained")
+SUBSTITUTIONS = ("all", *(f"layer{i}" for i in range(8)), "trained")   # the regression reference has 8 layers
 
 GRIDS = {
     "smoke": {"task": ["mqar_smoke", "regression_smoke"], "substitution": ["all", "layer0", "trained"],
@@ -118,9 +119,14 @@ GRIDS = {
               "context": [2, 4], "seed": [0]},
     "default": {"task": ["mqar", "regression"], "substitution": list(SUBSTITUTIONS), "estimator": list(ESTIMATORS),
                 "num_features": [16, 32, 64, 128, 256], "context": [4, 8, 11], "seed": [0, 1, 2, 3, 4]},
-    "full": {"task": ["mqar", "regression", "mqar_d128_L128", "mqar_d256_L256"], "substitution": list(SUBSTITUTIONS),
-             "estimator": list(ESTIMATORS), "num_features": [16, 32, 64, 128, 256, 512, 1024],
-             "context": [4, 8, 11, 16, 32], "seed": list(range(8))},
+    # the default's models (cached), more ranks and seeds: sized for make figures PRESET=full on a 2-core CPU
+    "full": {"task": ["mqar", "regression"], "substitution": list(SUBSTITUTIONS), "estimator": list(ESTIMATORS),
+             "num_features": [16, 32, 64, 128, 256, 512, 1024], "context": [4, 8, 11], "seed": list(range(8))},
+    # Zoology-like widths and lengths: 2 + 2 x 3 x 4 models of 4,000-8,000 steps, for a GPU
+    # (benchmarks/gpu_check.sh); hours on the 2-core CPU
+    "gpu": {"task": ["mqar", "regression", "mqar_d128_L128", "mqar_d256_L256"], "substitution": list(SUBSTITUTIONS),
+            "estimator": list(ESTIMATORS), "num_features": [16, 32, 64, 128, 256, 512, 1024],
+            "context": [4, 8, 11, 16, 32], "seed": list(range(8))},
 }
 PARAMETERS = {
     "proxy_beta_factor": Parameter(2.0, long_name="proxy: β / ln n of the training-free read-out", units="1"),
