@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Performance checks on a CUDA machine: the benchmarks, and the `full` presets of attention_error and modes
-# (plus modes' `gpu` preset, n up to 512k). Writes everything under $OUT (default results/gpu) and prints the
+# (plus modes' `gpu` preset, n up to 512k, and trained_icl's `gpu` preset, the Zoology-like widths and lengths). Writes everything under $OUT (default results/gpu) and prints the
 # benchmark table. Run from anywhere: bash benchmarks/gpu_check.sh
 #   OUT=dir       where datasets, figures and logs go
 #   PY=python     the interpreter (default .venv/bin/python, created by `make install` if missing)
 #   SKIP_ERROR=1  skip attention_error (the slowest part when only timings are wanted)
+#   SKIP_TRAINED=1  skip trained_icl's gpu preset (it trains 26 models)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -52,5 +53,10 @@ if [ "${SKIP_ERROR:-0}" != "1" ]; then
     echo "== attention_error: full preset"
     "$PY" -m experiments.attention_error --preset full --device cuda --out "$OUT/attention_error_full.nc" \
         --figure "$OUT/attention_error_full.png" 2>&1 | tee "$OUT/attention_error_full.txt"
+fi
+if [ "${SKIP_TRAINED:-0}" != "1" ]; then
+    echo "== trained_icl: gpu preset (Zoology-like widths and lengths)"
+    "$PY" -m experiments.trained_icl --preset gpu --device cuda --out "$OUT/trained_icl_gpu.nc" \
+        --figure "$OUT/trained_icl_gpu.png" 2>&1 | tee "$OUT/trained_icl_gpu.txt"
 fi
 echo "done: $OUT"
