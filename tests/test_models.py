@@ -176,7 +176,8 @@ def test_regression_query_flag_marks_the_queries_and_nothing_else():
         LinearRegression(layout="interleaved", query_flag=True)
     with pytest.raises(TypeError, match="query_flag"):
         LinearRegression(query_flag=1)
-    assert presets.regression()[1].query_flag and not presets.regression(layout="interleaved", min_points=None)[1].query_flag
+    assert presets.regression()[1].query_flag
+    assert not presets.regression(layout="interleaved", min_points=None)[1].query_flag
 
 
 # ------------------------------------------------------------------------------------------------ model
