@@ -269,13 +269,18 @@ class Estimator:
         if not getattr(self, "fitted_", False):
             raise NotFittedError(f"{type(self).__name__} is not fitted; call fit(q, k) first")
 
+    def _derived(self, key: str, like: torch.Tensor, build) -> torch.Tensor:
+        """The tensor ``build()`` on ``like``'s device and dtype, built once per ``(key, device, dtype)`` and dropped
+        with the fitted state (:meth:`fit` and loading clear the cache)."""
+        full = (key, like.device, like.dtype)
+        cache = self.__dict__.setdefault("_cache", {})
+        if full not in cache:
+            cache[full] = build().to(device=like.device, dtype=like.dtype)
+        return cache[full]
+
     def _param(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """A float64 numpy parameter ``self.<name>`` as a tensor on ``like``'s device and dtype (cached)."""
-        key = (name, like.device, like.dtype)
-        cache = self.__dict__.setdefault("_cache", {})
-        if key not in cache:
-            cache[key] = torch.as_tensor(getattr(self, name)).to(device=like.device, dtype=like.dtype)
-        return cache[key]
+        return self._derived(name, like, lambda: torch.as_tensor(getattr(self, name)))
 
     # ----------------------------------------------------------------------------------------- fitted state
     def _state_entries(self, prefix: str = ""):

@@ -411,21 +411,11 @@ def reset() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def cached(owner, key: str, like: torch.Tensor, build):
-    """A tensor derived from an estimator's fitted parameters, built once per device and dtype (dropped with the
-    estimator's other cached casts when it is refitted or loaded)."""
-    cache = owner.__dict__.setdefault("_cache", {})
-    full = ("fused:" + key, like.device, like.dtype)
-    if full not in cache:
-        cache[full] = build().to(device=like.device, dtype=like.dtype)
-    return cache[full]
-
-
 def scalars(owner, key: str, like: torch.Tensor, *values: float) -> torch.Tensor:
     """Python numbers as one small tensor on ``like``'s device (a tensor input, so that a new value never
-    triggers a recompilation)."""
+    triggers a recompilation), cached on the estimator ``owner`` like its other derived tensors."""
     values = tuple(float(v) for v in values)
-    return cached(owner, f"{key}{values}", like, lambda: torch.tensor(values, dtype=torch.float64))
+    return owner._derived(f"fused:{key}{values}", like, lambda: torch.tensor(values, dtype=torch.float64))
 
 
 def flat(x: torch.Tensor) -> torch.Tensor:

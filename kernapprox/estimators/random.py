@@ -206,8 +206,8 @@ class HyperbolicFeatures(ExponentialRandomFeatureMap):
         return torch.cat([proj, -proj], dim=-1), -0.5 * (x * x).sum(-1) - 0.5 * math.log(2 * self.num_frequencies)
 
     def _fused_arguments(self, x, role):
-        w = fused.cached(self, "hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
-                                                                           -torch.as_tensor(self.projection_)]))
+        w = self._derived("fused:hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
+                                                                            -torch.as_tensor(self.projection_)]))
         return x, w, None, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps,
                                          1.0)
 
