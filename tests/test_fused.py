@@ -206,6 +206,18 @@ def _rounding_close(got, ref, ref64, what):
 RULES = ("sum", ka.rules.Decay(0.9))
 
 
+def _attention_fused_equals_eager(q, k, v, est, what, **call):
+    """Linear attention with the fused kernels against the eager code (and its float64 run), every part."""
+    call = dict(return_parts=True, chunk_size=32, **call)
+    with fused.mode("off"):
+        ref = ka.linear_attention(q, k, v, est, **call)
+        ref64 = ka.linear_attention(q.double(), k.double(), v.double(), est, **call)
+    with fused.mode("on"):
+        got = ka.linear_attention(q, k, v, est, **call)
+    for part, a, b, c in zip(ref._fields, got, ref, ref64):
+        _rounding_close(a, b, c, f"{what} {part}")
+
+
 def _compare_modes(names, dtype=torch.float32, rules=RULES):
     q, k, v = data(dtype=dtype)
     for name in names:
@@ -215,14 +227,8 @@ def _compare_modes(names, dtype=torch.float32, rules=RULES):
                 for causal in (False, True):
                     if not causal and rule != "sum":
                         continue
-                    call = dict(causal=causal, mode=mode, rule=rule, return_parts=True, chunk_size=32)
-                    with fused.mode("off"):
-                        ref = ka.linear_attention(q, k, v, est, **call)
-                        ref64 = ka.linear_attention(q.double(), k.double(), v.double(), est, **call)
-                    with fused.mode("on"):
-                        got = ka.linear_attention(q, k, v, est, **call)
-                    for part, a, b, c in zip(ref._fields, got, ref, ref64):
-                        _rounding_close(a, b, c, f"{name} {mode} causal={causal} rule={rule} {part}")
+                    _attention_fused_equals_eager(q, k, v, est, f"{name} {mode} causal={causal} rule={rule}",
+                                                  causal=causal, mode=mode, rule=rule)
         with fused.mode("off"):
             ref = est.features(q, "key", log_scale=True)
             ref64 = est.features(q.double(), "key", log_scale=True)
@@ -287,14 +293,8 @@ def test_triton_kernels_equal_eager_on_cuda(fresh):
         est = fitted(name, q, k)
         for mode in ("parallel", "recurrent", "chunked"):
             for causal in (False, True):
-                call = dict(causal=causal, mode=mode, return_parts=True, chunk_size=32)
-                with fused.mode("off"):
-                    ref = ka.linear_attention(q, k, v, est, **call)
-                    ref64 = ka.linear_attention(q.double(), k.double(), v.double(), est, **call)
-                with fused.mode("on"):
-                    got = ka.linear_attention(q, k, v, est, **call)
-                for part, a, b, c in zip(ref._fields, got, ref, ref64):
-                    _rounding_close(a, b, c, f"cuda {name} {mode} causal={causal} {part}")
+                _attention_fused_equals_eager(q, k, v, est, f"cuda {name} {mode} causal={causal}",
+                                              causal=causal, mode=mode)
 
 
 def test_feature_buffer(monkeypatch, fresh):
