@@ -308,19 +308,21 @@ class NystromFeatures(FeatureMap):
             self.landmarks_ = _rows(parts, self.landmark_indices_).numpy() * math.sqrt(self.scale_)
         else:
             pool = torch.cat([p.to("cpu", torch.float64) for p in parts]).numpy() * math.sqrt(self.scale_)
-        if self.landmarks == "rls":
-            sample = recursive_rls_sample(pool, m, rng)
-            self.landmark_indices_ = sample.indices
-            self.leverage_scores_ = sample.scores
-            self.rls_lambda_ = sample.lam
-        if self.landmarks == "rls":
-            self.landmarks_ = pool[self.landmark_indices_]
-        elif self.landmarks == "kmeans":
-            self.landmarks_ = _kmeans_centroids(pool, m, rng, self.kmeans_n_init, self.kmeans_max_iter)
+            if self.landmarks == "rls":
+                sample = recursive_rls_sample(pool, m, rng)
+                self.landmark_indices_ = sample.indices
+                self.leverage_scores_ = sample.scores
+                self.rls_lambda_ = sample.lam
+                self.landmarks_ = pool[self.landmark_indices_]
+            else:
+                self.landmarks_ = _kmeans_centroids(pool, m, rng, self.kmeans_n_init, self.kmeans_max_iter)
         self.landmark_half_sq_norms_ = 0.5 * (self.landmarks_**2).sum(-1)
         with one_blas_thread():                         # an m × m problem: see kernapprox.estimators.linalg
-            gram = gaussian_gram(self.landmarks_, self.landmarks_)
-            eigenvalues, vectors = np.linalg.eigh(0.5 * (gram + gram.T))
+            self._whiten(gaussian_gram(self.landmarks_, self.landmarks_))
+
+    def _whiten(self, gram):
+        """Eigenvalues, ``G^{+1/2}`` and the effective rank from the landmarks' Gram matrix ``G`` (float64)."""
+        eigenvalues, vectors = np.linalg.eigh(0.5 * (gram + gram.T))
         eigenvalues, vectors = eigenvalues[::-1].copy(), vectors[:, ::-1].copy()
         if self.regularization == "cutoff":
             keep = eigenvalues > self.regularizer * eigenvalues[0]
@@ -331,8 +333,7 @@ class NystromFeatures(FeatureMap):
             inv_sqrt = np.where(shifted > 0, 1.0 / np.sqrt(np.abs(shifted)), 0.0)
             rank = int((eigenvalues >= self.regularizer).sum())
         self.eigenvalues_ = eigenvalues
-        with one_blas_thread():
-            self.whitening_ = (vectors * inv_sqrt) @ vectors.T
+        self.whitening_ = (vectors * inv_sqrt) @ vectors.T
         self.regularizer_ = self.regularizer
         self.effective_rank_ = rank
 
