@@ -47,8 +47,8 @@ SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or estimator class, constr
 # its exact local window (window = 0): a window of positions would hand each query a random band of keys. Both
 # are defined for non-causal attention and build their proposals from the queries they are given (LARA: segment
 # means of the queries and keys; EVA: the mean query), so their read-out of a query depends on the other test
-# queries of the episode: they read a batch of queries at once (BATCH_READOUTS, fit_on="queries_and_keys"), an
-# advantage the context-only read-outs do not have, named wherever they are compared.
+# queries of the episode: they read a batch of queries at once (declared ``query_dependent``; BATCH_READOUTS,
+# fit_on="queries_and_keys"), an advantage the context-only read-outs do not have, named wherever they are compared.
 SET_CONTEXT_EQUAL_BYTES = {
     "lara": ("lara", {}),
     "lara_balance": ("lara_balance", {}),
@@ -56,7 +56,8 @@ SET_CONTEXT_EQUAL_BYTES = {
     "eva_w0": ("eva", {"window": 0}),
     "eva_mean_w0": ("eva_mean", {"window": 0}),
 }
-BATCH_READOUTS = ("lara", "lara_balance", "lara_mean", "eva", "eva_mean")   # registry names (see above)
+# registry names of the estimators that read a batch of queries at once (their declared capability)
+BATCH_READOUTS = tuple(name for name in available_estimators() if readout.estimator_capabilities(name).query_dependent)
 
 # How recall queries relate to their stored keys: the cosine of a continuous perturbation (a random direction
 # orthogonal to the key), or "paraphrase": discrete phrase keys queried with one of their 8 tokens replaced.

@@ -134,6 +134,10 @@ class Capabilities:
         The feature dimension is fixed by ``d`` (``num_features`` must be ``None``).
     rank_limited_by_points : bool
         ``num_features`` cannot exceed the number of points it is fitted on (landmark methods).
+    query_dependent : bool
+        The output at a query depends on the other queries it is computed with (the estimator is fitted on, or
+        builds its proposals or landmarks from, the queries of the call): it reads a batch of queries at once,
+        never one query against a state built from the keys alone.
     modes : tuple of str
         The attention modes it runs in (a subset of ``("parallel", "recurrent", "chunked")``).
     rules : tuple of str
@@ -151,6 +155,7 @@ class Capabilities:
     causal: bool
     fixed_dimension: bool
     rank_limited_by_points: bool
+    query_dependent: bool
     modes: tuple[str, ...]
     rules: tuple[str, ...]
     reference: str
@@ -202,6 +207,7 @@ class Estimator:
     causal: ClassVar[bool] = True
     fixed_dimension: ClassVar[bool] = False
     rank_limited_by_points: ClassVar[bool] = False
+    query_dependent: ClassVar[bool] = False
     modes: ClassVar[tuple[str, ...]] = MODES
     rules: ClassVar[tuple[str, ...]] = ("sum",)
     reference: ClassVar[str] = ""
@@ -227,7 +233,8 @@ class Estimator:
             data_dependent=bool(cls.data_dependent), causal_fit=bool(cls.causal_fit),
             consistent=bool(cls.unbiased if cls.consistent is None else cls.consistent), causal=bool(cls.causal),
             fixed_dimension=bool(cls.fixed_dimension), rank_limited_by_points=bool(cls.rank_limited_by_points),
-            modes=tuple(cls.modes), rules=tuple(cls.rules), reference=str(cls.reference))
+            query_dependent=bool(cls.query_dependent), modes=tuple(cls.modes), rules=tuple(cls.rules),
+            reference=str(cls.reference))
 
     def capabilities(self) -> Capabilities:
         """The capabilities of this estimator (its class's declarations resolved for its parameters)."""

@@ -553,6 +553,7 @@ class EfficientAttentionCV(AttentionEstimator):
     unbiased = False
     positive = True
     data_dependent = True
+    query_dependent = True        # the proposals are centred on the mean query of the call
     causal_fit = True
     consistent = False
     modes = ("parallel", "recurrent", "chunked")

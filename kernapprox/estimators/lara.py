@@ -523,6 +523,7 @@ class LinearRandomizedAttention(AttentionEstimator):
     unbiased = False              # resolved per options by capabilities_for
     positive = True
     data_dependent = True
+    query_dependent = True        # proposals and query weights from the queries of the call
     causal_fit = False
     causal = False
     consistent = True

@@ -142,6 +142,7 @@ class Nystromformer(AttentionEstimator):
     unbiased = False
     positive = False
     data_dependent = True
+    query_dependent = True        # landmarks are segment means of the queries of the call
     causal_fit = False
     causal = False
     rank_limited_by_points = True
@@ -261,6 +262,7 @@ class KernelSVD(AttentionEstimator):
     unbiased = False
     positive = False
     data_dependent = True
+    query_dependent = True        # the SVD of the matrix of the queries and keys of the call
     causal_fit = False
     consistent = True
     rank_limited_by_points = True
