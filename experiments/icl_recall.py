@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import budget_bytes, interval_note, range_text, verdict
+from experiments._common import add_paired, budget_bytes, interval_note, range_text, verdict
 from experiments._icl import (
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
@@ -166,12 +166,7 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = summarise_readout(ds)
     for label, baseline in (("oprf", OPRF), ("favor", FAVOR)):
         if baseline in ds.estimator.values:
-            diff = stats.paired(ds["accuracy"], "estimator", baseline, op="difference")
-            ds[f"accuracy_vs_{label}"] = diff
-            summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-            summary.attrs["description"] = (f"summary of accuracy_vs_{label} over seed, episode: "
-                                            + summary.attrs["interval"])
-            ds[f"accuracy_vs_{label}_summary"] = summary
+            ds = add_paired(ds, "accuracy", baseline, REPLICATES, op="difference", statistic="mean", label=label)
     cos = ds["query_cosine"].mean(REPLICATES).assign_attrs(
         long_name="mean cosine of a query to its stored key", units="1", description="mean over seed, episode")
     ds["query_cosine_mean"] = cos
@@ -478,8 +473,6 @@ def _matched_findings(ds, n, factor) -> list[str]:
 
 def _trig_minus_best_positive(ds, r, at, random_maps, query):
     """Per-episode accuracy of trigonometric features minus the better positive map, with its interval."""
-    from kernapprox import stats
-
     acc = ds["accuracy"].sel(num_features=r, query=query, **at)
     others = [m for m in random_maps if m != "trig_orthogonal"]
     d = acc.sel(estimator="trig_orthogonal") - acc.sel(estimator=others).max("estimator")
