@@ -40,6 +40,7 @@ from ..validation import check_bool, check_choice, check_positive_int, check_qkv
 from . import delta as _delta
 from . import least_squares as _ls
 from . import logdomain
+from . import native as _native
 from .blocks import chunked_block_length
 from .exact import softmax_attention
 from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
@@ -197,7 +198,9 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
-    if causal:
+    if causal and inplace and _native.eligible(q, batch, n, r, needs_grad=False):
+        state, c = _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c, r)
+    elif causal:
         state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
     else:
         for start in range(0, n_k, block):
@@ -398,6 +401,29 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
         sink.write(start, out.reshape(batch, g * size, -1)[:, :length], row_logs.reshape(batch, -1)[:, :length])
     if pad and a:        # the last chunk was padded: its scale was decayed to the padded end, not to token n−1
         c_carry = c_carry - pad * a
+    return state, c_carry
+
+
+def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c_carry, r):
+    """:func:`_chunked_causal` by the compiled kernel (:mod:`.native`): features per token block as there, then one
+    kernel call per block that runs its chunks one after the other with the state in cache and writes the rows
+    into ``sink``. Float32, no gradient; returns the final (transposed) state and its log-scale."""
+    batch, n = qf.shape[:2]
+    ct, device = sink.den.dtype, qf.device
+    out = sink.num if sink.num is not None else sink.out
+    values = vf if vf.stride(-1) == 1 else vf.contiguous()
+    # the kernel advances the state in place: never the caller's tensors
+    state = (torch.zeros(batch, values.shape[-1] + 1, r, dtype=ct, device=device) if state is None
+             else state.to(ct).contiguous().clone())
+    c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
+               else c_carry.to(ct).clone())
+    for start in range(0, n, block):
+        stop = min(start + block, n)
+        pq, lq = features(qf[:, start:stop], "query")
+        pk, lk = key_features(start, stop)
+        _native.chunk_block(pq.contiguous(), lq.contiguous(), pk.contiguous(), lk.contiguous(),
+                            values[:, start:stop], state, c_carry, out[:, start:stop], sink.den[:, start:stop],
+                            sink.logs[:, start:stop], chunk_size, a, want_num=sink.num is not None)
     return state, c_carry
 
 

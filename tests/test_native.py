@@ -1,0 +1,180 @@
+"""The compiled causal chunked kernel (:mod:`kernapprox.attention.native`): equal to the eager chunked code to float32
+rounding in every case it takes (sum and decay rules, padded keys, a carried state, partial chunks, the parts and
+the final state, one and two threads), used exactly when eligible, and a failed build or a wrong kernel falls back
+to the eager code with one warning.
+
+"Equal to rounding": the largest difference from the eager float32 result is at most four times the eager
+result's own float32 error (against the float64 computation) plus ``64 ε`` of the largest value (as for the fused
+feature maps, tests/test_fused.py). Feature maps run eagerly here (``fused.use_fused`` patched to False), so that
+only the kernel differs between the two runs.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from test_fused import _rounding_close, data
+
+import kernapprox as ka
+from kernapprox.attention import native
+from kernapprox.estimators import fused
+
+pytestmark = pytest.mark.skipif(not native._prerequisites()[0], reason=native._prerequisites()[1])
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """The switch on, feature maps eager, and a count of the kernel's calls (after its load and self-check)."""
+    assert native._load() is not None, native.status()
+    monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)
+    calls = []
+    real = native.chunk_block
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native, "chunk_block", counted)
+    with fused.mode("on"):
+        yield calls
+
+
+def _compare(q, k, v, est, what, **call):
+    """Every part and the final state: the kernel (switch on) against the eager code (switch off) and float64."""
+    call = dict(causal=True, mode="chunked", return_parts=True, return_state=True, **call)
+    call64 = dict(call)
+    if call.get("initial_state") is not None:
+        call64["initial_state"] = type(call["initial_state"])(*(t.double() for t in call["initial_state"]))
+    with fused.mode("off"):
+        ref, ref_state = ka.linear_attention(q, k, v, est, **call)
+        ref64, ref64_state = ka.linear_attention(q.double(), k.double(), v.double(), est, **call64)
+    with fused.mode("on"):
+        got, got_state = ka.linear_attention(q, k, v, est, **call)
+    for part, a, b, c in zip(ref._fields, got, ref, ref64):
+        _rounding_close(a, b, c, f"{what} {part}")
+    for part in ("w", "z"):       # states at the eager log-scale
+        shift = (got_state.log_scale - ref_state.log_scale).double()
+        shift = shift.reshape(*shift.shape, *([1] * (getattr(got_state, part).dim() - shift.dim())))
+        a = getattr(got_state, part).double() * torch.exp(shift)
+        _rounding_close(a, getattr(ref_state, part), getattr(ref64_state, part), f"{what} state {part}")
+
+
+@pytest.mark.parametrize("rule", ["sum", ka.rules.Decay(0.9)], ids=["sum", "decay"])
+@pytest.mark.parametrize("chunk_size", [8, 7])
+def test_kernel_equals_eager(kernel_only, rule, chunk_size):
+    q, k, v = data(shape=(2, 3, 75, 8))          # 75 tokens: a partial last chunk for both chunk sizes
+    for name in ("positive_orthogonal", "trig", "nystrom_uniform"):
+        est = ka.make_estimator(name, num_features=16, rng=0).fit(q, k)
+        _compare(q, k, v, est, f"{name} {rule} C={chunk_size}", rule=rule, chunk_size=chunk_size)
+    assert kernel_only == [(6, 75, 16)] * 3                                   # 2 x 3 sequences per call
+
+
+def test_padding_initial_state_and_outputs(kernel_only):
+    q, k, v = data(shape=(2, 40, 6), seed=1)
+    est = ka.make_estimator("positive", num_features=24, rng=1).fit(q, k)
+    padding = torch.zeros(2, 40, dtype=torch.bool)
+    padding[0, 30:] = True
+    padding[1, 3:6] = True
+    padding[1, 17] = True
+    for rule in ("sum", ka.rules.Decay(0.8)):
+        _compare(q, k, v, est, f"padding {rule}", rule=rule, chunk_size=8, key_padding_mask=padding)
+        with fused.mode("off"):
+            _, state = ka.linear_attention(q[:, :13], k[:, :13], v[:, :13], est, causal=True, mode="chunked",
+                                           rule=rule, chunk_size=8, return_state=True)
+        _compare(q[:, 13:], k[:, 13:], v[:, 13:], est, f"carried state {rule}", rule=rule, chunk_size=8,
+                 initial_state=state)
+    with fused.mode("off"):
+        ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
+    got = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)   # outputs only
+    _rounding_close(got, ref, ka.linear_attention(q.double(), k.double(), v.double(), est, causal=True,
+                                                  mode="chunked", chunk_size=8), "outputs")
+    assert len(kernel_only) >= 5
+
+
+def test_two_threads_equal_one(kernel_only):
+    q, k, v = data(shape=(5, 90, 8), seed=2)
+    est = ka.make_estimator("positive", num_features=32, rng=2).fit(q, k)
+    one = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=16)
+    torch.set_num_threads(2)                     # the conftest fixture restores the count
+    two = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=16)
+    assert torch.equal(one, two)                 # each sequence runs on one thread: the same operations
+    assert len(kernel_only) == 2
+
+
+def test_used_exactly_when_eligible(kernel_only, monkeypatch):
+    q, k, v = data(shape=(2, 40, 6), seed=3)
+    est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
+    run = dict(causal=True, mode="chunked", chunk_size=8)
+    ka.linear_attention(q, k, v, est, causal=False, mode="chunked")          # non-causal: eager
+    ka.linear_attention(q.double(), k.double(), v.double(), est, **run)      # float64: eager
+    ka.linear_attention(q.requires_grad_(), k, v, est, **run)                # a gradient: eager
+    ka.linear_attention(q.detach(), k, v, est, rule=ka.rules.Delta(), **run)  # another rule: eager
+    with fused.mode("off"):
+        ka.linear_attention(q.detach(), k, v, est, **run)
+    with fused.mode("auto"):                                                 # auto: below MIN_ENTRIES, eager
+        ka.linear_attention(q.detach(), k, v, est, **run)
+    torch.set_num_threads(3)                                                 # fewer sequences than threads
+    ka.linear_attention(q.detach(), k, v, est, **run)
+    torch.set_num_threads(1)
+    assert kernel_only == []
+    ka.linear_attention(q.detach(), k, v, est, **run)
+    assert kernel_only == [(2, 40, 8)]
+    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 * 40 * 8)
+    with fused.mode("auto"):                                                 # auto at the threshold: the kernel
+        ka.linear_attention(q.detach(), k, v, est, **run)
+    assert len(kernel_only) == 2
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """No loaded library and no failure before and after the test; builds go to ``tmp_path``."""
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
+    native.reset()
+    yield tmp_path
+    native.reset()
+
+
+def test_build_is_cached_and_reported(fresh_kernel):
+    assert native.status() == "unused"
+    assert native._load() is not None
+    built = sorted(fresh_kernel.glob("chunked_causal-*.so"))
+    assert len(built) == 1 and native.status() == f"loaded {built[0]}"
+    stamp = built[0].stat().st_mtime_ns
+    native.reset()
+    assert native._load() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
+    assert list(fresh_kernel.glob("*.tmp")) == []
+
+
+def _eager_fallback_check(monkeypatch, expected_reason):
+    monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)     # only the kernel differs
+    q, k, v = data(shape=(2, 33, 6), seed=4)
+    est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
+    with fused.mode("off"):
+        ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
+    with warnings.catch_warnings(record=True) as caught, fused.mode("on"):
+        warnings.simplefilter("always")
+        first = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
+        second = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "causal chunked kernel is disabled" in messages[0], messages
+    assert expected_reason in messages[0]
+    assert torch.equal(first, ref) and torch.equal(second, ref)
+    assert native.status().startswith("failed:") and expected_reason in native.status()
+
+
+def test_failed_build_falls_back_to_eager_with_one_warning(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("CXX", "false")            # a "compiler" that fails
+    _eager_fallback_check(monkeypatch, "compilation failed")
+
+
+def test_wrong_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
+    real = native.chunk_block
+
+    def wrong(pq, lq, pk, lk, v, state, c, out, den, logs, *rest, **kwargs):
+        real(pq, lq, pk, lk, v, state, c, out, den, logs, *rest, **kwargs)
+        out.mul_(1.001)                           # a kernel off by 0.1 %
+
+    monkeypatch.setattr(native, "chunk_block", wrong)
+    _eager_fallback_check(monkeypatch, "self-check: its outputs differ")
