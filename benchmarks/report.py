@@ -17,6 +17,14 @@ import xarray as xr
 VERDICT = {1: "met", 0: "**missed**", -1: "not measured"}
 
 
+def _native(attrs) -> str:
+    """The compiled causal chunked kernel's state in the run (runs before it was recorded say nothing)."""
+    status = attrs.get("native_status")
+    if status is None:
+        return ""
+    return ", causal chunked kernel " + ("compiled" if status.startswith("loaded") else f"`{status}`")
+
+
 def _fmt(value: float) -> str:
     return "–" if not math.isfinite(value) else f"{value:.3g}"
 
@@ -28,7 +36,7 @@ def markdown_table(ds: xr.Dataset) -> str:
     lines = [
         f"Run of `{a.get('history', 'python -m benchmarks.run')}` at git revision `{a.get('git_revision', '?')}`: "
         f"{a.get('device_name', '?')}, {a.get('torch_num_threads', '?')} torch threads, torch "
-        f"{torch_version}, fused feature maps `{a.get('fused_mode', '?')}`, chunk length "
+        f"{torch_version}, fused feature maps `{a.get('fused_mode', '?')}`{_native(a)}, chunk length "
         f"{a.get('chunk_size', '?')}; float32 GEMM rate {float(a.get('gemm_flops_per_s', math.nan)) / 1e9:.1f} "
         f"GFLOP/s; 1-minute load average {float(a.get('load_average_1min_at_start', math.nan)):.2f} at the start, "
         f"{float(a.get('load_average_1min_at_end', math.nan)):.2f} at the end; CPU utilisation of the timed rows "

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from kernapprox.attention import native
 from kernapprox.estimators import fused
 from kernapprox.timing import gemm_rate, provenance
 
@@ -294,6 +295,7 @@ def _run(args, argv) -> xr.Dataset:
         "load_average_1min_at_end": float(load_end),
         "fused_mode": args.fused,
         "fused_status": json.dumps(fused.status()),
+        "native_status": native.status(),
         "wall_time_s": time.perf_counter() - t_start,
         "history": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.run", *(argv or sys.argv[1:])]),
     })

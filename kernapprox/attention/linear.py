@@ -11,7 +11,9 @@ floating-point tolerance:
     ``y_t = W_tᵀ φ(q_t) / z_tᵀ φ(q_t)``; constant memory per step. :class:`RecurrentState` exposes the same
     step for decoding one token at a time.
 ``chunked`` (the fast mode)
-    blockwise: exact masked products within a chunk, the running state across chunks.
+    blockwise: exact masked products within a chunk, the running state across chunks. Causal float32 calls on a
+    CPU without gradients run the compiled kernel of :mod:`.native` (same results to rounding) when the fused
+    switch allows it.
 
 The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
 (:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the
