@@ -23,6 +23,10 @@ the compute: every target is compute-bound. Two lower bounds on the time:
 ``shapes``
     every product at the rate measured for its own shape (small GEMMs run below ``G``), and the ``exp`` as above.
 
+The "shapes" bound of the non-causal mode is conservative: it charges the key summaries and the state reads at
+the rates of the causal chunk shapes, whereas the non-causal mode runs them over whole token blocks (larger,
+faster shapes); read its "physical" bound.
+
 The speed-up bound is SDPA's measured time over ``T``; the GEMM-fraction bound is the counted FLOPs
 (:func:`kernapprox.timing.linear_attention_flops`, which counts half the intra-chunk scores) over ``T · G``.
 """
