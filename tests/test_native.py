@@ -11,6 +11,7 @@ only the kernel differs between the two runs.
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 
 import pytest
@@ -178,3 +179,13 @@ def test_wrong_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
 
     monkeypatch.setattr(native, "chunk_block", wrong)
     _eager_fallback_check(monkeypatch, "self-check: its outputs differ")
+
+
+def test_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("")                       # a file where the cache folder would be: mkdir fails
+    monkeypatch.delenv(native.DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
+    assert str(native._build_dir()).startswith(tempfile.gettempdir())
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native._build_dir() == tmp_path / "kernapprox"

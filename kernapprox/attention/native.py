@@ -21,7 +21,8 @@ kernel calls the ``sgemm_`` and ``MKL_Set_Num_Threads_Local`` that ``libtorch_cp
 Building
 --------
 The first eligible call compiles the source once per machine (about a second) into
-``$KERNAPPROX_NATIVE_DIR``, else ``$XDG_CACHE_HOME/kernapprox`` (``~/.cache/kernapprox``), named by a hash of the
+``$KERNAPPROX_NATIVE_DIR``, else ``$XDG_CACHE_HOME/kernapprox`` (``~/.cache/kernapprox``; a per-user folder of the
+temporary directory when that cannot be written), named by a hash of the
 source, the flags, the compiler and torch's version and CPU capability; later processes load the file. The loaded
 library is checked once per process against the parallel mode on a small problem with decay, a partial chunk
 and a carried state. Never a crash, never a wrong result: a failed build, load or check disables the kernel for
@@ -88,11 +89,19 @@ def _compiler() -> str:
 
 
 def _build_dir() -> Path:
+    """``$KERNAPPROX_NATIVE_DIR``, else the user's cache (``$XDG_CACHE_HOME/kernapprox``, ``~/.cache/kernapprox``)
+    when it can be created and written, else a per-user folder in the temporary directory."""
     root = os.environ.get(DIR_ENV)
     if root:
         return Path(root)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kernapprox"
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "kernapprox"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if os.access(cache, os.W_OK):
+            return cache
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"kernapprox-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def _command(source: Path, target: Path) -> list[str]:
