@@ -200,7 +200,7 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
-    if causal and inplace and _native.eligible(q, batch, n, r, needs_grad=False):
+    if causal and _native.eligible(q, batch, n, r, needs_grad=not inplace):
         state, c = _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c, r)
     elif causal:
         state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
@@ -416,9 +416,9 @@ def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a,
     values = vf if vf.stride(-1) == 1 else vf.contiguous()
     # the kernel advances the state in place: never the caller's tensors
     state = (torch.zeros(batch, values.shape[-1] + 1, r, dtype=ct, device=device) if state is None
-             else state.to(ct).contiguous().clone())
+             else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
     c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
-               else c_carry.to(ct).clone())
+               else c_carry.to(dtype=ct, copy=True))
     for start in range(0, n, block):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")

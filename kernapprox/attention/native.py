@@ -36,7 +36,6 @@ import functools
 import hashlib
 import os
 import platform
-import shutil
 import subprocess
 import tempfile
 import warnings
@@ -53,9 +52,8 @@ _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-ma
 
 
 class _State:
-    lib = None                   # the loaded library
+    lib = None                   # the loaded library (its path: lib._name)
     failed: str | None = None    # why it is disabled in this process
-    path: str | None = None
 
 
 def _torch_lib_dir() -> Path:
@@ -65,9 +63,8 @@ def _torch_lib_dir() -> Path:
 @functools.cache
 def _prerequisites() -> tuple[bool, str]:
     """Whether the kernel can be built and run in this process at all (no compilation), and why not."""
-    ok, why = fused.available("cpu")
-    if not ok:
-        return False, why
+    if fused.cxx_compiler() is None:
+        return False, "no C++ compiler on PATH (CXX, g++, clang++)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"no build flags for {platform.machine()}"
     if not torch.backends.mkl.is_available():
@@ -81,11 +78,6 @@ def _prerequisites() -> tuple[bool, str]:
     except (OSError, AttributeError) as exc:
         return False, f"libtorch_cpu does not export what the kernel needs ({exc})"
     return True, "C++ compiler, MKL and OpenMP found"
-
-
-def _compiler() -> str:
-    cxx = os.environ.get("CXX")
-    return cxx if cxx else next(c for c in ("g++", "c++", "clang++") if shutil.which(c))
 
 
 def _build_dir() -> Path:
@@ -107,7 +99,10 @@ def _build_dir() -> Path:
 def _command(source: Path, target: Path) -> list[str]:
     lib = _torch_lib_dir()
     flags = _FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    return [_compiler(), "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c++17", str(source), "-o",
+    compiler = fused.cxx_compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler on PATH (CXX, g++, clang++)")
+    return [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c++17", str(source), "-o",
             str(target), f"-L{lib}", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
@@ -152,7 +147,7 @@ def _load():
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
-        _State.lib, _State.path = lib, str(path)
+        _State.lib = lib
         _self_check()
     except Exception as exc:  # noqa: BLE001 - any build, load or check failure means: run the eager code
         disable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300])
@@ -168,14 +163,14 @@ def disable(reason: str) -> None:
 
 def reset() -> None:
     """Forget the loaded library and any failure (the next eligible call loads or builds again); for tests."""
-    _State.lib = _State.failed = _State.path = None
+    _State.lib = _State.failed = None
     _prerequisites.cache_clear()
 
 
 def status() -> str:
     """``"unused"``, ``"loaded <path>"``, ``"unavailable: <why>"`` or ``"failed: <why>"``."""
     if _State.lib is not None:
-        return f"loaded {_State.path}"
+        return f"loaded {_State.lib._name}"
     if _State.failed is not None:
         ok = _prerequisites()[0]
         return f"{'failed' if ok else 'unavailable'}: {_State.failed}"

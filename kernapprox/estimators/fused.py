@@ -140,14 +140,20 @@ def mode(value: str):
         set_mode(previous)
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler on ``PATH``: ``$CXX`` if set, else the first of ``g++``, ``c++``, ``clang++``; None if
+    none is found (read afresh on every call)."""
+    cxx = os.environ.get("CXX")
+    return next((c for c in ([cxx] if cxx else ["g++", "c++", "clang++"]) if shutil.which(c)), None)
+
+
 @functools.cache
 def _compiler_available(device_type: str) -> tuple[bool, str]:
     if not hasattr(torch, "compile"):
         return False, "torch.compile is missing (torch < 2.0)"
     if device_type == "cpu":
-        cxx = os.environ.get("CXX")
-        found = [c for c in ([cxx] if cxx else ["g++", "c++", "clang++"]) if shutil.which(c)]
-        return (True, f"C++ compiler {found[0]}") if found else (False, "no C++ compiler on PATH (CXX, g++, clang++)")
+        found = cxx_compiler()
+        return (True, f"C++ compiler {found}") if found else (False, "no C++ compiler on PATH (CXX, g++, clang++)")
     if device_type == "cuda":
         try:
             from torch.utils._triton import has_triton
