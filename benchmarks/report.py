@@ -18,11 +18,11 @@ VERDICT = {1: "met", 0: "**missed**", -1: "not measured"}
 
 
 def _native(attrs) -> str:
-    """The compiled causal chunked kernel's state in the run (runs before it was recorded say nothing)."""
+    """The compiled chunked kernels' state in the run (runs before it was recorded say nothing)."""
     status = attrs.get("native_status")
     if status is None:
         return ""
-    return ", causal chunked kernel " + ("compiled" if status.startswith("loaded") else f"`{status}`")
+    return ", chunked kernels (causal, non-causal) " + ("compiled" if status.startswith("loaded") else f"`{status}`")
 
 
 def _fmt(value: float) -> str:

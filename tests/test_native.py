@@ -1,7 +1,8 @@
-"""The compiled causal chunked kernel (:mod:`kernapprox.attention.native`): equal to the eager chunked code to float32
-rounding in every case it takes (sum and decay rules, padded keys, a carried state, partial chunks, the parts and
-the final state, one and two threads), used exactly when eligible, and a failed build or a wrong kernel falls back
-to the eager code with one warning.
+"""The compiled chunked kernels (:mod:`kernapprox.attention.native`), causal and non-causal: equal to the eager
+chunked code to float32 rounding in every case they take (sum and decay rules, padded keys, a carried state,
+partial chunks and blocks, the parts and the final state, one and two threads; for the non-causal kernel, which
+computes the features itself, every registered map it accepts and more queries than keys), used exactly when
+eligible, and a failed build or a wrong kernel falls back to the eager code with one warning.
 
 "Equal to rounding": the largest difference from the eager float32 result is at most four times the eager
 result's own float32 error (against the float64 computation) plus ``64 ε`` of the largest value (as for the fused
@@ -31,20 +32,25 @@ def kernel_only(monkeypatch):
     assert native._load() is not None, native.status()
     monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)
     calls = []
-    real = native.chunk_block
+    real, real_noncausal = native.chunk_block, native.noncausal
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
+    def counted_noncausal(estimator, xq, xk, *args, **kwargs):
+        calls.append(("non-causal", xq.shape[0], xq.shape[1], xk.shape[1]))
+        return real_noncausal(estimator, xq, xk, *args, **kwargs)
+
     monkeypatch.setattr(native, "chunk_block", counted)
+    monkeypatch.setattr(native, "noncausal", counted_noncausal)
     with fused.mode("on"):
         yield calls
 
 
 def _compare(q, k, v, est, what, **call):
     """Every part and the final state: the kernel (switch on) against the eager code (switch off) and float64."""
-    call = dict(causal=True, mode="chunked", return_parts=True, return_state=True, **call)
+    call = {"causal": True, "mode": "chunked", "return_parts": True, "return_state": True, **call}
     call64 = dict(call)
     if call.get("initial_state") is not None:
         call64["initial_state"] = type(call["initial_state"])(*(t.double() for t in call["initial_state"]))
@@ -108,7 +114,6 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     q, k, v = data(shape=(2, 40, 6), seed=3)
     est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
     run = dict(causal=True, mode="chunked", chunk_size=8)
-    ka.linear_attention(q, k, v, est, causal=False, mode="chunked")          # non-causal: eager
     ka.linear_attention(q.double(), k.double(), v.double(), est, **run)      # float64: eager
     ka.linear_attention(q.requires_grad_(), k, v, est, **run)                # a gradient: eager
     ka.linear_attention(q.detach(), k, v, est, rule=ka.rules.Delta(), **run)  # another rule: eager
@@ -128,6 +133,101 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     assert len(kernel_only) == 2
 
 
+# ------------------------------------------------------------------------------------------ non-causal kernel
+def _exponential_maps():
+    """Every registered map whose features the non-causal kernel computes itself (decided by its class)."""
+    names = []
+    for name in ka.available_estimators():
+        try:
+            est = ka.make_estimator(name, num_features=16, rng=0)
+        except (TypeError, ValueError):
+            continue
+        if native.exponential_form(est):
+            names.append(name)
+    return names
+
+
+EXPONENTIAL_MAPS = _exponential_maps()
+
+
+def test_the_exponential_family_takes_the_noncausal_kernel():
+    for name in ("positive", "positive_orthogonal", "hyperbolic", "gerf", "oprf", "sderf", "saderf", "aderf"):
+        assert name in EXPONENTIAL_MAPS, name
+    for name in ("trig", "nystrom_uniform", "hedgehog", "taylor2", "elu1", "exact"):
+        assert name not in EXPONENTIAL_MAPS, name
+
+
+@pytest.mark.parametrize("rule", ["sum", ka.rules.Decay(0.9)], ids=["sum", "decay"])
+def test_noncausal_kernel_equals_eager_for_every_exponential_map(kernel_only, rule):
+    q, k, v = data(shape=(2, 3, native.NONCAUSAL_BLOCK + 45, 8), seed=5)   # a partial second block
+    for name in EXPONENTIAL_MAPS:
+        est = ka.make_estimator(name, num_features=16, rng=0).fit(q, k)
+        _compare(q, k, v, est, f"{name} {rule}", causal=False, rule=rule)
+    assert kernel_only == [("non-causal", 6, native.NONCAUSAL_BLOCK + 45, native.NONCAUSAL_BLOCK + 45)] * len(
+        EXPONENTIAL_MAPS)
+
+
+def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):
+    q, k, v = data(shape=(2, 300, 6), seed=6)
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[0, 200:] = True                       # a whole padded block tail
+    padding[1, 3:6] = True
+    padding[1, 290] = True
+    maps = {"positive eps": ka.make_estimator("positive", num_features=24, rng=1, eps=1e-3).fit(q, k),
+            "gerf (offset)": ka.make_estimator("gerf", num_features=24, rng=1).fit(q, k),
+            "aderf (transforms)": ka.make_estimator("aderf", num_features=24, rng=1).fit(q, k)}
+    for what, est in maps.items():
+        for rule in ("sum", ka.rules.Decay(0.8)):
+            _compare(q, k, v, est, f"{what} padding {rule}", causal=False, rule=rule, key_padding_mask=padding)
+            with fused.mode("off"):
+                _, state = ka.linear_attention(q[:, :100], k[:, :100], v[:, :100], est, causal=False,
+                                               mode="chunked", rule=rule, return_state=True)
+            _compare(q, k[:, 100:170], v[:, 100:170], est, f"{what} carried state, 300 queries, 70 keys {rule}",
+                     causal=False, rule=rule, initial_state=state)
+    est = maps["positive eps"]
+    with fused.mode("off"):
+        ref = ka.linear_attention(q, k, v, est, mode="chunked")
+    got = ka.linear_attention(q, k, v, est, mode="chunked")                # outputs only
+    _rounding_close(got, ref, ka.linear_attention(q.double(), k.double(), v.double(), est, mode="chunked"),
+                    "outputs")
+    strided = ka.linear_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v[..., ::2].contiguous()
+                                  .repeat_interleave(2, -1), est, mode="chunked")        # non-contiguous q
+    with fused.mode("off"):
+        ref = ka.linear_attention(q, k, v[..., ::2].repeat_interleave(2, -1), est, mode="chunked")
+    assert torch.allclose(strided, ref, rtol=1e-5, atol=1e-6)
+    assert sum(1 for c in kernel_only if c[0] == "non-causal") == 3 * 2 * 2 + 2
+
+
+def test_noncausal_two_threads_equal_one(kernel_only):
+    q, k, v = data(shape=(5, 300, 8), seed=2)
+    est = ka.make_estimator("positive", num_features=32, rng=2).fit(q, k)
+    one = ka.linear_attention(q, k, v, est, mode="chunked")
+    torch.set_num_threads(2)                     # the conftest fixture restores the count
+    two = ka.linear_attention(q, k, v, est, mode="chunked")
+    assert torch.equal(one, two)
+    assert len(kernel_only) == 2
+
+
+def test_noncausal_used_exactly_when_eligible(kernel_only, monkeypatch):
+    q, k, v = data(shape=(2, 40, 6), seed=3)
+    est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
+    ka.linear_attention(q, k, v, ka.make_estimator("trig", num_features=8, rng=0).fit(q, k), mode="chunked")
+    ka.linear_attention(q.double(), k.double(), v.double(), est, mode="chunked")     # float64: eager
+    ka.linear_attention(q.requires_grad_(), k, v, est, mode="chunked")                # a gradient: eager
+    ka.linear_attention(q.detach(), k, v, est, mode="chunked", rule=ka.rules.Delta())  # another rule: eager
+    ka.linear_attention(q.detach(), k, v, est, mode="parallel")                        # another mode
+    with fused.mode("off"):
+        ka.linear_attention(q.detach(), k, v, est, mode="chunked")
+    with fused.mode("auto"):                                                           # below MIN_ENTRIES
+        ka.linear_attention(q.detach(), k, v, est, mode="chunked")
+    torch.set_num_threads(3)                                                           # fewer sequences
+    ka.linear_attention(q.detach(), k, v, est, mode="chunked")
+    torch.set_num_threads(1)
+    assert kernel_only == []
+    ka.linear_attention(q.detach(), k, v, est, mode="chunked")
+    assert kernel_only == [("non-causal", 2, 40, 40)]
+
+
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
     """No loaded library and no failure before and after the test; builds go to ``tmp_path``."""
@@ -140,7 +240,7 @@ def fresh_kernel(monkeypatch, tmp_path):
 def test_build_is_cached_and_reported(fresh_kernel):
     assert native.status() == "unused"
     assert native._load() is not None
-    built = sorted(fresh_kernel.glob("chunked_causal-*.so"))
+    built = sorted(fresh_kernel.glob("chunked-*.so"))
     assert len(built) == 1 and native.status() == f"loaded {built[0]}"
     stamp = built[0].stat().st_mtime_ns
     native.reset()
@@ -159,7 +259,7 @@ def _eager_fallback_check(monkeypatch, expected_reason):
         first = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
         second = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and "causal chunked kernel is disabled" in messages[0], messages
+    assert len(messages) == 1 and "chunked kernels are disabled" in messages[0], messages
     assert expected_reason in messages[0]
     assert torch.equal(first, ref) and torch.equal(second, ref)
     assert native.status().startswith("failed:") and expected_reason in native.status()
@@ -179,6 +279,17 @@ def test_wrong_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
 
     monkeypatch.setattr(native, "chunk_block", wrong)
     _eager_fallback_check(monkeypatch, "self-check: its outputs differ")
+
+
+def test_wrong_noncausal_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
+    real = native.noncausal
+
+    def wrong(estimator, xq, xk, v, padding, state, c, out, *rest, **kwargs):
+        real(estimator, xq, xk, v, padding, state, c, out, *rest, **kwargs)
+        state.mul_(1.001)                         # a final state off by 0.1 %
+
+    monkeypatch.setattr(native, "noncausal", wrong)
+    _eager_fallback_check(monkeypatch, "self-check: the non-causal kernel's state differ")
 
 
 def test_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):

@@ -11,9 +11,9 @@ floating-point tolerance:
     ``y_t = W_tᵀ φ(q_t) / z_tᵀ φ(q_t)``; constant memory per step. :class:`RecurrentState` exposes the same
     step for decoding one token at a time.
 ``chunked`` (the fast mode)
-    blockwise: exact masked products within a chunk, the running state across chunks. Causal float32 calls on a
-    CPU without gradients run the compiled kernel of :mod:`.native` (same results to rounding) when the fused
-    switch allows it.
+    blockwise: exact masked products within a chunk, the running state across chunks. Float32 calls on a CPU
+    without gradients run the compiled kernels of :mod:`.native` (same results to rounding) when the fused switch
+    allows it: every causal call, and non-causal calls with a map of the exponential form.
 
 The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
 (:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the
@@ -204,6 +204,8 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         state, c = _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c, r)
     elif causal:
         state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
+    elif _native.eligible_noncausal(q, estimator, batch, max(n, n_k), r, needs_grad=not inplace):
+        state, c = _chunked_noncausal_native(qf, kf, vf, padf, estimator, a, sink, state, c, r)
     else:
         for start in range(0, n_k, block):
             pk, lk = key_features(start, start + block)
@@ -426,6 +428,19 @@ def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a,
         _native.chunk_block(pq.contiguous(), lq.contiguous(), pk.contiguous(), lk.contiguous(),
                             values[:, start:stop], state, c_carry, out[:, start:stop], sink.den[:, start:stop],
                             sink.logs[:, start:stop], chunk_size, a, want_num=sink.num is not None)
+    return state, c_carry
+
+
+def _chunked_noncausal_native(qf, kf, vf, padf, estimator, a, sink, state, c_carry, r):
+    """The non-causal chunked mode by the compiled kernel (:func:`.native.noncausal`), features computed inside it
+    (maps of the exponential form). Float32, no gradient; returns the final (transposed) state and its log-scale."""
+    batch, ct, device = qf.shape[0], sink.den.dtype, qf.device
+    state = (torch.zeros(batch, vf.shape[-1] + 1, r, dtype=ct, device=device) if state is None
+             else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
+    c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
+               else c_carry.to(dtype=ct, copy=True))
+    _native.noncausal(estimator, qf, kf, vf, padf, state, c_carry, sink.num if sink.num is not None else sink.out,
+                      sink.den, sink.logs, a, want_num=sink.num is not None)
     return state, c_carry
 
 

@@ -1,22 +1,36 @@
-"""A compiled CPU kernel for the causal chunked mode of the sum and decay rules.
+"""Compiled CPU kernels for the chunked mode of the sum and decay rules (float32, no gradient).
 
-The eager causal chunked mode (:func:`kernapprox.attention.linear._chunked_causal`) batches each token block's
-chunks into a few large products, which makes it materialise every chunk's summary and state (``(d_v+1) × r``
-each: more bytes than the chunk's features when ``C`` is small) and run a dozen element-wise passes per block. The
-kernel in ``_chunked_causal.cpp`` runs the same recurrence chunk by chunk instead (Yang et al. 2024, "Gated Linear
-Attention", sec. 3.2, with the log-domain shifts of :mod:`kernapprox.attention.linear`): the state stays in cache,
-the state read and the intra-chunk scores come out of one single-threaded BLAS product ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``,
-and the sequences of a batch are spread over the OpenMP threads. Features are still computed per token block by
-the estimator (fused or eager). The kernel equals the eager code to float rounding (tests/test_native.py).
+Two kernels, in ``_chunked.cpp``, built once per machine and loaded with :mod:`ctypes`; each equals the eager
+chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
 
-When it runs
-------------
-It follows the switch of the fused feature maps (:mod:`kernapprox.estimators.fused`, ``KERNAPPROX_FUSED``):
+causal (:func:`chunk_block`)
+    The eager causal chunked mode (:func:`kernapprox.attention.linear._chunked_causal`) batches each token
+    block's chunks into a few large products, which makes it materialise every chunk's summary and state
+    (``(d_v+1) × r`` each: more bytes than the chunk's features when ``C`` is small) and run a dozen element-wise
+    passes per block. The kernel runs the same recurrence chunk by chunk instead (Yang et al. 2024, "Gated Linear
+    Attention", sec. 3.2, with the log-domain shifts of :mod:`kernapprox.attention.linear`): the state stays in
+    cache, the state read and the intra-chunk scores come out of one single-threaded BLAS product
+    ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features are computed per token block by the estimator (fused or eager).
+non-causal (:func:`noncausal`)
+    ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6) with the feature map computed inside the
+    kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they are in cache: the projection GEMM, the row shift and ``exp`` (with the
+    key weights and the normaliser's sums folded into the same pass), then the summary or read GEMM — no feature
+    matrix, no ``[V 1]`` copy and no element-wise pass ever leaves the cache. Only for maps of the exponential
+    form ``log φ_j = α(x'Wᵀ)_j + o_j − kα²‖x'‖²/2 + c`` (FAVOR+, hyperbolic, the GERF family: every
+    :class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` that keeps its stabilised features,
+    :meth:`~kernapprox.estimators.random.ExponentialRandomFeatureMap._exponential_form`); other maps run eagerly.
+
+In both, the sequences (batch × heads) share torch's OpenMP threads, each running its products on one thread.
+
+When they run
+-------------
+They follow the switch of the fused feature maps (:mod:`kernapprox.estimators.fused`, ``KERNAPPROX_FUSED``):
 ``"off"`` never; ``"on"`` for every eligible call; ``"auto"`` and ``"large"`` for eligible calls of at least
 :data:`~kernapprox.estimators.fused.MIN_ENTRIES` feature entries (a block's worth). Eligible: float32 inputs on a
 CPU, no gradient needed, the sum or decay rule, at least as many sequences (batch × heads) as torch threads, and
-the kernel available — a C++ compiler on ``PATH`` (``CXX``, ``g++``, ``c++``), a PyTorch built with MKL (the
-kernel calls the ``sgemm_`` and ``MKL_Set_Num_Threads_Local`` that ``libtorch_cpu`` exports) and OpenMP.
+the kernels available — a C++ compiler on ``PATH`` (``CXX``, ``g++``, ``c++``), a PyTorch built with MKL (the
+kernels call the ``sgemm_`` and ``MKL_Set_Num_Threads_Local`` that ``libtorch_cpu`` exports) and OpenMP; for the
+non-causal kernel also a map of the exponential form.
 
 Building
 --------
@@ -24,9 +38,10 @@ The first eligible call compiles the source once per machine (about a second) in
 ``$KERNAPPROX_NATIVE_DIR``, else ``$XDG_CACHE_HOME/kernapprox`` (``~/.cache/kernapprox``; a per-user folder of the
 temporary directory when that cannot be written), named by a hash of the
 source, the flags, the compiler and torch's version and CPU capability; later processes load the file. The loaded
-library is checked once per process against the parallel mode on a small problem with decay, a partial chunk
-and a carried state. Never a crash, never a wrong result: a failed build, load or check disables the kernel for
-the process with a ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
+library is checked once per process against the parallel mode on small problems (causal: decay, a partial chunk
+and a carried state; non-causal: decay, padded keys, a carried state, an offset and ``eps``, more queries than
+keys). Never a crash, never a wrong result: a failed build, load or check disables both kernels for the process
+with a ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
 """
 
 from __future__ import annotations
@@ -45,7 +60,10 @@ import torch
 
 from ..estimators import fused
 
-SOURCE = Path(__file__).with_name("_chunked_causal.cpp")
+SOURCE = Path(__file__).with_name("_chunked.cpp")
+# Tokens per block of the non-causal kernel: a block's features (256 × r floats) stay in the L2 cache (blocks of
+# 64 to 512 tokens measured within 5 % of each other at r = 256, n = 16k, 8 heads, 2 threads).
+NONCAUSAL_BLOCK = 256
 DIR_ENV = "KERNAPPROX_NATIVE_DIR"
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
           "AVX2": ["-mavx2", "-mfma"]}
@@ -114,7 +132,7 @@ def _build() -> Path:
     digest = hashlib.sha256(text + "\0".join([*probe, torch.__version__,
                                               torch.backends.cpu.get_cpu_capability()]).encode()).hexdigest()[:16]
     directory = _build_dir()
-    target = directory / f"chunked_causal-{digest}.so"
+    target = directory / f"chunked-{digest}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
@@ -147,6 +165,10 @@ def _load():
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
+        fn = lib.kernapprox_noncausal_exp
+        fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
+                       i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
+        fn.restype = i
         _State.lib = lib
         _self_check()
     except Exception as exc:  # noqa: BLE001 - any build, load or check failure means: run the eager code
@@ -157,7 +179,7 @@ def _load():
 def disable(reason: str) -> None:
     """Disable the kernel for the process (the eager code runs), with a ``RuntimeWarning`` naming ``reason``."""
     _State.lib, _State.failed = None, reason
-    warnings.warn(f"kernapprox: the compiled causal chunked kernel is disabled for this process ({reason}); the "
+    warnings.warn(f"kernapprox: the compiled chunked kernels are disabled for this process ({reason}); the "
                   "eager code runs instead (set KERNAPPROX_FUSED=off to silence this)", RuntimeWarning, stacklevel=3)
 
 
@@ -190,6 +212,22 @@ def eligible(q: torch.Tensor, batch: int, n: int, r: int, needs_grad: bool) -> b
     return _load() is not None
 
 
+def exponential_form(estimator):
+    """Whether the non-causal kernel can compute ``estimator``'s features itself: a fitted map of the exponential
+    form (:class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` with its own
+    :meth:`_fused_arguments` and the stabilised features of that class, not a subclass's own)."""
+    from ..estimators.random import ExponentialRandomFeatureMap as Exp
+
+    cls = type(estimator)
+    return (isinstance(estimator, Exp) and cls._fused_arguments is not Exp._fused_arguments
+            and cls._log_features is Exp._log_features and cls._log_features_into is Exp._log_features_into)
+
+
+def eligible_noncausal(q: torch.Tensor, estimator, batch: int, n: int, r: int, needs_grad: bool) -> bool:
+    """Whether the non-causal chunked call runs the kernel: :func:`eligible` and a map of the exponential form."""
+    return exponential_form(estimator) and eligible(q, batch, n, r, needs_grad)
+
+
 def _ptr(t: torch.Tensor):
     return ctypes.c_void_p(t.data_ptr())
 
@@ -214,7 +252,47 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
         raise RuntimeError(f"the causal chunked kernel rejected its arguments (code {rc})")
 
 
+def _map_arguments(estimator, x, role):
+    """``(rows, W, o or None, [α, c, eps, k])`` as float32 tensors the kernel reads (rows with unit last stride)."""
+    rows, alpha, weight, offset, scalars = estimator._exponential_form(x, role)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    weight = weight.to(torch.float32).contiguous()
+    offset = None if offset is None else offset.to(torch.float32).contiguous()
+    values = torch.tensor([alpha, *(float(s) for s in scalars)], dtype=torch.float32)
+    return rows, weight, offset, values
+
+
+def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool) -> None:
+    """Non-causal chunked attention of ``B`` sequences by the kernel, features included.
+
+    ``xq`` ``(B, n_q, d)``, ``xk`` ``(B, n_k, d)``: the float32 inputs (unscaled, as given to
+    :meth:`~kernapprox.estimators.base.FeatureMap.features`); ``v`` ``(B, n_k, d_v)`` float32; ``padding``
+    ``(B, n_k)`` bool (True: padded) or None; ``state`` ``(B, d_v+1, r)`` contiguous (``[W z]ᵀ``) and ``c`` ``(B,)``
+    its log-scale (the empty-state sentinel when empty), advanced in place over every key; ``out``
+    ``(B, n_q, d_v)`` receives ``num/den`` (or the numerators with ``want_num``), ``den`` and ``logs`` ``(B, n_q)``
+    the normalisers and the rows' log-scales (unit stride in the last dimension).
+    """
+    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
+    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    pad = None if padding is None else padding.to(torch.bool).contiguous()
+    batch, n_q, n_k = rq.shape[0], rq.shape[1], rk.shape[1]
+    rc = _State.lib.kernapprox_noncausal_exp(
+        batch, n_q, n_k, rq.shape[-1], wq.shape[0], v.shape[-1], NONCAUSAL_BLOCK, float(log_decay), _ptr(wq),
+        None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk), None if ok is None else _ptr(ok), _ptr(mk), _ptr(rq),
+        rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0), rk.stride(1), None if pad is None else _ptr(pad),
+        0 if pad is None else pad.stride(0), _ptr(v), v.stride(0), v.stride(1), _ptr(state), _ptr(c), _ptr(out),
+        out.stride(0), out.stride(1), _ptr(den), _ptr(logs), den.stride(0), int(want_num), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the non-causal chunked kernel rejected its arguments (code {rc})")
+
+
 def _self_check() -> None:
+    _self_check_causal()
+    _self_check_noncausal()
+
+
+def _self_check_causal() -> None:
     """The loaded kernel against the parallel mode on a small problem (decay, a partial chunk, a carried state)."""
     from .linear import _normalized_parallel
     from .rules import NormalizedState
@@ -241,4 +319,58 @@ def _self_check() -> None:
     for name, (got, want) in checks.items():
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             raise RuntimeError(f"self-check: its {name} differ from the parallel mode by "
+                               f"{float((got - want).abs().max()):.3g}")
+
+
+class _CheckMap:
+    """A map of the exponential form with fixed random parameters, for :func:`_self_check_noncausal`."""
+
+    def __init__(self, gen, d, r):
+        self.weight = torch.randn(r, d, generator=gen)
+        self.offset = 0.3 * torch.randn(r, generator=gen)
+        self.alpha, self.scalars = 0.7, (-1.5, 1e-3, 1.0)      # α, then [c, eps, k]
+
+    def _exponential_form(self, x, role):
+        return x, self.alpha, self.weight, self.offset, self.scalars
+
+    def reference(self, x):
+        """``(φ̃, ℓ)`` in float64 by the formula."""
+        c, eps, k = self.scalars
+        p = self.alpha * x.double() @ self.weight.double().T + self.offset.double()
+        shift = p.amax(-1)
+        norm = k * 0.5 * self.alpha ** 2 * (x.double() ** 2).sum(-1)
+        return torch.exp(p - shift[..., None]) + eps, shift + c - norm
+
+
+def _self_check_noncausal() -> None:
+    """The non-causal kernel against the parallel mode (decay, padded keys, a carried state, an offset and eps,
+    more queries than keys, a partial block)."""
+    from .linear import _normalized_parallel
+    from .rules import SENTINEL, NormalizedState
+
+    gen = torch.Generator().manual_seed(1)
+    batch, n_q, n_k, d, r, d_v, a = 3, NONCAUSAL_BLOCK + 7, NONCAUSAL_BLOCK - 5, 6, 10, 5, -0.01
+    fmap = _CheckMap(gen, d, r)
+    xq, xk = torch.randn(batch, n_q, d, generator=gen), torch.randn(batch, n_k, d, generator=gen)
+    v = torch.randn(batch, n_k, d_v, generator=gen)
+    padding = torch.rand(batch, n_k, generator=gen) < 0.2
+    w0, z0 = torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen)
+    c0 = torch.randn(batch, generator=gen) + 2.0
+    pq, lq = fmap.reference(xq)
+    pk, lk = fmap.reference(xk)
+    pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
+    num, den, logs, final = _normalized_parallel(pq, lq, pk, lk, v.double(), False, a, None,
+                                                 NormalizedState(w0.double(), z0.double(), c0.double()), True)
+    state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
+    c = c0.clone()
+    out, got_den, got_logs = torch.empty(batch, n_q, d_v), torch.empty(batch, n_q), torch.empty(batch, n_q)
+    noncausal(fmap, xq, xk, v, padding, state, c, out, got_den, got_logs, a, want_num=False)
+    rescale = torch.exp(final.log_scale - c.double())[:, None, None]
+    want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
+    checks = {"outputs": (out.double(), num / den[..., None]),
+              "normalisers": (got_den.double() * torch.exp(got_logs.double() - logs), den),
+              "state": (state.double(), want_state)}
+    for name, (got, want) in checks.items():
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"self-check: the non-causal kernel's {name} differ from the parallel mode by "
                                f"{float((got - want).abs().max()):.3g}")

@@ -105,10 +105,14 @@ class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
         proj = x @ self._param("weight_", x).T + self._param("frequency_offset_", x)
         return proj, -0.5 * (x * x).sum(-1) + self.log_normalizer_
 
-    def _fused_arguments(self, x, role):
+    def _input_transform(self, role, like):
         transform = self.query_transform_ if role == "query" else self.key_transform_
+        return None if transform is None else self._param(f"{role}_transform_", like)
+
+    def _fused_arguments(self, x, role):
+        transform = self._input_transform(role, x)
         if transform is not None:
-            x = x @ self._param(f"{role}_transform_", x).T
+            x = x @ transform.T
         return (x, self._param("weight_", x), self._param("frequency_offset_", x),
                 fused.scalars(self, "gerf", x, self.log_normalizer_, self.eps, 1.0))
 

@@ -81,6 +81,22 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
         parameters."""
         raise NotImplementedError
 
+    def _exponential_form(self, x, role) -> tuple:
+        """``(x', α, W, o, [c, eps, k])`` for rows of the *unscaled* input ``x`` (compute dtype), such that
+        ``log φ_j = α (x'Wᵀ)_j + o_j − k α² ‖x'‖² / 2 + c`` (``o`` None for zero): :meth:`_fused_arguments` with
+        the input scale ``α = √s`` left to the caller's product instead of a pass over ``x``. Maps that transform
+        their input first (:meth:`_input_transform`) return the transformed, scaled rows and ``α = 1``. Used by the
+        compiled non-causal kernel (:mod:`kernapprox.attention.native`), which computes the features itself."""
+        transform = self._input_transform(role, x)
+        _, weight, offset, scalars = self._fused_arguments(x[..., :0, :], role)
+        if transform is None:
+            return x, math.sqrt(self.scale_), weight, offset, scalars
+        return (x * math.sqrt(self.scale_)) @ transform.T, 1.0, weight, offset, scalars
+
+    def _input_transform(self, role, like) -> torch.Tensor | None:
+        """The ``(d, d)`` matrix applied to the scaled input before the projection, or None (the identity)."""
+        return None
+
     def _log_features(self, x, role):
         return self._log_features_into(x, role, None)
 

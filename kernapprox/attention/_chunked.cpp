@@ -1,0 +1,354 @@
+// Chunked linear attention (sum and decay rules) for the CPU, two kernels built and loaded by
+// kernapprox/attention/native.py; the eager code of kernapprox/attention/linear.py (_normalized_chunked) is the
+// reference they are tested against, with the same stabilisers. Every product is a single-threaded BLAS call; the
+// sequences of a batch are spread over the OpenMP threads.
+//
+// 1. kernapprox_chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
+// cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
+// Linear Attention", sec. 3.2, with the log-domain shift of linear.py's module docstring); features come in.
+//
+// Per sequence, chunk j of cl <= C tokens, positions p = 0..cl-1, a = log(gamma) (0 for the sum):
+//   l'_p = l(k_p) - p a,  local_p = max_{q<=p} l'_q,  s = max(s_prev + cl a, local_{cl-1} + (cl-1) a)
+//   c_p = max(local_p, s_prev + a)                                         (row shift)
+//   out_p = e^{s_prev + a - c_p} phi(q_p)^T S^T + sum_{l<=p} phi(q_p)^T phi(k_l) e^{l'_l - c_p} [v_l 1]
+//   S^T <- e^{s_prev + cl a - s} S^T + sum_l e^{l'_l + (cl-1) a - s} [v_l 1] phi(k_l)^T
+//   log-scale of row p: l(q_p) + c_p + p a.
+//
+// 2. kernapprox_noncausal_exp: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
+// eq. 4-6), with a feature map of the exponential form computed inside the kernel, block by block while the block
+// is in cache: log phi_j(x) = alpha (x W^T)_j + o_j - k alpha^2 |x|^2 / 2 + c (FAVOR+ and hyperbolic features,
+// Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al. 2022), stabilised per row as the
+// feature maps do (kernapprox/estimators/fused.py): phi~_j = exp(p_j - max_i p_i) + eps, l = max_i p_i + c -
+// k alpha^2 |x|^2 / 2 with p = alpha x W^T + o. Per sequence, a key pass over blocks of len <= L keys, each decayed
+// to the block's last key (l'_t = l(k_t) + (len-1-t) a; a padded key weighs nothing):
+//   s = max(s_prev + len a, max_t l'_t),  S^T <- e^{s_prev + len a - s} S^T + sum_t e^{l'_t - s} [v_t 1] phi~(k_t)^T
+// then a query pass: [num den] = phi~(q)^T S^T, log-scale l(q) + s.
+//
+// Every exponent is <= 0; results below the smallest normal float are flushed to 0 (as the eager code does).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include <omp.h>
+
+extern "C" {
+// Fortran BLAS and MKL's thread control, exported by libtorch_cpu (PyTorch builds with MKL).
+void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
+            const float*, const int*, const float*, float*, const int*);
+int MKL_Set_Num_Threads_Local(int);
+}
+
+namespace {
+
+// Row-major C (M x N) = alpha op(A) op(B) + beta C, through the column-major BLAS (C^T = op(B)^T op(A)^T).
+inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
+                 int ldb, float beta, float* C, int ldc) {
+    const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
+    sgemm_(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+}
+
+// exp(x) for x <= 0 (branch-free, so that loops vectorise): Cody-Waite reduction x = n ln2 + r, a degree-6
+// polynomial on |r| <= ln2/2 (relative error ~1e-7), 2^n from the exponent bits; 0 below log(FLT_MIN).
+inline float exp_nonpos(float x) {
+    const float lo = -87.33654475f;
+    const float xc = x < lo ? lo : x;
+    const float t = xc * 1.44269504088896341f + 12582912.0f;    // round(x / ln2) in the low mantissa bits
+    const float n = t - 12582912.0f;
+    int32_t ni;
+    std::memcpy(&ni, &t, 4);
+    ni -= 0x4B400000;
+    float r = xc - n * 0.693145751953125f;
+    r = r - n * 1.428606765330187045e-06f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const int32_t bits = (ni + 127) << 23;
+    float s;
+    std::memcpy(&s, &bits, 4);
+    return x < lo ? 0.0f : p * s;
+}
+
+constexpr float SENTINEL = -1e30f;   // the empty state's log-scale (kernapprox/attention/rules.py)
+
+struct Problem {
+    int B, L, r, dv, C;
+    float a;
+    const float *pq, *lq, *pk, *lk, *v;   // pq, pk: (B, L, r); lq, lk: (B, L); v: strides v_sb, v_st
+    int64_t v_sb, v_st;
+    float *S, *c;                          // state (B, dv+1, r), transposed; its log-scale (B,)
+    float *out, *den, *logs;               // rows: strides o_sb, o_st; den and logs: stride d_sb
+    int64_t o_sb, o_st, d_sb;
+    int want_num;                          // 1: write numerators; 0: numerator / normaliser
+};
+
+void run_sequences(const Problem& g, int b0, int b1) {
+    const int r = g.r, dv = g.dv, dv1 = dv + 1, C = g.C;
+    // aug = [S^T ; phi(K_j)]: one product gives the state read and the intra-chunk scores of chunk j
+    std::vector<float> lkp(C), local(C), crow(C), f(C), R(C * dv1), P(C * C), vb(C * dv1), wv(C * dv1),
+        aug((int64_t)(dv1 + C) * r), RP(C * (dv1 + C));
+    float* S = aug.data();
+    for (int b = b0; b < b1; ++b) {
+        float* Sg = g.S + (int64_t)b * dv1 * r;
+        std::memcpy(S, Sg, sizeof(float) * dv1 * r);
+        float cb = g.c[b];
+        for (int t0 = 0; t0 < g.L; t0 += C) {
+            const int cl = std::min(C, g.L - t0), W = dv1 + cl;
+            const float* pq = g.pq + ((int64_t)b * g.L + t0) * r;
+            const float* pk = g.pk + ((int64_t)b * g.L + t0) * r;
+            const float* lq = g.lq + (int64_t)b * g.L + t0;
+            const float* lk = g.lk + (int64_t)b * g.L + t0;
+            float running = -INFINITY;
+            for (int p = 0; p < cl; ++p) {
+                lkp[p] = lk[p] - p * g.a;
+                running = std::max(running, lkp[p]);
+                local[p] = running;
+            }
+            const float ce = std::max(cb + cl * g.a, local[cl - 1] + (cl - 1) * g.a);
+            for (int p = 0; p < cl; ++p) {
+                crow[p] = std::max(local[p], cb + g.a);
+                f[p] = exp_nonpos(cb + g.a - crow[p]);
+            }
+            for (int p = 0; p < cl; ++p) {
+                const float* vr = g.v + b * g.v_sb + (int64_t)(t0 + p) * g.v_st;
+                const float w = exp_nonpos(lkp[p] + (cl - 1) * g.a - ce);
+                for (int e = 0; e < dv; ++e) {
+                    vb[p * dv1 + e] = vr[e];
+                    wv[p * dv1 + e] = vr[e] * w;
+                }
+                vb[p * dv1 + dv] = 1.0f;
+                wv[p * dv1 + dv] = w;
+            }
+            std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
+            gemm(false, true, cl, W, r, 1.0f, pq, r, S, r, 0.0f, RP.data(), W);
+            for (int p = 0; p < cl; ++p) {
+                for (int e = 0; e < dv1; ++e) R[p * dv1 + e] = RP[p * W + e] * f[p];
+                for (int l = 0; l < cl; ++l) {
+                    const float w = exp_nonpos(std::min(lkp[l] - crow[p], 0.0f));
+                    P[p * cl + l] = l <= p ? RP[p * W + dv1 + l] * w : 0.0f;
+                }
+            }
+            gemm(false, false, cl, dv1, cl, 1.0f, P.data(), cl, vb.data(), dv1, 1.0f, R.data(), dv1);
+            gemm(true, false, dv1, r, cl, 1.0f, wv.data(), dv1, pk, r, exp_nonpos(cb + cl * g.a - ce), S, r);
+            cb = ce;
+            for (int p = 0; p < cl; ++p) {
+                float* o = g.out + b * g.o_sb + (int64_t)(t0 + p) * g.o_st;
+                const float dn = R[p * dv1 + dv];
+                g.den[b * g.d_sb + t0 + p] = dn;
+                g.logs[b * g.d_sb + t0 + p] = lq[p] + crow[p] + p * g.a;
+                if (g.want_num) {
+                    for (int e = 0; e < dv; ++e) o[e] = R[p * dv1 + e];
+                } else {
+                    for (int e = 0; e < dv; ++e) o[e] = R[p * dv1 + e] / dn;
+                }
+            }
+        }
+        std::memcpy(Sg, S, sizeof(float) * dv1 * r);
+        g.c[b] = cb;
+    }
+}
+
+
+// ------------------------------------------------------------------------------------------ non-causal kernel
+// Row reductions over 64 independent lanes, then a halving tree: a single running maximum or sum per row is a
+// chain of dependent instructions (measured ~7x slower at r = 256).
+constexpr int LANES = 64;
+
+inline float max2(float x, float y) { return x > y ? x : y; }   // vectorises where std::max's form did not
+
+template <bool OFFSET>
+inline float row_max(const float* row, const float* o, int r) {          // max_j (row_j + o_j)
+    float acc[LANES];
+    for (int u = 0; u < LANES; ++u) acc[u] = -INFINITY;
+    int j = 0;
+    for (; j + LANES <= r; j += LANES)
+        for (int u = 0; u < LANES; ++u) acc[u] = max2(acc[u], row[j + u] + (OFFSET ? o[j + u] : 0.0f));
+    for (; j < r; ++j) acc[0] = max2(acc[0], row[j] + (OFFSET ? o[j] : 0.0f));
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int u = 0; u < w; ++u) acc[u] = max2(acc[u], acc[u + w]);
+    return acc[0];
+}
+
+inline float lane_sum(float* acc) {
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int u = 0; u < w; ++u) acc[u] += acc[u + w];
+    return acc[0];
+}
+
+inline float sum_sq(const float* x, int d) {
+    float acc[LANES] = {};
+    int e = 0;
+    for (; e + LANES <= d; e += LANES)
+        for (int u = 0; u < LANES; ++u) acc[u] += x[e + u] * x[e + u];
+    for (; e < d; ++e) acc[0] += x[e] * x[e];
+    return lane_sum(acc);
+}
+
+struct ExpMap {
+    const float *W, *o;                    // W: (r, d) row-major; o: (r,) or null
+    float alpha, c, eps, k;                // log phi_j = alpha (x W^T)_j + o_j - k alpha^2 |x|^2 / 2 + c
+};
+
+// Projections of len rows of x (row stride xs) into P (len, r), with each row's shift (the maximum of p = alpha x
+// W^T + o) and log-scale.
+void project(const ExpMap& m, int len, int d, int r, const float* x, int64_t xs, float* P, float* shift,
+             float* ell) {
+    gemm(false, true, len, r, d, m.alpha, x, (int)xs, m.W, d, 0.0f, P, r);
+    for (int t = 0; t < len; ++t) {
+        shift[t] = m.o ? row_max<true>(P + (int64_t)t * r, m.o, r) : row_max<false>(P + (int64_t)t * r, m.o, r);
+        const float norm = m.k != 0.0f ? m.k * 0.5f * m.alpha * m.alpha * sum_sq(x + t * xs, d) : 0.0f;
+        ell[t] = shift[t] + m.c - norm;
+    }
+}
+
+// A key row: phi~ = exp(p + o - shift) + eps, weighted by w, written back and added to z.
+template <bool OFFSET>
+inline void key_row(float* row, const float* o, float* z, int r, float shift, float w, float eps) {
+    const float ew = eps * w;
+    for (int j = 0; j < r; ++j) {
+        const float e = exp_nonpos(row[j] + (OFFSET ? o[j] : 0.0f) - shift) * w + ew;
+        row[j] = e;
+        z[j] += e;
+    }
+}
+
+// A query row: phi~ = exp(p + o - shift) + eps written back; returns its normaliser phi~^T z.
+template <bool OFFSET>
+inline float query_row(float* row, const float* o, const float* z, int r, float shift, float eps) {
+    float lanes[LANES] = {};
+    int j = 0;
+    for (; j + LANES <= r; j += LANES)
+        for (int u = 0; u < LANES; ++u) {
+            const float e = exp_nonpos(row[j + u] + (OFFSET ? o[j + u] : 0.0f) - shift) + eps;
+            row[j + u] = e;
+            lanes[u] += e * z[j + u];
+        }
+    for (; j < r; ++j) {
+        const float e = exp_nonpos(row[j] + (OFFSET ? o[j] : 0.0f) - shift) + eps;
+        row[j] = e;
+        lanes[0] += e * z[j];
+    }
+    return lane_sum(lanes);
+}
+
+struct NonCausal {
+    int B, nq, nk, d, r, dv, L;
+    float a;
+    ExpMap mq, mk;
+    const float *xq, *xk, *v;              // rows with unit stride; strides per sequence and per token
+    int64_t xq_sb, xq_st, xk_sb, xk_st, v_sb, v_st;
+    const unsigned char* pad;              // (B, nk) with stride pad_sb, 1 = padded key; or null
+    int64_t pad_sb;
+    float *S, *c;                          // state (B, dv+1, r), transposed; its log-scale (B,)
+    float *out, *den, *logs;
+    int64_t o_sb, o_st, d_sb;
+    int want_num;
+};
+
+void noncausal_sequences(const NonCausal& g, int b0, int b1) {
+    const int r = g.r, dv = g.dv, L = g.L, d = g.d;
+    std::vector<float> P((int64_t)L * r), shift(L), ell(L), num((int64_t)L * dv);
+    for (int b = b0; b < b1; ++b) {
+        float* S = g.S + (int64_t)b * (dv + 1) * r;
+        float* z = S + (int64_t)dv * r;
+        float cb = g.c[b];
+        for (int t0 = 0; t0 < g.nk; t0 += L) {                              // keys: the state
+            const int len = std::min(L, g.nk - t0);
+            const float* x = g.xk + b * g.xk_sb + (int64_t)t0 * g.xk_st;
+            project(g.mk, len, d, r, x, g.xk_st, P.data(), shift.data(), ell.data());
+            const unsigned char* pad = g.pad ? g.pad + b * g.pad_sb + t0 : nullptr;
+            const float carried = cb + len * g.a;
+            float cn = carried;
+            for (int t = 0; t < len; ++t) {
+                ell[t] = (pad && pad[t] ? SENTINEL : ell[t]) + (len - 1 - t) * g.a;
+                cn = std::max(cn, ell[t]);
+            }
+            const float beta = exp_nonpos(carried - cn);
+            for (int j = 0; j < r; ++j) z[j] *= beta;
+            for (int t = 0; t < len; ++t) {
+                float* row = P.data() + (int64_t)t * r;
+                const float w = pad && pad[t] ? 0.0f : exp_nonpos(ell[t] - cn);
+                if (g.mk.o) key_row<true>(row, g.mk.o, z, r, shift[t], w, g.mk.eps);
+                else key_row<false>(row, nullptr, z, r, shift[t], w, g.mk.eps);
+            }
+            gemm(true, false, dv, r, len, 1.0f, g.v + b * g.v_sb + (int64_t)t0 * g.v_st, (int)g.v_st, P.data(), r,
+                 beta, S, r);
+            cb = cn;
+        }
+        g.c[b] = cb;
+        for (int t0 = 0; t0 < g.nq; t0 += L) {                              // queries: read the state
+            const int len = std::min(L, g.nq - t0);
+            const float* x = g.xq + b * g.xq_sb + (int64_t)t0 * g.xq_st;
+            project(g.mq, len, d, r, x, g.xq_st, P.data(), shift.data(), ell.data());
+            float* den = g.den + b * g.d_sb + t0;
+            float* logs = g.logs + b * g.d_sb + t0;
+            for (int t = 0; t < len; ++t) {
+                float* row = P.data() + (int64_t)t * r;
+                den[t] = g.mq.o ? query_row<true>(row, g.mq.o, z, r, shift[t], g.mq.eps)
+                                : query_row<false>(row, nullptr, z, r, shift[t], g.mq.eps);
+                logs[t] = ell[t] + cb;
+            }
+            gemm(false, true, len, dv, r, 1.0f, P.data(), r, S, r, 0.0f, num.data(), dv);
+            for (int t = 0; t < len; ++t) {
+                float* out = g.out + b * g.o_sb + (int64_t)(t0 + t) * g.o_st;
+                const float* nr = num.data() + (int64_t)t * dv;
+                if (g.want_num) {
+                    for (int e = 0; e < dv; ++e) out[e] = nr[e];
+                } else {
+                    for (int e = 0; e < dv; ++e) out[e] = nr[e] / den[t];
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" int kernapprox_chunked_causal(int B, int L, int r, int dv, int C, float a, const float* pq,
+                                         const float* lq, const float* pk, const float* lk, const float* v,
+                                         int64_t v_sb, int64_t v_st, float* S, float* c, float* out,
+                                         int64_t o_sb, int64_t o_st, float* den, float* logs, int64_t d_sb,
+                                         int want_num, int threads) {
+    if (B < 1 || L < 1 || r < 1 || dv < 1 || C < 1) return 1;
+    const Problem g{B, L, r, dv, C, a, pq, lq, pk, lk, v, v_sb, v_st, S, c, out, den, logs, o_sb, o_st, d_sb,
+                    want_num};
+    const int nt = std::max(1, std::min(threads, B));
+#pragma omp parallel num_threads(nt)
+    {
+        const int i = omp_get_thread_num(), m = omp_get_num_threads();
+        const int previous = MKL_Set_Num_Threads_Local(1);     // the products of one sequence run on one thread
+        run_sequences(g, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
+        MKL_Set_Num_Threads_Local(previous);
+    }
+    return 0;
+}
+
+extern "C" int kernapprox_noncausal_exp(int B, int nq, int nk, int d, int r, int dv, int L, float a,
+                                        const float* Wq, const float* oq, const float* mapq, const float* Wk,
+                                        const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
+                                        int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
+                                        const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
+                                        int64_t v_st, float* S, float* c, float* out, int64_t o_sb, int64_t o_st,
+                                        float* den, float* logs, int64_t d_sb, int want_num, int threads) {
+    // mapq, mapk: [alpha, c, eps, k] of the query and key maps
+    if (B < 1 || nq < 0 || nk < 0 || d < 1 || r < 1 || dv < 1 || L < 1) return 1;
+    const NonCausal g{B, nq, nk, d, r, dv, L, a,
+                      ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
+                      ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]},
+                      xq, xk, v, xq_sb, xq_st, xk_sb, xk_st, v_sb, v_st, pad, pad_sb, S, c, out, den, logs,
+                      o_sb, o_st, d_sb, want_num};
+    const int nt = std::max(1, std::min(threads, B));
+#pragma omp parallel num_threads(nt)
+    {
+        const int i = omp_get_thread_num(), m = omp_get_num_threads();
+        const int previous = MKL_Set_Num_Threads_Local(1);
+        noncausal_sequences(g, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
+        MKL_Set_Num_Threads_Local(previous);
+    }
+    return 0;
+}
