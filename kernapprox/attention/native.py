@@ -13,11 +13,11 @@ causal (:func:`chunk_block`)
     ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features are computed per token block by the estimator (fused or eager).
 non-causal (:func:`noncausal`)
     ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6) with the feature map computed inside the
-    kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they are in cache: the projection GEMM, the row shift and ``exp`` (with the
-    key weights and the normaliser's sums folded into the same pass), then the summary or read GEMM — no feature
-    matrix, no ``[V 1]`` copy and no element-wise pass ever leaves the cache. Only for maps of the exponential
-    form ``log φ_j = α(x'Wᵀ)_j + o_j − kα²‖x'‖²/2 + c`` (FAVOR+, hyperbolic, the GERF family: every
-    :class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` that keeps its stabilised features,
+    kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they are in cache: the projection GEMM, the row shift
+    and ``exp`` (with the key weights and the normaliser's sums folded into the same pass), then the summary or
+    read GEMM — no feature matrix, no ``[V 1]`` copy and no element-wise pass ever leaves the cache. Only for maps
+    of the exponential form ``log φ_j = α(x'Wᵀ)_j + o_j − kα²‖x'‖²/2 + c`` (FAVOR+, hyperbolic, the GERF family:
+    every :class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` that keeps its stabilised features,
     :meth:`~kernapprox.estimators.random.ExponentialRandomFeatureMap._exponential_form`); other maps run eagerly.
 
 In both, the sequences (batch × heads) share torch's OpenMP threads, each running its products on one thread.
