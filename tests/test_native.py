@@ -190,11 +190,12 @@ def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):
     got = ka.linear_attention(q, k, v, est, mode="chunked")                # outputs only
     _rounding_close(got, ref, ka.linear_attention(q.double(), k.double(), v.double(), est, mode="chunked"),
                     "outputs")
-    strided = ka.linear_attention(q.transpose(0, 1).contiguous().transpose(0, 1), k, v[..., ::2].contiguous()
-                                  .repeat_interleave(2, -1), est, mode="chunked")        # non-contiguous q
+    q_strided = q.transpose(0, 1).contiguous().transpose(0, 1)             # batch stride < row stride
+    v_shared = v[:, :1].expand_as(v)                                        # every key the same value row
+    got = ka.linear_attention(q_strided, k, v_shared, est, mode="chunked")
     with fused.mode("off"):
-        ref = ka.linear_attention(q, k, v[..., ::2].repeat_interleave(2, -1), est, mode="chunked")
-    assert torch.allclose(strided, ref, rtol=1e-5, atol=1e-6)
+        ref = ka.linear_attention(q, k, v_shared.contiguous(), est, mode="chunked")
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
     assert sum(1 for c in kernel_only if c[0] == "non-causal") == 3 * 2 * 2 + 2
 
 
@@ -300,3 +301,19 @@ def test_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp
     assert str(native._build_dir()).startswith(tempfile.gettempdir())
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert native._build_dir() == tmp_path / "kernapprox"
+
+
+def test_exported_exp_matches_torch_and_checks_its_arguments():
+    assert native._load() is not None, native.status()
+    src = torch.cat([-100 * torch.rand(10_000, generator=torch.Generator().manual_seed(0)),
+                     torch.tensor([0.0, -87.0, -88.0, -1e30])])
+    out = native.exp_nonpositive(src, torch.empty_like(src))
+    ref = torch.exp(src.double())
+    normal = ref >= torch.finfo(torch.float32).tiny
+    rel = ((out.double() - ref).abs() / ref)[normal]
+    assert float(rel.max()) < 4 * torch.finfo(torch.float32).eps
+    assert torch.all(out[~normal] == 0)                      # below the smallest normal float: flushed to 0
+    with pytest.raises(ValueError, match="src must be"):
+        native.exp_nonpositive(src.double(), torch.empty_like(src))
+    with pytest.raises(ValueError, match="differ in size"):
+        native.exp_nonpositive(src, torch.empty(3))

@@ -169,6 +169,8 @@ def _load():
         fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
                        i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
+        lib.kernapprox_exp_nonpos.argtypes = [p, p, i64, i]
+        lib.kernapprox_exp_nonpos.restype = None
         _State.lib = lib
         _self_check()
     except Exception as exc:  # noqa: BLE001 - any build, load or check failure means: run the eager code
@@ -252,10 +254,16 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
         raise RuntimeError(f"the causal chunked kernel rejected its arguments (code {rc})")
 
 
+def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``(B, n, m)`` if a BLAS product can read its rows in place (unit stride within a row, rows at least
+    ``m`` apart), else a contiguous copy (e.g. of an expanded tensor, whose rows share memory)."""
+    return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
+
+
 def _map_arguments(estimator, x, role):
-    """``(rows, W, o or None, [α, c, eps, k])`` as float32 tensors the kernel reads (rows with unit last stride)."""
+    """``(rows, W, o or None, [α, c, eps, k])`` as float32 tensors the kernel reads."""
     rows, alpha, weight, offset, scalars = estimator._exponential_form(x, role)
-    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    rows = _gemm_rows(rows)
     weight = weight.to(torch.float32).contiguous()
     offset = None if offset is None else offset.to(torch.float32).contiguous()
     values = torch.tensor([alpha, *(float(s) for s in scalars)], dtype=torch.float32)
@@ -274,7 +282,7 @@ def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay
     """
     rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
     rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
-    v = v if v.stride(-1) == 1 else v.contiguous()
+    v = _gemm_rows(v)
     pad = None if padding is None else padding.to(torch.bool).contiguous()
     batch, n_q, n_k = rq.shape[0], rq.shape[1], rk.shape[1]
     rc = _State.lib.kernapprox_noncausal_exp(
@@ -285,6 +293,22 @@ def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay
         out.stride(0), out.stride(1), _ptr(den), _ptr(logs), den.stride(0), int(want_num), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"the non-causal chunked kernel rejected its arguments (code {rc})")
+
+
+def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out ← exp(src)`` by the kernels' vectorised ``exp`` (arguments ``≤ 0``; results below the smallest normal
+    float flushed to 0), on torch's thread count: what the benchmarks' roofline measures as the kernels' ``exp``
+    rate. Contiguous float32 CPU tensors of one size; the library must be loaded (:func:`eligible`,
+    :func:`_load`)."""
+    for name, t in (("src", src), ("out", out)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if src.numel() != out.numel():
+        raise ValueError(f"src and out differ in size: {src.numel()} and {out.numel()}")
+    if _State.lib is None:
+        raise RuntimeError(f"the compiled kernels are not loaded ({status()})")
+    _State.lib.kernapprox_exp_nonpos(_ptr(src), _ptr(out), src.numel(), torch.get_num_threads())
+    return out
 
 
 def _self_check() -> None:
