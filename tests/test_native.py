@@ -2,7 +2,8 @@
 chunked code to float32 rounding in every case they take (sum and decay rules, padded keys, a carried state,
 partial chunks and blocks, the parts and the final state, one and two threads; for the non-causal kernel, which
 computes the features itself, every registered map it accepts and more queries than keys), used exactly when
-eligible, and a failed build or a wrong kernel falls back to the eager code with one warning.
+eligible, and a failed build or a wrong kernel falls back to the eager code with one warning. The causal kernel
+runs in two forms, features given (any map) and features computed inside (the exponential maps): both are tested.
 
 "Equal to rounding": the largest difference from the eager float32 result is at most four times the eager
 result's own float32 error (against the float64 computation) plus ``64 ε`` of the largest value (as for the fused
@@ -32,7 +33,7 @@ def kernel_only(monkeypatch):
     assert native._load() is not None, native.status()
     monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)
     calls = []
-    real, real_noncausal = native.chunk_block, native.noncausal
+    real, real_noncausal, real_causal_exp = native.chunk_block, native.noncausal, native.causal_exp
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
@@ -42,8 +43,13 @@ def kernel_only(monkeypatch):
         calls.append(("non-causal", xq.shape[0], xq.shape[1], xk.shape[1]))
         return real_noncausal(estimator, xq, xk, *args, **kwargs)
 
+    def counted_causal_exp(estimator, xq, xk, *args, **kwargs):
+        calls.append(("causal, features inside", xq.shape[0], xq.shape[1]))
+        return real_causal_exp(estimator, xq, xk, *args, **kwargs)
+
     monkeypatch.setattr(native, "chunk_block", counted)
     monkeypatch.setattr(native, "noncausal", counted_noncausal)
+    monkeypatch.setattr(native, "causal_exp", counted_causal_exp)
     with fused.mode("on"):
         yield calls
 
@@ -75,7 +81,8 @@ def test_kernel_equals_eager(kernel_only, rule, chunk_size):
     for name in ("positive_orthogonal", "trig", "nystrom_uniform"):
         est = ka.make_estimator(name, num_features=16, rng=0).fit(q, k)
         _compare(q, k, v, est, f"{name} {rule} C={chunk_size}", rule=rule, chunk_size=chunk_size)
-    assert kernel_only == [(6, 75, 16)] * 3                                   # 2 x 3 sequences per call
+    # 2 x 3 sequences per call; FAVOR+ features computed inside the kernel
+    assert kernel_only == [("causal, features inside", 6, 75), (6, 75, 16), (6, 75, 16)]
 
 
 def test_padding_initial_state_and_outputs(kernel_only):
@@ -126,11 +133,12 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     torch.set_num_threads(1)
     assert kernel_only == []
     ka.linear_attention(q.detach(), k, v, est, **run)
-    assert kernel_only == [(2, 40, 8)]
+    ka.linear_attention(q.detach(), k, v, ka.make_estimator("trig", num_features=8, rng=0).fit(q, k), **run)
+    assert kernel_only == [("causal, features inside", 2, 40), (2, 40, 8)]
     monkeypatch.setattr(fused, "MIN_ENTRIES", 2 * 40 * 8)
     with fused.mode("auto"):                                                 # auto at the threshold: the kernel
         ka.linear_attention(q.detach(), k, v, est, **run)
-    assert len(kernel_only) == 2
+    assert len(kernel_only) == 3
 
 
 # ------------------------------------------------------------------------------------------ non-causal kernel
@@ -165,6 +173,37 @@ def test_noncausal_kernel_equals_eager_for_every_exponential_map(kernel_only, ru
         _compare(q, k, v, est, f"{name} {rule}", causal=False, rule=rule)
     assert kernel_only == [("non-causal", 6, native.NONCAUSAL_BLOCK + 45, native.NONCAUSAL_BLOCK + 45)] * len(
         EXPONENTIAL_MAPS)
+
+
+@pytest.mark.parametrize("rule", ["sum", ka.rules.Decay(0.9)], ids=["sum", "decay"])
+@pytest.mark.parametrize("chunk_size", [8, 7])
+def test_causal_kernel_with_features_inside_equals_eager_for_every_exponential_map(kernel_only, rule, chunk_size):
+    n = native.feature_block(chunk_size) + 45                  # two feature blocks, a partial last chunk
+    q, k, v = data(shape=(2, 3, n, 8), seed=8)
+    for name in EXPONENTIAL_MAPS:
+        est = ka.make_estimator(name, num_features=16, rng=0).fit(q, k)
+        _compare(q, k, v, est, f"{name} {rule} C={chunk_size}", rule=rule, chunk_size=chunk_size)
+    assert kernel_only == [("causal, features inside", 6, n)] * len(EXPONENTIAL_MAPS)
+
+
+def test_causal_features_inside_padding_state_eps_offset(kernel_only):
+    q, k, v = data(shape=(2, 300, 6), seed=9)
+    padding = torch.zeros(2, 300, dtype=torch.bool)
+    padding[0, 250:] = True
+    padding[1, 3:6] = True
+    padding[1, 290] = True
+    maps = {"positive eps": ka.make_estimator("positive", num_features=24, rng=1, eps=1e-3).fit(q, k),
+            "gerf (offset)": ka.make_estimator("gerf", num_features=24, rng=1).fit(q, k),
+            "aderf (transforms)": ka.make_estimator("aderf", num_features=24, rng=1).fit(q, k)}
+    for what, est in maps.items():
+        for rule in ("sum", ka.rules.Decay(0.8)):
+            _compare(q, k, v, est, f"{what} padding {rule}", rule=rule, chunk_size=16, key_padding_mask=padding)
+            with fused.mode("off"):
+                _, state = ka.linear_attention(q[:, :100], k[:, :100], v[:, :100], est, causal=True,
+                                               mode="chunked", rule=rule, chunk_size=16, return_state=True)
+            _compare(q[:, 100:], k[:, 100:], v[:, 100:], est, f"{what} carried state {rule}", rule=rule,
+                     chunk_size=16, initial_state=state)
+    assert sum(1 for c in kernel_only if c[0] == "causal, features inside") == 3 * 2 * 2
 
 
 def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):

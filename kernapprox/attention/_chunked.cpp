@@ -6,6 +6,8 @@
 // 1. kernapprox_chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
 // Linear Attention", sec. 3.2, with the log-domain shift of linear.py's module docstring); features come in.
+// kernapprox_chunked_causal_exp: the same chunk loop with the features of an exponential map (as in 2. below)
+// computed per block of Lb tokens (a whole number of chunks) per sequence.
 //
 // Per sequence, chunk j of cl <= C tokens, positions p = 0..cl-1, a = log(gamma) (0 for the sum):
 //   l'_p = l(k_p) - p a,  local_p = max_{q<=p} l'_q,  s = max(s_prev + cl a, local_{cl-1} + (cl-1) a)
@@ -87,68 +89,84 @@ struct Problem {
     int want_num;                          // 1: write numerators; 0: numerator / normaliser
 };
 
-void run_sequences(const Problem& g, int b0, int b1) {
+// Per-thread buffers of the causal chunk loop; aug = [S^T ; phi(K_j)]: one product gives the state read and the
+// intra-chunk scores of chunk j.
+struct CausalWork {
+    std::vector<float> lkp, local, crow, f, R, P, vb, wv, aug, RP;
+    CausalWork(int C, int r, int dv1)
+        : lkp(C), local(C), crow(C), f(C), R(C * dv1), P(C * C), vb(C * dv1), wv(C * dv1),
+          aug((int64_t)(dv1 + C) * r), RP(C * (dv1 + C)) {}
+};
+
+// The chunks of tokens [t_begin, t_end) of sequence b (t_begin a multiple of C), the state in w.aug and its
+// log-scale cb advanced in place; pq, lq, pk, lk point at token t_begin's features and log-scales.
+void causal_span(const Problem& g, CausalWork& w, int b, float& cb, int t_begin, int t_end, const float* pq0,
+                 const float* lq0, const float* pk0, const float* lk0) {
     const int r = g.r, dv = g.dv, dv1 = dv + 1, C = g.C;
-    // aug = [S^T ; phi(K_j)]: one product gives the state read and the intra-chunk scores of chunk j
-    std::vector<float> lkp(C), local(C), crow(C), f(C), R(C * dv1), P(C * C), vb(C * dv1), wv(C * dv1),
-        aug((int64_t)(dv1 + C) * r), RP(C * (dv1 + C));
-    float* S = aug.data();
-    for (int b = b0; b < b1; ++b) {
-        float* Sg = g.S + (int64_t)b * dv1 * r;
-        std::memcpy(S, Sg, sizeof(float) * dv1 * r);
-        float cb = g.c[b];
-        for (int t0 = 0; t0 < g.L; t0 += C) {
-            const int cl = std::min(C, g.L - t0), W = dv1 + cl;
-            const float* pq = g.pq + ((int64_t)b * g.L + t0) * r;
-            const float* pk = g.pk + ((int64_t)b * g.L + t0) * r;
-            const float* lq = g.lq + (int64_t)b * g.L + t0;
-            const float* lk = g.lk + (int64_t)b * g.L + t0;
-            float running = -INFINITY;
-            for (int p = 0; p < cl; ++p) {
-                lkp[p] = lk[p] - p * g.a;
-                running = std::max(running, lkp[p]);
-                local[p] = running;
+    float* S = w.aug.data();
+    for (int t0 = t_begin; t0 < t_end; t0 += C) {
+        const int cl = std::min(C, t_end - t0), W = dv1 + cl;
+        const float* pq = pq0 + (int64_t)(t0 - t_begin) * r;
+        const float* pk = pk0 + (int64_t)(t0 - t_begin) * r;
+        const float* lq = lq0 + (t0 - t_begin);
+        const float* lk = lk0 + (t0 - t_begin);
+        float running = -INFINITY;
+        for (int p = 0; p < cl; ++p) {
+            w.lkp[p] = lk[p] - p * g.a;
+            running = std::max(running, w.lkp[p]);
+            w.local[p] = running;
+        }
+        const float ce = std::max(cb + cl * g.a, w.local[cl - 1] + (cl - 1) * g.a);
+        for (int p = 0; p < cl; ++p) {
+            w.crow[p] = std::max(w.local[p], cb + g.a);
+            w.f[p] = exp_nonpos(cb + g.a - w.crow[p]);
+        }
+        for (int p = 0; p < cl; ++p) {
+            const float* vr = g.v + b * g.v_sb + (int64_t)(t0 + p) * g.v_st;
+            const float wt = exp_nonpos(w.lkp[p] + (cl - 1) * g.a - ce);
+            for (int e = 0; e < dv; ++e) {
+                w.vb[p * dv1 + e] = vr[e];
+                w.wv[p * dv1 + e] = vr[e] * wt;
             }
-            const float ce = std::max(cb + cl * g.a, local[cl - 1] + (cl - 1) * g.a);
-            for (int p = 0; p < cl; ++p) {
-                crow[p] = std::max(local[p], cb + g.a);
-                f[p] = exp_nonpos(cb + g.a - crow[p]);
-            }
-            for (int p = 0; p < cl; ++p) {
-                const float* vr = g.v + b * g.v_sb + (int64_t)(t0 + p) * g.v_st;
-                const float w = exp_nonpos(lkp[p] + (cl - 1) * g.a - ce);
-                for (int e = 0; e < dv; ++e) {
-                    vb[p * dv1 + e] = vr[e];
-                    wv[p * dv1 + e] = vr[e] * w;
-                }
-                vb[p * dv1 + dv] = 1.0f;
-                wv[p * dv1 + dv] = w;
-            }
-            std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
-            gemm(false, true, cl, W, r, 1.0f, pq, r, S, r, 0.0f, RP.data(), W);
-            for (int p = 0; p < cl; ++p) {
-                for (int e = 0; e < dv1; ++e) R[p * dv1 + e] = RP[p * W + e] * f[p];
-                for (int l = 0; l < cl; ++l) {
-                    const float w = exp_nonpos(std::min(lkp[l] - crow[p], 0.0f));
-                    P[p * cl + l] = l <= p ? RP[p * W + dv1 + l] * w : 0.0f;
-                }
-            }
-            gemm(false, false, cl, dv1, cl, 1.0f, P.data(), cl, vb.data(), dv1, 1.0f, R.data(), dv1);
-            gemm(true, false, dv1, r, cl, 1.0f, wv.data(), dv1, pk, r, exp_nonpos(cb + cl * g.a - ce), S, r);
-            cb = ce;
-            for (int p = 0; p < cl; ++p) {
-                float* o = g.out + b * g.o_sb + (int64_t)(t0 + p) * g.o_st;
-                const float dn = R[p * dv1 + dv];
-                g.den[b * g.d_sb + t0 + p] = dn;
-                g.logs[b * g.d_sb + t0 + p] = lq[p] + crow[p] + p * g.a;
-                if (g.want_num) {
-                    for (int e = 0; e < dv; ++e) o[e] = R[p * dv1 + e];
-                } else {
-                    for (int e = 0; e < dv; ++e) o[e] = R[p * dv1 + e] / dn;
-                }
+            w.vb[p * dv1 + dv] = 1.0f;
+            w.wv[p * dv1 + dv] = wt;
+        }
+        std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
+        gemm(false, true, cl, W, r, 1.0f, pq, r, S, r, 0.0f, w.RP.data(), W);
+        for (int p = 0; p < cl; ++p) {
+            for (int e = 0; e < dv1; ++e) w.R[p * dv1 + e] = w.RP[p * W + e] * w.f[p];
+            for (int l = 0; l < cl; ++l) {
+                const float wt = exp_nonpos(std::min(w.lkp[l] - w.crow[p], 0.0f));
+                w.P[p * cl + l] = l <= p ? w.RP[p * W + dv1 + l] * wt : 0.0f;
             }
         }
-        std::memcpy(Sg, S, sizeof(float) * dv1 * r);
+        gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.vb.data(), dv1, 1.0f, w.R.data(), dv1);
+        gemm(true, false, dv1, r, cl, 1.0f, w.wv.data(), dv1, pk, r, exp_nonpos(cb + cl * g.a - ce), S, r);
+        cb = ce;
+        for (int p = 0; p < cl; ++p) {
+            float* o = g.out + b * g.o_sb + (int64_t)(t0 + p) * g.o_st;
+            const float dn = w.R[p * dv1 + dv];
+            g.den[b * g.d_sb + t0 + p] = dn;
+            g.logs[b * g.d_sb + t0 + p] = lq[p] + w.crow[p] + p * g.a;
+            if (g.want_num) {
+                for (int e = 0; e < dv; ++e) o[e] = w.R[p * dv1 + e];
+            } else {
+                for (int e = 0; e < dv; ++e) o[e] = w.R[p * dv1 + e] / dn;
+            }
+        }
+    }
+}
+
+void run_sequences(const Problem& g, int b0, int b1) {
+    const int r = g.r, dv1 = g.dv + 1;
+    CausalWork w(g.C, r, dv1);
+    for (int b = b0; b < b1; ++b) {
+        float* Sg = g.S + (int64_t)b * dv1 * r;
+        std::memcpy(w.aug.data(), Sg, sizeof(float) * dv1 * r);
+        float cb = g.c[b];
+        causal_span(g, w, b, cb, 0, g.L, g.pq + (int64_t)b * g.L * r, g.lq + (int64_t)b * g.L,
+                    g.pk + (int64_t)b * g.L * r, g.lk + (int64_t)b * g.L);
+        std::memcpy(Sg, w.aug.data(), sizeof(float) * dv1 * r);
         g.c[b] = cb;
     }
 }
@@ -206,14 +224,14 @@ void project(const ExpMap& m, int len, int d, int r, const float* x, int64_t xs,
     }
 }
 
-// A key row: phi~ = exp(p + o - shift) + eps, weighted by w, written back and added to z.
-template <bool OFFSET>
+// A key row: phi~ = exp(p + o - shift) + eps, weighted by w, written back (and added to z with SUM).
+template <bool OFFSET, bool SUM>
 inline void key_row(float* row, const float* o, float* z, int r, float shift, float w, float eps) {
     const float ew = eps * w;
     for (int j = 0; j < r; ++j) {
         const float e = exp_nonpos(row[j] + (OFFSET ? o[j] : 0.0f) - shift) * w + ew;
         row[j] = e;
-        z[j] += e;
+        if (SUM) z[j] += e;
     }
 }
 
@@ -273,8 +291,8 @@ void noncausal_sequences(const NonCausal& g, int b0, int b1) {
             for (int t = 0; t < len; ++t) {
                 float* row = P.data() + (int64_t)t * r;
                 const float w = pad && pad[t] ? 0.0f : exp_nonpos(ell[t] - cn);
-                if (g.mk.o) key_row<true>(row, g.mk.o, z, r, shift[t], w, g.mk.eps);
-                else key_row<false>(row, nullptr, z, r, shift[t], w, g.mk.eps);
+                if (g.mk.o) key_row<true, true>(row, g.mk.o, z, r, shift[t], w, g.mk.eps);
+                else key_row<false, true>(row, nullptr, z, r, shift[t], w, g.mk.eps);
             }
             gemm(true, false, dv, r, len, 1.0f, g.v + b * g.v_sb + (int64_t)t0 * g.v_st, (int)g.v_st, P.data(), r,
                  beta, S, r);
@@ -304,6 +322,57 @@ void noncausal_sequences(const NonCausal& g, int b0, int b1) {
                 }
             }
         }
+    }
+}
+
+
+// Stabilised features of len rows (phi~ = exp(p - max p) + eps, l as project() computes it) in place in P; padded
+// rows (pad[t] != 0) get zero features and the empty-state sentinel as log-scale, as the eager code gives them.
+void stabilised_rows(const ExpMap& m, int len, int d, int r, const float* x, int64_t xs, const unsigned char* pad,
+                     float* P, float* shift, float* ell) {
+    project(m, len, d, r, x, xs, P, shift, ell);
+    for (int t = 0; t < len; ++t) {
+        float* row = P + (int64_t)t * r;
+        if (pad && pad[t]) {
+            std::memset(row, 0, sizeof(float) * r);
+            ell[t] = SENTINEL;
+        } else if (m.o) {
+            key_row<true, false>(row, m.o, nullptr, r, shift[t], 1.0f, m.eps);
+        } else {
+            key_row<false, false>(row, nullptr, nullptr, r, shift[t], 1.0f, m.eps);
+        }
+    }
+}
+
+struct CausalExp {
+    Problem g;                             // g.pq, g.lq, g.pk, g.lk unused: computed here
+    ExpMap mq, mk;
+    const float *xq, *xk;
+    int64_t xq_sb, xq_st, xk_sb, xk_st;
+    const unsigned char* pad;
+    int64_t pad_sb;
+    int dim, Lb;                           // input dimension; tokens per feature block (a multiple of C)
+};
+
+void causal_exp_sequences(const CausalExp& h, int b0, int b1) {
+    const Problem& g = h.g;
+    const int r = g.r, dv1 = g.dv + 1;
+    CausalWork w(g.C, r, dv1);
+    std::vector<float> Pq((int64_t)h.Lb * r), Pk((int64_t)h.Lb * r), shift(h.Lb), lq(h.Lb), lk(h.Lb);
+    for (int b = b0; b < b1; ++b) {
+        float* Sg = g.S + (int64_t)b * dv1 * r;
+        std::memcpy(w.aug.data(), Sg, sizeof(float) * dv1 * r);
+        float cb = g.c[b];
+        for (int t0 = 0; t0 < g.L; t0 += h.Lb) {
+            const int len = std::min(h.Lb, g.L - t0);
+            stabilised_rows(h.mq, len, h.dim, r, h.xq + b * h.xq_sb + (int64_t)t0 * h.xq_st, h.xq_st, nullptr,
+                            Pq.data(), shift.data(), lq.data());
+            stabilised_rows(h.mk, len, h.dim, r, h.xk + b * h.xk_sb + (int64_t)t0 * h.xk_st, h.xk_st,
+                            h.pad ? h.pad + b * h.pad_sb + t0 : nullptr, Pk.data(), shift.data(), lk.data());
+            causal_span(g, w, b, cb, t0, t0 + len, Pq.data(), lq.data(), Pk.data(), lk.data());
+        }
+        std::memcpy(Sg, w.aug.data(), sizeof(float) * dv1 * r);
+        g.c[b] = cb;
     }
 }
 
@@ -358,4 +427,31 @@ extern "C" int kernapprox_noncausal_exp(int B, int nq, int nk, int d, int r, int
 extern "C" void kernapprox_exp_nonpos(const float* src, float* dst, int64_t n, int threads) {
 #pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
     for (int64_t i = 0; i < n; ++i) dst[i] = exp_nonpos(src[i]);
+}
+
+extern "C" int kernapprox_chunked_causal_exp(int B, int L, int d, int r, int dv, int C, int Lb, float a,
+                                             const float* Wq, const float* oq, const float* mapq, const float* Wk,
+                                             const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
+                                             int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
+                                             const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
+                                             int64_t v_st, float* S, float* c, float* out, int64_t o_sb,
+                                             int64_t o_st, float* den, float* logs, int64_t d_sb, int want_num,
+                                             int threads) {
+    // the causal kernel with the features of an exponential map computed per block of Lb tokens (as in
+    // kernapprox_noncausal_exp); mapq, mapk: [alpha, c, eps, k]
+    if (B < 1 || L < 1 || d < 1 || r < 1 || dv < 1 || C < 1 || Lb < C || Lb % C) return 1;
+    const Problem g{B, L, r, dv, C, a, nullptr, nullptr, nullptr, nullptr, v, v_sb, v_st, S, c, out, den, logs,
+                    o_sb, o_st, d_sb, want_num};
+    const CausalExp h{g, ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
+                      ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]}, xq, xk, xq_sb, xq_st, xk_sb, xk_st, pad,
+                      pad_sb, d, Lb};
+    const int nt = std::max(1, std::min(threads, B));
+#pragma omp parallel num_threads(nt)
+    {
+        const int i = omp_get_thread_num(), m = omp_get_num_threads();
+        const int previous = MKL_Set_Num_Threads_Local(1);
+        causal_exp_sequences(h, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
+        MKL_Set_Num_Threads_Local(previous);
+    }
+    return 0;
 }

@@ -13,7 +13,8 @@ floating-point tolerance:
 ``chunked`` (the fast mode)
     blockwise: exact masked products within a chunk, the running state across chunks. Float32 calls on a CPU
     without gradients run the compiled kernels of :mod:`.native` (same results to rounding) when the fused switch
-    allows it: every causal call, and non-causal calls with a map of the exponential form.
+    allows it: every causal call, and non-causal calls with a map of the exponential form (whose features the
+    kernels then compute themselves, causal or not).
 
 The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
 (:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the
@@ -200,12 +201,14 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
-    if causal and _native.eligible(q, batch, n, r, needs_grad=not inplace):
+    if causal and _native.eligible_exponential(q, estimator, batch, n, r, needs_grad=not inplace):
+        state, c = _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c, r, chunk_size)
+    elif causal and _native.eligible(q, batch, n, r, needs_grad=not inplace):
         state, c = _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c, r)
     elif causal:
         state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
-    elif _native.eligible_noncausal(q, estimator, batch, max(n, n_k), r, needs_grad=not inplace):
-        state, c = _chunked_noncausal_native(qf, kf, vf, padf, estimator, a, sink, state, c, r)
+    elif _native.eligible_exponential(q, estimator, batch, max(n, n_k), r, needs_grad=not inplace):
+        state, c = _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c, r)
     else:
         for start in range(0, n_k, block):
             pk, lk = key_features(start, start + block)
@@ -431,16 +434,22 @@ def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a,
     return state, c_carry
 
 
-def _chunked_noncausal_native(qf, kf, vf, padf, estimator, a, sink, state, c_carry, r):
-    """The non-causal chunked mode by the compiled kernel (:func:`.native.noncausal`), features computed inside it
-    (maps of the exponential form). Float32, no gradient; returns the final (transposed) state and its log-scale."""
+def _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c_carry, r, chunk_size=None):
+    """The chunked mode by a compiled kernel that computes the features itself (maps of the exponential form):
+    non-causal (:func:`.native.noncausal`) or, given ``chunk_size``, causal (:func:`.native.causal_exp`). Float32,
+    no gradient; returns the final (transposed) state and its log-scale."""
     batch, ct, device = qf.shape[0], sink.den.dtype, qf.device
     state = (torch.zeros(batch, vf.shape[-1] + 1, r, dtype=ct, device=device) if state is None
              else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
     c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
                else c_carry.to(dtype=ct, copy=True))
-    _native.noncausal(estimator, qf, kf, vf, padf, state, c_carry, sink.num if sink.num is not None else sink.out,
-                      sink.den, sink.logs, a, want_num=sink.num is not None)
+    out = sink.num if sink.num is not None else sink.out
+    if chunk_size is None:
+        _native.noncausal(estimator, qf, kf, vf, padf, state, c_carry, out, sink.den, sink.logs, a,
+                          want_num=sink.num is not None)
+    else:
+        _native.causal_exp(estimator, qf, kf, vf, padf, state, c_carry, out, sink.den, sink.logs, chunk_size, a,
+                           want_num=sink.num is not None)
     return state, c_carry
 
 

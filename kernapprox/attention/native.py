@@ -10,7 +10,9 @@ causal (:func:`chunk_block`)
     passes per block. The kernel runs the same recurrence chunk by chunk instead (Yang et al. 2024, "Gated Linear
     Attention", sec. 3.2, with the log-domain shifts of :mod:`kernapprox.attention.linear`): the state stays in
     cache, the state read and the intra-chunk scores come out of one single-threaded BLAS product
-    ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features are computed per token block by the estimator (fused or eager).
+    ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features are computed per token block by the estimator (fused or eager), or, for
+    maps of the exponential form, by the kernel itself (:func:`causal_exp`) as the non-causal kernel does, a
+    :func:`feature_block` of tokens at a time per sequence.
 non-causal (:func:`noncausal`)
     ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6) with the feature map computed inside the
     kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they are in cache: the projection GEMM, the row shift
@@ -169,6 +171,10 @@ def _load():
         fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
                        i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
+        fn = lib.kernapprox_chunked_causal_exp
+        fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
+                       i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
+        fn.restype = i
         lib.kernapprox_exp_nonpos.argtypes = [p, p, i64, i]
         lib.kernapprox_exp_nonpos.restype = None
         _State.lib = lib
@@ -215,7 +221,7 @@ def eligible(q: torch.Tensor, batch: int, n: int, r: int, needs_grad: bool) -> b
 
 
 def exponential_form(estimator):
-    """Whether the non-causal kernel can compute ``estimator``'s features itself: a fitted map of the exponential
+    """Whether the kernels can compute ``estimator``'s features themselves: a fitted map of the exponential
     form (:class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` with its own
     :meth:`_fused_arguments` and the stabilised features of that class, not a subclass's own)."""
     from ..estimators.random import ExponentialRandomFeatureMap as Exp
@@ -225,8 +231,9 @@ def exponential_form(estimator):
             and cls._log_features is Exp._log_features and cls._log_features_into is Exp._log_features_into)
 
 
-def eligible_noncausal(q: torch.Tensor, estimator, batch: int, n: int, r: int, needs_grad: bool) -> bool:
-    """Whether the non-causal chunked call runs the kernel: :func:`eligible` and a map of the exponential form."""
+def eligible_exponential(q: torch.Tensor, estimator, batch: int, n: int, r: int, needs_grad: bool) -> bool:
+    """Whether the chunked call runs a kernel that computes the features itself (non-causal, or causal with
+    features inside): :func:`eligible` and a map of the exponential form."""
     return exponential_form(estimator) and eligible(q, batch, n, r, needs_grad)
 
 
@@ -295,6 +302,33 @@ def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay
         raise RuntimeError(f"the non-causal chunked kernel rejected its arguments (code {rc})")
 
 
+def feature_block(chunk_size: int) -> int:
+    """Tokens per feature block of the causal kernel with features inside: the multiple of ``chunk_size`` nearest
+    below :data:`NONCAUSAL_BLOCK` (at least one chunk), so that chunks start where the eager code starts them."""
+    return max(chunk_size, NONCAUSAL_BLOCK // chunk_size * chunk_size)
+
+
+def causal_exp(estimator, xq, xk, v, padding, state, c, out, den, logs, chunk_size: int, log_decay: float,
+               want_num: bool) -> None:
+    """Causal chunked attention of ``B`` sequences by the kernel, with the features of a map of the exponential
+    form computed inside it, :func:`feature_block` tokens at a time (arguments as for :func:`noncausal`;
+    ``n_q = n_k``)."""
+    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
+    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    pad = None if padding is None else padding.to(torch.bool).contiguous()
+    batch, n = rq.shape[0], rq.shape[1]
+    rc = _State.lib.kernapprox_chunked_causal_exp(
+        batch, n, rq.shape[-1], wq.shape[0], v.shape[-1], chunk_size, feature_block(chunk_size), float(log_decay),
+        _ptr(wq), None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk), None if ok is None else _ptr(ok), _ptr(mk),
+        _ptr(rq), rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0), rk.stride(1),
+        None if pad is None else _ptr(pad), 0 if pad is None else pad.stride(0), _ptr(v), v.stride(0), v.stride(1),
+        _ptr(state), _ptr(c), _ptr(out), out.stride(0), out.stride(1), _ptr(den), _ptr(logs), den.stride(0),
+        int(want_num), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the causal chunked kernel (features inside) rejected its arguments (code {rc})")
+
+
 def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out ← exp(src)`` by the kernels' vectorised ``exp`` (arguments ``≤ 0``; results below the smallest normal
     float flushed to 0), on torch's thread count: what the benchmarks' roofline measures as the kernels' ``exp``
@@ -314,6 +348,7 @@ def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def _self_check() -> None:
     _self_check_causal()
     _self_check_noncausal()
+    _self_check_causal_exp()
 
 
 def _self_check_causal() -> None:
@@ -398,3 +433,38 @@ def _self_check_noncausal() -> None:
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             raise RuntimeError(f"self-check: the non-causal kernel's {name} differ from the parallel mode by "
                                f"{float((got - want).abs().max()):.3g}")
+
+
+def _self_check_causal_exp() -> None:
+    """The causal kernel with features inside against the parallel mode (decay, padded keys, a carried state, an
+    offset and eps, two feature blocks and a partial chunk)."""
+    from .linear import _normalized_parallel
+    from .rules import SENTINEL, NormalizedState
+
+    gen = torch.Generator().manual_seed(2)
+    batch, size, d, r, d_v, a = 2, 8, 6, 10, 5, -0.02
+    n = feature_block(size) + 2 * size + 3
+    fmap = _CheckMap(gen, d, r)
+    xq, xk = torch.randn(batch, n, d, generator=gen), torch.randn(batch, n, d, generator=gen)
+    v = torch.randn(batch, n, d_v, generator=gen)
+    padding = torch.rand(batch, n, generator=gen) < 0.2
+    w0, z0 = torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen)
+    c0 = torch.randn(batch, generator=gen) + 2.0
+    pq, lq = fmap.reference(xq)
+    pk, lk = fmap.reference(xk)
+    pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
+    num, den, logs, final = _normalized_parallel(pq, lq, pk, lk, v.double(), True, a, None,
+                                                 NormalizedState(w0.double(), z0.double(), c0.double()), True)
+    state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
+    c = c0.clone()
+    out, got_den, got_logs = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+    causal_exp(fmap, xq, xk, v, padding, state, c, out, got_den, got_logs, size, a, want_num=False)
+    rescale = torch.exp(final.log_scale - c.double())[:, None, None]
+    want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
+    checks = {"outputs": (out.double(), num / den[..., None]),
+              "normalisers": (got_den.double() * torch.exp(got_logs.double() - logs), den),
+              "state": (state.double(), want_state)}
+    for name, (got, want) in checks.items():
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"self-check: the causal kernel's (features inside) {name} differ from the parallel "
+                               f"mode by {float((got - want).abs().max()):.3g}")
