@@ -1,6 +1,6 @@
 """Compiled CPU kernels for the chunked mode of the sum and decay rules (float32, no gradient).
 
-Two kernels, in ``_chunked.cpp``, built once per machine and loaded with :mod:`ctypes`; each equals the eager
+Two kernels, in ``_chunked.cpp``, built once per machine and loaded with ``ctypes``; each equals the eager
 chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
 
 causal (:func:`chunk_block`)
