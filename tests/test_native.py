@@ -186,15 +186,22 @@ def test_causal_kernel_with_features_inside_equals_eager_for_every_exponential_m
     assert kernel_only == [("causal, features inside", 6, n)] * len(EXPONENTIAL_MAPS)
 
 
-def test_causal_features_inside_padding_state_eps_offset(kernel_only):
-    q, k, v = data(shape=(2, 300, 6), seed=9)
-    padding = torch.zeros(2, 300, dtype=torch.bool)
-    padding[0, 250:] = True
+def _padding_and_maps(q, k, tail):
+    """Padded keys (a padded tail from ``tail`` in the first sequence, a few inside the second) and a map with
+    ``eps``, one with per-feature offsets and one with input transforms."""
+    padding = torch.zeros(q.shape[:2], dtype=torch.bool)
+    padding[0, tail:] = True
     padding[1, 3:6] = True
     padding[1, 290] = True
     maps = {"positive eps": ka.make_estimator("positive", num_features=24, rng=1, eps=1e-3).fit(q, k),
             "gerf (offset)": ka.make_estimator("gerf", num_features=24, rng=1).fit(q, k),
             "aderf (transforms)": ka.make_estimator("aderf", num_features=24, rng=1).fit(q, k)}
+    return padding, maps
+
+
+def test_causal_features_inside_padding_state_eps_offset(kernel_only):
+    q, k, v = data(shape=(2, 300, 6), seed=9)
+    padding, maps = _padding_and_maps(q, k, tail=250)
     for what, est in maps.items():
         for rule in ("sum", ka.rules.Decay(0.8)):
             _compare(q, k, v, est, f"{what} padding {rule}", rule=rule, chunk_size=16, key_padding_mask=padding)
@@ -208,13 +215,7 @@ def test_causal_features_inside_padding_state_eps_offset(kernel_only):
 
 def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):
     q, k, v = data(shape=(2, 300, 6), seed=6)
-    padding = torch.zeros(2, 300, dtype=torch.bool)
-    padding[0, 200:] = True                       # a whole padded block tail
-    padding[1, 3:6] = True
-    padding[1, 290] = True
-    maps = {"positive eps": ka.make_estimator("positive", num_features=24, rng=1, eps=1e-3).fit(q, k),
-            "gerf (offset)": ka.make_estimator("gerf", num_features=24, rng=1).fit(q, k),
-            "aderf (transforms)": ka.make_estimator("aderf", num_features=24, rng=1).fit(q, k)}
+    padding, maps = _padding_and_maps(q, k, tail=200)
     for what, est in maps.items():
         for rule in ("sum", ka.rules.Decay(0.8)):
             _compare(q, k, v, est, f"{what} padding {rule}", causal=False, rule=rule, key_padding_mask=padding)

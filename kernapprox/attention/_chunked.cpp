@@ -376,6 +376,19 @@ void causal_exp_sequences(const CausalExp& h, int b0, int b1) {
     }
 }
 
+// Sequences b0..b1-1 of B per OpenMP thread, each thread's BLAS products on that one thread.
+template <class Fn>
+void over_sequences(int B, int threads, Fn run) {
+    const int nt = std::max(1, std::min(threads, B));
+#pragma omp parallel num_threads(nt)
+    {
+        const int i = omp_get_thread_num(), m = omp_get_num_threads();
+        const int previous = MKL_Set_Num_Threads_Local(1);
+        run((int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
+        MKL_Set_Num_Threads_Local(previous);
+    }
+}
+
 }  // namespace
 
 extern "C" int kernapprox_chunked_causal(int B, int L, int r, int dv, int C, float a, const float* pq,
@@ -386,14 +399,7 @@ extern "C" int kernapprox_chunked_causal(int B, int L, int r, int dv, int C, flo
     if (B < 1 || L < 1 || r < 1 || dv < 1 || C < 1) return 1;
     const Problem g{B, L, r, dv, C, a, pq, lq, pk, lk, v, v_sb, v_st, S, c, out, den, logs, o_sb, o_st, d_sb,
                     want_num};
-    const int nt = std::max(1, std::min(threads, B));
-#pragma omp parallel num_threads(nt)
-    {
-        const int i = omp_get_thread_num(), m = omp_get_num_threads();
-        const int previous = MKL_Set_Num_Threads_Local(1);     // the products of one sequence run on one thread
-        run_sequences(g, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
-        MKL_Set_Num_Threads_Local(previous);
-    }
+    over_sequences(B, threads, [&](int b0, int b1) { run_sequences(g, b0, b1); });
     return 0;
 }
 
@@ -411,14 +417,7 @@ extern "C" int kernapprox_noncausal_exp(int B, int nq, int nk, int d, int r, int
                       ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]},
                       xq, xk, v, xq_sb, xq_st, xk_sb, xk_st, v_sb, v_st, pad, pad_sb, S, c, out, den, logs,
                       o_sb, o_st, d_sb, want_num};
-    const int nt = std::max(1, std::min(threads, B));
-#pragma omp parallel num_threads(nt)
-    {
-        const int i = omp_get_thread_num(), m = omp_get_num_threads();
-        const int previous = MKL_Set_Num_Threads_Local(1);
-        noncausal_sequences(g, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
-        MKL_Set_Num_Threads_Local(previous);
-    }
+    over_sequences(B, threads, [&](int b0, int b1) { noncausal_sequences(g, b0, b1); });
     return 0;
 }
 
@@ -445,13 +444,6 @@ extern "C" int kernapprox_chunked_causal_exp(int B, int L, int d, int r, int dv,
     const CausalExp h{g, ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
                       ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]}, xq, xk, xq_sb, xq_st, xk_sb, xk_st, pad,
                       pad_sb, d, Lb};
-    const int nt = std::max(1, std::min(threads, B));
-#pragma omp parallel num_threads(nt)
-    {
-        const int i = omp_get_thread_num(), m = omp_get_num_threads();
-        const int previous = MKL_Set_Num_Threads_Local(1);
-        causal_exp_sequences(h, (int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
-        MKL_Set_Num_Threads_Local(previous);
-    }
+    over_sequences(B, threads, [&](int b0, int b1) { causal_exp_sequences(h, b0, b1); });
     return 0;
 }

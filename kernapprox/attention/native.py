@@ -347,29 +347,26 @@ def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 def _self_check() -> None:
     _self_check_causal()
-    _self_check_noncausal()
-    _self_check_causal_exp()
+    _self_check_exp(causal=False)
+    _self_check_exp(causal=True)
 
 
-def _self_check_causal() -> None:
-    """The loaded kernel against the parallel mode on a small problem (decay, a partial chunk, a carried state)."""
+def _agrees_with_parallel(label, run, feats, v, state0, causal, a):
+    """Run ``run(state, c, out, den, logs)`` (a kernel on the problem whose float64 features ``feats = (pq, lq,
+    pk, lk)`` and values ``v`` the parallel mode gets) from the carried state ``state0 = (w, z, c)``, and raise
+    unless its outputs, normalisers and final state agree with the parallel mode's (at the same log-scale: the
+    output is scale-free, the normalisers and the state are compared after rescaling)."""
     from .linear import _normalized_parallel
     from .rules import NormalizedState
 
-    gen = torch.Generator().manual_seed(0)
-    batch, n, r, d_v, size, a = 3, 21, 12, 5, 4, -0.05
-    pq, pk = torch.rand(batch, n, r, generator=gen), torch.rand(batch, n, r, generator=gen)
-    lq, lk = torch.randn(batch, n, generator=gen), torch.randn(batch, n, generator=gen)
-    v = torch.randn(batch, n, d_v, generator=gen)
-    w0, z0 = torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen)
-    c0 = torch.randn(batch, generator=gen)
-    num, den, logs, final = _normalized_parallel(*(t.double() for t in (pq, lq, pk, lk, v)), True, a, None,
+    w0, z0, c0 = state0
+    batch, n_q, d_v = feats[0].shape[0], feats[0].shape[1], v.shape[-1]
+    num, den, logs, final = _normalized_parallel(*feats, v.double(), causal, a, None,
                                                  NormalizedState(w0.double(), z0.double(), c0.double()), True)
     state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
     c = c0.clone()
-    out, got_den, got_logs = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
-    chunk_block(pq, lq, pk, lk, v, state, c, out, got_den, got_logs, size, a, want_num=False)
-    # compare at the same log-scale: y = num/den is scale-free; the state is compared after rescaling
+    out, got_den, got_logs = torch.empty(batch, n_q, d_v), torch.empty(batch, n_q), torch.empty(batch, n_q)
+    run(state, c, out, got_den, got_logs)
     rescale = torch.exp(final.log_scale - c.double())[:, None, None]
     want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
     checks = {"outputs": (out.double(), num / den[..., None]),
@@ -377,12 +374,30 @@ def _self_check_causal() -> None:
               "state": (state.double(), want_state)}
     for name, (got, want) in checks.items():
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            raise RuntimeError(f"self-check: its {name} differ from the parallel mode by "
+            raise RuntimeError(f"self-check: {label} {name} differ from the parallel mode by "
                                f"{float((got - want).abs().max()):.3g}")
 
 
+def _random_state(gen, batch, r, d_v, shift=0.0):
+    return (torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen),
+            torch.randn(batch, generator=gen) + shift)
+
+
+def _self_check_causal() -> None:
+    """The loaded kernel against the parallel mode on a small problem (decay, a partial chunk, a carried state)."""
+    gen = torch.Generator().manual_seed(0)
+    batch, n, r, d_v, size, a = 3, 21, 12, 5, 4, -0.05
+    pq, pk = torch.rand(batch, n, r, generator=gen), torch.rand(batch, n, r, generator=gen)
+    lq, lk = torch.randn(batch, n, generator=gen), torch.randn(batch, n, generator=gen)
+    v = torch.randn(batch, n, d_v, generator=gen)
+    state0 = _random_state(gen, batch, r, d_v)
+    _agrees_with_parallel("its", lambda state, c, out, den, logs: chunk_block(
+        pq, lq, pk, lk, v, state, c, out, den, logs, size, a, want_num=False),
+        tuple(t.double() for t in (pq, lq, pk, lk)), v, state0, True, a)
+
+
 class _CheckMap:
-    """A map of the exponential form with fixed random parameters, for :func:`_self_check_noncausal`."""
+    """A map of the exponential form with fixed random parameters, for :func:`_self_check_exp`."""
 
     def __init__(self, gen, d, r):
         self.weight = torch.randn(r, d, generator=gen)
@@ -401,70 +416,33 @@ class _CheckMap:
         return torch.exp(p - shift[..., None]) + eps, shift + c - norm
 
 
-def _self_check_noncausal() -> None:
-    """The non-causal kernel against the parallel mode (decay, padded keys, a carried state, an offset and eps,
-    more queries than keys, a partial block)."""
-    from .linear import _normalized_parallel
-    from .rules import SENTINEL, NormalizedState
+def _self_check_exp(causal: bool) -> None:
+    """A kernel that computes the features itself against the parallel mode: decay, padded keys, a carried state,
+    an offset and eps; non-causal with more queries than keys and a partial block, causal over two feature blocks
+    and a partial chunk."""
+    from .rules import SENTINEL
 
-    gen = torch.Generator().manual_seed(1)
-    batch, n_q, n_k, d, r, d_v, a = 3, NONCAUSAL_BLOCK + 7, NONCAUSAL_BLOCK - 5, 6, 10, 5, -0.01
+    gen = torch.Generator().manual_seed(2 if causal else 1)
+    size, d, r, d_v, a = 8, 6, 10, 5, (-0.02 if causal else -0.01)
+    if causal:
+        batch, n_q = 2, feature_block(size) + 2 * size + 3
+        n_k = n_q
+    else:
+        batch, n_q, n_k = 3, NONCAUSAL_BLOCK + 7, NONCAUSAL_BLOCK - 5
     fmap = _CheckMap(gen, d, r)
     xq, xk = torch.randn(batch, n_q, d, generator=gen), torch.randn(batch, n_k, d, generator=gen)
     v = torch.randn(batch, n_k, d_v, generator=gen)
     padding = torch.rand(batch, n_k, generator=gen) < 0.2
-    w0, z0 = torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen)
-    c0 = torch.randn(batch, generator=gen) + 2.0
+    state0 = _random_state(gen, batch, r, d_v, shift=2.0)
     pq, lq = fmap.reference(xq)
     pk, lk = fmap.reference(xk)
     pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
-    num, den, logs, final = _normalized_parallel(pq, lq, pk, lk, v.double(), False, a, None,
-                                                 NormalizedState(w0.double(), z0.double(), c0.double()), True)
-    state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
-    c = c0.clone()
-    out, got_den, got_logs = torch.empty(batch, n_q, d_v), torch.empty(batch, n_q), torch.empty(batch, n_q)
-    noncausal(fmap, xq, xk, v, padding, state, c, out, got_den, got_logs, a, want_num=False)
-    rescale = torch.exp(final.log_scale - c.double())[:, None, None]
-    want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
-    checks = {"outputs": (out.double(), num / den[..., None]),
-              "normalisers": (got_den.double() * torch.exp(got_logs.double() - logs), den),
-              "state": (state.double(), want_state)}
-    for name, (got, want) in checks.items():
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            raise RuntimeError(f"self-check: the non-causal kernel's {name} differ from the parallel mode by "
-                               f"{float((got - want).abs().max()):.3g}")
 
+    def run(state, c, out, den, logs):
+        if causal:
+            causal_exp(fmap, xq, xk, v, padding, state, c, out, den, logs, size, a, want_num=False)
+        else:
+            noncausal(fmap, xq, xk, v, padding, state, c, out, den, logs, a, want_num=False)
 
-def _self_check_causal_exp() -> None:
-    """The causal kernel with features inside against the parallel mode (decay, padded keys, a carried state, an
-    offset and eps, two feature blocks and a partial chunk)."""
-    from .linear import _normalized_parallel
-    from .rules import SENTINEL, NormalizedState
-
-    gen = torch.Generator().manual_seed(2)
-    batch, size, d, r, d_v, a = 2, 8, 6, 10, 5, -0.02
-    n = feature_block(size) + 2 * size + 3
-    fmap = _CheckMap(gen, d, r)
-    xq, xk = torch.randn(batch, n, d, generator=gen), torch.randn(batch, n, d, generator=gen)
-    v = torch.randn(batch, n, d_v, generator=gen)
-    padding = torch.rand(batch, n, generator=gen) < 0.2
-    w0, z0 = torch.rand(batch, r, d_v, generator=gen), torch.rand(batch, r, generator=gen)
-    c0 = torch.randn(batch, generator=gen) + 2.0
-    pq, lq = fmap.reference(xq)
-    pk, lk = fmap.reference(xk)
-    pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
-    num, den, logs, final = _normalized_parallel(pq, lq, pk, lk, v.double(), True, a, None,
-                                                 NormalizedState(w0.double(), z0.double(), c0.double()), True)
-    state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
-    c = c0.clone()
-    out, got_den, got_logs = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
-    causal_exp(fmap, xq, xk, v, padding, state, c, out, got_den, got_logs, size, a, want_num=False)
-    rescale = torch.exp(final.log_scale - c.double())[:, None, None]
-    want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
-    checks = {"outputs": (out.double(), num / den[..., None]),
-              "normalisers": (got_den.double() * torch.exp(got_logs.double() - logs), den),
-              "state": (state.double(), want_state)}
-    for name, (got, want) in checks.items():
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            raise RuntimeError(f"self-check: the causal kernel's (features inside) {name} differ from the parallel "
-                               f"mode by {float((got - want).abs().max()):.3g}")
+    _agrees_with_parallel("the causal kernel's (features inside)" if causal else "the non-causal kernel's", run,
+                          (pq, lq, pk, lk), v, state0, causal, a)
