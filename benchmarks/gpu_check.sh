@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Performance checks on a CUDA machine: the benchmarks, and the `full` presets of attention_error and modes
-# (plus modes' `gpu` preset, n up to 512k, and trained_icl's `gpu` preset, the Zoology-like widths and lengths). Writes everything under $OUT (default results/gpu) and prints the
-# benchmark table. Run from anywhere: bash benchmarks/gpu_check.sh
+# (plus modes' `gpu` preset, n up to 512k, and trained_icl's `gpu` preset, the Zoology-like widths and lengths).
+# Writes everything under $OUT (default results/gpu) and prints the benchmark table.
+# Run from anywhere: bash benchmarks/gpu_check.sh
 #   OUT=dir       where datasets, figures and logs go
 #   PY=python     the interpreter (default .venv/bin/python, created by `make install` if missing)
 #   SKIP_ERROR=1  skip attention_error (the slowest part when only timings are wanted)

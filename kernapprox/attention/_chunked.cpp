@@ -6,8 +6,8 @@
 // 1. kernapprox_chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
 // Linear Attention", sec. 3.2, with the log-domain shift of linear.py's module docstring); features come in.
-// kernapprox_chunked_causal_exp: the same chunk loop with the features of an exponential map (as in 2. below)
-// computed per block of Lb tokens (a whole number of chunks) per sequence.
+// With C > 0, kernapprox_exp_attention runs the same chunk loop with the features of an exponential map (as in 2.
+// below) computed per block of Lb tokens (a whole number of chunks) per sequence.
 //
 // Per sequence, chunk j of cl <= C tokens, positions p = 0..cl-1, a = log(gamma) (0 for the sum):
 //   l'_p = l(k_p) - p a,  local_p = max_{q<=p} l'_q,  s = max(s_prev + cl a, local_{cl-1} + (cl-1) a)
@@ -16,7 +16,7 @@
 //   S^T <- e^{s_prev + cl a - s} S^T + sum_l e^{l'_l + (cl-1) a - s} [v_l 1] phi(k_l)^T
 //   log-scale of row p: l(q_p) + c_p + p a.
 //
-// 2. kernapprox_noncausal_exp: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
+// 2. kernapprox_exp_attention with C = 0: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
 // eq. 4-6), with a feature map of the exponential form computed inside the kernel, block by block while the block
 // is in cache: log phi_j(x) = alpha (x W^T)_j + o_j - k alpha^2 |x|^2 / 2 + c (FAVOR+ and hyperbolic features,
 // Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al. 2022), stabilised per row as the
@@ -254,32 +254,29 @@ inline float query_row(float* row, const float* o, const float* z, int r, float 
     return lane_sum(lanes);
 }
 
-struct NonCausal {
-    int B, nq, nk, d, r, dv, L;
-    float a;
+// The inputs of the kernels that compute the features themselves: the query and key maps, the rows they map and
+// the padded keys. The rest of the problem (values, state, outputs, sizes) is a Problem with L = n_q.
+struct ExpInputs {
     ExpMap mq, mk;
-    const float *xq, *xk, *v;              // rows with unit stride; strides per sequence and per token
-    int64_t xq_sb, xq_st, xk_sb, xk_st, v_sb, v_st;
+    const float *xq, *xk;                  // rows with unit stride; strides per sequence and per token
+    int64_t xq_sb, xq_st, xk_sb, xk_st;
     const unsigned char* pad;              // (B, nk) with stride pad_sb, 1 = padded key; or null
     int64_t pad_sb;
-    float *S, *c;                          // state (B, dv+1, r), transposed; its log-scale (B,)
-    float *out, *den, *logs;
-    int64_t o_sb, o_st, d_sb;
-    int want_num;
+    int d, nk, Lb;                         // input dimension, keys per sequence, tokens per feature block
 };
 
-void noncausal_sequences(const NonCausal& g, int b0, int b1) {
-    const int r = g.r, dv = g.dv, L = g.L, d = g.d;
+void noncausal_sequences(const Problem& g, const ExpInputs& in, int b0, int b1) {
+    const int r = g.r, dv = g.dv, L = in.Lb, d = in.d;
     std::vector<float> P((int64_t)L * r), shift(L), ell(L), num((int64_t)L * dv);
     for (int b = b0; b < b1; ++b) {
         float* S = g.S + (int64_t)b * (dv + 1) * r;
         float* z = S + (int64_t)dv * r;
         float cb = g.c[b];
-        for (int t0 = 0; t0 < g.nk; t0 += L) {                              // keys: the state
-            const int len = std::min(L, g.nk - t0);
-            const float* x = g.xk + b * g.xk_sb + (int64_t)t0 * g.xk_st;
-            project(g.mk, len, d, r, x, g.xk_st, P.data(), shift.data(), ell.data());
-            const unsigned char* pad = g.pad ? g.pad + b * g.pad_sb + t0 : nullptr;
+        for (int t0 = 0; t0 < in.nk; t0 += L) {                              // keys: the state
+            const int len = std::min(L, in.nk - t0);
+            const float* x = in.xk + b * in.xk_sb + (int64_t)t0 * in.xk_st;
+            project(in.mk, len, d, r, x, in.xk_st, P.data(), shift.data(), ell.data());
+            const unsigned char* pad = in.pad ? in.pad + b * in.pad_sb + t0 : nullptr;
             const float carried = cb + len * g.a;
             float cn = carried;
             for (int t = 0; t < len; ++t) {
@@ -291,24 +288,24 @@ void noncausal_sequences(const NonCausal& g, int b0, int b1) {
             for (int t = 0; t < len; ++t) {
                 float* row = P.data() + (int64_t)t * r;
                 const float w = pad && pad[t] ? 0.0f : exp_nonpos(ell[t] - cn);
-                if (g.mk.o) key_row<true, true>(row, g.mk.o, z, r, shift[t], w, g.mk.eps);
-                else key_row<false, true>(row, nullptr, z, r, shift[t], w, g.mk.eps);
+                if (in.mk.o) key_row<true, true>(row, in.mk.o, z, r, shift[t], w, in.mk.eps);
+                else key_row<false, true>(row, nullptr, z, r, shift[t], w, in.mk.eps);
             }
             gemm(true, false, dv, r, len, 1.0f, g.v + b * g.v_sb + (int64_t)t0 * g.v_st, (int)g.v_st, P.data(), r,
                  beta, S, r);
             cb = cn;
         }
         g.c[b] = cb;
-        for (int t0 = 0; t0 < g.nq; t0 += L) {                              // queries: read the state
-            const int len = std::min(L, g.nq - t0);
-            const float* x = g.xq + b * g.xq_sb + (int64_t)t0 * g.xq_st;
-            project(g.mq, len, d, r, x, g.xq_st, P.data(), shift.data(), ell.data());
+        for (int t0 = 0; t0 < g.L; t0 += L) {                              // queries: read the state
+            const int len = std::min(L, g.L - t0);
+            const float* x = in.xq + b * in.xq_sb + (int64_t)t0 * in.xq_st;
+            project(in.mq, len, d, r, x, in.xq_st, P.data(), shift.data(), ell.data());
             float* den = g.den + b * g.d_sb + t0;
             float* logs = g.logs + b * g.d_sb + t0;
             for (int t = 0; t < len; ++t) {
                 float* row = P.data() + (int64_t)t * r;
-                den[t] = g.mq.o ? query_row<true>(row, g.mq.o, z, r, shift[t], g.mq.eps)
-                                : query_row<false>(row, nullptr, z, r, shift[t], g.mq.eps);
+                den[t] = in.mq.o ? query_row<true>(row, in.mq.o, z, r, shift[t], in.mq.eps)
+                                : query_row<false>(row, nullptr, z, r, shift[t], in.mq.eps);
                 logs[t] = ell[t] + cb;
             }
             gemm(false, true, len, dv, r, 1.0f, P.data(), r, S, r, 0.0f, num.data(), dv);
@@ -344,31 +341,20 @@ void stabilised_rows(const ExpMap& m, int len, int d, int r, const float* x, int
     }
 }
 
-struct CausalExp {
-    Problem g;                             // g.pq, g.lq, g.pk, g.lk unused: computed here
-    ExpMap mq, mk;
-    const float *xq, *xk;
-    int64_t xq_sb, xq_st, xk_sb, xk_st;
-    const unsigned char* pad;
-    int64_t pad_sb;
-    int dim, Lb;                           // input dimension; tokens per feature block (a multiple of C)
-};
-
-void causal_exp_sequences(const CausalExp& h, int b0, int b1) {
-    const Problem& g = h.g;
-    const int r = g.r, dv1 = g.dv + 1;
+void causal_exp_sequences(const Problem& g, const ExpInputs& in, int b0, int b1) {
+    const int r = g.r, dv1 = g.dv + 1, Lb = in.Lb;
     CausalWork w(g.C, r, dv1);
-    std::vector<float> Pq((int64_t)h.Lb * r), Pk((int64_t)h.Lb * r), shift(h.Lb), lq(h.Lb), lk(h.Lb);
+    std::vector<float> Pq((int64_t)Lb * r), Pk((int64_t)Lb * r), shift(Lb), lq(Lb), lk(Lb);
     for (int b = b0; b < b1; ++b) {
         float* Sg = g.S + (int64_t)b * dv1 * r;
         std::memcpy(w.aug.data(), Sg, sizeof(float) * dv1 * r);
         float cb = g.c[b];
-        for (int t0 = 0; t0 < g.L; t0 += h.Lb) {
-            const int len = std::min(h.Lb, g.L - t0);
-            stabilised_rows(h.mq, len, h.dim, r, h.xq + b * h.xq_sb + (int64_t)t0 * h.xq_st, h.xq_st, nullptr,
+        for (int t0 = 0; t0 < g.L; t0 += Lb) {
+            const int len = std::min(Lb, g.L - t0);
+            stabilised_rows(in.mq, len, in.d, r, in.xq + b * in.xq_sb + (int64_t)t0 * in.xq_st, in.xq_st, nullptr,
                             Pq.data(), shift.data(), lq.data());
-            stabilised_rows(h.mk, len, h.dim, r, h.xk + b * h.xk_sb + (int64_t)t0 * h.xk_st, h.xk_st,
-                            h.pad ? h.pad + b * h.pad_sb + t0 : nullptr, Pk.data(), shift.data(), lk.data());
+            stabilised_rows(in.mk, len, in.d, r, in.xk + b * in.xk_sb + (int64_t)t0 * in.xk_st, in.xk_st,
+                            in.pad ? in.pad + b * in.pad_sb + t0 : nullptr, Pk.data(), shift.data(), lk.data());
             causal_span(g, w, b, cb, t0, t0 + len, Pq.data(), lq.data(), Pk.data(), lk.data());
         }
         std::memcpy(Sg, w.aug.data(), sizeof(float) * dv1 * r);
@@ -403,24 +389,6 @@ extern "C" int kernapprox_chunked_causal(int B, int L, int r, int dv, int C, flo
     return 0;
 }
 
-extern "C" int kernapprox_noncausal_exp(int B, int nq, int nk, int d, int r, int dv, int L, float a,
-                                        const float* Wq, const float* oq, const float* mapq, const float* Wk,
-                                        const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
-                                        int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
-                                        const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
-                                        int64_t v_st, float* S, float* c, float* out, int64_t o_sb, int64_t o_st,
-                                        float* den, float* logs, int64_t d_sb, int want_num, int threads) {
-    // mapq, mapk: [alpha, c, eps, k] of the query and key maps
-    if (B < 1 || nq < 0 || nk < 0 || d < 1 || r < 1 || dv < 1 || L < 1) return 1;
-    const NonCausal g{B, nq, nk, d, r, dv, L, a,
-                      ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
-                      ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]},
-                      xq, xk, v, xq_sb, xq_st, xk_sb, xk_st, v_sb, v_st, pad, pad_sb, S, c, out, den, logs,
-                      o_sb, o_st, d_sb, want_num};
-    over_sequences(B, threads, [&](int b0, int b1) { noncausal_sequences(g, b0, b1); });
-    return 0;
-}
-
 // dst = exp(src) over n entries (<= 0) by the kernels' exp, on `threads` OpenMP threads: for the benchmarks'
 // roofline, which charges every exp at the fastest rate measured on the machine.
 extern "C" void kernapprox_exp_nonpos(const float* src, float* dst, int64_t n, int threads) {
@@ -428,22 +396,25 @@ extern "C" void kernapprox_exp_nonpos(const float* src, float* dst, int64_t n, i
     for (int64_t i = 0; i < n; ++i) dst[i] = exp_nonpos(src[i]);
 }
 
-extern "C" int kernapprox_chunked_causal_exp(int B, int L, int d, int r, int dv, int C, int Lb, float a,
-                                             const float* Wq, const float* oq, const float* mapq, const float* Wk,
-                                             const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
-                                             int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
-                                             const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
-                                             int64_t v_st, float* S, float* c, float* out, int64_t o_sb,
-                                             int64_t o_st, float* den, float* logs, int64_t d_sb, int want_num,
-                                             int threads) {
-    // the causal kernel with the features of an exponential map computed per block of Lb tokens (as in
-    // kernapprox_noncausal_exp); mapq, mapk: [alpha, c, eps, k]
-    if (B < 1 || L < 1 || d < 1 || r < 1 || dv < 1 || C < 1 || Lb < C || Lb % C) return 1;
-    const Problem g{B, L, r, dv, C, a, nullptr, nullptr, nullptr, nullptr, v, v_sb, v_st, S, c, out, den, logs,
+// The kernels with the features of an exponential map computed inside, Lb tokens at a time per sequence: causal
+// (chunk length C > 0; nq = nk, Lb a multiple of C) or non-causal (C = 0). mapq, mapk: [alpha, c, eps, k].
+extern "C" int kernapprox_exp_attention(int C, int B, int nq, int nk, int d, int r, int dv, int Lb, float a,
+                                        const float* Wq, const float* oq, const float* mapq, const float* Wk,
+                                        const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
+                                        int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
+                                        const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
+                                        int64_t v_st, float* S, float* c, float* out, int64_t o_sb, int64_t o_st,
+                                        float* den, float* logs, int64_t d_sb, int want_num, int threads) {
+    if (B < 1 || nq < 0 || nk < 0 || d < 1 || r < 1 || dv < 1 || Lb < 1 || C < 0) return 1;
+    if (C > 0 && (nq != nk || nq < 1 || Lb < C || Lb % C)) return 1;
+    const Problem g{B, nq, r, dv, C, a, nullptr, nullptr, nullptr, nullptr, v, v_sb, v_st, S, c, out, den, logs,
                     o_sb, o_st, d_sb, want_num};
-    const CausalExp h{g, ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
-                      ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]}, xq, xk, xq_sb, xq_st, xk_sb, xk_st, pad,
-                      pad_sb, d, Lb};
-    over_sequences(B, threads, [&](int b0, int b1) { causal_exp_sequences(h, b0, b1); });
+    const ExpInputs in{ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
+                       ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]}, xq, xk, xq_sb, xq_st, xk_sb, xk_st, pad,
+                       pad_sb, d, nk, Lb};
+    if (C > 0)
+        over_sequences(B, threads, [&](int b0, int b1) { causal_exp_sequences(g, in, b0, b1); });
+    else
+        over_sequences(B, threads, [&](int b0, int b1) { noncausal_sequences(g, in, b0, b1); });
     return 0;
 }

@@ -411,19 +411,25 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
     return state, c_carry
 
 
+def _kernel_state(state, c_carry, sink, d_v, r):
+    """The transposed state ``(batch, d_v+1, r)`` and its log-scale as the kernels advance them in place: fresh
+    (zeros, the empty-state sentinel) or contiguous copies, never the caller's tensors."""
+    batch, ct, device = sink.den.shape[0], sink.den.dtype, sink.den.device
+    state = (torch.zeros(batch, d_v + 1, r, dtype=ct, device=device) if state is None
+             else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
+    c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
+               else c_carry.to(dtype=ct, copy=True))
+    return state, c_carry
+
+
 def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c_carry, r):
     """:func:`_chunked_causal` by the compiled kernel (:mod:`.native`): features per token block as there, then one
     kernel call per block that runs its chunks one after the other with the state in cache and writes the rows
     into ``sink``. Float32, no gradient; returns the final (transposed) state and its log-scale."""
-    batch, n = qf.shape[:2]
-    ct, device = sink.den.dtype, qf.device
+    n = qf.shape[1]
     out = sink.num if sink.num is not None else sink.out
     values = vf if vf.stride(-1) == 1 else vf.contiguous()
-    # the kernel advances the state in place: never the caller's tensors
-    state = (torch.zeros(batch, values.shape[-1] + 1, r, dtype=ct, device=device) if state is None
-             else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
-    c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
-               else c_carry.to(dtype=ct, copy=True))
+    state, c_carry = _kernel_state(state, c_carry, sink, vf.shape[-1], r)
     for start in range(0, n, block):
         stop = min(start + block, n)
         pq, lq = features(qf[:, start:stop], "query")
@@ -438,11 +444,7 @@ def _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c_carry, r, chu
     """The chunked mode by a compiled kernel that computes the features itself (maps of the exponential form):
     non-causal (:func:`.native.noncausal`) or, given ``chunk_size``, causal (:func:`.native.causal_exp`). Float32,
     no gradient; returns the final (transposed) state and its log-scale."""
-    batch, ct, device = qf.shape[0], sink.den.dtype, qf.device
-    state = (torch.zeros(batch, vf.shape[-1] + 1, r, dtype=ct, device=device) if state is None
-             else state.to(dtype=ct, memory_format=torch.contiguous_format, copy=True))
-    c_carry = (torch.full((batch,), SENTINEL, dtype=ct, device=device) if c_carry is None
-               else c_carry.to(dtype=ct, copy=True))
+    state, c_carry = _kernel_state(state, c_carry, sink, vf.shape[-1], r)
     out = sink.num if sink.num is not None else sink.out
     if chunk_size is None:
         _native.noncausal(estimator, qf, kf, vf, padf, state, c_carry, out, sink.den, sink.logs, a,

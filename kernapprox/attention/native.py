@@ -167,13 +167,9 @@ def _load():
         p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
         fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
-        fn = lib.kernapprox_noncausal_exp
-        fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
-                       i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
-        fn.restype = i
-        fn = lib.kernapprox_chunked_causal_exp
-        fn.argtypes = [i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64, p,
-                       i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
+        fn = lib.kernapprox_exp_attention
+        fn.argtypes = [i, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64,
+                       p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
         fn.restype = i
         lib.kernapprox_exp_nonpos.argtypes = [p, p, i64, i]
         lib.kernapprox_exp_nonpos.restype = None
@@ -208,8 +204,9 @@ def status() -> str:
 
 
 def eligible(q: torch.Tensor, batch: int, n: int, r: int, needs_grad: bool) -> bool:
-    """Whether the causal chunked call on ``q`` (``batch`` sequences of ``n`` tokens, ``r`` features) runs the
-    kernel (see the module docstring); loads or builds it on the first eligible call."""
+    """Whether the chunked call on ``q`` (``batch`` sequences of ``n`` tokens, ``r`` features) may run a kernel
+    (see the module docstring; the features-given form serves causal calls of any map); loads or builds the
+    library on the first eligible call."""
     switch = fused.get_mode()
     if switch == "off" or needs_grad or q.device.type != "cpu" or q.dtype != torch.float32 or n < 1:
         return False
@@ -277,6 +274,25 @@ def _map_arguments(estimator, x, role):
     return rows, weight, offset, values
 
 
+def _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool,
+                   chunk_size: int, block: int) -> None:
+    """One call of the kernel that computes the features itself: causal with ``chunk_size > 0``, else non-causal
+    (arguments: :func:`noncausal`)."""
+    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
+    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
+    v = _gemm_rows(v)
+    pad = None if padding is None else padding.to(torch.bool).contiguous()
+    rc = _State.lib.kernapprox_exp_attention(
+        chunk_size, rq.shape[0], rq.shape[1], rk.shape[1], rq.shape[-1], wq.shape[0], v.shape[-1], block,
+        float(log_decay), _ptr(wq), None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk),
+        None if ok is None else _ptr(ok), _ptr(mk), _ptr(rq), rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0),
+        rk.stride(1), None if pad is None else _ptr(pad), 0 if pad is None else pad.stride(0), _ptr(v), v.stride(0),
+        v.stride(1), _ptr(state), _ptr(c), _ptr(out), out.stride(0), out.stride(1), _ptr(den), _ptr(logs),
+        den.stride(0), int(want_num), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"the chunked kernel with features inside rejected its arguments (code {rc})")
+
+
 def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool) -> None:
     """Non-causal chunked attention of ``B`` sequences by the kernel, features included.
 
@@ -287,19 +303,8 @@ def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay
     ``(B, n_q, d_v)`` receives ``num/den`` (or the numerators with ``want_num``), ``den`` and ``logs`` ``(B, n_q)``
     the normalisers and the rows' log-scales (unit stride in the last dimension).
     """
-    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
-    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
-    v = _gemm_rows(v)
-    pad = None if padding is None else padding.to(torch.bool).contiguous()
-    batch, n_q, n_k = rq.shape[0], rq.shape[1], rk.shape[1]
-    rc = _State.lib.kernapprox_noncausal_exp(
-        batch, n_q, n_k, rq.shape[-1], wq.shape[0], v.shape[-1], NONCAUSAL_BLOCK, float(log_decay), _ptr(wq),
-        None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk), None if ok is None else _ptr(ok), _ptr(mk), _ptr(rq),
-        rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0), rk.stride(1), None if pad is None else _ptr(pad),
-        0 if pad is None else pad.stride(0), _ptr(v), v.stride(0), v.stride(1), _ptr(state), _ptr(c), _ptr(out),
-        out.stride(0), out.stride(1), _ptr(den), _ptr(logs), den.stride(0), int(want_num), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the non-causal chunked kernel rejected its arguments (code {rc})")
+    _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay, want_num, 0,
+                   NONCAUSAL_BLOCK)
 
 
 def feature_block(chunk_size: int) -> int:
@@ -313,20 +318,8 @@ def causal_exp(estimator, xq, xk, v, padding, state, c, out, den, logs, chunk_si
     """Causal chunked attention of ``B`` sequences by the kernel, with the features of a map of the exponential
     form computed inside it, :func:`feature_block` tokens at a time (arguments as for :func:`noncausal`;
     ``n_q = n_k``)."""
-    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
-    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
-    v = v if v.stride(-1) == 1 else v.contiguous()
-    pad = None if padding is None else padding.to(torch.bool).contiguous()
-    batch, n = rq.shape[0], rq.shape[1]
-    rc = _State.lib.kernapprox_chunked_causal_exp(
-        batch, n, rq.shape[-1], wq.shape[0], v.shape[-1], chunk_size, feature_block(chunk_size), float(log_decay),
-        _ptr(wq), None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk), None if ok is None else _ptr(ok), _ptr(mk),
-        _ptr(rq), rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0), rk.stride(1),
-        None if pad is None else _ptr(pad), 0 if pad is None else pad.stride(0), _ptr(v), v.stride(0), v.stride(1),
-        _ptr(state), _ptr(c), _ptr(out), out.stride(0), out.stride(1), _ptr(den), _ptr(logs), den.stride(0),
-        int(want_num), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the causal chunked kernel (features inside) rejected its arguments (code {rc})")
+    _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay, want_num, chunk_size,
+                   feature_block(chunk_size))
 
 
 def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

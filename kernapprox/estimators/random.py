@@ -86,7 +86,7 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
         ``log φ_j = α (x'Wᵀ)_j + o_j − k α² ‖x'‖² / 2 + c`` (``o`` None for zero): :meth:`_fused_arguments` with
         the input scale ``α = √s`` left to the caller's product instead of a pass over ``x``. Maps that transform
         their input first (:meth:`_input_transform`) return the transformed, scaled rows and ``α = 1``. Used by the
-        compiled non-causal kernel (:mod:`kernapprox.attention.native`), which computes the features itself."""
+        compiled kernels of :mod:`kernapprox.attention.native` that compute the features themselves."""
         transform = self._input_transform(role, x)
         _, weight, offset, scalars = self._fused_arguments(x[..., :0, :], role)
         if transform is None:
