@@ -69,6 +69,10 @@ AXIS_ATTRS = {
     "dim": {"long_name": "dimension d of q and k", "units": "1"},
     "num_rows": {"long_name": "projection rows drawn per cell", "units": "1"},
     "num_pairs": {"long_name": "pairs (x, y) per seed and level", "units": "1"},
+    "level": {"long_name": "norm level of the pair: ‖x+y‖² = a + b·√d (LEVELS: fixed_4, half_sqrt_d, sqrt_d, "
+                           "two_sqrt_d)", "units": "1"},
+    "feature_map": {"long_name": "random feature map the rows feed (positive: FAVOR+; oprf: FAVOR++)", "units": "1"},
+    "pair": {"long_name": "pair (x, y) of the cell (an independent draw at its level)", "units": "1"},
 }
 
 _COORDS = {"level": list(LEVELS), "feature_map": MAPS}

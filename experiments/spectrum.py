@@ -78,7 +78,8 @@ PARAMETERS = {
                                description="estimator sweeps cost O(n² m) per m; at other lengths only spectra"),
 }
 AXIS_ATTRS = {"data": {"long_name": "data type (Zipf-token text, real MiniLM heads, smooth continuous signals)",
-                       "units": "1"}}
+                       "units": "1"},
+              "target": {"long_name": "target relative Frobenius error of the rank-r approximation", "units": "1"}}
 
 
 HEADS = 2                # heads per cell for the spectra (they share the cell's tokens); estimators run on head 0

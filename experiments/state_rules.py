@@ -93,6 +93,7 @@ AXIS_ATTRS = {
     "task": {"long_name": "task: recall with queries at cosine ρ to their key, or in-context regression",
              "units": "1"},
     "num_pairs": {"long_name": "context size n (stored pairs or regression points)", "units": "1"},
+    "rule": {"long_name": "state-update rule writing the features into the state (kernapprox.rules)", "units": "1"},
 }
 
 _PER_RULE = {"dims": ("rule", "episode"), "coords": {"rule": list(RULE_NAMES), "episode": list(range(EPISODES))}}

@@ -174,10 +174,10 @@ def test_sigkill_during_the_final_write_never_exposes_a_partial_file(tmp_path, r
     assert_same_metrics(ds, references["smoke"])
     assert ds.attrs["cells_run"] == 0 or "different code_fingerprint" in resumed.stderr
 
-    # a rerun over an existing result: killed half-way through the write; the old result is untouched
+    # a forced rerun over an existing result: killed half-way through the write; the old result is untouched
     before = out.read_bytes()
     marker.unlink()
-    proc = start(args, tmp_path, code=HELD_WRITER, HOLD_MARKER=str(marker))
+    proc = start([*args, "--force"], tmp_path, code=HELD_WRITER, HOLD_MARKER=str(marker))
     assert wait_for(marker.exists, proc), stderr_of(proc)
     kill(proc)
     assert out.read_bytes() == before

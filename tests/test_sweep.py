@@ -19,7 +19,7 @@ import xarray as xr
 
 import kernapprox.sweep as sweep
 from kernapprox.sweep import Experiment, Metric
-from kernapprox.sweep._experiment import cell_spawn_key
+from kernapprox.sweep._experiment import cell_spawn_key, check_values
 from kernapprox.sweep._store import ProgressStore
 
 TESTS = Path(__file__).resolve().parent
@@ -235,10 +235,72 @@ def test_failing_cell_fails_loudly_keeps_progress_and_no_resume_starts_over(tmp_
     assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (16, 16)     # the family-a half was kept
     assert_same_metrics(ds, reference)
     monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
+    again = run_toy(tmp_path)                       # a finished run of the same command: nothing runs
+    assert again.attrs["time_start"] == ds.attrs["time_start"] and again.attrs["run_key"] == ds.attrs["run_key"]
     with pytest.raises(sweep.CellError):
-        run_toy(tmp_path)
+        run_toy(tmp_path, resume=False)             # --force recomputes every cell
     monkeypatch.delenv("TOY_FAIL_FAMILY")
     assert run_toy(tmp_path, resume=False).attrs["cells_reused"] == 0
+
+
+def test_ctrl_c_says_what_was_saved_and_the_rerun_resumes(tmp_path, reference):
+    """Ctrl-C: no traceback, exit code 130, how many cells are saved and how to resume; the rerun computes the
+    rest only and ends with the uninterrupted run's numbers."""
+    stopped = toy_subprocess(["--preset", "smoke", "--out", "toy.nc"], tmp_path, TOY_INTERRUPT_AT_CELL="6")
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert "interrupted: 5 of 32 cells saved in" in stopped.stderr and "rerun the same command to resume" \
+        in stopped.stderr
+    resumed = toy_subprocess(["--preset", "smoke", "--out", "toy.nc"], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    ds = sweep.load(tmp_path / "toy.nc")
+    assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (27, 5)
+    assert_same_metrics(ds, reference)
+
+
+def test_a_finished_command_reruns_nothing_unless_forced(tmp_path, reference):
+    first = run_toy(tmp_path)
+    before = (tmp_path / "toy.nc").read_bytes()
+    again = run_toy(tmp_path)
+    assert (tmp_path / "toy.nc").read_bytes() == before              # not rewritten
+    assert again.attrs["run_key"] == first.attrs["run_key"] and again.attrs["cells_run"] == 32
+    assert run_toy(tmp_path, root_seed=1).attrs["cells_run"] == 32      # another seed: recomputed
+    assert run_toy(tmp_path, seeds=3).attrs["cells_run"] == 48          # another grid: recomputed
+    forced = run_toy(tmp_path, seeds=3, resume=False)
+    assert forced.attrs["cells_run"] == 48 and forced.attrs["time_start"] >= first.attrs["time_start"]
+    out = toy_subprocess(["--preset", "smoke", "--out", "again.nc"], tmp_path)
+    out = toy_subprocess(["--preset", "smoke", "--out", "again.nc"], tmp_path)
+    assert out.returncode == 0 and "is up to date" in out.stderr and "--force recomputes" in out.stderr
+
+
+def test_set_values_are_checked_before_any_cell_runs(tmp_path):
+    calls = []
+    exp = _experiment(grids={"smoke": {"estimator": ["positive_orthogonal"], "num_features": [8], "seed": [0]}},
+                      data_axes=("seed",),
+                      run_cell=lambda params, rng, device, data_rng: calls.append(params) or {"m": 0.0},
+                      check_params=lambda p: None if p["num_features"] < 100 else (_ for _ in ()).throw(
+                          ValueError("num_features must be below 100 here")))
+    with pytest.raises(ValueError, match="axis 'estimator' has values \\['no_such_map'\\]"):
+        sweep.run(exp, out=tmp_path / "t.nc", set_values={"estimator": ["positive_orthogonal", "no_such_map"]},
+                  progress=False)
+    with pytest.raises(ValueError, match="axis 'num_features' has values \\[0\\]"):
+        sweep.run(exp, out=tmp_path / "t.nc", set_values={"num_features": [8, 0]}, progress=False)
+    with pytest.raises(ValueError, match="below 100"):
+        sweep.run(exp, out=tmp_path / "t.nc", set_values={"num_features": [8, 128]}, progress=False)
+    assert calls == []                                                   # nothing ran
+    check_values(exp, {"estimator": ["trig", "positive_orthogonal"], "num_features": [8, 64], "seed": [0, 7]})
+
+
+def test_every_coordinate_has_a_long_name_and_units(tmp_path, reference):
+    for name in reference.coords:
+        assert reference[name].attrs.get("long_name") and reference[name].attrs.get("units"), name
+    assert reference["draw"].attrs["long_name"] == "draw"                  # a metric's own dimension
+
+
+def test_the_digest_ignores_every_timing(reference):
+    timed = reference.assign(train_seconds=reference["mean"].copy(data=np.random.default_rng(0).random(
+        reference["mean"].shape)).assign_attrs(units="s"))
+    assert sweep.dataset_digest(timed) == sweep.dataset_digest(reference)
+    assert sweep.dataset_digest(reference.assign(mean=reference["mean"] + 1)) != sweep.dataset_digest(reference)
 
 
 def test_progress_from_another_root_seed_is_not_reused(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@
 ``TOY_DIE_ONCE=path``    the first cell to find ``path`` missing creates it and kills its own process
 ``TOY_FAIL_FAMILY=b``    cells with ``family == b`` raise ``ValueError``
 ``TOY_SLEEP=s``          each cell sleeps ``s`` seconds
+``TOY_INTERRUPT_AT_CELL=k``  raise KeyboardInterrupt (Ctrl-C) when the k-th cell starts
 """
 
 import os
@@ -34,6 +35,8 @@ def run_cell(params, rng, device):
     _started += 1
     if os.environ.get("TOY_KILL_AT_CELL") and _started == int(os.environ["TOY_KILL_AT_CELL"]):
         os.kill(os.getpid(), signal.SIGKILL)
+    if os.environ.get("TOY_INTERRUPT_AT_CELL") and _started == int(os.environ["TOY_INTERRUPT_AT_CELL"]):
+        raise KeyboardInterrupt
     marker = os.environ.get("TOY_DIE_ONCE")
     if marker and not os.path.exists(marker):
         open(marker, "w").close()

@@ -50,8 +50,10 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
 
             Each cell's randomness comes from the experiment name, the cell's coordinate values and --root-seed,
             so one cell run alone (--only axis=value ...) reproduces its stored numbers. An interrupted run
-            resumes from {default_output(experiment)}.partial/ (--no-resume starts over). A run whose grid or
-            parameters differ from the preset is stored with preset = "custom" and the grid it ran."""),
+            resumes from {default_output(experiment)}.partial/ (--force starts over); rerunning a finished
+            command reuses its dataset unless the code, grid, parameters, seed or device changed (--force).
+            A run whose grid or parameters differ from the preset is stored with preset = "custom" and the
+            grid it ran."""),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     default_preset = "default" if "default" in presets else presets[0]
     parser.add_argument("--preset", choices=presets, default=default_preset,
@@ -69,8 +71,9 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
                         help="0: run in this process (default); N: a spawn process pool of N workers")
     parser.add_argument("--dask", action="store_true", help="with --workers N: a dask LocalCluster of N processes")
     parser.add_argument("--scheduler", metavar="ADDRESS", help="run cells on this dask.distributed scheduler")
-    parser.add_argument("--no-resume", dest="resume", action="store_false",
-                        help="discard the progress of an interrupted run and start over")
+    parser.add_argument("--force", "--no-resume", dest="resume", action="store_false",
+                        help="recompute every cell: discard the progress of an interrupted run, and do not reuse "
+                             "a finished dataset of the same command (rerunning one otherwise runs nothing)")
     parser.add_argument("--root-seed", type=int, default=0, metavar="S", help="root seed of every cell (default 0)")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="torch threads per running cell (default: torch's choice; cores/workers in a pool)")
@@ -153,4 +156,6 @@ def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError, CellError, RuntimeError) as exc:
         print(f"error: {experiment.name}: {exc}", file=sys.stderr)
         raise SystemExit(2 if isinstance(exc, ValueError | TypeError | FileNotFoundError) else 1) from None
+    except KeyboardInterrupt:          # run() has said how many cells are saved and how to resume
+        raise SystemExit(130) from None
     return 0

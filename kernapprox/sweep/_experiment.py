@@ -133,6 +133,15 @@ AXIS_ATTRS = {
     "seq_len": {"long_name": "sequence length n", "units": "token"},
     "beta": {"long_name": "nominal inverse temperature β", "units": "1"},
     "causal": {"long_name": "causal attention", "units": "1"},
+    # dimensions that metrics of several studies share (a study's axis_attrs may say more)
+    "episode": {"long_name": "episode (prompt) of the data draw", "units": "1"},
+    "sv_index": {"long_name": "index of the singular value, largest first", "units": "1"},
+    "layer": {"long_name": "layer (0 = the first)", "units": "1"},
+    "head": {"long_name": "attention head", "units": "1"},
+    "repeat": {"long_name": "repeated measurement", "units": "1"},
+    "replicate": {"long_name": "replicate within the cell", "units": "1"},
+    "stat": {"long_name": "summary statistic: estimate, 95 % interval (lo, hi) and the other entries of "
+                          "kernapprox.stats.STATS", "units": "1"},
 }
 
 
@@ -212,7 +221,9 @@ class Experiment:
     parameters : mapping name -> Parameter
         Fixed parameters; ``run_cell`` receives them in ``params``.
     axis_attrs : mapping axis -> {"long_name", "units", ...}
-        Coordinate attributes of the grid axes (added to :data:`AXIS_ATTRS`).
+        Coordinate attributes (``long_name``, ``units``, ...) of the grid axes and of the metrics' own dimensions,
+        added to :data:`AXIS_ATTRS`. Every coordinate of a dataset carries both (the engine refuses to write one
+        without them).
     summarise : callable ``(dataset) -> dataset``, optional
         Adds the derived variables (paired comparisons, summaries with intervals: :mod:`kernapprox.stats`) the
         figure and the findings read; applied by the engine before the dataset is written.
@@ -221,6 +232,10 @@ class Experiment:
         (``figures/<name>.md``).
     module : str, optional
         Importable module holding the experiment (found from ``run_cell``); worker processes import it.
+    check_params : callable ``(params) -> None``, optional
+        Raises ``ValueError`` naming the axis for a cell the study cannot run (e.g. an estimator it does not
+        support). The engine calls it on every cell of a grid, after its own checks of the common axes
+        (:func:`check_values`), before any cell runs, so a bad ``--set`` value fails at once.
     """
 
     name: str
@@ -238,6 +253,7 @@ class Experiment:
     summarise: Callable | None = None
     findings: Callable | None = None
     module: str | None = field(default=None)
+    check_params: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -282,6 +298,8 @@ class Experiment:
             raise TypeError("Experiment summarise must be a callable (dataset) -> dataset")
         if self.findings is not None and not callable(self.findings):
             raise TypeError("Experiment findings must be a callable (dataset) -> str")
+        if self.check_params is not None and not callable(self.check_params):
+            raise TypeError("Experiment check_params must be a callable (params) -> None")
         object.__setattr__(self, "grids", grids)
         object.__setattr__(self, "metrics", dict(self.metrics))
         if self.module is None:
@@ -331,8 +349,13 @@ class Experiment:
             if not _NAME.match(name) or name in axes or name in self.metrics:
                 raise ValueError(f"parameter name {name!r} must be an identifier that is not an axis or a metric")
         object.__setattr__(self, "parameters", dict(self.parameters))
-        if not isinstance(self.axis_attrs, Mapping) or any(a not in axes for a in self.axis_attrs):
-            raise ValueError(f"axis_attrs must map grid axes {axes} to attribute dicts, got {self.axis_attrs!r}")
+        dims = {d for m in self.metrics.values() for d in m.dims}
+        if self.reference is not None:
+            dims |= {d for m in self.reference.metrics.values() for d in m.dims}
+        known = [*axes, *sorted(dims - set(axes)), "stat"]
+        if not isinstance(self.axis_attrs, Mapping) or any(a not in known for a in self.axis_attrs):
+            raise ValueError(f"axis_attrs must map grid axes or metric dimensions {known} to attribute dicts, got "
+                             f"{self.axis_attrs!r}")
         object.__setattr__(self, "axis_attrs", {a: dict(v) for a, v in self.axis_attrs.items()})
 
     @property
@@ -345,7 +368,8 @@ class Experiment:
         return self.reference.axes if self.reference is not None else ()
 
     def coordinate_attrs(self, axis: str) -> dict:
-        """``long_name`` and ``units`` (and any other attribute) of the coordinate ``axis``."""
+        """``long_name`` and ``units`` (and any other attribute) of the coordinate ``axis`` (a grid axis or a
+        metric's own dimension)."""
         return {"long_name": axis.replace("_", " "), "units": "1", **AXIS_ATTRS.get(axis, {}),
                 **self.axis_attrs.get(axis, {})}
 
@@ -434,6 +458,45 @@ def iter_cells(grid: Mapping[str, Sequence]):
 
 def grid_size(grid: Mapping[str, Sequence]) -> int:
     return int(np.prod([len(v) for v in grid.values()], dtype=np.int64))
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _registered_estimator(value) -> bool:
+    from ..estimators.registry import available_estimators
+
+    return value in available_estimators()
+
+
+# What the common axes may hold, for values that no preset has (a --set value): (test, what it must be).
+AXIS_DOMAINS = {
+    "estimator": (_registered_estimator, "a registered estimator name (kernapprox.available_estimators())"),
+    "num_features": (_positive_int, "a positive integer"),
+    "seq_len": (_positive_int, "a positive integer"),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "a non-negative integer"),
+    "beta": (lambda v: isinstance(v, float) and v > 0, "a positive number"),
+}
+
+
+def check_values(experiment: Experiment, grid: Mapping[str, Sequence], parameters: Mapping | None = None) -> None:
+    """Refuse, before any cell runs, a grid that holds values the study cannot run: every value of a common axis
+    (:data:`AXIS_DOMAINS`) that no preset holds must lie in its domain, and the study's own ``check_params``
+    must accept every cell (its axis values and the fixed ``parameters``, as ``run_cell`` gets them).
+    ``ValueError`` names the axis, the value and what it must be."""
+    for axis, values in grid.items():
+        if axis not in AXIS_DOMAINS:
+            continue
+        known = experiment.known_values(axis)
+        test, must = AXIS_DOMAINS[axis]
+        bad = [v for v in values if v not in known and not test(v)]
+        if bad:
+            raise ValueError(f"{experiment.name}: axis {axis!r} has values {bad}, which are not {must}; values of "
+                             f"the presets: {', '.join(map(str, known))}")
+    if experiment.check_params is not None:
+        for _, params in iter_cells(grid):
+            experiment.check_params({**params, **(parameters or {})})
 
 
 def select(experiment: Experiment, grid: dict[str, list], only: Mapping | None) -> dict[str, list]:

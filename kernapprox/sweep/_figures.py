@@ -24,12 +24,13 @@ _DIGEST_LINE = re.compile(r"<!-- findings of (?P<source>\S+) \((?P<module>[^)]*)
 
 
 def dataset_digest(ds: xr.Dataset) -> str:
-    """SHA-256 (16 hex digits) of a dataset's coordinates and data values, without the wall times of its cells
-    or any attribute (provenance, dates), so that two runs that computed the same numbers have the same digest."""
+    """SHA-256 (16 hex digits) of a dataset's coordinates and data values, without its timings (the wall times of
+    its cells and every other variable in seconds, ``units="s"``: training times, timed calls) or any attribute
+    (provenance, dates), so that two runs that computed the same numbers have the same digest."""
     digest = hashlib.sha256()
     for group in (ds.coords, ds.data_vars):
         for name in sorted(group):
-            if name in TIMING_VARIABLES:
+            if name in TIMING_VARIABLES or (name in ds.data_vars and group[name].attrs.get("units") == "s"):
                 continue
             var = group[name]
             digest.update(f"{name}:{','.join(map(str, var.dims))}:{var.shape}".encode())

@@ -33,13 +33,14 @@ from ._experiment import (
     cell_key,
     cell_spawn_key,
     check_root_seed,
+    check_values,
     data_spawn_key,
     iter_cells,
     replace_values,
     select,
 )
 from ._provenance import code_fingerprint, command_line, provenance_attrs
-from ._store import REFERENCE_MARK, ProgressStore, assemble, check_output_path, reference_key, write
+from ._store import REFERENCE_MARK, ProgressStore, assemble, check_output_path, load, reference_key, write
 from ._worker import CellError, CellTask, execute_cell, init_pool_worker, precision_settings
 
 
@@ -95,6 +96,7 @@ def resolve_grid(experiment: Experiment, preset: str, *, seeds: int | None = Non
     grid = replace_values(experiment, grid, set_values)
     grid = select(experiment, grid, only)
     values = experiment.parameter_values(parameters)
+    check_values(experiment, grid, values)
     if set_values:
         changes["set"] = {axis: grid[axis] for axis in set_values}
     if only:
@@ -262,7 +264,10 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         0 runs cells in this process; ``N`` > 0 uses a spawn process pool of N workers (or, with ``dask``, a
         dask ``LocalCluster`` of N worker processes).
     resume : bool
-        Reuse cells finished by an interrupted run with the same code, seed and device type.
+        Reuse cells finished by an interrupted run with the same code, seed and device type; and return the
+        dataset at ``out`` unchanged, running nothing, when a finished run of the same code, grid, parameters,
+        root seed and device type wrote it (its ``run_key`` attribute). ``False`` (``--force``) recomputes every
+        cell. Interrupted (Ctrl-C), the run says how many cells are saved and how to resume.
     seeds : int, optional
         Replace the ``seed`` axis by ``0 .. seeds-1``.
     root_seed : int
@@ -308,6 +313,14 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     manifest = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
                 "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32,
                 "parameters": json.dumps(values, sort_keys=True)}
+    run_key = json.dumps({**manifest, "grid": grid}, sort_keys=True)
+    if resume:
+        done = _finished_run(out, run_key)
+        if done is not None:
+            print(f"{experiment.name} [{done.attrs.get('preset')}]: {out} is up to date (same code, grid, "
+                  f"parameters, root seed and device type): {done.attrs.get('cells_total')} cells reused, 0 run "
+                  "(--force recomputes)", file=sys.stderr)
+            return done
     store = ProgressStore(out)
     driver_threads = torch.get_num_threads()  # in-process cells may change it; put it back afterwards
     try:
@@ -350,6 +363,11 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                 with blas_threads(plan.num_threads):
                     _execute(tasks, plan, max_retries, on_done)
                 ok = True
+            except KeyboardInterrupt:
+                saved = sum(k in finished for k in keys)
+                print(f"\n{experiment.name}: interrupted: {saved} of {len(cells)} cells saved in {store.root}; "
+                      "rerun the same command to resume", file=sys.stderr)
+                raise
             finally:
                 plan.close(cancel=not ok)
         ended = datetime.now(UTC)
@@ -363,6 +381,7 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                       "time_end": ended.isoformat(timespec="seconds"), "wall_seconds": round(wall, 3),
                       "cpu_seconds": round(cpu, 3),
                       "cells_total": len(cells), "cells_run": len(tasks), "cells_reused": reused,
+                      "run_key": run_key,
                       "timings": json.dumps({"start": started.isoformat(), "end": ended.isoformat(),
                                              "wall_seconds": wall, "cpu_seconds": cpu, "cells_run": len(tasks),
                                              "cells_reused": reused})})
@@ -378,6 +397,18 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
           f"{time.perf_counter() - clock:.1f} s on {dev}, {_cpu_seconds() - cpu_clock:.1f} CPU-s "
           f"({plan.description}) -> {out}", file=sys.stderr)
     return ds
+
+
+def _finished_run(out: Path, run_key: str) -> xr.Dataset | None:
+    """The dataset at ``out`` if a finished run of the same code, grid, parameters, root seed and device type
+    wrote it (its ``run_key`` attribute), else None: rerunning a finished command recomputes nothing."""
+    if not out.is_file():
+        return None
+    try:
+        ds = load(out)
+    except (OSError, ValueError):
+        return None
+    return ds if ds.attrs.get("run_key") == run_key else None
 
 
 def blas_threads(num_threads: int | None):
@@ -407,7 +438,7 @@ def summarise_dataset(experiment: Experiment, ds: xr.Dataset) -> xr.Dataset:
     from .. import stats
 
     if experiment.summarise is None:
-        return ds
+        return _with_coordinate_attrs(experiment, ds)
     out = experiment.summarise(ds.copy())                 # a shallow copy: what it adds is visible here
     if not isinstance(out, xr.Dataset):
         raise TypeError(f"summarise of {experiment.name!r} must return an xarray.Dataset, got {type(out).__name__}")
@@ -419,4 +450,14 @@ def summarise_dataset(experiment: Experiment, ds: xr.Dataset) -> xr.Dataset:
         if missing:
             raise ValueError(f"summarise of {experiment.name!r}: variable {name!r} lacks attributes {missing}")
     out.attrs.update(stats.describe_summaries(out))
-    return out
+    return _with_coordinate_attrs(experiment, out)
+
+
+def _with_coordinate_attrs(experiment: Experiment, ds: xr.Dataset) -> xr.Dataset:
+    """Every coordinate with its ``long_name`` and ``units``: those it has, else the experiment's
+    (:meth:`Experiment.coordinate_attrs`: its ``axis_attrs``, then :data:`AXIS_ATTRS`, then the name itself)."""
+    for name in ds.coords:
+        attrs = ds[name].attrs
+        if not attrs.get("long_name") or not attrs.get("units"):
+            ds[name].attrs = {**experiment.coordinate_attrs(name), **{k: v for k, v in attrs.items() if v}}
+    return ds

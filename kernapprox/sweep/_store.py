@@ -275,7 +275,8 @@ def assemble(experiment: Experiment, grid: dict[str, list], cells: Mapping[str, 
         for metric in metrics.values():
             for dim in metric.dims:
                 given = (metric.coords or {}).get(dim)
-                coords.setdefault(dim, np.asarray(given) if given is not None else np.arange(sizes[dim]))
+                values = np.asarray(given) if given is not None else np.arange(sizes[dim])
+                coords.setdefault(dim, xr.Variable(dim, values, experiment.coordinate_attrs(dim)))
     for name, value in (parameters or {}).items():
         p = experiment.parameters[name]
         coords[name] = xr.Variable((), value, {"long_name": p.long_name, "units": p.units,
