@@ -29,10 +29,29 @@ from .estimators.base import ROLES
 from .estimators.registry import available_estimators, capabilities, constructor_options, make_estimator
 from .validation import check_choice, check_positive_float, check_positive_int
 
-__all__ = ["SoftmaxKernelFeatures", "has_feature_map"]
+__all__ = ["SoftmaxKernelFeatures", "has_feature_map", "effective_features"]
 
 # Constructor arguments the adapter sets itself; passing them as options would be ambiguous.
 _RESERVED_OPTIONS = ("num_features", "rng", "scale")
+# transform warns when more than this share of the rows rest on fewer than COLLAPSED_ESS effective features
+COLLAPSED_ESS = 2.0
+COLLAPSED_SHARE = 0.5
+
+
+def effective_features(phi: np.ndarray) -> np.ndarray:
+    r"""The effective number of features of each row of ``phi`` ``(n, r)``: ``(Σ_j w_j)² / Σ_j w_j²`` with
+    ``w = φ`` for non-negative maps and ``w = φ²`` (the row's energy) for signed ones.
+
+    Kish's effective sample size of the row's normalised weights (Kish 1965, *Survey Sampling*, eq. 11.7.2): 1
+    when one feature carries the row, ``r`` when all carry it equally. Computed after dividing each row by its
+    largest entry, so it is exact for rows of any magnitude; an all-zero row has 0.
+    """
+    a = np.abs(np.asarray(phi, dtype=np.float64))
+    top = a.max(axis=1, keepdims=True)
+    a = np.divide(a, top, out=np.zeros_like(a), where=top > 0)
+    w = a ** 2 if (np.asarray(phi) < 0).any() else a
+    s1, s2 = w.sum(axis=1), (w ** 2).sum(axis=1)
+    return np.divide(s1 ** 2, s2, out=np.zeros_like(s1), where=s2 > 0)
 
 
 def has_feature_map(name: str) -> bool:
@@ -207,7 +226,26 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
                     f"returned as {'zeros' if what == 'underflow' else 'infinities'}: the factors exp(±scale·‖x‖²/2) "
                     "of these maps exceed the dtype's range for rows of X this large); standardise X (e.g. "
                     "sklearn.preprocessing.StandardScaler in a pipeline) or pass a smaller scale") from exc
-        return phi.numpy()
+        out = phi.numpy()
+        self._warn_if_collapsed(out)
+        return out
+
+    def _warn_if_collapsed(self, phi: np.ndarray) -> None:
+        """Warn, naming the fix, when the features of most rows rest on one or two coordinates: the kernel
+        ``exp(scale·xᵀy)`` is then dominated by its largest term and a linear model on the features sees little
+        more than which coordinate is largest (on unscaled digits at the default scale, chance accuracy)."""
+        if phi.shape[0] == 0:
+            return
+        ess = effective_features(phi)
+        share = float((ess < COLLAPSED_ESS).mean())
+        if share > COLLAPSED_SHARE and self.n_components_ > 2:
+            warnings.warn(
+                f"SoftmaxKernelFeatures({self.estimator!r}): the features collapse onto few coordinates: "
+                f"{share:.0%} of the rows have fewer than {COLLAPSED_ESS:g} effective features (median "
+                f"{float(np.median(ess)):.2g} of n_components_={self.n_components_}; "
+                f"kernapprox.sklearn.effective_features) at scale={self.scale_:.3g}; standardise X (e.g. "
+                "sklearn.preprocessing.StandardScaler in a pipeline) or pass a smaller scale", UserWarning,
+                stacklevel=3)
 
     def kernel(self, X, Y=None):
         """The approximate kernel ``φ_query(X) φ_key(Y)ᵀ ≈ exp(scale · X Yᵀ)`` (``Y = X`` if omitted)."""

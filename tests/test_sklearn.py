@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -235,3 +237,28 @@ def test_grid_search_over_options():
     search.fit(X[:300], y[:300])
     assert set(search.best_params_) == {"softmaxkernelfeatures__sampler", "softmaxkernelfeatures__n_components"}
     assert search.best_estimator_[1].estimator_.sampler == search.best_params_["softmaxkernelfeatures__sampler"]
+
+
+# ------------------------------------------------------------------------------------ collapsed features
+def test_effective_features_counts_the_coordinates_a_row_rests_on():
+    from kernapprox.sklearn import effective_features
+
+    phi = np.array([[1.0, 0, 0, 0], [1, 1, 1, 1], [1e300, 1e300, 0, 0], [0, 0, 0, 0], [-1, 1, -1, 1]])
+    np.testing.assert_allclose(effective_features(phi), [1, 4, 2, 0, 4])
+    np.testing.assert_allclose(effective_features(np.array([[2.0, -1e-200]])), [1.0])   # energy of a signed row
+
+
+def test_a_transform_whose_features_collapse_warns_and_names_the_fix():
+    """Unscaled digits (pixel values 0..16) at the default scale: almost every row of FAVOR+ features rests on one
+    coordinate (a linear model on them is at chance); after StandardScaler the same transformer does not warn."""
+    from sklearn.datasets import load_digits
+    from sklearn.preprocessing import StandardScaler
+
+    X = load_digits().data
+    t = SoftmaxKernelFeatures("positive_orthogonal", n_components=128, random_state=0)
+    with pytest.warns(UserWarning, match=r"collapse onto few coordinates: \d+% of the rows.*StandardScaler"):
+        t.fit_transform(X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t.fit_transform(StandardScaler().fit_transform(X))
+        SoftmaxKernelFeatures("trig", n_components=128, random_state=0).fit_transform(X)   # energy spread
