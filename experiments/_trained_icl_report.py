@@ -326,7 +326,7 @@ def plot(ds: xr.Dataset, path) -> None:
                    linewidth=1.0, label="softmax reference")
         ax.set_ylim(-0.03, 1.03)
         ax.set_ylabel("MQAR accuracy")
-        ax.set_title(f"(b) post hoc, every layer ({c} pairs)")
+        ax.set_title(f"(a) post hoc, every layer ({c} pairs)")
         ax = axes[0, 1]
         err = ds["layer_error_summary"].sel(task=task, substitution="all", context=c, stat="estimate")
         for est in err.estimator.values:
@@ -363,25 +363,26 @@ def plot(ds: xr.Dataset, path) -> None:
             else:
                 notes.append(f"{label}: {m:.0e}, below the axis")
         ax.set_ylabel("squared error / d (mean over queries)")
-        ax.set_title(f"(b) regression post hoc ({c} examples)")
+        ax.set_title(f"(c) regression post hoc ({c} examples)")
     handles, names = legend_entries(axes.flat)
     fig.legend(handles, names, loc="outside right center", fontsize=7, frameon=False)
     save_figure(fig, path, (
-        "Trained causal Transformers with approximate attention. (b) Post-hoc substitution of every layer's softmax "
-        "attention by an estimator at rank r, nothing retrained: task score (mean over evaluation prompts, band: 95 % "
-        "bootstrap interval) and each layer's attention-output error against exact attention on the model's own "
-        "activations (median over seeds). (c) Models trained from scratch with the estimator at feature dimension r "
-        "(plus a short convolution): accuracy against the bytes a decoder keeps (star: the softmax reference's KV "
-        "cache). (d) Training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n) against the trained model's "
-        "post-hoc accuracy at the same estimator, r and number of pairs (marker size grows with r), with Spearman's "
-        "ρ over the approximate points and its bootstrap interval. Right: post-hoc accuracy against the prompt length "
-        "at r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
+        "Trained causal Transformers with approximate attention. (a, c) Post-hoc substitution of every layer's "
+        "softmax attention by an estimator at rank r, nothing retrained: task score (mean over evaluation prompts, "
+        "band: 95 % bootstrap interval); (b) each layer's attention-output error against exact attention on the "
+        "model's own activations (median over seeds). (d) Models trained from scratch with the estimator at feature "
+        "dimension r (plus a short convolution): accuracy against the bytes a decoder keeps (star: the softmax "
+        "reference's KV cache; markers drawn later are smaller, so coinciding points stay visible). (e) "
+        "Training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n) against the trained model's post-hoc "
+        "accuracy at the same estimator, r and number of pairs (marker size grows with r), with Spearman's ρ over "
+        "the approximate points and its bootstrap interval. (f) Post-hoc accuracy against the prompt length at "
+        "r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
         title="In-context learning in trained Transformers")
 
 
 def _frontier(ax, ds, task, c):
     sel = ds.sel(task=task, context=c, substitution="trained")
-    for est in sel.estimator.values:
+    for order, est in enumerate(sel.estimator.values):
         s = sel["score_summary"].sel(estimator=est, stat="estimate").values
         x = sel.state_bytes.sel(estimator=est).max("seed").values
         keep = np.isfinite(s) & np.isfinite(x)
@@ -392,13 +393,14 @@ def _frontier(ax, ds, task, c):
             ax.plot(x[keep], s[keep], marker="*", markersize=12, linestyle="none", color=st["color"],
                     label="softmax reference (KV cache)")
         else:       # a family trained at one r only: a larger marker
-            ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)",
-                                         **({"markersize": 8} if keep.sum() == 1 else {})})
+            # later estimators smaller and on top: points that coincide (e.g. two saturated maps) stay visible
+            ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)", "zorder": 2 + order,
+                                         "markersize": max(3.0, (9.0 if keep.sum() == 1 else 7.0) - 1.2 * order)})
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("state size (bytes, float32)")
     ax.set_ylabel("MQAR accuracy")
-    ax.set_title(f"(c) trained from scratch ({c} pairs)")
+    ax.set_title(f"(d) trained from scratch ({c} pairs)")
 
 
 def _proxy_panel(ax, ds, task, c):
@@ -415,7 +417,7 @@ def _proxy_panel(ax, ds, task, c):
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("training-free read-out accuracy (proxy)")
     ax.set_ylabel("trained model, post-hoc accuracy")
-    ax.set_title(f"(d) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points")
+    ax.set_title(f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points")
 
 
 def _context_panel(ax, ds, task):
@@ -436,4 +438,4 @@ def _context_panel(ax, ds, task):
     ax.set_ylim(-0.03, 1.03)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("MQAR accuracy")
-    ax.set_title(f"(b) post hoc against length, r = {r}")
+    ax.set_title(f"(f) post hoc against length, r = {r}")
