@@ -66,7 +66,8 @@ from scipy import stats as _scipy_stats
 
 __all__ = ["LEVEL", "BOOTSTRAP_SEED", "RESAMPLES", "STATS",
            "bootstrap_interval", "binomial_interval", "summarise", "proportion_summary", "paired",
-           "paired_summary", "describe_summaries", "is_summary"]
+           "paired_summary", "describe_summaries", "is_summary", "unit_values", "cluster_interval", "paired_test",
+           "holm", "verdict", "MIN_UNITS"]
 
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0
@@ -353,6 +354,147 @@ def paired_summary(comparison: xr.DataArray, dims, *, statistic: str = "median",
         "over": ", ".join(dims), "neutral": neutral,
         "interval": boot.attrs["interval"] + f"; below: share of draws < {neutral:g} with its Clopper–Pearson "
                                              "interval"})
+
+
+# ------------------------------------------------------------------- units of replication and paired tests
+MIN_UNITS = 10
+
+
+def unit_values(da: xr.DataArray, within=()) -> xr.DataArray:
+    """One value per unit of replication: the mean of ``da`` over ``within`` (the dimensions whose entries share
+    a unit, e.g. the prompts that share one feature draw or one trained model), NaN entries left out; ``within``
+    empty returns ``da``. A unit whose entries are all NaN is NaN."""
+    within = () if not within else _check_dims(da, within)
+    if not within:
+        return da
+    out = da.mean(within, skipna=True)
+    out.attrs = {**_kept_attrs(da), "unit_mean_over": ", ".join(within)}
+    return out
+
+
+def cluster_interval(da: xr.DataArray, unit, within=(), *, level: float = LEVEL, seed: int = BOOTSTRAP_SEED,
+                     resamples: int = RESAMPLES) -> xr.DataArray:
+    r"""Mean over units and entries with a *cluster* bootstrap interval: the units (dimension ``unit``) are
+    resampled with replacement, each with all of its entries along ``within``.
+
+    The estimate is the pooled mean ``Σ_u S_u / Σ_u N_u`` (``S_u``, ``N_u``: sum and count of unit ``u``'s valid
+    entries); each resample recomputes it from the drawn units (Davison & Hinkley 1997, *Bootstrap Methods and
+    their Application*, §3.8, resampling the clusters). When entries of a unit are correlated (prompts sharing
+    one feature draw) this is the honest interval; treating the entries as independent would narrow it by about
+    ``sqrt(1 + (N − 1)ρ)`` for intra-unit correlation ``ρ`` (the design effect, Kish 1965, eq. 5.4.2).
+
+    Returns a summary (``stat`` coordinate :data:`STATS`) with ``estimate``, ``lo``, ``hi`` and ``count`` = the
+    number of units with at least one valid entry; ``over`` names the unit, ``within`` the pooled dims.
+    """
+    level = _check_level(level)
+    (unit,) = _check_dims(da, unit)
+    within = () if not within else _check_dims(da, within)
+    if unit in within:
+        raise ValueError(f"unit {unit!r} cannot also be a within dimension")
+    if isinstance(resamples, bool) or not isinstance(resamples, int) or resamples < 100:
+        raise ValueError(f"resamples must be an integer >= 100, got {resamples!r}")
+    valid = da.notnull()
+    sums = da.where(valid, 0.0).sum(within) if within else da.where(valid, 0.0)
+    counts = valid.sum(within) if within else valid.astype(np.float64)
+    template, s = _pooled(sums, (unit,))
+    _, c = _pooled(counts.astype(np.float64), (unit,))
+    flat_s, flat_c = s.reshape(-1, s.shape[-1]), c.reshape(-1, c.shape[-1])
+    alpha = 1.0 - level
+    out = np.full((flat_s.shape[0], 4), np.nan)
+    for i, (si, ci) in enumerate(zip(flat_s, flat_c)):
+        keep = ci > 0
+        m = int(keep.sum())
+        if m == 0:
+            continue
+        si, ci = si[keep], ci[keep]
+        out[i, 0] = si.sum() / ci.sum()
+        out[i, 3] = m
+        if m > 1:
+            idx = _indices(int(seed), m, resamples)
+            boot = si[idx].sum(-1) / ci[idx].sum(-1)
+            out[i, 1:3] = np.quantile(boot, [alpha / 2, 1 - alpha / 2], method="linear")
+    data = out.reshape(s.shape[:-1] + (4,))
+    pooled = f" with their entries along {', '.join(within)}" if within else ""
+    return _with_stat(template, data, BOOTSTRAP_STATS, {
+        **_kept_attrs(da), "statistic": "mean", "level": level, "over": unit, "unit": unit,
+        "within": ", ".join(within),
+        "interval": f"{level:.0%} cluster bootstrap: the units ({unit}) resampled with replacement{pooled} "
+                    f"({resamples} resamples, bootstrap seed {seed}); count = units"})
+
+
+def paired_test(comparison: xr.DataArray, unit, within=(), *, test: str = "wilcoxon") -> xr.DataArray:
+    r"""Two-sided p-value of an exact paired test of "no difference" on the per-unit values of a comparison.
+
+    ``comparison`` comes from :func:`paired` (a difference, or a ratio: tested on its logarithm, so "no
+    difference" is ratio 1); each unit's value is its mean (of the log ratio) over ``within``
+    (:func:`unit_values`). ``test``:
+
+    ``"wilcoxon"``
+        Wilcoxon's signed-rank test (Wilcoxon 1945, Biometrics Bulletin 1:80), exact null distribution
+        (``scipy.stats.wilcoxon(method="exact")``) when no unit value is 0 and there are no ties, else the normal
+        approximation with the tie correction; zero values are dropped (Wilcoxon's convention).
+    ``"sign"``
+        The sign test: the number of units above the neutral value among the non-zero ones against
+        Binomial(m, 1/2), exact (``scipy.stats.binomtest``).
+
+    Returns the p-values over the comparison's other dimensions (NaN where fewer than one non-zero unit), with
+    attributes ``test``, ``unit`` and ``num_units`` (the largest number of units seen).
+    """
+    if test not in ("wilcoxon", "sign"):
+        raise ValueError(f"test must be 'wilcoxon' or 'sign', got {test!r}")
+    (unit,) = _check_dims(comparison, unit)
+    if comparison.attrs.get("comparison") == "ratio":      # a unit's value: the mean log ratio of its entries
+        with np.errstate(divide="ignore", invalid="ignore"):
+            comparison = np.log(comparison)
+    per_unit = unit_values(comparison, within)
+    template, values = _pooled(per_unit, (unit,))
+    flat = values.reshape(-1, values.shape[-1])
+    p = np.full(flat.shape[0], np.nan)
+    for i, row in enumerate(flat):
+        x = row[np.isfinite(row)]
+        x = x[x != 0]
+        if x.size == 0:
+            continue
+        if test == "sign":
+            p[i] = _scipy_stats.binomtest(int((x > 0).sum()), int(x.size), 0.5).pvalue
+        else:
+            exact = np.unique(np.abs(x)).size == x.size
+            p[i] = _scipy_stats.wilcoxon(x, method="exact" if exact else "approx", correction=False,
+                                         zero_method="wilcox").pvalue
+    out = template.copy(data=p.reshape(values.shape[:-1]))
+    out.attrs = {"long_name": f"p-value, paired {test} test on per-{unit} values", "units": "1",
+                 "description": f"two-sided exact {test} test of no difference, one value per {unit}"
+                                + (f" (mean over {', '.join(within)})" if within else ""),
+                 "test": test, "unit": unit, "num_units": int(np.isfinite(values).sum(-1).max(initial=0))}
+    return out
+
+
+def holm(p) -> np.ndarray:
+    """Holm's step-down adjusted p-values (Holm 1979, Scand. J. Statist. 6:65): the family-wise error rate of
+    rejecting every hypothesis whose adjusted p is below α is at most α. ``p`` is any array (DataArray kept);
+    NaN entries are not part of the family and stay NaN."""
+    da = p if isinstance(p, xr.DataArray) else None
+    arr = np.asarray(p, dtype=np.float64)
+    flat = arr.ravel()
+    ok = np.flatnonzero(np.isfinite(flat))
+    out = np.full_like(flat, np.nan)
+    if ok.size:
+        order = ok[np.argsort(flat[ok], kind="stable")]
+        m = ok.size
+        adjusted = np.maximum.accumulate((m - np.arange(m)) * flat[order])
+        out[order] = np.minimum(adjusted, 1.0)
+    out = out.reshape(arr.shape)
+    return da.copy(data=out) if da is not None else out
+
+
+def verdict(estimate: float, p: float, units: int, *, neutral: float = 0.0, alpha: float = 0.05,
+            min_units: int = MIN_UNITS) -> str:
+    """``"lower"``, ``"higher"`` or ``"not resolved"``: a paired comparison's verdict. It is resolved only with at
+    least ``min_units`` independent units and an (adjusted) p-value below ``alpha``; its direction is the
+    estimate's side of ``neutral`` (0 for differences, 1 for ratios)."""
+    if not (units >= min_units and np.isfinite(p) and p < alpha and np.isfinite(estimate) and estimate != neutral):
+        return "not resolved"
+    return "lower" if estimate < neutral else "higher"
 
 
 def is_summary(da: xr.DataArray) -> bool:
