@@ -34,6 +34,7 @@ __all__ = ["SoftmaxKernelFeatures", "has_feature_map", "effective_features"]
 # Constructor arguments the adapter sets itself; passing them as options would be ambiguous.
 _RESERVED_OPTIONS = ("num_features", "rng", "scale")
 # transform warns when more than this share of the rows rest on fewer than COLLAPSED_ESS effective features
+DEFAULT_COMPONENTS = 100       # n_components=None for maps of free dimension
 COLLAPSED_ESS = 2.0
 COLLAPSED_SHARE = 0.5
 
@@ -85,11 +86,13 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     estimator : str, default="positive_orthogonal"
         A registry name with a finite feature map (not ``"exact"``, not estimators that only provide their own
         attention). ``"positive_orthogonal"`` is FAVOR+ (Choromanski et al. 2021, Lemma 1 and Theorem 2).
-    n_components : int, default=100
+    n_components : int or None, default=None
         ``r``, the number of output features (``num_features`` of the estimator; must be even for the sin/cos
-        and ``exp(±)`` maps; ignored by maps whose dimension is fixed by the input dimension, see
-        ``n_components_``). Landmark maps (Nyström) use at most ``n_samples`` components: a larger value is set
-        to ``n_samples`` with a warning, as ``sklearn.kernel_approximation.Nystroem`` does.
+        and ``exp(±)`` maps). ``None``: 100, or for maps whose dimension is fixed by the input dimension (Taylor,
+        ELU+1, DPFP: capability ``fixed_dimension``) that dimension; for those maps a number other than their
+        dimension raises ``ValueError`` naming it (it is never silently replaced). Landmark maps (Nyström) use
+        at most ``n_samples`` components: a larger value is set to ``n_samples`` with a warning, as
+        ``sklearn.kernel_approximation.Nystroem`` does.
     role : {"query", "key"}, default="query"
         Which side of the kernel ``transform`` computes. Only asymmetric maps distinguish them. Read at
         transform time: ``set_params(role="key")`` on a fitted transformer gives the key features of the same
@@ -136,7 +139,7 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     True
     """
 
-    def __init__(self, estimator="positive_orthogonal", n_components=100, *, role="query", scale=None,
+    def __init__(self, estimator="positive_orthogonal", n_components=None, *, role="query", scale=None,
                  random_state=None, **options):
         self.estimator = estimator
         self.n_components = n_components
@@ -170,7 +173,8 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         if not has_feature_map(self.estimator):
             valid = [name for name in available_estimators() if has_feature_map(name)]
             raise ValueError(f"estimator {self.estimator!r} has no finite feature map; use one of {', '.join(valid)}")
-        check_positive_int(self.n_components, "n_components")
+        if self.n_components is not None:
+            check_positive_int(self.n_components, "n_components")
         check_choice(self.role, "role", ROLES)
         if self.scale is not None:
             check_positive_float(self.scale, "scale")
@@ -188,7 +192,8 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
         self._check_params()
         X = validate_data(self, X, dtype=[np.float64, np.float32])
         caps = capabilities(self.estimator, **self._options)
-        size = None if caps.fixed_dimension else self.n_components   # documented above
+        size = None if caps.fixed_dimension else (DEFAULT_COMPONENTS if self.n_components is None
+                                                  else self.n_components)
         if caps.rank_limited_by_points and size > X.shape[0]:
             # scikit-learn's Nystroem: warn and cap (its wording)
             warnings.warn("n_components > n_samples. This is not possible.\nn_components was set to n_samples, which "
@@ -198,6 +203,10 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
                              scale=self.scale, **self._options)
         x = torch.from_numpy(np.array(X, copy=True))
         est.fit(x)                      # k=None: one sample for both sides of the kernel
+        if caps.fixed_dimension and self.n_components is not None and self.n_components != est.num_features:
+            raise ValueError(f"estimator {self.estimator!r} has a fixed dimension, {est.num_features} for "
+                             f"{X.shape[1]} input features; n_components must be None or {est.num_features}, got "
+                             f"{self.n_components}")
         self.estimator_ = est
         self.scale_ = float(est.scale_)
         self.n_components_ = int(est.num_features)

@@ -25,6 +25,10 @@ N_COMPONENTS_ONE_CHECKS = (
 )
 
 
+def has_fixed(name: str) -> bool:
+    return ka.capabilities(name).fixed_dimension
+
+
 def representatives() -> list[str]:
     """One registry name per distinct feature map: names that differ only in their projection sampler share a
     class and its code path, so one of them stands for all."""
@@ -50,6 +54,13 @@ def expected_failed_checks(transformer) -> dict[str, str]:
         failing["check_fit_idempotent"] = (
             "the check draws inputs around 100: at attention's default scale the exact-scale features underflow "
             "float64 (e^(-s‖x‖²/2) ≈ e^(-7000)) and transform raises with the fix instead of returning zeros")
+    if has_fixed(transformer.estimator):
+        # its dimension is set by the input's; n_components=1 is refused unless the map has dimension 1 there
+        reason = "the check sets n_components=1; this map's dimension is fixed by the input dimension"
+        one_feature = ka.make_estimator(transformer.estimator).fit(torch.zeros(2, 1, dtype=torch.float64))
+        checks = [c for c in N_COMPONENTS_ONE_CHECKS if c != "check_fit2d_1feature" or one_feature.num_features != 1]
+        failing.update(dict.fromkeys(checks, reason))
+        return failing
     try:
         ka.make_estimator(transformer.estimator, num_features=1)
     except ValueError:
@@ -62,7 +73,8 @@ def expected_failed_checks(transformer) -> dict[str, str]:
 # draws inputs around 100, where exp(±s‖x‖²/2) overflows or underflows float64 at attention's default scale; the
 # transformer then raises instead of returning inf or zeros, by design (see test_overflow_raises and
 # test_unscaled_wine_features_that_underflow_raise_with_the_fix).
-CHECKED = [SoftmaxKernelFeatures()] + [SoftmaxKernelFeatures(name, n_components=8, scale=1e-3, random_state=0)
+CHECKED = [SoftmaxKernelFeatures()] + [SoftmaxKernelFeatures(name, n_components=None if has_fixed(name) else 8,
+                                                              scale=1e-3, random_state=0)
                                        for name in representatives()]
 
 
@@ -262,3 +274,12 @@ def test_a_transform_whose_features_collapse_warns_and_names_the_fix():
         warnings.simplefilter("error")
         t.fit_transform(StandardScaler().fit_transform(X))
         SoftmaxKernelFeatures("trig", n_components=128, random_state=0).fit_transform(X)   # energy spread
+
+
+def test_fixed_dimension_maps_take_their_own_dimension_or_refuse_another():
+    X = np.random.default_rng(0).normal(size=(30, 5))
+    assert SoftmaxKernelFeatures("taylor2").fit(X).n_components_ == 21             # 1 + d + d(d+1)/2
+    assert SoftmaxKernelFeatures("taylor2", n_components=21).fit(X).n_components_ == 21
+    with pytest.raises(ValueError, match="fixed dimension, 21 for 5 input features; n_components must be None or 21"):
+        SoftmaxKernelFeatures("taylor2", n_components=8).fit(X)
+    assert SoftmaxKernelFeatures().fit(X).n_components_ == 100
