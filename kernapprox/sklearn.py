@@ -89,7 +89,7 @@ class SoftmaxKernelFeatures(ClassNamePrefixFeaturesOutMixin, TransformerMixin, B
     n_components : int or None, default=None
         ``r``, the number of output features (``num_features`` of the estimator; must be even for the sin/cos
         and ``exp(±)`` maps). ``None``: 100, or for maps whose dimension is fixed by the input dimension (Taylor,
-        ELU+1, DPFP: capability ``fixed_dimension``) that dimension; for those maps a number other than their
+        ELU+1: capability ``fixed_dimension``) that dimension; for those maps a number other than their
         dimension raises ``ValueError`` naming it (it is never silently replaced). Landmark maps (Nyström) use
         at most ``n_samples`` components: a larger value is set to ``n_samples`` with a warning, as
         ``sklearn.kernel_approximation.Nystroem`` does.
