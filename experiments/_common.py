@@ -133,11 +133,9 @@ def range_text(values, digits: int = 2) -> str:
 
 
 def interval_note(ds: xr.Dataset) -> str:
-    """The closing line of a findings text: what the parentheses mean, from the dataset's attributes."""
-    level = float(ds.attrs.get("interval_level", stats.LEVEL))
-    return (f"Numbers in parentheses are {level * 100:g} % intervals (percentile bootstrap over the replicates with "
-            f"bootstrap seed {ds.attrs.get('bootstrap_seed', stats.BOOTSTRAP_SEED)}, or Clopper–Pearson for "
-            "proportions); ratios and differences are paired: computed per draw on identical inputs.")
+    """The closing line of a findings text (:func:`kernapprox.stats.interval_note`); the engine writes it after
+    the findings of a study that does not (kept for the studies that still add it themselves)."""
+    return stats.interval_note(ds)
 
 
 # ------------------------------------------------------------------------------------------ equal state bytes

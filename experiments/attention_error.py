@@ -40,7 +40,6 @@ from experiments._common import (
     add_paired,
     add_summaries,
     budget_bytes,
-    interval_note,
     per_draw_slope,
     range_text,
     ratio_phrase,
@@ -64,7 +63,7 @@ from kernapprox.plotting import (
     reference_slope,
     save_figure,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 RANDOM_FEATURES = registered("trig", "trig_orthogonal", "positive", "positive_orthogonal", "hyperbolic_orthogonal",
                              "oprf_orthogonal")
@@ -182,11 +181,11 @@ def configuration(params) -> tuple[str, dict | None, dict]:
 
 def run_cell(params, rng, device, data_rng):
     if not _runs(params):
-        return {name: np.nan for name in METRICS}
+        return not_applicable()
     name, kwargs, info = configuration(params)
     book = {"budget_bytes": float(info["budget"]), "smallest_state_bytes": float(info.get("smallest", np.nan))}
     if kwargs is None:                                          # not applicable: nothing fits, or causal LARA
-        return {**{m: np.nan for m in METRICS}, **book}
+        return not_applicable(**book)
     q, k, v = _data(params, data_rng, device)
     causal = params["causal"]
     est = ka.make_estimator(name, rng=rng, **kwargs).fit(q, k)
@@ -212,7 +211,7 @@ def run_cell(params, rng, device, data_rng):
 
 def run_reference(params, device, data_rng):
     if not _runs(params):
-        return {name: np.nan for name in REFERENCE_METRICS}
+        return not_applicable()
     q, k, v = _data(params, data_rng, device)
     uniform = {}
     for causal in (False, True):                                # fill the memo the cells of this draw read
@@ -568,7 +567,6 @@ def findings(ds: xr.Dataset) -> str:
         worst = float(full["nonpositive_rate"].sel(estimator=unsigned).max())
         lines.append(f"The largest rate of non-positive normalisers among the positive estimators (every one but "
                      f"trigonometric features and Nyström), over every cell and draw, is {fmt(worst)}.")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

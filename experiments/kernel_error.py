@@ -31,7 +31,6 @@ from experiments._common import (
     KERNEL_SVD,
     add_paired,
     add_summaries,
-    interval_note,
     per_draw_slope,
     range_text,
     ratio_phrase,
@@ -53,7 +52,7 @@ from kernapprox.plotting import (
     split_estimator_name,
 )
 from kernapprox.spectrum import eckart_young_errors, kernel_singular_values
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 CLASSIC = ("trig", "positive", "hyperbolic", "maclaurin")       # data-independent, Performer-era maps
 DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", "lara", "eva")
@@ -138,7 +137,7 @@ def kernel_errors(est, q, k) -> tuple[float, float]:
 def run_cell(params, rng, device, data_rng):
     name, n = params["estimator"], params["seq_len"]
     if not runs(name, n, params["all_estimators_max_len"]):
-        return {metric: np.nan for metric in METRICS}
+        return not_applicable()
     q, k = _data(params, data_rng, device)
     r = None if ka.capabilities(name).fixed_dimension else params["num_features"]
     est = ka.make_estimator(name, num_features=r, rng=rng).fit(q, k)
@@ -382,7 +381,6 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("The hybrids keep an exact window of keys besides their features; against FAVOR+ on the same "
                      f"draws (r = {r_top}, β = {b_lo:g}) their error is " + "; ".join(
                          f"`{h}` {ratio_phrase(vs.sel(estimator=h))}" for h in hybrids) + ".")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

@@ -43,7 +43,6 @@ from experiments._common import (
     add_paired,
     add_summaries,
     budget_bytes,
-    interval_note,
     range_text,
     ratio_phrase,
     registered,
@@ -53,7 +52,7 @@ from experiments._common import (
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.plotting import bullets, fmt, fmt_ci
-from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 ESTIMATORS = registered("positive", "positive_orthogonal", "trig", "hyperbolic_orthogonal", "oprf",
                         "nystrom_uniform", "nystrom_kmeans", "nystrom_rls", KERNEL_SVD, ATTENTION_SVD,
@@ -133,7 +132,6 @@ METRICS = {
     "logit_std": Metric(long_name="spread of the logits", units="1",
                         description="standard deviation of s q_iᵀk_j over all pairs, median over heads"),
 }
-_NAN = {name: np.nan for name in METRICS}
 
 
 def distribution_for(value: str, beta: float):
@@ -178,10 +176,10 @@ def evaluate_head(q, k, v, name: str, config: dict, seed: int, exact_kernel, exa
 def run_cell(params, rng, device):
     dist = distribution_for(params["distribution"], params["beta"])
     if dist is None:
-        return dict(_NAN)
+        return not_applicable()
     if params["distribution"] in REAL_VALUES and REAL_REASON is not None:
         warnings.warn(f"skipping {params['distribution']}: {REAL_REASON}", stacklevel=1)
-        return dict(_NAN)
+        return not_applicable()
     n = params["seq_len"]
     heads = params["real_heads" if params["distribution"] in REAL_VALUES else "synthetic_heads"]
     q, k, v = dist.sample(n, heads=heads, rng=rng, device=device, dtype=torch.float64)
@@ -479,7 +477,6 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"Trigonometric features on isotropic data (r = {m}): normalisers ≤ 0 for "
                      f"{fmt_ci(rate.sel(beta=betas[0]), percent=True)} of queries at β = {betas[0]:g} and "
                      f"{fmt_ci(rate.sel(beta=betas[-1]), percent=True)} at β = {betas[-1]:g}.")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

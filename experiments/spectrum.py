@@ -31,7 +31,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_summaries, interval_note, per_draw_slope
+from experiments._common import add_summaries, per_draw_slope
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.plotting import bullets, fmt_ci
@@ -41,7 +41,7 @@ from kernapprox.spectrum import (
     rank_for_relative_error,
     smallest_size_reaching,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 SYNTHETIC_BETA = 8.0
 SYNTHETIC = {
@@ -123,7 +123,6 @@ METRICS = {
                                description="number of distinct rows of Q (= distinct tokens for text_like)",
                                dims=("head",), coords=_HEAD),
 }
-_NAN = {name: np.nan for name in METRICS}
 
 
 def distribution_for(value: str, n: int):
@@ -157,10 +156,10 @@ def estimator_errors(q, k, exact_kernel, exact_weights, name, rng) -> tuple[np.n
 def run_cell(params, rng, device):
     if params["data"] == REAL_VALUE and REAL_REASON is not None:
         warnings.warn(f"skipping {REAL_VALUE}: {REAL_REASON}", stacklevel=1)
-        return dict(_NAN)
+        return not_applicable()
     n = params["seq_len"]
     if params["data"] == REAL_VALUE and n > real.WINDOW:
-        return dict(_NAN)                          # beyond one model window: no real attention to decompose
+        return not_applicable()                          # beyond one model window: no real attention to decompose
     dist = distribution_for(params["data"], n)
     q, k, _ = dist.sample(n, heads=HEADS, rng=rng, device=device, dtype=torch.float64)
     q, k = q[0], k[0]                                                             # (heads, n, d)
@@ -405,7 +404,6 @@ def findings(ds: xr.Dataset) -> str:
                          f"{_needed(rf)}")
         lines.append(f"Features needed for {t:.0%} attention-matrix error at n = {n_est} (head 0, medians over seeds; "
                      "'not reached' = no m ≤ n did): " + "; ".join(parts) + ".")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

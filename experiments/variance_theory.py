@@ -18,7 +18,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_summaries, interval_note, range_text
+from experiments._common import add_summaries, range_text
 from kernapprox import stats, theory
 from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, fmt_pct, identity_line, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
@@ -243,7 +243,6 @@ def findings(ds: xr.Dataset) -> str:
                           f" against GERF {fmt_ci(mse.sel(estimator='gerf', sum_norm=s_norm, diff_norm=d0))}")
         lines.append(f"OPRF's fitted A* against GERF's fixed A (relative MSE at ‖x−y‖ = {d0:g}): " + "; ".join(pieces)
                      + ".")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

@@ -67,7 +67,7 @@ from scipy import stats as _scipy_stats
 __all__ = ["LEVEL", "BOOTSTRAP_SEED", "RESAMPLES", "STATS",
            "bootstrap_interval", "binomial_interval", "summarise", "proportion_summary", "paired",
            "paired_summary", "describe_summaries", "is_summary", "unit_values", "cluster_interval", "paired_test",
-           "holm", "verdict", "MIN_UNITS"]
+           "holm", "verdict", "MIN_UNITS", "interval_note"]
 
 LEVEL = 0.95
 BOOTSTRAP_SEED = 0
@@ -495,6 +495,16 @@ def verdict(estimate: float, p: float, units: int, *, neutral: float = 0.0, alph
     if not (units >= min_units and np.isfinite(p) and p < alpha and np.isfinite(estimate) and estimate != neutral):
         return "not resolved"
     return "lower" if estimate < neutral else "higher"
+
+
+def interval_note(ds: xr.Dataset, replicates: str = "the replicates") -> str:
+    """The closing line of a study's findings: what the numbers in parentheses are, from the dataset's attributes
+    (written by the engine after the study's own findings: ``kernapprox.sweep`` ``findings_text``).
+    ``replicates`` names the unit the bootstrap resamples (the study's ``Experiment.replicates``)."""
+    level = float(ds.attrs.get("interval_level", LEVEL))
+    return (f"Numbers in parentheses are {level * 100:g} % intervals (percentile bootstrap over {replicates} with "
+            f"bootstrap seed {ds.attrs.get('bootstrap_seed', BOOTSTRAP_SEED)}, or Clopper–Pearson for "
+            "proportions); ratios and differences are paired: computed per draw on identical inputs.")
 
 
 def is_summary(da: xr.DataArray) -> bool:

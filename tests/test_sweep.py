@@ -393,3 +393,12 @@ def test_threads_limit_numpy_blas_inside_the_cells_and_are_restored(tmp_path):
         pytest.skip("no BLAS library found by threadpoolctl")
     assert float(ds["blas_threads"].max()) == 1.0
     assert toy_threads.blas_threads() == before
+
+
+def test_not_applicable_is_nan_for_every_metric_but_the_kept_ones():
+    from kernapprox.sweep._worker import normalise_metrics
+
+    out = normalise_metrics(TOY, sweep.not_applicable(mean=2.5))
+    assert out["mean"] == 2.5 and np.isnan(out["draws"]) and np.isnan(out["ragged"])
+    with pytest.raises(ValueError, match="unknown keys \\['nope'\\]"):
+        normalise_metrics(TOY, sweep.not_applicable(nope=1.0))

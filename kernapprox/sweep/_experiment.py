@@ -236,6 +236,9 @@ class Experiment:
         Raises ``ValueError`` naming the axis for a cell the study cannot run (e.g. an estimator it does not
         support). The engine calls it on every cell of a grid, after its own checks of the common axes
         (:func:`check_values`), before any cell runs, so a bad ``--set`` value fails at once.
+    replicates : str
+        What the bootstrap intervals resample (the unit of replication), named in the closing line the engine
+        writes after the findings (:func:`kernapprox.stats.interval_note`).
     """
 
     name: str
@@ -254,6 +257,7 @@ class Experiment:
     findings: Callable | None = None
     module: str | None = field(default=None)
     check_params: Callable | None = None
+    replicates: str = "the replicates"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -298,6 +302,8 @@ class Experiment:
             raise TypeError("Experiment summarise must be a callable (dataset) -> dataset")
         if self.findings is not None and not callable(self.findings):
             raise TypeError("Experiment findings must be a callable (dataset) -> str")
+        if not isinstance(self.replicates, str) or not self.replicates.strip():
+            raise ValueError("Experiment replicates must name the unit the intervals resample")
         if self.check_params is not None and not callable(self.check_params):
             raise TypeError("Experiment check_params must be a callable (params) -> None")
         object.__setattr__(self, "grids", grids)

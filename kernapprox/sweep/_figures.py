@@ -43,11 +43,20 @@ def dataset_digest(ds: xr.Dataset) -> str:
 
 
 def findings_text(experiment, ds: xr.Dataset, source: str) -> str:
-    """The markdown written beside the figure: the experiment's findings, then the line naming the data."""
+    """The markdown written beside the figure: the experiment's findings, the closing line that says what the
+    intervals are (:func:`kernapprox.stats.interval_note` over the study's ``replicates``), then the line naming
+    the data."""
+    from ..plotting import bullets
+    from ..stats import interval_note
+
     body = experiment.findings(ds)
     if not isinstance(body, str) or not body.strip():
         raise ValueError(f"findings of {experiment.name!r} must return non-empty markdown text")
-    return (body.strip() + f"\n\n<!-- findings of {source} ({experiment.module}); data digest "
+    body = body.strip()
+    note = bullets([interval_note(ds, experiment.replicates)])
+    if "Numbers in parentheses are" not in body:          # the engine's closing line, unless the study wrote one
+        body = f"{body}\n{note}"
+    return (body + f"\n\n<!-- findings of {source} ({experiment.module}); data digest "
             f"{dataset_digest(ds)} -->\n")
 
 

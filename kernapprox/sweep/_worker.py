@@ -102,6 +102,19 @@ def precision_flags() -> dict:
             "float32_matmul_precision": torch.get_float32_matmul_precision()}
 
 
+class NotApplicable(dict):
+    """What a cell returns when its combination does not apply: :func:`not_applicable`."""
+
+
+def not_applicable(**kept) -> NotApplicable:
+    """The one way a cell says "this combination does not apply" (an estimator that needs more points than it
+    has, no configuration within the memory budget, a causal run of a non-causal estimator): every metric is NaN
+    except the book-keeping values given in ``kept`` (e.g. the budget it was sized for). The engine fills the NaN
+    with each metric's shape; the cell's wall time is still recorded, which tells "not applicable" (a time) from
+    "not run" (NaN) in ``cell_seconds``."""
+    return NotApplicable(kept)
+
+
 def normalise_metrics(experiment: Experiment, result, reference: bool = False) -> dict[str, np.ndarray]:
     """Check a cell's return value against the experiment's metrics (or its reference's); return float64 numpy
     arrays.
@@ -114,6 +127,8 @@ def normalise_metrics(experiment: Experiment, result, reference: bool = False) -
     what = "the reference's run_cell" if reference else "run_cell"
     if not isinstance(result, dict):
         raise TypeError(f"{what} must return a dict metric -> value, got {type(result).__name__}")
+    if isinstance(result, NotApplicable):
+        result = {**dict.fromkeys(table, np.float64(np.nan)), **result}
     missing = [m for m in table if m not in result]
     extra = [k for k in result if k not in table]
     if missing or extra:
