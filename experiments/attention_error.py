@@ -145,18 +145,23 @@ def _data(params, data_rng, device):
                        dtype=torch.float64)                                 # (1, heads, n, d) each
 
 
-_EXACT: dict = {}  # per-process memo: every estimator and rank of a data draw shares one exact computation
+class _Draw:
+    """One data draw: ``q, k, v`` (1, heads, n, d) and exact attention on them, its output and log-normaliser
+    computed once per causality when first read (the engine hands the same draw to every estimator and rank)."""
+
+    def __init__(self, q, k, v):
+        self.q, self.k, self.v = q, k, v
+        self._exact = {}
+
+    def exact(self, causal: bool):
+        if causal not in self._exact:
+            self._exact[causal] = ka.softmax_attention(self.q, self.k, self.v, causal=causal, return_lse=True)
+        return self._exact[causal]
 
 
-def exact_attention(data_rng, q, k, v, causal):
-    """Exact output and log-normaliser, memoised by the data stream's seed (cells with the same data axes)."""
-    seq = data_rng.bit_generator.seed_seq
-    key = (seq.entropy, seq.spawn_key, causal, str(q.device), tuple(q.shape))
-    if key not in _EXACT:
-        if len(_EXACT) >= 64:
-            _EXACT.pop(next(iter(_EXACT)))
-        _EXACT[key] = ka.softmax_attention(q, k, v, causal=causal, return_lse=True)
-    return _EXACT[key]
+def draw(params, data_rng, device):
+    """The draw of a (β, n, seed) in the design; None for one outside it (its cells are not applicable)."""
+    return _Draw(*_data(params, data_rng, device)) if _runs(params) else None
 
 
 def _runs(params) -> bool:
@@ -179,21 +184,21 @@ def configuration(params) -> tuple[str, dict | None, dict]:
     return name, sized_configuration(name, options, budget, d=d, d_v=d, seq_len=n), info
 
 
-def run_cell(params, rng, device, data_rng):
-    if not _runs(params):
+def run_cell(params, rng, device, data_rng, data):
+    if data is None:
         return not_applicable()
     name, kwargs, info = configuration(params)
     book = {"budget_bytes": float(info["budget"]), "smallest_state_bytes": float(info.get("smallest", np.nan))}
     if kwargs is None:                                          # not applicable: nothing fits, or causal LARA
         return not_applicable(**book)
-    q, k, v = _data(params, data_rng, device)
+    q, k, v = data.q, data.k, data.v
     causal = params["causal"]
     est = ka.make_estimator(name, rng=rng, **kwargs).fit(q, k)
     state = est.state_bytes(params["dim"], torch.float32, seq_len=params["seq_len"])
     if params["estimator"] in MATCHED and state > info["budget"]:      # the equal-bytes rule, checked per cell
         raise RuntimeError(f"{params['estimator']} keeps {state} bytes, over its budget of {info['budget']}")
     parts = ka.linear_attention(q, k, v, est, causal=causal, mode="chunked", return_parts=True)
-    exact, lse = exact_attention(data_rng, q, k, v, causal)                 # (..., n, d_v), (..., n)
+    exact, lse = data.exact(causal)                                        # (..., n, d_v), (..., n)
     to_exact = torch.exp(parts.log_scale - lse)                # true part / Z_i, from the stabilised parts
     ratio = parts.normalizer * to_exact                         # Ẑ_i / Z_i
     numerator = parts.numerator * to_exact[..., None]           # N̂_i / Z_i
@@ -209,13 +214,13 @@ def run_cell(params, rng, device, data_rng):
             "group_size": float(kwargs.get("group_size", np.nan)), **book}
 
 
-def run_reference(params, device, data_rng):
-    if not _runs(params):
+def run_reference(params, device, data_rng, data):
+    if data is None:
         return not_applicable()
-    q, k, v = _data(params, data_rng, device)
+    q, k, v = data.q, data.k, data.v
     uniform = {}
-    for causal in (False, True):                                # fill the memo the cells of this draw read
-        exact, _ = exact_attention(data_rng, q, k, v, causal)
+    for causal in (False, True):
+        exact, _ = data.exact(causal)
         if causal:
             mean = v.cumsum(-2) / torch.arange(1, v.shape[-2] + 1, dtype=v.dtype, device=v.device)[:, None]
         else:
@@ -573,7 +578,7 @@ def findings(ds: xr.Dataset) -> str:
 EXPERIMENT = Experiment(name="attention_error", title="Attention-output error: numerator, normaliser and output",
                         description=" ".join(__doc__.split()),
                         grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot,
-                        data_axes=("seq_len", "beta", "seed"),
+                        data_axes=("seq_len", "beta", "seed"), draw=draw,
                         reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
                         parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

@@ -402,3 +402,34 @@ def test_not_applicable_is_nan_for_every_metric_but_the_kept_ones():
     assert out["mean"] == 2.5 and np.isnan(out["draws"]) and np.isnan(out["ragged"])
     with pytest.raises(ValueError, match="unknown keys \\['nope'\\]"):
         normalise_metrics(TOY, sweep.not_applicable(nope=1.0))
+
+
+# ----------------------------------------------------------------------------------- draws made by the engine
+@pytest.mark.parametrize("workers", [0, 2])
+def test_each_data_draw_is_made_once_and_handed_to_every_cell_and_its_reference(tmp_path, monkeypatch, workers):
+    """Experiment.draw: 6 draws (2 scales x 3 seeds) for 24 cells and 6 reference cells, computed exactly 6 times,
+    in this process or on a pool of 2 spawn workers (the cells of a draw run as one task there); the same
+    numbers either way."""
+    import toy_draw
+
+    log = tmp_path / "draws"
+    log.mkdir()
+    monkeypatch.setenv("TOY_DRAW_LOG", str(log))
+    ds = sweep.run(toy_draw.EXPERIMENT, out=tmp_path / "d.nc", device="cpu", progress=False, workers=workers)
+    made = sorted(p.name.rsplit("-", 1)[0] for p in log.iterdir())
+    assert made == sorted(f"{s}-{seed}" for s in (1.0, 2.0) for seed in (0, 1, 2)), made
+    np.testing.assert_array_equal(ds["data_mean"].isel(estimator=0, num_features=0).values,
+                                  ds["reference_mean"].values)                 # the reference read the same draw
+    again = sweep.run(toy_draw.EXPERIMENT, out=tmp_path / "e.nc", device="cpu", progress=False, workers=0)
+    for var in ("data_mean", "error", "reference_mean"):
+        np.testing.assert_array_equal(ds[var].values, again[var].values)
+
+
+def test_a_draw_needs_data_axes_and_cells_that_take_it():
+    import toy_draw
+
+    with pytest.raises(TypeError, match="needs data_axes"):
+        _experiment(draw=toy_draw.draw)
+    with pytest.raises(TypeError, match="run_cell\\(params, rng, device, data_rng, data\\)"):
+        _experiment(grids={"smoke": {"a": [1], "seed": [0]}}, data_axes=("seed",), draw=toy_draw.draw,
+                    run_cell=lambda params, rng, device, data_rng: {"m": 0.0})

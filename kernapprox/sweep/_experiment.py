@@ -239,6 +239,13 @@ class Experiment:
     replicates : str
         What the bootstrap intervals resample (the unit of replication), named in the closing line the engine
         writes after the findings (:func:`kernapprox.stats.interval_note`).
+    draw : callable ``(params, data_rng, device) -> data``, optional
+        The data of one draw (inputs, and what is computed from them alone, such as exact attention's output):
+        ``params`` holds the data axes' values and the fixed parameters, ``data_rng`` a fresh data stream. The
+        engine computes it once per draw and hands it to every cell of that draw and to its reference as the
+        keyword ``data`` (``run_cell(params, rng, device, data_rng, data)``, ``Reference.run_cell(params,
+        device, data_rng, data)``); on a process pool or dask the cells of one draw run as one task, so a draw
+        is never recomputed by another worker. Needs ``data_axes``.
     """
 
     name: str
@@ -258,6 +265,7 @@ class Experiment:
     module: str | None = field(default=None)
     check_params: Callable | None = None
     replicates: str = "the replicates"
+    draw: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -302,6 +310,14 @@ class Experiment:
             raise TypeError("Experiment summarise must be a callable (dataset) -> dataset")
         if self.findings is not None and not callable(self.findings):
             raise TypeError("Experiment findings must be a callable (dataset) -> str")
+        if self.draw is not None:
+            if not callable(self.draw) or not self.data_axes:
+                raise TypeError("Experiment draw must be a callable (params, data_rng, device) -> data, and needs "
+                                "data_axes (a draw is per data-axis values)")
+            if "data" not in inspect.signature(self.run_cell).parameters:
+                raise TypeError("an experiment with a draw needs run_cell(params, rng, device, data_rng, data)")
+            if self.reference is not None and "data" not in inspect.signature(self.reference.run_cell).parameters:
+                raise TypeError("an experiment with a draw needs Reference.run_cell(params, device, data_rng, data)")
         if not isinstance(self.replicates, str) or not self.replicates.strip():
             raise ValueError("Experiment replicates must name the unit the intervals resample")
         if self.check_params is not None and not callable(self.check_params):

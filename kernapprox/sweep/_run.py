@@ -41,7 +41,7 @@ from ._experiment import (
 )
 from ._provenance import code_fingerprint, command_line, provenance_attrs
 from ._store import REFERENCE_MARK, ProgressStore, assemble, check_output_path, load, reference_key, write
-from ._worker import CellError, CellTask, execute_cell, init_pool_worker, precision_settings
+from ._worker import CellError, CellTask, execute_batch, execute_cell, init_pool_worker, precision_settings
 
 
 class SweepError(RuntimeError):
@@ -187,10 +187,10 @@ def _execute(tasks: list[CellTask], plan: _Plan, max_retries: int, on_done) -> N
     lost = collections.Counter()
 
     def lose(task, exc):
-        key = cell_key(task.params)
+        key = cell_key(_first(task).params)
         lost[key] += 1
         if lost[key] > max_retries:
-            raise SweepError(f"cell {task.params} was lost {lost[key]} times (max_retries={max_retries}); last "
+            raise SweepError(f"cell {_first(task).params} was lost {lost[key]} times (max_retries={max_retries}); last "
                              f"failure: {type(exc).__name__}: {exc}") from exc
         queue.appendleft(task)
 
@@ -208,12 +208,26 @@ def _execute(tasks: list[CellTask], plan: _Plan, max_retries: int, on_done) -> N
         raise
 
 
+def _first(task):
+    return task[0] if isinstance(task, tuple) else task
+
+
+def _batched(tasks: list[CellTask]) -> list:
+    """The cells of each data draw as one tuple (in their order: the reference first), for executors whose
+    workers would otherwise each compute the same draw (:attr:`Experiment.draw`)."""
+    groups: dict = {}
+    for task in tasks:
+        groups.setdefault(task.data_spawn_key, []).append(task)
+    return [tuple(group) for group in groups.values()]
+
+
 def _drain(queue, pending, plan, lose, rebuild, on_done):
     while queue or pending:
         while queue and len(pending) < plan.window:
             task = queue.popleft()
             try:
-                pending[plan.executor.submit(execute_cell, task)] = task
+                fn = execute_batch if isinstance(task, tuple) else execute_cell
+                pending[plan.executor.submit(fn, task)] = task
             except cf.BrokenExecutor as exc:
                 lose(task, exc)
                 rebuild(exc)
@@ -232,7 +246,11 @@ def _drain(queue, pending, plan, lose, rebuild, on_done):
                 if isinstance(exc, cf.BrokenExecutor):
                     broken = exc
             else:
-                on_done(task, outcome)
+                if isinstance(task, tuple):            # the cells of one data draw
+                    for one, result in zip(task, outcome):
+                        on_done(one, result)
+                else:
+                    on_done(task, outcome)
         if broken is not None:
             rebuild(broken)
 
@@ -360,8 +378,9 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
 
             ok = False
             try:
+                batched = experiment.draw is not None and not isinstance(plan.executor, _InlineExecutor)
                 with blas_threads(plan.num_threads):
-                    _execute(tasks, plan, max_retries, on_done)
+                    _execute(_batched(tasks) if batched else tasks, plan, max_retries, on_done)
                 ok = True
             except KeyboardInterrupt:
                 saved = sum(k in finished for k in keys)

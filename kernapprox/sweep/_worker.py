@@ -9,6 +9,7 @@ infrastructure's and the driver may resubmit the task.
 
 from __future__ import annotations
 
+import collections
 import importlib
 import numbers
 import sys
@@ -62,6 +63,29 @@ class CellOutcome:
 
 
 _EXPERIMENTS: dict[tuple[str, str], Experiment] = {}
+
+# The engine's memo of data draws (Experiment.draw), per process: the cells of one draw run one after the other
+# (data-major order in the driver, one batch per draw on a pool), so a few entries suffice.
+_DRAWS: collections.OrderedDict = collections.OrderedDict()
+MAX_DRAWS = 4
+
+
+def draw_of(experiment: Experiment, task: CellTask, device):
+    """The data draw of ``task``'s cell, ``experiment.draw(params, data_rng, device)`` on the data axes' values
+    and the fixed parameters, computed once per process and draw (memoised by the data stream's seed, the
+    device and those values) and handed to every cell and to the reference of that draw."""
+    axes = {a: task.params[a] for a in experiment.data_axes}
+    key = (task.module, task.experiment, task.root_seed, task.data_spawn_key, str(device),
+           repr(sorted({**(task.parameters or {}), **axes}.items())))
+    if key in _DRAWS:
+        _DRAWS.move_to_end(key)
+        return _DRAWS[key]
+    data_rng = np.random.default_rng(np.random.SeedSequence(task.root_seed, spawn_key=task.data_spawn_key))
+    value = experiment.draw({**(task.parameters or {}), **axes}, data_rng, device)
+    _DRAWS[key] = value
+    while len(_DRAWS) > MAX_DRAWS:
+        _DRAWS.popitem(last=False)
+    return value
 
 
 def find_experiment(module: str, name: str) -> Experiment:
@@ -170,10 +194,12 @@ def execute_cell(task: CellTask) -> CellOutcome:
             extra["data_rng"] = np.random.default_rng(np.random.SeedSequence(task.root_seed,
                                                                              spawn_key=task.data_spawn_key))
         params = {**(task.parameters or {}), **task.params}
+        if experiment.draw is not None:
+            extra["data"] = draw_of(experiment, task, device)
         try:
             start = time.perf_counter()
             if task.reference:
-                result = experiment.reference.run_cell(params, device, extra["data_rng"])
+                result = experiment.reference.run_cell(params, device, extra.pop("data_rng"), **extra)
             else:
                 result = experiment.run_cell(params, rng, device, **extra)
             if device.type == "cuda":
@@ -190,6 +216,12 @@ def execute_cell(task: CellTask) -> CellOutcome:
         what = "reference of experiment" if task.reference else "experiment"
         raise CellError(f"{what} {task.experiment!r} failed: {type(exc).__name__}: {exc}", dict(task.params),
                         traceback.format_exc()) from None
+
+
+def execute_batch(tasks: tuple[CellTask, ...]) -> list[CellOutcome]:
+    """The cells of one data draw, in order (the reference first when it is among them): the draw is computed
+    once for all of them (:func:`draw_of`). What a pool or dask worker runs for a study that declares a draw."""
+    return [execute_cell(task) for task in tasks]
 
 
 def init_pool_worker(num_threads: int | None) -> None:
