@@ -30,6 +30,7 @@ from .estimators.registry import (
     register,
 )
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
+from .surgery import convert
 from .validation import NotFittedError
 
 __version__ = "0.1.0"
@@ -39,5 +40,5 @@ __all__ = [
     "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention", "linear_attention_naive",
     "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix", "resolve_scale",
     "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator", "register",
-    "__version__",
+    "convert", "__version__",
 ]

@@ -218,3 +218,77 @@ def test_placements_walk_shares_prefixes():
     bytes_ = pl.placement_bytes(fitted("positive", 16), [0], [10], num_layers=3, num_heads=2, head_dim=HEAD_DIM)
     assert bytes_.tolist() == [10 * (8 + 8) * 4 * 2 + 2 * 2 * 16 * (8 + 1) * 4]   # KV cache; r (d_v + 1) floats
     assert math.isfinite(float(bytes_[0]))
+
+
+# ---------------------------------------------------------------------------------------------------- convert
+def test_convert_exact_reproduces_the_model_and_leaves_it_untouched():
+    model = bert()
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        converted = ka.convert(model, "exact")
+        got = converted(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert converted is not model and model.config._attn_implementation == "eager"
+    real = mask.bool()
+    assert float((got - expected)[real].abs().max()) < 1e-5
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).last_hidden_state, expected)
+
+
+def test_convert_substitutes_only_the_chosen_layers_and_heads():
+    from kernapprox.surgery import conversion
+
+    model = bert(dtype=torch.float64)
+    ids, mask = batch()
+    converted = ka.convert(model, "positive_orthogonal", num_features=16, layers=[2], heads=[0, 3], rng=5)
+    stack = BertStack(converted)
+    assert [sa.get_attention(stack.attention_module(layer)) is None for layer in range(LAYERS)] == [True, True, False]
+    heads = sa.get_attention(stack.attention_module(2)).heads
+    assert heads[1] is None and heads[2] is None
+    expected = ka.make_estimator("positive_orthogonal", num_features=16, rng=conversion.head_seed(5, 2, 3)).fit(
+        torch.zeros(1, HEAD_DIM, dtype=torch.float64))
+    x = torch.randn(4, HEAD_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(heads[3].features(x), expected.features(x), rtol=0, atol=0)   # seeded per (l, h)
+    with torch.no_grad():
+        before = BertStack(model)
+        h, m = before.embed(ids, mask)
+        for layer in range(2):
+            h = before.layer(layer, h, m)
+        hc, mc = stack.embed(ids, mask)
+        for layer in range(2):
+            hc = stack.layer(layer, hc, mc)
+        assert torch.equal(hc, h)                                          # layers 0-1 are the model's own
+    with pytest.raises(ValueError, match="heads"):
+        ka.convert(model, "positive", num_features=8, heads=[4])
+    with pytest.raises(ValueError, match="layers"):
+        ka.convert(model, "positive", num_features=8, layers=[3])
+    with pytest.raises(ValueError, match="model_type"):
+        ka.convert(torch.nn.Linear(2, 2), "exact")
+
+
+def test_data_dependent_maps_are_fitted_on_the_calibration_batch_only():
+    model = bert(dtype=torch.float64)
+    ids, mask = batch()
+    with pytest.raises(ValueError, match="calibration"):
+        ka.convert(model, "nystrom_uniform", num_features=4, layers=[1])
+    calibration = dict(zip(("input_ids", "attention_mask"), batch(seed=7)))
+    converted = ka.convert(model, "nystrom_uniform", num_features=4, layers=[1], rng=2, calibration=calibration)
+    # by hand: layer 1's queries and keys of the calibration batch's real tokens, the map of head_seed(2, 1, h)
+    stack = BertStack(model)
+    sa.enable(model)                                    # capture needs the interface; the outputs do not change
+    with torch.no_grad():
+        h, m = stack.embed(calibration["input_ids"], calibration["attention_mask"])
+        call = stack.capture(1, stack.layer(0, h, m), m)
+    real = calibration["attention_mask"].bool()
+    from kernapprox.surgery import conversion
+
+    fitted = sa.get_attention(BertStack(converted).attention_module(1)).heads
+    x = torch.randn(5, HEAD_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for head in range(HEADS):
+        own = ka.make_estimator("nystrom_uniform", num_features=4, rng=conversion.head_seed(2, 1, head)).fit(
+            call.query[:, head][real], call.key[:, head][real])
+        torch.testing.assert_close(fitted[head].features(x, "key"), own.features(x, "key"), rtol=0, atol=0)
+    with torch.no_grad():                      # the evaluated batch does not refit anything
+        first = converted(input_ids=ids, attention_mask=mask).last_hidden_state
+        again = converted(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.equal(first, again)

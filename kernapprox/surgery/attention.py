@@ -97,8 +97,6 @@ class SubstitutedAttention:
             if entry is not None and not isinstance(entry, Estimator | PerSequence):
                 raise TypeError(f"heads[{h}] must be a fitted kernapprox estimator, a PerSequence or None, got "
                                 f"{type(entry).__name__}")
-            if isinstance(entry, Estimator):
-                entry._check_fitted()
         if observer is not None and not callable(observer):
             raise TypeError(f"observer must be callable, got {type(observer).__name__}")
         self.heads = heads
