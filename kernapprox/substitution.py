@@ -67,8 +67,8 @@ from .validation import check_choice, check_positive_int
 __all__ = ["NUM_LAYERS", "NUM_HEADS", "HEAD_DIM", "FIT_REGION_TOKENS", "load_encoder", "RetrievalCorpus",
            "retrieval_corpus", "retrieval_agreement", "EncoderInput", "tokenize", "from_batch", "Substitution", "plan",
            "first_layers", "last_layers", "placement_label", "all_placements", "hybrid_placements", "EncoderRun",
-           "encode", "search_placements", "placement_bytes", "Windows", "fit_maps", "map_provenance",
-           "heldout_attention_error"]
+           "encode", "search_placements", "RetrievalSetup", "retrieval_setup", "compare", "placement_bytes",
+           "Windows", "fit_maps", "map_provenance", "heldout_attention_error"]
 
 NUM_LAYERS = real.NUM_LAYERS
 NUM_HEADS = real.NUM_HEADS
@@ -249,6 +249,19 @@ class Substitution:
     @property
     def label(self) -> str:
         return self.estimator if self.num_features is None else f"{self.estimator}(r={self.num_features})"
+
+    @property
+    def feature_dimension(self) -> int:
+        """The feature dimension per head: ``num_features``, or (for maps whose dimension ``d`` fixes) a fitted
+        map's."""
+        if self.num_features is not None:
+            return int(self.num_features)
+        return int(self.make(0, 0).fit(torch.zeros(1, HEAD_DIM)).num_features)
+
+    def fitted_on(self, windows: Windows, *, cache: bool = True) -> Substitution:
+        """This substitution with its maps fitted on the extraction ``windows`` (:func:`fit_maps`; cached): how
+        learned maps, trained on other text than the one scored, enter :func:`encode`."""
+        return dataclasses.replace(self, maps=fit_maps(self, windows, cache=cache))
 
 
 def plan(substitution: Substitution, *, layers: Iterable[int] | None = None,
@@ -509,6 +522,44 @@ def search_placements(model, inputs: EncoderInput, substitution: Substitution, v
 
     pl.walk_placements(NUM_LAYERS, layers.embed(), step, finish, exact_states=reference.layer_states,
                        placements=placements)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSetup:
+    """The held-out corpus, its tokenised input and the exact model's run on it (what every substituted run is
+    compared with): :func:`retrieval_setup`."""
+
+    model: object
+    corpus: RetrievalCorpus
+    inputs: EncoderInput
+    exact: EncoderRun
+    exact_hits: np.ndarray
+
+
+def retrieval_setup(num_paragraphs: int, *, min_document_tokens: int = 24, max_document_tokens: int = 96,
+                    bucket_tokens: int = 4096, device="cpu") -> RetrievalSetup:
+    """:func:`retrieval_corpus` tokenised into buckets of at most ``bucket_tokens`` positions on ``device``, the
+    exact model's run on it (layer states kept) and its own retrieval hits."""
+    model, tokenizer = load_encoder()
+    model = model.to(device)
+    corpus = retrieval_corpus(num_paragraphs, min_document_tokens=min_document_tokens,
+                              max_document_tokens=max_document_tokens)
+    inputs = tokenize(tokenizer, corpus.texts, bucket_tokens=bucket_tokens, device=device)
+    exact = encode(model, inputs, keep_layer_states=True)
+    hits = retrieval_agreement(exact.embeddings, exact.embeddings, len(corpus))["hit"]
+    return RetrievalSetup(model, corpus, inputs, exact, hits)
+
+
+def compare(run: EncoderRun, setup: RetrievalSetup) -> dict:
+    """A run against the exact one of ``setup``: per query ``top1_agreement``, ``top10_agreement`` and ``self_hit``
+    (``top1``, ``top_k`` with k = 10 and ``hit`` of :func:`~kernapprox.surgery.retrieval.retrieval_agreement`); the
+    mean ``embedding_cosine``; the ``final_state_error``; per layer ``hidden_error`` and ``layer_attention_error``
+    (NaN for exact layers)."""
+    agree = retrieval_agreement(run.embeddings, setup.exact.embeddings, len(setup.corpus))
+    return {"top1_agreement": agree["top1"], "top10_agreement": agree["top_k"], "self_hit": agree["hit"],
+            "embedding_cosine": float(np.mean(run.embedding_cosine)), "final_state_error": run.final_state_error,
+            "hidden_error": [run.hidden_error[layer] for layer in range(NUM_LAYERS)],
+            "layer_attention_error": [run.layer_attention_error.get(layer, np.nan) for layer in range(NUM_LAYERS)]}
 
 
 def placement_bytes(substitution: Substitution | None, exact_layers: Iterable[int], seq_lens, *,
