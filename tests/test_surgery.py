@@ -139,22 +139,54 @@ def test_only_the_chosen_layers_and_heads_change():
 def test_key_padding_is_read_off_the_masks_transformers_builds():
     lengths = torch.tensor([5, 3])
     keep = torch.arange(5)[None, :] < lengths[:, None]
+    pad = ~keep[:, None, :]
     additive = torch.zeros(2, 1, 5, 5).masked_fill(~keep[:, None, None, :], torch.finfo(torch.float32).min)
-    torch.testing.assert_close(sa.key_padding_from_mask(additive, False, 5, 5), ~keep[:, None, :])
+    padding, causal = sa.key_padding_from_mask(additive, 5, 5)
+    assert torch.equal(padding, pad) and causal is False
     boolean = keep[:, None, None, :].expand(2, 1, 5, 5)
-    torch.testing.assert_close(sa.key_padding_from_mask(boolean, False, 5, 5), ~keep[:, None, :])
-    causal = boolean & torch.ones(5, 5, dtype=torch.bool).tril()
-    torch.testing.assert_close(sa.key_padding_from_mask(causal, True, 5, 5), ~keep[:, None, :])
-    assert sa.key_padding_from_mask(None, True, 5, 5) is None
-    window = causal & torch.ones(5, 5, dtype=torch.bool).triu(-1)              # a sliding window of 2
-    with pytest.raises(ValueError, match="not key padding"):
-        sa.key_padding_from_mask(window, True, 5, 5)
-    with pytest.raises(ValueError, match="not key padding"):
-        sa.key_padding_from_mask(causal, False, 5, 5)                       # causal triangle in a bidirectional call
+    padding, causal = sa.key_padding_from_mask(boolean, 5, 5)
+    assert torch.equal(padding, pad) and causal is False
+    triangle = boolean & torch.ones(5, 5, dtype=torch.bool).tril()
+    padding, causal = sa.key_padding_from_mask(triangle, 5, 5)
+    assert torch.equal(padding, pad) and causal is True
+    padding, causal = sa.key_padding_from_mask(torch.ones(2, 1, 5, 5, dtype=torch.bool).tril(), 5, 5)
+    assert padding is None and causal is True
+    assert sa.key_padding_from_mask(None, 5, 5) == (None, None)
+    padding, causal = sa.key_padding_from_mask(boolean[..., -1:, :], 1, 5)        # one query against a cache
+    assert torch.equal(padding, pad) and causal is False
+    window = triangle & torch.ones(5, 5, dtype=torch.bool).triu(-1)              # a sliding window of 2
+    with pytest.raises(ValueError, match="sliding window"):
+        sa.key_padding_from_mask(window, 5, 5)
     with pytest.raises(ValueError, match="bias"):
-        sa.key_padding_from_mask(additive - 0.5, False, 5, 5)
-    with pytest.raises(ValueError, match="decoding"):
-        sa.key_padding_from_mask(causal[..., -1:, :], True, 1, 5)
+        sa.key_padding_from_mask(additive - 0.5, 5, 5)
+    with pytest.raises(ValueError, match="between heads"):
+        sa.key_padding_from_mask(torch.stack([boolean[:, 0], triangle[:, 0]], 1), 5, 5)
+
+
+def test_a_causal_model_keeps_its_triangle_and_padding():
+    """A BERT configured as a decoder (causal self-attention): exact substitution reproduces it with right padding,
+    and a feature map equals causal linear attention on the layer's own activations."""
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=61, hidden_size=HEADS * HEAD_DIM, num_hidden_layers=2,
+                                     num_attention_heads=HEADS, intermediate_size=37, is_decoder=True,
+                                     attn_implementation="sdpa")
+    model = transformers.BertModel(config).eval()
+    ids, mask = batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        converted = ka.convert(model, "exact")
+        got = converted(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+        assert float((got - expected)[mask.bool()].abs().max()) < 1e-5
+        est = fitted("positive", 16, rng=2)
+        seen = []
+        module = converted.encoder.layer[0].attention.self
+        sa.set_attention(module, sa.SubstitutedAttention([est] * HEADS, observer=lambda c, o: seen.append((c, o))))
+        converted(input_ids=ids, attention_mask=mask, use_cache=False)
+    call, out = seen[0]
+    assert call.causal
+    expected = ka.linear_attention(call.query, call.key, call.value, est, causal=True,
+                                   key_padding_mask=call.key_padding_mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 def test_what_a_substituted_layer_cannot_honour_is_refused():

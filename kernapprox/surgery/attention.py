@@ -16,14 +16,17 @@ switches the model to it (``model.set_attn_implementation``). Every attention mo
   (:func:`set_attention`), so an untouched layer computes bit for bit what it computed before;
 * otherwise computes each substituted head with its estimator (:func:`kernapprox.linear_attention`, which routes the
   exact kernel to :func:`kernapprox.softmax_attention`) on the module's own ``query``, ``key`` and ``value``, with
-  the module's ``scaling``, the causal flag of the call (``is_causal`` if passed, else the module's), and the key
-  padding read off ``attention_mask`` (:func:`key_padding_from_mask`); heads without an estimator keep the model's
-  own output.
+  the module's ``scaling``, and the key padding and causal triangle read off ``attention_mask``
+  (:func:`key_padding_from_mask`; without a mask, the call's ``is_causal`` if passed, else the module's, for more
+  than one query, as transformers' SDPA function reads them); heads without an estimator keep the model's own
+  output.
 
 What it cannot honour it refuses with ``ValueError``: an attention mask that is not key padding (with or without
 the causal triangle), an additive bias other than 0/−∞, a sliding window, a soft cap or attention sinks,
-attention dropout in training, a causal call whose queries are not its keys (decoding from a cache), an
-estimator whose kernel scale is not the module's.
+attention dropout in training, a causal call of several queries against more keys (a prefill continuing a cache),
+an estimator whose kernel scale is not the module's. One query against a cache of keys (decoding) is attention
+over all of them, which the layer computes; keeping a fixed-size state instead of the cache is a cache object's
+work, not this function's.
 
 >>> import torch, transformers, kernapprox as ka
 >>> from kernapprox.surgery import attention as sa
@@ -145,9 +148,10 @@ def implementation_name(base: str) -> str:
 def _register(base: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     name = implementation_name(base)
-    if name not in AttentionInterface._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
 
         def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
             return attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -232,16 +236,19 @@ def _base_function(module, base: str):
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
-def key_padding_from_mask(attention_mask, causal: bool, n_q: int, n_k: int) -> torch.Tensor | None:
-    """The key padding ``(B, 1, n_k)`` (bool, True = padding) of a transformers attention mask, or ``None``.
+def key_padding_from_mask(attention_mask, n_q: int, n_k: int) -> tuple[torch.Tensor | None, bool | None]:
+    """``(key_padding, causal)`` of a transformers attention mask: the key padding ``(B, 1, n_k)`` (bool, True =
+    padding; ``None`` without padding) and whether the mask holds the causal triangle (``None`` for no mask: the
+    call's flag decides).
 
     ``attention_mask`` is what ``masking_utils`` built: ``None``, a bool ``(B, 1|H, n_q|1, n_k)`` (True = takes
-    part; SDPA) or an additive float one (0 = takes part, the dtype's lowest value or −∞ = excluded; eager). It must
-    be key padding alone (non-causal: every query row the same) or key padding and the causal triangle (causal:
-    ``n_q = n_k``); anything else (sliding windows, packed sequences, block masks, biases) raises ``ValueError``.
+    part; SDPA) or an additive float one (0 = takes part, the dtype's lowest value or −∞ = excluded; eager). As the
+    model's own eager and SDPA functions do, a given mask is the whole truth: either key padding alone (every query
+    row the same) or key padding and the causal triangle (``n_q = n_k``). Anything else (sliding windows, packed
+    sequences, block masks, biases, different masks per head) raises ``ValueError``.
     """
     if attention_mask is None:
-        return None
+        return None, None
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be a 4-D tensor (B, 1, n_q, n_k) or None, got "
                          f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}")
@@ -261,20 +268,16 @@ def key_padding_from_mask(attention_mask, causal: bool, n_q: int, n_k: int) -> t
             raise ValueError("attention_mask differs between heads; a substituted layer takes one mask per sequence")
         allowed = allowed[:, :1]
     allowed = allowed[:, 0]                                                     # (B, n_q | 1, n_k)
-    if causal:
-        if n_q != n_k:
-            raise ValueError(f"a causal call with {n_q} queries and {n_k} keys (decoding from a cache) is not "
-                             "supported by the substituted attention")
-        keep = allowed[:, -1]                                       # the last query sees every key but padding
-        expected = keep[:, None, :] & torch.ones(n_q, n_k, dtype=torch.bool, device=keep.device).tril()
+    keep = allowed[:, -1]                          # the last query row: every key but padding, in either case
+    if bool((allowed == keep[:, None, :]).all()):
+        causal = False
+    elif n_q == n_k and bool((allowed == (keep[:, None, :] & torch.ones(
+            n_q, n_k, dtype=torch.bool, device=keep.device).tril())).all()):
+        causal = True
     else:
-        keep = allowed[:, 0]
-        expected = keep[:, None, :]
-    if not bool((allowed == expected).all()):
-        raise ValueError("attention_mask is not key padding" + (" with the causal triangle" if causal else "")
-                         + " (a sliding window, packed sequences or a custom mask); a substituted layer cannot "
-                         "honour it")
-    return ~keep[:, None, :]
+        raise ValueError("attention_mask is neither key padding nor key padding with the causal triangle (a sliding "
+                         "window, packed sequences, a prefix or a custom mask); a substituted layer cannot honour it")
+    return (None if bool(keep.all()) else ~keep[:, None, :]), causal
 
 
 def _mode(estimator: Estimator, mode: str | None) -> str:
@@ -302,12 +305,13 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if dropout and module.training:
         raise ValueError("attention dropout in training is not supported by a substituted layer (call "
                          "model.eval(), or set the model's attention dropout to 0)")
-    is_causal = kwargs.get("is_causal")
-    causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal)
     n_q, n_k = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    padding = key_padding_from_mask(attention_mask, causal, n_q, n_k)
+    padding, causal = key_padding_from_mask(attention_mask, n_q, n_k)
+    if causal is None:                 # no mask: the call's flag, else the module's, as transformers' SDPA reads it
+        is_causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal) and n_q > 1
     if causal and n_q != n_k:
         raise ValueError(f"a causal call with {n_q} queries and {n_k} keys (decoding from a cache) is not supported "
                          "by the substituted attention")

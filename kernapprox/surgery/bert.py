@@ -1,7 +1,7 @@
 """The BERT family layer by layer: the model's own embeddings, mask and encoder layers, one call each.
 
 :class:`BertStack` runs a ``BertModel`` (or a model built like it: ``embeddings``, ``encoder.layer``, a
-bidirectional mask; MiniLM, all-MiniLM-L6-v2 included) one layer at a time, calling the model's own modules exactly
+mask; MiniLM, all-MiniLM-L6-v2 included) one layer at a time, calling the model's own modules exactly
 as ``BertModel.forward`` calls them, so that a driver can change a layer's attention between two layers, keep the
 hidden states of a prefix, or stop after a layer. With no substitution, :meth:`BertStack.run` gives the model's
 ``last_hidden_state`` bit for bit (test).
@@ -30,8 +30,6 @@ class BertStack:
         if getattr(base, "embeddings", None) is None or encoder is None or getattr(encoder, "layer", None) is None:
             raise TypeError(f"model must be a BERT-family encoder (embeddings, encoder.layer), got "
                             f"{type(model).__name__}")
-        if base.config.is_decoder:
-            raise ValueError("BertStack runs bidirectional encoders; this model is configured as a decoder")
         self.model = base
         self.config = base.config
         self.num_layers = len(encoder.layer)
@@ -47,11 +45,16 @@ class BertStack:
 
     def embed(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
         """``(hidden, mask)``: the embeddings of ``input_ids`` ``(B, L)`` and the mask every layer receives (built by
-        transformers for the model's attention implementation from ``attention_mask``, 1 = token, 0 = padding)."""
-        from transformers.masking_utils import create_bidirectional_mask
+        transformers for the model's attention implementation from ``attention_mask``, 1 = token, 0 = padding;
+        bidirectional, or causal for a model configured as a decoder, without a cache)."""
+        from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 
         hidden = self.model.embeddings(input_ids=input_ids)
-        mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
+        if self.config.is_decoder:
+            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+                                      cache=None)
+        else:
+            mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
         return hidden, mask
 
     def layer(self, index: int, hidden: torch.Tensor, mask) -> torch.Tensor:
