@@ -61,6 +61,7 @@ from .surgery import attention as sa
 from .surgery import maps as fitted_maps
 from .surgery import placement as pl
 from .surgery.bert import BertStack
+from .surgery.conversion import head_seed
 from .surgery.retrieval import RetrievalCorpus, paragraph_corpus, retrieval_agreement
 from .validation import check_choice, check_positive_int
 
@@ -237,9 +238,9 @@ class Substitution:
             raise TypeError(f"maps must be a mapping (layer, head) -> fitted estimator, got {type(self.maps).__name__}")
 
     def head_seed(self, layer: int, head: int) -> np.random.SeedSequence:
-        """The seed of ``(layer, head)``: independent of every other layer's and head's."""
-        root = self.rng if isinstance(self.rng, np.random.SeedSequence) else np.random.SeedSequence(int(self.rng))
-        return np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, int(layer), int(head)))
+        """The seed of ``(layer, head)``, independent of every other layer's and head's: the one rule of
+        :func:`kernapprox.surgery.conversion.head_seed` (``ka.convert`` draws the same maps from the same root)."""
+        return head_seed(self.rng, layer, head)
 
     def make(self, layer: int, head: int):
         """The unfitted estimator of ``(layer, head)``."""

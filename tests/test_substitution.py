@@ -63,6 +63,19 @@ def test_exact_everywhere_reproduces_the_model_embeddings(encoder):
     assert run.layer_attention_error == {layer: 0.0 for layer in range(sub.NUM_LAYERS)}
 
 
+def test_the_study_and_ka_convert_are_one_surgery(encoder):
+    """MiniLM through its client (layer by layer, per-layer seeds of the substitution) and ka.convert (the model's own
+    forward) substitute the same maps and give the same hidden states, bit for bit, padding included."""
+    model, tokenizer = encoder
+    inputs = padded(tokenizer)
+    run = sub.encode(model, inputs, sub.plan(sub.Substitution("positive_orthogonal", num_features=16, rng=7),
+                                             layers=[1, 4]))
+    converted = ka.convert(model, "positive_orthogonal", num_features=16, layers=[1, 4], rng=7)
+    with torch.no_grad():
+        hidden = converted(input_ids=inputs.ids[0], attention_mask=inputs.mask[0]).last_hidden_state
+    torch.testing.assert_close(hidden, run.hidden[0], rtol=0, atol=0)
+
+
 def test_exact_plan_has_zero_error_against_the_reference(encoder):
     model, tokenizer = encoder
     inputs = sub.tokenize(tokenizer, TEXTS)

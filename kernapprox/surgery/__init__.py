@@ -2,13 +2,17 @@
 everything else (projections, positions, masks, the rest of the network) the model's own.
 
 :mod:`~kernapprox.surgery.attention`
-    The attention function registered with transformers' attention interface, :class:`SubstitutedAttention` (one
-    entry per query head), :func:`enable`, :func:`set_attention`, :func:`capture` (a layer's attention inputs).
+    The attention function registered with transformers' attention interface;
+    :class:`~kernapprox.surgery.attention.SubstitutedAttention` (one entry per query head);
+    :func:`~kernapprox.surgery.attention.enable`, :func:`~kernapprox.surgery.attention.set_attention`;
+    :func:`~kernapprox.surgery.attention.capture` (a layer's attention inputs).
 :mod:`~kernapprox.surgery.conversion`
-    :func:`convert` (a copy of a model with an estimator in chosen layers/heads; data-dependent maps fitted on a
-    calibration batch), :func:`substitute`, :func:`calibrate`, the family adapters (:data:`FAMILIES`).
+    :func:`~kernapprox.surgery.conversion.convert` (``ka.convert``: a copy of a model with an estimator in chosen
+    layers and heads, data-dependent maps fitted on a calibration batch);
+    :func:`~kernapprox.surgery.conversion.substitute`; :func:`~kernapprox.surgery.conversion.calibrate`; the family
+    adapters (``FAMILIES``).
 :mod:`~kernapprox.surgery.bert`
-    :class:`BertStack`: a BERT-family encoder layer by layer, through its own modules.
+    :class:`~kernapprox.surgery.bert.BertStack`: a BERT-family encoder layer by layer, through its own modules.
 :mod:`~kernapprox.surgery.placement`
     Placements of exact layers, the prefix-sharing search over them, their attention memory.
 :mod:`~kernapprox.surgery.retrieval`
