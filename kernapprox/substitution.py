@@ -60,7 +60,7 @@ from . import real
 from .surgery import attention as sa
 from .surgery import maps as fitted_maps
 from .surgery import placement as pl
-from .surgery.bert import BertStack
+from .surgery.bert import BertStack, EncoderInput, from_batch, tokenize
 from .surgery.conversion import head_seed
 from .surgery.retrieval import RetrievalCorpus, paragraph_corpus, retrieval_agreement
 from .validation import check_choice, check_positive_int
@@ -119,72 +119,6 @@ def retrieval_corpus(num_paragraphs: int = 64, *, min_document_tokens: int = 24,
     return dataclasses.replace(corpus, description=corpus.description.replace(
         f"from character {held_out_from} on",
         f"after the first {FIT_REGION_TOKENS} text tokens (characters ≥ {held_out_from})"))
-
-
-# ----------------------------------------------------------------------------------------------- tokenising
-@dataclasses.dataclass(frozen=True)
-class EncoderInput:
-    """Tokenised texts in padded buckets of similar length.
-
-    ``ids[b]``, ``mask[b]``: ``(B_b, L_b)`` token ids and attention mask (1 = token, 0 = padding) of bucket
-    ``b``; ``index[b]``: the positions (in the original text order) of its rows; ``lengths``: tokens per text
-    (special tokens included), in the original order.
-    """
-
-    ids: tuple[torch.Tensor, ...]
-    mask: tuple[torch.Tensor, ...]
-    index: tuple[np.ndarray, ...]
-    lengths: np.ndarray
-
-    @property
-    def num_texts(self) -> int:
-        return int(self.lengths.size)
-
-
-def tokenize(tokenizer, texts: Iterable[str], *, max_length: int = 256, bucket_tokens: int = 4096,
-             device=None) -> EncoderInput:
-    """Tokenise ``texts`` one by one (``[CLS] … [SEP]``, truncated at ``max_length``), sort them by length and
-    group them into padded buckets of at most ``bucket_tokens`` positions (at least one text each).
-
-    ``bucket_tokens=1`` gives one text per bucket: every text at its own length, no padding at all.
-    """
-    texts = list(texts)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("texts must be a non-empty list of strings")
-    check_positive_int(max_length, "max_length")
-    check_positive_int(bucket_tokens, "bucket_tokens")
-    encoded = [tokenizer(t, truncation=True, max_length=max_length, verbose=False)["input_ids"] for t in texts]
-    lengths = np.array([len(e) for e in encoded])
-    order = np.argsort(lengths, kind="stable")
-    buckets, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > bucket_tokens:
-            buckets.append(current)
-            current = []
-        current.append(int(i))
-    buckets.append(current)
-    ids, masks = [], []
-    for bucket in buckets:
-        width = int(lengths[bucket].max())
-        block = torch.full((len(bucket), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(bucket), width), dtype=torch.long)
-        for row, i in enumerate(bucket):
-            block[row, :lengths[i]] = torch.tensor(encoded[i])
-            mask[row, :lengths[i]] = 1
-        ids.append(block.to(device))
-        masks.append(mask.to(device))
-    return EncoderInput(tuple(ids), tuple(masks), tuple(np.array(b) for b in buckets), lengths)
-
-
-def from_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> EncoderInput:
-    """One bucket from an already padded batch ``(B, L)`` (e.g. a tokenizer's ``padding=True`` output)."""
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids and attention_mask must be (B, L) of one shape, got {tuple(input_ids.shape)} "
-                         f"and {tuple(attention_mask.shape)}")
-    lengths = attention_mask.sum(-1).cpu().numpy()
-    if (lengths == 0).any():
-        raise ValueError("attention_mask has a row without tokens")
-    return EncoderInput((input_ids,), (attention_mask,), (np.arange(input_ids.shape[0]),), lengths)
 
 
 # ------------------------------------------------------------------------------------------ substitutions
@@ -448,7 +382,7 @@ def encode(model, inputs: EncoderInput, plan: Mapping[int, Substitution] | None 
         The ``BertModel`` of :func:`load_encoder` (any dtype/device; the inputs on its device). It is routed through
         :func:`kernapprox.surgery.attention.enable` (in place; its own outputs do not change).
     inputs : EncoderInput
-        From :func:`tokenize` or :func:`from_batch`.
+        From :func:`~kernapprox.surgery.bert.tokenize` or :func:`~kernapprox.surgery.bert.from_batch`.
     plan : mapping layer -> Substitution, optional
         Layers not in ``plan`` keep the model's softmax attention; ``None``: the exact model.
     reference : EncoderRun, optional
