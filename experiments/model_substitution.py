@@ -18,8 +18,8 @@ The exact model's own retrieval and KV caches are the study's :class:`~kernappro
 Families (:data:`FAMILIES`, the study's one estimator table): random (``positive_orthogonal``, FAVOR+),
 data-dependent random (``oprf_orthogonal``), Nyström (``nystrom_kmeans``), Taylor (``taylor2``, dimension fixed
 by ``d``: run at ``r = 32`` cells only, its true dimension stored in ``feature_dimension``) and learned
-(``hedgehog``: trained per ``(layer, head)`` for ``train_steps`` steps on windows 0–1, cached in
-``results/cache``). Data-dependent
+(``hedgehog``: trained per ``(layer, head)`` for ``train_steps`` steps on windows 0–1, kept in the fitted-maps
+cache, :mod:`kernapprox.surgery.maps`). Data-dependent
 closed-form maps are fitted per ``(layer, head)`` on the running input (all texts' real tokens, at most
 ``fit_points``); learned maps never see the input. ``seed`` indexes the random draws (projections,
 initialisations, k-means seeds): cells sharing ``paragraphs`` and ``seed`` share the root seed, so the
@@ -39,7 +39,6 @@ import functools
 import warnings
 
 import numpy as np
-import torch
 import xarray as xr
 
 import kernapprox as ka
@@ -170,13 +169,8 @@ def applicable(name: str, num_features: int, search: bool, params) -> bool:
 @functools.lru_cache(maxsize=2)
 def _context(paragraphs: int, device: str):
     """The corpus, its tokenised input and the exact run (computed once per process and corpus)."""
-    model, tokenizer = sub.load_encoder()
-    model = model.to(device)
-    corpus = sub.retrieval_corpus(paragraphs, min_document_tokens=16, max_document_tokens=64)
-    inputs = sub.tokenize(tokenizer, corpus.texts, bucket_tokens=1024, device=device)
-    exact = sub.encode(model, inputs, keep_layer_states=True)
-    hits = sub.retrieval_agreement(exact.embeddings, exact.embeddings, len(corpus))["hit"]
-    return model, corpus, inputs, exact, hits
+    return sub.retrieval_setup(paragraphs, min_document_tokens=16, max_document_tokens=64, bucket_tokens=1024,
+                               device=device)
 
 
 def substitution_for(name: str, num_features: int, root: int, params, *, cache: bool = True):
@@ -184,9 +178,8 @@ def substitution_for(name: str, num_features: int, root: int, params, *, cache: 
     r = None if name in FIXED_DIMENSION else num_features
     if name in LEARNED:
         options = {"num_steps": params["train_steps"], "learning_rate": params["learning_rate"]}
-        spec = sub.Substitution(name, num_features=r, rng=root, options=options)
-        maps = sub.fit_maps(spec, sub.Windows(**TRAIN), cache=cache)
-        return sub.Substitution(name, num_features=r, rng=root, options=options, maps=maps)
+        return sub.Substitution(name, num_features=r, rng=root, options=options).fitted_on(sub.Windows(**TRAIN),
+                                                                                          cache=cache)
     return sub.Substitution(name, num_features=r, rng=root, fit="input", fit_points=params["fit_points"])
 
 
@@ -198,8 +191,8 @@ def _check_real():
 def run_cell(params, rng, device, data_rng):
     name, r, search = params["estimator"], params["num_features"], params["search"]
     _check_real()
-    model, corpus, inputs, exact, _ = _context(params["paragraphs"], str(device))
-    out = _nan_result(len(corpus))
+    setup = _context(params["paragraphs"], str(device))
+    out = _nan_result(len(setup.corpus))
     if not applicable(name, r, search, params):
         return out
     root = int(data_rng.integers(2**63))                # shared by every cell of this (paragraphs, seed)
@@ -207,37 +200,30 @@ def run_cell(params, rng, device, data_rng):
 
     def record(exact_layers, run):
         i = PLACEMENTS.index(sub.placement_label(exact_layers))
-        agree = sub.retrieval_agreement(run.embeddings, exact.embeddings, len(corpus))
-        out["top1_agreement"][i], out["top10_agreement"][i], out["self_hit"][i] = (
-            agree["top1"], agree["top_k"], agree["hit"])
-        out["embedding_cosine"][i] = float(np.mean(run.embedding_cosine))
-        out["final_state_error"][i] = run.final_state_error
-        out["hidden_error"][i] = [run.hidden_error[layer] for layer in range(NUM_LAYERS)]
-        out["layer_attention_error"][i] = [run.layer_attention_error.get(layer, np.nan)
-                                           for layer in range(NUM_LAYERS)]
-        out["attention_bytes"][i] = float(np.mean(sub.placement_bytes(subst, exact_layers, inputs.lengths)))
+        for var, value in sub.compare(run, setup).items():
+            out[var][i] = value
+        out["attention_bytes"][i] = float(np.mean(sub.placement_bytes(subst, exact_layers, setup.inputs.lengths)))
 
     if search:
-        sub.search_placements(model, inputs, subst, record, reference=exact,
+        sub.search_placements(setup.model, setup.inputs, subst, record, reference=setup.exact,
                               placements=sub.hybrid_placements(params["search_max_exact"]))
     else:
-        record((), sub.encode(model, inputs, sub.plan(subst), reference=exact))
+        record((), sub.encode(setup.model, setup.inputs, sub.plan(subst), reference=setup.exact))
         if r == params["heldout_rank"] or name in FIXED_DIMENSION:
             maps = subst.maps if subst.maps is not None else sub.fit_maps(
                 sub.Substitution(name, num_features=subst.num_features, rng=root), sub.Windows(**TRAIN))
             out["heldout_error"] = sub.heldout_attention_error(maps)
-    fixed = subst.num_features is None                 # the dimension is d's: read it off a map
-    out["feature_dimension"] = float(subst.make(0, 0).fit(torch.zeros(1, real.HEAD_DIM)).num_features if fixed
-                                     else subst.num_features)
+    out["feature_dimension"] = float(subst.feature_dimension)
     return out
 
 
 def run_reference(params, device, data_rng):
     """The exact model on the corpus: its own retrieval accuracy and its KV caches (deterministic)."""
     _check_real()
-    _, _, inputs, _, hits = _context(params["paragraphs"], str(device))
-    kv = sub.placement_bytes(None, range(NUM_LAYERS), inputs.lengths)
-    return {"exact_self_hit": np.asarray(hits, dtype=np.float64), "exact_attention_bytes": float(np.mean(kv))}
+    setup = _context(params["paragraphs"], str(device))
+    kv = sub.placement_bytes(None, range(NUM_LAYERS), setup.inputs.lengths)
+    return {"exact_self_hit": np.asarray(setup.exact_hits, dtype=np.float64),
+            "exact_attention_bytes": float(np.mean(kv))}
 
 
 # ------------------------------------------------------------------------------------------------ summaries

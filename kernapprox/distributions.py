@@ -30,12 +30,17 @@ Values ``v`` have unit variance per coordinate. Families:
 ``continuous``
     a smooth Gaussian-process trajectory over time, embedded and projected; ``length_scale`` sets
     the smoothness (correlation length in tokens).
+
+Families of stored heads live with the models they come from and register themselves here when their module is
+imported (the registry imports no family above it):
+
 ``real``
     queries, keys and values of every layer and head of all-MiniLM-L6-v2 on English text
-    (:mod:`kernapprox.real`; needs the ``real`` extra).
+    (:class:`kernapprox.real.RealHeads`; registered by ``import kernapprox``; needs the ``real`` extra).
 ``trained_causal``
     queries, keys and values of a small causal Transformer trained on MQAR or in-context linear regression
-    (:mod:`kernapprox.models.heads`; trained and cached on first use).
+    (:class:`kernapprox.models.heads.TrainedCausalHeads`; registered by ``import kernapprox.models``; trained and
+    cached on first use).
 
 Per-head projections differ; tokens (text_like) and trajectories (continuous) are shared by the heads of one
 batch element, as in a real model.
@@ -312,8 +317,8 @@ class SmoothTrajectory(_SyntheticDistribution):
         return s * (x @ w[0][None]), s * (x @ w[1][None]), x @ w[2][None]
 
 
-def _check_layer_head(layer, head, num_layers: int, num_heads: int) -> None:
-    """``layer`` and ``head``: an int in range or None; a head needs its layer."""
+def check_layer_head(layer, head, num_layers: int, num_heads: int) -> None:
+    """``layer`` and ``head``: an int in range or None; a head needs its layer (for the families of stored heads)."""
     for value, name, top in ((layer, "layer", num_layers), (head, "head", num_heads)):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -322,121 +327,6 @@ def _check_layer_head(layer, head, num_layers: int, num_heads: int) -> None:
                 raise ValueError(f"{name} must be in [0, {top}), got {value}")
     if head is not None and layer is None:
         raise ValueError("head needs a layer")
-
-
-class RealHeads(Distribution):
-    """Queries, keys and values of all-MiniLM-L6-v2 (6 layers × 12 heads, head dimension 32) on English text.
-
-    The cached extraction (:func:`kernapprox.real.load_qkv`) holds ``num_windows`` consecutive 512-token
-    windows as one token stream. A draw picks, per batch element, a uniformly random start in the stream and
-    takes ``n`` consecutive tokens (``n`` up to the stream length; beyond one window the positions restart at
-    each window boundary, since the model sees at most 512 positions), and per head slot a distinct
-    ``(layer, head)``: from ``layer`` if given (``head`` fixes the head), else from all layers. The model is
-    bidirectional (BERT); a causal study applies the causal mask itself. ``d`` must be 32 (or omitted).
-
-    The native scale is the model's ``1/sqrt(32)``, the kernapprox default, so ``effective_beta`` of a draw is
-    the head's own temperature.
-    """
-
-    name = "real"
-
-    def __init__(self, *, layer: int | None = None, head: int | None = None, num_windows: int = 4,
-                 cache_dir=None):
-        from . import real
-
-        _check_layer_head(layer, head, real.NUM_LAYERS, real.NUM_HEADS)
-        self.layer = layer
-        self.head = head
-        self.num_windows = check_positive_int(num_windows, "num_windows")
-        self.cache_dir = cache_dir
-
-    def _pairs(self):
-        from . import real
-
-        layers = range(real.NUM_LAYERS) if self.layer is None else [self.layer]
-        heads = range(real.NUM_HEADS) if self.head is None else [self.head]
-        return [(lay, h) for lay in layers for h in heads]
-
-    def _draw(self, batch, heads, n, d, rng):
-        from . import real
-
-        if d != real.HEAD_DIM:
-            raise ValueError(f"d must be {real.HEAD_DIM} (the model's head dimension) for real heads, got {d}")
-        stream = real.load_qkv(num_windows=self.num_windows, cache_dir=self.cache_dir)
-        total = stream["q"].shape[2]
-        if n > total:
-            raise ValueError(f"n={n} exceeds the cached token stream ({total} tokens = {self.num_windows} windows "
-                             f"of {real.WINDOW}); raise num_windows")
-        pairs = self._pairs()
-        if heads > len(pairs):
-            raise ValueError(f"heads={heads} exceeds the {len(pairs)} available (layer, head) pairs")
-        out = {name: np.empty((batch, heads, n, d)) for name in ("q", "k", "v")}
-        for b in range(batch):
-            start = int(rng.integers(0, total - n + 1))
-            chosen = rng.choice(len(pairs), size=heads, replace=False)
-            for slot, index in enumerate(chosen):
-                lay, h = pairs[index]
-                for name in out:
-                    out[name][b, slot] = stream[name][lay, h, start:start + n]
-        return out["q"], out["k"], out["v"]
-
-
-class TrainedCausalHeads(Distribution):
-    """Queries, keys and values of a small causal Transformer trained on an in-context-learning task.
-
-    The softmax reference model of ``task`` (:func:`kernapprox.models.presets.reference`: ``"mqar"``, 2 layers ×
-    2 heads of dimension 32 on Zoology's multi-query associative recall; ``"regression"``, 3 layers × 2 heads
-    on Garg et al.'s in-context linear regression) is loaded from the checkpoint cache (trained first if it is
-    missing, about a minute on a CPU) and its heads are recorded on ``num_prompts`` evaluation prompts
-    (:func:`kernapprox.models.heads.load_heads`, cached as netCDF). A draw picks, per batch element, a uniformly
-    random prompt and takes its first ``n`` tokens (a causal model's queries at a prefix saw exactly that prefix),
-    and per head slot a distinct ``(layer, head)``: from ``layer`` if given (``head`` fixes the head), else from
-    all layers. ``d`` must be the model's head dimension (32).
-
-    Unlike :class:`RealHeads` (bidirectional BERT), these heads were trained with the causal mask, and on a task
-    that needs sharp, content-based retrieval (MQAR's induction heads): the keys a linear-attention state would
-    hold. The model's scale is ``1/sqrt(32)``, the kernapprox default.
-    """
-
-    name = "trained_causal"
-
-    def __init__(self, *, task: str = "mqar", layer: int | None = None, head: int | None = None,
-                 num_prompts: int = 64, cache_dir=None):
-        from .models import presets
-
-        check_choice(task, "task", ("mqar", "regression"))
-        model_config, _, _ = presets.reference(task)
-        _check_layer_head(layer, head, model_config.num_layers, model_config.num_heads)
-        self.task = task
-        self.layer = layer
-        self.head = head
-        self.num_prompts = check_positive_int(num_prompts, "num_prompts")
-        self.cache_dir = cache_dir
-        self._shape = (model_config.num_layers, model_config.num_heads, model_config.max_len,
-                       model_config.head_dim)
-
-    def _draw(self, batch, heads, n, d, rng):
-        from .models import heads as trained_heads
-
-        layers, num_heads, length, head_dim = self._shape
-        if d != head_dim:
-            raise ValueError(f"d must be {head_dim} (the model's head dimension) for trained heads, got {d}")
-        if n > length:
-            raise ValueError(f"n={n} exceeds the model's sequence length {length}")
-        pairs = [(lay, h) for lay in (range(layers) if self.layer is None else [self.layer])
-                 for h in (range(num_heads) if self.head is None else [self.head])]
-        if heads > len(pairs):
-            raise ValueError(f"heads={heads} exceeds the {len(pairs)} available (layer, head) pairs")
-        stream = trained_heads.load_heads(self.task, self.num_prompts, self.cache_dir)
-        out = {name: np.empty((batch, heads, n, d)) for name in ("q", "k", "v")}
-        for b in range(batch):
-            prompt = int(rng.integers(0, self.num_prompts))
-            chosen = rng.choice(len(pairs), size=heads, replace=False)
-            for slot, index in enumerate(chosen):
-                lay, h = pairs[index]
-                for name in out:
-                    out[name][b, slot] = stream[name][lay, h, prompt, :n]
-        return out["q"], out["k"], out["v"]
 
 
 _DISTRIBUTIONS: dict[str, type[Distribution]] = {}
@@ -452,8 +342,7 @@ def register_distribution(cls: type[Distribution]) -> type[Distribution]:
     return cls
 
 
-for _cls in (IsotropicGaussian, AnisotropicGaussian, ClusteredGaussian, StudentT, TextLike, SmoothTrajectory,
-             RealHeads, TrainedCausalHeads):
+for _cls in (IsotropicGaussian, AnisotropicGaussian, ClusteredGaussian, StudentT, TextLike, SmoothTrajectory):
     register_distribution(_cls)
 
 

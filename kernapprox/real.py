@@ -8,12 +8,16 @@ The text is the English help text that ships with Python (``pydoc_data.topics``:
 dict in key order, joined by blank lines; ~128k WordPiece tokens). Extraction runs the model on
 ``num_windows`` consecutive windows of 510 text tokens (``[CLS] … [SEP]`` = 512 positions), records the outputs
 of every layer's ``query``/``key``/``value`` Linear modules with forward hooks, splits them into heads and
-stores them once in ``results/cache/`` as netCDF (float32, the model's precision) with provenance attributes.
+stores them once in the cache root (``kernapprox.cache.cache_dir("real")``: ``$KERNAPPROX_CACHE_DIR/real``, else the
+user cache directory) as netCDF (float32, the model's precision) with provenance attributes.
 The extraction checks itself: softmax attention rebuilt from the recorded ``q, k, v`` reproduces the model's
 own context layer (stored as the attribute ``rebuild_max_abs_error``).
 
 BERT is bidirectional: the heads were trained without a causal mask. Causal studies apply the mask themselves;
 the keys then are what a bidirectional model computed, not what a causal one would have.
+
+:class:`RealHeads` samples the cached heads as a query/key distribution (registered as ``"real"`` in
+:mod:`kernapprox.distributions` when this module is imported, which ``import kernapprox`` does).
 
 >>> from kernapprox import real
 >>> if real.is_available():
@@ -35,6 +39,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache import CACHE_ENV as CACHE_ENV  # the one cache root's variable (cache_root reads it)
+from .cache import cache_dir
+from .distributions import Distribution, check_layer_head, register_distribution
 from .io import atomic_write
 from .validation import check_positive_int
 
@@ -44,7 +51,6 @@ NUM_LAYERS = 6
 NUM_HEADS = 12
 HEAD_DIM = 32
 WINDOW = 512
-CACHE_ENV = "KERNAPPROX_CACHE_DIR"
 
 
 def unavailable_reason() -> str | None:
@@ -157,13 +163,10 @@ def rebuild_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention
     return ctx.transpose(-3, -2).reshape(*ctx.shape[:-3], ctx.shape[-2], -1)
 
 
-def resolve_cache_dir(path=None) -> Path:
-    """Where extractions are cached: ``path``, else ``$KERNAPPROX_CACHE_DIR``, else ``results/cache``."""
-    return Path(path if path is not None else os.environ.get(CACHE_ENV, Path("results") / "cache"))
-
-
 def cache_path(num_windows: int = 4, start: int = 0, path=None) -> Path:
-    return resolve_cache_dir(path) / f"minilm_qkv_w{WINDOW}_n{num_windows}_s{start}.nc"
+    """The extraction's file: in the folder ``path``, else ``kernapprox.cache.cache_dir("real")``."""
+    folder = cache_dir("real") if path is None else Path(path)
+    return folder / f"minilm_qkv_w{WINDOW}_n{num_windows}_s{start}.nc"
 
 
 def extract_windows(num_windows: int = 4, start: int = 0, cache_dir=None):
@@ -261,3 +264,57 @@ def load_qkv(num_windows: int = 4, start: int = 0, cache_dir=None) -> dict:
 @functools.lru_cache(maxsize=1)
 def _text_sha256() -> str:
     return hashlib.sha256(reference_text()[0].encode("utf-8")).hexdigest()
+
+
+class RealHeads(Distribution):
+    """Queries, keys and values of all-MiniLM-L6-v2 (6 layers × 12 heads, head dimension 32) on English text.
+
+    The cached extraction (:func:`load_qkv`) holds ``num_windows`` consecutive 512-token windows as one token
+    stream. A draw picks, per batch element, a uniformly random start in the stream and takes ``n`` consecutive
+    tokens (``n`` up to the stream length; beyond one window the positions restart at each window boundary, since
+    the model sees at most 512 positions), and per head slot a distinct ``(layer, head)``: from ``layer`` if given
+    (``head`` fixes the head), else from all layers. The model is bidirectional (BERT); a causal study applies the
+    causal mask itself. ``d`` must be 32 (or omitted).
+
+    The native scale is the model's ``1/sqrt(32)``, the kernapprox default, so ``effective_beta`` of a draw is
+    the head's own temperature.
+    """
+
+    name = "real"
+
+    def __init__(self, *, layer: int | None = None, head: int | None = None, num_windows: int = 4,
+                 cache_dir=None):
+        check_layer_head(layer, head, NUM_LAYERS, NUM_HEADS)
+        self.layer = layer
+        self.head = head
+        self.num_windows = check_positive_int(num_windows, "num_windows")
+        self.cache_dir = cache_dir
+
+    def _pairs(self):
+        layers = range(NUM_LAYERS) if self.layer is None else [self.layer]
+        heads = range(NUM_HEADS) if self.head is None else [self.head]
+        return [(lay, h) for lay in layers for h in heads]
+
+    def _draw(self, batch, heads, n, d, rng):
+        if d != HEAD_DIM:
+            raise ValueError(f"d must be {HEAD_DIM} (the model's head dimension) for real heads, got {d}")
+        stream = load_qkv(num_windows=self.num_windows, cache_dir=self.cache_dir)
+        total = stream["q"].shape[2]
+        if n > total:
+            raise ValueError(f"n={n} exceeds the cached token stream ({total} tokens = {self.num_windows} windows "
+                             f"of {WINDOW}); raise num_windows")
+        pairs = self._pairs()
+        if heads > len(pairs):
+            raise ValueError(f"heads={heads} exceeds the {len(pairs)} available (layer, head) pairs")
+        out = {name: np.empty((batch, heads, n, d)) for name in ("q", "k", "v")}
+        for b in range(batch):
+            start = int(rng.integers(0, total - n + 1))
+            chosen = rng.choice(len(pairs), size=heads, replace=False)
+            for slot, index in enumerate(chosen):
+                lay, h = pairs[index]
+                for name in out:
+                    out[name][b, slot] = stream[name][lay, h, start:start + n]
+        return out["q"], out["k"], out["v"]
+
+
+register_distribution(RealHeads)

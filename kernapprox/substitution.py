@@ -1,35 +1,35 @@
-"""all-MiniLM-L6-v2 end to end with the attention of chosen layers replaced by any registry estimator.
+"""all-MiniLM-L6-v2 end to end with the attention of chosen layers replaced by any registry estimator: a client of
+the general model surgery (:mod:`kernapprox.surgery`).
 
-The encoder is run layer by layer from the model's own modules (embeddings; per layer the ``query``/``key``/
-``value`` projections, the attention output block, the feed-forward block), so that between two layers the
-attention of each can be the model's own softmax attention or an estimator's. The sentence embedding is the
-model's: mean of the final hidden states over the non-padding tokens, then unit 2-norm (the
-sentence-transformers pipeline ``modules.json`` of the package: Transformer → mean Pooling → Normalize).
+The encoder runs layer by layer through its own modules (:class:`kernapprox.surgery.bert.BertStack`: embeddings,
+the mask transformers builds, each ``BertLayer``), with the attention of a substituted layer computed by
+:mod:`kernapprox.surgery.attention` on the layer's own queries, keys and values; between two layers the
+attention of each can be the model's own or an estimator's. The sentence embedding is the model's: mean of the
+final hidden states over the non-padding tokens, then unit 2-norm (the sentence-transformers pipeline
+``modules.json`` of the package: Transformer → mean Pooling → Normalize).
 
 Padding is honoured exactly: texts are tokenised one by one, grouped by length into padded buckets, and a padded
-key never enters any attention (exact: logit ``−inf``; feature maps: key weight ``exp(−inf) = 0``; estimators
-that bring their own attention run each text at its own length). Every other operation is per token, so the
-hidden states of a text's real tokens do not depend on the padding (test: padded and unpadded batches agree).
+key never enters any attention (exact: the model's mask; feature maps: ``key_padding_mask``, so its weight is 0;
+estimators that bring their own attention run each text at its own length). Every other operation is per token, so
+the hidden states of a text's real tokens do not depend on the padding (test: padded and unpadded batches agree).
 
 What replaces attention is a :class:`Substitution` (a registry name, ``r``, options and a seed). Per
 ``(layer, head)`` one estimator is fitted on that layer's projected queries and keys *of the running input*
 (the model as substituted so far), the real tokens of all texts pooled — or, with ``fit="sequence"``, on each
-text alone; data-independent maps are drawn once per ``(layer, head)``; pre-fitted maps (learned maps trained on
-other text) are passed in ``maps``. Seeds are per ``(layer, head)``: ``SeedSequence(entropy, spawn_key=(...,
-layer, head))`` of the substitution's ``rng``, so a layer's draw does not depend on which other layers are
-substituted (what a placement search needs).
+text alone; both fit on the texts being scored, the study's declared (transductive) choice. Data-independent maps
+are drawn once per ``(layer, head)``; pre-fitted maps (learned maps trained on other text) are passed in ``maps``.
+Seeds are per ``(layer, head)``: ``SeedSequence(entropy, spawn_key=(..., layer, head))`` of the substitution's
+``rng``, so a layer's draw does not depend on which other layers are substituted (what a placement search needs).
 
 Measured (:func:`encode` with ``reference=``): per substituted layer the relative error of its attention output
 against exact attention *on the same queries, keys and values* (the layer's own error on the activations it
 sees), the relative error of every layer's hidden states against the exact model's (the propagated error), the
-final hidden states' error and the embeddings. :func:`retrieval_agreement` compares nearest-neighbour retrieval
-with the exact model's on :func:`retrieval_corpus` (paragraphs of Python's help text held out from the extraction
-windows that any fitting sees: first sentence as the query, the rest as the document). :func:`search_placements`
-runs every subset of exact layers (2⁶ = 64) as a depth-first walk of the layer-by-layer choice tree, sharing the
-hidden states of common prefixes (at most 126 layer evaluations instead of 384), or a bounded set of them
-(:func:`hybrid_placements`: at most ``k`` exact layers, single substituted layers and the naive first/last
-``k``). :func:`placement_bytes` counts memory: an estimator's ``state_bytes`` per head, an exact layer's KV cache
-at the text's length.
+final hidden states' error and the embeddings. Retrieval (:mod:`kernapprox.surgery.retrieval`) runs on
+:func:`retrieval_corpus` (paragraphs of Python's help text held out from the extraction windows that any fitting
+sees: first sentence as the query, the rest as the document). :func:`search_placements` runs every subset of exact
+layers (:func:`kernapprox.surgery.placement.walk_placements`, sharing prefixes), or a bounded set of them
+(:func:`hybrid_placements`); :func:`placement_bytes` counts memory: an estimator's ``state_bytes`` per head, an
+exact layer's KV cache at the text's length.
 
 >>> from kernapprox import real, substitution as sub
 >>> if real.is_available():
@@ -48,7 +48,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 import numpy as np
@@ -57,8 +57,19 @@ import torch
 import kernapprox as ka
 
 from . import real
-from .io import atomic_write
+from .surgery import attention as sa
+from .surgery import maps as fitted_maps
+from .surgery import placement as pl
+from .surgery.bert import BertStack, EncoderInput, from_batch, tokenize
+from .surgery.conversion import head_seed
+from .surgery.retrieval import RetrievalCorpus, paragraph_corpus, retrieval_agreement
 from .validation import check_choice, check_positive_int
+
+__all__ = ["NUM_LAYERS", "NUM_HEADS", "HEAD_DIM", "FIT_REGION_TOKENS", "load_encoder", "RetrievalCorpus",
+           "retrieval_corpus", "retrieval_agreement", "EncoderInput", "tokenize", "from_batch", "Substitution", "plan",
+           "first_layers", "last_layers", "placement_label", "all_placements", "hybrid_placements", "EncoderRun",
+           "encode", "search_placements", "RetrievalSetup", "retrieval_setup", "compare", "placement_bytes",
+           "Windows", "fit_maps", "map_provenance", "heldout_attention_error"]
 
 NUM_LAYERS = real.NUM_LAYERS
 NUM_HEADS = real.NUM_HEADS
@@ -78,40 +89,6 @@ def load_encoder(dtype: torch.dtype = torch.float32):
 
 
 # ------------------------------------------------------------------------------------------------- corpus
-@dataclasses.dataclass(frozen=True)
-class RetrievalCorpus:
-    """Query/document pairs: ``queries[i]`` is the first sentence of a paragraph, ``documents[i]`` the rest.
-
-    ``texts`` lists the queries, then the documents (the order :func:`tokenize` and :func:`encode` use);
-    ``char_offsets`` are the paragraphs' positions in :func:`kernapprox.real.reference_text`.
-    """
-
-    queries: tuple[str, ...]
-    documents: tuple[str, ...]
-    char_offsets: tuple[int, ...]
-    description: str
-
-    @property
-    def texts(self) -> list[str]:
-        return [*self.queries, *self.documents]
-
-    def __len__(self) -> int:
-        return len(self.queries)
-
-
-_SENTENCE_END = re.compile(r"(?<=[.!?:])\s+(?=[A-Z\"(*])")
-_PARAGRAPH_BREAK = re.compile(r"\n[ \t]*\n")
-
-
-def _paragraphs(text: str):
-    """``(offset, paragraph)`` for each block between blank lines."""
-    start = 0
-    for match in _PARAGRAPH_BREAK.finditer(text):
-        yield start, text[start:match.start()]
-        start = match.end()
-    yield start, text[start:]
-
-
 def _fit_region_end(tokenizer, text: str) -> int:
     """Character offset of text token :data:`FIT_REGION_TOKENS` (tokenising a growing prefix: a token's offsets do
     not depend on text far beyond it, and a whole-text pass costs seconds)."""
@@ -130,113 +107,18 @@ def _fit_region_end(tokenizer, text: str) -> int:
 @functools.lru_cache(maxsize=8)
 def retrieval_corpus(num_paragraphs: int = 64, *, min_document_tokens: int = 24, max_document_tokens: int = 96,
                      min_query_words: int = 5) -> RetrievalCorpus:
-    """Held-out query/document pairs from Python's help text (:func:`kernapprox.real.reference_text`).
-
-    Candidates are prose paragraphs (blocks between blank lines whose lines are not indented, i.e. not code or
-    tables) that start after the first :data:`FIT_REGION_TOKENS` text tokens (the extraction windows any fit or
-    training sees). A paragraph is split at its first sentence end (``.``, ``!``, ``?`` or ``:`` followed by
-    space and a capital, quote, parenthesis or ``*``); the first sentence (at least ``min_query_words`` words)
-    is the query, the rest (between ``min_document_tokens`` and ``max_document_tokens`` WordPiece tokens,
-    special tokens excluded) the document; whitespace runs become one space. ``num_paragraphs`` candidates are
-    taken evenly spaced in text order (``round(linspace)`` over the candidates): deterministic, no randomness.
-    """
-    check_positive_int(num_paragraphs, "num_paragraphs")
-    for name, value in (("min_document_tokens", min_document_tokens), ("max_document_tokens", max_document_tokens),
-                        ("min_query_words", min_query_words)):
-        check_positive_int(value, name)
-    if min_document_tokens > max_document_tokens:
-        raise ValueError(f"min_document_tokens ({min_document_tokens}) exceeds max_document_tokens "
-                         f"({max_document_tokens})")
+    """Held-out query/document pairs from Python's help text (:func:`kernapprox.real.reference_text`):
+    :func:`kernapprox.surgery.retrieval.paragraph_corpus` over the paragraphs that start after the first
+    :data:`FIT_REGION_TOKENS` text tokens (the extraction windows any fit or training sees)."""
     _, tokenizer = load_encoder()
     text, source = real.reference_text()
     held_out_from = _fit_region_end(tokenizer, text)
-    candidates = []
-    for offset, para in _paragraphs(text):
-        if offset < held_out_from or not para.strip() or any(line[:1].isspace() or line.startswith(">>>")
-                                                            for line in para.splitlines()):
-            continue
-        flat = " ".join(para.split())
-        parts = _SENTENCE_END.split(flat, maxsplit=1)
-        if len(parts) != 2 or len(parts[0].split()) < min_query_words:
-            continue
-        num_tokens = len(tokenizer(parts[1], add_special_tokens=False, verbose=False)["input_ids"])
-        if min_document_tokens <= num_tokens <= max_document_tokens:
-            candidates.append((offset, parts[0], parts[1]))
-    if len(candidates) < num_paragraphs:
-        raise ValueError(f"only {len(candidates)} paragraphs qualify, fewer than num_paragraphs={num_paragraphs}")
-    chosen = np.unique(np.round(np.linspace(0, len(candidates) - 1, num_paragraphs)).astype(int))
-    picked = [candidates[i] for i in chosen]
-    description = (f"{len(picked)} of {len(candidates)} prose paragraphs of {source}, after the first "
-                   f"{FIT_REGION_TOKENS} text tokens (characters ≥ {held_out_from}); query = first sentence, "
-                   f"document = the rest ({min_document_tokens}–{max_document_tokens} tokens); evenly spaced")
-    return RetrievalCorpus(tuple(p[1] for p in picked), tuple(p[2] for p in picked), tuple(p[0] for p in picked),
-                           description)
-
-
-# ----------------------------------------------------------------------------------------------- tokenising
-@dataclasses.dataclass(frozen=True)
-class EncoderInput:
-    """Tokenised texts in padded buckets of similar length.
-
-    ``ids[b]``, ``mask[b]``: ``(B_b, L_b)`` token ids and attention mask (1 = token, 0 = padding) of bucket
-    ``b``; ``index[b]``: the positions (in the original text order) of its rows; ``lengths``: tokens per text
-    (special tokens included), in the original order.
-    """
-
-    ids: tuple[torch.Tensor, ...]
-    mask: tuple[torch.Tensor, ...]
-    index: tuple[np.ndarray, ...]
-    lengths: np.ndarray
-
-    @property
-    def num_texts(self) -> int:
-        return int(self.lengths.size)
-
-
-def tokenize(tokenizer, texts: Iterable[str], *, max_length: int = 256, bucket_tokens: int = 4096,
-             device=None) -> EncoderInput:
-    """Tokenise ``texts`` one by one (``[CLS] … [SEP]``, truncated at ``max_length``), sort them by length and
-    group them into padded buckets of at most ``bucket_tokens`` positions (at least one text each).
-
-    ``bucket_tokens=1`` gives one text per bucket: every text at its own length, no padding at all.
-    """
-    texts = list(texts)
-    if not texts or not all(isinstance(t, str) for t in texts):
-        raise ValueError("texts must be a non-empty list of strings")
-    check_positive_int(max_length, "max_length")
-    check_positive_int(bucket_tokens, "bucket_tokens")
-    encoded = [tokenizer(t, truncation=True, max_length=max_length, verbose=False)["input_ids"] for t in texts]
-    lengths = np.array([len(e) for e in encoded])
-    order = np.argsort(lengths, kind="stable")
-    buckets, current = [], []
-    for i in order:
-        if current and (len(current) + 1) * lengths[i] > bucket_tokens:
-            buckets.append(current)
-            current = []
-        current.append(int(i))
-    buckets.append(current)
-    ids, masks = [], []
-    for bucket in buckets:
-        width = int(lengths[bucket].max())
-        block = torch.full((len(bucket), width), tokenizer.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(bucket), width), dtype=torch.long)
-        for row, i in enumerate(bucket):
-            block[row, :lengths[i]] = torch.tensor(encoded[i])
-            mask[row, :lengths[i]] = 1
-        ids.append(block.to(device))
-        masks.append(mask.to(device))
-    return EncoderInput(tuple(ids), tuple(masks), tuple(np.array(b) for b in buckets), lengths)
-
-
-def from_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> EncoderInput:
-    """One bucket from an already padded batch ``(B, L)`` (e.g. a tokenizer's ``padding=True`` output)."""
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(f"input_ids and attention_mask must be (B, L) of one shape, got {tuple(input_ids.shape)} "
-                         f"and {tuple(attention_mask.shape)}")
-    lengths = attention_mask.sum(-1).cpu().numpy()
-    if (lengths == 0).any():
-        raise ValueError("attention_mask has a row without tokens")
-    return EncoderInput((input_ids,), (attention_mask,), (np.arange(input_ids.shape[0]),), lengths)
+    corpus = paragraph_corpus(text, source, tokenizer, num_paragraphs, held_out_from=held_out_from,
+                              min_document_tokens=min_document_tokens, max_document_tokens=max_document_tokens,
+                              min_query_words=min_query_words)
+    return dataclasses.replace(corpus, description=corpus.description.replace(
+        f"from character {held_out_from} on",
+        f"after the first {FIT_REGION_TOKENS} text tokens (characters ≥ {held_out_from})"))
 
 
 # ------------------------------------------------------------------------------------------ substitutions
@@ -290,9 +172,9 @@ class Substitution:
             raise TypeError(f"maps must be a mapping (layer, head) -> fitted estimator, got {type(self.maps).__name__}")
 
     def head_seed(self, layer: int, head: int) -> np.random.SeedSequence:
-        """The seed of ``(layer, head)``: independent of every other layer's and head's."""
-        root = self.rng if isinstance(self.rng, np.random.SeedSequence) else np.random.SeedSequence(int(self.rng))
-        return np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, int(layer), int(head)))
+        """The seed of ``(layer, head)``, independent of every other layer's and head's: the one rule of
+        :func:`kernapprox.surgery.conversion.head_seed` (``ka.convert`` draws the same maps from the same root)."""
+        return head_seed(self.rng, layer, head)
 
     def make(self, layer: int, head: int):
         """The unfitted estimator of ``(layer, head)``."""
@@ -303,6 +185,19 @@ class Substitution:
     def label(self) -> str:
         return self.estimator if self.num_features is None else f"{self.estimator}(r={self.num_features})"
 
+    @property
+    def feature_dimension(self) -> int:
+        """The feature dimension per head: ``num_features``, or (for maps whose dimension ``d`` fixes) a fitted
+        map's."""
+        if self.num_features is not None:
+            return int(self.num_features)
+        return int(self.make(0, 0).fit(torch.zeros(1, HEAD_DIM)).num_features)
+
+    def fitted_on(self, windows: Windows, *, cache: bool = True) -> Substitution:
+        """This substitution with its maps fitted on the extraction ``windows`` (:func:`fit_maps`; cached): how
+        learned maps, trained on other text than the one scored, enter :func:`encode`."""
+        return dataclasses.replace(self, maps=fit_maps(self, windows, cache=cache))
+
 
 def plan(substitution: Substitution, *, layers: Iterable[int] | None = None,
          exact_layers: Iterable[int] | None = None) -> dict[int, Substitution]:
@@ -311,48 +206,35 @@ def plan(substitution: Substitution, *, layers: Iterable[int] | None = None,
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
     if layers is not None and exact_layers is not None:
         raise ValueError("give layers or exact_layers, not both")
-    chosen = set(range(NUM_LAYERS)) if layers is None else _check_layers(layers, "layers")
+    chosen = set(range(NUM_LAYERS)) if layers is None else pl.check_layers(layers, "layers", NUM_LAYERS)
     if exact_layers is not None:
-        chosen -= _check_layers(exact_layers, "exact_layers")
+        chosen -= pl.check_layers(exact_layers, "exact_layers", NUM_LAYERS)
     return {layer: substitution for layer in sorted(chosen)}
 
 
 def first_layers(count: int) -> list[int]:
-    """Layers ``0 … count−1``."""
-    return list(range(_check_count(count)))
+    """Layers ``0 … count−1`` of the six."""
+    return pl.first_layers(count, NUM_LAYERS)
 
 
 def last_layers(count: int) -> list[int]:
-    """The last ``count`` layers."""
-    return list(range(NUM_LAYERS - _check_count(count), NUM_LAYERS))
+    """The last ``count`` of the six layers."""
+    return pl.last_layers(count, NUM_LAYERS)
 
 
 def placement_label(exact_layers: Iterable[int]) -> str:
     """``"E:0,5"`` for exact attention in layers 0 and 5 (``"E:-"``: none exact)."""
-    layers = sorted(_check_layers(exact_layers, "exact_layers"))
-    return "E:" + (",".join(map(str, layers)) if layers else "-")
+    return pl.placement_label(exact_layers, NUM_LAYERS)
 
 
 def all_placements() -> list[tuple[int, ...]]:
-    """Every subset of layers (as the sorted tuple of layers that keep exact attention), by size then order."""
-    import itertools
-
-    return [c for size in range(NUM_LAYERS + 1) for c in itertools.combinations(range(NUM_LAYERS), size)]
+    """The 2⁶ placements of exact layers (:func:`kernapprox.surgery.placement.all_placements`)."""
+    return pl.all_placements(NUM_LAYERS)
 
 
-def _check_count(count):
-    if isinstance(count, bool) or not isinstance(count, int | np.integer) or not 0 <= count <= NUM_LAYERS:
-        raise ValueError(f"count must be an int in [0, {NUM_LAYERS}], got {count!r}")
-    return int(count)
-
-
-def _check_layers(layers, name) -> set[int]:
-    out = set()
-    for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, int | np.integer) or not 0 <= layer < NUM_LAYERS:
-            raise ValueError(f"{name} must hold layer indices in [0, {NUM_LAYERS}), got {layer!r}")
-        out.add(int(layer))
-    return out
+def hybrid_placements(max_exact: int) -> list[tuple[int, ...]]:
+    """The bounded search's placements (:func:`kernapprox.surgery.placement.hybrid_placements`) of the six layers."""
+    return pl.hybrid_placements(max_exact, NUM_LAYERS)
 
 
 # ------------------------------------------------------------------------------------------------ encoder
@@ -380,24 +262,29 @@ class EncoderRun:
         return self.hidden_error[NUM_LAYERS - 1]
 
 
-def _kind(estimator) -> str:
-    return estimator.capabilities().kind
-
-
-def _data_dependent(estimator) -> bool:
-    return estimator.capabilities().data_dependent
+def _masked_sq(x, mask):
+    """``Σ‖x‖²`` over real tokens (float64) of ``(B, H, L, hd)``; ``mask`` ``(B, L)``, True = token."""
+    return float((x.double() ** 2).sum(-1).sum(1)[mask].sum())
 
 
 class _Layers:
-    """Per-layer computation on a bucketed input; holds the per-(layer, head) maps that need fitting once."""
+    """The encoder layer by layer on a bucketed input (:class:`~kernapprox.surgery.bert.BertStack`), with the
+    per-(layer, head) maps that are drawn once."""
 
     def __init__(self, model, inputs: EncoderInput):
         if not isinstance(inputs, EncoderInput):
             raise TypeError(f"inputs must be an EncoderInput (see tokenize), got {type(inputs).__name__}")
-        self.model = model
+        sa.enable(model)                                 # unsubstituted layers compute what they computed before
+        self.stack = BertStack(model)
         self.inputs = inputs
+        self.real = [mask.bool() for mask in inputs.mask]
+        embedded = [self.stack.embed(ids, mask) for ids, mask in zip(inputs.ids, inputs.mask)]
+        self._start = tuple(h for h, _ in embedded)
+        self.masks = [m for _, m in embedded]
         self.fixed: dict = {}                                  # (layer, head) -> data-independent fitted map
-        self.heads = model.config.num_attention_heads
+        self.heads = self.stack.num_heads
+        # the reference of a layer's own error: the library's exact kernel, as an "exact" substitution computes it
+        self.exact = ka.make_estimator("exact").fit(self._start[0].new_zeros(1, self.stack.head_dim))
         # pooled real tokens come out bucket by bucket; this permutation puts them in text order (text, position),
         # so that a fit on the pool does not depend on how the texts were bucketed
         text_of = np.concatenate([np.repeat(index, mask.sum(-1).cpu().numpy())
@@ -405,108 +292,63 @@ class _Layers:
         self.pool_order = torch.from_numpy(np.argsort(text_of, kind="stable")).to(inputs.ids[0].device)
 
     def embed(self) -> tuple[torch.Tensor, ...]:
-        return tuple(self.model.embeddings(input_ids=ids) for ids in self.inputs.ids)
-
-    def _split(self, t):                                       # (B, L, H·hd) -> (B, H, L, hd)
-        return t.reshape(*t.shape[:2], self.heads, -1).transpose(1, 2)
+        return self._start
 
     def step(self, layer: int, hidden, substitution: Substitution | None):
         """Layer ``layer`` on every bucket: ``(new hidden, (Σ‖ŷ−y‖², Σ‖y‖²) or None)``."""
-        block = self.model.encoder.layer[layer]
-        attn = block.attention.self
-        qkv = [tuple(self._split(getattr(attn, name)(h)) for name in ("query", "key", "value")) for h in hidden]
-        exact = [_masked_softmax(q, k, v, mask.bool()) for (q, k, v), mask in zip(qkv, self.inputs.mask)]
+        module = self.stack.attention_module(layer)
         if substitution is None:
-            contexts, error = exact, None
-        else:
-            contexts = self._substituted(layer, qkv, substitution)
-            error = (sum(_masked_sq(c - e, m) for c, e, m in zip(contexts, exact, self.inputs.mask)),
-                     sum(_masked_sq(e, m) for e, m in zip(exact, self.inputs.mask)))
+            sa.set_attention(module, None)
+            return tuple(self.stack.layer(layer, h, m) for h, m in zip(hidden, self.masks)), None
+        heads = self._heads(layer, hidden, substitution)
+        sums = [0.0, 0.0]
+        bucket = iter(self.real)
+
+        def observe(call, out):                        # the layer's own error: exact attention on the same q, k, v
+            exact = ka.linear_attention(call.query, call.key, call.value, self.exact,
+                                        key_padding_mask=call.key_padding_mask)
+            real = next(bucket)
+            sums[0] += _masked_sq(out - exact, real)
+            sums[1] += _masked_sq(exact, real)
+
+        sa.set_attention(module, sa.SubstitutedAttention(heads, observer=observe))
+        try:
+            out = tuple(self.stack.layer(layer, h, m) for h, m in zip(hidden, self.masks))
+        finally:
+            sa.set_attention(module, None)
+        return out, (sums[0], sums[1])
+
+    def _heads(self, layer, hidden, sub: Substitution) -> list:
+        """Per head: the estimator for the whole input, or a :class:`~kernapprox.surgery.attention.PerSequence`."""
+        calls = None
         out = []
-        for h, ctx in zip(hidden, contexts):
-            merged = ctx.transpose(1, 2).reshape(h.shape)
-            a = block.attention.output(merged, h)
-            out.append(block.output(block.intermediate(a), a))
-        return tuple(out), error
-
-    # ------------------------------------------------------------------------------------ substituted layers
-    def _substituted(self, layer, qkv, sub: Substitution):
-        contexts = [torch.empty_like(v) for _, _, v in qkv]
-        masks = [m.bool() for m in self.inputs.mask]
         for head in range(self.heads):
-            est = self._estimator(layer, head, qkv, masks, sub)
-            if est is None:                                    # per text: fit (if needed) and attend at own length
-                for b, ((q, k, v), mask) in enumerate(zip(qkv, masks)):
-                    for row in range(q.shape[0]):
-                        n = int(mask[row].sum())
-                        qs, ks, vs = q[row, head, :n], k[row, head, :n], v[row, head, :n]
-                        e = sub.make(layer, head).fit(qs, ks)
-                        contexts[b][row, head, :n] = _attend(e, qs, ks, vs)
-                        contexts[b][row, head, n:] = 0.0
+            if sub.maps is not None:
+                if (layer, head) not in sub.maps:
+                    raise ValueError(f"substitution {sub.label} has maps but none for (layer={layer}, head={head})")
+                est = sub.maps[(layer, head)]
+                if est.capabilities().kind == "attention":
+                    raise ValueError("pre-fitted maps must be feature maps or the exact kernel")
+                out.append(est)
                 continue
-            for b, ((q, k, v), mask) in enumerate(zip(qkv, masks)):
-                contexts[b][:, head] = _attend_masked(est, q[:, head], k[:, head], v[:, head], mask)
-        return contexts
-
-    def _estimator(self, layer, head, qkv, masks, sub: Substitution):
-        """The estimator of ``(layer, head)`` for the whole input, or ``None`` when it is fitted per text."""
-        if sub.maps is not None:
-            if (layer, head) not in sub.maps:
-                raise ValueError(f"substitution {sub.label} has maps but none for (layer={layer}, head={head})")
-            est = sub.maps[(layer, head)]
-            if _kind(est) == "attention":
-                raise ValueError("pre-fitted maps must be feature maps or the exact kernel")
-            return est
-        est = sub.make(layer, head)
-        if _kind(est) == "attention" or (sub.fit == "sequence" and _data_dependent(est)):
-            return None
-        if not _data_dependent(est):                           # one draw per (layer, head): fit on a shape
-            if (layer, head) not in self.fixed:
-                self.fixed[(layer, head)] = est.fit(qkv[0][0][0, head, :1])
-            return self.fixed[(layer, head)]
-        q = torch.cat([q[:, head][m] for (q, _, _), m in zip(qkv, masks)])[self.pool_order]
-        k = torch.cat([k[:, head][m] for (_, k, _), m in zip(qkv, masks)])[self.pool_order]
-        if sub.fit_points is not None and q.shape[0] > sub.fit_points:
-            stride = -(-q.shape[0] // sub.fit_points)
-            q, k = q[::stride], k[::stride]
-        return est.fit(q, k)
-
-
-def _masked_softmax(q, k, v, mask):
-    """Exact softmax attention ``(B, H, L, hd)`` with padded keys (``mask`` ``(B, L)`` False) excluded."""
-    logits = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    logits = logits.masked_fill(~mask[:, None, None, :], float("-inf"))
-    return torch.softmax(logits, -1) @ v
-
-
-def _masked_sq(x, mask):
-    """``Σ‖x‖²`` over real tokens (float64) of ``(B, H, L, hd)``."""
-    return float((x.double() ** 2).sum(-1).sum(1)[mask.bool()].sum())
-
-
-def _attend(est, q, k, v):
-    """Non-causal attention of one text at its own length ``(n, d)`` with a fitted estimator."""
-    return ka.linear_attention(q, k, v, est, causal=False, mode=est.modes[0])
-
-
-def _attend_masked(est, q, k, v, mask):
-    """Non-causal attention ``(B, L, d)`` with padded keys excluded exactly.
-
-    The exact kernel: softmax with logit ``−inf`` at padded keys. A feature map: from its stabilised features
-    ``φ = φ̃ e^ℓ`` (:meth:`FeatureMap.features`), ``y_i = φ̃(q_i)ᵀ S / φ̃(q_i)ᵀ z`` with
-    ``S = Σ_j w_j φ̃(k_j) v_jᵀ``, ``z = Σ_j w_j φ̃(k_j)``, ``w_j = e^{ℓ(k_j) − c}`` over real keys (``ℓ = −inf`` at
-    padded ones, so ``w_j = 0`` exactly) and ``c`` their largest log-scale (the query scale cancels) — the
-    non-causal linear attention of :func:`kernapprox.linear_attention` restricted to each text's real keys.
-    """
-    if _kind(est) == "exact":
-        return _masked_softmax(q[:, None], k[:, None], v[:, None], mask)[:, 0]
-    pq, _ = est.features(q, "query", log_scale=True)
-    pk, lk = est.features(k, "key", log_scale=True)
-    lk = lk.masked_fill(~mask, float("-inf"))
-    weights = torch.exp(lk - lk.amax(-1, keepdim=True))                       # (B, L); 0 at padded keys
-    values = torch.cat([v.to(pk.dtype), torch.ones_like(v[..., :1], dtype=pk.dtype)], -1) * weights[..., None]
-    out = pq @ (pk.transpose(-1, -2) @ values)                                # (B, L, d_v + 1)
-    return (out[..., :-1] / out[..., -1:]).to(v.dtype)
+            est = sub.make(layer, head)
+            caps = est.capabilities()
+            if caps.kind == "attention" or (sub.fit == "sequence" and caps.data_dependent):
+                out.append(sa.PerSequence(functools.partial(sub.make, layer, head)))
+            elif not caps.data_dependent:                        # one draw per (layer, head): fit on a shape
+                if (layer, head) not in self.fixed:
+                    self.fixed[(layer, head)] = est.fit(hidden[0].new_zeros(1, self.stack.head_dim))
+                out.append(self.fixed[(layer, head)])
+            else:                                                # on the pooled real tokens of the running input
+                if calls is None:
+                    calls = [self.stack.capture(layer, h, m) for h, m in zip(hidden, self.masks)]
+                q = torch.cat([c.query[:, head][m] for c, m in zip(calls, self.real)])[self.pool_order]
+                k = torch.cat([c.key[:, head][m] for c, m in zip(calls, self.real)])[self.pool_order]
+                if sub.fit_points is not None and q.shape[0] > sub.fit_points:
+                    stride = -(-q.shape[0] // sub.fit_points)
+                    q, k = q[::stride], k[::stride]
+                out.append(est.fit(q, k))
+        return out
 
 
 def _pool(hidden: tuple[torch.Tensor, ...], inputs: EncoderInput) -> torch.Tensor:
@@ -520,8 +362,8 @@ def _pool(hidden: tuple[torch.Tensor, ...], inputs: EncoderInput) -> torch.Tenso
 
 
 def _relative_error(approx, exact, inputs: EncoderInput) -> float:
-    num = sum(_masked_sq((a - e)[:, None], m) for a, e, m in zip(approx, exact, inputs.mask))
-    den = sum(_masked_sq(e[:, None], m) for e, m in zip(exact, inputs.mask))
+    num = sum(_masked_sq((a - e)[:, None], m.bool()) for a, e, m in zip(approx, exact, inputs.mask))
+    den = sum(_masked_sq(e[:, None], m.bool()) for e, m in zip(exact, inputs.mask))
     return math.sqrt(num / den)
 
 
@@ -537,9 +379,10 @@ def encode(model, inputs: EncoderInput, plan: Mapping[int, Substitution] | None 
     Parameters
     ----------
     model
-        The ``BertModel`` of :func:`load_encoder` (any dtype/device; the inputs on its device).
+        The ``BertModel`` of :func:`load_encoder` (any dtype/device; the inputs on its device). It is routed through
+        :func:`kernapprox.surgery.attention.enable` (in place; its own outputs do not change).
     inputs : EncoderInput
-        From :func:`tokenize` or :func:`from_batch`.
+        From :func:`~kernapprox.surgery.bert.tokenize` or :func:`~kernapprox.surgery.bert.from_batch`.
     plan : mapping layer -> Substitution, optional
         Layers not in ``plan`` keep the model's softmax attention; ``None``: the exact model.
     reference : EncoderRun, optional
@@ -581,7 +424,7 @@ def _check_plan(plan) -> dict[int, Substitution]:
         return {}
     if not isinstance(plan, Mapping):
         raise TypeError(f"plan must be a mapping layer -> Substitution, got {type(plan).__name__}")
-    _check_layers(plan, "plan")
+    pl.check_layers(plan, "plan", NUM_LAYERS)
     for layer, sub in plan.items():
         if not isinstance(sub, Substitution):
             raise TypeError(f"plan[{layer}] must be a Substitution, got {type(sub).__name__}")
@@ -593,10 +436,8 @@ def search_placements(model, inputs: EncoderInput, substitution: Substitution, v
                       reference: EncoderRun, placements: Iterable[Iterable[int]] | None = None) -> None:
     """Every placement of exact layers (or the given ``placements``): call ``visit(exact_layers, run)`` for each.
 
-    A depth-first walk over the layers, each either exact or substituted, sharing the hidden states of common
-    prefixes: 2 + 4 + … + 64 = 126 layer evaluations for all 2⁶ subsets; with ``placements`` (iterables of the
-    layers that keep exact attention) only the prefixes that lead to one of them are evaluated, and each is
-    visited once, in the walk's order. Data-dependent maps are fitted at each node on the activations of that
+    The walk of :func:`kernapprox.surgery.placement.walk_placements` (shared prefixes: at most 126 layer
+    evaluations for all 2⁶ subsets). Data-dependent maps are fitted at each node on the activations of that
     prefix; data-independent ones are drawn once per ``(layer, head)``, so a placement's run does not depend on
     which others are searched. ``run`` is the :class:`EncoderRun` of that placement (without layer states),
     measured against ``reference``.
@@ -605,102 +446,69 @@ def search_placements(model, inputs: EncoderInput, substitution: Substitution, v
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
     if reference is None or reference.layer_states is None:
         raise ValueError("reference must be an exact run with keep_layer_states=True")
-    prefixes = None
-    if placements is not None:
-        chosen = [_check_layers(p, "placements") for p in placements]
-        if not chosen:
-            raise ValueError("placements must name at least one placement (None: all of them)")
-        prefixes = {tuple(layer in p for layer in range(depth)) for p in chosen for depth in range(NUM_LAYERS + 1)}
     layers = _Layers(model, inputs)
 
-    def walk(layer, hidden, exact_layers, errors, states):
-        if layer == NUM_LAYERS:
-            visit(tuple(exact_layers), _finish(hidden, errors, states, inputs, reference, False))
-            return
-        for keep_exact in (True, False):
-            if prefixes is not None and tuple(j in exact_layers for j in range(layer)) + (keep_exact,) not in prefixes:
-                continue
-            if keep_exact:
-                nxt, err = reference.layer_states[layer], None     # the exact prefix needs no recomputation
-                if exact_layers != list(range(layer)):
-                    nxt, err = layers.step(layer, hidden, None)
-            else:
-                nxt, err = layers.step(layer, hidden, substitution)
-            new_errors = dict(errors) if err is None else {**errors, layer: math.sqrt(err[0] / err[1])}
-            walk(layer + 1, nxt, exact_layers + [layer] if keep_exact else exact_layers, new_errors, states + [nxt])
+    def step(layer, hidden, substituted):
+        nxt, err = layers.step(layer, hidden, substitution if substituted else None)
+        return nxt, None if err is None else math.sqrt(err[0] / err[1])
 
-    walk(0, layers.embed(), [], {}, [])
+    def finish(exact_layers, hidden, errors, states):
+        visit(exact_layers, _finish(hidden, errors, states, inputs, reference, False))
+
+    pl.walk_placements(NUM_LAYERS, layers.embed(), step, finish, exact_states=reference.layer_states,
+                       placements=placements)
 
 
-def hybrid_placements(max_exact: int) -> list[tuple[int, ...]]:
-    """The placements a bounded hybrid search visits, in :func:`all_placements` order: every subset of at most
-    ``max_exact`` exact layers, every single substituted layer (all others exact: each layer's own sensitivity),
-    and the naive placements (the first ``k`` and the last ``k`` layers exact, every ``k``)."""
-    max_exact = _check_count(max_exact)
-    naive = {tuple(first_layers(k)) for k in range(NUM_LAYERS + 1)} | {tuple(last_layers(k))
-                                                                     for k in range(NUM_LAYERS + 1)}
-    return [p for p in all_placements() if len(p) <= max_exact or len(p) >= NUM_LAYERS - 1 or p in naive]
+@dataclasses.dataclass(frozen=True)
+class RetrievalSetup:
+    """The held-out corpus, its tokenised input and the exact model's run on it (what every substituted run is
+    compared with): :func:`retrieval_setup`."""
+
+    model: object
+    corpus: RetrievalCorpus
+    inputs: EncoderInput
+    exact: EncoderRun
+    exact_hits: np.ndarray
 
 
-# ------------------------------------------------------------------------------------------------ metrics
-def retrieval_agreement(embeddings: torch.Tensor, reference: torch.Tensor, num_queries: int, *,
-                        k: int = 10) -> dict[str, np.ndarray]:
-    """Nearest-neighbour retrieval of an approximate model against the exact one, per query.
+def retrieval_setup(num_paragraphs: int, *, min_document_tokens: int = 24, max_document_tokens: int = 96,
+                    bucket_tokens: int = 4096, device="cpu") -> RetrievalSetup:
+    """:func:`retrieval_corpus` tokenised into buckets of at most ``bucket_tokens`` positions on ``device``, the
+    exact model's run on it (layer states kept) and its own retrieval hits."""
+    model, tokenizer = load_encoder()
+    model = model.to(device)
+    corpus = retrieval_corpus(num_paragraphs, min_document_tokens=min_document_tokens,
+                              max_document_tokens=max_document_tokens)
+    inputs = tokenize(tokenizer, corpus.texts, bucket_tokens=bucket_tokens, device=device)
+    exact = encode(model, inputs, keep_layer_states=True)
+    hits = retrieval_agreement(exact.embeddings, exact.embeddings, len(corpus))["hit"]
+    return RetrievalSetup(model, corpus, inputs, exact, hits)
 
-    ``embeddings`` and ``reference`` are ``(2Q, hidden)``: ``Q`` queries then their ``Q`` documents (the order
-    of ``RetrievalCorpus.texts``), unit norm. Documents are ranked by cosine similarity to each query (a
-    document whose embedding is not finite ranks last). Returns per query (arrays of length ``Q``):
 
-    - ``top1``: 1 where the approximate model's nearest document is the exact model's;
-    - ``top_k``: ``|top-k(approx) ∩ top-k(exact)| / k``;
-    - ``hit``: 1 where the approximate model's nearest document is the query's own paragraph (its accuracy;
-      the exact model's is this with ``embeddings = reference``);
-    - ``finite``: 1 where the query's embedding is finite (a non-finite query agrees with nothing).
-    """
-    check_positive_int(num_queries, "num_queries")
-    check_positive_int(k, "k")
-    if embeddings.shape != reference.shape or embeddings.shape[0] != 2 * num_queries:
-        raise ValueError(f"embeddings and reference must both be (2·num_queries, hidden), got "
-                         f"{tuple(embeddings.shape)} and {tuple(reference.shape)}")
-    if k > num_queries:
-        raise ValueError(f"k={k} exceeds the number of documents ({num_queries})")
-    if not bool(torch.isfinite(reference).all()):
-        raise ValueError("reference embeddings must be finite")
-
-    def ranks(emb):
-        emb = emb.double()
-        sims = emb[:num_queries] @ emb[num_queries:].T
-        sims = torch.nan_to_num(sims, nan=-math.inf, posinf=-math.inf)
-        return torch.argsort(sims, dim=-1, descending=True, stable=True).cpu().numpy()
-
-    approx, exact = ranks(embeddings), ranks(reference)
-    finite = torch.isfinite(embeddings[:num_queries]).all(-1).cpu().numpy()
-    top1 = (approx[:, 0] == exact[:, 0]) & finite
-    overlap = np.array([len(set(a[:k]) & set(e[:k])) / k for a, e in zip(approx, exact)]) * finite
-    hit = (approx[:, 0] == np.arange(num_queries)) & finite
-    return {"top1": top1.astype(float), "top_k": overlap, "hit": hit.astype(float), "finite": finite.astype(float)}
+def compare(run: EncoderRun, setup: RetrievalSetup) -> dict:
+    """A run against the exact one of ``setup``: per query ``top1_agreement``, ``top10_agreement`` and ``self_hit``
+    (``top1``, ``top_k`` with k = 10 and ``hit`` of :func:`~kernapprox.surgery.retrieval.retrieval_agreement`); the
+    mean ``embedding_cosine``; the ``final_state_error``; per layer ``hidden_error`` and ``layer_attention_error``
+    (NaN for exact layers)."""
+    agree = retrieval_agreement(run.embeddings, setup.exact.embeddings, len(setup.corpus))
+    return {"top1_agreement": agree["top1"], "top10_agreement": agree["top_k"], "self_hit": agree["hit"],
+            "embedding_cosine": float(np.mean(run.embedding_cosine)), "final_state_error": run.final_state_error,
+            "hidden_error": [run.hidden_error[layer] for layer in range(NUM_LAYERS)],
+            "layer_attention_error": [run.layer_attention_error.get(layer, np.nan) for layer in range(NUM_LAYERS)]}
 
 
 def placement_bytes(substitution: Substitution | None, exact_layers: Iterable[int], seq_lens, *,
                     d_v: int = HEAD_DIM, dtype: torch.dtype = torch.float32) -> np.ndarray:
-    """Bytes of attention memory per text: exact layers keep their KV cache, ``n · (d + d_v)`` numbers per head at
-    the text's length ``n``; substituted layers the estimator's ``state_bytes`` per head (the linear state, and
-    what it declares as context-dependent). Returns one number per entry of ``seq_lens``."""
-    exact_set = _check_layers(exact_layers, "exact_layers")
-    seq_lens = np.asarray(seq_lens, dtype=np.int64)
-    per_exact = seq_lens * (HEAD_DIM + d_v) * torch.empty((), dtype=dtype).element_size() * NUM_HEADS
-    total = per_exact * len(exact_set)
-    approx = NUM_LAYERS - len(exact_set)
-    if approx:
-        if substitution is None:
-            raise ValueError("substitution is required when a layer is not exact")
+    """Bytes of attention memory per text (:func:`kernapprox.surgery.placement.placement_bytes`): exact layers'
+    KV caches at the text's length, the substitution's ``state_bytes`` per head elsewhere."""
+    est = None
+    if substitution is not None:
         if substitution.maps is not None:
             est = substitution.maps[min(substitution.maps)]
         else:
             est = substitution.make(0, 0).fit(_probe_points(0), _probe_points(1))
-        per_text = np.array([est.state_bytes(d_v, dtype, seq_len=int(n)) for n in seq_lens])
-        total = total + approx * NUM_HEADS * per_text
-    return total
+    return pl.placement_bytes(est, exact_layers, seq_lens, num_layers=NUM_LAYERS, num_heads=NUM_HEADS,
+                              head_dim=HEAD_DIM, d_v=d_v, dtype=dtype)
 
 
 def _probe_points(seed: int) -> torch.Tensor:
@@ -759,12 +567,9 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
     fitted estimator}`` for ``Substitution.maps`` — how learned maps (trained on other text) and calibrated
     data-dependent maps enter :func:`encode`.
 
-    With ``cache=True`` the fitted states are stored once in ``cache_dir`` (default
-    :func:`kernapprox.real.resolve_cache_dir`) as ``.npz`` (no pickles) keyed by a hash of the configuration:
-    estimator, ``r``, options, seed, windows and the extraction's text hash; the file's ``__provenance__`` entry
-    (JSON) records that configuration, the package versions, the creation date and the fitting seconds. A
-    cached file is loaded with ``allow_pickle=False`` and each map rebuilt with ``load_fitted_state`` (after a
-    fit on placeholder tokens that only builds its structure).
+    With ``cache=True`` the fitted maps are kept in the fitted-maps cache (:mod:`kernapprox.surgery.maps`: the
+    folder ``cache_dir``, default ``kernapprox.cache.cache_dir("maps")``), keyed by a hash of the configuration:
+    estimator, ``r``, options, seed, windows and the extraction's text hash.
     """
     if not isinstance(substitution, Substitution):
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
@@ -772,18 +577,19 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
         raise TypeError(f"windows must be a Windows, got {type(windows).__name__}")
     if not cache:
         return _fit_all(substitution, windows)[0]
-    config = _map_config(substitution, windows)
-    path = real.resolve_cache_dir(cache_dir) / f"maps_{substitution.estimator}_{_config_hash(config)}.npz"
+    path = fitted_maps.maps_path(substitution.estimator, _map_config(substitution, windows), cache_dir)
     if path.exists():
-        return _load_maps(path, substitution)
+        # enough placeholder points for a map whose rank is limited by the points it is fitted on
+        size = max(2, substitution.num_features or 2)
+        placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((size, HEAD_DIM)))
+        keys = [(layer, head) for layer in range(NUM_LAYERS) for head in range(NUM_HEADS)]
+        return fitted_maps.load_maps(path, substitution.make, keys, placeholder)
     maps, seconds = _fit_all(substitution, windows)
-    _save_maps(path, maps, config, seconds)
+    fitted_maps.save_maps(path, maps, _map_config(substitution, windows), seconds)
     return maps
 
 
 def _fit_all(substitution, windows):
-    import time
-
     start = time.perf_counter()
     maps = {}
     for layer in range(NUM_LAYERS):
@@ -804,67 +610,10 @@ def _map_config(substitution, windows) -> dict:
             "model_name": real.MODEL_NAME}
 
 
-def _config_hash(config: dict) -> str:
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:20]
-
-
-def _save_maps(path, maps, config, seconds):
-    import datetime as dt
-    import importlib.metadata
-    import json
-
-    arrays = {}
-    for (layer, head), est in maps.items():
-        for key, value in est.fitted_state().items():
-            value = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
-            arrays[f"L{layer}H{head}/{key}"] = value
-    provenance = {"config": config, "fit_seconds": round(seconds, 3), "torch_version": str(torch.__version__),
-                  "kernapprox_version": importlib.metadata.version("kernapprox"),
-                  "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-                  "threads": torch.get_num_threads()}
-    arrays["__provenance__"] = np.array(json.dumps(provenance, sort_keys=True))
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(tmp):
-        with open(tmp, "wb") as f:                    # a file object: np.savez would append ".npz" to a path
-            np.savez(f, **arrays)
-
-    atomic_write(path, write)
-
-
-def _load_maps(path, substitution) -> dict:
-    # enough placeholder points for a map whose rank is limited by the points it is fitted on
-    size = max(2, substitution.num_features or 2)
-    placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((size, HEAD_DIM)))
-    with np.load(path, allow_pickle=False) as stored:
-        arrays = {key: stored[key] for key in stored.files}
-    maps = {}
-    for layer in range(NUM_LAYERS):
-        for head in range(NUM_HEADS):
-            prefix = f"L{layer}H{head}/"
-            state = {}
-            for key, value in arrays.items():
-                if key.startswith(prefix):
-                    name = key[len(prefix):]
-                    state[name] = value if value.ndim else value.item()
-            est = substitution.make(layer, head).fit(placeholder, placeholder)
-            maps[(layer, head)] = est.load_fitted_state(state)
-    return maps
-
-
 def map_provenance(substitution: Substitution, windows: Windows = Windows(), cache_dir=None) -> dict | None:
     """The ``__provenance__`` record of the cached maps of this configuration (``None`` when not cached)."""
-    import json
-
-    path = (real.resolve_cache_dir(cache_dir)
-            / f"maps_{substitution.estimator}_{_config_hash(_map_config(substitution, windows))}.npz")
-    if not path.exists():
-        return None
-    with np.load(path, allow_pickle=False) as stored:
-        return json.loads(str(stored["__provenance__"]))
+    return fitted_maps.read_provenance(fitted_maps.maps_path(substitution.estimator,
+                                                             _map_config(substitution, windows), cache_dir))
 
 
 @torch.no_grad()
@@ -877,8 +626,8 @@ def heldout_attention_error(maps: Mapping, windows: Windows = Windows(windows=HE
         q, k, v = windows.qkv(layer, head, torch.float64)
         if windows.query_stride != 1:
             raise ValueError("held-out evaluation uses every query (query_stride=1)")
-        approx = ka.linear_attention(q, k, v, est, causal=False, mode="chunked" if "chunked" in est.modes
-                                     else est.modes[0])
+        modes = est.capabilities().modes
+        approx = ka.linear_attention(q, k, v, est, causal=False, mode="chunked" if "chunked" in modes else modes[0])
         exact = ka.softmax_attention(q, k, v)
         if not bool(torch.isfinite(approx).all()):
             out[layer, head] = np.inf

@@ -25,13 +25,11 @@ SYNTHETIC = ["isotropic", "anisotropic", "clustered", "heavy_tailed", "text_like
 requires_real = pytest.mark.skipif(not real.is_available(), reason=real.unavailable_reason() or "")
 
 
-@pytest.fixture
-def real_cache(monkeypatch):
-    monkeypatch.setenv(real.CACHE_ENV, str(REPO / "results" / "cache"))
-
-
 def test_registry_lists_every_family_and_rejects_unknown_names():
+    import kernapprox.models  # noqa: F401  (the trained heads register themselves with the models they come from)
+
     assert set(available_distributions()) == {*SYNTHETIC, "real", "trained_causal"}
+    assert make_distribution("real").name == "real" and isinstance(make_distribution("real"), real.RealHeads)
     with pytest.raises(ValueError, match="isotropic"):
         make_distribution("gaussian")
     with pytest.raises(TypeError):
@@ -160,7 +158,7 @@ def test_continuous_increments_match_the_squared_exponential_covariance():
 
 
 @requires_real
-def test_real_heads_shapes_seeding_and_limits(real_cache):
+def test_real_heads_shapes_seeding_and_limits():
     dist = make_distribution("real", layer=2)
     q, k, v = dist.sample(100, batch=2, heads=3, rng=0, dtype=torch.float64)
     assert q.shape == k.shape == v.shape == (2, 3, 100, 32)
@@ -181,7 +179,7 @@ def test_real_heads_shapes_seeding_and_limits(real_cache):
 
 
 @requires_real
-def test_query_distribution_smoke_preset_runs_and_plots(tmp_path, real_cache):
+def test_query_distribution_smoke_preset_runs_and_plots(tmp_path):
     pytest.importorskip("kernapprox.sweep")
     from experiments import query_distribution as qd
     from kernapprox.sweep import run

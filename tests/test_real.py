@@ -12,7 +12,7 @@ from kernapprox import real
 pytestmark = [pytest.mark.real,
               pytest.mark.skipif(not real.is_available(), reason=real.unavailable_reason() or "")]
 REPO = Path(__file__).resolve().parents[1]
-CACHE = REPO / "results" / "cache"
+CACHE = None                                      # the default: kernapprox.cache.cache_dir("real")
 
 
 @pytest.fixture(scope="module")

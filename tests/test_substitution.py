@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.real,
 
 if real.is_available():
     from kernapprox import substitution as sub
+    from kernapprox.surgery import attention as sa
 
 TEXTS = ["Comparisons can be chained arbitrarily.",
          "The operators compare the values of two objects; the objects do not need to have the same type.",
@@ -62,6 +63,19 @@ def test_exact_everywhere_reproduces_the_model_embeddings(encoder):
     assert run.layer_attention_error == {layer: 0.0 for layer in range(sub.NUM_LAYERS)}
 
 
+def test_the_study_and_ka_convert_are_one_surgery(encoder):
+    """MiniLM through its client (layer by layer, per-layer seeds of the substitution) and ka.convert (the model's own
+    forward) substitute the same maps and give the same hidden states, bit for bit, padding included."""
+    model, tokenizer = encoder
+    inputs = padded(tokenizer)
+    run = sub.encode(model, inputs, sub.plan(sub.Substitution("positive_orthogonal", num_features=16, rng=7),
+                                             layers=[1, 4]))
+    converted = ka.convert(model, "positive_orthogonal", num_features=16, layers=[1, 4], rng=7)
+    with torch.no_grad():
+        hidden = converted(input_ids=inputs.ids[0], attention_mask=inputs.mask[0]).last_hidden_state
+    torch.testing.assert_close(hidden, run.hidden[0], rtol=0, atol=0)
+
+
 def test_exact_plan_has_zero_error_against_the_reference(encoder):
     model, tokenizer = encoder
     inputs = sub.tokenize(tokenizer, TEXTS)
@@ -88,16 +102,24 @@ def test_padded_and_unpadded_batches_agree(encoder64, name, options):
 
 
 def test_masked_feature_attention_is_linear_attention_per_text(encoder64):
-    """A substituted layer's output equals kernapprox.linear_attention run on each text and head at its own
-    length (float64, parallel mode), with the same fitted maps."""
+    """A substituted layer's output on a padded bucket equals kernapprox.linear_attention run on each text and head
+    at its own length (float64, parallel mode), with the same fitted maps, on the layer's own q, k, v."""
     model, tokenizer = encoder64
     inputs = padded(tokenizer)
     subst = sub.Substitution("positive_orthogonal", num_features=24, rng=5)
     layers = sub._Layers(model, inputs)
     hidden = layers.embed()
-    block = model.encoder.layer[0].attention.self
-    q, k, v = (layers._split(getattr(block, name)(hidden[0])) for name in ("query", "key", "value"))
-    contexts = layers._substituted(0, [(q, k, v)], subst)[0]
+    call = layers.stack.capture(0, hidden[0], layers.masks[0])
+    q, k, v = call.query, call.key, call.value
+    seen = []
+    module = layers.stack.attention_module(0)
+    sa.set_attention(module, sa.SubstitutedAttention(layers._heads(0, hidden, subst),
+                                                     observer=lambda c, out: seen.append(out)))
+    try:
+        layers.stack.layer(0, hidden[0], layers.masks[0])
+    finally:
+        sa.set_attention(module, None)
+    contexts = seen[0]
     for row, n in enumerate(inputs.lengths):
         for head in (0, 7):
             est = layers.fixed[(0, head)]
@@ -281,10 +303,10 @@ def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     cache = tmp_path / "cache"                       # fitted maps go to a fresh cache; the extraction is reused
-    cache.mkdir()
-    extraction = real.cache_path(4, 0, root / "results" / "cache")
+    (cache / "real").mkdir(parents=True)
+    extraction = real.cache_path(4, 0)
     if extraction.exists():
-        (cache / extraction.name).symlink_to(extraction)
+        (cache / "real" / extraction.name).symlink_to(extraction.resolve())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "KERNAPPROX_CACHE_DIR": str(cache)}
     out, figure = tmp_path / "x.nc", tmp_path / "x.png"
     done = subprocess.run([sys.executable, "-m", "experiments.model_substitution", "--preset", "smoke", "--threads",

@@ -13,6 +13,7 @@
     The calibrated reference configurations and why they were chosen.
 """
 
+from . import heads  # noqa: F401  (registers the trained_causal distribution)
 from .tasks import MQAR, LinearRegression, least_squares_predictions, make_task, ridge_predictions
 from .training import TrainConfig, TrainedModel, build_model, config_key, evaluate, load_or_train, train
 from .transformer import (

@@ -8,7 +8,8 @@ itself: causal softmax attention rebuilt from the recorded ``q, k, v`` and the l
 the layer's own output (attribute ``rebuild_max_abs_error``).
 
 Unlike MiniLM's, these heads were trained causally: each query only ever saw the keys before it, which is the
-setting of a linear-attention state. ``distributions.make_distribution("trained_causal", task=...)`` samples them.
+setting of a linear-attention state. :class:`TrainedCausalHeads` samples them, registered as
+``distributions.make_distribution("trained_causal", task=...)`` when :mod:`kernapprox.models` is imported.
 
 >>> from kernapprox.models import heads
 >>> stream = heads.load_heads("mqar", num_prompts=8)     # doctest: +SKIP
@@ -26,12 +27,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..distributions import Distribution, check_layer_head, register_distribution
 from ..io import atomic_write
-from ..validation import check_positive_int
+from ..validation import check_choice, check_positive_int
 from .training import config_key, load_or_train, resolve_cache_dir
 from .transformer import attention_heads
 
-__all__ = ["extract_heads", "load_heads", "heads_path", "PROMPT_SEED"]
+__all__ = ["extract_heads", "load_heads", "heads_path", "PROMPT_SEED", "TrainedCausalHeads"]
 
 PROMPT_SEED = 2**31 - 7  # the prompts heads are recorded on: a stream no training or study uses
 
@@ -127,3 +129,60 @@ def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
     if not path.exists():
         extract_heads(task_name, num_prompts, cache_dir)
     return _read(str(path.resolve()), path.stat().st_mtime)
+
+
+class TrainedCausalHeads(Distribution):
+    """Queries, keys and values of a small causal Transformer trained on an in-context-learning task.
+
+    The softmax reference model of ``task`` (:func:`kernapprox.models.presets.reference`: ``"mqar"``, 2 layers ×
+    2 heads of dimension 32 on Zoology's multi-query associative recall; ``"regression"``, 3 layers × 2 heads
+    on Garg et al.'s in-context linear regression) is loaded from the checkpoint cache (trained first if it is
+    missing, about a minute on a CPU) and its heads are recorded on ``num_prompts`` evaluation prompts
+    (:func:`load_heads`, cached as netCDF). A draw picks, per batch element, a uniformly
+    random prompt and takes its first ``n`` tokens (a causal model's queries at a prefix saw exactly that prefix),
+    and per head slot a distinct ``(layer, head)``: from ``layer`` if given (``head`` fixes the head), else from
+    all layers. ``d`` must be the model's head dimension (32).
+
+    Unlike :class:`kernapprox.real.RealHeads` (bidirectional BERT), these heads were trained with the causal mask,
+    and on a task that needs sharp, content-based retrieval (MQAR's induction heads): the keys a linear-attention
+    state would hold. The model's scale is ``1/sqrt(32)``, the kernapprox default.
+    """
+
+    name = "trained_causal"
+
+    def __init__(self, *, task: str = "mqar", layer: int | None = None, head: int | None = None,
+                 num_prompts: int = 64, cache_dir=None):
+        check_choice(task, "task", ("mqar", "regression"))
+        model_config, _, _ = _reference(task)
+        check_layer_head(layer, head, model_config.num_layers, model_config.num_heads)
+        self.task = task
+        self.layer = layer
+        self.head = head
+        self.num_prompts = check_positive_int(num_prompts, "num_prompts")
+        self.cache_dir = cache_dir
+        self._shape = (model_config.num_layers, model_config.num_heads, model_config.max_len,
+                       model_config.head_dim)
+
+    def _draw(self, batch, heads, n, d, rng):
+        layers, num_heads, length, head_dim = self._shape
+        if d != head_dim:
+            raise ValueError(f"d must be {head_dim} (the model's head dimension) for trained heads, got {d}")
+        if n > length:
+            raise ValueError(f"n={n} exceeds the model's sequence length {length}")
+        pairs = [(lay, h) for lay in (range(layers) if self.layer is None else [self.layer])
+                 for h in (range(num_heads) if self.head is None else [self.head])]
+        if heads > len(pairs):
+            raise ValueError(f"heads={heads} exceeds the {len(pairs)} available (layer, head) pairs")
+        stream = load_heads(self.task, self.num_prompts, self.cache_dir)
+        out = {name: np.empty((batch, heads, n, d)) for name in ("q", "k", "v")}
+        for b in range(batch):
+            prompt = int(rng.integers(0, self.num_prompts))
+            chosen = rng.choice(len(pairs), size=heads, replace=False)
+            for slot, index in enumerate(chosen):
+                lay, h = pairs[index]
+                for name in out:
+                    out[name][b, slot] = stream[name][lay, h, prompt, :n]
+        return out["q"], out["k"], out["v"]
+
+
+register_distribution(TrainedCausalHeads)

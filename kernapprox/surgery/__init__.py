@@ -1,0 +1,40 @@
+"""Model surgery: the attention of chosen layers and heads of a given model computed by kernapprox estimators,
+everything else (projections, positions, masks, the rest of the network) the model's own.
+
+:mod:`~kernapprox.surgery.attention`
+    The attention function registered with transformers' attention interface;
+    :class:`~kernapprox.surgery.attention.SubstitutedAttention` (one entry per query head);
+    :func:`~kernapprox.surgery.attention.enable`, :func:`~kernapprox.surgery.attention.set_attention`;
+    :func:`~kernapprox.surgery.attention.capture` (a layer's attention inputs).
+:mod:`~kernapprox.surgery.conversion`
+    :func:`~kernapprox.surgery.conversion.convert` (``ka.convert``: a copy of a model with an estimator in chosen
+    layers and heads, data-dependent maps fitted on a calibration batch);
+    :func:`~kernapprox.surgery.conversion.substitute`; :func:`~kernapprox.surgery.conversion.calibrate`; the family
+    adapters (``FAMILIES``).
+:mod:`~kernapprox.surgery.bert`
+    :class:`~kernapprox.surgery.bert.BertStack`: a BERT-family encoder layer by layer, through its own modules.
+:mod:`~kernapprox.surgery.placement`
+    Placements of exact layers, the prefix-sharing search over them, their attention memory.
+:mod:`~kernapprox.surgery.retrieval`
+    A query/document corpus from prose and the nearest-neighbour agreement of two encoders.
+:mod:`~kernapprox.surgery.maps`
+    The fitted-maps cache (per ``(layer, head)`` fitted estimators, no pickles, under the cache root).
+
+MiniLM (all-MiniLM-L6-v2) is one client: :mod:`kernapprox.substitution`.
+"""
+
+from .attention import (
+    AttentionCall,
+    PerSequence,
+    SubstitutedAttention,
+    capture,
+    disable,
+    enable,
+    get_attention,
+    set_attention,
+)
+from .bert import BertStack
+from .conversion import FAMILIES, calibrate, convert, head_seed, stack_for, substitute
+
+__all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "capture", "disable", "enable", "get_attention",
+           "set_attention", "BertStack", "FAMILIES", "calibrate", "convert", "head_seed", "stack_for", "substitute"]

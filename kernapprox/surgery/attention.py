@@ -1,0 +1,379 @@
+"""The attention of a Hugging Face model's chosen layers and heads, computed by kernapprox estimators.
+
+transformers (≥ 4.48, 5.x) routes every attention module through one interface: the module projects its
+queries, keys and values, applies its positions (rotary embeddings, for the Llama family), and calls
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask, scaling=...,
+dropout=..., **kwargs)`` with ``query`` ``(B, H, n_q, d)`` and ``key``/``value`` ``(B, H_kv, n_k, d)`` before
+the grouped-query repetition; it expects ``(output (B, n_q, H, d_v), weights or None)``. The mask was built by
+``masking_utils`` for the same implementation name (``ALL_MASK_ATTENTION_FUNCTIONS``).
+
+:func:`enable` registers, for the model's own implementation ``base`` (``"eager"`` or ``"sdpa"``), the name
+``kernapprox_<base>`` with :func:`attention_forward` as its function and the mask function of ``base``, and
+switches the model to it (``model.set_attn_implementation``). Every attention module then calls
+:func:`attention_forward`, which
+
+* calls the model's own ``base`` function, unchanged, for a module without a :class:`SubstitutedAttention`
+  (:func:`set_attention`), so an untouched layer computes bit for bit what it computed before;
+* otherwise computes each substituted head with its estimator (:func:`kernapprox.linear_attention`, which routes the
+  exact kernel to :func:`kernapprox.softmax_attention`) on the module's own ``query``, ``key`` and ``value``, with
+  the module's ``scaling``, and the key padding and causal triangle read off ``attention_mask``
+  (:func:`key_padding_from_mask`; without a mask, the call's ``is_causal`` if passed, else the module's, for more
+  than one query, as transformers' SDPA function reads them); heads without an estimator keep the model's own
+  output.
+
+What it cannot honour it refuses with ``ValueError``: an attention mask that is not key padding (with or without
+the causal triangle), an additive bias other than 0/−∞, a sliding window, a soft cap or attention sinks,
+attention dropout in training, a causal call of several queries against more keys (a prefill continuing a cache),
+an estimator whose kernel scale is not the module's. One query against a cache of keys (decoding) is attention
+over all of them, which the layer computes; keeping a fixed-size state instead of the cache is a cache object's
+work, not this function's.
+
+>>> import torch, transformers, kernapprox as ka
+>>> from kernapprox.surgery import attention as sa
+>>> config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+...                                  intermediate_size=20, attn_implementation="eager")
+>>> model = transformers.BertModel(config).eval()
+>>> _ = sa.enable(model)
+>>> est = ka.make_estimator("positive", num_features=32, rng=0).fit(torch.zeros(1, 8))
+>>> sa.set_attention(model.encoder.layer[1].attention.self, sa.SubstitutedAttention([est, None]))
+>>> model(input_ids=torch.tensor([[1, 5, 7, 2]])).last_hidden_state.shape
+torch.Size([1, 4, 16])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..attention import linear_attention
+from ..estimators import Estimator
+
+__all__ = ["SubstitutedAttention", "PerSequence", "AttentionCall", "enable", "disable", "set_attention",
+           "get_attention", "capture", "attention_forward", "key_padding_from_mask", "implementation_name",
+           "BASES"]
+
+PREFIX = "kernapprox_"
+BASES = ("eager", "sdpa")
+_ATTRIBUTE = "kernapprox_attention"
+# keyword arguments that change what attention computes and that a substituted head cannot honour
+_REFUSED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerSequence:
+    """A head fitted on each sequence of the call alone: ``make()`` gives a fresh unfitted estimator, fitted on the
+    sequence's real queries and keys and applied to them at the sequence's own length (padded rows get 0).
+
+    This fits on the text being scored (a transductive choice a study may make and must say); a model converted for
+    use fits its maps once, on a calibration batch.
+    """
+
+    make: Callable[[], Estimator]
+
+
+class SubstitutedAttention:
+    """What one attention module computes instead of its own attention: one entry per query head.
+
+    Parameters
+    ----------
+    heads : sequence, one entry per query head
+        A fitted estimator (feature map, an estimator with its own attention, or the exact kernel), a
+        :class:`PerSequence` (fitted on each sequence alone), or ``None``: the head keeps the model's own attention.
+    mode : str, optional
+        The linear-attention mode of feature maps; default ``"chunked"`` where the estimator declares it, else its
+        first declared mode.
+    observer : callable, optional
+        Called after the layer's attention as ``observer(call, output)`` with the :class:`AttentionCall` (key and
+        value heads repeated to the query heads) and the output ``(B, H, n_q, d_v)``: how a study measures a layer's
+        own error on the activations it sees.
+    """
+
+    def __init__(self, heads: Sequence, *, mode: str | None = None, observer: Callable | None = None):
+        heads = list(heads)
+        if not heads:
+            raise ValueError("heads must hold one entry per query head")
+        for h, entry in enumerate(heads):
+            if entry is not None and not isinstance(entry, Estimator | PerSequence):
+                raise TypeError(f"heads[{h}] must be a fitted kernapprox estimator, a PerSequence or None, got "
+                                f"{type(entry).__name__}")
+        if observer is not None and not callable(observer):
+            raise TypeError(f"observer must be callable, got {type(observer).__name__}")
+        self.heads = heads
+        self.mode = mode
+        self.observer = observer
+
+    def __repr__(self) -> str:
+        kept = sum(entry is None for entry in self.heads)
+        return f"SubstitutedAttention({len(self.heads)} heads, {kept} kept)"
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One call of an attention module, as the model made it: ``query`` ``(B, H, n_q, d)``; ``key``, ``value``
+    ``(B, H, n_k, d)`` (grouped key/value heads repeated to the query heads); ``key_padding_mask`` ``(B, 1, n_k)``
+    bool, True = padding (or ``None``); the causal flag and the kernel scale of the call."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+    causal: bool
+    scaling: float
+
+
+class _Captured(Exception):
+    """Raised by the attention function of a module under :func:`capture`, to stop the forward pass there."""
+
+    def __init__(self, call: AttentionCall):
+        super().__init__("attention inputs captured")
+        self.call = call
+
+
+class _Capture:
+    pass
+
+
+def implementation_name(base: str) -> str:
+    """``kernapprox_<base>``: the attention implementation kernapprox registers on top of ``base``."""
+    if base not in BASES:
+        raise ValueError(f"kernapprox substitutes attention on top of the {' or '.join(BASES)} implementation; the "
+                         f"model uses {base!r} (load it with attn_implementation='eager' or 'sdpa')")
+    return PREFIX + base
+
+
+def _register(base: str) -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = implementation_name(base)
+    if name not in ALL_ATTENTION_FUNCTIONS:
+
+        def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            return attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                     base=base, **kwargs)
+
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[base])
+    return name
+
+
+def enable(model) -> str:
+    """Route every attention module of ``model`` (a transformers ``PreTrainedModel`` on the eager or SDPA
+    implementation) through :func:`attention_forward`. Modules without a :class:`SubstitutedAttention` compute what
+    they computed before. Returns the model's original implementation name (what :func:`disable` restores)."""
+    current = model.config._attn_implementation
+    base = current.removeprefix(PREFIX) if current and current.startswith(PREFIX) else current
+    name = _register(base)
+    if current != name:
+        model.set_attn_implementation(name)
+    return base
+
+
+def disable(model) -> None:
+    """Back to the model's own implementation; substituted modules lose their substitution."""
+    current = model.config._attn_implementation
+    if not (current and current.startswith(PREFIX)):
+        return
+    for module in model.modules():
+        module.__dict__.pop(_ATTRIBUTE, None)
+    model.set_attn_implementation(current.removeprefix(PREFIX))
+
+
+def set_attention(module: torch.nn.Module, attention: SubstitutedAttention | None) -> None:
+    """Give the attention ``module`` (one that calls transformers' attention interface) its substitution, or take
+    it away (``None``). The model must be :func:`enable`-d for the substitution to be called."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    if attention is not None and not isinstance(attention, SubstitutedAttention | _Capture):
+        raise TypeError(f"attention must be a SubstitutedAttention or None, got {type(attention).__name__}")
+    if attention is None:
+        module.__dict__.pop(_ATTRIBUTE, None)
+    else:
+        module.__dict__[_ATTRIBUTE] = attention          # a plain attribute: not a parameter, not in state_dict
+
+
+def get_attention(module: torch.nn.Module) -> SubstitutedAttention | None:
+    """The substitution of ``module`` (``None``: the model's own attention)."""
+    found = module.__dict__.get(_ATTRIBUTE)
+    return found if isinstance(found, SubstitutedAttention) else None
+
+
+def capture(module: torch.nn.Module, run: Callable[[], object]) -> AttentionCall:
+    """The inputs ``module`` receives when ``run()`` calls the model: the forward pass is stopped at that module's
+    attention (nothing after it is computed), the module's substitution restored, and the call returned. How the
+    maps of a layer are fitted on the activations the model as substituted so far produces."""
+    previous = module.__dict__.get(_ATTRIBUTE)
+    module.__dict__[_ATTRIBUTE] = _Capture()
+    try:
+        run()
+    except _Captured as stop:
+        return stop.call
+    finally:
+        if previous is None:
+            module.__dict__.pop(_ATTRIBUTE, None)
+        else:
+            module.__dict__[_ATTRIBUTE] = previous
+    raise ValueError("run() did not reach the module's attention (is the model enabled, and the module one of its "
+                     "attention modules?)")
+
+
+def _base_function(module, base: str):
+    if base == "eager":
+        # transformers' eager attention is a function of each model's modeling file, the default the module passes
+        # to the interface; it is no entry of the registry
+        found = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if found is None:
+            raise ValueError(f"{type(module).__name__} has no eager_attention_forward in its modeling module; load "
+                             "the model with attn_implementation='sdpa'")
+        return found
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def key_padding_from_mask(attention_mask, n_q: int, n_k: int) -> tuple[torch.Tensor | None, bool | None]:
+    """``(key_padding, causal)`` of a transformers attention mask: the key padding ``(B, 1, n_k)`` (bool, True =
+    padding; ``None`` without padding) and whether the mask holds the causal triangle (``None`` for no mask: the
+    call's flag decides).
+
+    ``attention_mask`` is what ``masking_utils`` built: ``None``, a bool ``(B, 1|H, n_q|1, n_k)`` (True = takes
+    part; SDPA) or an additive float one (0 = takes part, the dtype's lowest value or −∞ = excluded; eager). As the
+    model's own eager and SDPA functions do, a given mask is the whole truth: either key padding alone (every query
+    row the same) or key padding and the causal triangle (``n_q = n_k``). Anything else (sliding windows, packed
+    sequences, block masks, biases, different masks per head) raises ``ValueError``.
+    """
+    if attention_mask is None:
+        return None, None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise ValueError(f"attention_mask must be a 4-D tensor (B, 1, n_q, n_k) or None, got "
+                         f"{type(attention_mask).__name__} {tuple(getattr(attention_mask, 'shape', ()))}")
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        lowest = torch.finfo(attention_mask.dtype).min
+        allowed = attention_mask == 0
+        blocked = (attention_mask == lowest) | (attention_mask == -math.inf)
+        if not bool((allowed | blocked).all()):
+            raise ValueError("attention_mask adds a bias other than 0 and -inf to the logits; a substituted head "
+                             "cannot honour it")
+    if allowed.shape[-1] != n_k or allowed.shape[-2] not in (1, n_q):
+        raise ValueError(f"attention_mask of shape {tuple(allowed.shape)} does not match n_q={n_q}, n_k={n_k}")
+    if allowed.shape[1] != 1:
+        if not bool((allowed == allowed[:, :1]).all()):
+            raise ValueError("attention_mask differs between heads; a substituted layer takes one mask per sequence")
+        allowed = allowed[:, :1]
+    allowed = allowed[:, 0]                                                     # (B, n_q | 1, n_k)
+    keep = allowed[:, -1]                          # the last query row: every key but padding, in either case
+    if bool((allowed == keep[:, None, :]).all()):
+        causal = False
+    elif n_q == n_k and bool((allowed == (keep[:, None, :] & torch.ones(
+            n_q, n_k, dtype=torch.bool, device=keep.device).tril())).all()):
+        causal = True
+    else:
+        raise ValueError("attention_mask is neither key padding nor key padding with the causal triangle (a sliding "
+                         "window, packed sequences, a prefix or a custom mask); a substituted layer cannot honour it")
+    return (None if bool(keep.all()) else ~keep[:, None, :]), causal
+
+
+def _mode(estimator: Estimator, mode: str | None) -> str:
+    modes = estimator.capabilities().modes
+    if mode is not None:
+        return mode
+    return "chunked" if "chunked" in modes else modes[0]
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, base: str = "eager",
+                      **kwargs):
+    """transformers' attention interface, with the module's :class:`SubstitutedAttention` where it has one.
+
+    Returns ``(output (B, n_q, H, d_v), None)`` for a substituted module (no attention weights exist for a
+    feature map), else what the model's own ``base`` function returns.
+    """
+    attention = module.__dict__.get(_ATTRIBUTE)
+    if attention is None:
+        return _base_function(module, base)(module, query, key, value, attention_mask, scaling=scaling,
+                                            dropout=dropout, **kwargs)
+    for name in _REFUSED:
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the attention call passes {name}={kwargs[name]!r}, which a substituted layer cannot "
+                             "honour")
+    if dropout and module.training:
+        raise ValueError("attention dropout in training is not supported by a substituted layer (call "
+                         "model.eval(), or set the model's attention dropout to 0)")
+    n_q, n_k = query.shape[-2], key.shape[-2]
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    padding, causal = key_padding_from_mask(attention_mask, n_q, n_k)
+    if causal is None:                 # no mask: the call's flag, else the module's, as transformers' SDPA reads it
+        is_causal = kwargs.get("is_causal")
+        causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal) and n_q > 1
+    if causal and n_q != n_k:
+        raise ValueError(f"a causal call with {n_q} queries and {n_k} keys (decoding from a cache) is not supported "
+                         "by the substituted attention")
+    heads = query.shape[1]
+    if heads % key.shape[1]:
+        raise ValueError(f"{heads} query heads do not share {key.shape[1]} key/value heads evenly")
+    groups = heads // key.shape[1]
+    own_key, own_value = key, value                    # what the model's own function expects (before repetition)
+    if groups > 1:                                    # grouped-query heads: each query head reads its group's keys
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    call = AttentionCall(query, key, value, padding, causal, float(scaling))
+    if isinstance(attention, _Capture):
+        raise _Captured(call)
+    if len(attention.heads) != heads:
+        raise ValueError(f"the substitution has {len(attention.heads)} heads, the module {heads}")
+
+    kept = [h for h, entry in enumerate(attention.heads) if entry is None]
+    if kept:                                          # the model's own output for the heads it keeps
+        own, _ = _base_function(module, base)(module, query, own_key, own_value, attention_mask, scaling=scaling,
+                                              dropout=dropout, **kwargs)
+        out = own.transpose(1, 2).clone()
+    else:
+        out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    groups_of: dict[int, list[int]] = {}
+    for h, entry in enumerate(attention.heads):
+        if entry is not None:
+            groups_of.setdefault(id(entry), []).append(h)
+    for index in groups_of.values():
+        entry = attention.heads[index[0]]
+        if isinstance(entry, PerSequence) or (padding is not None and entry.capabilities().kind == "attention"):
+            out[:, index] = _per_sequence(call, index, entry, attention.mode)
+            continue
+        _check_scale(entry, call.scaling)
+        select = torch.tensor(index, device=query.device)
+        out[:, index] = linear_attention(call.query[:, select], call.key[:, select], call.value[:, select], entry,
+                                         causal=causal, mode=_mode(entry, attention.mode), key_padding_mask=padding)
+    if attention.observer is not None:
+        attention.observer(call, out)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _check_scale(estimator: Estimator, scaling: float) -> None:
+    if not math.isclose(estimator.scale_, scaling, rel_tol=1e-12):
+        raise ValueError(f"the estimator's kernel scale {estimator.scale_:.6g} is not the module's scaling "
+                         f"{scaling:.6g}; construct it with scale={scaling!r}")
+
+
+def _per_sequence(call: AttentionCall, index: list[int], entry, mode) -> torch.Tensor:
+    """Heads ``index`` with ``entry`` applied to each sequence's real tokens alone (fitted on them when ``entry`` is a
+    :class:`PerSequence`); padded query rows get 0."""
+    q, k, v, padding = call.query, call.key, call.value, call.key_padding_mask
+    if q.shape[-2] != k.shape[-2]:
+        raise ValueError("a head fitted or run per sequence needs self-attention (as many queries as keys)")
+    out = q.new_zeros(q.shape[0], len(index), q.shape[-2], v.shape[-1])
+    for row in range(q.shape[0]):
+        real = (torch.ones(k.shape[-2], dtype=torch.bool, device=k.device) if padding is None
+                else ~padding[row, 0])
+        positions = torch.nonzero(real).squeeze(-1)
+        for slot, head in enumerate(index):
+            qs, ks, vs = (t[row, head, positions] for t in (q, k, v))
+            est = entry.make().fit(qs, ks) if isinstance(entry, PerSequence) else entry
+            _check_scale(est, call.scaling)
+            out[row, slot, positions] = linear_attention(qs, ks, vs, est, causal=call.causal,
+                                                         mode=est.capabilities().modes[0] if mode is None else mode)
+    return out

@@ -1,0 +1,169 @@
+"""Convert a model: a copy whose chosen layers and heads attend with a kernapprox estimator.
+
+:func:`convert` is the one-call form (a registry name, ``r``, layers, heads, a seed, a calibration batch);
+:func:`substitute` puts given fitted estimators into a copy; :func:`calibrate` fits data-dependent maps layer by
+layer on a calibration batch, each layer on the activations of the model as substituted below it. A model family
+is found by its configuration's declared ``model_type`` in :data:`FAMILIES` (``"bert"``: BERT-family encoders,
+MiniLM included); a family adapter gives the attention module of each layer and the sizes
+(:class:`~kernapprox.surgery.bert.BertStack` is the model).
+
+>>> import torch, transformers
+>>> from kernapprox.surgery import convert
+>>> config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+...                                  intermediate_size=20, attn_implementation="eager")
+>>> model = transformers.BertModel(config).eval()
+>>> ids = torch.tensor([[1, 5, 7, 2]])
+>>> same = convert(model, "exact")
+>>> bool(torch.allclose(same(input_ids=ids).last_hidden_state, model(input_ids=ids).last_hidden_state, atol=1e-5))
+True
+>>> fast = convert(model, "positive_orthogonal", num_features=32, layers=[1], rng=0)
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import numbers
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from ..estimators.registry import make_estimator
+from . import attention as sa
+from .bert import BertStack
+from .placement import check_layers
+
+__all__ = ["FAMILIES", "stack_for", "head_seed", "substitute", "calibrate", "convert"]
+
+# model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
+FAMILIES: dict[str, type] = {"bert": BertStack}
+
+
+def stack_for(model):
+    """The family adapter of ``model`` (by ``model.config.model_type``)."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise ValueError(f"no kernapprox adapter for model_type {model_type!r}; supported: "
+                         f"{', '.join(sorted(FAMILIES))}")
+    return FAMILIES[model_type](model)
+
+
+def head_seed(rng, layer: int, head: int) -> np.random.SeedSequence:
+    """The seed of ``(layer, head)``: ``SeedSequence(entropy, spawn_key=(*spawn_key, layer, head))`` of the root
+    ``rng`` (an int or a ``SeedSequence``), independent of which other layers and heads are substituted."""
+    if isinstance(rng, bool) or not isinstance(rng, numbers.Integral | np.random.SeedSequence):
+        raise TypeError(f"rng must be an int or a numpy SeedSequence (a Generator's draws would depend on which "
+                        f"layers are converted), got {type(rng).__name__}")
+    root = rng if isinstance(rng, np.random.SeedSequence) else np.random.SeedSequence(int(rng))
+    return np.random.SeedSequence(root.entropy, spawn_key=(*root.spawn_key, int(layer), int(head)))
+
+
+def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
+    """``model`` (a copy, unless ``copy=False``) with layer ``l``'s attention heads given by ``layers[l]``: one entry
+    per query head, a fitted estimator, a :class:`~kernapprox.surgery.attention.PerSequence` or ``None`` (the
+    model's own head). Everything else is the model's own."""
+    target = _copy.deepcopy(model) if copy else model
+    stack = stack_for(target)
+    check_layers(layers, "layers", stack.num_layers)
+    sa.enable(target)
+    for layer, heads in layers.items():
+        sa.set_attention(stack.attention_module(int(layer)), sa.SubstitutedAttention(heads))
+    return target
+
+
+@torch.no_grad()
+def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -> dict[int, list]:
+    """Fit ``estimators`` (``{layer: per-head unfitted estimators or None}``) on the calibration batch, layer by
+    layer in order: each layer's maps on the real tokens (``attention_mask``) of the batch as the model computes
+    them with the layers below already substituted. ``model`` must be enabled (it is, after :func:`substitute`);
+    the fitted layers are set on it. Returns ``{layer: per-head fitted estimators}``."""
+    if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
+        raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
+    stack = stack_for(model)
+    fitted = {}
+    for layer in sorted(estimators):
+        heads = list(estimators[layer])
+        module = stack.attention_module(layer)
+        call = sa.capture(module, lambda: model(**calibration))
+        real = (torch.ones(call.query.shape[0], call.query.shape[-2], dtype=torch.bool, device=call.query.device)
+                if call.key_padding_mask is None else ~call.key_padding_mask[:, 0])
+        out = []
+        for head, est in enumerate(heads):
+            if est is not None:
+                est = est.fit(call.query[:, head][real], call.key[:, head][real])
+            out.append(est)
+        sa.set_attention(module, sa.SubstitutedAttention(out))
+        fitted[layer] = out
+    return fitted
+
+
+def convert(model, estimator: str, *, num_features: int | None = None, layers=None, heads=None, rng=0,
+            calibration: Mapping | None = None, **options):
+    """A copy of ``model`` whose chosen layers and heads attend with the registry estimator ``estimator``.
+
+    Parameters
+    ----------
+    model
+        A transformers model of a family in :data:`FAMILIES`, on the eager or SDPA attention implementation.
+    estimator : str
+        A registry name (``"exact"`` reproduces the model to rounding).
+    num_features : int, optional
+        ``r`` per head (``None`` for maps whose dimension ``d`` fixes).
+    layers, heads : iterables of int, optional
+        The layers (default: all) and, in each, the query heads (default: all) to substitute; the other heads keep
+        the model's own attention.
+    rng : int or numpy SeedSequence
+        Root seed; head ``h`` of layer ``l`` draws from :func:`head_seed` ``(rng, l, h)``.
+    calibration : mapping of model inputs, optional
+        The batch data-dependent maps are fitted on (:func:`calibrate`); required for them, and never the text the
+        converted model is then evaluated on.
+    **options
+        Further constructor options of the estimator.
+    """
+    converted = _copy.deepcopy(model)
+    stack = stack_for(converted)
+    chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
+    head_set = set(range(stack.num_heads)) if heads is None else _check_heads(heads, stack.num_heads)
+    sa.enable(converted)
+    dtype = next(converted.parameters()).dtype
+    device = next(converted.parameters()).device
+    pending = {}                                          # layer -> heads still to be fitted on calibration data
+    for layer in chosen:
+        per_head = []
+        for head in range(stack.num_heads):
+            if head not in head_set:
+                per_head.append(None)
+                continue
+            est = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, head), **options)
+            if est.capabilities().data_dependent:
+                pending.setdefault(layer, []).append(head)
+            else:                                             # one draw per (layer, head): fit on a shape
+                est = est.fit(torch.zeros(1, stack.head_dim, dtype=dtype, device=device))
+            per_head.append(est)
+        if layer not in pending:
+            sa.set_attention(stack.attention_module(layer), sa.SubstitutedAttention(per_head))
+        else:
+            pending[layer] = (pending[layer], per_head)
+    if pending:
+        if calibration is None:
+            raise ValueError(f"{estimator} is data-dependent: pass calibration= (a batch of model inputs it is "
+                             "fitted on, apart from the text the converted model is evaluated on)")
+        unfitted = {layer: [e if h in todo else None for h, e in enumerate(per_head)]
+                    for layer, (todo, per_head) in pending.items()}
+        fitted = calibrate(converted, unfitted, calibration)
+        for layer, (todo, per_head) in pending.items():
+            merged = [fitted[layer][h] if h in todo else e for h, e in enumerate(per_head)]
+            sa.set_attention(stack.attention_module(layer), sa.SubstitutedAttention(merged))
+    return converted
+
+
+def _check_heads(heads, num_heads: int) -> set[int]:
+    out = set()
+    for head in heads:
+        if isinstance(head, bool) or not isinstance(head, numbers.Integral) or not 0 <= head < num_heads:
+            raise ValueError(f"heads must hold head indices in [0, {num_heads}), got {head!r}")
+        out.add(int(head))
+    if not out:
+        raise ValueError("heads must name at least one head (None: all of them)")
+    return out
