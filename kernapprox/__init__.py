@@ -19,7 +19,6 @@ from .attention import (
     softmax_attention,
     softmax_attention_naive,
 )
-from .attention.rules import available_rules
 from .estimators import AttentionParts, Capabilities, Estimator, FeatureMap
 from .estimators.registry import (
     available_estimators,
@@ -30,6 +29,7 @@ from .estimators.registry import (
     register,
 )
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
+from .rules import available_rules
 from .validation import NotFittedError
 
 __version__ = "0.1.0"

@@ -4,7 +4,7 @@
 (:mod:`.exact`); with a feature map ``κ ≈ φ(q)ᵀφ(k)`` it is linear attention (:mod:`.linear`), computed in the
 parallel, recurrent or chunked mode, with :class:`~.recurrent.RecurrentState` for decoding one token at a time.
 :mod:`.naive` holds the plain float64 loop oracles the fast paths are tested against. The state may be written by
-other rules than the sum (:mod:`.rules`, public as :mod:`kernapprox.rules`: decay, delta rule, least squares;
+other rules than the sum (:mod:`kernapprox.rules`, their one home: decay, delta rule, least squares;
 :mod:`.delta` and :mod:`.least_squares` hold their modes), and every mode takes torch's masks (:mod:`.masks`).
 
 Examples

@@ -39,6 +39,7 @@ import math
 import torch
 
 from ..estimators.base import AttentionParts, Estimator
+from ..rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
 from . import delta as _delta
 from . import least_squares as _ls
@@ -48,7 +49,6 @@ from .blocks import chunked_block_length
 from .exact import softmax_attention
 from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
 from .recurrent import normalized_read, normalized_step
-from .rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 
 MODES = ("parallel", "recurrent", "chunked")
 

@@ -12,9 +12,9 @@ import torch
 
 from ..estimators.base import FeatureMap
 from ..kernel import resolve_scale
+from ..rules import check_beta, resolve_rule
 from ..validation import check_qkv
 from .masks import check_attn_mask, check_key_padding_mask
-from .rules import check_beta, resolve_rule
 
 
 def softmax_attention_naive(q, k, v, causal: bool = False, scale: float | None = None) -> torch.Tensor:

@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..estimators.base import Estimator
-from ..validation import check_same_kind, check_tensor, compute_dtype
-from .logdomain import check_state_read
-from .rules import (
+from ..rules import (
     SENTINEL,
     DeltaState,
     LeastSquaresState,
@@ -29,6 +27,8 @@ from .rules import (
     to_public,
     unit_features,
 )
+from ..validation import check_same_kind, check_tensor, compute_dtype
+from .logdomain import check_state_read
 
 
 # ------------------------------------------------------------------------------------------- one-token steps
