@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kernapprox.estimators.eva import (
+from kernapprox.approximate.eva import (
     control_variate_reference,
     eva_kernel_reference,
     eva_reference,
@@ -157,7 +157,7 @@ def test_oracle_rejects_bad_arguments():
 import torch  # noqa: E402
 
 import kernapprox as ka  # noqa: E402
-from kernapprox.estimators.eva import EfficientAttentionCV  # noqa: E402
+from kernapprox.approximate.eva import EfficientAttentionCV  # noqa: E402
 
 MODES = ("parallel", "recurrent", "chunked")
 

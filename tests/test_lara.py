@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from kernapprox.estimators.lara import (
+from kernapprox.approximate.lara import (
     _log_normal,
     _log_xi,
     importance_sampling_reference,
@@ -209,7 +209,7 @@ def test_oracle_rejects_noise_of_the_wrong_shape():
 import torch  # noqa: E402
 
 import kernapprox as ka  # noqa: E402
-from kernapprox.estimators.lara import LinearRandomizedAttention  # noqa: E402
+from kernapprox.approximate.lara import LinearRandomizedAttention  # noqa: E402
 
 MODES = ("parallel", "recurrent", "chunked")
 

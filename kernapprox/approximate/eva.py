@@ -1,6 +1,6 @@
 r"""EVA: efficient attention via control variates (Zheng, Yuan, Wang & Kong, ICLR 2023).
 
-Notation as in :mod:`kernapprox.estimators.lara`: ``x = sqrt(s)·q``, ``y = sqrt(s)·k``,
+Notation as in :mod:`kernapprox.approximate.lara`: ``x = sqrt(s)·q``, ``y = sqrt(s)·k``,
 ``ξ(x, ω) = exp(ωᵀx − ‖x‖²/2)``, ``N(ω; μ)`` the density of ``N(μ, I_d)``, ``N(ω) = N(ω; 0)``; softmax attention
 ``Σ_m π_m v_m`` with ``π_m = exp(xᵀy_m)/Z``.
 
@@ -61,7 +61,7 @@ than ``C`` groups when ``C`` does not divide ``M`` evenly enough), or groups of 
 ``C`` of them, one draw each); query ``i`` computes exactly
 
 * non-causal: the band ``E_i = {j : |i − j| < w}`` (empty for ``w = 0``), as
-  :class:`~kernapprox.estimators.hybrid.WindowLinear` does;
+  :class:`~kernapprox.approximate.hybrid.WindowLinear` does;
 * causal: ``E_i = {j : min(i − w + 1, g⌊i/g⌋) ≤ j ≤ i}``, the last ``w`` keys *and* the keys of its own,
   unfinished group;
 
@@ -121,10 +121,10 @@ import math
 import numpy as np
 import torch
 
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
 from ..validation import check_bool, check_positive_int, check_qk, compute_dtype, itemsize
-from .base import AttentionEstimator, AttentionParts
 from .lara import _as_float64, _log_normal, _log_xi
-from .registry import register
 
 
 # --------------------------------------------------------------------------------------------- shared pieces

@@ -141,6 +141,9 @@ import math
 import numpy as np
 import torch
 
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
+from ..estimators.samplers import make_sampler
 from ..validation import (
     check_bool,
     check_choice,
@@ -150,9 +153,6 @@ from ..validation import (
     compute_dtype,
     itemsize,
 )
-from .base import AttentionEstimator, AttentionParts
-from .registry import register
-from .samplers import make_sampler
 
 WEIGHTINGS = ("balance", "query")
 

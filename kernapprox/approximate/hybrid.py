@@ -34,9 +34,9 @@ from typing import ClassVar
 
 import torch
 
+from ..estimators.base import AttentionEstimator, AttentionParts, FeatureMap
+from ..estimators.registry import capabilities, make_estimator, register
 from ..validation import check_positive_int, check_qk, compute_dtype, itemsize
-from .base import AttentionEstimator, AttentionParts, FeatureMap
-from .registry import capabilities, make_estimator, register
 
 
 class WindowLinear(AttentionEstimator):

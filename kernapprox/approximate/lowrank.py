@@ -26,10 +26,10 @@ import math
 
 import torch
 
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
 from ..kernel import resolve_scale
 from ..validation import check_choice, check_positive_int, check_qk, check_tensor, compute_dtype
-from .base import AttentionEstimator, AttentionParts
-from .registry import register
 
 PINV_METHODS = ("iterative", "exact")
 PINV_INITS = ("original", "per_matrix")
