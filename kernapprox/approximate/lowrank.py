@@ -26,6 +26,7 @@ import math
 
 import torch
 
+from ..attention.linear import linear_attention_from_features
 from ..estimators.base import AttentionEstimator, AttentionParts
 from ..estimators.registry import register
 from ..kernel import resolve_scale
@@ -36,6 +37,12 @@ PINV_INITS = ("original", "per_matrix")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def signed_exp(values: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """``values · e^{log_scale}`` as ``sign · exp(log|values| + log_scale)``: an entry that is 0 stays 0 where
+    ``e^{log_scale}`` overflows (never ``0 · inf = NaN``). The kernel matrices of shifted estimates."""
+    return torch.sign(values) * torch.exp(torch.log(values.abs()) + log_scale)
+
+
 def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Means of ``num_segments`` consecutive segments of the rows of ``x``: ``(..., n, d) -> (..., m, d)``.
 
@@ -287,10 +294,15 @@ class KernelSVD(AttentionEstimator):
         u, sigma, vh = torch.linalg.svd(torch.exp(logits - shift), full_matrices=False)
         return u, sigma, vh, shift
 
-    def _truncated(self, q, k):
+    def _factors(self, q, k):
+        """``K_r = F Gᵀ e^{shift}`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``: the rank-r kernel as features."""
         u, sigma, vh, shift = self._svd(q, k)
         r = self.num_features
-        return (u[..., :r] * sigma[..., None, :r]) @ vh[..., :r, :], shift
+        return u[..., :r] * sigma[..., None, :r], vh[..., :r, :].transpose(-1, -2), shift
+
+    def _truncated(self, q, k):
+        left, right, shift = self._factors(q, k)
+        return left @ right.transpose(-1, -2), shift
 
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``exp(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
@@ -304,22 +316,22 @@ class KernelSVD(AttentionEstimator):
         self._check_fitted()
         check_qk(q, k)
         approx, shift = self._truncated(q, k)
-        # sign · exp(log|K̃| + shift): an entry that is 0 stays 0 where exp(shift) overflows (never 0 · inf = NaN)
-        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + shift)).to(q.dtype)
+        return signed_exp(approx, shift).to(q.dtype)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
-        """``K_r V / K_r 1`` (lower-triangular ``K_r`` if causal). ``chunk_size`` is accepted and unused."""
+        """``K_r V / K_r 1`` (lower-triangular ``K_r`` if causal): linear attention of the core
+        (:func:`~kernapprox.attention.linear.linear_attention_from_features`, parallel mode) on the rank-r factors
+        ``K_r = (U_{:r}Σ_{:r}) V_{:r}ᵀ e^{shift}`` in float64. ``chunk_size`` is accepted and unused."""
         self._check_call(q, k, v, causal, mode, chunk_size)
-        approx, shift = self._truncated(q, k)
-        if causal:
-            approx = approx.tril()
+        left, right, shift = self._factors(q, k)
+        zeros = torch.zeros(right.shape[:-1], dtype=right.dtype, device=right.device)
+        parts = linear_attention_from_features(left, shift[..., 0].expand(left.shape[:-1]), right, zeros,
+                                               v.to(torch.float64), causal=causal, mode="parallel")
         ct = compute_dtype(q.dtype)
-        num = (approx @ v.to(torch.float64)).to(ct)
-        den = approx.sum(-1).to(ct)
+        num, den = parts.numerator.to(ct), parts.normalizer.to(ct)
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
-            log_scale = shift[..., 0].expand(den.shape).to(ct)
-            return AttentionParts(out, num, den, log_scale)
+            return AttentionParts(out, num, den, parts.log_scale.to(ct))
         return out
 
 
@@ -382,10 +394,15 @@ class AttentionSVD(KernelSVD):
         u, sigma, vh = torch.linalg.svd(torch.exp(logits - log_rows), full_matrices=False)
         return u, sigma, vh, log_rows
 
-    def _truncated_attention(self, q, k):
+    def _attention_factors(self, q, k):
+        """``P_r = F Gᵀ`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``, and ``log D``."""
         u, sigma, vh, log_rows = self._attention_svd(q, k)
         r = self.num_features
-        return (u[..., :r] * sigma[..., None, :r]) @ vh[..., :r, :], log_rows
+        return u[..., :r] * sigma[..., None, :r], vh[..., :r, :].transpose(-1, -2), log_rows
+
+    def _truncated_attention(self, q, k):
+        left, right, log_rows = self._attention_factors(q, k)
+        return left @ right.transpose(-1, -2), log_rows
 
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``softmax(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
@@ -404,18 +421,23 @@ class AttentionSVD(KernelSVD):
         self._check_fitted()
         check_qk(q, k)
         approx, log_rows = self._truncated_attention(q, k)
-        # sign · exp(log|P_r| + log D): an entry that is 0 stays 0 where D overflows (never 0 · inf = NaN)
-        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + log_rows)).to(q.dtype)
+        return signed_exp(approx, log_rows).to(q.dtype)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
-        """``P_r V`` (non-causal only). ``chunk_size`` is accepted and unused."""
+        """``P_r V`` (non-causal only): the numerator of the core's linear attention
+        (:func:`~kernapprox.attention.linear.linear_attention_from_features`, parallel mode) on the factors
+        ``P_r = (U_{:r}Σ_{:r}) V_{:r}ᵀ`` in float64, not divided by its row sums (``P_r`` is not row-stochastic,
+        and renormalising would no longer be the optimum). ``chunk_size`` is accepted and unused."""
         if causal is True:
             raise ValueError("AttentionSVD is not causal: a masked low-rank matrix is not low rank, so the bound "
                              "does not hold (use causal=False)")
         self._check_call(q, k, v, causal, mode, chunk_size)
-        approx, _ = self._truncated_attention(q, k)
+        left, right, _ = self._attention_factors(q, k)
+        parts = linear_attention_from_features(left, torch.zeros_like(left[..., 0]), right,
+                                               torch.zeros_like(right[..., 0]),
+                                               v.to(torch.float64), mode="parallel")
         ct = compute_dtype(q.dtype)
-        num = (approx @ v.to(torch.float64)).to(ct)
+        num = parts.numerator.to(ct)
         den = torch.ones(num.shape[:-1], dtype=ct, device=num.device)
         out = num.to(q.dtype)
         if return_parts:

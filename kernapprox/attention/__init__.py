@@ -20,9 +20,17 @@ True
 """
 
 from .exact import softmax_attention
-from .linear import MODES, chunked_block_length, linear_attention
-from .naive import linear_attention_naive, softmax_attention_naive
-from .recurrent import RecurrentState
+from .linear import (
+    MODES,
+    chunked_block_length,
+    linear_attention,
+    linear_attention_from_features,
+    linear_attention_from_log_features,
+)
+from .naive import linear_attention_from_log_features_naive, linear_attention_naive, softmax_attention_naive
+from .recurrent import RecurrentState, add_keys, read_queries
 
-__all__ = ["MODES", "softmax_attention", "linear_attention", "RecurrentState", "chunked_block_length",
-           "softmax_attention_naive", "linear_attention_naive"]
+__all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_from_features",
+           "linear_attention_from_log_features", "add_keys", "read_queries", "RecurrentState",
+           "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
+           "linear_attention_from_log_features_naive"]
