@@ -288,14 +288,19 @@ class KernelSVD(AttentionEstimator):
                              f"({type(self).__name__} needs a dense SVD)")
         return self.scale_ * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2))
 
-    def _svd(self, q, k):
-        logits = self._logits(q, k)
+    def _scaled_matrix(self, logits):
+        """The matrix whose SVD is taken and its log-scale: ``(K e^{−c}, c)``, ``c = max_ij s q_iᵀk_j``."""
         shift = logits.amax(dim=(-1, -2), keepdim=True)
-        u, sigma, vh = torch.linalg.svd(torch.exp(logits - shift), full_matrices=False)
-        return u, sigma, vh, shift
+        return torch.exp(logits - shift), shift
+
+    def _svd(self, q, k):
+        matrix, log_scale = self._scaled_matrix(self._logits(q, k))
+        u, sigma, vh = torch.linalg.svd(matrix, full_matrices=False)
+        return u, sigma, vh, log_scale
 
     def _factors(self, q, k):
-        """``K_r = F Gᵀ e^{shift}`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``: the rank-r kernel as features."""
+        """The truncated matrix as features, ``F Gᵀ`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``, and its
+        log-scale (``K_r = F Gᵀ e^{shift}``)."""
         u, sigma, vh, shift = self._svd(q, k)
         r = self.num_features
         return u[..., :r] * sigma[..., None, :r], vh[..., :r, :].transpose(-1, -2), shift
@@ -362,12 +367,8 @@ class AttentionSVD(KernelSVD):
 
     Parameters
     ----------
-    num_features : int
-        The rank ``r``.
-    max_size : int
-        Largest ``max(n_q, n_k)`` accepted (the SVD is cubic).
-    rng, scale
-        ``rng`` is unused; ``scale`` is the kernel scale ``s`` (default ``1/sqrt(d)``).
+    num_features, max_size, rng, scale
+        As for :class:`KernelSVD` (``num_features`` is the rank ``r``).
 
     References
     ----------
@@ -388,40 +389,26 @@ class AttentionSVD(KernelSVD):
     causal = False
     reference = "Eckart & Young 1936 applied to softmax(sQKᵀ) (bounds the attention-matrix error only)"
 
-    def _attention_svd(self, q, k):
-        logits = self._logits(q, k)
+    def _scaled_matrix(self, logits):
+        """``(P, log D)``: the row-normalised attention matrix (computed in log space) and its row log-sums."""
         log_rows = torch.logsumexp(logits, dim=-1, keepdim=True)              # log D
-        u, sigma, vh = torch.linalg.svd(torch.exp(logits - log_rows), full_matrices=False)
-        return u, sigma, vh, log_rows
-
-    def _attention_factors(self, q, k):
-        """``P_r = F Gᵀ`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``, and ``log D``."""
-        u, sigma, vh, log_rows = self._attention_svd(q, k)
-        r = self.num_features
-        return u[..., :r] * sigma[..., None, :r], vh[..., :r, :].transpose(-1, -2), log_rows
-
-    def _truncated_attention(self, q, k):
-        left, right, log_rows = self._attention_factors(q, k)
-        return left @ right.transpose(-1, -2), log_rows
+        return torch.exp(logits - log_rows), log_rows
 
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``softmax(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
         self._check_fitted()
         check_qk(q, k)
-        return self._attention_svd(q, k)[1]
+        return self._svd(q, k)[1]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``P_r`` ``(..., n_q, n_k)`` in the inputs' dtype."""
         self._check_fitted()
         check_qk(q, k)
-        return self._truncated_attention(q, k)[0].to(q.dtype)
+        return self._truncated(q, k)[0].to(q.dtype)
 
     def kernel_matrix(self, q, k):
         """``D P_r`` with the exact row sums ``D = diag(exp(s QKᵀ) 1)``, in the inputs' dtype."""
-        self._check_fitted()
-        check_qk(q, k)
-        approx, log_rows = self._truncated_attention(q, k)
-        return signed_exp(approx, log_rows).to(q.dtype)
+        return super().kernel_matrix(q, k)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
         """``P_r V`` (non-causal only): the numerator of the core's linear attention
@@ -432,7 +419,7 @@ class AttentionSVD(KernelSVD):
             raise ValueError("AttentionSVD is not causal: a masked low-rank matrix is not low rank, so the bound "
                              "does not hold (use causal=False)")
         self._check_call(q, k, v, causal, mode, chunk_size)
-        left, right, _ = self._attention_factors(q, k)
+        left, right, _ = self._factors(q, k)
         parts = linear_attention_from_features(left, torch.zeros_like(left[..., 0]), right,
                                                torch.zeros_like(right[..., 0]),
                                                v.to(torch.float64), mode="parallel")
