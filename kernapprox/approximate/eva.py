@@ -121,6 +121,7 @@ import math
 import numpy as np
 import torch
 
+from ..attention.linear import add_log_keys
 from ..estimators.base import AttentionEstimator, AttentionParts
 from ..estimators.registry import register
 from ..validation import check_bool, check_positive_int, check_qk, compute_dtype, itemsize
@@ -456,10 +457,12 @@ def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool, g
         for m in range(left, lo):                             # keys leaving the local set join their group
             c = m // size
             log_feature = (y[..., m, :] * omega[..., c, :]).sum(-1) - 0.5 * (y[..., m, :] ** 2).sum(-1)
-            new_top = torch.maximum(top[..., c], log_feature)
-            sums[..., c, :] = (sums[..., c, :] * torch.exp(top[..., c] - new_top)[..., None]
-                               + torch.exp(log_feature - new_top)[..., None] * values[..., m, :])
-            top[..., c] = new_top
+            # the group's value sums: the core's per-feature running-maximum state, one feature (the group)
+            empty = int(counts[c]) == 0
+            group_sums, group_top = add_log_keys(None if empty else sums[..., c:c + 1, :],
+                                                 None if empty else top[..., c:c + 1],
+                                                 log_feature[..., None, None], values[..., m:m + 1, :])
+            sums[..., c, :], top[..., c] = group_sums[..., 0, :], group_top[..., 0]
             key_sums[..., c, :] = key_sums[..., c, :] + y[..., m, :]
             counts[c] += 1
         left = max(left, lo)

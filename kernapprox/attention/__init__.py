@@ -22,6 +22,7 @@ True
 from .exact import softmax_attention
 from .linear import (
     MODES,
+    add_log_keys,
     chunked_block_length,
     linear_attention,
     linear_attention_from_features,
@@ -31,6 +32,6 @@ from .naive import linear_attention_from_log_features_naive, linear_attention_na
 from .recurrent import RecurrentState, add_keys, read_queries
 
 __all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_from_features",
-           "linear_attention_from_log_features", "add_keys", "read_queries", "RecurrentState",
+           "linear_attention_from_log_features", "add_keys", "read_queries", "add_log_keys", "RecurrentState",
            "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
            "linear_attention_from_log_features_naive"]

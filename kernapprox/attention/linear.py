@@ -852,12 +852,24 @@ def linear_attention_from_log_features(log_q, log_k, v, *, mode: str = "parallel
     values = torch.cat([v, ones], -1)                                         # [V 1]
     state = key_max = None
     for start in range(0, log_k.shape[-2], step):
-        block = log_k[..., start:start + step, :]
-        new_max = block.amax(-2) if key_max is None else torch.maximum(key_max, block.amax(-2))
-        update = torch.exp(block - new_max[..., None, :]).transpose(-1, -2) @ values[..., start:start + step, :]
-        state = update if state is None else state * torch.exp(key_max - new_max)[..., None] + update
-        key_max = new_max
+        state, key_max = add_log_keys(state, key_max, log_k[..., start:start + step, :],
+                                      values[..., start:start + step, :])
     shifted = log_q + key_max[..., None, :]
     row_max = shifted.amax(-1)
     num_den = torch.exp(shifted - row_max[..., None]) @ state
     return num_den[..., :-1], num_den[..., -1], row_max
+
+
+def add_log_keys(state, key_max, log_k, values):
+    """The per-feature-stabilised state after a block of keys given by log-features: ``S_l ← S_l e^{M_l − M'_l} +
+    Σ_j e^{L_{k,jl} − M'_l} [v_j 1]`` with ``M'_l = max(M_l, max_j L_{k,jl})`` (a running maximum per feature).
+
+    ``state (..., r, d_v + 1)`` and ``key_max (..., r)``, or both None for the empty state; ``log_k (..., L, r)``,
+    ``values (..., L, d_v + 1)`` (the values with a column of ones, for the normaliser). Returns the new
+    ``(state, key_max)``. The streaming step of :func:`linear_attention_from_log_features`; EVA keeps its groups'
+    value sums with it (one feature per group).
+    """
+    new_max = log_k.amax(-2) if key_max is None else torch.maximum(key_max, log_k.amax(-2))
+    update = torch.exp(log_k - new_max[..., None, :]).transpose(-1, -2) @ values
+    state = update if state is None else state * torch.exp(key_max - new_max)[..., None] + update
+    return state, new_max
