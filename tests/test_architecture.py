@@ -237,3 +237,24 @@ def test_experiments_and_benchmarks_are_not_installed_packages():
     for path in (ROOT / "experiments").glob("*.py"):
         assert "benchmarks" not in {n.module.split(".")[0] for n in ast.walk(ast.parse(path.read_text("utf-8")))
                                     if isinstance(n, ast.ImportFrom) and n.module}, path.name
+
+
+def test_attention_estimators_declare_how_they_use_the_core():
+    """Every estimator that brings its own attention lives in ``kernapprox.approximate`` and declares ``core``: the
+    core functions it composes from, each public in ``kernapprox.attention`` and imported by its module from the
+    attention layer (so the declaration cannot drift from the code)."""
+    import kernapprox.attention as core
+
+    mods = modules()
+    for name in ka.available_estimators():
+        if ka.capabilities(name).kind != "attention":
+            continue
+        cls = ka.estimator_class(name)
+        module = cls.__module__
+        assert module.startswith("kernapprox.approximate."), (name, module)
+        from_core = {alias.name for node in ast.walk(ast.parse(mods[module].read_text(encoding="utf-8")))
+                     if isinstance(node, ast.ImportFrom) and node.level == 2
+                     and (node.module or "").startswith("attention") for alias in node.names}
+        assert isinstance(cls.core, tuple), name
+        for fn in cls.core:
+            assert fn in core.__all__ and fn in from_core, (name, fn)

@@ -567,3 +567,27 @@ def test_block_states_equal_the_token_steps():
     fixed = add_keys(fixed, pk, lk, v)
     assert torch.equal(fixed.log_scale, lk.amax(-1))
     assert torch.allclose(fixed.w, state.w, rtol=1e-12)
+
+
+# (registry name, options, shapes of q, k, v, seed of the inputs): the attention estimators whose implied kernel
+# matrix is exactly what their attention normalises
+KERNEL_ROW_SUM_CASES = [
+    ("eva", {"num_features": 3, "window": 2, "rng": 53}, [(9, 4), (9, 4), (9, 3)], 52),
+    ("lara", {"num_features": 6, "num_proposals": 2, "rng": 55}, [(7, 4), (8, 4), (8, 3)], 54),
+]
+
+
+@pytest.mark.parametrize("name, options, shapes, seed", KERNEL_ROW_SUM_CASES, ids=[c[0] for c in KERNEL_ROW_SUM_CASES])
+def test_attention_estimator_parts_are_the_kernel_row_sums(name, options, shapes, seed):
+    """The normaliser of the parts is ``Σ_m Â_{nm}`` and the numerator ``Â V`` (true scale), in every mode."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)) for s in shapes)
+    est = ka.make_estimator(name, **options).fit(q, k)
+    a = est.kernel_matrix(q, k)
+    for mode in ka.capabilities(name).modes:
+        parts = ka.linear_attention(q, k, v, est, mode=mode, return_parts=True)
+        scale = torch.exp(parts.log_scale)
+        torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)

@@ -255,18 +255,6 @@ def _segment(x, c):
     return torch.stack([x[a:b].mean(0) for a, b in bounds])
 
 
-def test_parts_are_the_kernel_row_sums():
-    """The normaliser of the parts is ``Σ_m Â_{nm}`` and the numerator ``Â V`` (true scale)."""
-    q, k, v = tensors([(7, 4), (8, 4), (8, 3)], 54)
-    est = LinearRandomizedAttention(num_features=6, num_proposals=2, rng=55).fit(q, k)
-    a = est.kernel_matrix(q, k)
-    for mode in MODES:
-        parts = ka.linear_attention(q, k, v, est, mode=mode, return_parts=True)
-        scale = torch.exp(parts.log_scale)
-        torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
-        torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)
-
-
 def test_hostile_norms_stay_in_the_values_hull():
     """Norms at which ``exp`` of a logit overflows in float64: every mode is finite, agrees with the others, and
     the output (positive weights) lies within the range of the values, in float64 and float32."""

@@ -16,6 +16,9 @@ and stabiliser, and these estimators declare ``kind = "attention"`` and call the
 computation that is linear attention (see each class's docstring). Importing this package (``import kernapprox``
 does) registers their names in :mod:`kernapprox.estimators.registry`, so ``make_estimator("window_linear", ...)``
 and the other names work as before.
+
+Each class declares how it uses the core in ``core``: the names of the :mod:`kernapprox.attention` functions its
+attention is composed from (empty where its computation is no linear attention: Nyströmformer's ``F A⁺ (B V)``).
 """
 
 # Every module registers its estimators when imported.

@@ -117,6 +117,7 @@ theory, methods and examples*, 2013, ch. 8 (control variates).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -561,6 +562,8 @@ class EfficientAttentionCV(AttentionEstimator):
     consistent = False
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA)"
+    # how it uses the linear-attention core: the decoder's per-group value sums are its per-feature state
+    core: ClassVar[tuple[str, ...]] = ("add_log_keys",)
 
     def __init__(self, *, num_features: int, window: int = 32, group_size: int | None = None, sample: bool = True,
                  rng=None, scale: float | None = None):

@@ -87,6 +87,8 @@ class WindowLinear(AttentionEstimator):
     unbiased = True               # the declarations below are the default map's; capabilities_for reads the map's
     positive = True
     reference = "Arora et al. 2024 (Based, ICML): exact sliding window + linear attention"
+    # how it uses the linear-attention core: the keys beyond the near block are the sum-rule block states
+    core: ClassVar[tuple[str, ...]] = ("add_keys", "read_queries")
     subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
     normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
 

@@ -137,6 +137,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -504,6 +505,8 @@ class LinearRandomizedAttention(AttentionEstimator):
     consistent = True
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling)"
+    # how it uses the linear-attention core: all of it is linear attention on log-features
+    core: ClassVar[tuple[str, ...]] = ("linear_attention_from_log_features",)
 
     def __init__(self, *, num_features: int, num_proposals: int | None = None, weighting: str = "query",
                  alpha_coeff: float = 1.0, alpha_floor: float = 1e-8, sample: bool = True, sampler: str = "iid",

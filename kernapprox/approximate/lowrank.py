@@ -23,6 +23,7 @@ truncated SVD of the output itself, :func:`output_error_floor` (a method whose i
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -155,6 +156,8 @@ class Nystromformer(AttentionEstimator):
     rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Xiong et al. 2021 (Nyströmformer, AAAI), segment-means landmarks, eq. (15); Razavi et al. 2014"
+    # none of the core: F A⁺ (B V) multiplies row-softmaxed blocks, with no feature map and no stabilised state
+    core: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, num_features: int, pinv: str = "iterative", pinv_iterations: int = 6,
                  pinv_init: str = "original", renormalize: bool = False, rng=None, scale: float | None = None):
@@ -275,6 +278,8 @@ class KernelSVD(AttentionEstimator):
     rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Eckart & Young 1936 (best rank-r approximation of the kernel matrix; bounds kernel error only)"
+    # how it uses the linear-attention core: the rank-r factors are features of the parallel mode
+    core: ClassVar[tuple[str, ...]] = ("linear_attention_from_features",)
 
     def __init__(self, *, num_features: int, max_size: int = 4096, rng=None, scale: float | None = None):
         check_positive_int(num_features, "num_features")
