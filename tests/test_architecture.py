@@ -122,25 +122,36 @@ def test_known_exceptions_are_still_needed():
         assert dst in imports_of(src, mods[src], set(mods)), f"{src} -> {dst} is gone: delete it from KNOWN_EDGES"
 
 
-def test_import_graph_has_no_cycle(graph):
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as ``[a, b, ..., a]``, or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
     def visit(node):
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
+                return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
-                visit(nxt)
+                found = visit(nxt)
+                if found:
+                    return found
         stack.pop()
         state[node] = 2
+        return None
 
     for node in sorted(graph):
         if node not in state:
-            visit(node)
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_import_graph_has_no_cycle(graph):
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
 def layer_of(module: str) -> int | None:
@@ -151,9 +162,10 @@ def layer_of(module: str) -> int | None:
     return None
 
 
-def test_dependencies_point_one_way(graph):
+def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
+    """Every import of a layered module that reaches a higher layer, or a module above every layer."""
     bad = []
-    for name, deps in graph.items():
+    for name, deps in sorted(graph.items()):
         own = layer_of(name)
         if own is None:
             continue
@@ -162,7 +174,27 @@ def test_dependencies_point_one_way(graph):
             if other is None or other > own:
                 above = "above every layer" if other is None else f"the {LAYERS[other][0]} layer"
                 bad.append(f"{name} ({LAYERS[own][0]}) imports {m} ({above})")
+    return bad
+
+
+def test_dependencies_point_one_way(graph):
+    bad = layer_breaches(graph)
     assert not bad, "imports reaching up the layers:\n" + "\n".join(bad)
+
+
+def test_the_checks_see_a_cycle_and_a_breach():
+    """The two checks have the power to fail: the import native -> linear (inside a function) closes a cycle with
+    linear -> native, and a feature map importing the core is a breach."""
+    toy = {"kernapprox.attention.linear": {"kernapprox.attention.native"},
+           "kernapprox.attention.native": {"kernapprox.attention.linear"}}
+    assert find_cycle(toy) == ["kernapprox.attention.linear", "kernapprox.attention.native",
+                               "kernapprox.attention.linear"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    breach = {"kernapprox.estimators.random": {"kernapprox.attention.linear", "kernapprox.rules"},
+              "kernapprox.rules": {"kernapprox.sweep"}, "kernapprox.approximate.hybrid": {"kernapprox.attention"}}
+    assert layer_breaches(breach) == [
+        "kernapprox.estimators.random (feature maps) imports kernapprox.attention.linear (the attention core layer)",
+        "kernapprox.rules (bottom) imports kernapprox.sweep (above every layer)"]
 
 
 def test_the_registry_imports_no_family(graph):
