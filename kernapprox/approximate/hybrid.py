@@ -18,9 +18,10 @@ Modes (all agree to floating-point tolerance):
     the whole ``n_q × n_k`` matrix (reference, small n);
 ``chunked``
     query chunks; the keys near a chunk (the band, widened to chunk boundaries) are handled exactly
-    as in the parallel mode, the keys further away through linear-attention states — a running
-    prefix state (causal, with a running maximum as stabiliser) or a prefix and a suffix state built
-    by a forward and a backward sweep (non-causal). Memory O(chunk · (chunk + w)), never n × n;
+    as in the parallel mode, the keys further away through linear-attention states of the core
+    (:func:`~kernapprox.attention.recurrent.add_keys`, :func:`~kernapprox.attention.recurrent.read_queries`) —
+    a running prefix state (causal, with a running maximum as stabiliser) or a prefix and a suffix state
+    built by a forward and a backward sweep (non-causal). Memory O(chunk · (chunk + w)), never n × n;
 ``recurrent``
     token by token: a linear-attention state of the keys that left the window plus the last ``w``
     keys and values (a KV window); non-causal runs a forward and a backward scan.
