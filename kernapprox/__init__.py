@@ -10,7 +10,9 @@ torch.Size([2, 4, 128, 32])
 >>> err = ka.metrics.relative_rms_error(y, ka.softmax_attention(q, k, v, causal=True))   # per (batch, head)
 """
 
-from . import estimators, metrics, real, rules, theory  # real: the real-model home, registers the "real" heads
+# approximate (the attention estimators, above the attention core) registers its names in the estimator registry;
+# real (the real-model home) registers the "real" heads in the distribution registry
+from . import approximate, estimators, metrics, real, rules, theory
 from .attention import (
     MODES,
     RecurrentState,
@@ -19,7 +21,6 @@ from .attention import (
     softmax_attention,
     softmax_attention_naive,
 )
-from .attention.rules import available_rules
 from .estimators import AttentionParts, Capabilities, Estimator, FeatureMap
 from .estimators.registry import (
     available_estimators,
@@ -30,15 +31,17 @@ from .estimators.registry import (
     register,
 )
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
+from .rules import available_rules
 from .surgery import convert
 from .validation import NotFittedError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "estimators", "metrics", "real", "rules", "available_rules", "theory", "NotFittedError", "MODES", "AttentionParts",
-    "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention", "linear_attention_naive",
-    "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix", "resolve_scale",
+    "estimators", "approximate", "metrics", "real", "rules", "available_rules", "theory", "NotFittedError", "MODES",
+    "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention",
+    "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix",
+    "resolve_scale",
     "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator", "register",
     "convert", "__version__",
 ]

@@ -56,9 +56,9 @@ import torch
 from torch import nn
 
 from .attention import MODES, RecurrentState, linear_attention, softmax_attention
-from .attention.rules import resolve_rule
 from .estimators.base import Estimator
 from .estimators.registry import make_estimator
+from .rules import resolve_rule
 from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
 
 __all__ = ["KernelAttention"]

@@ -392,3 +392,202 @@ def test_chunked_causal_gradients_equal_parallel_mode(chunk_size):
         grads[mode] = [t.grad for t in leaves]
     for got, want in zip(grads["chunked"], grads["parallel"]):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+# ------------------------------------------------------------------- the core on given features, and its oracle
+CORE_RULES = {"sum": "sum", "decay": ka.rules.Decay(0.85)}
+
+
+def _features(q, k, name="positive", r=24):
+    est = ka.make_estimator(name, num_features=r, rng=1).fit(q, k)
+    (pq, lq), (pk, lk) = est.features(q, "query", log_scale=True), est.features(k, "key", log_scale=True)
+    return est, pq, lq, pk, lk
+
+
+@pytest.mark.parametrize("rule", list(CORE_RULES))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ka.MODES)
+def test_core_on_given_features_matches_the_oracle_and_the_estimator_path(rule, causal, mode):
+    """Every fast path of the core on given features equals the float64 oracle (to rounding) and, bit for bit, what
+    ``linear_attention`` computes from the estimator (the same algorithm behind both entry points)."""
+    q, k, v = _inputs((2, 3), 37, 8, torch.float64)
+    est, pq, lq, pk, lk = _features(q, k)
+    oracle = ka.linear_attention_naive(q, k, v, est, causal, rule=CORE_RULES[rule])
+    parts = ka.attention.linear_attention_from_features(pq, lq, pk, lk, v, causal=causal, mode=mode, chunk_size=8,
+                                                        rule=CORE_RULES[rule])
+    assert torch.allclose(parts.output, oracle, rtol=1e-10, atol=1e-12)
+    same = ka.linear_attention(q, k, v, est, causal, mode, chunk_size=8, rule=CORE_RULES[rule], return_parts=True)
+    for got, want in zip(parts, same):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("mode", ka.MODES)
+def test_core_on_given_features_takes_masks_and_states(causal, mode):
+    """Key padding, an initial state and the returned state behave as in ``linear_attention`` (against the oracle:
+    prefill then continue equals the whole sequence)."""
+    q, k, v = _inputs((2,), 30, 6, torch.float64, seed=3)
+    est, pq, lq, pk, lk = _features(q, k, r=16)
+    pad = torch.zeros(2, 30, dtype=torch.bool)
+    pad[0, 3] = pad[1, 17] = True
+    rule = CORE_RULES["decay"]
+    oracle = ka.linear_attention_naive(q, k, v, est, causal, rule=rule, key_padding_mask=pad)
+    got = ka.attention.linear_attention_from_features(pq, lq, pk, lk, v, causal=causal, mode=mode, chunk_size=7,
+                                                      rule=rule, key_padding_mask=pad)
+    assert torch.allclose(got.output, oracle, rtol=1e-10, atol=1e-12)
+    if causal:
+        head, state = ka.attention.linear_attention_from_features(
+            pq[:, :12], lq[:, :12], pk[:, :12], lk[:, :12], v[:, :12], causal=True, mode=mode, chunk_size=7,
+            rule=rule, return_state=True)
+        tail = ka.attention.linear_attention_from_features(
+            pq[:, 12:], lq[:, 12:], pk[:, 12:], lk[:, 12:], v[:, 12:], causal=True, mode=mode, chunk_size=7,
+            rule=rule, initial_state=state)
+        whole = ka.linear_attention_naive(q, k, v, est, True, rule=rule)
+        assert torch.allclose(torch.cat([head.output, tail.output], -2), whole, rtol=1e-10, atol=1e-12)
+
+
+def test_core_on_given_features_refuses_bad_input():
+    q, k, v = _inputs((2,), 10, 4, torch.float64)
+    _, pq, lq, pk, lk = _features(q, k, r=8)
+    core = ka.attention.linear_attention_from_features
+    with pytest.raises(ValueError, match="shapes do not fit"):
+        core(pq, lq[:, :5], pk, lk, v)
+    with pytest.raises(TypeError, match="cast explicitly"):
+        core(pq, lq, pk.float(), lk, v)
+    with pytest.raises(ValueError, match="unit features"):
+        core(pq, lq, pk, lk, v, rule="delta")
+    with pytest.raises(ValueError, match="mode"):
+        core(pq, lq, pk, lk, v, mode="fast")
+    with pytest.raises(ValueError, match="parallel mode only"):
+        core(pq, lq, pk, lk, v, mode="chunked", attn_mask=torch.ones(10, 10, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("rule", list(CORE_RULES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_core_gradients_equal_the_oracle(rule, causal):
+    """Autograd through every fast path (parallel, recurrent, chunked; float64) gives the gradients w.r.t. q, k
+    and v of autograd through the loop oracle, for the sum and the decay rule (fla's tests/ops check the same)."""
+    q, k, v = _inputs((2,), 13, 5, torch.float64, seed=5)
+    est = ka.make_estimator("positive", num_features=12, rng=2).fit(q, k)
+    weight = torch.randn(2, 13, D_V, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def grads(run):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        (run(*leaves) * weight).sum().backward()
+        return [t.grad for t in leaves]
+
+    want = grads(lambda a, b, c: ka.linear_attention_naive(a, b, c, est, causal, rule=CORE_RULES[rule]))
+    for mode in ka.MODES:
+        got = grads(lambda a, b, c, mode=mode: ka.linear_attention(a, b, c, est, causal, mode, chunk_size=4,
+                                                        rule=CORE_RULES[rule]))
+        for g, w in zip(got, want):
+            assert torch.allclose(g, w, rtol=1e-9, atol=1e-11), mode
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_core_on_given_features_gradients_equal_the_oracle(causal):
+    """The entry point on given features: gradients w.r.t. the features and values, chunked and recurrent against
+    parallel (float64), and the parallel mode against the plain formula."""
+    q, k, v = _inputs((2,), 11, 4, torch.float64, seed=6)
+    _, pq, lq, pk, lk = _features(q, k, r=8)
+    weight = torch.randn(2, 11, D_V, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+
+    def grads(run):
+        leaves = [t.detach().clone().requires_grad_() for t in (pq, lq, pk, lk, v)]
+        (run(*leaves) * weight).sum().backward()
+        return [t.grad for t in leaves]
+
+    def plain(a, la, b, lb, c):
+        kern = (a @ b.transpose(-1, -2)) * torch.exp(la[..., :, None] + lb[..., None, :])
+        if causal:
+            kern = kern.tril()
+        return (kern @ c) / kern.sum(-1, keepdim=True)
+
+    want = grads(plain)
+    for mode in ka.MODES:
+        got = grads(lambda *t, mode=mode: ka.attention.linear_attention_from_features(*t, causal=causal, mode=mode,
+                                                                           chunk_size=4).output)
+        # the query log-scales cancel in the ratio: the fast paths carry them only into the log-scale (no gradient
+        # path to the output), the plain formula has a gradient of zero up to rounding
+        assert got[1] is None and float(want[1].abs().max()) < 1e-12
+        for g, w in zip(got[:1] + got[2:], want[:1] + want[2:]):
+            assert torch.allclose(g, w, rtol=1e-9, atol=1e-11), mode
+
+
+@pytest.mark.parametrize("mode", ka.MODES)
+def test_log_feature_core_matches_its_oracle_with_gradients(mode):
+    """The per-feature-stabilised core (LARA's) against its loop oracle: outputs and gradients, at log-features
+    whose exponentials would overflow unshifted in float32 but are exact after the shift (checked in float64)."""
+    g = torch.Generator().manual_seed(7)
+    log_q = torch.randn(2, 9, 6, generator=g, dtype=torch.float64) * 3
+    log_k = torch.randn(2, 14, 6, generator=g, dtype=torch.float64) * 3
+    v = torch.randn(2, 14, 5, generator=g, dtype=torch.float64)
+    weight = torch.randn(2, 9, 5, generator=g, dtype=torch.float64)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (log_q, log_k, v)]
+        out = fn(*leaves)
+        (out * weight).sum().backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    def fast(a, b, c):
+        num, den, _ = ka.attention.linear_attention_from_log_features(a, b, c, mode=mode, chunk_size=4)
+        return num / den[..., None]
+
+    want, want_grads = run(ka.attention.linear_attention_from_log_features_naive)
+    got, got_grads = run(fast)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    for g_, w in zip(got_grads, want_grads):
+        assert torch.allclose(g_, w, rtol=1e-9, atol=1e-11)
+    big = ka.attention.linear_attention_from_log_features((log_q + 80).float(), (log_k + 80).float(), v.float(),
+                                                          mode=mode, chunk_size=4)
+    assert torch.allclose(big[0] / big[1][..., None], want.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_block_states_equal_the_token_steps():
+    """``add_keys`` over blocks (running maximum) and ``read_queries`` give the state and reads of the one-token
+    steps, and a state started at the largest key's log-scale is only added to."""
+    from kernapprox.attention.recurrent import add_keys, normalized_step, read_queries
+    from kernapprox.rules import Sum
+    q, k, v = _inputs((3,), 20, 6, torch.float64, seed=8)
+    _, pq, lq, pk, lk = _features(q, k, r=10)
+    lk = lk + torch.linspace(-5, 5, 20, dtype=torch.float64)           # the maximum moves: rescaling is exercised
+    state = None
+    for start in range(0, 20, 6):
+        state = add_keys(state, pk[:, start:start + 6], lk[:, start:start + 6], v[:, start:start + 6])
+    step = Sum().empty_state((3,), 10, D_V, torch.float64, "cpu")
+    for t in range(20):
+        step = normalized_step(step, pk[:, t], lk[:, t], v[:, t])
+    assert torch.equal(state.log_scale, step.log_scale)
+    assert torch.allclose(state.w, step.w, rtol=1e-12) and torch.allclose(state.z, step.z, rtol=1e-12)
+    num, den = read_queries(state, pq)
+    assert torch.allclose(num, pq @ step.w, rtol=1e-12)
+    assert torch.allclose(den, (pq * step.z[:, None, :]).sum(-1), rtol=1e-12)
+    fixed = ka.rules.NormalizedState(torch.zeros_like(state.w), torch.zeros_like(state.z), lk.amax(-1))
+    fixed = add_keys(fixed, pk, lk, v)
+    assert torch.equal(fixed.log_scale, lk.amax(-1))
+    assert torch.allclose(fixed.w, state.w, rtol=1e-12)
+
+
+# (registry name, options, shapes of q, k, v, seed of the inputs): the attention estimators whose implied kernel
+# matrix is exactly what their attention normalises
+KERNEL_ROW_SUM_CASES = [
+    ("eva", {"num_features": 3, "window": 2, "rng": 53}, [(9, 4), (9, 4), (9, 3)], 52),
+    ("lara", {"num_features": 6, "num_proposals": 2, "rng": 55}, [(7, 4), (8, 4), (8, 3)], 54),
+]
+
+
+@pytest.mark.parametrize("name, options, shapes, seed", KERNEL_ROW_SUM_CASES, ids=[c[0] for c in KERNEL_ROW_SUM_CASES])
+def test_attention_estimator_parts_are_the_kernel_row_sums(name, options, shapes, seed):
+    """The normaliser of the parts is ``Σ_m Â_{nm}`` and the numerator ``Â V`` (true scale), in every mode."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s)) for s in shapes)
+    est = ka.make_estimator(name, **options).fit(q, k)
+    a = est.kernel_matrix(q, k)
+    for mode in ka.capabilities(name).modes:
+        parts = ka.linear_attention(q, k, v, est, mode=mode, return_parts=True)
+        scale = torch.exp(parts.log_scale)
+        torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
+        torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)

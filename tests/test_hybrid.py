@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.estimators.hybrid import Scatterbrain, WindowLinear
+from kernapprox.approximate.hybrid import Scatterbrain, WindowLinear
 from kernapprox.metrics import relative_frobenius_error, relative_rms_error
 
 HYBRIDS = ("window_linear", "scatterbrain")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.estimators.lowrank import (
+from kernapprox.approximate.lowrank import (
     AttentionSVD,
     KernelSVD,
     Nystromformer,

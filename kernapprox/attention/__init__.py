@@ -4,7 +4,7 @@
 (:mod:`.exact`); with a feature map ``κ ≈ φ(q)ᵀφ(k)`` it is linear attention (:mod:`.linear`), computed in the
 parallel, recurrent or chunked mode, with :class:`~.recurrent.RecurrentState` for decoding one token at a time.
 :mod:`.naive` holds the plain float64 loop oracles the fast paths are tested against. The state may be written by
-other rules than the sum (:mod:`.rules`, public as :mod:`kernapprox.rules`: decay, delta rule, least squares;
+other rules than the sum (:mod:`kernapprox.rules`, their one home: decay, delta rule, least squares;
 :mod:`.delta` and :mod:`.least_squares` hold their modes), and every mode takes torch's masks (:mod:`.masks`).
 
 Examples
@@ -20,9 +20,18 @@ True
 """
 
 from .exact import softmax_attention
-from .linear import MODES, chunked_block_length, linear_attention
-from .naive import linear_attention_naive, softmax_attention_naive
-from .recurrent import RecurrentState
+from .linear import (
+    MODES,
+    add_log_keys,
+    chunked_block_length,
+    linear_attention,
+    linear_attention_from_features,
+    linear_attention_from_log_features,
+)
+from .naive import linear_attention_from_log_features_naive, linear_attention_naive, softmax_attention_naive
+from .recurrent import RecurrentState, add_keys, read_queries
 
-__all__ = ["MODES", "softmax_attention", "linear_attention", "RecurrentState", "chunked_block_length",
-           "softmax_attention_naive", "linear_attention_naive"]
+__all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_from_features",
+           "linear_attention_from_log_features", "add_keys", "read_queries", "add_log_keys", "RecurrentState",
+           "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
+           "linear_attention_from_log_features_naive"]

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 
+from ..rules import DeltaState, unit_features
 from ..validation import compute_dtype
 from .blocks import chunked_block_length
 from .recurrent import delta_step
-from .rules import DeltaState, unit_features
 
 # Rows of the per-row (attn_mask) parallel solve per batch: bound the (rows, n_k, n_k) systems to ~2^22 entries.
 _MASKED_ENTRIES = 1 << 22

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from ..rules import LeastSquaresState, unit_features
 from ..validation import compute_dtype
 from .blocks import chunked_block_length
 from .recurrent import least_squares_step
-from .rules import LeastSquaresState, unit_features
 
 # Rows of the masked parallel solve per batch: bound the (rows, r, r) Gram matrices to ~2^22 entries.
 _GRAM_ENTRIES = 1 << 22

@@ -39,6 +39,7 @@ import math
 import torch
 
 from ..estimators.base import AttentionParts, Estimator
+from ..rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
 from . import delta as _delta
 from . import least_squares as _ls
@@ -48,7 +49,6 @@ from .blocks import chunked_block_length
 from .exact import softmax_attention
 from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
 from .recurrent import normalized_read, normalized_step
-from .rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 
 MODES = ("parallel", "recurrent", "chunked")
 
@@ -210,24 +210,34 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
     elif _native.eligible_exponential(q, estimator, batch, max(n, n_k), r, needs_grad=not inplace):
         state, c = _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c, r)
     else:
-        for start in range(0, n_k, block):
-            pk, lk = key_features(start, start + block)
-            length = pk.shape[1]
-            if a:                              # decayed to the block's last key; the carried state by γ^length
-                lk = lk + torch.arange(length - 1, -1, -1, device=lk.device, dtype=ct) * a
-                c = None if c is None else c + length * a
-            c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
-            weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
-            update = (values(start, start + length) * weights).transpose(-1, -2) @ pk        # (batch, d_v+1, r)
-            state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
-            c = c_new
-        for start in range(0, n, block):
-            pq, lq = features(qf[:, start:start + block], "query")
-            sink.write(start, pq @ state.transpose(-1, -2), lq + c[:, None])
+        state, c = _chunked_noncausal(n, n_k, block, lambda start, stop: features(qf[:, start:stop], "query"),
+                                      key_features, values, a, sink, state, c)
     final = NormalizedState(state[:, :d_v].transpose(-1, -2).reshape(*batch_shape, r, d_v),
                             state[:, d_v].reshape(*batch_shape, r), c.reshape(batch_shape))
     num, den, logs, out = sink.result(batch_shape)
     return num, den, logs, final, out
+
+
+def _chunked_noncausal(n, n_k, block, query_features, key_features, values, a, sink, state, c):
+    """Non-causal chunked mode (see :func:`_normalized_chunked`): the key pass accumulates the transposed state
+    ``(batch, d_v+1, r)`` block by block under a running maximum, then the query pass reads the final state and
+    writes the rows to ``sink``. ``query_features(start, stop)``, ``key_features(start, stop)`` and
+    ``values(start, stop)`` give one block; returns the final (transposed) state and its log-scale."""
+    for start in range(0, n_k, block):
+        pk, lk = key_features(start, start + block)
+        length = pk.shape[1]
+        if a:                              # decayed to the block's last key; the carried state by γ^length
+            lk = lk + torch.arange(length - 1, -1, -1, device=lk.device, dtype=lk.dtype) * a
+            c = None if c is None else c + length * a
+        c_new = lk.amax(-1) if c is None else torch.maximum(c, lk.amax(-1))
+        weights = torch.exp(lk - c_new[:, None])[..., None]     # scale the d_v+1 columns, not the r features
+        update = (values(start, start + length) * weights).transpose(-1, -2) @ pk        # (batch, d_v+1, r)
+        state = update if state is None else torch.addcmul(update, state, torch.exp(c - c_new)[:, None, None])
+        c = c_new
+    for start in range(0, n, block):
+        pq, lq = query_features(start, start + block)
+        sink.write(start, pq @ state.transpose(-1, -2), lq + c[:, None])
+    return state, c
 
 
 class _Rows:
@@ -643,3 +653,223 @@ def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, 
     if state0 is None:
         state0 = Sum().empty_state(pk.shape[:-2], pk.shape[-1], vc.shape[-1], pq.dtype, pq.device)
     return (*_normalized_recurrent(pq, lq, pk, lk, vc, causal, a, state0), None)
+
+
+# ------------------------------------------------------------------------------ the core on given features
+def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, mode: str = "parallel",
+                                   chunk_size: int = 64, rule="sum", key_padding_mask=None, attn_mask=None,
+                                   initial_state=None, return_state: bool = False):
+    r"""Linear attention of given stabilised features, under the sum or decay rule: the core that
+    :func:`linear_attention` runs for a feature map, for estimators that make their features themselves.
+
+    With ``φ(q_i) = φ̃_q,i e^{ℓ_q,i}`` and ``φ(k_j) = φ̃_k,j e^{ℓ_k,j}`` (one log-scale per token),
+
+    .. math::
+        y_i = \frac{\sum_{j} w_{ij}\, φ(q_i)^⊤φ(k_j)\, v_j}{\sum_{j} w_{ij}\, φ(q_i)^⊤φ(k_j)},\qquad
+        w_{ij} = γ^{i−j} e^{m_{ij}}\ (j ≤ i \text{ if causal})
+
+    (``γ = 1`` for the sum; non-causal, every query at the last key's position), computed in the parallel,
+    recurrent or chunked mode with the stabiliser of :mod:`.linear` (each row shifted by its largest key exponent,
+    a running maximum when causal), so nothing overflows. The modes agree to rounding and match
+    :func:`~kernapprox.attention.naive.linear_attention_naive` on the same features; gradients flow through every
+    mode.
+
+    Parameters
+    ----------
+    pq, lq : Tensor ``(..., n, r)``, ``(..., n)``
+        Query features ``φ̃`` and their log-scales ``ℓ`` (a floating dtype; every tensor in it, on one device).
+    pk, lk : Tensor ``(..., n_k, r)``, ``(..., n_k)``
+        Key features and log-scales.
+    v : Tensor ``(..., n_k, d_v)``
+    causal, mode, chunk_size, rule, key_padding_mask, attn_mask, initial_state, return_state
+        As in :func:`linear_attention` (``rule``: ``"sum"`` or a :class:`~kernapprox.rules.Decay`; the delta and
+        least-squares rules need unit features of a feature map: use :func:`linear_attention`).
+
+    Returns
+    -------
+    AttentionParts
+        Output, numerator, normaliser and log-scale (true values ``numerator · e^{log_scale}``), in the features'
+        dtype; with ``return_state`` also the :class:`~kernapprox.rules.NormalizedState` after the last key.
+        Unlike :func:`linear_attention`, nothing is recomputed in float64 where a normaliser underflows: the caller
+        owns the features' precision.
+
+    Examples
+    --------
+    >>> import torch, kernapprox as ka
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> q, k, v = (torch.randn(2, 20, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    >>> est = ka.make_estimator("positive", num_features=16, rng=0).fit(q, k)
+    >>> (pq, lq), (pk, lk) = est.features(q, "query", log_scale=True), est.features(k, "key", log_scale=True)
+    >>> parts = ka.attention.linear_attention_from_features(pq, lq, pk, lk, v, causal=True, mode="chunked",
+    ...                                                     chunk_size=8)
+    >>> bool(torch.allclose(parts.output, ka.linear_attention(q, k, v, est, causal=True), atol=1e-12))
+    True
+    """
+    check_choice(mode, "mode", MODES)
+    check_positive_int(chunk_size, "chunk_size")
+    check_bool(causal, "causal")
+    check_bool(return_state, "return_state")
+    rule = resolve_rule(rule)
+    if not rule.normalized:
+        raise ValueError(f"the {rule.name} rule works on the unit features of a feature map: use "
+                         "kernapprox.linear_attention with the estimator (this entry point takes sum and decay)")
+    if not causal and not rule.noncausal:
+        raise ValueError(f"the {rule.name} rule is causal only: use causal=True")
+    names = ("pq", "lq", "pk", "lk", "v")
+    tensors = (pq, lq, pk, lk, v)
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.dtype != pq.dtype or t.device != pq.device:
+            raise TypeError(f"{name} has dtype {t.dtype} on {t.device}, pq {pq.dtype} on {pq.device}: cast explicitly")
+    if pq.dim() < 2 or pk.dim() != pq.dim() or v.dim() != pq.dim():
+        raise ValueError(f"pq, pk and v must have the same number (≥ 2) of dimensions, got {pq.dim()}, {pk.dim()}, "
+                         f"{v.dim()}")
+    batch_shape, (n, r), n_k = pq.shape[:-2], pq.shape[-2:], pk.shape[-2]
+    if (pk.shape[:-2] != batch_shape or v.shape[:-2] != batch_shape or pk.shape[-1] != r or v.shape[-2] != n_k
+            or lq.shape != pq.shape[:-1] or lk.shape != pk.shape[:-1]):
+        raise ValueError(f"shapes do not fit: pq {tuple(pq.shape)}, lq {tuple(lq.shape)}, pk {tuple(pk.shape)}, "
+                         f"lk {tuple(lk.shape)}, v {tuple(v.shape)} (want (..., n, r), (..., n), (..., n_k, r), "
+                         "(..., n_k), (..., n_k, d_v))")
+    if causal and n != n_k:
+        raise ValueError(f"causal attention needs as many queries as keys, got {n} and {n_k}")
+    padding = check_key_padding_mask(key_padding_mask, pk)
+    mask = check_attn_mask(attn_mask, pq, pk)
+    if mask is not None and mode != "parallel":
+        raise ValueError(f"attn_mask is honoured in the parallel mode only, not the {mode} mode")
+    if mask is not None and return_state:
+        raise ValueError("return_state=True with an attn_mask: the mask selects keys per query, so there is no "
+                         "single final state")
+    state0 = None
+    if initial_state is not None:
+        state0 = rule.check_state(initial_state, batch_shape, r, v.shape[-1], pq.dtype, pq.device, "initial_state")
+    allowed = None if mask is None else allowed_pairs(mask, padding, causal, n, n_k, pq.device)
+    nonempty = None if state0 is None else state0.log_scale >= SENTINEL / 2
+    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=n)
+    if padding is not None:
+        pk, lk = _mask_keys(pk, lk, padding)
+    a = rule.log_decay
+    if mode == "parallel":
+        log_mask = None
+        if mask is not None:
+            log_mask = (mask.to(pq.dtype) if mask.dtype != torch.bool
+                        else torch.zeros(mask.shape, dtype=pq.dtype, device=pq.device).masked_fill(~mask, -math.inf))
+        num, den, logs, final = _normalized_parallel(pq, lq, pk, lk, v, causal, a, log_mask, state0, return_state)
+    elif mode == "recurrent":
+        start = state0 if state0 is not None else Sum().empty_state(batch_shape, r, v.shape[-1], pq.dtype, pq.device)
+        num, den, logs, final = _normalized_recurrent(pq, lq, pk, lk, v, causal, a, start)
+    else:
+        num, den, logs, final = _chunked_from_features(pq, lq, pk, lk, v, causal, chunk_size, a, state0)
+    den, logs = den.reshape(pq.shape[:-1]), logs.reshape(pq.shape[:-1])
+    parts = AttentionParts(num / den[..., None], num, den, logs)
+    return (parts, to_public(final)) if return_state else parts
+
+
+def _chunked_from_features(pq, lq, pk, lk, v, causal, chunk_size, a, state0):
+    """The chunked mode (:func:`_chunked_causal`, :func:`_chunked_noncausal`) on given features: the blocks are
+    slices of them. Returns ``(num, den, log_scale, final_state)``."""
+    batch_shape, (n, r), (n_k, d_v) = pq.shape[:-2], pq.shape[-2:], v.shape[-2:]
+    ct = pq.dtype
+    pqf, lqf = pq.reshape(-1, n, r), lq.reshape(-1, n)
+    batch = pqf.shape[0]
+    pkf, lkf, vf = pk.reshape(batch, n_k, r), lk.reshape(batch, n_k), v.reshape(batch, n_k, d_v)
+    block = chunked_block_length(batch, r, chunk_size, max(n, n_k), pq.device)
+    ones = torch.ones(batch, block, 1, dtype=ct, device=pq.device)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (pq, lq, pk, lk, v))
+    ws = None if needs_grad else _Workspace(ct, pq.device)
+
+    def values(start, stop):
+        return torch.cat([vf[:, start:stop], ones[:, :stop - start]], -1)
+
+    def query_features(start, stop):
+        return pqf[:, start:stop], lqf[:, start:stop]
+
+    def key_features(start, stop):
+        return pkf[:, start:stop], lkf[:, start:stop]
+
+    state = c = None
+    if state0 is not None:
+        state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
+        c = state0.log_scale.reshape(batch)
+    sink = _Rows(batch, n, d_v, ct, ct, pq.device, True)
+    if causal:
+        # _chunked_causal slices its first argument by token and hands the slice to ``features``: pass the
+        # positions, so that the slice names the block
+        positions = torch.arange(n, device=pq.device).expand(batch, n)
+        state, c = _chunked_causal(positions, values, lambda idx, role: query_features(int(idx[0, 0]),
+                                                                                         int(idx[0, -1]) + 1),
+                                   key_features, chunk_size, block, a, sink, state, c, ws)
+    else:
+        state, c = _chunked_noncausal(n, n_k, block, query_features, key_features, values, a, sink, state, c)
+    final = NormalizedState(state[:, :d_v].transpose(-1, -2).reshape(*batch_shape, r, d_v),
+                            state[:, d_v].reshape(*batch_shape, r), c.reshape(batch_shape))
+    num, den, logs, _ = sink.result(batch_shape)
+    return num, den, logs, final
+
+
+def linear_attention_from_log_features(log_q, log_k, v, *, mode: str = "parallel", chunk_size: int = 64):
+    r"""Non-causal linear attention of features given as logarithms, stabilised per feature: for maps whose
+    features of one token span too wide a range for one log-scale per token (LARA's importance weights).
+
+    .. math::
+        y_i = \frac{\sum_l e^{L_{q,il}} \sum_j e^{L_{k,jl}} v_j}{\sum_l e^{L_{q,il}} \sum_j e^{L_{k,jl}}}
+
+    Each feature's key sums are shifted by its largest key log-feature ``M_l = max_j L_{k,jl}`` (the recurrent
+    and chunked modes reach it as a running maximum, rescaling the state ``[Σ_j e^{L_k − M} v_j, Σ_j e^{L_k − M}]``
+    of shape ``(r, d_v + 1)`` when it grows), the shift is moved to the query side, and each query row is shifted
+    by its largest term ``c_i = max_l (L_{q,il} + M_l)``: every exponent is ≤ 0 and the normaliser is ≥ 1 for
+    positive features. ``parallel`` materialises the ``n × n_k`` matrix, ``recurrent`` adds one key at a time,
+    ``chunked`` ``chunk_size`` keys at a time. Oracle:
+    :func:`~kernapprox.attention.naive.linear_attention_from_log_features_naive`.
+
+    Parameters
+    ----------
+    log_q : Tensor ``(..., n, r)``
+    log_k : Tensor ``(..., n_k, r)``
+    v : Tensor ``(..., n_k, d_v)``
+        One floating dtype and device.
+    mode : {"parallel", "recurrent", "chunked"}
+    chunk_size : int
+
+    Returns
+    -------
+    tuple of Tensor
+        ``(numerator (..., n, d_v), normaliser (..., n), log_scale (..., n))`` with the true values
+        ``numerator · e^{log_scale}``.
+    """
+    check_choice(mode, "mode", MODES)
+    check_positive_int(chunk_size, "chunk_size")
+    if mode == "parallel":
+        key_max = log_k.amax(-2)                                               # (..., r)
+        shifted = log_q + key_max[..., None, :]
+        row_max = shifted.amax(-1)
+        gram = torch.exp(shifted - row_max[..., None]) @ torch.exp(log_k - key_max[..., None, :]).transpose(-1, -2)
+        return gram @ v, gram.sum(-1), row_max
+    step = 1 if mode == "recurrent" else chunk_size
+    ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)
+    values = torch.cat([v, ones], -1)                                         # [V 1]
+    state = key_max = None
+    for start in range(0, log_k.shape[-2], step):
+        state, key_max = add_log_keys(state, key_max, log_k[..., start:start + step, :],
+                                      values[..., start:start + step, :])
+    shifted = log_q + key_max[..., None, :]
+    row_max = shifted.amax(-1)
+    num_den = torch.exp(shifted - row_max[..., None]) @ state
+    return num_den[..., :-1], num_den[..., -1], row_max
+
+
+def add_log_keys(state, key_max, log_k, values):
+    """The per-feature-stabilised state after a block of keys given by log-features: ``S_l ← S_l e^{M_l − M'_l} +
+    Σ_j e^{L_{k,jl} − M'_l} [v_j 1]`` with ``M'_l = max(M_l, max_j L_{k,jl})`` (a running maximum per feature).
+
+    ``state (..., r, d_v + 1)`` and ``key_max (..., r)``, or both None for the empty state; ``log_k (..., L, r)``,
+    ``values (..., L, d_v + 1)`` (the values with a column of ones, for the normaliser). Returns the new
+    ``(state, key_max)``. The streaming step of :func:`linear_attention_from_log_features`; EVA keeps its groups'
+    value sums with it (one feature per group).
+    """
+    new_max = log_k.amax(-2) if key_max is None else torch.maximum(key_max, log_k.amax(-2))
+    update = torch.exp(log_k - new_max[..., None, :]).transpose(-1, -2) @ values
+    state = update if state is None else state * torch.exp(key_max - new_max)[..., None] + update
+    return state, new_max

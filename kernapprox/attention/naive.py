@@ -12,9 +12,9 @@ import torch
 
 from ..estimators.base import FeatureMap
 from ..kernel import resolve_scale
+from ..rules import check_beta, resolve_rule
 from ..validation import check_qkv
 from .masks import check_attn_mask, check_key_padding_mask
-from .rules import check_beta, resolve_rule
 
 
 def softmax_attention_naive(q, k, v, causal: bool = False, scale: float | None = None) -> torch.Tensor:
@@ -117,3 +117,16 @@ def linear_attention_naive(q, k, v, estimator: FeatureMap, causal: bool = False,
                     a, bb = a + torch.outer(kj, kj), bb + torch.outer(kj, vv[b, j])
                 out[b, i] = (pq[b, i] / pq[b, i].norm()) @ torch.linalg.solve(a, bb)
     return out.reshape(*batch_shape, n_q, d_v)
+
+
+def linear_attention_from_log_features_naive(log_q, log_k, v) -> torch.Tensor:
+    """Plain float64 loop over queries: the test oracle of
+    :func:`~kernapprox.attention.linear.linear_attention_from_log_features` (non-causal), ``y_i = Σ_j κ_ij v_j /
+    Σ_j κ_ij`` with ``κ_ij = Σ_l e^{L_q,il + L_k,jl}`` straight from the definition (use it at moderate
+    log-features: nothing is shifted)."""
+    lq, lk, vv = log_q.double(), log_k.double(), v.double()
+    outs = []
+    for i in range(lq.shape[-2]):
+        kappa = torch.exp(lq[..., i, None, :] + lk).sum(-1)                        # (..., n_k)
+        outs.append((kappa[..., None] * vv).sum(-2) / kappa.sum(-1, keepdim=True))
+    return torch.stack(outs, -2)

@@ -16,9 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..estimators.base import Estimator
-from ..validation import check_same_kind, check_tensor, compute_dtype
-from .logdomain import check_state_read
-from .rules import (
+from ..rules import (
     SENTINEL,
     DeltaState,
     LeastSquaresState,
@@ -29,6 +27,8 @@ from .rules import (
     to_public,
     unit_features,
 )
+from ..validation import check_same_kind, check_tensor, compute_dtype
+from .logdomain import check_state_read
 
 
 # ------------------------------------------------------------------------------------------- one-token steps
@@ -49,6 +49,33 @@ def normalized_read(state: NormalizedState, phi_q):
     num = (phi_q[..., None, :] @ state.w).squeeze(-2)
     den = (phi_q * state.z).sum(-1)
     return num, den
+
+
+def add_keys(state: NormalizedState | None, phi_k, log_k, v) -> NormalizedState:
+    """The sum-rule state after a block of keys: ``W̃ ← W̃ e^{c−c'} + Σ_j φ̃_j e^{ℓ_j−c'} v_jᵀ`` (``z̃`` likewise,
+    ``W`` stored as ``r × d_v``), with ``c' = max(c, max_j ℓ_j)``: the running-maximum stabiliser over blocks, so
+    a stream of keys never overflows and never looks ahead. ``state`` None is the empty state; a state built with
+    a log-scale already at the largest key's (a fixed shift) is only added to (every factor ``e^{c−c'}`` is 1).
+
+    Shapes ``phi_k (..., L, r)``, ``log_k (..., L)``, ``v (..., L, d_v)``; the block-sized form of
+    :func:`normalized_step`, for the estimators that keep a linear state beside an exact part
+    (:mod:`kernapprox.approximate.hybrid`).
+    """
+    c_new = log_k.amax(-1)
+    if state is not None:
+        c_new = torch.maximum(state.log_scale, c_new)
+    scaled = phi_k * torch.exp(log_k - c_new[..., None])[..., None]
+    w_add, z_add = scaled.transpose(-1, -2) @ v, scaled.sum(-2)
+    if state is None:
+        return NormalizedState(w_add, z_add, c_new)
+    decay = torch.exp(state.log_scale - c_new)
+    return NormalizedState(state.w * decay[..., None, None] + w_add, state.z * decay[..., None] + z_add, c_new)
+
+
+def read_queries(state: NormalizedState, phi_q):
+    """``(φ̃_q W̃, φ̃_q z̃)`` for a block of stabilised query features ``(..., L, r)``: numerators ``(..., L, d_v)``
+    and normalisers ``(..., L)``, both at the state's log-scale (plus each query's own)."""
+    return phi_q @ state.w, (phi_q @ state.z[..., :, None]).squeeze(-1)
 
 
 def delta_step(w: torch.Tensor, k_unit, v, beta) -> torch.Tensor:

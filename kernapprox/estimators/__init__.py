@@ -1,4 +1,5 @@
-"""Every estimator of the softmax kernel (or of attention under it), one module per family.
+"""The feature maps of the softmax kernel (and the exact kernel), one module per family, with the estimator protocol
+and the registry.
 
 =====================  ===============================================================================
 module                 estimators
@@ -12,30 +13,24 @@ module                 estimators
 ``maclaurin``          random Maclaurin features
 ``deterministic``      second-order Taylor (Based), ELU+1, DPFP
 ``nystrom``            Nyström features (uniform, k-means and ridge-leverage-score landmarks)
-``lowrank``            Nyströmformer and the rank-r SVD references (kernel matrix, attention matrix)
-``hybrid``             sliding window + linear attention, Scatterbrain
-``lara``               LARA: multiple importance sampling of attention with data-dependent proposals
-``eva``                EVA: exact local attention plus per-group control variates
 ``learned``            learned maps distilled from softmax attention (Hedgehog)
 ``exact``              the exact kernel as an estimator
 =====================  ===============================================================================
 
 Importing this package imports every family module, and each registers its names in :mod:`.registry`; the
 registry itself imports no family. Dependencies point one way: this package uses only
-:mod:`kernapprox.kernel`, :mod:`kernapprox.theory` and :mod:`kernapprox.validation`, never the attention layer
-above it.
+:mod:`kernapprox.kernel`, :mod:`kernapprox.theory`, :mod:`kernapprox.validation` and :mod:`kernapprox.rules`,
+never the attention layer above it. The estimators that bring their own attention (hybrids, Scatterbrain, LARA,
+EVA, Nyströmformer, the rank-r references) compose it from the attention core and so live above it, in
+:mod:`kernapprox.approximate`; they register in the same registry.
 """
 
 # Every family module registers its estimators when imported; the registry imports none of them.
 from . import (  # noqa: F401
     deterministic,
-    eva,
     exact,
     exponential,
-    hybrid,
-    lara,
     learned,
-    lowrank,
     maclaurin,
     nystrom,
     random,
@@ -44,7 +39,6 @@ from . import (  # noqa: F401
 )
 from .base import AttentionEstimator, AttentionParts, Capabilities, Estimator, FeatureMap
 from .deterministic import DPFPFeatures, EluPlusOneFeatures, TaylorFeatures
-from .eva import EfficientAttentionCV
 from .exact import ExactKernel
 from .exponential import (
     AsymmetricDenseExponentialFeatures,
@@ -53,10 +47,7 @@ from .exponential import (
     SimplifiedAsymmetricDenseExponentialFeatures,
     SymmetricDenseExponentialFeatures,
 )
-from .hybrid import Scatterbrain, WindowLinear
-from .lara import LinearRandomizedAttention
 from .learned import HedgehogFeatures
-from .lowrank import AttentionSVD, KernelSVD, Nystromformer
 from .maclaurin import RandomMaclaurinFeatures
 from .nystrom import NystromFeatures
 from .random import HyperbolicFeatures, PositiveFeatures, RandomFeatureMap, TrigonometricFeatures
@@ -78,8 +69,7 @@ __all__ = [
     "GeneralizedExponentialFeatures", "OptimalPositiveFeatures", "SymmetricDenseExponentialFeatures",
     "SimplifiedAsymmetricDenseExponentialFeatures", "AsymmetricDenseExponentialFeatures",
     "RandomMaclaurinFeatures", "TaylorFeatures", "EluPlusOneFeatures", "DPFPFeatures", "NystromFeatures",
-    "Nystromformer", "KernelSVD", "AttentionSVD", "WindowLinear", "Scatterbrain", "LinearRandomizedAttention",
-    "EfficientAttentionCV", "HedgehogFeatures",
+    "HedgehogFeatures",
     "ProjectionSampler", "GaussianSampler", "OrthogonalSampler", "StructuredSampler", "QMCSampler", "SAMPLERS",
     "make_sampler",
 ]

@@ -79,6 +79,7 @@ import numpy as np
 import torch
 
 from ..kernel import resolve_scale
+from ..rules import RULES, Sum
 from ..validation import (
     NotFittedError,
     as_generator,
@@ -96,8 +97,6 @@ from ..validation import (
 ROLES = ("query", "key")
 KINDS = ("features", "attention", "exact")
 MODES = ("parallel", "recurrent", "chunked")
-# State-update rules of linear attention (kernapprox.rules): every finite feature map runs under each of them.
-RULES = ("sum", "decay", "delta", "least_squares")
 
 
 class AttentionParts(NamedTuple):
@@ -209,7 +208,7 @@ class Estimator:
     rank_limited_by_points: ClassVar[bool] = False
     query_dependent: ClassVar[bool] = False
     modes: ClassVar[tuple[str, ...]] = MODES
-    rules: ClassVar[tuple[str, ...]] = ("sum",)
+    rules: ClassVar[tuple[str, ...]] = (Sum.name,)
     reference: ClassVar[str] = ""
     context_state: ClassVar[tuple[str, ...]] = ()
     data_sized_state: ClassVar[tuple[str, ...]] = ()
@@ -467,7 +466,7 @@ class FeatureMap(Estimator):
     ``_log_features``; :func:`kernapprox.linear_attention` runs it in every mode it declares."""
 
     kind: ClassVar[str] = "features"
-    rules: ClassVar[tuple[str, ...]] = RULES
+    rules: ClassVar[tuple[str, ...]] = RULES          # every state rule of kernapprox.rules
 
     # -------------------------------------------------------------------------------------------- features
     def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,

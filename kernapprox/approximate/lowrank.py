@@ -23,19 +23,27 @@ truncated SVD of the output itself, :func:`output_error_floor` (a method whose i
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
+from ..attention.linear import linear_attention_from_features
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
 from ..kernel import resolve_scale
 from ..validation import check_choice, check_positive_int, check_qk, check_tensor, compute_dtype
-from .base import AttentionEstimator, AttentionParts
-from .registry import register
 
 PINV_METHODS = ("iterative", "exact")
 PINV_INITS = ("original", "per_matrix")
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def signed_exp(values: torch.Tensor, log_scale: torch.Tensor) -> torch.Tensor:
+    """``values · e^{log_scale}`` as ``sign · exp(log|values| + log_scale)``: an entry that is 0 stays 0 where
+    ``e^{log_scale}`` overflows (never ``0 · inf = NaN``). The kernel matrices of shifted estimates."""
+    return torch.sign(values) * torch.exp(torch.log(values.abs()) + log_scale)
+
+
 def segment_means(x: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Means of ``num_segments`` consecutive segments of the rows of ``x``: ``(..., n, d) -> (..., m, d)``.
 
@@ -148,6 +156,8 @@ class Nystromformer(AttentionEstimator):
     rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Xiong et al. 2021 (Nyströmformer, AAAI), segment-means landmarks, eq. (15); Razavi et al. 2014"
+    # none of the core: F A⁺ (B V) multiplies row-softmaxed blocks, with no feature map and no stabilised state
+    core: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, *, num_features: int, pinv: str = "iterative", pinv_iterations: int = 6,
                  pinv_init: str = "original", renormalize: bool = False, rng=None, scale: float | None = None):
@@ -268,6 +278,8 @@ class KernelSVD(AttentionEstimator):
     rank_limited_by_points = True
     modes = ("parallel",)
     reference = "Eckart & Young 1936 (best rank-r approximation of the kernel matrix; bounds kernel error only)"
+    # how it uses the linear-attention core: the rank-r factors are features of the parallel mode
+    core: ClassVar[tuple[str, ...]] = ("linear_attention_from_features",)
 
     def __init__(self, *, num_features: int, max_size: int = 4096, rng=None, scale: float | None = None):
         check_positive_int(num_features, "num_features")
@@ -281,16 +293,26 @@ class KernelSVD(AttentionEstimator):
                              f"({type(self).__name__} needs a dense SVD)")
         return self.scale_ * (q.to(torch.float64) @ k.to(torch.float64).transpose(-1, -2))
 
-    def _svd(self, q, k):
-        logits = self._logits(q, k)
+    def _scaled_matrix(self, logits):
+        """The matrix whose SVD is taken and its log-scale: ``(K e^{−c}, c)``, ``c = max_ij s q_iᵀk_j``."""
         shift = logits.amax(dim=(-1, -2), keepdim=True)
-        u, sigma, vh = torch.linalg.svd(torch.exp(logits - shift), full_matrices=False)
-        return u, sigma, vh, shift
+        return torch.exp(logits - shift), shift
 
-    def _truncated(self, q, k):
+    def _svd(self, q, k):
+        matrix, log_scale = self._scaled_matrix(self._logits(q, k))
+        u, sigma, vh = torch.linalg.svd(matrix, full_matrices=False)
+        return u, sigma, vh, log_scale
+
+    def _factors(self, q, k):
+        """The truncated matrix as features, ``F Gᵀ`` with ``F = U_{:r} Σ_{:r}``, ``G = V_{:r}``, and its
+        log-scale (``K_r = F Gᵀ e^{shift}``)."""
         u, sigma, vh, shift = self._svd(q, k)
         r = self.num_features
-        return (u[..., :r] * sigma[..., None, :r]) @ vh[..., :r, :], shift
+        return u[..., :r] * sigma[..., None, :r], vh[..., :r, :].transpose(-1, -2), shift
+
+    def _truncated(self, q, k):
+        left, right, shift = self._factors(q, k)
+        return left @ right.transpose(-1, -2), shift
 
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``exp(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
@@ -304,22 +326,22 @@ class KernelSVD(AttentionEstimator):
         self._check_fitted()
         check_qk(q, k)
         approx, shift = self._truncated(q, k)
-        # sign · exp(log|K̃| + shift): an entry that is 0 stays 0 where exp(shift) overflows (never 0 · inf = NaN)
-        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + shift)).to(q.dtype)
+        return signed_exp(approx, shift).to(q.dtype)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
-        """``K_r V / K_r 1`` (lower-triangular ``K_r`` if causal). ``chunk_size`` is accepted and unused."""
+        """``K_r V / K_r 1`` (lower-triangular ``K_r`` if causal): linear attention of the core
+        (:func:`~kernapprox.attention.linear.linear_attention_from_features`, parallel mode) on the rank-r factors
+        ``K_r = (U_{:r}Σ_{:r}) V_{:r}ᵀ e^{shift}`` in float64. ``chunk_size`` is accepted and unused."""
         self._check_call(q, k, v, causal, mode, chunk_size)
-        approx, shift = self._truncated(q, k)
-        if causal:
-            approx = approx.tril()
+        left, right, shift = self._factors(q, k)
+        zeros = torch.zeros(right.shape[:-1], dtype=right.dtype, device=right.device)
+        parts = linear_attention_from_features(left, shift[..., 0].expand(left.shape[:-1]), right, zeros,
+                                               v.to(torch.float64), causal=causal, mode="parallel")
         ct = compute_dtype(q.dtype)
-        num = (approx @ v.to(torch.float64)).to(ct)
-        den = approx.sum(-1).to(ct)
+        num, den = parts.numerator.to(ct), parts.normalizer.to(ct)
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
-            log_scale = shift[..., 0].expand(den.shape).to(ct)
-            return AttentionParts(out, num, den, log_scale)
+            return AttentionParts(out, num, den, parts.log_scale.to(ct))
         return out
 
 
@@ -350,12 +372,8 @@ class AttentionSVD(KernelSVD):
 
     Parameters
     ----------
-    num_features : int
-        The rank ``r``.
-    max_size : int
-        Largest ``max(n_q, n_k)`` accepted (the SVD is cubic).
-    rng, scale
-        ``rng`` is unused; ``scale`` is the kernel scale ``s`` (default ``1/sqrt(d)``).
+    num_features, max_size, rng, scale
+        As for :class:`KernelSVD` (``num_features`` is the rank ``r``).
 
     References
     ----------
@@ -376,46 +394,42 @@ class AttentionSVD(KernelSVD):
     causal = False
     reference = "Eckart & Young 1936 applied to softmax(sQKᵀ) (bounds the attention-matrix error only)"
 
-    def _attention_svd(self, q, k):
-        logits = self._logits(q, k)
+    def _scaled_matrix(self, logits):
+        """``(P, log D)``: the row-normalised attention matrix (computed in log space) and its row log-sums."""
         log_rows = torch.logsumexp(logits, dim=-1, keepdim=True)              # log D
-        u, sigma, vh = torch.linalg.svd(torch.exp(logits - log_rows), full_matrices=False)
-        return u, sigma, vh, log_rows
-
-    def _truncated_attention(self, q, k):
-        u, sigma, vh, log_rows = self._attention_svd(q, k)
-        r = self.num_features
-        return (u[..., :r] * sigma[..., None, :r]) @ vh[..., :r, :], log_rows
+        return torch.exp(logits - log_rows), log_rows
 
     def singular_values(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """Singular values of ``softmax(s QKᵀ)``, descending, float64 ``(..., min(n_q, n_k))``."""
         self._check_fitted()
         check_qk(q, k)
-        return self._attention_svd(q, k)[1]
+        return self._svd(q, k)[1]
 
     def attention_matrix(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         """``P_r`` ``(..., n_q, n_k)`` in the inputs' dtype."""
         self._check_fitted()
         check_qk(q, k)
-        return self._truncated_attention(q, k)[0].to(q.dtype)
+        return self._truncated(q, k)[0].to(q.dtype)
 
     def kernel_matrix(self, q, k):
         """``D P_r`` with the exact row sums ``D = diag(exp(s QKᵀ) 1)``, in the inputs' dtype."""
-        self._check_fitted()
-        check_qk(q, k)
-        approx, log_rows = self._truncated_attention(q, k)
-        # sign · exp(log|P_r| + log D): an entry that is 0 stays 0 where D overflows (never 0 · inf = NaN)
-        return (torch.sign(approx) * torch.exp(torch.log(approx.abs()) + log_rows)).to(q.dtype)
+        return super().kernel_matrix(q, k)
 
     def attention(self, q, k, v, *, causal=False, mode="parallel", chunk_size=64, return_parts=False):
-        """``P_r V`` (non-causal only). ``chunk_size`` is accepted and unused."""
+        """``P_r V`` (non-causal only): the numerator of the core's linear attention
+        (:func:`~kernapprox.attention.linear.linear_attention_from_features`, parallel mode) on the factors
+        ``P_r = (U_{:r}Σ_{:r}) V_{:r}ᵀ`` in float64, not divided by its row sums (``P_r`` is not row-stochastic,
+        and renormalising would no longer be the optimum). ``chunk_size`` is accepted and unused."""
         if causal is True:
             raise ValueError("AttentionSVD is not causal: a masked low-rank matrix is not low rank, so the bound "
                              "does not hold (use causal=False)")
         self._check_call(q, k, v, causal, mode, chunk_size)
-        approx, _ = self._truncated_attention(q, k)
+        left, right, _ = self._factors(q, k)
+        parts = linear_attention_from_features(left, torch.zeros_like(left[..., 0]), right,
+                                               torch.zeros_like(right[..., 0]),
+                                               v.to(torch.float64), mode="parallel")
         ct = compute_dtype(q.dtype)
-        num = (approx @ v.to(torch.float64)).to(ct)
+        num = parts.numerator.to(ct)
         den = torch.ones(num.shape[:-1], dtype=ct, device=num.device)
         out = num.to(q.dtype)
         if return_parts:

@@ -18,9 +18,10 @@ Modes (all agree to floating-point tolerance):
     the whole ``n_q × n_k`` matrix (reference, small n);
 ``chunked``
     query chunks; the keys near a chunk (the band, widened to chunk boundaries) are handled exactly
-    as in the parallel mode, the keys further away through linear-attention states — a running
-    prefix state (causal, with a running maximum as stabiliser) or a prefix and a suffix state built
-    by a forward and a backward sweep (non-causal). Memory O(chunk · (chunk + w)), never n × n;
+    as in the parallel mode, the keys further away through linear-attention states of the core
+    (:func:`~kernapprox.attention.recurrent.add_keys`, :func:`~kernapprox.attention.recurrent.read_queries`) —
+    a running prefix state (causal, with a running maximum as stabiliser) or a prefix and a suffix state
+    built by a forward and a backward sweep (non-causal). Memory O(chunk · (chunk + w)), never n × n;
 ``recurrent``
     token by token: a linear-attention state of the keys that left the window plus the last ``w``
     keys and values (a KV window); non-causal runs a forward and a backward scan.
@@ -34,9 +35,11 @@ from typing import ClassVar
 
 import torch
 
+from ..attention.recurrent import add_keys, read_queries
+from ..estimators.base import AttentionEstimator, AttentionParts, FeatureMap
+from ..estimators.registry import capabilities, make_estimator, register
+from ..rules import NormalizedState
 from ..validation import check_positive_int, check_qk, compute_dtype, itemsize
-from .base import AttentionEstimator, AttentionParts, FeatureMap
-from .registry import capabilities, make_estimator, register
 
 
 class WindowLinear(AttentionEstimator):
@@ -85,6 +88,8 @@ class WindowLinear(AttentionEstimator):
     unbiased = True               # the declarations below are the default map's; capabilities_for reads the map's
     positive = True
     reference = "Arora et al. 2024 (Based, ICML): exact sliding window + linear attention"
+    # how it uses the linear-attention core: the keys beyond the near block are the sum-rule block states
+    core: ClassVar[tuple[str, ...]] = ("add_keys", "read_queries")
     subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
     normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
 
@@ -219,11 +224,18 @@ class WindowLinear(AttentionEstimator):
         return num, den, log_scale
 
     def _causal_blocks(self, seq, spans):
-        """``_block`` of each span in order, the keys before its near keys read from a running prefix state."""
-        state = _LinearState()
+        """``_block`` of each span in order, the keys before its near keys read from a running prefix state (the
+        core's :func:`~kernapprox.attention.recurrent.add_keys`, running-maximum stabiliser)."""
+        state, upto = None, 0
         for a, b, lo, hi in spans:
-            state.add_running(seq, state.hi, lo)                    # keys that left every window so far
-            yield self._block(seq, a, b, lo, hi, True, state.read(seq, a, b))
+            if lo > upto:                                            # keys that left every window so far
+                state = add_keys(state, seq.pk[..., upto:lo, :], seq.lk[..., upto:lo], seq.v[..., upto:lo, :])
+                upto = lo
+            far = None
+            if state is not None:
+                num, den = read_queries(state, seq.pq[..., a:b, :])
+                far = num, den, state.log_scale[..., None].expand(den.shape)
+            yield self._block(seq, a, b, lo, hi, True, far)
 
     def _bidirectional_blocks(self, seq, spans):
         """``_block`` of each span, the keys outside its near keys read from prefix and suffix states."""
@@ -309,74 +321,33 @@ def _masks(a, b, lo, hi, window, causal, device):
     return (cols - rows).abs() < window, torch.ones_like(cols - rows, dtype=torch.bool)
 
 
-class _LinearState:
-    """Linear-attention state ``(W̃, z̃, c)`` of the keys ``[0, hi)`` with a running-maximum stabiliser:
-    ``W = W̃ e^c``; adding keys with a larger log-scale rescales the state (streaming, no look-ahead)."""
-
-    def __init__(self):
-        self.w = self.z = self.c = None
-        self.hi = 0
-
-    def add_running(self, seq, lo, hi):
-        if hi <= lo:
-            return
-        pk, lk, v = seq.pk[..., lo:hi, :], seq.lk[..., lo:hi], seq.v[..., lo:hi, :]
-        c_new = lk.amax(-1)
-        if self.c is not None:
-            c_new = torch.maximum(self.c, c_new)
-        scaled = pk * torch.exp(lk - c_new[..., None])[..., None]
-        w_add, z_add = scaled.transpose(-1, -2) @ v, scaled.sum(-2)
-        if self.c is None:
-            self.w, self.z = w_add, z_add
-        else:
-            decay = torch.exp(self.c - c_new)
-            self.w = self.w * decay[..., None, None] + w_add
-            self.z = self.z * decay[..., None] + z_add
-        self.c = c_new
-        self.hi = hi
-
-    def read(self, seq, a, b):
-        """``(φ̃_q W̃, φ̃_q z̃, c)`` for queries ``[a, b)``, or None if the state is empty."""
-        if self.c is None:
-            return None
-        num, den = _read(seq.pq[..., a:b, :], self.w, self.z)
-        return num, den, self.c[..., None].expand(den.shape)
-
-
 def _far_reads(seq, spans):
     """Non-causal far sums for each span ``(a, b, lo, hi)``: the keys ``[0, lo)`` and ``[hi, n_k)`` read by the
-    queries ``[a, b)``, as ``(num, den, c)``. One constant shift per (batch, head), ``c = max ℓ(k)``; a forward
-    sweep grows the prefix state, a backward sweep the suffix state (states are never subtracted). ``lo`` and
-    ``hi`` must not decrease along the spans."""
+    queries ``[a, b)``, as ``(num, den, c)``. A prefix state grown by a forward sweep and a suffix state grown by a
+    backward sweep (states are never subtracted), both by the core's
+    :func:`~kernapprox.attention.recurrent.add_keys` from an empty state at one constant shift per (batch, head),
+    ``c = max ℓ(k)`` (so no key rescales them). ``lo`` and ``hi`` must not decrease along the spans."""
     c = seq.lk.amax(-1)
-    scaled = seq.pk * torch.exp(seq.lk - c[..., None])[..., None]
-    empty_w = torch.zeros(*scaled.shape[:-2], scaled.shape[-1], seq.v.shape[-1], dtype=scaled.dtype,
-                          device=scaled.device)
+    r, d_v = seq.pk.shape[-1], seq.v.shape[-1]
+    w0 = torch.zeros(*seq.pk.shape[:-2], r, d_v, dtype=seq.pk.dtype, device=seq.pk.device)
+    empty = NormalizedState(w0, w0[..., 0], c)
 
-    def add(w, z, start, stop):
-        part = scaled[..., start:stop, :]
-        return w + part.transpose(-1, -2) @ seq.v[..., start:stop, :], z + part.sum(-2)
+    def add(state, start, stop):
+        return add_keys(state, seq.pk[..., start:stop, :], seq.lk[..., start:stop], seq.v[..., start:stop, :])
 
-    w, z, upto, before = empty_w, empty_w[..., 0], 0, []
+    state, upto, before = empty, 0, []
     for a, b, lo, _ in spans:
         if lo > upto:
-            w, z = add(w, z, upto, lo)
-            upto = lo
-        before.append(_read(seq.pq[..., a:b, :], w, z))
-    w, z, start, after = empty_w, empty_w[..., 0], seq.n_k, []
+            state, upto = add(state, upto, lo), lo
+        before.append(read_queries(state, seq.pq[..., a:b, :]))
+    state, start, after = empty, seq.n_k, []
     for a, b, _, hi in reversed(spans):
         if hi < start:
-            w, z = add(w, z, hi, start)
-            start = hi
-        after.append(_read(seq.pq[..., a:b, :], w, z))
+            state, start = add(state, hi, start), hi
+        after.append(read_queries(state, seq.pq[..., a:b, :]))
     after.reverse()
     return [(pre[0] + post[0], pre[1] + post[1], c[..., None].expand(pre[1].shape))
             for pre, post in zip(before, after)]
-
-
-def _read(pq, w, z):
-    """``(φ̃_q W, φ̃_q z)`` for stabilised query features ``(..., nb, r)``, ``W (..., r, d_v)``, ``z (..., r)``."""
-    return pq @ w, (pq @ z[..., :, None]).squeeze(-1)
 
 
 register("window_linear", WindowLinear, feature_map="positive")

@@ -1,6 +1,6 @@
 r"""EVA: efficient attention via control variates (Zheng, Yuan, Wang & Kong, ICLR 2023).
 
-Notation as in :mod:`kernapprox.estimators.lara`: ``x = sqrt(s)·q``, ``y = sqrt(s)·k``,
+Notation as in :mod:`kernapprox.approximate.lara`: ``x = sqrt(s)·q``, ``y = sqrt(s)·k``,
 ``ξ(x, ω) = exp(ωᵀx − ‖x‖²/2)``, ``N(ω; μ)`` the density of ``N(μ, I_d)``, ``N(ω) = N(ω; 0)``; softmax attention
 ``Σ_m π_m v_m`` with ``π_m = exp(xᵀy_m)/Z``.
 
@@ -61,7 +61,7 @@ than ``C`` groups when ``C`` does not divide ``M`` evenly enough), or groups of 
 ``C`` of them, one draw each); query ``i`` computes exactly
 
 * non-causal: the band ``E_i = {j : |i − j| < w}`` (empty for ``w = 0``), as
-  :class:`~kernapprox.estimators.hybrid.WindowLinear` does;
+  :class:`~kernapprox.approximate.hybrid.WindowLinear` does;
 * causal: ``E_i = {j : min(i − w + 1, g⌊i/g⌋) ≤ j ≤ i}``, the last ``w`` keys *and* the keys of its own,
   unfinished group;
 
@@ -117,14 +117,16 @@ theory, methods and examples*, 2013, ch. 8 (control variates).
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from ..attention.linear import add_log_keys
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
 from ..validation import check_bool, check_positive_int, check_qk, compute_dtype, itemsize
-from .base import AttentionEstimator, AttentionParts
 from .lara import _as_float64, _log_normal, _log_xi
-from .registry import register
 
 
 # --------------------------------------------------------------------------------------------- shared pieces
@@ -456,10 +458,12 @@ def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool, g
         for m in range(left, lo):                             # keys leaving the local set join their group
             c = m // size
             log_feature = (y[..., m, :] * omega[..., c, :]).sum(-1) - 0.5 * (y[..., m, :] ** 2).sum(-1)
-            new_top = torch.maximum(top[..., c], log_feature)
-            sums[..., c, :] = (sums[..., c, :] * torch.exp(top[..., c] - new_top)[..., None]
-                               + torch.exp(log_feature - new_top)[..., None] * values[..., m, :])
-            top[..., c] = new_top
+            # the group's value sums: the core's per-feature running-maximum state, one feature (the group)
+            empty = int(counts[c]) == 0
+            group_sums, group_top = add_log_keys(None if empty else sums[..., c:c + 1, :],
+                                                 None if empty else top[..., c:c + 1],
+                                                 log_feature[..., None, None], values[..., m:m + 1, :])
+            sums[..., c, :], top[..., c] = group_sums[..., 0, :], group_top[..., 0]
             key_sums[..., c, :] = key_sums[..., c, :] + y[..., m, :]
             counts[c] += 1
         left = max(left, lo)
@@ -558,6 +562,8 @@ class EfficientAttentionCV(AttentionEstimator):
     consistent = False
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA)"
+    # how it uses the linear-attention core: the decoder's per-group value sums are its per-feature state
+    core: ClassVar[tuple[str, ...]] = ("add_log_keys",)
 
     def __init__(self, *, num_features: int, window: int = 32, group_size: int | None = None, sample: bool = True,
                  rng=None, scale: float | None = None):

@@ -137,10 +137,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from ..attention.linear import linear_attention_from_log_features
+from ..estimators.base import AttentionEstimator, AttentionParts
+from ..estimators.registry import register
+from ..estimators.samplers import make_sampler
 from ..validation import (
     check_bool,
     check_choice,
@@ -150,9 +155,7 @@ from ..validation import (
     compute_dtype,
     itemsize,
 )
-from .base import AttentionEstimator, AttentionParts
-from .registry import register
-from .samplers import make_sampler
+from .lowrank import signed_exp
 
 WEIGHTINGS = ("balance", "query")
 
@@ -425,33 +428,6 @@ def _lara_log_features(x, y, noise, weighting: str, alpha_coeff: float, alpha_fl
     return query, key
 
 
-def _lara_parts(log_q, log_k, v, mode: str, chunk_size: int):
-    """Numerator, normaliser and log-scale of non-causal linear attention with log features ``log_q (..., n, R)``
-    and ``log_k (..., M, R)``: the key sums per feature are shifted by the feature's maximum key log-feature
-    (the recurrent and chunked modes reach it as a running maximum), the shift is moved to the query side, and each
-    query row is shifted by its maximum — every exponent is ≤ 0 and the normaliser is ≥ 1."""
-    if mode == "parallel":
-        key_max = log_k.amax(-2)                                               # (..., R)
-        shifted = log_q + key_max[..., None, :]
-        row_max = shifted.amax(-1)
-        gram = torch.exp(shifted - row_max[..., None]) @ torch.exp(log_k - key_max[..., None, :]).transpose(-1, -2)
-        return gram @ v, gram.sum(-1), row_max
-    step = 1 if mode == "recurrent" else chunk_size
-    ones = torch.ones(*v.shape[:-1], 1, dtype=v.dtype, device=v.device)
-    values = torch.cat([v, ones], -1)                                         # [V 1]
-    state = key_max = None
-    for start in range(0, log_k.shape[-2], step):
-        block = log_k[..., start:start + step, :]
-        new_max = block.amax(-2) if key_max is None else torch.maximum(key_max, block.amax(-2))
-        update = torch.exp(block - new_max[..., None, :]).transpose(-1, -2) @ values[..., start:start + step, :]
-        state = update if state is None else state * torch.exp(key_max - new_max)[..., None] + update
-        key_max = new_max
-    shifted = log_q + key_max[..., None, :]
-    row_max = shifted.amax(-1)
-    num_den = torch.exp(shifted - row_max[..., None]) @ state
-    return num_den[..., :-1], num_den[..., -1], row_max
-
-
 # --------------------------------------------------------------------------------------------- the estimator
 class LinearRandomizedAttention(AttentionEstimator):
     r"""LARA: self-normalised multiple importance sampling of softmax attention with ``C`` segment-mean proposals.
@@ -529,6 +505,8 @@ class LinearRandomizedAttention(AttentionEstimator):
     consistent = True
     modes = ("parallel", "recurrent", "chunked")
     reference = "Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling)"
+    # how it uses the linear-attention core: all of it is linear attention on log-features
+    core: ClassVar[tuple[str, ...]] = ("linear_attention_from_log_features",)
 
     def __init__(self, *, num_features: int, num_proposals: int | None = None, weighting: str = "query",
                  alpha_coeff: float = 1.0, alpha_floor: float = 1e-8, sample: bool = True, sampler: str = "iid",
@@ -591,7 +569,10 @@ class LinearRandomizedAttention(AttentionEstimator):
                              "weights use the whole sequence (use causal=False)")
         self._check_call(q, k, v, causal, mode, chunk_size)
         log_q, log_k = self._log_features(q, k)
-        num, den, log_scale = _lara_parts(log_q, log_k, v.to(log_q.dtype), mode, chunk_size)
+        # linear attention on log-features, each feature shifted by its largest key (the core's per-feature
+        # stabiliser: LARA's importance weights span too wide a range for one log-scale per token)
+        num, den, log_scale = linear_attention_from_log_features(log_q, log_k, v.to(log_q.dtype), mode=mode,
+                                                                 chunk_size=chunk_size)
         log_scale = log_scale - math.log(self.noise_.shape[1])
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
@@ -608,8 +589,7 @@ class LinearRandomizedAttention(AttentionEstimator):
         top_q, top_k = log_q.amax(-1, keepdim=True), log_k.amax(-1, keepdim=True)
         gram = torch.exp(log_q - top_q) @ torch.exp(log_k - top_k).transpose(-1, -2)
         scale = top_q + top_k.transpose(-1, -2) - math.log(self.noise_.shape[1])
-        # sign · exp(log|G| + scale): an entry that underflowed to 0 stays 0 where exp(scale) overflows (not NaN)
-        return (torch.sign(gram) * torch.exp(torch.log(gram.abs()) + scale)).to(q.dtype)
+        return signed_exp(gram, scale).to(q.dtype)
 
     def parameter_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """The noise ``ε`` (regenerable from the seed) when the estimator samples; nothing at the proposal means."""
