@@ -295,6 +295,31 @@ def test_checkpoint_cache_hit_and_miss(tmp_path):
     assert not miss.cached and miss.key != first.key
 
 
+def test_checkpoints_go_to_the_cache_root_fsynced(tmp_path, monkeypatch):
+    """Without ``cache_dir`` the entry lands in ``$KERNAPPROX_CACHE_DIR/trained_models`` (never the working
+    directory), and both of its files are fsynced before they are renamed into place."""
+    import os
+
+    from kernapprox import io
+
+    monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path / "root"))
+    monkeypatch.chdir(tmp_path)
+    synced = []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(io.os, "fsync", fsync)
+    trained = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN)
+    entry = sorted((tmp_path / "root" / "trained_models").iterdir())
+    assert [p.name for p in entry] == [f"{TINY_MQAR.name}_{trained.key}.nc", f"{TINY_MQAR.name}_{trained.key}.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]                # nothing in the working directory
+    files = [str(s) for s in synced if ".tmp-" in str(s)]
+    assert sum(".pt.tmp-" in s for s in files) == 1 and sum(".nc.tmp-" in s for s in files) == 1
+
+
 def test_presets_realise_the_feature_dimension():
     assert presets.taylor2_qk_dim(16) == 4 and presets.taylor2_qk_dim(64) == 9     # 15 and 55 features
     model, task, train_cfg = presets.fixed_state("elu1", 16)
