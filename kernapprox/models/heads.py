@@ -20,7 +20,6 @@ setting of a linear-attention state. ``distributions.make_distribution("trained_
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import json
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from ..cache import cache_dir as _cache_folder
-from ..io import atomic_write
+from ..io import atomic_write, read_arrays
 from ..validation import check_positive_int
 from .training import config_key, load_or_train
 from .transformer import attention_heads
@@ -109,17 +108,6 @@ def extract_heads(task_name: str, num_prompts: int = 64, cache_dir=None):
     return ds
 
 
-@functools.lru_cache(maxsize=4)
-def _read(path: str, mtime: float) -> dict:
-    import xarray as xr
-
-    with xr.open_dataset(path, engine="h5netcdf") as ds:
-        out = {name: ds[name].values for name in ("q", "k", "v")}
-        out["attrs"] = dict(ds.attrs)
-    out["scale"] = np.asarray(json.loads(out["attrs"]["scale"]))
-    return out
-
-
 def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
     """The cached heads as numpy arrays (``q``, ``k``, ``v``: ``(layer, head, prompt, token, dim)`` float32;
     ``scale`` per layer; ``attrs``), recorded first (training the reference model if it is not cached, about a
@@ -127,4 +115,5 @@ def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
     path = heads_path(task_name, num_prompts, cache_dir)
     if not path.exists():
         extract_heads(task_name, num_prompts, cache_dir)
-    return _read(str(path.resolve()), path.stat().st_mtime)
+    data = read_arrays(path, ("q", "k", "v"))
+    return {**data, "scale": np.asarray(json.loads(data["attrs"]["scale"]))}

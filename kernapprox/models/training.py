@@ -63,7 +63,7 @@ from ..cache import cache_dir as _cache_folder
 from ..io import atomic_write
 from ..provenance import code_digest, git_revision
 from ..validation import check_choice, check_positive_float, check_positive_int
-from .tasks import TASKS, make_task
+from .tasks import TASKS
 from .transformer import CausalTransformer, ModelConfig
 
 __all__ = ["TrainConfig", "TrainedModel", "train", "load_or_train", "build_model", "config_key", "code_version",
@@ -322,9 +322,3 @@ def load_or_train(model_config: ModelConfig, task, train_config: TrainConfig, *,
     atomic_write(weights, lambda tmp: torch.save(trained.model.state_dict(), tmp))
     atomic_write(curve_path, lambda tmp: trained.curve.to_netcdf(tmp, engine="h5netcdf"))
     return trained
-
-
-def task_from_dict(data: dict):
-    """The task of a stored configuration (``{"name": ..., **parameters}``)."""
-    data = dict(data)
-    return make_task(data.pop("name"), **data)
