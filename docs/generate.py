@@ -45,7 +45,7 @@ class Figure:
 
 
 def estimator_table() -> str:
-    """The registry's estimator table (the one ``python -m kernapprox.registry`` prints)."""
+    """The registry's estimator table (the one ``python -m kernapprox.estimators`` prints)."""
     from kernapprox.estimators.registry import estimator_table as table
 
     return table()
