@@ -62,8 +62,8 @@ import xarray as xr
 from ..cache import cache_dir as _cache_folder
 from ..io import atomic_write
 from ..provenance import code_digest, git_revision
+from ..tasks import TASKS
 from ..validation import check_choice, check_positive_float, check_positive_int
-from .tasks import TASKS
 from .transformer import CausalTransformer, ModelConfig
 
 __all__ = ["TrainConfig", "TrainedModel", "train", "load_or_train", "build_model", "config_key", "code_version",
