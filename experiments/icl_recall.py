@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_paired, budget_bytes, interval_note, range_text, verdict
+from experiments._common import add_paired, interval_note, range_text, verdict
 from experiments._icl import (
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
@@ -52,6 +52,7 @@ from experiments._icl import (
 from experiments._icl import style as icl_style
 from kernapprox import readout, stats, tasks
 from kernapprox.estimators import DPFPFeatures
+from kernapprox.memory import budget_bytes
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, budget_bytes, interval_note, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, interval_note, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -52,6 +52,7 @@ from experiments._icl import (
 )
 from experiments._icl import style as icl_style
 from kernapprox import readout, stats, tasks
+from kernapprox.memory import budget_bytes
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
 from kernapprox.sweep import Experiment, Metric, Reference, run_cli
 
