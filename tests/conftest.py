@@ -5,6 +5,7 @@ end), set before any test runs and inherited by the subprocesses tests start: no
 fit is ever written into the user's cache, and no test reads a model the user trained.
 """
 
+import atexit
 import os
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ from kernapprox.cache import CACHE_ENV
 
 _CACHE_ROOT = tempfile.mkdtemp(prefix="kernapprox-test-cache-")
 os.environ[CACHE_ENV] = _CACHE_ROOT
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)   # also when a worker ends without unconfigure
 
 
 def pytest_unconfigure(config):
