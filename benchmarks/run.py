@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +32,7 @@ import xarray as xr
 
 from kernapprox.attention import native
 from kernapprox.estimators import fused
+from kernapprox.io import atomic_write
 from kernapprox.timing import gemm_rate, provenance
 
 from . import roofline
@@ -197,11 +199,9 @@ def to_dataset(rows: list[Row], targets: dict[str, float], attrs: dict,
 
 
 def write_dataset(ds: xr.Dataset, path: str) -> None:
-    """Atomic write (temporary file in the same folder, then rename)."""
+    """Atomic, fsynced write (:func:`kernapprox.io.atomic_write`)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    ds.to_netcdf(tmp, engine="h5netcdf")
-    os.replace(tmp, path)
+    atomic_write(Path(path), lambda tmp: ds.to_netcdf(tmp, engine="h5netcdf"))
 
 
 def format_table(rows: list[Row], targets: dict[str, float], bounds: dict | None = None) -> str:

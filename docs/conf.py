@@ -36,7 +36,7 @@ extensions = [
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 root_doc = "index"
-exclude_patterns = ["_build", "_generated", "_figure_notes", "Thumbs.db", ".DS_Store"]
+exclude_patterns = ["_build", "_generated", "Thumbs.db", ".DS_Store"]
 templates_path = ["_templates"]
 
 # MyST: $…$ and $$…$$ maths, ``{figure}`` and friends, anchors for headings down to ###.

@@ -5,9 +5,9 @@ code or the figures can say. The README's thumbnail gallery (between ``<!-- gall
 ``<!-- gallery:end -->``) is regenerated with ``python docs/generate.py readme``; ``tests/test_docs.py`` checks
 that it is current.
 
-Gallery text per figure: the generated findings ``figures/<name>.md`` when that file exists, otherwise the
-notes moved from the old README (``docs/_figure_notes/<name>.md``, a ``# title`` line and a paragraph). The
-figure's caption is the one :func:`kernapprox.plotting.save_figure` stored in the PNG's ``Description``.
+Gallery text per figure: the generated findings ``figures/<name>.md`` (when that file exists). The figure's title
+and caption are the ones :func:`kernapprox.plotting.save_figure` stored in the PNG's ``Title`` and ``Description``
+(a figure without a title of its own is named after its file).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-NOTES = DOCS / "_figure_notes"
 GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
 # The order of the gallery (the order of the study: kernel, variance, attention, in-context tasks, data, cost);
 # figures not listed follow in alphabetical order.
@@ -36,7 +35,7 @@ class Figure:
 
     name: str
     title: str
-    text: str  # markdown: the generated findings, or the notes from the old README
+    text: str  # markdown: the generated findings ("" when there are none)
     generated: bool  # True when ``text`` is ``figures/<name>.md``
     caption: str  # the PNG's stored caption ("" if none)
 
@@ -46,29 +45,20 @@ class Figure:
 
 
 def estimator_table() -> str:
-    """The registry's estimator table (the one ``python -m kernapprox.registry`` prints)."""
+    """The registry's estimator table (the one ``python -m kernapprox.estimators`` prints)."""
     from kernapprox.estimators.registry import estimator_table as table
 
     return table()
 
 
-def _png_caption(path: Path) -> str:
+def _png_metadata(path: Path) -> tuple[str, str]:
+    """``(title, caption)`` stored in a PNG (``""`` for what it lacks)."""
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - pillow comes with matplotlib
-        return ""
+        return "", ""
     with Image.open(path) as image:
-        return str(image.info.get("Description", "")).strip()
-
-
-def _read_notes(name: str) -> tuple[str, str]:
-    path = NOTES / f"{name}.md"
-    if not path.exists():
-        return name.replace("_", " ").capitalize(), ""
-    lines = path.read_text(encoding="utf-8").strip().splitlines()
-    if lines and lines[0].startswith("# "):
-        return lines[0][2:].strip(), "\n".join(lines[1:]).strip()
-    return name.replace("_", " ").capitalize(), "\n".join(lines).strip()
+        return (str(image.info.get("Title", "")).strip(), str(image.info.get("Description", "")).strip())
 
 
 def figures(root: Path = ROOT) -> list[Figure]:
@@ -77,13 +67,13 @@ def figures(root: Path = ROOT) -> list[Figure]:
     names.sort(key=lambda name: (ORDER.index(name) if name in ORDER else len(ORDER), name))
     out = []
     for name in names:
-        title, notes = _read_notes(name)
+        title, caption = _png_metadata(root / "figures" / f"{name}.png")
+        if not title or title == name:                   # save_figure's default is the file's stem
+            title = name.replace("_", " ").capitalize()
         findings = root / "figures" / f"{name}.md"
-        if findings.exists():
-            text, generated = findings.read_text(encoding="utf-8").strip(), True
-        else:
-            text, generated = notes, False
-        out.append(Figure(name, title, text, generated, _png_caption(root / "figures" / f"{name}.png")))
+        generated = findings.exists()
+        text = findings.read_text(encoding="utf-8").strip() if generated else ""
+        out.append(Figure(name, title, text, generated, caption))
     return out
 
 
@@ -115,8 +105,7 @@ def gallery_page(items: list[Figure], image_dir: str) -> str:
                    f"```{{figure}} {image_dir}/{item.name}.png\n:alt: {item.name}\n:width: 100%\n\n"
                    f"{_escape(item.caption) or item.name}\n```\n")
         if item.text:
-            label = "Findings (generated from the dataset)" if item.generated else "What the default preset shows"
-            section += f"\n**{label}.**\n\n{_demote_headings(item.text)}\n"
+            section += f"\n**Findings (generated from the dataset).**\n\n{_demote_headings(item.text)}\n"
         parts.append(section)
     return "\n".join(parts)
 

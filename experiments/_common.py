@@ -19,11 +19,9 @@ difference); otherwise it says the data do not separate the two.
 from __future__ import annotations
 
 import numpy as np
-import torch
 import xarray as xr
 
-import kernapprox as ka
-from kernapprox import available_estimators, stats
+from kernapprox import available_estimators, memory, stats
 from kernapprox.plotting import fmt, fmt_ci
 
 # The reference estimators, each named in one place so that a registry rename is a one-line change here.
@@ -139,12 +137,10 @@ def interval_note(ds: xr.Dataset) -> str:
 
 
 # ------------------------------------------------------------------------------------------ equal state bytes
-# How the studies compare estimators whose memory is not r·(d_v + 1): every estimator is run at its largest
-# configuration whose state (``estimator.state_bytes(d_v, float32, seq_len=n)``: everything a decoder keeps from
-# the context) fits the budget B(r) of the random-feature baselines at r features, and the configuration it got is
-# recorded per cell. B(r) is the larger state of FAVOR+ and OPRF at r features: r·(d_v + 1) float32 numbers, plus
-# OPRF's one fitted statistic (4 bytes), so both baselines run at r itself.
-BUDGET_BASELINES = (BASELINE, "oprf_orthogonal")
+# How the studies compare estimators whose memory is not r·(d_v + 1): every estimator runs at its largest
+# configuration whose state fits the budget B(r) of the random-feature baselines at r features
+# (kernapprox.memory: the sizing rule, B(r) = the larger state of FAVOR+ and OPRF), and the configuration it got is
+# recorded per cell. What is the studies' own: which estimators they size, and that EVA's budget goes to groups.
 
 # The LARA and EVA configurations the studies compare at equal state bytes: label -> (registry name, constructor
 # options), every option not named at its registry default. LARA spends the budget on draws (r' = C·S features, one
@@ -167,98 +163,19 @@ EQUAL_BYTES_COMPARATORS = {
     "scatterbrain": ("scatterbrain", {}),
 }
 
-_PROBE_CACHE: dict = {}
+
+def _size_by(name: str) -> str:
+    return "group_size" if name in GROUP_SIZED else "num_features"
 
 
-def _probe_data(seq_len: int, d: int) -> torch.Tensor:
-    key = ("data", seq_len, d)
-    if key not in _PROBE_CACHE:
-        _PROBE_CACHE[key] = torch.as_tensor(np.random.default_rng(0).standard_normal((seq_len, d)))
-    return _PROBE_CACHE[key]
+def sized_configuration(name: str, options: dict, budget: int, *, d: int, d_v: int, seq_len: int) -> dict | None:
+    """:func:`kernapprox.memory.sized_configuration` of ``name`` with ``options``, by groups for the
+    :data:`GROUP_SIZED` names and by features otherwise (float32 states)."""
+    return memory.sized_configuration(name, budget, d=d, d_v=d_v, seq_len=seq_len, options=options,
+                                      size_by=_size_by(name))
 
 
-def probe_state_bytes(name: str, options: dict, num_features: int, *, d: int, d_v: int, seq_len: int,
-                      dtype: torch.dtype = torch.float32) -> int:
-    """``state_bytes(d_v, dtype, seq_len)`` of ``name`` with ``num_features`` and ``options``, fitted on a fixed
-    standard-normal probe of ``seq_len`` tokens (no estimator's state size depends on the values; memoised)."""
-    key = (name, tuple(sorted(options.items())), num_features, d, d_v, seq_len, str(dtype))
-    if key not in _PROBE_CACHE:
-        x = _probe_data(seq_len, d)
-        est = ka.make_estimator(name, num_features=num_features, rng=0, **options).fit(x, x)
-        _PROBE_CACHE[key] = int(est.state_bytes(d_v, dtype, seq_len=seq_len))
-    return _PROBE_CACHE[key]
-
-
-def budget_bytes(r: int, *, d: int, d_v: int, seq_len: int, dtype: torch.dtype = torch.float32) -> int:
-    """B(r): the larger state of the :data:`BUDGET_BASELINES` at ``r`` features."""
-    return max(probe_state_bytes(name, {}, r, d=d, d_v=d_v, seq_len=seq_len, dtype=dtype)
-               for name in BUDGET_BASELINES)
-
-
-def sized_configuration(name: str, options: dict, budget: int, *, d: int, d_v: int, seq_len: int,
-                        dtype: torch.dtype = torch.float32) -> dict | None:
-    """Constructor arguments (``num_features``, ``options`` and, for :data:`GROUP_SIZED` names, ``group_size``)
-    of the largest configuration of ``name`` whose state fits ``budget`` bytes, or ``None`` if none fits.
-
-    Feature-sized estimators (every state grows with ``num_features``): the largest ``num_features`` (at most
-    ``seq_len`` for landmark methods), by doubling then bisection. Group-sized estimators (EVA): the smallest group
-    size ``g`` (the most groups, ``num_features = ⌈n/g⌉`` draws) whose state fits, scanning ``g = 1, 2, …``; the
-    scan stops once ``g`` tokens of keys, values and log-features alone (``g (d + d_v + 1)`` numbers, a lower bound
-    of EVA's local state) exceed the budget.
-    """
-    options = dict(options)
-
-    def size(r, **extra):
-        return probe_state_bytes(name, {**options, **extra}, r, d=d, d_v=d_v, seq_len=seq_len, dtype=dtype)
-
-    if name in GROUP_SIZED:
-        unit = (d + d_v + 1) * torch.empty((), dtype=dtype).element_size()
-        for g in range(1, seq_len + 1):
-            if g * unit > budget:
-                return None
-            groups = -(-seq_len // g)
-            if size(groups, group_size=g) <= budget:
-                return {"num_features": groups, **options, "group_size": g}
-        return None
-    step = _feature_step(name, options)            # maps of sin/cos or exp(±) pairs need an even r
-    cap = (seq_len if ka.capabilities(name, **options).rank_limited_by_points else 2**30) // step
-    if size(step) > budget:
-        return None
-    lo, hi = 1, 2                                   # in units of step: size(lo) fits; find hi that does not
-    while hi <= cap and size(hi * step) <= budget:
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap + 1)
-    while hi - lo > 1:                              # invariant: size(lo) <= budget < size(hi) (or hi = cap + 1)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if size(mid * step) <= budget else (lo, mid)
-    return {"num_features": lo * step, **options}
-
-
-def _feature_step(name: str, options: dict) -> int:
-    """The smallest ``num_features`` the estimator accepts (1, or 2 for maps built from pairs of features); the
-    valid values are its multiples."""
-    for step in (1, 2, 4):
-        try:
-            ka.make_estimator(name, num_features=step, rng=0, **options)
-        except ValueError:
-            continue
-        return step
-    raise ValueError(f"{name} accepts none of num_features = 1, 2, 4")
-
-
-def smallest_state(name: str, options: dict, *, d: int, d_v: int, seq_len: int,
-                   dtype: torch.dtype = torch.float32) -> int:
-    """The smallest state of ``name``'s configurations (one feature; EVA: the best group size), to report what an
-    estimator that fits no budget would have needed."""
-    if name not in GROUP_SIZED:
-        return probe_state_bytes(name, dict(options), _feature_step(name, options), d=d, d_v=d_v, seq_len=seq_len,
-                                 dtype=dtype)
-    unit = (d + d_v + 1) * torch.empty((), dtype=dtype).element_size()
-    best = None
-    for g in range(1, seq_len + 1):
-        if best is not None and g * unit > best:
-            break
-        value = probe_state_bytes(name, {**options, "group_size": g}, -(-seq_len // g), d=d, d_v=d_v,
-                                  seq_len=seq_len, dtype=dtype)
-        best = value if best is None else min(best, value)
-    return best
+def smallest_state(name: str, options: dict, *, d: int, d_v: int, seq_len: int) -> int:
+    """:func:`kernapprox.memory.smallest_state` under the same rule, to report what an estimator that fits no
+    budget would have needed."""
+    return memory.smallest_state(name, d=d, d_v=d_v, seq_len=seq_len, options=options, size_by=_size_by(name))

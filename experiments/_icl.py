@@ -19,8 +19,8 @@ import collections
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_proportion, add_summaries, budget_bytes, sized_configuration
-from kernapprox import available_estimators, metrics, readout, stats, tasks
+from experiments._common import add_proportion, add_summaries, sized_configuration
+from kernapprox import available_estimators, memory, metrics, readout, stats, tasks
 from kernapprox.plotting import estimator_style, new_figure, plot_summary
 from kernapprox.sweep import Metric
 
@@ -92,12 +92,12 @@ def kv_cache_bytes(num_context: int, d: int, d_v: int) -> int:
 def sized_readout(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
                   ) -> tuple[str, dict, int] | None:
     """``(registry name, constructor arguments, budget)`` of an equal-bytes estimator (``table[label]``) at the
-    budget of FAVOR+ at ``num_features`` features (:func:`experiments._common.budget_bytes`), or ``None`` where it
+    budget of FAVOR+ at ``num_features`` features (:func:`kernapprox.memory.budget_bytes`), or ``None`` where it
     is not run: no configuration fits the budget, or the budget reaches exact attention's KV cache (there the
     context itself fits, and a compressed state has nothing to compress). Pass the arguments to
     :func:`kernapprox.readout.paired_readouts` as ``num_features=args.pop("num_features"), options=args``."""
     name, options = table[label]
-    budget = budget_bytes(num_features, d=d, d_v=d_v, seq_len=num_context)
+    budget = memory.budget_bytes(num_features, d=d, d_v=d_v, seq_len=num_context)
     if budget >= kv_cache_bytes(num_context, d, d_v):
         return None
     config = sized_configuration(name, options, budget, d=d, d_v=d_v, seq_len=num_context)

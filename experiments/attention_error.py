@@ -18,7 +18,7 @@ and proposal landmarks), EVA (``eva``, ``eva_mean``: an exact window of 32 keys 
 depends on ``n``), Nyström with uniform landmarks (landmarks and whitening) and the window hybrids (``window_linear``,
 ``scatterbrain``: 64 exact keys beside the features) — run at their largest configuration whose
 ``state_bytes(d_v, float32, seq_len=n)`` fits the budget ``B(r)``, the state of FAVOR+/OPRF at ``r`` features
-(:func:`experiments._common.sized_configuration`); the configuration (features, EVA's group size) and its bytes
+(:func:`kernapprox.memory.sized_configuration`); the configuration (features, EVA's group size) and its bytes
 are stored per cell. An estimator with no configuration within the budget, or LARA in causal attention (defined
 non-causally), is not applicable there: NaN, with its smallest possible state stored. The reference also stores
 the error of the uniform average of the values (all of them, or the prefix when causal), the output of attention
@@ -39,7 +39,6 @@ from experiments._common import (
     EQUAL_BYTES_COMPARATORS,
     add_paired,
     add_summaries,
-    budget_bytes,
     per_draw_slope,
     range_text,
     ratio_phrase,
@@ -50,6 +49,7 @@ from experiments._common import (
 )
 from kernapprox import stats
 from kernapprox.distributions import effective_beta, make_distribution
+from kernapprox.memory import budget_bytes
 from kernapprox.metrics import nonpositive_normalizer_rate, relative_rms_error
 from kernapprox.plotting import (
     bullets,

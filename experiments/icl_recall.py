@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_paired, budget_bytes, interval_note, range_text, verdict
+from experiments._common import add_paired, interval_note, range_text, verdict
 from experiments._icl import (
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
@@ -50,7 +50,7 @@ from experiments._icl import (
     summarise_readout,
 )
 from experiments._icl import style as icl_style
-from kernapprox import readout, stats, tasks
+from kernapprox import memory, readout, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
@@ -127,7 +127,7 @@ def _episodes(params, data_rng, device):
 
 def run_cell(params, rng, device, data_rng):
     label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
-    budget = {"budget_bytes": np.float64(budget_bytes(r, d=d, d_v=d, seq_len=n))}
+    budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d, seq_len=n))}
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable(METRICS)
     name, options = ESTIMATORS[label]

@@ -413,7 +413,7 @@ def plot(ds, path) -> None:
                f"{s['growth_exact_decode']:.1f}x with a KV cache and {s['growth_linear_decode']:.2f}x in RNN mode "
                f"from n={s['n_min']} to {s['n_max']}. Right: memory carried between tokens and peak extra memory.")
     fig.tight_layout()
-    plotting.save_figure(fig, path, caption)
+    plotting.save_figure(fig, path, caption, title="The cost of the two modes: time and memory against sequence length")
 
 
 EXPERIMENT = Experiment(

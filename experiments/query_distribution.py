@@ -12,7 +12,7 @@ which the families at equal ``β_eff`` show.
 
 Equal state bytes: ``num_features`` is the memory budget ``r``. Every estimator with a recurrent state runs at its
 largest configuration whose ``state_bytes(d_v, float32, seq_len=n)`` fits ``B(r)``, the state of FAVOR+/OPRF at
-``r`` features (:func:`experiments._common.sized_configuration`): the random-feature maps at ``r`` itself; Nyström
+``r`` features (:func:`kernapprox.memory.sized_configuration`): the random-feature maps at ``r`` itself; Nyström
 at the landmarks its landmarks and whitening leave room for; LARA (``lara``, ``lara_balance``, ``lara_mean``) at
 its draws; EVA (``eva``, ``eva_mean``, exact window of 32 keys) at its number of groups; the window hybrids
 (``window_linear``, ``scatterbrain``, 64 exact keys) at their features. The configuration and its bytes are stored
@@ -42,7 +42,6 @@ from experiments._common import (
     KERNEL_SVD,
     add_paired,
     add_summaries,
-    budget_bytes,
     range_text,
     ratio_phrase,
     registered,
@@ -51,6 +50,7 @@ from experiments._common import (
 )
 from kernapprox import metrics, real
 from kernapprox.distributions import effective_beta, make_distribution
+from kernapprox.memory import budget_bytes
 from kernapprox.plotting import bullets, fmt, fmt_ci
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
@@ -148,7 +148,7 @@ def distribution_for(value: str, beta: float):
 
 def configuration(name: str, m: int, n: int, d: int, d_v: int) -> dict | None:
     """Constructor arguments of ``name`` at budget ``m``: the largest configuration whose state fits ``B(m)``
-    (:func:`experiments._common.sized_configuration`), or rank ``m ≤ n`` for the SVD references (no state); None
+    (:func:`kernapprox.memory.sized_configuration`), or rank ``m ≤ n`` for the SVD references (no state); None
     where nothing fits."""
     if name in ORACLES:
         return {"num_features": m} if m <= n else None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, budget_bytes, interval_note, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, interval_note, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -51,7 +51,7 @@ from experiments._icl import (
     summarise_readout,
 )
 from experiments._icl import style as icl_style
-from kernapprox import readout, stats, tasks
+from kernapprox import memory, readout, stats, tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
 from kernapprox.sweep import Experiment, Metric, Reference, run_cli
 
@@ -144,7 +144,7 @@ def run_cell(params, rng, device, data_rng):
     name, options = ESTIMATORS[label]
     queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
     d, d_v = keys.shape[-1], values.shape[-1]
-    budget = {"budget_bytes": np.float64(budget_bytes(r, d=d, d_v=d_v, seq_len=n))}
+    budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d_v, seq_len=n))}
     fit_on = "queries_and_keys" if label in ORACLES else "keys"
     if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
         if query != "key":                               # the perturbed recall queries are icl_recall's

@@ -1,7 +1,7 @@
 """In-context learning in trained Transformers: does the training-free picture predict it?
 
-Small causal Transformers are trained (:mod:`kernapprox.models`, cached under ``results/cache/``) on multi-query
-associative recall (MQAR, Zoology) and in-context linear regression (Garg et al. 2022), then:
+Small causal Transformers are trained (:mod:`kernapprox.models`, cached under the root of :mod:`kernapprox.cache`)
+on multi-query associative recall (MQAR, Zoology) and in-context linear regression (Garg et al. 2022), then:
 
 (a) **reference**: the softmax model's score on evaluation prompts (MQAR accuracy per prompt; regression: the
     squared error over ``d`` of the predictions at the queries after the context, with least squares and ridge on

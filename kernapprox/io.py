@@ -1,12 +1,14 @@
-"""Files that are either complete or absent: the one way results, figures and caches are written.
+"""Files that are either complete or absent: the one way results, figures and caches are written and read back.
 
 :func:`atomic_write` writes to a temporary file in the destination's folder and renames it over the destination,
-so a reader (or a run killed half-way) never sees a partial file at the final path.
+so a reader (or a run killed half-way) never sees a partial file at the final path. :func:`read_arrays` reads the
+arrays of a cached netCDF file once per process (while the file is unchanged).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -46,3 +48,30 @@ def atomic_write(path: Path, write, durable: bool = True) -> None:
         raise
     if durable:
         _fsync_dir(path.parent)
+
+
+def read_arrays(path: str | os.PathLike, names) -> dict:
+    """The variables ``names`` of the netCDF file ``path`` as numpy arrays, and its attributes under ``"attrs"``.
+
+    Read once per process while the file is unchanged: the read is memoised on the resolved path, the file's
+    modification time and size, so a file rewritten in place (atomically, by :func:`atomic_write`) is read again.
+    The returned dictionary is shared between calls: do not modify it. A missing variable raises ``KeyError``
+    naming it.
+    """
+    path = Path(path).resolve()
+    info = path.stat()
+    names = (names,) if isinstance(names, str) else tuple(names)
+    return _read_arrays(str(path), info.st_mtime_ns, info.st_size, names)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_arrays(path: str, mtime_ns: int, size: int, names: tuple[str, ...]) -> dict:
+    import xarray as xr
+
+    with xr.open_dataset(path, engine="h5netcdf") as ds:
+        missing = [name for name in names if name not in ds.variables]
+        if missing:
+            raise KeyError(f"{path} has no variable {', '.join(map(repr, missing))}")
+        out = {name: ds[name].values for name in names}
+        out["attrs"] = dict(ds.attrs)
+    return out

@@ -51,21 +51,6 @@ def relative_rms_error(approx: torch.Tensor, exact: torch.Tensor) -> torch.Tenso
     return _inf_where_nonfinite(val, a, (-1, -2))
 
 
-def total_variation(approx_weights: torch.Tensor, exact_weights: torch.Tensor) -> torch.Tensor:
-    """Per-row total-variation distance ``½ Σ_j |p̂_ij − p_ij|`` between row-normalised attention weights.
-
-    Inputs are un-normalised kernel matrices ``(..., n, n_k)``; each row is divided by its sum (a row of the
-    approximation with a non-positive sum gives ``inf``). Returns ``(..., n)``.
-    """
-    a, e = _pair(approx_weights, exact_weights)
-    p = e / e.sum(-1, keepdim=True)
-    sa = a.sum(-1, keepdim=True)
-    p_hat = a / sa
-    tv = 0.5 * (p_hat - p).abs().sum(-1)
-    bad = (sa.squeeze(-1) <= 0) | ~torch.isfinite(tv)
-    return torch.where(bad, torch.full_like(tv, float("inf")), tv)
-
-
 def nonpositive_normalizer_rate(normalizer: torch.Tensor) -> torch.Tensor:
     """Fraction of queries whose estimated normaliser ``Σ_j φ(q_i)ᵀφ(k_j)`` is ≤ 0 or not finite.
 

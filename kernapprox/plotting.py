@@ -106,16 +106,6 @@ def median_band(da: xr.DataArray, dim: str = "seed", q: tuple[float, float] = (0
                                                                                                 drop=True)
 
 
-def plot_median_band(ax, da: xr.DataArray, x: str, dim: str = "seed", q=(0.1, 0.9), band_alpha: float = 0.18,
-                     **line_kw):
-    """Plot the median of ``da`` over ``dim`` against coordinate ``x`` with its percentile band."""
-    med, lo, hi = median_band(da, dim=dim, q=q)
-    xs = med[x].values
-    (line,) = ax.plot(xs, med.values, **line_kw)
-    ax.fill_between(xs, lo.values, hi.values, color=line.get_color(), alpha=band_alpha, linewidth=0)
-    return line
-
-
 def _summary(summary: xr.DataArray) -> xr.DataArray:
     if "stat" not in summary.dims or list(summary["stat"].values[:3]) != ["estimate", "lo", "hi"]:
         raise ValueError(f"{summary.name!r} is not a summary (a 'stat' dimension starting estimate, lo, hi; see "

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +18,8 @@ from importlib import metadata
 
 import numpy as np
 import torch
+
+from .provenance import git_revision
 
 PACKAGES = ("kernapprox", "torch", "numpy", "scipy", "scikit-learn", "xarray", "h5netcdf", "performer-pytorch",
             "einops")
@@ -130,17 +131,6 @@ def sdpa_flops(n_q: int, n_k: int, d: int, d_v: int, heads: int = 1, *, causal: 
 
 
 # -------------------------------------------------------------------------------------------- provenance
-def _git_revision() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def package_versions() -> dict:
     versions = {}
     for name in PACKAGES:
@@ -161,7 +151,7 @@ def provenance(device: torch.device) -> dict:
     """Attributes (str or number) that make a timing reproducible and its conditions visible."""
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     attrs = {
-        "git_revision": _git_revision(),
+        "git_revision": git_revision(),
         "package_versions": json.dumps(package_versions()),
         "python": platform.python_version(),
         "device": str(device),

@@ -49,14 +49,15 @@ def check_tensor(x, name: str, *, min_rank: int = 2, finite: bool = True, allow_
     if min_rank >= 1 and x.dim() >= 1 and x.shape[-1] == 0:
         raise ValueError(f"{name} has a zero-size feature dimension, shape {tuple(x.shape)}")
     # meta tensors carry no values (shape-only checks); everything else is checked for NaN/Inf
-    if finite and x.numel() and x.device.type != "meta" and not _all_finite(x):
+    if finite and x.numel() and x.device.type != "meta" and not all_finite(x):
         raise ValueError(f"{name} contains NaN or Inf values")
     return x
 
 
-def _all_finite(x: torch.Tensor) -> bool:
-    """One reduction pass: NaN propagates through min/max and ±Inf is an extreme, so the two extremes are finite
-    exactly when every entry is (about 9× cheaper than materialising ``isfinite(x)`` on a CPU)."""
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every entry of ``x`` is finite, in one reduction pass: NaN propagates through min/max and ±Inf is
+    an extreme, so the two extremes are finite exactly when every entry is (about 9× cheaper than materialising
+    ``isfinite(x)`` on a CPU). ``x`` must not be empty."""
     lo, hi = torch.aminmax(x.detach())
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
 

@@ -1,7 +1,28 @@
-"""Shared fixtures and markers. CUDA tests skip cleanly without a device."""
+"""Shared fixtures and markers. CUDA tests skip cleanly without a device.
+
+Every test process gets a cache root of its own (``KERNAPPROX_CACHE_DIR``, a fresh temporary folder removed at the
+end), set before any test runs and inherited by the subprocesses tests start: nothing the tests train, record or
+fit is ever written into the user's cache, and no test reads a model the user trained.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
+
+from kernapprox.cache import CACHE_ENV
+
+_CACHE_ROOT = tempfile.mkdtemp(prefix="kernapprox-test-cache-")
+os.environ[CACHE_ENV] = _CACHE_ROOT
+atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)   # also when a worker ends without unconfigure
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
+
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

@@ -17,7 +17,7 @@
 * Nothing outside ``kernapprox/estimators/`` and ``kernapprox/approximate/`` learns what an estimator is by
   inspection (``hasattr``, ``inspect``, ``isinstance``/``issubclass`` against a concrete estimator class,
   ``hasattr``/``getattr`` of a capability or of an estimator method): it reads the declared capabilities.
-* The capability table printed by ``python -m kernapprox.registry`` comes from the declarations alone (building an
+* The capability table printed by ``python -m kernapprox.estimators`` comes from the declarations alone (building an
   estimator is never needed) and the command has a ``--help`` and no runpy warning.
 """
 
@@ -248,9 +248,9 @@ def test_capability_table_is_built_from_declarations(monkeypatch):
 
 
 def test_registry_command_line():
-    env_args = [sys.executable, "-W", "error::RuntimeWarning", "-m", "kernapprox.registry"]
+    env_args = [sys.executable, "-W", "error::RuntimeWarning", "-m", "kernapprox.estimators"]
     out = subprocess.run([*env_args, "--help"], capture_output=True, text=True, cwd=ROOT, check=True)
-    assert "usage: python -m kernapprox.registry" in out.stdout and "columns:" in out.stdout
+    assert "usage: python -m kernapprox.estimators" in out.stdout and "columns:" in out.stdout
     out = subprocess.run([*env_args, "--names"], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.split() == ka.available_estimators() and not out.stderr
     out = subprocess.run(env_args, capture_output=True, text=True, cwd=ROOT, check=True)

@@ -44,17 +44,21 @@ def test_gallery_has_every_figure(generate, tmp_path):
     assert "```{include} ../_generated/gallery.md" in (DOCS / "guide" / "findings.md").read_text(encoding="utf-8")
 
 
-def test_generated_findings_replace_the_notes(generate, tmp_path):
-    """A figure's text is figures/<name>.md when it exists, else the notes moved from the old README."""
+def test_gallery_titles_captions_and_findings_come_from_the_figures(generate, tmp_path):
+    """A figure's title and caption are the PNG's own; its text is figures/<name>.md when it exists."""
+    from PIL import Image
+
     (tmp_path / "figures").mkdir()
-    for name in ("kernel_error", "zzz_new"):
-        (tmp_path / "figures" / f"{name}.png").write_bytes((ROOT / "figures" / "kernel_error.png").read_bytes())
+    (tmp_path / "figures" / "kernel_error.png").write_bytes((ROOT / "figures" / "kernel_error.png").read_bytes())
+    Image.new("RGB", (2, 2)).save(tmp_path / "figures" / "zzz_new.png")          # no title, no caption
     (tmp_path / "figures" / "zzz_new.md").write_text("## Findings\n\n- The error is 0.5 [0.4, 0.6]. More.\n- Second.\n")
     items = generate.figures(tmp_path)
     assert [item.name for item in items] == ["kernel_error", "zzz_new"]
-    assert not items[0].generated and items[0].title == "Kernel-matrix error against the number of features"
-    assert items[1].generated and generate.first_sentence(items[1].text) == "The error is 0.5 [0.4, 0.6]."
+    assert not items[0].generated and items[0].text == ""
+    assert items[0].title == "Kernel-matrix error against the number of features"         # the PNG's Title
     assert items[0].caption  # save_figure stores the caption in the PNG
+    assert items[1].generated and generate.first_sentence(items[1].text) == "The error is 0.5 [0.4, 0.6]."
+    assert items[1].title == "Zzz new" and items[1].caption == ""
     # the figures are the page's sections: a heading inside a figure's text must not open another one
     page = generate.gallery_page(items, "/_generated/figures")
     assert [line for line in page.splitlines() if line.startswith("#")] == [

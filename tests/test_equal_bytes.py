@@ -9,6 +9,8 @@ import torch
 
 import kernapprox as ka
 from experiments import _common, _icl, attention_error
+from kernapprox import memory
+from kernapprox.sweep._worker import normalise_metrics
 
 D = D_V = 32
 
@@ -20,17 +22,17 @@ def _bytes(name, n, **kwargs):
 
 def test_the_budget_is_the_larger_state_of_favor_plus_and_oprf():
     for r in (16, 64):
-        budget = _common.budget_bytes(r, d=D, d_v=D_V, seq_len=256)
+        budget = memory.budget_bytes(r, d=D, d_v=D_V, seq_len=256)
         assert budget == max(_bytes("positive_orthogonal", 256, num_features=r),
                              _bytes("oprf_orthogonal", 256, num_features=r))
         assert budget >= r * (D_V + 1) * 4
-        for name in _common.BUDGET_BASELINES:        # both baselines run at r itself
+        for name in memory.BUDGET_BASELINES:        # both baselines run at r itself
             assert _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=256)["num_features"] == r
 
 
 @pytest.mark.parametrize("name", ["lara", "lara_balance", "nystrom_uniform", "window_linear", "scatterbrain"])
 def test_feature_sized_estimators_get_their_largest_configuration_within_the_budget(name):
-    n, budget = 512, _common.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
+    n, budget = 512, memory.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
     config = _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=n)
     r = config["num_features"]
     step = 2 if name == "scatterbrain" else 1                          # hyperbolic features come in pairs
@@ -39,7 +41,7 @@ def test_feature_sized_estimators_get_their_largest_configuration_within_the_bud
 
 @pytest.mark.parametrize("window", [32, 0])
 def test_eva_gets_the_most_groups_whose_state_fits(window):
-    n, budget = 512, _common.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
+    n, budget = 512, memory.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
     config = _common.sized_configuration("eva", {"window": window}, budget, d=D, d_v=D_V, seq_len=n)
     g = config["group_size"]
     assert config["num_features"] == -(-n // g) and config["window"] == window
@@ -50,7 +52,7 @@ def test_eva_gets_the_most_groups_whose_state_fits(window):
 
 def test_nothing_fits_is_none_and_the_smallest_state_says_why():
     n = 2048
-    budget = _common.budget_bytes(64, d=D, d_v=D_V, seq_len=n)
+    budget = memory.budget_bytes(64, d=D, d_v=D_V, seq_len=n)
     assert _common.sized_configuration("eva", {}, budget, d=D, d_v=D_V, seq_len=n) is None
     assert _common.sized_configuration("window_linear", {}, budget, d=D, d_v=D_V, seq_len=n) is None
     smallest = _common.smallest_state("eva", {}, d=D, d_v=D_V, seq_len=n)
@@ -62,7 +64,10 @@ def _cell(**overrides):
     exp = attention_error.EXPERIMENT
     params = {**exp.parameter_values(), "estimator": "lara", "num_features": 256, "seq_len": 64, "causal": False,
               "beta": 2.0, "seed": 0, **overrides}
-    return attention_error.run_cell(params, np.random.default_rng(0), torch.device("cpu"), np.random.default_rng(1))
+    device = torch.device("cpu")
+    data = attention_error.draw(params, np.random.default_rng(1), device)
+    out = attention_error.run_cell(params, np.random.default_rng(0), device, np.random.default_rng(1), data)
+    return normalise_metrics(exp, out)                   # as the engine stores it (not applicable: NaN)
 
 
 def test_attention_error_cells_record_their_configuration_within_the_budget():
@@ -114,12 +119,12 @@ def test_every_feature_sized_estimator_of_the_studies_follows_the_rule(name):
     """The largest configuration within B(r): within the budget, one more step is over it (or over n landmarks);
     the random-feature maps run at r itself; an estimator that fits nothing has a smallest state over B(r)."""
     n, r = 256, 64
-    budget = _common.budget_bytes(r, d=D, d_v=D_V, seq_len=n)
+    budget = memory.budget_bytes(r, d=D, d_v=D_V, seq_len=n)
     config = _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=n)
     if config is None:                                  # nothing fits: even its smallest state is over the budget
         assert _common.smallest_state(name, {}, d=D, d_v=D_V, seq_len=n) > budget and name not in RANDOM_MAPS
         return
-    used, step = config["num_features"], _common._feature_step(name, {})
+    used, step = config["num_features"], memory.feature_step(name)
     assert _bytes(name, n, num_features=used) <= budget
     if not (ka.capabilities(name).rank_limited_by_points and used + step > n):
         assert _bytes(name, n, num_features=used + step) > budget
@@ -129,7 +134,7 @@ def test_every_feature_sized_estimator_of_the_studies_follows_the_rule(name):
 
 @pytest.mark.parametrize("name", ["eva", "eva_mean"])
 def test_both_eva_variants_are_sized_by_groups_within_the_budget(name):
-    n, budget = 512, _common.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
+    n, budget = 512, memory.budget_bytes(256, d=D, d_v=D_V, seq_len=512)
     config = _common.sized_configuration(name, {}, budget, d=D, d_v=D_V, seq_len=n)
     g = config["group_size"]
     assert _bytes(name, n, num_features=config["num_features"], group_size=g) <= budget

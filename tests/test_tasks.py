@@ -1,4 +1,5 @@
-"""Training-free ICL tasks: generators, scorers, read-out, state sizes and the published anchors.
+"""In-context tasks: training-free generators, scorers, read-out, state sizes and the published anchors; the token
+and prompt tasks of the trained models (MQAR, linear regression) and their baselines.
 
 Anchors (see the user guide, docs/guide/icl.md):
 * capacity of a deterministic map ≈ its feature dimension (measured here, training free; the capacity argument is
@@ -10,6 +11,7 @@ Nyström's r/n law, are in ``tests/test_icl_anchors.py``.
 Statistical bounds use binomial standard errors of the number of scored queries.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -19,6 +21,7 @@ import torch
 import kernapprox as ka
 from kernapprox import readout, tasks
 from kernapprox.estimators.base import FeatureMap
+from kernapprox.tasks import IGNORE, MQAR, LinearRegression, least_squares_predictions, ridge_predictions
 
 
 class IdentityFeatures(FeatureMap):
@@ -292,3 +295,137 @@ def test_log_n_beta():
     assert tasks.log_n_beta(100, 2.0) == pytest.approx(2 * math.log(100))
     with pytest.raises(ValueError, match="factor"):
         tasks.log_n_beta(10, -1.0)
+
+
+# ---------------------------------------------------------------------------- tasks for trained models
+@pytest.mark.parametrize("random_non_queries", [False, True])
+def test_mqar_sequences_follow_zoology(random_non_queries):
+    task = MQAR(vocab_size=40, seq_len=36, num_pairs=7, random_non_queries=random_non_queries)
+    b = task.sample(np.random.default_rng(0), 64)
+    half, n_pairs = 20, 7
+    keys, values, pos = b.keys.numpy(), b.values.numpy(), b.query_positions.numpy()
+    inputs, labels = b.inputs.numpy(), b.labels.numpy()
+    assert ((keys >= 1) & (keys < half)).all() and ((values >= half) & (values < 40)).all()     # disjoint halves
+    for row in range(64):
+        assert len(set(keys[row])) == n_pairs and len(set(values[row])) == n_pairs              # distinct
+        np.testing.assert_array_equal(inputs[row, 0:2 * n_pairs:2], keys[row])                  # k1 v1 k2 v2 ...
+        np.testing.assert_array_equal(inputs[row, 1:2 * n_pairs:2], values[row])
+        assert len(set(pos[row])) == n_pairs
+        assert (pos[row] >= 2 * n_pairs).all() and (pos[row] % 2 == 0).all()                   # after the pairs
+        np.testing.assert_array_equal(inputs[row, pos[row]], keys[row])                          # the key again
+        np.testing.assert_array_equal(labels[row, pos[row]], values[row])                        # its value
+        assert (labels[row] != IGNORE).sum() == n_pairs
+        others = np.setdiff1d(np.arange(2 * n_pairs, 36), pos[row])
+        if not random_non_queries:
+            assert (inputs[row, others] == 0).all()
+    # queries crowd towards the context (p(g) ∝ (g+1)^(a−1), a = 0.01)
+    counts = np.bincount(((pos - 2 * n_pairs) // 2).ravel(), minlength=11)
+    assert counts[0] == counts.max() and counts[0] > 2 * counts[-1]
+
+
+def test_weighted_draws_without_replacement():
+    """The vectorised draw has numpy's sequential law: the first pick has probability p_i, the second p_j/(1−p_i)
+    after i (checked on the pair (0, 1)); binomial bounds at 4.5 standard deviations."""
+    from kernapprox.tasks.recall import _top_k_without_replacement
+
+    w = np.arange(1, 6, dtype=np.float64) ** -0.99
+    p = w / w.sum()
+    draws = _top_k_without_replacement(np.random.default_rng(9), w, 40_000, 3)
+    assert all(len(set(row)) == 3 for row in draws[:500])
+    first = np.bincount(draws[:, 0], minlength=5) / 40_000
+    assert np.all(np.abs(first - p) < 4.5 * np.sqrt(p * (1 - p) / 40_000))
+    second = np.mean((draws[:, 0] == 0) & (draws[:, 1] == 1))
+    expect = p[0] * p[1] / (1 - p[0])
+    assert abs(second - expect) < 4.5 * np.sqrt(expect * (1 - expect) / 40_000)
+
+
+def test_mqar_scores_query_positions_only():
+    task = MQAR(vocab_size=16, seq_len=16, num_pairs=3)
+    b = task.sample(np.random.default_rng(1), 4)
+    logits = torch.zeros(4, 16, 16)
+    logits[torch.arange(4)[:, None], b.query_positions, b.values] = 1.0                      # every query right
+    np.testing.assert_array_equal(task.score(logits, b).numpy(), 1.0)
+    logits[0, b.query_positions[0, 0], b.values[0, 0]] = -1.0                                  # one wrong
+    assert float(task.score(logits, b)[0]) == pytest.approx(2 / 3)
+    logits[1, 0, 0] = float("nan")                                                             # not a query slot
+    assert float(task.score(logits, b)[1]) == 1.0
+
+
+def test_mqar_rejects_impossible_configurations():
+    with pytest.raises(ValueError, match="seq_len"):
+        MQAR(vocab_size=64, seq_len=20, num_pairs=6)
+    with pytest.raises(ValueError, match="num_pairs"):
+        MQAR(vocab_size=8, seq_len=64, num_pairs=4)
+    with pytest.raises(ValueError, match="even"):
+        MQAR(vocab_size=63)
+
+
+def test_regression_interleaved_prompts_and_prefix_baselines():
+    task = LinearRegression(dim=4, num_points=9, layout="interleaved")
+    b = task.sample(np.random.default_rng(2), 16)
+    np.testing.assert_allclose(b.ys.numpy(), np.einsum("bkd,bd->bk", b.xs.numpy(), b.w.numpy()))
+    tokens = b.inputs.numpy()
+    assert tokens.shape == (16, 18, 4) and task.model_io["input_dim"] == 4
+    np.testing.assert_array_equal(tokens[:, 0::2], b.xs.numpy().astype(np.float32))
+    np.testing.assert_array_equal(tokens[:, 1::2, 0], b.ys.numpy().astype(np.float32))
+    assert (tokens[:, 1::2, 1:] == 0).all()
+    ls = least_squares_predictions(b.xs, b.ys)
+    err = (ls - b.ys).pow(2) / 4
+    assert float(err[:, 4:].max()) < 1e-20            # noiseless, k ≥ d points: least squares is exact
+    assert float(err[:, 1:4].min()) > 1e-6            # underdetermined: minimum-norm guess
+    np.testing.assert_array_equal(task.baseline_score(b).numpy(), err[:, -1].numpy())
+    # ridge against its normal equations on one prompt, and its α → 0 limit
+    alpha, i = 0.3, 5
+    x, y = b.xs[3, :i].numpy(), b.ys[3, :i].numpy()
+    w = np.linalg.solve(x.T @ x + alpha * np.eye(4), x.T @ y)
+    assert float(ridge_predictions(b.xs, b.ys, alpha)[3, i]) == pytest.approx(b.xs[3, i].numpy() @ w, rel=1e-12)
+    np.testing.assert_allclose(ridge_predictions(b.xs, b.ys, 1e-12)[:, 4:].numpy(), ls[:, 4:].numpy(), atol=1e-8)
+    # predicting 0 scores E y²/d = 1 (Garg et al.'s normalisation); sd of the mean over 36 000 errors ≈ 0.01
+    big = task.sample(np.random.default_rng(3), 4000)
+    zero = task.position_errors(torch.zeros(4000, 18, 1), big)
+    assert float(zero.mean()) == pytest.approx(1.0, abs=0.05)
+
+
+def test_regression_paired_prompts_and_baselines():
+    task = LinearRegression(dim=3, num_points=5, num_queries=4)
+    b = task.sample(np.random.default_rng(4), 32)
+    tokens = b.inputs.numpy()
+    assert tokens.shape == (32, 9, 4) and task.seq_len == 9 and task.model_io["input_dim"] == 4
+    np.testing.assert_array_equal(tokens[..., :3], b.xs.numpy().astype(np.float32))
+    np.testing.assert_array_equal(tokens[:, :5, 3], b.ys[:, :5].numpy().astype(np.float32))
+    assert (tokens[:, 5:, 3] == 0).all() and b.num_context == 5               # queries carry no label
+    assert float(task.baseline_score(b).max()) < 1e-20                        # k = 5 ≥ d = 3, noiseless
+    ridge = task.baseline_score(b, "ridge", 0.5)
+    x, y = b.xs[0, :5].numpy(), b.ys[0, :5].numpy()
+    w = np.linalg.solve(x.T @ x + 0.5 * np.eye(3), x.T @ y)
+    expect = np.mean((b.xs[0, 5:].numpy() @ w - b.ys[0, 5:].numpy()) ** 2) / 3
+    assert float(ridge[0]) == pytest.approx(expect, rel=1e-12)
+    outputs = torch.zeros(32, 9, 1)
+    outputs[:, 5:, 0] = b.ys[:, 5:].float()
+    assert float(task.score(outputs, b).max()) < 1e-12                        # perfect predictions score 0
+    under = LinearRegression(dim=3, num_points=2, num_queries=4)               # 2 pairs < d: minimum norm
+    assert float(under.baseline_score(under.sample(np.random.default_rng(5), 8)).min()) > 1e-6
+    # every context size from min_points to k, drawn per batch from the data stream
+    mixed = LinearRegression(dim=3, num_points=6, num_queries=2, min_points=2)
+    gen = np.random.default_rng(6)
+    sizes = {mixed.sample(gen, 2).num_context for _ in range(200)}
+    assert sizes == {2, 3, 4, 5, 6}
+    assert mixed.evaluation().sample(gen, 2).num_context == 6 and mixed.with_difficulty(3).min_points == 2
+    with pytest.raises(ValueError, match="layout"):
+        LinearRegression(layout="garg")
+    with pytest.raises(ValueError, match="min_points"):
+        LinearRegression(num_points=4, min_points=5)
+
+
+def test_regression_query_flag_marks_the_queries_and_nothing_else():
+    plain = LinearRegression(dim=3, num_points=5, num_queries=4)
+    flagged = dataclasses.replace(plain, query_flag=True)
+    a, b = plain.sample(np.random.default_rng(4), 8), flagged.sample(np.random.default_rng(4), 8)
+    assert flagged.model_io["input_dim"] == plain.model_io["input_dim"] + 1 == 5
+    np.testing.assert_array_equal(b.inputs[..., :4].numpy(), a.inputs.numpy())          # same draws, same tokens
+    assert (b.inputs[:, :5, 4] == 0).all() and (b.inputs[:, 5:, 4] == 1).all()
+    torch.testing.assert_close(flagged.baseline_score(b), plain.baseline_score(a), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="query_flag"):
+        LinearRegression(layout="interleaved", query_flag=True)
+    with pytest.raises(TypeError, match="query_flag"):
+        LinearRegression(query_flag=1)

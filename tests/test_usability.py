@@ -26,8 +26,8 @@ def test_fixed_dimension_map_refuses_a_feature_count_it_cannot_honour():
     assert ka.make_estimator("taylor2", num_features=None).fit(torch.zeros(1, 16)).num_features == 153
 
 
-def test_registry_module_has_a_help_and_no_runpy_warning():
-    result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kernapprox.registry", "--help"],
+def test_registry_command_has_a_help_and_no_runpy_warning():
+    result = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "kernapprox.estimators", "--help"],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "usage:" in result.stdout and "RuntimeWarning" not in result.stderr
 

@@ -257,3 +257,17 @@ def test_finite_check_finds_one_bad_entry_anywhere(dtype, bad):
         y[index] = bad
         with pytest.raises(ValueError, match="q contains NaN or Inf"):
             ka.softmax_attention(y, x, x)
+
+
+def test_all_finite_sees_every_kind_of_non_finite_entry():
+    from kernapprox.validation import all_finite
+
+    x = torch.randn(3, 5, dtype=torch.float64)
+    assert all_finite(x) and all_finite(x.float()) and all_finite(torch.tensor([1e308, -1e308], dtype=torch.float64))
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for where in ((0, 0), (2, 4), (1, 2)):
+            y = x.clone()
+            y[where] = bad
+            assert not all_finite(y), (bad, where)
+    z = torch.randn(4, requires_grad=True)
+    assert all_finite(z * 2)                                      # a tensor that needs grad is read, not traced

@@ -3,7 +3,8 @@
 The reference models of :mod:`kernapprox.models.presets` are trained (or loaded from the checkpoint cache) and run
 on ``num_prompts`` evaluation prompts of their own task, drawn from a fixed stream apart from training and from the
 studies' prompts; every layer's queries, keys and values (the outputs of its projections, split into heads) are
-stored once in ``results/cache/`` as netCDF, like the MiniLM heads of :mod:`kernapprox.real`. The extraction checks
+stored once as netCDF in ``<cache>/trained_heads/`` (``<cache>``: the cache root of :mod:`kernapprox.cache`, or the
+``cache_dir`` given), like the MiniLM heads of :mod:`kernapprox.real`. The extraction checks
 itself: causal softmax attention rebuilt from the recorded ``q, k, v`` and the layer's output projection reproduces
 the layer's own output (attribute ``rebuild_max_abs_error``).
 
@@ -20,17 +21,17 @@ setting of a linear-attention state. :class:`TrainedCausalHeads` samples them, r
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..cache import cache_dir as _cache_folder
 from ..distributions import Distribution, check_layer_head, register_distribution
-from ..io import atomic_write
+from ..io import atomic_write, read_arrays
 from ..validation import check_choice, check_positive_int
-from .training import config_key, load_or_train, resolve_cache_dir
+from .training import config_key, load_or_train
 from .transformer import attention_heads
 
 __all__ = ["extract_heads", "load_heads", "heads_path", "PROMPT_SEED", "TrainedCausalHeads"]
@@ -48,7 +49,7 @@ def heads_path(task_name: str, num_prompts: int, cache_dir=None) -> Path:
     """Where the heads of ``task_name``'s reference model on ``num_prompts`` prompts are cached (the file name
     holds the model's cache key, so a retrained model gets a new extraction)."""
     key = config_key(*_reference(task_name))
-    return resolve_cache_dir(cache_dir) / f"trained_heads_{task_name}_{key}_p{num_prompts}.nc"
+    return _cache_folder("trained_heads", root=cache_dir) / f"trained_heads_{task_name}_{key}_p{num_prompts}.nc"
 
 
 def _rebuild_error(model, inputs, recorded) -> float:
@@ -105,20 +106,8 @@ def extract_heads(task_name: str, num_prompts: int = 64, cache_dir=None):
         "rebuild_max_abs_error": error,
         "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"), "dtype": "float32"})
     target = heads_path(task_name, num_prompts, cache_dir)
-    target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(target, lambda tmp: ds.to_netcdf(tmp, engine="h5netcdf"))
     return ds
-
-
-@functools.lru_cache(maxsize=4)
-def _read(path: str, mtime: float) -> dict:
-    import xarray as xr
-
-    with xr.open_dataset(path, engine="h5netcdf") as ds:
-        out = {name: ds[name].values for name in ("q", "k", "v")}
-        out["attrs"] = dict(ds.attrs)
-    out["scale"] = np.asarray(json.loads(out["attrs"]["scale"]))
-    return out
 
 
 def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
@@ -128,7 +117,8 @@ def load_heads(task_name: str, num_prompts: int = 64, cache_dir=None) -> dict:
     path = heads_path(task_name, num_prompts, cache_dir)
     if not path.exists():
         extract_heads(task_name, num_prompts, cache_dir)
-    return _read(str(path.resolve()), path.stat().st_mtime)
+    data = read_arrays(path, ("q", "k", "v"))
+    return {**data, "scale": np.asarray(json.loads(data["attrs"]["scale"]))}
 
 
 class TrainedCausalHeads(Distribution):

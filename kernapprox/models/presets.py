@@ -81,7 +81,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .tasks import MQAR, LinearRegression
+from ..tasks import MQAR, LinearRegression
 from .training import TrainConfig
 from .transformer import AttentionSpec, ModelConfig
 

@@ -17,14 +17,21 @@ costs on a quiet core, while the wall time grows with whatever else shares the m
 
 Cache
 -----
-:func:`load_or_train` keeps every trained model under ``<cache_dir>/trained_models/`` (default
-``results/cache``, or ``$KERNAPPROX_CACHE_DIR``), keyed by :func:`config_key`: a SHA-256 over the JSON of the
-model configuration, the task configuration, the training configuration (every hyperparameter, the seed, the
-threads, the device), the numpy and torch versions and :func:`code_version` (the sources of the modules that
-compute a model). Each entry is two files written atomically: ``<key>.pt`` (``torch.save(state_dict)``,
-loaded with ``torch.load(..., weights_only=True)``) and ``<key>.nc``, the training curve with the provenance
-as attributes (the configuration, the key, versions, git revision, threads, device, training seconds, date). A
-hit rebuilds the model from its configuration and loads the state dict: bitwise the model that was trained.
+:func:`load_or_train` keeps every trained model under ``<cache>/trained_models/``, where ``<cache>`` is the one
+cache root of :mod:`kernapprox.cache` (``$KERNAPPROX_CACHE_DIR``, else the user cache directory
+``~/.cache/kernapprox``) unless a ``cache_dir`` is given, keyed by :func:`config_key`: a SHA-256 over the JSON of
+the model configuration, the task configuration, the training configuration (every hyperparameter, the seed, the
+threads, the device), the numpy and torch versions and :func:`code_version`. Each entry is two files written
+atomically and fsynced (:func:`kernapprox.io.atomic_write`): ``<key>.pt`` (``torch.save(state_dict)``, loaded with
+``torch.load(..., weights_only=True)``) and ``<key>.nc``, the training curve with the provenance as attributes
+(the configuration, the key, versions, git revision, threads, device, training seconds, date). A hit rebuilds the
+model from its configuration and loads the state dict: bitwise the model that was trained.
+
+:func:`code_version` is :func:`kernapprox.provenance.code_digest` of this module: the code (syntax trees without
+docstrings, hashed independently of file paths) of this module and of every module of the package it imports, at
+any depth, which is exactly the code that builds, trains and runs a model (the transformer, the tasks, the
+attention and every registered estimator). Moving a file keeps the key; a change of that code is a miss; a change
+of code the training never imports (plotting, the sweep engine, the studies) is not.
 
 Schedule
 --------
@@ -43,7 +50,6 @@ import datetime as _dt
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,14 +59,16 @@ import numpy as np
 import torch
 import xarray as xr
 
+from ..cache import cache_dir as _cache_folder
+from ..io import atomic_write
+from ..provenance import code_digest, git_revision
+from ..tasks import TASKS
 from ..validation import check_choice, check_positive_float, check_positive_int
-from .tasks import TASKS, make_task
 from .transformer import CausalTransformer, ModelConfig
 
 __all__ = ["TrainConfig", "TrainedModel", "train", "load_or_train", "build_model", "config_key", "code_version",
-           "cache_paths", "evaluate", "CACHE_ENV"]
+           "cache_paths", "evaluate"]
 
-CACHE_ENV = "KERNAPPROX_CACHE_DIR"
 SCHEDULES = ("one_cycle", "constant")
 
 
@@ -162,24 +170,10 @@ class TrainedModel(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------- configuration
-_NOT_MODEL_CODE = {"sweep", "plotting.py", "tasks.py", "readout.py", "distributions.py", "real.py", "metrics.py",
-                   "spectrum.py", "theory.py", "sklearn.py", "timing.py", "stats.py"}
-
-
 def code_version() -> str:
-    """SHA-256 (16 hex digits) of the sources that compute a trained model: every module of the ``kernapprox``
-    package except those that cannot change a model's numbers (the sweep engine, plotting, the training-free
-    tasks and read-outs, distributions, real heads, metrics, spectra, theory, adapters). New modules count by
-    default, so a change can only invalidate the cache, never be missed."""
-    root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root)
-        if rel.parts[0] in _NOT_MODEL_CODE:
-            continue
-        digest.update(str(rel).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    """SHA-256 (16 hex digits) of the code that builds, trains and runs a model: :func:`kernapprox.provenance.
+    code_digest` of this module and everything of the package it imports (see the module docstring)."""
+    return code_digest(__name__)
 
 
 def _payload(model_config: ModelConfig, task, train_config: TrainConfig) -> dict:
@@ -200,14 +194,11 @@ def config_key(model_config: ModelConfig, task, train_config: TrainConfig) -> st
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def resolve_cache_dir(cache_dir=None) -> Path:
-    return Path(cache_dir if cache_dir is not None else os.environ.get(CACHE_ENV, Path("results") / "cache"))
-
-
 def cache_paths(model_config, task, train_config, cache_dir=None) -> tuple[Path, Path]:
-    """``(weights .pt, curve .nc)`` of a configuration's cache entry."""
+    """``(weights .pt, curve .nc)`` of a configuration's cache entry, in ``<cache_dir>/trained_models`` (created;
+    ``cache_dir`` defaults to :func:`kernapprox.cache.cache_root`)."""
     key = config_key(model_config, task, train_config)
-    folder = resolve_cache_dir(cache_dir) / "trained_models"
+    folder = _cache_folder("trained_models", root=cache_dir)
     return folder / f"{task.name}_{key}.pt", folder / f"{task.name}_{key}.nc"
 
 
@@ -287,8 +278,6 @@ def train(model_config: ModelConfig, task, train_config: TrainConfig) -> Trained
 
 
 def _curve(rows, model_config, task, train_config, key, seconds) -> xr.Dataset:
-    from ..sweep._provenance import git_revision
-
     payload = _payload(model_config, task, train_config)
     score = task.score_name
     ds = xr.Dataset(
@@ -313,16 +302,6 @@ def _curve(rows, model_config, task, train_config, key, seconds) -> xr.Dataset:
 
 
 # ----------------------------------------------------------------------------------------------------- cache
-def _atomic(target: Path, write) -> None:
-    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def load_or_train(model_config: ModelConfig, task, train_config: TrainConfig, *, cache_dir=None) -> TrainedModel:
     """The trained model of a configuration: from the cache when present, else trained and cached.
 
@@ -339,13 +318,7 @@ def load_or_train(model_config: ModelConfig, task, train_config: TrainConfig, *,
             curve = ds.load()
         return TrainedModel(model.eval(), curve, key, True)
     trained = train(model_config, task, train_config)
-    weights.parent.mkdir(parents=True, exist_ok=True)
-    _atomic(weights, lambda tmp: torch.save(trained.model.state_dict(), tmp))
-    _atomic(curve_path, lambda tmp: trained.curve.to_netcdf(tmp, engine="h5netcdf"))
+    # the weights first: an entry counts only when both files exist, and the curve is the last to appear
+    atomic_write(weights, lambda tmp: torch.save(trained.model.state_dict(), tmp))
+    atomic_write(curve_path, lambda tmp: trained.curve.to_netcdf(tmp, engine="h5netcdf"))
     return trained
-
-
-def task_from_dict(data: dict):
-    """The task of a stored configuration (``{"name": ..., **parameters}``)."""
-    data = dict(data)
-    return make_task(data.pop("name"), **data)

@@ -9,10 +9,11 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+from ..provenance import git_revision
 
 PACKAGES = {"numpy": "numpy", "scipy": "scipy", "torch": "torch", "xarray": "xarray", "sklearn": "scikit-learn",
             "h5netcdf": "h5netcdf", "dask": "dask", "distributed": "distributed", "matplotlib": "matplotlib",
@@ -26,20 +27,6 @@ def _module_dir(module: str) -> Path | None:
         return None
     file = getattr(mod, "__file__", None)
     return Path(file).resolve().parent if file else None
-
-
-def git_revision(where: Path | None = None) -> str:
-    """``git rev-parse HEAD`` of the repository holding ``where`` (``+dirty`` if tracked files changed);
-    ``"unknown"`` outside a repository or without git."""
-    where = where or Path(__file__).resolve().parent
-    try:
-        rev = subprocess.run(["git", "-C", str(where), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(where), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return rev + ("+dirty" if dirty else "")
 
 
 def code_fingerprint(experiment_module: str) -> str:

@@ -1,7 +1,7 @@
-"""Print the estimator registry and each estimator's declared capabilities: ``python -m kernapprox.registry``.
+"""Print the estimator registry and each estimator's declared capabilities: ``python -m kernapprox.estimators``.
 
-The registry itself is :mod:`kernapprox.estimators.registry`; this module is only its command line (nothing
-imports it), so running it as a script loads no module twice.
+The registry itself is :mod:`kernapprox.estimators.registry`; this is the estimator package's command line (a
+``__main__`` module: nothing imports it, so running it loads no module twice and runpy has nothing to warn about).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from kernapprox.estimators.registry import TABLE_COLUMNS, available_estimators, 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kernapprox.registry",
+        prog="python -m kernapprox.estimators",
         description="List the registered estimators with their declared capabilities (a markdown table).",
         epilog="columns: " + "; ".join(f"{name}: {text}" for name, text in TABLE_COLUMNS.items()))
     parser.add_argument("--names", action="store_true", help="print only the registry names, one per line")

@@ -1,77 +1,52 @@
-"""Training-free in-context learning tasks: attention as a fixed kernel smoother, nothing learned.
+"""Associative recall: multi-query associative recall (MQAR; Arora et al. 2023, *Zoology*) in its two forms.
 
-Every task is a seeded episode generator plus a scorer. An episode is a context of ``n`` (key, value) pairs and
-a set of queries; the prediction is the attention read-out
+Training-free (read by attention as a fixed kernel smoother, :mod:`kernapprox.readout`)
+    :func:`associative_recall` is continuous MQAR (Zoology's continuous variant ``zoology/data/stacked_mqar.py``):
+    keys and values are random unit vectors (or rows of a given embedding table), every stored key is queried once
+    (optionally perturbed to cosine ``ρ``), and the read-out is decoded to the nearest row of a candidate table of
+    values (``num_candidates`` rows, 4096 = V/2 as in Zoology; the stored values are a random subset of it).
+    Retrieval needs ``β ≳ ln n`` (target mass ``e^β / (e^β + (n−1) e^{β²/2d}) ≥ ½``; :func:`log_n_beta`).
+    :func:`paraphrase_recall` is the same with discrete keys: each key is a phrase of token embeddings from a
+    shared vocabulary and each query the phrase with some tokens replaced (a paraphrase-like perturbation, towards
+    other keys' tokens). Scored by :func:`recall_accuracy` (nearest-candidate decoding, :func:`decode_nearest`).
+Trained models (:mod:`kernapprox.models`)
+    :class:`MQAR` is token MQAR (``zoology/data/multiquery_ar.py``): token sequences over a vocabulary of ``V``
+    tokens whose lower half ``[1, V/2)`` holds the keys and upper half ``[V/2, V)`` the values (token 0 is the
+    filler). A sequence is ``k₁ v₁ k₂ v₂ … k_N v_N`` (distinct keys, distinct values) followed by a query region of
+    ``L − 2N`` tokens in which every key appears once, at an even offset ``2g`` with gaps ``g`` drawn without
+    replacement from ``{0, …, S−1}``, ``S = (L − 2N)/2``, with probability ``∝ (g+1)^(a−1)`` (``a = power_a =
+    0.01``: queries crowd towards the context). Other query-region slots hold 0 (or a uniform random token with
+    ``random_non_queries``). The label at a query position is the value stored with that key (the model must emit
+    it at the query token); every other position is ignored. Accuracy is the fraction of query positions whose
+    argmax logit is the label, per sequence.
 
-.. math::
-    ŷ(q) = \\frac{Σ_i κ(q, k_i)\\, v_i}{Σ_i κ(q, k_i)},\\qquad κ(q, k) = \\exp(β\\, qᵀk),
+Both forms draw from a numpy ``Generator`` only (float64, then cast), so a seed is one data stream everywhere.
 
-with unit-norm queries and keys, so that the inverse temperature ``β`` is exactly the attention ``scale``
-argument (``softmax_attention(q, k, v, scale=β)``; estimators are built with ``scale=β``). Exact attention is the
-ceiling; an estimator replaces ``κ`` by ``φ(q)ᵀφ(k)`` and the KV cache by the state ``W = Σ v_i φ(k_i)ᵀ``,
-``z = Σ φ(k_i)``. Nadaraya–Watson view: Han et al. 2023, *Explaining Emergent In-Context Learning as Kernel
-Regression*.
-
-Tasks
------
-:func:`associative_recall`
-    Continuous multi-query associative recall (MQAR; Arora et al. 2023, *Zoology*, continuous variant
-    ``zoology/data/stacked_mqar.py``): keys and values are random unit vectors (or rows of a given embedding
-    table), every stored key is queried once (optionally perturbed to cosine ``ρ``), and the read-out is decoded
-    to the nearest row of a candidate table of values (``num_candidates`` rows, 4096 = V/2 as in Zoology; the
-    stored values are a random subset of it). Retrieval needs ``β ≳ ln n`` (target mass
-    ``e^β / (e^β + (n−1) e^{β²/2d}) ≥ ½``).
-:func:`paraphrase_recall`
-    The same with discrete keys: each key is a phrase of token embeddings from a shared vocabulary and each query
-    the phrase with some tokens replaced (a paraphrase-like perturbation, towards other keys' tokens).
-:func:`smooth_regression`
-    In-context (Nadaraya–Watson) regression of a smooth random function on the sphere ``S^{d−1}``: a Gaussian-
-    process draw with squared-exponential covariance ``exp(−‖x−x'‖²/2ℓ²)`` (random-Fourier approximation with
-    ``J`` components) or a single random sinusoid; ``β`` is an inverse squared bandwidth (on the sphere
-    ``exp(β xᵀy) ∝ exp(−β‖x−y‖²/2)``). Scored by normalised MSE against the noise-free function.
-:func:`digits_classification`
-    Few-shot classification of scikit-learn's bundled ``load_digits`` (1797 8×8 images, 10 classes; on disk,
-    no network): pixels standardised, rows L2-normalised; prediction = argmax of the attention-weighted one-hot
-    labels (``β → ∞`` gives 1-NN, :func:`nearest_neighbour_predictions`).
-
-The read-out of an episode by exact attention or an estimator (fitting, modes, memory accounting) is
-:mod:`kernapprox.readout`; this module only makes episodes and scores predictions.
+>>> import numpy as np
+>>> task = MQAR(vocab_size=32, seq_len=24, num_pairs=4)
+>>> batch = task.sample(np.random.default_rng(0), 2)
+>>> batch.inputs.shape, int((batch.labels >= 0).sum())          # 2 sequences × 4 queried keys
+(torch.Size([2, 24]), 8)
+>>> associative_recall(16, dim=8, num_candidates=32, batch=2, rng=0).keys.shape
+torch.Size([2, 16, 8])
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
-from .validation import as_generator, check_choice, check_positive_float, check_positive_int, check_tensor
+from ..validation import as_generator, check_bool, check_positive_float, check_positive_int, check_tensor
+from ._common import _check_common, _to_torch, _unit_rows
 
-__all__ = [
-    "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes",
-    "associative_recall", "paraphrase_recall", "decode_nearest", "recall_accuracy",
-    "smooth_regression", "normalized_mse",
-    "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
-    "log_n_beta",
-]
-
-
-# ------------------------------------------------------------------------------------------------ helpers
-def _unit_rows(a: np.ndarray) -> np.ndarray:
-    return a / np.linalg.norm(a, axis=-1, keepdims=True)
-
-
-def _to_torch(a: np.ndarray, device, dtype) -> torch.Tensor:
-    return torch.as_tensor(np.ascontiguousarray(a)).to(device=device, dtype=dtype)
-
-
-def _check_common(batch, device, dtype):
-    check_positive_int(batch, "batch")
-    if dtype not in (torch.float32, torch.float64):
-        raise TypeError(f"dtype must be torch.float32 or torch.float64, got {dtype!r}")
-    return torch.device("cpu") if device is None else torch.device(device)
+__all__ = ["RecallEpisodes", "associative_recall", "paraphrase_recall", "decode_nearest", "recall_accuracy",
+           "log_n_beta", "MQAR", "MQARBatch", "IGNORE"]
 
 
 def log_n_beta(num_pairs: int, factor: float = 1.0) -> float:
@@ -82,7 +57,7 @@ def log_n_beta(num_pairs: int, factor: float = 1.0) -> float:
     return factor * math.log(max(num_pairs, 2))
 
 
-# ----------------------------------------------------------------------------------- associative recall
+# ----------------------------------------------------------------------------- training-free: continuous
 class RecallEpisodes(NamedTuple):
     """A batch of associative-recall episodes (all tensors on one device and dtype).
 
@@ -265,145 +240,135 @@ def recall_accuracy(outputs: torch.Tensor, episodes: RecallEpisodes) -> torch.Te
     return (pred == episodes.targets).double().mean(-1)
 
 
-# ------------------------------------------------------------------------------------------- regression
-class RegressionEpisodes(NamedTuple):
-    """``x (B, n, d)`` unit rows with noisy targets ``y (B, n, d_v)``; ``x_query (B, n_q, d)`` with the
-    noise-free function values ``f_query (B, n_q, d_v)``."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    x_query: torch.Tensor
-    f_query: torch.Tensor
+# ------------------------------------------------------------------------------------ trained: token MQAR
+IGNORE = -100  # label of positions that are not scored (torch's cross-entropy default ignore_index)
 
 
-REGRESSION_TARGETS = ("gp", "sinusoid")
+# ------------------------------------------------------------------------------------------------------ MQAR
+class MQARBatch(NamedTuple):
+    """``inputs (B, L)`` token ids; ``labels (B, L)`` the value at each query position, ``IGNORE`` elsewhere;
+    ``keys``, ``values`` and ``query_positions`` ``(B, N)`` (pair ``j``'s key, value and where it is queried)."""
 
-
-def smooth_regression(num_context: int, *, dim: int = 4, num_queries: int = 64, target: str = "gp",
-                      lengthscale: float = 0.7, num_components: int = 256, noise_std: float = 0.1,
-                      num_outputs: int = 1, batch: int = 8, rng=None, device=None,
-                      dtype: torch.dtype = torch.float32) -> RegressionEpisodes:
-    """Nadaraya–Watson regression episodes of a smooth random function on the unit sphere ``S^{d−1}``.
-
-    Inputs are uniform on the sphere. Targets, one independent function per output channel:
-
-    ``"gp"``
-        ``f(x) = sqrt(2/J) Σ_j a_j cos(ω_jᵀx + b_j)`` with ``a_j ~ N(0,1)``, ``ω_j ~ N(0, ℓ⁻² I)``,
-        ``b_j ~ U(0, 2π)``: a random-Fourier approximation (Rahimi & Recht 2007) of a Gaussian process with
-        covariance ``exp(−‖x−x'‖²/(2ℓ²))`` and unit variance.
-    ``"sinusoid"``
-        ``f(x) = sqrt(2) sin(ωᵀx + b)`` with ``ω ~ N(0, ℓ⁻² I)`` — the spherical analogue of von Oswald et
-        al.'s sine-wave task.
-
-    Context targets are ``y = f(x) + noise_std · ε``; the queries carry the noise-free ``f``.
-    """
-    n = check_positive_int(num_context, "num_context")
-    n_q = check_positive_int(num_queries, "num_queries")
-    d = check_positive_int(dim, "dim")
-    if d < 2:
-        raise ValueError(f"dim must be >= 2 (the sphere S^(d-1)), got {d}")
-    d_v = check_positive_int(num_outputs, "num_outputs")
-    j = check_positive_int(num_components, "num_components")
-    ell = check_positive_float(lengthscale, "lengthscale")
-    sigma = check_positive_float(noise_std, "noise_std", allow_zero=True)
-    check_choice(target, "target", REGRESSION_TARGETS)
-    device = _check_common(batch, device, dtype)
-    gen = as_generator(rng)
-    x_all = _unit_rows(gen.standard_normal((batch, n + n_q, d)))
-    if target == "sinusoid":
-        j = 1
-    omega = gen.standard_normal((batch, d_v, j, d)) / ell
-    phase = gen.uniform(0.0, 2.0 * math.pi, size=(batch, d_v, j))
-    amp = gen.standard_normal((batch, d_v, j)) if target == "gp" else np.ones((batch, d_v, 1))
-    proj = np.einsum("bnd,bojd->bnoj", x_all, omega) + phase[:, None]       # (B, n+n_q, d_v, J)
-    f_all = math.sqrt(2.0 / j) * (amp[:, None] * np.cos(proj)).sum(-1)     # (B, n+n_q, d_v)
-    y = f_all[:, :n] + sigma * gen.standard_normal((batch, n, d_v))
-    return RegressionEpisodes(
-        x=_to_torch(x_all[:, :n], device, dtype), y=_to_torch(y, device, dtype),
-        x_query=_to_torch(x_all[:, n:], device, dtype), f_query=_to_torch(f_all[:, n:], device, dtype))
-
-
-def normalized_mse(predictions: torch.Tensor, episodes: RegressionEpisodes) -> torch.Tensor:
-    """``Σ_q (ŷ_q − f_q)² / Σ_q (f_q − f̄)²`` per episode and output channel, averaged over channels: ``(B,)``.
-
-    Predicting the mean of the query targets scores 1 (Garg et al. 2022 divide by the target variance in the
-    same way). A non-finite prediction gives ``inf``.
-    """
-    check_tensor(predictions, "predictions", min_rank=3, finite=False)
-    f = episodes.f_query.double()
-    p = predictions.double()
-    err = (p - f).pow(2).sum(-2)
-    var = (f - f.mean(-2, keepdim=True)).pow(2).sum(-2)
-    out = (err / var).mean(-1)
-    return torch.where(torch.isfinite(p).all(-1).all(-1), out, torch.full_like(out, float("inf")))
-
-
-# --------------------------------------------------------------------------------------- classification
-class ClassificationEpisodes(NamedTuple):
-    """``x (B, n, 64)`` unit rows, ``labels (B, n)``, ``onehot (B, n, C)``; queries ``x_query (B, n_q, 64)``
-    with ``labels_query (B, n_q)``."""
-
-    x: torch.Tensor
+    inputs: torch.Tensor
     labels: torch.Tensor
-    onehot: torch.Tensor
-    x_query: torch.Tensor
-    labels_query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    query_positions: torch.Tensor
 
 
-@functools.lru_cache(maxsize=1)
-def digits_features() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's bundled digits (1797 × 64, 10 classes), standardised and L2-normalised.
+def _top_k_without_replacement(gen: np.random.Generator, weights: np.ndarray, rows: int, k: int) -> np.ndarray:
+    """``(rows, k)`` indices drawn without replacement with probabilities ``∝ weights``, in draw order.
 
-    Each pixel is z-scored over the whole data set (pixels that are constant — the image border — have zero
-    standard deviation and are left at 0; no labels are used), then each image is scaled to unit norm, so that
-    ``β`` is the attention scale. Returns read-only ``(X float64 (1797, 64), y int64 (1797,))``.
+    Efraimidis & Spirakis (2006): the ``k`` largest keys ``log(u_i)/w_i``, ``u_i ~ U(0, 1)``, in decreasing order
+    have the law of ``k`` successive weighted draws without replacement (``numpy.random.choice(p=…,
+    replace=False)``'s law), here for all rows at once.
     """
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = np.asarray(data.data, dtype=np.float64)
-    mean, std = x.mean(0), x.std(0)
-    x = (x - mean) / np.where(std > 0, std, 1.0)
-    x = _unit_rows(x)
-    y = np.asarray(data.target, dtype=np.int64)
-    x.flags.writeable = False
-    y.flags.writeable = False
-    return x, y
+    u = gen.random((rows, weights.shape[0]))
+    keys = np.log(u) / weights                                   # log(0) = -inf is never drawn first
+    return np.argsort(-keys, axis=1, kind="stable")[:, :k]
 
 
-def digits_classification(num_context: int, *, num_queries: int = 32, batch: int = 8, rng=None, device=None,
-                          dtype: torch.dtype = torch.float32) -> ClassificationEpisodes:
-    """Few-shot episodes on digits: ``n + n_q`` distinct images drawn uniformly without replacement per episode
-    (classes are not balanced), the first ``n`` labelled in context, the rest queried."""
-    n = check_positive_int(num_context, "num_context")
-    n_q = check_positive_int(num_queries, "num_queries")
-    device = _check_common(batch, device, dtype)
-    x_all, y_all = digits_features()
-    if n + n_q > x_all.shape[0]:
-        raise ValueError(f"num_context + num_queries must be <= {x_all.shape[0]} images, got {n + n_q}")
-    gen = as_generator(rng)
-    idx = np.stack([gen.choice(x_all.shape[0], size=n + n_q, replace=False) for _ in range(batch)])
-    x, y = x_all[idx], y_all[idx]
-    num_classes = int(y_all.max()) + 1
-    onehot = np.eye(num_classes)[y[:, :n]]
-    return ClassificationEpisodes(
-        x=_to_torch(x[:, :n], device, dtype), labels=torch.as_tensor(y[:, :n], device=device),
-        onehot=_to_torch(onehot, device, dtype), x_query=_to_torch(x[:, n:], device, dtype),
-        labels_query=torch.as_tensor(y[:, n:], device=device))
+@dataclass(frozen=True)
+class MQAR:
+    """Multi-query associative recall (Zoology). See the module docstring for the sequence layout.
 
+    Parameters
+    ----------
+    vocab_size : int
+        ``V`` (even): keys are tokens ``1 … V/2 − 1``, values ``V/2 … V − 1``, token 0 the filler.
+    seq_len : int
+        ``L`` (even), at least ``4N`` (Zoology's constraint ``2N + 2N ≤ L``: context plus a query region that
+        fits every key).
+    num_pairs : int
+        ``N`` key–value pairs per sequence, all queried.
+    power_a : float
+        ``a`` of the gap law ``p(g) ∝ (g+1)^(a−1)`` (Zoology's default 0.01).
+    random_non_queries : bool
+        Fill the query region's other slots with uniform random tokens instead of 0 (Zoology's paper figures
+        use 0).
+    """
 
-def classification_accuracy(scores: torch.Tensor, episodes: ClassificationEpisodes) -> torch.Tensor:
-    """Fraction of queries whose argmax class score is the true label, per episode: ``(B,)`` float64.
-    A query whose scores are not all finite counts as wrong."""
-    check_tensor(scores, "scores", min_rank=3, finite=False)
-    finite = torch.isfinite(scores).all(-1)
-    pred = torch.nan_to_num(scores, nan=0.0, posinf=0.0, neginf=0.0).argmax(-1)
-    return ((pred == episodes.labels_query) & finite).double().mean(-1)
+    vocab_size: int = 64
+    seq_len: int = 64
+    num_pairs: int = 8
+    power_a: float = 0.01
+    random_non_queries: bool = False
+    name: ClassVar[str] = "mqar"
 
+    def __post_init__(self):
+        v = check_positive_int(self.vocab_size, "vocab_size")
+        n = check_positive_int(self.seq_len, "seq_len")
+        pairs = check_positive_int(self.num_pairs, "num_pairs")
+        check_positive_float(self.power_a, "power_a")
+        check_bool(self.random_non_queries, "random_non_queries")
+        if v % 2 or n % 2:
+            raise ValueError(f"vocab_size and seq_len must be even, got {v} and {n}")
+        if pairs > v // 2 - 1:
+            raise ValueError(f"num_pairs must be at most vocab_size/2 - 1 = {v // 2 - 1} (distinct keys), got {pairs}")
+        if 4 * pairs > n:
+            raise ValueError(f"seq_len must be at least 4·num_pairs = {4 * pairs} (context and queries), got {n}")
 
-def nearest_neighbour_predictions(episodes: ClassificationEpisodes) -> torch.Tensor:
-    """1-NN by cosine similarity (the ``β → ∞`` limit of the attention classifier): ``(B, n_q, C)`` one-hot
-    scores, usable with :func:`classification_accuracy`."""
-    sim = episodes.x_query @ episodes.x.transpose(-1, -2)
-    nearest = sim.argmax(-1)
-    return torch.gather(episodes.onehot, 1, nearest[..., None].expand(-1, -1, episodes.onehot.shape[-1]))
+    # ---------------------------------------------------------------------------------- what a model needs
+    @property
+    def model_io(self) -> dict:
+        """What the model reads and writes: tokens of a ``V``-vocabulary in, ``V`` logits out."""
+        return {"vocab_size": self.vocab_size, "input_dim": None, "output_dim": self.vocab_size}
+
+    @property
+    def difficulty(self) -> int:
+        """What a curriculum varies: the number of pairs."""
+        return self.num_pairs
+
+    def with_difficulty(self, num_pairs: int) -> MQAR:
+        """The same task with ``num_pairs`` pairs (curriculum stages)."""
+        return dataclasses.replace(self, num_pairs=num_pairs)
+
+    def evaluation(self) -> MQAR:
+        """The held-out task of a training curve: this one."""
+        return self
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **dataclasses.asdict(self)}
+
+    # --------------------------------------------------------------------------------------------- data
+    def sample(self, gen: np.random.Generator, batch: int, device=None) -> MQARBatch:
+        """``batch`` sequences drawn from ``gen``."""
+        check_positive_int(batch, "batch")
+        half, n, pairs = self.vocab_size // 2, self.seq_len, self.num_pairs
+        keys = _top_k_without_replacement(gen, np.ones(half - 1), batch, pairs) + 1              # in [1, V/2)
+        values = _top_k_without_replacement(gen, np.ones(half), batch, pairs) + half            # in [V/2, V)
+        slots = (n - 2 * pairs) // 2
+        gaps = _top_k_without_replacement(gen, np.arange(1, slots + 1, dtype=np.float64) ** (self.power_a - 1.0),
+                                          batch, pairs)                                         # key j -> gap
+        query_positions = 2 * pairs + 2 * gaps
+        if self.random_non_queries:
+            inputs = gen.integers(0, self.vocab_size, size=(batch, n))
+        else:
+            inputs = np.zeros((batch, n), dtype=np.int64)
+        inputs[:, 0:2 * pairs:2] = keys
+        inputs[:, 1:2 * pairs:2] = values
+        rows = np.arange(batch)[:, None]
+        inputs[rows, query_positions] = keys
+        labels = np.full((batch, n), IGNORE, dtype=np.int64)
+        labels[rows, query_positions] = values
+        def as_t(a):
+            return torch.as_tensor(a, dtype=torch.int64, device=device)
+
+        return MQARBatch(as_t(inputs), as_t(labels), as_t(keys), as_t(values), as_t(query_positions))
+
+    # ------------------------------------------------------------------------------------------- scoring
+    def loss(self, outputs: torch.Tensor, batch: MQARBatch) -> torch.Tensor:
+        """Cross-entropy of the logits ``(B, L, V)`` at the query positions only."""
+        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), batch.labels.reshape(-1),
+                               ignore_index=IGNORE)
+
+    def score(self, outputs: torch.Tensor, batch: MQARBatch) -> torch.Tensor:
+        """Accuracy per sequence: the fraction of its query positions whose argmax logit is the label,
+        ``(B,)`` float64. A position with a non-finite logit counts as wrong."""
+        mask = batch.labels != IGNORE
+        finite = torch.isfinite(outputs).all(-1)
+        correct = (outputs.argmax(-1) == batch.labels) & finite & mask
+        return correct.sum(-1).double() / mask.sum(-1).double()
+
+    score_name: ClassVar[str] = "accuracy"
+    higher_is_better: ClassVar[bool] = True

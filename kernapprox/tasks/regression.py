@@ -1,33 +1,21 @@
-"""The two in-context-learning tasks trained models are measured on, as the field defines them.
+"""In-context regression in its two forms: Nadaraya–Watson regression of a smooth function, and linear regression.
 
-:class:`MQAR`
-    Multi-query associative recall (Arora et al. 2023, *Zoology*, ``zoology/data/multiquery_ar.py``): token
-    sequences over a vocabulary of ``V`` tokens whose lower half ``[1, V/2)`` holds the keys and upper half
-    ``[V/2, V)`` the values (token 0 is the filler). A sequence is ``k₁ v₁ k₂ v₂ … k_N v_N`` (distinct keys, distinct
-    values) followed by a query region of ``L − 2N`` tokens in which every key appears once, at an even offset
-    ``2g`` with gaps ``g`` drawn without replacement from ``{0, …, S−1}``, ``S = (L − 2N)/2``, with probability
-    ``∝ (g+1)^(a−1)`` (``a = power_a = 0.01``: queries crowd towards the context). Other query-region slots hold 0
-    (or a uniform random token with ``random_non_queries``). The label at a query position is the value stored
-    with that key (the model must emit it at the query token); every other position is ignored. Accuracy is the
-    fraction of query positions whose argmax logit is the label, per sequence.
-:class:`LinearRegression`
-    In-context linear regression (Garg, Tsipras, Liang & Valiant 2022, ``dtsip/in-context-learning``):
-    ``x_i ~ N(0, I_d)``, ``w ~ N(0, I_d)``, ``y_i = wᵀx_i (+ σ ε_i)``, read by a linear embedding, in one of two
-    layouts: Garg et al.'s interleaved prompt ``x₁, y₁, …, x_k, y_k`` (each ``y`` in the first coordinate of a
-    ``d``-vector, ``models.py::_combine``; the prediction of ``y_i`` read at token ``x_i``), or one token
-    ``[x_i, y_i]`` per pair followed by query tokens ``[x_q, 0]`` (von Oswald et al. 2023; optionally with a
-    query-flag coordinate, ``[x_i, y_i, 0]`` and ``[x_q, 0, 1]``). The score is the
-    squared error divided by ``d`` (Garg et al.'s normalisation: the zero predictor scores ``(d + σ²)/d ≈ 1``).
-    Least squares (minimum-norm below ``d`` points) and ridge, computed on the same prompts in float64, are the
-    baselines.
-
-Both tasks draw from a numpy ``Generator`` only (float64, then cast), so a seed is one data stream everywhere.
+Training-free (:mod:`kernapprox.readout`)
+    :func:`smooth_regression`: in-context (Nadaraya–Watson) regression of a smooth random function on the sphere
+    ``S^{d−1}``: a Gaussian-process draw with squared-exponential covariance ``exp(−‖x−x'‖²/2ℓ²)`` (random-Fourier
+    approximation with ``J`` components) or a single random sinusoid; ``β`` is an inverse squared bandwidth (on the
+    sphere ``exp(β xᵀy) ∝ exp(−β‖x−y‖²/2)``). Scored by :func:`normalized_mse` against the noise-free function.
+Trained models (:mod:`kernapprox.models`)
+    :class:`LinearRegression`: in-context linear regression (Garg, Tsipras, Liang & Valiant 2022,
+    ``dtsip/in-context-learning``): ``x_i ~ N(0, I_d)``, ``w ~ N(0, I_d)``, ``y_i = wᵀx_i (+ σ ε_i)``, read by a
+    linear embedding, in one of two layouts: Garg et al.'s interleaved prompt ``x₁, y₁, …, x_k, y_k`` (each ``y`` in
+    the first coordinate of a ``d``-vector, ``models.py::_combine``; the prediction of ``y_i`` read at token
+    ``x_i``), or one token ``[x_i, y_i]`` per pair followed by query tokens ``[x_q, 0]`` (von Oswald et al. 2023;
+    optionally with a query-flag coordinate, ``[x_i, y_i, 0]`` and ``[x_q, 0, 1]``). The score is the squared error
+    divided by ``d`` (Garg et al.'s normalisation: the zero predictor scores ``(d + σ²)/d ≈ 1``). Least squares
+    (minimum-norm below ``d`` points) and ridge, computed on the same prompts in float64, are the baselines.
 
 >>> import numpy as np
->>> task = MQAR(vocab_size=32, seq_len=24, num_pairs=4)
->>> batch = task.sample(np.random.default_rng(0), 2)
->>> batch.inputs.shape, int((batch.labels >= 0).sum())          # 2 sequences × 4 queried keys
-(torch.Size([2, 24]), 8)
 >>> reg = LinearRegression(dim=3, num_points=5, num_queries=2)
 >>> reg.sample(np.random.default_rng(0), 2).inputs.shape         # (batch, k + m, d + 1)
 torch.Size([2, 7, 4])
@@ -38,152 +26,94 @@ torch.Size([2, 10, 3])
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import numpy as np
 import torch
-from torch.nn import functional as F
 
-from ..validation import check_bool, check_positive_float, check_positive_int
+from ..validation import as_generator, check_choice, check_positive_float, check_positive_int, check_tensor
+from ._common import _check_common, _to_torch, _unit_rows
 
-__all__ = ["MQAR", "MQARBatch", "LinearRegression", "RegressionBatch", "least_squares_predictions",
-           "ridge_predictions", "make_task", "TASKS", "IGNORE"]
-
-IGNORE = -100  # label of positions that are not scored (torch's cross-entropy default ignore_index)
+__all__ = ["RegressionEpisodes", "REGRESSION_TARGETS", "smooth_regression", "normalized_mse", "LinearRegression",
+           "RegressionBatch", "least_squares_predictions", "ridge_predictions"]
 
 
-# ------------------------------------------------------------------------------------------------------ MQAR
-class MQARBatch(NamedTuple):
-    """``inputs (B, L)`` token ids; ``labels (B, L)`` the value at each query position, ``IGNORE`` elsewhere;
-    ``keys``, ``values`` and ``query_positions`` ``(B, N)`` (pair ``j``'s key, value and where it is queried)."""
+# ------------------------------------------------------------------------------------------- training-free
+class RegressionEpisodes(NamedTuple):
+    """``x (B, n, d)`` unit rows with noisy targets ``y (B, n, d_v)``; ``x_query (B, n_q, d)`` with the
+    noise-free function values ``f_query (B, n_q, d_v)``."""
 
-    inputs: torch.Tensor
-    labels: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
-    query_positions: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+    x_query: torch.Tensor
+    f_query: torch.Tensor
 
 
-def _top_k_without_replacement(gen: np.random.Generator, weights: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """``(rows, k)`` indices drawn without replacement with probabilities ``∝ weights``, in draw order.
+REGRESSION_TARGETS = ("gp", "sinusoid")
 
-    Efraimidis & Spirakis (2006): the ``k`` largest keys ``log(u_i)/w_i``, ``u_i ~ U(0, 1)``, in decreasing order
-    have the law of ``k`` successive weighted draws without replacement (``numpy.random.choice(p=…,
-    replace=False)``'s law), here for all rows at once.
+
+def smooth_regression(num_context: int, *, dim: int = 4, num_queries: int = 64, target: str = "gp",
+                      lengthscale: float = 0.7, num_components: int = 256, noise_std: float = 0.1,
+                      num_outputs: int = 1, batch: int = 8, rng=None, device=None,
+                      dtype: torch.dtype = torch.float32) -> RegressionEpisodes:
+    """Nadaraya–Watson regression episodes of a smooth random function on the unit sphere ``S^{d−1}``.
+
+    Inputs are uniform on the sphere. Targets, one independent function per output channel:
+
+    ``"gp"``
+        ``f(x) = sqrt(2/J) Σ_j a_j cos(ω_jᵀx + b_j)`` with ``a_j ~ N(0,1)``, ``ω_j ~ N(0, ℓ⁻² I)``,
+        ``b_j ~ U(0, 2π)``: a random-Fourier approximation (Rahimi & Recht 2007) of a Gaussian process with
+        covariance ``exp(−‖x−x'‖²/(2ℓ²))`` and unit variance.
+    ``"sinusoid"``
+        ``f(x) = sqrt(2) sin(ωᵀx + b)`` with ``ω ~ N(0, ℓ⁻² I)`` — the spherical analogue of von Oswald et
+        al.'s sine-wave task.
+
+    Context targets are ``y = f(x) + noise_std · ε``; the queries carry the noise-free ``f``.
     """
-    u = gen.random((rows, weights.shape[0]))
-    keys = np.log(u) / weights                                   # log(0) = -inf is never drawn first
-    return np.argsort(-keys, axis=1, kind="stable")[:, :k]
+    n = check_positive_int(num_context, "num_context")
+    n_q = check_positive_int(num_queries, "num_queries")
+    d = check_positive_int(dim, "dim")
+    if d < 2:
+        raise ValueError(f"dim must be >= 2 (the sphere S^(d-1)), got {d}")
+    d_v = check_positive_int(num_outputs, "num_outputs")
+    j = check_positive_int(num_components, "num_components")
+    ell = check_positive_float(lengthscale, "lengthscale")
+    sigma = check_positive_float(noise_std, "noise_std", allow_zero=True)
+    check_choice(target, "target", REGRESSION_TARGETS)
+    device = _check_common(batch, device, dtype)
+    gen = as_generator(rng)
+    x_all = _unit_rows(gen.standard_normal((batch, n + n_q, d)))
+    if target == "sinusoid":
+        j = 1
+    omega = gen.standard_normal((batch, d_v, j, d)) / ell
+    phase = gen.uniform(0.0, 2.0 * math.pi, size=(batch, d_v, j))
+    amp = gen.standard_normal((batch, d_v, j)) if target == "gp" else np.ones((batch, d_v, 1))
+    proj = np.einsum("bnd,bojd->bnoj", x_all, omega) + phase[:, None]       # (B, n+n_q, d_v, J)
+    f_all = math.sqrt(2.0 / j) * (amp[:, None] * np.cos(proj)).sum(-1)     # (B, n+n_q, d_v)
+    y = f_all[:, :n] + sigma * gen.standard_normal((batch, n, d_v))
+    return RegressionEpisodes(
+        x=_to_torch(x_all[:, :n], device, dtype), y=_to_torch(y, device, dtype),
+        x_query=_to_torch(x_all[:, n:], device, dtype), f_query=_to_torch(f_all[:, n:], device, dtype))
 
 
-@dataclass(frozen=True)
-class MQAR:
-    """Multi-query associative recall (Zoology). See the module docstring for the sequence layout.
+def normalized_mse(predictions: torch.Tensor, episodes: RegressionEpisodes) -> torch.Tensor:
+    """``Σ_q (ŷ_q − f_q)² / Σ_q (f_q − f̄)²`` per episode and output channel, averaged over channels: ``(B,)``.
 
-    Parameters
-    ----------
-    vocab_size : int
-        ``V`` (even): keys are tokens ``1 … V/2 − 1``, values ``V/2 … V − 1``, token 0 the filler.
-    seq_len : int
-        ``L`` (even), at least ``4N`` (Zoology's constraint ``2N + 2N ≤ L``: context plus a query region that
-        fits every key).
-    num_pairs : int
-        ``N`` key–value pairs per sequence, all queried.
-    power_a : float
-        ``a`` of the gap law ``p(g) ∝ (g+1)^(a−1)`` (Zoology's default 0.01).
-    random_non_queries : bool
-        Fill the query region's other slots with uniform random tokens instead of 0 (Zoology's paper figures
-        use 0).
+    Predicting the mean of the query targets scores 1 (Garg et al. 2022 divide by the target variance in the
+    same way). A non-finite prediction gives ``inf``.
     """
-
-    vocab_size: int = 64
-    seq_len: int = 64
-    num_pairs: int = 8
-    power_a: float = 0.01
-    random_non_queries: bool = False
-    name: ClassVar[str] = "mqar"
-
-    def __post_init__(self):
-        v = check_positive_int(self.vocab_size, "vocab_size")
-        n = check_positive_int(self.seq_len, "seq_len")
-        pairs = check_positive_int(self.num_pairs, "num_pairs")
-        check_positive_float(self.power_a, "power_a")
-        check_bool(self.random_non_queries, "random_non_queries")
-        if v % 2 or n % 2:
-            raise ValueError(f"vocab_size and seq_len must be even, got {v} and {n}")
-        if pairs > v // 2 - 1:
-            raise ValueError(f"num_pairs must be at most vocab_size/2 - 1 = {v // 2 - 1} (distinct keys), got {pairs}")
-        if 4 * pairs > n:
-            raise ValueError(f"seq_len must be at least 4·num_pairs = {4 * pairs} (context and queries), got {n}")
-
-    # ---------------------------------------------------------------------------------- what a model needs
-    @property
-    def model_io(self) -> dict:
-        """What the model reads and writes: tokens of a ``V``-vocabulary in, ``V`` logits out."""
-        return {"vocab_size": self.vocab_size, "input_dim": None, "output_dim": self.vocab_size}
-
-    @property
-    def difficulty(self) -> int:
-        """What a curriculum varies: the number of pairs."""
-        return self.num_pairs
-
-    def with_difficulty(self, num_pairs: int) -> MQAR:
-        """The same task with ``num_pairs`` pairs (curriculum stages)."""
-        return dataclasses.replace(self, num_pairs=num_pairs)
-
-    def evaluation(self) -> MQAR:
-        """The held-out task of a training curve: this one."""
-        return self
-
-    def to_dict(self) -> dict:
-        return {"name": self.name, **dataclasses.asdict(self)}
-
-    # --------------------------------------------------------------------------------------------- data
-    def sample(self, gen: np.random.Generator, batch: int, device=None) -> MQARBatch:
-        """``batch`` sequences drawn from ``gen``."""
-        check_positive_int(batch, "batch")
-        half, n, pairs = self.vocab_size // 2, self.seq_len, self.num_pairs
-        keys = _top_k_without_replacement(gen, np.ones(half - 1), batch, pairs) + 1              # in [1, V/2)
-        values = _top_k_without_replacement(gen, np.ones(half), batch, pairs) + half            # in [V/2, V)
-        slots = (n - 2 * pairs) // 2
-        gaps = _top_k_without_replacement(gen, np.arange(1, slots + 1, dtype=np.float64) ** (self.power_a - 1.0),
-                                          batch, pairs)                                         # key j -> gap
-        query_positions = 2 * pairs + 2 * gaps
-        if self.random_non_queries:
-            inputs = gen.integers(0, self.vocab_size, size=(batch, n))
-        else:
-            inputs = np.zeros((batch, n), dtype=np.int64)
-        inputs[:, 0:2 * pairs:2] = keys
-        inputs[:, 1:2 * pairs:2] = values
-        rows = np.arange(batch)[:, None]
-        inputs[rows, query_positions] = keys
-        labels = np.full((batch, n), IGNORE, dtype=np.int64)
-        labels[rows, query_positions] = values
-        def as_t(a):
-            return torch.as_tensor(a, dtype=torch.int64, device=device)
-
-        return MQARBatch(as_t(inputs), as_t(labels), as_t(keys), as_t(values), as_t(query_positions))
-
-    # ------------------------------------------------------------------------------------------- scoring
-    def loss(self, outputs: torch.Tensor, batch: MQARBatch) -> torch.Tensor:
-        """Cross-entropy of the logits ``(B, L, V)`` at the query positions only."""
-        return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]).float(), batch.labels.reshape(-1),
-                               ignore_index=IGNORE)
-
-    def score(self, outputs: torch.Tensor, batch: MQARBatch) -> torch.Tensor:
-        """Accuracy per sequence: the fraction of its query positions whose argmax logit is the label,
-        ``(B,)`` float64. A position with a non-finite logit counts as wrong."""
-        mask = batch.labels != IGNORE
-        finite = torch.isfinite(outputs).all(-1)
-        correct = (outputs.argmax(-1) == batch.labels) & finite & mask
-        return correct.sum(-1).double() / mask.sum(-1).double()
-
-    score_name: ClassVar[str] = "accuracy"
-    higher_is_better: ClassVar[bool] = True
+    check_tensor(predictions, "predictions", min_rank=3, finite=False)
+    f = episodes.f_query.double()
+    p = predictions.double()
+    err = (p - f).pow(2).sum(-2)
+    var = (f - f.mean(-2, keepdim=True)).pow(2).sum(-2)
+    out = (err / var).mean(-1)
+    return torch.where(torch.isfinite(p).all(-1).all(-1), out, torch.full_like(out, float("inf")))
 
 
-# -------------------------------------------------------------------------------------- linear regression
+# ------------------------------------------------------------------------------ trained: linear regression
 class RegressionBatch(NamedTuple):
     """``inputs`` float32 prompt tokens; ``xs (B, P, d)``, ``ys (B, P)`` and ``w (B, d)`` in float64, every point
     of the prompt (the baselines' inputs); ``num_context``: the pairs in context (``paired`` layout; the points
@@ -405,13 +335,3 @@ def ridge_predictions(xs: torch.Tensor, ys: torch.Tensor, alpha: float) -> torch
     for i in range(1, xs.shape[1]):
         out[:, i] = (xs[:, i:i + 1].double() @ _fit(xs[:, :i], ys[:, :i], "ridge", alpha))[:, 0, 0]
     return out
-
-
-TASKS = {cls.name: cls for cls in (MQAR, LinearRegression)}
-
-
-def make_task(name: str, **params):
-    """The task ``name`` (``"mqar"`` or ``"regression"``) with parameters ``params``."""
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
-    return TASKS[name](**params)
