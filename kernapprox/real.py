@@ -42,7 +42,7 @@ import torch
 from .cache import CACHE_ENV as CACHE_ENV  # the one cache root's variable (cache_root reads it)
 from .cache import cache_dir
 from .distributions import Distribution, check_layer_head, register_distribution
-from .io import atomic_write
+from .io import atomic_write, read_arrays
 from .validation import check_positive_int
 
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -231,14 +231,7 @@ def extract_windows(num_windows: int = 4, start: int = 0, cache_dir=None):
     return ds
 
 
-@functools.lru_cache(maxsize=4)
-def _read(path: str, mtime: float) -> dict:
-    import xarray as xr
-
-    with xr.open_dataset(path, engine="h5netcdf") as ds:
-        out = {name: ds[name].values for name in ("q", "k", "v", "token_id", "window", "position")}
-        out["attrs"] = dict(ds.attrs)
-    return out
+_FIELDS = ("q", "k", "v", "token_id", "window", "position")
 
 
 def load_qkv(num_windows: int = 4, start: int = 0, cache_dir=None) -> dict:
@@ -247,17 +240,17 @@ def load_qkv(num_windows: int = 4, start: int = 0, cache_dir=None) -> dict:
 
     A cache made from a different text (another Python's help topics) is re-extracted when the extra is
     installed, and used as it is (it records its own text hash) when it is not. Raises ``ImportError`` with the
-    install hint when the ``real`` extra is absent and no cache exists. Loaded once per process (keyed by the
-    file's path and modification time).
+    install hint when the ``real`` extra is absent and no cache exists. Loaded once per process while the file
+    is unchanged (:func:`kernapprox.io.read_arrays`).
     """
     path = cache_path(num_windows, start, cache_dir)
     if not path.exists():
         _require()
         extract_windows(num_windows, start, cache_dir)
-    data = _read(str(path.resolve()), path.stat().st_mtime)
+    data = read_arrays(path, _FIELDS)
     if is_available() and data["attrs"].get("text_sha256") != _text_sha256():
         extract_windows(num_windows, start, cache_dir)
-        data = _read(str(path.resolve()), path.stat().st_mtime)
+        data = read_arrays(path, _FIELDS)
     return data
 
 

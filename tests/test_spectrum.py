@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox import real
 from kernapprox.estimators.samplers import haar_orthogonal
 from kernapprox.spectrum import (
     attention_singular_values,
@@ -113,9 +112,8 @@ def test_target_and_grid_validation():
         smallest_size_reaching([0.5, 0.1], [8, 4], 0.1)
 
 
-def test_spectrum_smoke_preset_runs_and_plots(tmp_path, monkeypatch):
+def test_spectrum_smoke_preset_runs_and_plots(tmp_path):
     pytest.importorskip("kernapprox.sweep")
-    monkeypatch.setenv(real.CACHE_ENV, str(REPO / "results" / "cache"))
     from experiments import spectrum
     from kernapprox.sweep import run
 
