@@ -118,11 +118,6 @@ def sized_readout_arguments(table: dict, label: str, num_features: int, *, num_c
     return name, options, r, ("queries_and_keys" if name in BATCH_READOUTS else "keys")
 
 
-def not_applicable(metric_table: dict) -> dict:
-    """The result of a cell that is not run: NaN for every metric."""
-    return {name: np.float64(np.nan) for name in metric_table}
-
-
 _EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
 
 

@@ -14,7 +14,6 @@ import numpy as np
 import xarray as xr
 from scipy import stats as scipy_stats
 
-from experiments._common import interval_note
 from experiments._icl import REPLICATES, legend_entries
 from experiments._icl import style as icl_style
 from kernapprox import stats
@@ -170,7 +169,6 @@ def findings(ds: xr.Dataset) -> str:
         if cs:
             lines += _mqar_lines(ds, task, cs[-1])
     lines.append(_training_line(ds))
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

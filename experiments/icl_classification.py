@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_proportion, interval_note, range_text
+from experiments._common import add_proportion, range_text
 from experiments._icl import (
     EPISODES,
     FIXED_DIMENSION_SLOT,
@@ -26,7 +26,6 @@ from experiments._icl import (
     available,
     episode_dims,
     memoised_episodes,
-    not_applicable,
     readout_metric_table,
     readout_metrics,
     score_grid,
@@ -35,7 +34,7 @@ from experiments._icl import (
 )
 from kernapprox import readout, tasks
 from kernapprox.plotting import bullets, fmt_ci, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 ESTIMATORS = SET_CONTEXT_ESTIMATORS
 
@@ -79,7 +78,7 @@ def _episodes(params, data_rng, device):
 def run_cell(params, rng, device, data_rng):
     label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
-        return not_applicable(METRICS)
+        return not_applicable()
     name, options = ESTIMATORS[label]
     ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
@@ -188,7 +187,6 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("Fixed maps, accuracy minus exact attention's on the same episodes: " + "; ".join(
             f"`{m}` {range_text(diff.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (over the n and β of the grid).")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

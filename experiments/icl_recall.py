@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_paired, interval_note, range_text, verdict
+from experiments._common import add_paired, range_text, verdict
 from experiments._icl import (
     EXACT_STATE,
     FIXED_DIMENSION_SLOT,
@@ -40,7 +40,6 @@ from experiments._icl import (
     episode_dims,
     legend_entries,
     memoised_episodes,
-    not_applicable,
     query_key_cosine,
     readout_metric_table,
     readout_metrics,
@@ -53,7 +52,7 @@ from experiments._icl import style as icl_style
 from kernapprox import memory, readout, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 # label -> (registry name or estimator class, constructor options); unregistered names are left out
 ESTIMATORS = {
@@ -129,15 +128,15 @@ def run_cell(params, rng, device, data_rng):
     label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d, seq_len=n))}
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
-        return not_applicable(METRICS)
+        return not_applicable()
     name, options = ESTIMATORS[label]
     fit_on = "keys"
     if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
         if r not in MATCHED_BUDGETS:                     # run at the budgets of the equal-bytes comparison only
-            return {**not_applicable(METRICS), **budget}
+            return not_applicable(**budget)
         sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
         if sized is None:
-            return {**not_applicable(METRICS), **budget}
+            return not_applicable(**budget)
         name, options, r, fit_on = sized
     beta = tasks.log_n_beta(n, params["beta_factor"])
     ep = _episodes(params, data_rng, device)
@@ -414,7 +413,6 @@ def findings(ds: xr.Dataset) -> str:
                                                             query="key", **at)
         lines.append(f"At r = {r_lo} trigonometric features have {fmt_ci(rate, percent=True)} of normalisers ≤ 0; the "
                      f"normalised read-out recalls {fmt_ci(norm)}, the numerator alone {fmt_ci(num)}.")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

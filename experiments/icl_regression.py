@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_summaries, interval_note, range_text
+from experiments._common import add_summaries, range_text
 from experiments._icl import (
     EPISODES,
     FIXED_DIMENSION_SLOT,
@@ -27,7 +27,6 @@ from experiments._icl import (
     available,
     episode_dims,
     memoised_episodes,
-    not_applicable,
     readout_metric_table,
     readout_metrics,
     score_grid,
@@ -35,7 +34,7 @@ from experiments._icl import (
 )
 from kernapprox import readout, tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, fmt_pct, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 ESTIMATORS = SET_CONTEXT_ESTIMATORS
 
@@ -79,7 +78,7 @@ def _episodes(params, data_rng, device):
 def run_cell(params, rng, device, data_rng):
     label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
-        return not_applicable(METRICS)
+        return not_applicable()
     name, options = ESTIMATORS[label]
     ep = _episodes(params, data_rng, device)
     read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.y, beta=beta, num_features=r, rng=rng,
@@ -180,7 +179,6 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("Fixed maps (their own dimension): " + "; ".join(
             f"`{m}` {range_text(nmse.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (median nMSE over the n and β of the grid).")
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

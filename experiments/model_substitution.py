@@ -42,10 +42,10 @@ import numpy as np
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_proportion, add_summaries, interval_note, resolved
+from experiments._common import add_paired, add_proportion, add_summaries, resolved
 from kernapprox import real, stats
 from kernapprox.plotting import bullets, fmt, fmt_ci
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 REAL_REASON = real.unavailable_reason()
 if REAL_REASON is not None:
@@ -192,9 +192,9 @@ def run_cell(params, rng, device, data_rng):
     name, r, search = params["estimator"], params["num_features"], params["search"]
     _check_real()
     setup = _context(params["paragraphs"], str(device))
-    out = _nan_result(len(setup.corpus))
     if not applicable(name, r, search, params):
-        return out
+        return not_applicable()
+    out = _nan_result(len(setup.corpus))                # filled per placement as the runs come
     root = int(data_rng.integers(2**63))                # shared by every cell of this (paragraphs, seed)
     subst = substitution_for(name, r, root, params)
 
@@ -364,7 +364,6 @@ def findings(ds) -> str:
                          f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
                          + _difference_text(ds, est, r, labels[top], labels[worst]) + ".")
     lines += _heldout_lines(ds, estimators, ranks)
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

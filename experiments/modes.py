@@ -36,11 +36,10 @@ import torch
 import torch.nn.functional as F
 
 import kernapprox as ka
-from experiments._common import interval_note
 from kernapprox import stats
 from kernapprox.attention import chunked_block_length  # the chunked mode's token block, for the memory count
 from kernapprox.plotting import bullets, fmt, fmt_ci
-from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 from kernapprox.timing import measure, synchronize
 
 HEADS, HEAD_DIM, NUM_FEATURES, CHUNK_SIZE = 8, 64, 256, 64
@@ -212,7 +211,7 @@ def _call(method, n, q, k, v, est, chunk_size=CHUNK_SIZE):
 def run_cell(params: dict, rng: np.random.Generator, device) -> dict:
     method, n, budget = params["computation"], params["seq_len"], params["budget_s"]
     if not _applicable(method, n, device):
-        return {name: np.nan for name in METRICS}
+        return not_applicable()
     decode = method in DECODE
     shape = {"heads": params["heads"], "d": params["head_dim"], "r": params["num_features"]}
     q, k, v = _inputs(rng, n + 1 if decode else n, device, shape["heads"], shape["d"])
@@ -320,8 +319,6 @@ def findings(ds) -> str:
     lines.append(f"Timings are only as good as the machine's load: the CPU utilisation of the cells ranged "
                  f"{fmt(float(util.min()), 2)}–{fmt(float(util.max()), 2)} (1 = the process had its cores) on "
                  f"{ds.attrs.get('device', 'an unrecorded device')}; a rerun measures new times.")
-    lines.append(interval_note(ds).replace("percentile bootstrap over the replicates",
-                                           "percentile bootstrap over the timed calls"))
     return bullets(lines)
 
 
@@ -426,7 +423,7 @@ EXPERIMENT = Experiment(
                 "where does linear attention overtake exact attention, and is a decode step O(1) in RNN mode and "
                 "O(n) with a KV cache?",
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False, parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summaries, findings=findings)
+    axis_attrs=AXIS_ATTRS, summarise=summaries, findings=findings, replicates="the timed calls")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, interval_note, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -43,7 +43,6 @@ from experiments._icl import (
     episode_dims,
     exact_band,
     memoised_episodes,
-    not_applicable,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -53,7 +52,7 @@ from experiments._icl import (
 from experiments._icl import style as icl_style
 from kernapprox import memory, readout, stats, tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
-from kernapprox.sweep import Experiment, Metric, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Reference, not_applicable, run_cli
 
 TASKS = {  # task -> settings
     "recall": {"num_context": 256, "beta_factor": 2.0, "num_queries": 256, "dim": 64, "num_candidates": 4096},
@@ -140,7 +139,7 @@ def run_cell(params, rng, device, data_rng):
     task, query, label, r = params["task"], params["query"], params["estimator"], params["num_features"]
     n = TASKS[task]["num_context"]
     if not _runs(task, query) or not applicable(ESTIMATORS, label, r, n):
-        return not_applicable(METRICS)
+        return not_applicable()
     name, options = ESTIMATORS[label]
     queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
     d, d_v = keys.shape[-1], values.shape[-1]
@@ -148,10 +147,10 @@ def run_cell(params, rng, device, data_rng):
     fit_on = "queries_and_keys" if label in ORACLES else "keys"
     if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
         if query != "key":                               # the perturbed recall queries are icl_recall's
-            return {**not_applicable(METRICS), **budget}
+            return not_applicable(**budget)
         sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d_v)
         if sized is None:
-            return {**not_applicable(METRICS), **budget}
+            return not_applicable(**budget)
         name, options, r, fit_on = sized
     read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
                                           options=options, fit_on=fit_on)
@@ -374,7 +373,7 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
     lines.extend(_matched_findings(ds))
     headline = [line for line in lines if line.startswith("At r = ")]
-    lines = headline + [line for line in lines if line not in headline] + [interval_note(ds)]
+    lines = headline + [line for line in lines if line not in headline]
     return bullets(lines)
 
 

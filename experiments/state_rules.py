@@ -35,7 +35,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_summaries, interval_note, resolved
+from experiments._common import add_paired, add_summaries, resolved
 from experiments._icl import (
     EPISODES,
     FIXED_DIMENSION_SLOT,
@@ -277,7 +277,6 @@ def findings(ds: xr.Dataset) -> str:
         best = _best_per_budget(ds, task, n)
         if best:
             lines.append(best)
-    lines.append(interval_note(ds))
     return bullets(lines)
 
 

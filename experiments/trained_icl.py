@@ -59,7 +59,7 @@ from kernapprox.models import (
     record_attention_inputs,
     substitute,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 FIXED_SLOT = 64        # the num_features column of maps whose dimension is fixed (exact, Taylor, ELU+1)
 
@@ -307,22 +307,17 @@ def _proxy(label: str, r: int, params, episodes, rng) -> np.ndarray:
     return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
 
 
-def _nan_result(table: dict) -> dict:
-    return {name: np.full(EPISODES, np.nan) if metric.dims == ("episode",) else np.float64(np.nan)
-            for name, metric in table.items()}
-
-
 @torch.no_grad()
 def run_cell(params, rng, device, data_rng):
     setup = SETUPS[params["task"]]
     sub, label, r, context = params["substitution"], params["estimator"], params["num_features"], params["context"]
     model_config = setup.build(device=str(device))[0]
     if not applicable(setup, sub, label, r, context, model_config.num_layers):
-        return _nan_result(METRICS)
+        return not_applicable()
     ref_config, ev, prompts, proxy = _data(params, data_rng, device)
     task = ref_config[1]
     reference = trained(ref_config)
-    result = _nan_result(METRICS)
+    result = {}
     if sub == "trained":
         evaluated = reference if label == "exact" else trained(presets.fixed_state(label, r, ref_config))
         model = evaluated.model
@@ -332,7 +327,7 @@ def run_cell(params, rng, device, data_rng):
             result["train_score"] = np.float64(evaluated.curve.eval_score.values[-1])
     else:
         if not landmarks_available(label, r, task):
-            return result
+            return not_applicable()
         layers = list(range(model_config.num_layers)) if sub == "all" else [int(sub[5:])]
         calibration = task.sample(rng, EPISODES, device=device).inputs     # for data-dependent estimators
         model = substitute(reference.model, {i: _spec(label, r) for i in layers}, rng=rng, calibration=calibration)
@@ -342,7 +337,7 @@ def run_cell(params, rng, device, data_rng):
     result["score"] = ev.score(model(prompts.inputs), prompts).cpu().numpy()
     result["state_bytes"] = np.float64(state_bytes(model, ev.seq_len))
     result["feature_dim"] = np.float64(_feature_dim(model))
-    return result
+    return not_applicable(**result)          # what this kind of cell does not measure stays NaN
 
 
 @torch.no_grad()
@@ -351,10 +346,10 @@ def run_reference(params, device, data_rng):
     effective temperature of its layers, the prompt length and its training record."""
     setup = SETUPS[params["task"]]
     if params["context"] not in setup.contexts:
-        return _nan_result(REFERENCE_METRICS)
+        return not_applicable()
     ref_config, ev, prompts, _ = _data(params, data_rng, device)
     reference = trained(ref_config)
-    out = _nan_result(REFERENCE_METRICS)
+    out = {}
     out["score_exact"] = ev.score(reference.model(prompts.inputs), prompts).cpu().numpy()
     heads = attention_heads(reference.model, prompts.inputs)
     out["reference_beta"] = np.array([float(effective_beta(heads["q"][i], heads["k"][i]).mean())
@@ -366,7 +361,7 @@ def run_reference(params, device, data_rng):
     out["reference_train_seconds"] = np.float64(reference.curve.attrs["train_seconds"])
     out["reference_train_cpu_seconds"] = np.float64(reference.curve.attrs["train_cpu_seconds"])
     out["reference_train_score"] = np.float64(reference.curve.eval_score.values[-1])
-    return out
+    return not_applicable(**out)             # the regression baselines stay NaN for MQAR
 
 
 # ------------------------------------------------------------------------------------------------ summaries

@@ -266,7 +266,10 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
     np.testing.assert_allclose(float(s.sel(stat="estimate")), float(prf.score.sel(substitution="all").mean()))
     text = trained_icl.findings(ds)
     assert "changes no score" in text and text == trained_icl.findings(ds.copy(deep=True))
-    assert text.startswith("- ") and "95 % intervals" in text.splitlines()[-1]
+    from kernapprox import sweep
+
+    closing = sweep.findings_text(trained_icl.EXPERIMENT, ds, "x").split("\n\n")[0].splitlines()[-1]
+    assert text.startswith("- ") and "95 % intervals" in closing       # the engine's closing line
 
 
 def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypatch):

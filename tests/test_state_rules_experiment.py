@@ -60,7 +60,8 @@ def test_findings_come_from_the_dataset(smoke):
     np.testing.assert_array_equal(paired.sel(rule="delta"), (smoke["accuracy"].sel(**sel, rule="delta")
                                                             - smoke["accuracy"].sel(**sel, rule="sum")))
     assert float(abs(paired.sel(rule="sum")).max()) == 0.0
-    assert "95 % intervals" in text.splitlines()[-1]
+    closing = sweep.findings_text(state_rules.EXPERIMENT, smoke, "x").split("\n\n")[0].splitlines()[-1]
+    assert "95 % intervals" in closing                                # the engine's closing line
 
 
 def test_figure(smoke, tmp_path):

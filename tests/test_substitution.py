@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox import real
+from kernapprox import real, sweep
 
 pytestmark = [pytest.mark.real,
               pytest.mark.skipif(not real.is_available(), reason=real.unavailable_reason() or "")]
@@ -299,7 +299,6 @@ def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
     from PIL import Image
 
     from experiments import model_substitution as study
-    from kernapprox import sweep
 
     root = Path(__file__).resolve().parents[1]
     cache = tmp_path / "cache"                       # fitted maps go to a fresh cache; the extraction is reused
@@ -339,7 +338,8 @@ def test_model_substitution_smoke_preset_runs_from_the_command_line(tmp_path):
     assert Image.open(figure).info["Description"].startswith("Sentence retrieval")
     text = study.findings(ds)
     assert text == study.findings(ds.copy(deep=True)) and text.count("\n- ") >= 2
-    assert "Exact model" in text and "exact layer" in text and "95 % intervals" in text.splitlines()[-1]
+    closing = sweep.findings_text(study.EXPERIMENT, ds, "x").split("\n\n")[0].splitlines()[-1]
+    assert "Exact model" in text and "exact layer" in text and "95 % intervals" in closing
     s = ds["top10_agreement_summary"].sel(estimator=grid["estimator"][0], num_features=32, search=False,
                                           placement="E:-").squeeze(drop=True)
     per_query = ds["top10_agreement"].sel(estimator=grid["estimator"][0], num_features=32, search=False,
