@@ -49,9 +49,20 @@ def check_tensor(x, name: str, *, min_rank: int = 2, finite: bool = True, allow_
     if min_rank >= 1 and x.dim() >= 1 and x.shape[-1] == 0:
         raise ValueError(f"{name} has a zero-size feature dimension, shape {tuple(x.shape)}")
     # meta tensors carry no values (shape-only checks); everything else is checked for NaN/Inf
-    if finite and x.numel() and x.device.type != "meta" and not _all_finite(x):
-        raise ValueError(f"{name} contains NaN or Inf values")
+    if finite and x.numel() and x.device.type != "meta":
+        if _compiling():
+            # Traced by torch.compile: the check becomes an assertion inside the graph (a data-dependent branch
+            # would break it); a NaN or Inf raises RuntimeError with the same message when the graph runs.
+            lo, hi = torch.aminmax(x.detach())
+            torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), f"{name} contains NaN or Inf values")
+        elif not _all_finite(x):
+            raise ValueError(f"{name} contains NaN or Inf values")
     return x
+
+
+def _compiling() -> bool:
+    """Whether the call is being traced by :func:`torch.compile` (a constant True while dynamo traces)."""
+    return torch.compiler.is_compiling()
 
 
 def _all_finite(x: torch.Tensor) -> bool:

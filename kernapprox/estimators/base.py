@@ -219,6 +219,12 @@ class Estimator:
         for name in _DECLARED:
             if name in vars(cls) and not isinstance(vars(cls)[name], _Declared):
                 setattr(cls, name, _Declared(name, vars(cls)[name]))
+        # The declarations and the constructor's keywords as plain class data, read by capabilities_for and
+        # parameter_names: torch.compile (dynamo) then guards on constants, where it mis-resolves the _Declared
+        # descriptors (a raw descriptor, or an ``InternalTorchDynamoError: 'str' object has no attribute
+        # 'value'``) and mis-guards inspect.signature's Parameter.kind enum.
+        cls._declarations = {name: inspect.getattr_static(cls, name).value for name in _DECLARED}
+        cls._keyword_names = _keyword_parameters(cls)
 
     # ----------------------------------------------------------------------------------------- capabilities
     @classmethod
@@ -228,13 +234,14 @@ class Estimator:
         Subclasses whose declarations depend on an option (a sampler, an inner feature map, a truncation degree)
         override this and resolve it from ``options``.
         """
+        d = cls._declarations
         return Capabilities(
-            kind=cls.kind, unbiased=bool(cls.unbiased), positive=bool(cls.positive),
-            data_dependent=bool(cls.data_dependent), causal_fit=bool(cls.causal_fit),
-            consistent=bool(cls.unbiased if cls.consistent is None else cls.consistent), causal=bool(cls.causal),
-            fixed_dimension=bool(cls.fixed_dimension), rank_limited_by_points=bool(cls.rank_limited_by_points),
-            query_dependent=bool(cls.query_dependent), modes=tuple(cls.modes), rules=tuple(cls.rules),
-            reference=str(cls.reference))
+            kind=d["kind"], unbiased=bool(d["unbiased"]), positive=bool(d["positive"]),
+            data_dependent=bool(d["data_dependent"]), causal_fit=bool(d["causal_fit"]),
+            consistent=bool(d["unbiased"] if d["consistent"] is None else d["consistent"]), causal=bool(d["causal"]),
+            fixed_dimension=bool(d["fixed_dimension"]), rank_limited_by_points=bool(d["rank_limited_by_points"]),
+            query_dependent=bool(d["query_dependent"]), modes=tuple(d["modes"]), rules=tuple(d["rules"]),
+            reference=str(d["reference"]))
 
     def capabilities(self) -> Capabilities:
         """The capabilities of this estimator (its class's declarations resolved for its parameters)."""
@@ -405,7 +412,7 @@ class Estimator:
     @classmethod
     def parameter_names(cls) -> tuple[str, ...]:
         """The keyword-only constructor parameters, in signature order."""
-        return _keyword_parameters(cls)
+        return cls._keyword_names
 
     def get_params(self) -> dict:
         """Constructor parameters (scikit-learn style)."""
@@ -425,6 +432,10 @@ for _name in _DECLARED:
 def _keyword_parameters(cls) -> tuple[str, ...]:
     parameters = inspect.signature(cls.__init__).parameters
     return tuple(name for name, p in parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY)
+
+
+Estimator._declarations = {_name: getattr(Estimator, _name) for _name in _DECLARED}
+Estimator._keyword_names = _keyword_parameters(Estimator)
 
 
 def _is_real_scalar(value) -> bool:
@@ -460,6 +471,25 @@ def _as_kind_of(current, value, name: str):
     return int(value) if isinstance(current, numbers.Integral) else float(value)
 
 
+
+
+class ExponentialForm(NamedTuple):
+    """A feature map of the exponential form, as parameters: for rows ``x'`` of the input,
+
+    ``log φ_j(x) = α (x'Wᵀ)_j + o_j − k α² ‖x'‖² / 2 + c``, stabilised as ``φ̃_j = exp(p_j − max_i p_i) + eps``,
+    ``ℓ = max_i p_i + c − k α² ‖x'‖² / 2`` with ``p = α x'Wᵀ + o``
+
+    (FAVOR+ and hyperbolic features, Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al.
+    2022, eq. 7). What a kernel that computes such features itself reads (:mod:`kernapprox.attention.native`).
+    """
+
+    rows: torch.Tensor                    # x' (..., n, d'): the input, or its transform
+    alpha: float                          # the input scale applied inside the product (√s, or 1)
+    weight: torch.Tensor                  # W (r, d')
+    offset: torch.Tensor | None           # o (r,), or None for zero
+    log_constant: float                   # c
+    eps: float                            # added after the row shift
+    norm: float                           # k: 1 when the row's norm enters ℓ, else 0
 
 
 class FeatureMap(Estimator):
@@ -515,6 +545,16 @@ class FeatureMap(Estimator):
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
         raise NotImplementedError
+
+    def exponential_form(self, x: torch.Tensor, role: str = "query") -> ExponentialForm | None:
+        """The map as an :class:`ExponentialForm` for rows of the *unscaled* input ``x`` (compute dtype), or None
+        when the map is not of that form (the default).
+
+        A map that returns a form promises that its stabilised features (:meth:`features` with
+        ``log_scale=True``) equal the form's to rounding; a kernel may then compute them itself, fused with the
+        attention that reads them, instead of calling :meth:`features`.
+        """
+        return None
 
     def _log_features_into(self, x: torch.Tensor, role: str, buffer: torch.Tensor):
         """:meth:`_log_features`, free to write ``φ̃`` into ``buffer`` (checked by :meth:`features`); by default
