@@ -50,19 +50,21 @@ def check_tensor(x, name: str, *, min_rank: int = 2, finite: bool = True, allow_
         raise ValueError(f"{name} has a zero-size feature dimension, shape {tuple(x.shape)}")
     # meta tensors carry no values (shape-only checks); everything else is checked for NaN/Inf
     if finite and x.numel() and x.device.type != "meta":
-        if _compiling():
-            # Traced by torch.compile: the check becomes an assertion inside the graph (a data-dependent branch
-            # would break it); a NaN or Inf raises RuntimeError with the same message when the graph runs.
-            lo, hi = torch.aminmax(x.detach())
-            torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), f"{name} contains NaN or Inf values")
-        elif not _all_finite(x):
-            raise ValueError(f"{name} contains NaN or Inf values")
+        check_finite(x, f"{name} contains NaN or Inf values")
     return x
 
 
-def _compiling() -> bool:
-    """Whether the call is being traced by :func:`torch.compile` (a constant True while dynamo traces)."""
-    return torch.compiler.is_compiling()
+def check_finite(x: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless every entry of ``x`` is finite.
+
+    Traced by :func:`torch.compile`, the check is an assertion inside the graph instead of a data-dependent
+    branch (which would break the graph): a NaN or Inf then raises ``RuntimeError`` with the same message when the
+    compiled graph runs. Never a silently wrong result either way."""
+    if torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(x.detach())
+        torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), message)
+    elif not _all_finite(x):
+        raise ValueError(message)
 
 
 def _all_finite(x: torch.Tensor) -> bool:

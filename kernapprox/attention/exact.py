@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel import resolve_scale
-from ..validation import check_bool, check_positive_int, check_qkv, compute_dtype, itemsize
+from ..validation import check_bool, check_finite, check_positive_int, check_qkv, compute_dtype, itemsize
 from .masks import check_attn_mask, check_key_padding_mask
 
 # Memory budget of the score matrix: softmax_attention calls SDPA once when all (batch, head) score matrices
@@ -106,7 +106,10 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
                                                        attn_mask=chunk_mask, is_causal=causal and chunk_mask is None,
                                                        scale=s))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    if out.numel() and not _all_finite(out):
+    if out.numel() and torch.compiler.is_compiling():     # an in-graph assertion (validation.check_finite)
+        check_finite(out, f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
+                     "or v is too large; rescale q and k (or pass a smaller scale)")
+    elif out.numel() and not _all_finite(out):
         raise ValueError(f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
                          f"(s = {s:.3g}, max ‖q‖ = {_max_norm(q):.3g}, max ‖k‖ = {_max_norm(k):.3g}) or v is too "
                          "large; rescale q and k (or pass a smaller scale)")
