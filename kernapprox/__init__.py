@@ -10,7 +10,7 @@ torch.Size([2, 4, 128, 32])
 >>> err = ka.metrics.relative_rms_error(y, ka.softmax_attention(q, k, v, causal=True))   # per (batch, head)
 """
 
-from . import estimators, metrics, rules, theory
+from . import backends, estimators, metrics, rules, theory
 from .attention import (
     MODES,
     RecurrentState,
@@ -35,8 +35,8 @@ from .validation import NotFittedError
 __version__ = "0.1.0"
 
 __all__ = [
-    "estimators", "metrics", "rules", "available_rules", "theory", "NotFittedError", "MODES", "AttentionParts",
-    "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention", "linear_attention_naive",
+    "backends", "estimators", "metrics", "rules", "available_rules", "theory", "NotFittedError", "MODES",
+    "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention", "linear_attention_naive",
     "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix", "resolve_scale",
     "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator", "register",
     "__version__",

@@ -107,7 +107,7 @@ def set_mode(switch: str, value: str) -> str:
     """Set ``switch`` to ``value`` for the process; returns the previous value."""
     spec = _check_switch(switch)
     if not isinstance(value, str) or value not in spec.modes:
-        raise ValueError(f"{spec.env} (switch {switch!r}) must be one of {spec.modes}, got {value!r}")
+        raise ValueError(f"{spec.env}: mode must be one of {spec.modes}, got {value!r}")
     previous, _MODES[switch] = _MODES[switch], value
     return previous
 

@@ -26,7 +26,8 @@ from kernapprox.estimators.base import Capabilities
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kernapprox"
 
-BELOW_ESTIMATORS = {"kernapprox.kernel", "kernapprox.theory", "kernapprox.validation"}
+BELOW_ESTIMATORS = {"kernapprox.kernel", "kernapprox.theory", "kernapprox.validation", "kernapprox.backends",
+                    "kernapprox.cache"}
 CAPABILITY_NAMES = {field for field in Capabilities.__dataclass_fields__} | {"supports_causal", "modes"}
 ESTIMATOR_METHODS = {"attention", "features", "kernel_matrix", "state_bytes", "num_features_param", "_log_features"}
 
