@@ -37,7 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "backends", "estimators", "metrics", "rules", "available_rules", "theory", "NotFittedError", "MODES",
     "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention",
-    "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix", "resolve_scale",
-    "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator", "register",
-    "__version__",
+    "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix",
+    "resolve_scale", "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator",
+    "register", "__version__",
 ]
