@@ -148,6 +148,7 @@ class Choice(NamedTuple):
 
 
 _REGISTRY: dict[str, dict[str, Backend]] = {}
+_ORDERED: dict[str, tuple[Backend, ...]] = {}      # per op, highest priority first (sorted once, at registration)
 _LAST: dict[str, Choice] = {}
 _RECORDERS: list[list[Choice]] = []
 
@@ -157,21 +158,24 @@ def register(backend: Backend) -> Backend:
     if backend.switch is not None:
         _check_switch(backend.switch)
     _REGISTRY.setdefault(backend.op, {})[backend.name] = backend
+    _ORDERED[backend.op] = tuple(sorted(_REGISTRY[backend.op].values(), key=lambda b: -b.priority))
     return backend
 
 
 def backends(op: str) -> list[Backend]:
     """The backends of ``op``, highest priority first."""
-    if op not in _REGISTRY:
-        raise ValueError(f"op must be one of {sorted(_REGISTRY)}, got {op!r}")
-    return sorted(_REGISTRY[op].values(), key=lambda b: -b.priority)
+    if op not in _ORDERED:
+        raise ValueError(f"op must be one of {sorted(_ORDERED)}, got {op!r}")
+    return list(_ORDERED[op])
 
 
 def choose(op: str, **call) -> Choice:
     """The first backend of ``op`` (by priority) that accepts ``call``, recorded for :func:`status` and
     :func:`record`. Every computation registers an ``eager`` backend that accepts every call."""
+    if op not in _ORDERED:
+        raise ValueError(f"op must be one of {sorted(_ORDERED)}, got {op!r}")
     declined = []
-    for backend in backends(op):
+    for backend in _ORDERED[op]:
         accepted, reason = backend.check(**call)
         if accepted:
             choice = Choice(op, backend.name, reason, tuple(declined))
@@ -198,5 +202,5 @@ def status() -> dict:
     """The switches (``{name: value}``), the backends of each computation (name, priority, switch) and the last
     choice made for each (a :class:`Choice`, or None before the first call)."""
     return {"switches": dict(_MODES),
-            "backends": {op: [(b.name, b.priority, b.switch) for b in backends(op)] for op in sorted(_REGISTRY)},
-            "last": {op: _LAST.get(op) for op in sorted(_REGISTRY)}}
+            "backends": {op: [(b.name, b.priority, b.switch) for b in _ORDERED[op]] for op in sorted(_ORDERED)},
+            "last": {op: _LAST.get(op) for op in sorted(_ORDERED)}}

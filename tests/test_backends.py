@@ -63,6 +63,7 @@ def test_registry_orders_by_priority():
 
 def test_a_registered_backend_takes_its_calls(monkeypatch):
     monkeypatch.setattr(backends, "_REGISTRY", {op: dict(b) for op, b in backends._REGISTRY.items()})
+    monkeypatch.setattr(backends, "_ORDERED", dict(backends._ORDERED))
     backends.register(backends.Backend("test", CHUNKED, 5, lambda **call: (False, "declines everything")))
     q, k, v = _data()
     est = ka.make_estimator("trig", num_features=8, rng=0).fit(q, k)

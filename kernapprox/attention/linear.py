@@ -12,9 +12,10 @@ floating-point tolerance:
     step for decoding one token at a time.
 ``chunked`` (the fast mode)
     blockwise: exact masked products within a chunk, the running state across chunks. Float32 calls on a CPU
-    without gradients run the compiled kernels of :mod:`.native` (same results to rounding) when the fused switch
-    allows it: every causal call, and non-causal calls with a map of the exponential form (whose features the
-    kernels then compute themselves, causal or not).
+    without gradients run the compiled operators of :mod:`.native` (same results to rounding) when the backend
+    dispatch takes them (:mod:`kernapprox.backends`, switch ``KERNAPPROX_NATIVE``): every causal call, and
+    non-causal calls with a map of the exponential form (whose features the kernels then compute themselves,
+    causal or not).
 
 The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
 (:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the

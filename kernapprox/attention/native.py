@@ -51,6 +51,7 @@ import hashlib
 import math
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 
@@ -88,7 +89,6 @@ def _prerequisites() -> tuple[bool, str]:
         verify_ninja_availability()
     except (ImportError, RuntimeError) as exc:
         return False, f"ninja is not available ({exc})"
-    import shutil
     compiler = os.environ.get("CXX") or "c++"
     if shutil.which(compiler) is None:
         return False, f"no C++ compiler ({compiler!r}; set CXX)"

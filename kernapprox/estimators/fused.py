@@ -24,7 +24,10 @@ summation order of ``‖x‖²``); the tests check it for every map and attentio
 
 The switch
 ----------
-``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode`:
+``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode` (the
+switch ``"fused"`` of :mod:`kernapprox.backends`, which makes and records each call's choice: backends ``fused``
+and ``eager`` of ``"features.exponential"`` and ``"features.trigonometric"``; the compiled chunked operators have
+their own switch, ``KERNAPPROX_NATIVE``):
 
 ``"auto"`` (default)
     fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries
