@@ -153,3 +153,27 @@ def test_inductor_compiles_the_native_operator():
         want = ka.linear_attention(q, k, v, est, causal=True)
         got = torch.compile(lambda q, k, v: ka.linear_attention(q, k, v, est, causal=True))(q, k, v)
     _close(got, want)
+
+
+@pytest.mark.skipif(not native.available(), reason=native.status())
+def test_the_native_operators_trace_in_one_graph():
+    """The operators under ``fullgraph=True``: their fake versions give the shapes, and the state they advance in
+    place (declared in their schemas) is advanced in the caller's tensors as in eager mode."""
+    gen = torch.Generator().manual_seed(6)
+    batch, n, r, d_v = 3, 20, 8, 4
+    pq, pk = torch.rand(batch, n, r, generator=gen), torch.rand(batch, n, r, generator=gen)
+    lq, lk = torch.randn(batch, n, generator=gen), torch.randn(batch, n, generator=gen)
+    v = torch.randn(batch, n, d_v, generator=gen)
+
+    def run(pq, lq, pk, lk, v, state, c):
+        out, den, logs = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+        native.chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, 4, -0.1, want_num=False)
+        return out, den, logs
+
+    results = []
+    for fn in (run, torch.compile(run, fullgraph=True, backend="aot_eager")):
+        state, c = torch.zeros(batch, d_v + 1, r), torch.full((batch,), native.SENTINEL)
+        results.append((*fn(pq, lq, pk, lk, v, state, c), state, c))
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert float(results[1][3].abs().sum()) > 0          # the state was advanced in place
