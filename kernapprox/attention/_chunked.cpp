@@ -1,12 +1,13 @@
-// Chunked linear attention (sum and decay rules) for the CPU, two kernels built and loaded by
-// kernapprox/attention/native.py; the eager code of kernapprox/attention/linear.py (_normalized_chunked) is the
-// reference they are tested against, with the same stabilisers. Every product is a single-threaded BLAS call; the
-// sequences of a batch are spread over the OpenMP threads.
+// Chunked linear attention (sum and decay rules) for the CPU: two kernels, registered as torch operators (the end
+// of this file), built by torch.utils.cpp_extension and loaded by kernapprox/attention/native.py; the eager code of
+// kernapprox/attention/linear.py (_normalized_chunked) is the reference they are tested against, with the same
+// stabilisers. Every product is ATen's CPU matrix product on the calling thread; the sequences of a batch are
+// spread over torch's threads (at::parallel_for).
 //
-// 1. kernapprox_chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
+// 1. kernapprox::chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
 // Linear Attention", sec. 3.2, with the log-domain shift of linear.py's module docstring); features come in.
-// With C > 0, kernapprox_exp_attention runs the same chunk loop with the features of an exponential map (as in 2.
+// With C > 0, kernapprox::exp_attention runs the same chunk loop with the features of an exponential map (as in 2.
 // below) computed per block of Lb tokens (a whole number of chunks) per sequence.
 //
 // Per sequence, chunk j of cl <= C tokens, positions p = 0..cl-1, a = log(gamma) (0 for the sum):
@@ -16,7 +17,7 @@
 //   S^T <- e^{s_prev + cl a - s} S^T + sum_l e^{l'_l + (cl-1) a - s} [v_l 1] phi(k_l)^T
 //   log-scale of row p: l(q_p) + c_p + p a.
 //
-// 2. kernapprox_exp_attention with C = 0: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
+// 2. kernapprox::exp_attention with C = 0: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
 // eq. 4-6), with a feature map of the exponential form computed inside the kernel, block by block while the block
 // is in cache: log phi_j(x) = alpha (x W^T)_j + o_j - k alpha^2 |x|^2 / 2 + c (FAVOR+ and hyperbolic features,
 // Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al. 2022), stabilised per row as the
