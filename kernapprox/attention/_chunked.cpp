@@ -50,8 +50,9 @@ inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     float* a = const_cast<float*>(A);
     float* b = const_cast<float*>(B);
-    const at::Tensor ma = ta ? at::from_blob(a, {K, M}, {lda, 1}, f32).t() : at::from_blob(a, {M, K}, {lda, 1}, f32);
-    const at::Tensor mb = tb ? at::from_blob(b, {N, K}, {ldb, 1}, f32).t() : at::from_blob(b, {K, N}, {ldb, 1}, f32);
+    // op(A) (M x K) and op(B) (K x N) as strided views, a transposed operand by its strides (no transpose call)
+    const at::Tensor ma = ta ? at::from_blob(a, {M, K}, {1, lda}, f32) : at::from_blob(a, {M, K}, {lda, 1}, f32);
+    const at::Tensor mb = tb ? at::from_blob(b, {K, N}, {1, ldb}, f32) : at::from_blob(b, {K, N}, {ldb, 1}, f32);
     at::Tensor mc = at::from_blob(C, {M, N}, {ldc, 1}, f32);
     at::cpu::addmm_out(mc, mc, ma, mb, beta, alpha);
 }
