@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import xarray as xr
 
+from kernapprox import backends
 from kernapprox.attention import native
 from kernapprox.estimators import fused
 from kernapprox.io import atomic_write
@@ -244,13 +245,15 @@ def main(argv: list[str] | None = None) -> xr.Dataset:
                              "its warm-up, so each case's untimed warm-up call compiles; the 'fusion' case times the "
                              "compilation), auto, on (every call), or off (the eager code; the default with --quick, "
                              "which must not spend seconds compiling)")
+    parser.add_argument("--native", choices=backends.SWITCHES["native"].modes, default=None,
+                        help="the compiled chunked operators (kernapprox.attention.native, KERNAPPROX_NATIVE): auto "
+                             "(default: calls of at least native.MIN_ENTRIES feature entries), on, or off (the "
+                             "default with --quick, which must not spend seconds building them)")
     args = parser.parse_args(argv)
     args.fused = args.fused or ("off" if args.quick else "large")
-    previous = fused.set_mode(args.fused)
-    try:
+    args.native = args.native or ("off" if args.quick else "auto")
+    with backends.mode("fused", args.fused), backends.mode("native", args.native):
         return _run(args, argv)
-    finally:
-        fused.set_mode(previous)
 
 
 def _run(args, argv) -> xr.Dataset:
@@ -294,6 +297,7 @@ def _run(args, argv) -> xr.Dataset:
         "heads": cfg.heads, "head_dim": HEAD_DIM, "num_features": NUM_FEATURES,
         "load_average_1min_at_end": float(load_end),
         "fused_mode": args.fused,
+        "native_mode": args.native,
         "fused_status": json.dumps(fused.status()),
         "native_status": native.status(),
         "wall_time_s": time.perf_counter() - t_start,

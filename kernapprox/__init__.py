@@ -12,7 +12,7 @@ torch.Size([2, 4, 128, 32])
 
 # approximate (the attention estimators, above the attention core) registers its names in the estimator registry;
 # real (the real-model home) registers the "real" heads in the distribution registry
-from . import approximate, estimators, metrics, real, rules, theory
+from . import approximate, backends, estimators, metrics, real, rules, theory
 from .attention import (
     MODES,
     RecurrentState,
@@ -38,10 +38,9 @@ from .validation import NotFittedError
 __version__ = "0.1.0"
 
 __all__ = [
-    "estimators", "approximate", "metrics", "real", "rules", "available_rules", "theory", "NotFittedError", "MODES",
-    "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState", "linear_attention",
-    "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix", "log_kernel_matrix",
-    "resolve_scale",
-    "available_estimators", "capabilities", "estimator_class", "estimator_table", "make_estimator", "register",
-    "convert", "__version__",
+    "backends", "estimators", "approximate", "metrics", "real", "rules", "available_rules", "theory",
+    "NotFittedError", "MODES", "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState",
+    "linear_attention", "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix",
+    "log_kernel_matrix", "resolve_scale", "available_estimators", "capabilities", "estimator_class",
+    "estimator_table", "make_estimator", "register", "convert", "__version__",
 ]

@@ -307,6 +307,7 @@ class KernelAttention(nn.Module):
         """After ``load_state_dict``: projections and fitted map come from one checkpoint, so the map is current."""
         if module.fitted:
             module._fitted_projections = module._projection_versions()
+            module._sync()                 # the loaded map, before a compiled forward (which does not sync)
 
     def _warn_once(self, cause: str, message: str) -> None:
         if cause not in self._warned:
@@ -327,17 +328,31 @@ class KernelAttention(nn.Module):
                             "Call fit(calibration) first, or pass refit_every=k to refit it while training")
             with torch.no_grad():
                 self._fit_estimator(q.detach(), k.detach())
-        elif self._fitted_projections is not None and self._projection_versions() != self._fitted_projections:
+        elif (not torch.compiler.is_compiling()        # a warning only: its version counters are not traceable
+              and self._fitted_projections is not None and self._projection_versions() != self._fitted_projections):
             self._warn_once("stale", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} was "
                             "fitted on query/key projections that have changed since (an optimizer step or a "
                             "load): the map is stale. Pass refit_every=k to refit it while training, or call "
                             "fit(calibration) after training")
 
     def _sync(self) -> None:
+        # Traced by torch.compile, the buffers' storage and version counters are not visible: the estimator is
+        # synced eagerly instead, whenever the buffers can change outside a forward call (fitting, loading,
+        # moving or casting the layer: _apply below) and by the first eager call after an in-place edit.
+        if torch.compiler.is_compiling():
+            return
         signature = self.feature_state.signature()
         if signature != self._signature:
             self.feature_state.restore(self.estimator)
             self._signature = signature
+
+    def _apply(self, fn, *args, **kwargs):
+        """``nn.Module._apply`` (``.to``, ``.cuda``, ``.double``, ...), then the estimator synced to the moved or
+        cast buffers (for a compiled forward, which does not sync; :meth:`_sync`)."""
+        out = super()._apply(fn, *args, **kwargs)
+        if "feature_state" in self._modules and "_signature" in self.__dict__ and self.fitted:
+            self._sync()
+        return out
 
     def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, n, width = x.shape

@@ -49,9 +49,28 @@ def check_tensor(x, name: str, *, min_rank: int = 2, finite: bool = True, allow_
     if min_rank >= 1 and x.dim() >= 1 and x.shape[-1] == 0:
         raise ValueError(f"{name} has a zero-size feature dimension, shape {tuple(x.shape)}")
     # meta tensors carry no values (shape-only checks); everything else is checked for NaN/Inf
-    if finite and x.numel() and x.device.type != "meta" and not all_finite(x):
-        raise ValueError(f"{name} contains NaN or Inf values")
+    if finite and x.numel() and x.device.type != "meta":
+        check_finite(x, f"{name} contains NaN or Inf values")
     return x
+
+
+def check_finite(x: torch.Tensor, message: str) -> None:
+    """Raise ``ValueError(message)`` unless every entry of ``x`` is finite.
+
+    Traced by :func:`torch.compile`, the check is an assertion inside the graph instead of a data-dependent
+    branch (which would break the graph): a NaN or Inf then raises ``RuntimeError`` with the same message when the
+    compiled graph runs. Never a silently wrong result either way."""
+    if torch.compiler.is_compiling():
+        lo, hi = torch.aminmax(x.detach())
+        torch._assert_async(torch.isfinite(lo) & torch.isfinite(hi), message)
+    elif not all_finite(x):
+        raise ValueError(message)
+
+
+def max_row_norm(x: torch.Tensor) -> float:
+    """The largest Euclidean norm of a row (last dimension) of ``x``, in float64: what error messages about
+    overflow report."""
+    return float(torch.linalg.vector_norm(x.detach().double(), dim=-1).max())
 
 
 def all_finite(x: torch.Tensor) -> bool:

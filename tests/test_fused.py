@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import kernapprox as ka
+from kernapprox import backends
 from kernapprox.estimators import fused
 
 EXPONENTIAL = ("positive", "positive_orthogonal", "hyperbolic", "gerf", "oprf", "sderf", "saderf", "aderf")
@@ -70,13 +71,13 @@ def test_switch_and_context_manager():
                                            ("auto", "auto")])
 def test_environment_variable(monkeypatch, raw, expected):
     monkeypatch.setenv("KERNAPPROX_FUSED", raw)
-    assert fused._initial_mode() == expected
+    assert backends._initial("fused") == expected
 
 
 def test_unknown_environment_value_warns_and_means_auto(monkeypatch):
     monkeypatch.setenv("KERNAPPROX_FUSED", "turbo")
     with pytest.warns(RuntimeWarning, match="KERNAPPROX_FUSED"):
-        assert fused._initial_mode() == "auto"
+        assert backends._initial("fused") == "auto"
 
 
 def test_auto_policy(monkeypatch, fresh):

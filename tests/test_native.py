@@ -13,15 +13,22 @@ only the kernel differs between the two runs.
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
 import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from test_fused import _rounding_close, data
 
 import kernapprox as ka
+from kernapprox import backends
 from kernapprox.attention import native
+from kernapprox.attention.rules import SENTINEL
 from kernapprox.estimators import fused
 
 pytestmark = pytest.mark.skipif(not native._prerequisites()[0], reason=native._prerequisites()[1])
@@ -30,7 +37,7 @@ pytestmark = pytest.mark.skipif(not native._prerequisites()[0], reason=native._p
 @pytest.fixture
 def kernel_only(monkeypatch):
     """The switch on, feature maps eager, and a count of the kernel's calls (after its load and self-check)."""
-    assert native._load() is not None, native.status()
+    assert native._load(), native.status()
     monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)
     calls = []
     real, real_noncausal, real_causal_exp = native.chunk_block, native.noncausal, native.causal_exp
@@ -39,18 +46,18 @@ def kernel_only(monkeypatch):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    def counted_noncausal(estimator, xq, xk, *args, **kwargs):
-        calls.append(("non-causal", xq.shape[0], xq.shape[1], xk.shape[1]))
-        return real_noncausal(estimator, xq, xk, *args, **kwargs)
+    def counted_noncausal(forms, *args, **kwargs):
+        calls.append(("non-causal", forms[0].rows.shape[0], forms[0].rows.shape[1], forms[1].rows.shape[1]))
+        return real_noncausal(forms, *args, **kwargs)
 
-    def counted_causal_exp(estimator, xq, xk, *args, **kwargs):
-        calls.append(("causal, features inside", xq.shape[0], xq.shape[1]))
-        return real_causal_exp(estimator, xq, xk, *args, **kwargs)
+    def counted_causal_exp(forms, *args, **kwargs):
+        calls.append(("causal, features inside", forms[0].rows.shape[0], forms[0].rows.shape[1]))
+        return real_causal_exp(forms, *args, **kwargs)
 
     monkeypatch.setattr(native, "chunk_block", counted)
     monkeypatch.setattr(native, "noncausal", counted_noncausal)
     monkeypatch.setattr(native, "causal_exp", counted_causal_exp)
-    with fused.mode("on"):
+    with backends.mode("native", "on"):
         yield calls
 
 
@@ -60,10 +67,10 @@ def _compare(q, k, v, est, what, **call):
     call64 = dict(call)
     if call.get("initial_state") is not None:
         call64["initial_state"] = type(call["initial_state"])(*(t.double() for t in call["initial_state"]))
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ref, ref_state = ka.linear_attention(q, k, v, est, **call)
         ref64, ref64_state = ka.linear_attention(q.double(), k.double(), v.double(), est, **call64)
-    with fused.mode("on"):
+    with backends.mode("native", "on"):
         got, got_state = ka.linear_attention(q, k, v, est, **call)
     for part, a, b, c in zip(ref._fields, got, ref, ref64):
         _rounding_close(a, b, c, f"{what} {part}")
@@ -94,12 +101,12 @@ def test_padding_initial_state_and_outputs(kernel_only):
     padding[1, 17] = True
     for rule in ("sum", ka.rules.Decay(0.8)):
         _compare(q, k, v, est, f"padding {rule}", rule=rule, chunk_size=8, key_padding_mask=padding)
-        with fused.mode("off"):
+        with backends.mode("native", "off"):
             _, state = ka.linear_attention(q[:, :13], k[:, :13], v[:, :13], est, causal=True, mode="chunked",
                                            rule=rule, chunk_size=8, return_state=True)
         _compare(q[:, 13:], k[:, 13:], v[:, 13:], est, f"carried state {rule}", rule=rule, chunk_size=8,
                  initial_state=state)
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
     got = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)   # outputs only
     _rounding_close(got, ref, ka.linear_attention(q.double(), k.double(), v.double(), est, causal=True,
@@ -124,9 +131,9 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     ka.linear_attention(q.double(), k.double(), v.double(), est, **run)      # float64: eager
     ka.linear_attention(q.requires_grad_(), k, v, est, **run)                # a gradient: eager
     ka.linear_attention(q.detach(), k, v, est, rule=ka.rules.Delta(), **run)  # another rule: eager
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ka.linear_attention(q.detach(), k, v, est, **run)
-    with fused.mode("auto"):                                                 # auto: below MIN_ENTRIES, eager
+    with backends.mode("native", "auto"):                                    # auto: below MIN_ENTRIES, eager
         ka.linear_attention(q.detach(), k, v, est, **run)
     torch.set_num_threads(3)                                                 # fewer sequences than threads
     ka.linear_attention(q.detach(), k, v, est, **run)
@@ -135,8 +142,8 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     ka.linear_attention(q.detach(), k, v, est, **run)
     ka.linear_attention(q.detach(), k, v, ka.make_estimator("trig", num_features=8, rng=0).fit(q, k), **run)
     assert kernel_only == [("causal, features inside", 2, 40), (2, 40, 8)]
-    monkeypatch.setattr(fused, "MIN_ENTRIES", 2 * 40 * 8)
-    with fused.mode("auto"):                                                 # auto at the threshold: the kernel
+    monkeypatch.setattr(native, "MIN_ENTRIES", 2 * 40 * 8)
+    with backends.mode("native", "auto"):                                    # auto at the threshold: the kernel
         ka.linear_attention(q.detach(), k, v, est, **run)
     assert len(kernel_only) == 3
 
@@ -150,7 +157,14 @@ def _exponential_maps():
             est = ka.make_estimator(name, num_features=16, rng=0)
         except (TypeError, ValueError):
             continue
-        if native.exponential_form(est):
+        if not est.capabilities().kind == "features":
+            continue
+        x = torch.randn(2, 24, 8, generator=torch.Generator().manual_seed(0))
+        try:
+            est.fit(x, x)
+        except ValueError:                       # a map whose dimension is fixed by d: not of the form
+            continue
+        if est.exponential_form(x, "query") is not None:
             names.append(name)
     return names
 
@@ -205,7 +219,7 @@ def test_causal_features_inside_padding_state_eps_offset(kernel_only):
     for what, est in maps.items():
         for rule in ("sum", ka.rules.Decay(0.8)):
             _compare(q, k, v, est, f"{what} padding {rule}", rule=rule, chunk_size=16, key_padding_mask=padding)
-            with fused.mode("off"):
+            with backends.mode("native", "off"):
                 _, state = ka.linear_attention(q[:, :100], k[:, :100], v[:, :100], est, causal=True,
                                                mode="chunked", rule=rule, chunk_size=16, return_state=True)
             _compare(q[:, 100:], k[:, 100:], v[:, 100:], est, f"{what} carried state {rule}", rule=rule,
@@ -219,13 +233,13 @@ def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):
     for what, est in maps.items():
         for rule in ("sum", ka.rules.Decay(0.8)):
             _compare(q, k, v, est, f"{what} padding {rule}", causal=False, rule=rule, key_padding_mask=padding)
-            with fused.mode("off"):
+            with backends.mode("native", "off"):
                 _, state = ka.linear_attention(q[:, :100], k[:, :100], v[:, :100], est, causal=False,
                                                mode="chunked", rule=rule, return_state=True)
             _compare(q, k[:, 100:170], v[:, 100:170], est, f"{what} carried state, 300 queries, 70 keys {rule}",
                      causal=False, rule=rule, initial_state=state)
     est = maps["positive eps"]
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ref = ka.linear_attention(q, k, v, est, mode="chunked")
     got = ka.linear_attention(q, k, v, est, mode="chunked")                # outputs only
     _rounding_close(got, ref, ka.linear_attention(q.double(), k.double(), v.double(), est, mode="chunked"),
@@ -233,7 +247,7 @@ def test_noncausal_padding_state_eps_offset_and_cross_lengths(kernel_only):
     q_strided = q.transpose(0, 1).contiguous().transpose(0, 1)             # batch stride < row stride
     v_shared = v[:, :1].expand_as(v)                                        # every key the same value row
     got = ka.linear_attention(q_strided, k, v_shared, est, mode="chunked")
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ref = ka.linear_attention(q, k, v_shared.contiguous(), est, mode="chunked")
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-6)
     assert sum(1 for c in kernel_only if c[0] == "non-causal") == 3 * 2 * 2 + 2
@@ -257,9 +271,9 @@ def test_noncausal_used_exactly_when_eligible(kernel_only, monkeypatch):
     ka.linear_attention(q.requires_grad_(), k, v, est, mode="chunked")                # a gradient: eager
     ka.linear_attention(q.detach(), k, v, est, mode="chunked", rule=ka.rules.Delta())  # another rule: eager
     ka.linear_attention(q.detach(), k, v, est, mode="parallel")                        # another mode
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ka.linear_attention(q.detach(), k, v, est, mode="chunked")
-    with fused.mode("auto"):                                                           # below MIN_ENTRIES
+    with backends.mode("native", "auto"):                                                           # below MIN_ENTRIES
         ka.linear_attention(q.detach(), k, v, est, mode="chunked")
     torch.set_num_threads(3)                                                           # fewer sequences
     ka.linear_attention(q.detach(), k, v, est, mode="chunked")
@@ -271,31 +285,147 @@ def test_noncausal_used_exactly_when_eligible(kernel_only, monkeypatch):
 
 @pytest.fixture
 def fresh_kernel(monkeypatch, tmp_path):
-    """No loaded library and no failure before and after the test; builds go to ``tmp_path``."""
-    monkeypatch.setenv(native.DIR_ENV, str(tmp_path))
+    """No passed check and no failure before and after the test, builds in the private ``tmp_path`` (pytest makes it
+    0700). A library loaded in this process stays loaded (its operators cannot be unregistered): tests of building
+    and loading forget its path for their duration, so that the next load builds (or refuses) again."""
+    monkeypatch.setenv(native.DIR_ENV, str(tmp_path / "native"))
+    monkeypatch.setattr(native._State, "path", None)
     native.reset()
     yield tmp_path
     native.reset()
 
 
-def test_build_is_cached_and_reported(fresh_kernel):
-    assert native.status() == "unused"
-    assert native._load() is not None
-    built = sorted(fresh_kernel.glob("chunked-*.so"))
-    assert len(built) == 1 and native.status() == f"loaded {built[0]}"
-    stamp = built[0].stat().st_mtime_ns
-    native.reset()
-    assert native._load() is not None and built[0].stat().st_mtime_ns == stamp   # loaded, not rebuilt
-    assert list(fresh_kernel.glob("*.tmp")) == []
+# A fresh process: its status after loading, and its threads (/proc/self/task) once torch's pool runs (a product
+# and an exp on 2 threads) and again after the operators ran on 8 sequences.
+_STATUS = """
+import json, os, torch
+from kernapprox.attention import native
+torch.set_num_threads(2)
+tasks = lambda: len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else -1
+a = torch.randn(512, 512)
+(a @ a).sum(), torch.exp(torch.randn(1 << 22)).sum()
+ok, before = native._load(), tasks()
+if ok:
+    B, L, r, dv = 8, 1024, 64, 16
+    pq, pk, lq, lk = torch.rand(B, L, r), torch.rand(B, L, r), torch.randn(B, L), torch.randn(B, L)
+    state, c = torch.zeros(B, dv + 1, r), torch.full((B,), native.SENTINEL)
+    out, den, logs = torch.empty(B, L, dv), torch.empty(B, L), torch.empty(B, L)
+    native.chunk_block(pq, lq, pk, lk, torch.randn(B, L, dv), state, c, out, den, logs, 64, 0.0, False)
+print(json.dumps([ok, native.status(), str(native.build_root()), before, tasks()]))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh_process() -> list:
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _STATUS], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_build_is_cached_private_and_reported(fresh_process):
+    """A process loads the build of an earlier one (not rebuilt), from folders of mode 0700."""
+    assert native._load(), native.status()
+    status, root = native.status(), str(native.build_root())
+    assert status.startswith("loaded "), status
+    library = Path(status.removeprefix("loaded "))
+    stamp = library.stat().st_mtime_ns
+    for folder in (Path(root), library.parent):
+        info = folder.lstat()
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700, folder
+        assert info.st_uid == os.getuid()
+    assert library.parent.parent == Path(root)
+    ok, status_again = fresh_process[:2]
+    assert ok and status_again == status and library.stat().st_mtime_ns == stamp     # loaded, not rebuilt
+
+
+def _planted_library(folder: Path, name: str, marker: Path) -> Path:
+    """A shared library whose constructor writes ``marker``: it would run the moment the library is loaded."""
+    source = folder / "planted.c"
+    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) {\n'
+                      f'    FILE* f = fopen("{marker}", "w"); if (f) {{ fputs("loaded", f); fclose(f); }}\n}}\n')
+    target = folder / name
+    done = subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"no C compiler to build the planted library: {done.stderr[:200]}")
+    return target
+
+
+def _plant_everywhere(tmp_path: Path, marker: Path, open_root: Path):
+    """Libraries at the predictable names: the old per-user folder of the shared temporary directory and, in the
+    world-writable ``open_root``, the build folder and file name the build would use."""
+    old = Path(tempfile.gettempdir()) / f"kernapprox-{os.getuid()}"
+    old.mkdir(exist_ok=True)
+    planted = [_planted_library(old, "chunked-0123456789abcdef.so", marker)]
+    for folder in (open_root, open_root / _digest()):
+        folder.mkdir(exist_ok=True)
+        os.chmod(folder, 0o777)
+        planted.append(_planted_library(folder, "kernapprox_chunked.so", marker))
+    return planted
+
+
+def _digest() -> str:
+    """The name of the build folder (the hash of source, flags and torch) :func:`native._build_dir` uses."""
+    import hashlib
+
+    return hashlib.sha256(native.SOURCE.read_bytes() + "\0".join(
+        [*native._flags(), torch.__version__, os.environ.get("CXX", "")]).encode()).hexdigest()[:16]
+
+
+def _refused(expected: str):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert not native._load()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "disabled" in messages[0] and expected in messages[0], messages
+    assert native.status().startswith("failed:")
+
+
+def test_a_planted_library_is_never_loaded(fresh_kernel, monkeypatch):
+    """A library planted at the predictable names in a world-writable folder of the shared temporary directory
+    never runs: the override pointing there is refused (mode 0777), so is a cache root whose build folders are
+    open to others, and an unwritable cache root has no fallback to the temporary directory."""
+    tmp_path = fresh_kernel
+    marker = tmp_path / "marker"
+    shared = Path(tempfile.mkdtemp(prefix="kernapprox-planted-"))
+    os.chmod(shared, 0o777)
+    try:
+        _plant_everywhere(tmp_path, marker, shared / "native")
+        monkeypatch.setenv(native.DIR_ENV, str(shared / "native"))           # the override: a 0777 folder
+        _refused("not private")
+        native.reset()
+        monkeypatch.delenv(native.DIR_ENV)
+        monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(shared))              # the cache root: its native/ is 0777
+        _refused("not private")
+        native.reset()
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(blocked / "cache"))   # unwritable: no fallback anywhere
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert not native._load()
+        assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+        private = tmp_path / "private"
+        private.mkdir(mode=0o700)
+        (private / _digest()).mkdir(mode=0o755)                              # a private root, an open build folder
+        native.reset()
+        monkeypatch.setenv(native.DIR_ENV, str(private))
+        _refused("not private")
+        assert not marker.exists(), "a planted library was loaded"
+    finally:
+        import shutil
+
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def _eager_fallback_check(monkeypatch, expected_reason):
     monkeypatch.setattr(fused, "use_fused", lambda *args, **kwargs: False)     # only the kernel differs
     q, k, v = data(shape=(2, 33, 6), seed=4)
     est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
-    with fused.mode("off"):
+    with backends.mode("native", "off"):
         ref = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
-    with warnings.catch_warnings(record=True) as caught, fused.mode("on"):
+    with warnings.catch_warnings(record=True) as caught, backends.mode("native", "on"):
         warnings.simplefilter("always")
         first = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
         second = ka.linear_attention(q, k, v, est, causal=True, mode="chunked", chunk_size=8)
@@ -307,11 +437,23 @@ def _eager_fallback_check(monkeypatch, expected_reason):
 
 
 def test_failed_build_falls_back_to_eager_with_one_warning(fresh_kernel, monkeypatch):
-    monkeypatch.setenv("CXX", "false")            # a "compiler" that fails
-    _eager_fallback_check(monkeypatch, "compilation failed")
+    broken = fresh_kernel / "broken-c++"           # a "compiler" that tells its version and fails every build
+    broken.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then exec c++ --version; fi\nexit 1\n')
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    _eager_fallback_check(monkeypatch, "Error building extension")
 
 
-def test_wrong_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
+@pytest.fixture
+def loaded_kernel():
+    """The library loaded, its check to be run again by the test (and again after it)."""
+    assert native._load(), native.status()
+    native.reset()
+    yield
+    native.reset()
+
+
+def test_wrong_kernel_is_caught_by_the_self_check(loaded_kernel, monkeypatch):
     real = native.chunk_block
 
     def wrong(pq, lq, pk, lk, v, state, c, out, den, logs, *rest, **kwargs):
@@ -319,32 +461,57 @@ def test_wrong_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
         out.mul_(1.001)                           # a kernel off by 0.1 %
 
     monkeypatch.setattr(native, "chunk_block", wrong)
-    _eager_fallback_check(monkeypatch, "self-check: its outputs differ")
+    _eager_fallback_check(monkeypatch, "self-check: the causal operator's outputs differ")
 
 
-def test_wrong_noncausal_kernel_is_caught_by_the_self_check(fresh_kernel, monkeypatch):
+def test_wrong_noncausal_kernel_is_caught_by_the_self_check(loaded_kernel, monkeypatch):
     real = native.noncausal
 
-    def wrong(estimator, xq, xk, v, padding, state, c, out, *rest, **kwargs):
-        real(estimator, xq, xk, v, padding, state, c, out, *rest, **kwargs)
+    def wrong(forms, v, padding, state, c, out, *rest, **kwargs):
+        real(forms, v, padding, state, c, out, *rest, **kwargs)
         state.mul_(1.001)                         # a final state off by 0.1 %
 
     monkeypatch.setattr(native, "noncausal", wrong)
-    _eager_fallback_check(monkeypatch, "self-check: the non-causal kernel's state differ")
+    _eager_fallback_check(monkeypatch, "self-check: the non-causal operator's state differ")
 
 
-def test_unwritable_cache_falls_back_to_the_temporary_directory(monkeypatch, tmp_path):
-    blocked = tmp_path / "file"
-    blocked.write_text("")                       # a file where the cache folder would be: mkdir fails
-    monkeypatch.delenv(native.DIR_ENV, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))
-    assert str(native._build_dir()).startswith(tempfile.gettempdir())
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert native._build_dir() == tmp_path / "kernapprox"
+def test_the_self_check_reference_is_the_eager_code():
+    """The self-check's float64 reference (native._reference, which imports nothing of linear.py) equals the eager
+    parallel mode on a problem with decay, a carried state and padded keys; and its sentinel is the rules'."""
+    from kernapprox.attention.linear import _normalized_parallel
+    from kernapprox.attention.rules import NormalizedState
+
+    assert native.SENTINEL == SENTINEL
+    gen = torch.Generator().manual_seed(11)
+    batch, n_q, n_k, r, d_v, a = 2, 9, 7, 5, 3, -0.1
+    for causal in (True, False):
+        nq = n_k if causal else n_q
+        pq, pk = torch.rand(batch, nq, r, generator=gen).double(), torch.rand(batch, n_k, r, generator=gen).double()
+        lq, lk = torch.randn(batch, nq, generator=gen).double(), torch.randn(batch, n_k, generator=gen).double()
+        lk[0, 2] = SENTINEL
+        v = torch.randn(batch, n_k, d_v, generator=gen).double()
+        w0, z0, c0 = (t.double() for t in native._random_state(gen, batch, r, d_v))
+        out, den, log_den, s, log_s = native._reference(pq, lq, pk, lk, v, causal, a, (w0, z0, c0))
+        num, den_p, logs_p, final = _normalized_parallel(pq, lq, pk, lk, v, causal, a, None,
+                                                         NormalizedState(w0, z0, c0), True)
+        torch.testing.assert_close(out, num / den_p[..., None])
+        torch.testing.assert_close(den * torch.exp(log_den - logs_p), den_p)
+        want = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2)
+        torch.testing.assert_close(s * torch.exp(log_s - final.log_scale)[:, None, None], want)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc (Linux)")
+def test_the_products_run_on_torchs_threads_only(fresh_process):
+    """Each sequence runs on one of torch's threads with its products on that thread: in a fresh process whose
+    pool of 2 threads runs, the operator on 8 sequences starts no thread (a multi-threaded BLAS call inside the
+    parallel region would start a nested team)."""
+    ok, status, _, before, after = fresh_process
+    assert ok, status
+    assert before > 0 and after == before, (before, after)
 
 
 def test_exported_exp_matches_torch_and_checks_its_arguments():
-    assert native._load() is not None, native.status()
+    assert native._load(), native.status()
     src = torch.cat([-100 * torch.rand(10_000, generator=torch.Generator().manual_seed(0)),
                      torch.tensor([0.0, -87.0, -88.0, -1e30])])
     out = native.exp_nonpositive(src, torch.empty_like(src))

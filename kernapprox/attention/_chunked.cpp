@@ -1,12 +1,13 @@
-// Chunked linear attention (sum and decay rules) for the CPU, two kernels built and loaded by
-// kernapprox/attention/native.py; the eager code of kernapprox/attention/linear.py (_normalized_chunked) is the
-// reference they are tested against, with the same stabilisers. Every product is a single-threaded BLAS call; the
-// sequences of a batch are spread over the OpenMP threads.
+// Chunked linear attention (sum and decay rules) for the CPU: two kernels, registered as torch operators (the end
+// of this file), built by torch.utils.cpp_extension and loaded by kernapprox/attention/native.py; the eager code of
+// kernapprox/attention/linear.py (_normalized_chunked) is the reference they are tested against, with the same
+// stabilisers. Every product is ATen's CPU matrix product on the calling thread; the sequences of a batch are
+// spread over torch's threads (at::parallel_for).
 //
-// 1. kernapprox_chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
+// 1. kernapprox::chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
 // Linear Attention", sec. 3.2, with the log-domain shift of linear.py's module docstring); features come in.
-// With C > 0, kernapprox_exp_attention runs the same chunk loop with the features of an exponential map (as in 2.
+// With C > 0, kernapprox::exp_attention runs the same chunk loop with the features of an exponential map (as in 2.
 // below) computed per block of Lb tokens (a whole number of chunks) per sequence.
 //
 // Per sequence, chunk j of cl <= C tokens, positions p = 0..cl-1, a = log(gamma) (0 for the sum):
@@ -16,7 +17,7 @@
 //   S^T <- e^{s_prev + cl a - s} S^T + sum_l e^{l'_l + (cl-1) a - s} [v_l 1] phi(k_l)^T
 //   log-scale of row p: l(q_p) + c_p + p a.
 //
-// 2. kernapprox_exp_attention with C = 0: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
+// 2. kernapprox::exp_attention with C = 0: the non-causal mode, y = phi(Q) (phi(K)^T [V 1]) (Katharopoulos et al. 2020,
 // eq. 4-6), with a feature map of the exponential form computed inside the kernel, block by block while the block
 // is in cache: log phi_j(x) = alpha (x W^T)_j + o_j - k alpha^2 |x|^2 / 2 + c (FAVOR+ and hyperbolic features,
 // Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al. 2022), stabilised per row as the
@@ -33,22 +34,27 @@
 #include <cstring>
 #include <vector>
 
-#include <omp.h>
-
-extern "C" {
-// Fortran BLAS and MKL's thread control, exported by libtorch_cpu (PyTorch builds with MKL).
-void sgemm_(const char*, const char*, const int*, const int*, const int*, const float*, const float*, const int*,
-            const float*, const int*, const float*, float*, const int*);
-int MKL_Set_Num_Threads_Local(int);
-}
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm_cpu_dispatch.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/library.h>
 
 namespace {
 
-// Row-major C (M x N) = alpha op(A) op(B) + beta C, through the column-major BLAS (C^T = op(B)^T op(A)^T).
+// Row-major C (M x N) = alpha op(A) op(B) + beta C (C is not read when beta = 0), by ATen's CPU matrix product
+// on views of the buffers: torch's BLAS through its public API. Called inside at::parallel_for, where torch's BLAS
+// runs on the calling thread only (tests/test_native.py measures it).
 inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
                  int ldb, float beta, float* C, int ldc) {
-    const char a = ta ? 'T' : 'N', b = tb ? 'T' : 'N';
-    sgemm_(&b, &a, &N, &M, &K, &alpha, B, &ldb, A, &lda, &beta, C, &ldc);
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    float* a = const_cast<float*>(A);
+    float* b = const_cast<float*>(B);
+    // op(A) (M x K) and op(B) (K x N) as strided views, a transposed operand by its strides (no transpose call)
+    const at::Tensor ma = ta ? at::from_blob(a, {M, K}, {1, lda}, f32) : at::from_blob(a, {M, K}, {lda, 1}, f32);
+    const at::Tensor mb = tb ? at::from_blob(b, {K, N}, {1, ldb}, f32) : at::from_blob(b, {K, N}, {ldb, 1}, f32);
+    at::Tensor mc = at::from_blob(C, {M, N}, {ldc, 1}, f32);
+    at::cpu::addmm_out(mc, mc, ma, mb, beta, alpha);
 }
 
 // exp(x) for x <= 0 (branch-free, so that loops vectorise): Cody-Waite reduction x = n ln2 + r, a degree-6
@@ -362,59 +368,141 @@ void causal_exp_sequences(const Problem& g, const ExpInputs& in, int b0, int b1)
     }
 }
 
-// Sequences b0..b1-1 of B per OpenMP thread, each thread's BLAS products on that one thread.
+// Sequences b0..b1-1 of B per thread of torch's pool (at::parallel_for: one range of sequences per thread).
 template <class Fn>
-void over_sequences(int B, int threads, Fn run) {
-    const int nt = std::max(1, std::min(threads, B));
-#pragma omp parallel num_threads(nt)
-    {
-        const int i = omp_get_thread_num(), m = omp_get_num_threads();
-        const int previous = MKL_Set_Num_Threads_Local(1);
-        run((int)((int64_t)B * i / m), (int)((int64_t)B * (i + 1) / m));
-        MKL_Set_Num_Threads_Local(previous);
-    }
+void over_sequences(int B, Fn run) {
+    at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) { run((int)b0, (int)b1); });
 }
 
 }  // namespace
 
-extern "C" int kernapprox_chunked_causal(int B, int L, int r, int dv, int C, float a, const float* pq,
-                                         const float* lq, const float* pk, const float* lk, const float* v,
-                                         int64_t v_sb, int64_t v_st, float* S, float* c, float* out,
-                                         int64_t o_sb, int64_t o_st, float* den, float* logs, int64_t d_sb,
-                                         int want_num, int threads) {
-    if (B < 1 || L < 1 || r < 1 || dv < 1 || C < 1) return 1;
-    const Problem g{B, L, r, dv, C, a, pq, lq, pk, lk, v, v_sb, v_st, S, c, out, den, logs, o_sb, o_st, d_sb,
-                    want_num};
-    over_sequences(B, threads, [&](int b0, int b1) { run_sequences(g, b0, b1); });
-    return 0;
+// ------------------------------------------------------------------------------------------------ the operators
+// Registered with torch's dispatcher as kernapprox::chunked_causal, kernapprox::exp_attention and
+// kernapprox::exp_nonpos (CPU); kernapprox/attention/native.py registers their shape-only (fake) versions for
+// torch.compile. Every operator writes into the tensors marked (x!) in its schema and returns nothing.
+namespace {
+
+const float* f32(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, name, " must be a float32 CPU tensor");
+    return t.data_ptr<float>();
 }
 
-// dst = exp(src) over n entries (<= 0) by the kernels' exp, on `threads` OpenMP threads: for the benchmarks'
-// roofline, which charges every exp at the fastest rate measured on the machine.
-extern "C" void kernapprox_exp_nonpos(const float* src, float* dst, int64_t n, int threads) {
-#pragma omp parallel for num_threads(std::max(1, threads)) schedule(static)
-    for (int64_t i = 0; i < n; ++i) dst[i] = exp_nonpos(src[i]);
+float* f32_out(const at::Tensor& t, const char* name) { return const_cast<float*>(f32(t, name)); }
+
+const float* f32_rows(const at::Tensor& t, const char* name) {        // (B, n, m), unit stride within a row
+    TORCH_CHECK(t.dim() == 3 && (t.size(2) <= 1 || t.stride(2) == 1), name, " must be (B, n, m) with rows of unit "
+                "stride");
+    return f32(t, name);
 }
 
-// The kernels with the features of an exponential map computed inside, Lb tokens at a time per sequence: causal
-// (chunk length C > 0; nq = nk, Lb a multiple of C) or non-causal (C = 0). mapq, mapk: [alpha, c, eps, k].
-extern "C" int kernapprox_exp_attention(int C, int B, int nq, int nk, int d, int r, int dv, int Lb, float a,
-                                        const float* Wq, const float* oq, const float* mapq, const float* Wk,
-                                        const float* ok, const float* mapk, const float* xq, int64_t xq_sb,
-                                        int64_t xq_st, const float* xk, int64_t xk_sb, int64_t xk_st,
-                                        const unsigned char* pad, int64_t pad_sb, const float* v, int64_t v_sb,
-                                        int64_t v_st, float* S, float* c, float* out, int64_t o_sb, int64_t o_st,
-                                        float* den, float* logs, int64_t d_sb, int want_num, int threads) {
-    if (B < 1 || nq < 0 || nk < 0 || d < 1 || r < 1 || dv < 1 || Lb < 1 || C < 0) return 1;
-    if (C > 0 && (nq != nk || nq < 1 || Lb < C || Lb % C)) return 1;
-    const Problem g{B, nq, r, dv, C, a, nullptr, nullptr, nullptr, nullptr, v, v_sb, v_st, S, c, out, den, logs,
-                    o_sb, o_st, d_sb, want_num};
-    const ExpInputs in{ExpMap{Wq, oq, mapq[0], mapq[1], mapq[2], mapq[3]},
-                       ExpMap{Wk, ok, mapk[0], mapk[1], mapk[2], mapk[3]}, xq, xk, xq_sb, xq_st, xk_sb, xk_st, pad,
-                       pad_sb, d, nk, Lb};
-    if (C > 0)
-        over_sequences(B, threads, [&](int b0, int b1) { causal_exp_sequences(g, in, b0, b1); });
+const float* f32_dense(const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+    return f32(t, name);
+}
+
+void check_outputs(const at::Tensor& state, const at::Tensor& c, const at::Tensor& out, const at::Tensor& den,
+                   const at::Tensor& logs, int64_t B, int64_t n, int64_t dv, int64_t r) {
+    TORCH_CHECK(state.is_contiguous() && state.dim() == 3 && state.size(0) == B && state.size(1) == dv + 1 &&
+                state.size(2) == r, "state must be a contiguous (B, d_v+1, r) tensor");
+    TORCH_CHECK(c.is_contiguous() && c.numel() == B, "c must be a contiguous (B,) tensor");
+    TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == n && out.size(2) == dv &&
+                (dv <= 1 || out.stride(2) == 1), "out must be (B, n, d_v) with rows of unit stride");
+    TORCH_CHECK(den.dim() == 2 && den.size(0) == B && den.size(1) == n && (n <= 1 || den.stride(1) == 1) &&
+                logs.sizes() == den.sizes() && logs.strides() == den.strides(),
+                "den and logs must be (B, n) with one layout and unit stride");
+}
+
+void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor& pk, const at::Tensor& lk,
+                    const at::Tensor& v, const at::Tensor& state, const at::Tensor& c, const at::Tensor& out,
+                    const at::Tensor& den, const at::Tensor& logs, int64_t chunk_size, double log_decay,
+                    bool want_num) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
+    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    TORCH_CHECK(lq.dim() == 2 && lq.size(0) == B && lq.size(1) == L && lk.sizes() == lq.sizes(),
+                "lq and lk must be (B, L)");
+    TORCH_CHECK(v.size(0) == B && v.size(1) == L, "v must be (B, L, d_v)");
+    check_outputs(state, c, out, den, logs, B, L, dv, r);
+    const Problem g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, (float)log_decay, f32_dense(pq, "pq"),
+                    f32_dense(lq, "lq"), f32_dense(pk, "pk"), f32_dense(lk, "lk"), f32_rows(v, "v"), v.stride(0),
+                    v.stride(1), f32_out(state, "state"), f32_out(c, "c"), f32_out(out, "out"), f32_out(den, "den"),
+                    f32_out(logs, "logs"), out.stride(0), out.stride(1), den.stride(0), want_num ? 1 : 0};
+    over_sequences((int)B, [&](int b0, int b1) { run_sequences(g, b0, b1); });
+}
+
+ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::ArrayRef<double> scalars, int64_t d,
+               const char* name) {
+    TORCH_CHECK(W.dim() == 2 && W.size(1) == d, name, ": the weight must be (r, d)");
+    TORCH_CHECK(scalars.size() == 4, name, ": the map's scalars are [alpha, c, eps, k]");
+    const float* offset = nullptr;
+    if (o.has_value()) {
+        TORCH_CHECK(o->numel() == W.size(0), name, ": the offset must have r entries");
+        offset = f32_dense(*o, "offset");
+    }
+    return ExpMap{f32_dense(W, "weight"), offset, (float)scalars[0], (float)scalars[1], (float)scalars[2],
+                  (float)scalars[3]};
+}
+
+void exp_attention(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq,
+                   const std::optional<at::Tensor>& oq, at::ArrayRef<double> mapq, const at::Tensor& wk,
+                   const std::optional<at::Tensor>& ok, at::ArrayRef<double> mapk,
+                   const std::optional<at::Tensor>& padding, const at::Tensor& v, const at::Tensor& state,
+                   const at::Tensor& c, const at::Tensor& out, const at::Tensor& den, const at::Tensor& logs,
+                   int64_t chunk_size, int64_t block, double log_decay, bool want_num) {
+    const float* pxq = f32_rows(xq, "xq");
+    const float* pxk = f32_rows(xk, "xk");
+    const int64_t B = xq.size(0), nq = xq.size(1), nk = xk.size(1), d = xq.size(2), r = wq.size(0), dv = v.size(-1);
+    TORCH_CHECK(B >= 1 && d >= 1 && r >= 1 && dv >= 1 && block >= 1 && chunk_size >= 0, "empty problem");
+    TORCH_CHECK(xk.size(0) == B && xk.size(2) == d && wk.size(0) == r, "xq, xk and the maps disagree in shape");
+    TORCH_CHECK(chunk_size == 0 || (nq == nk && nq >= 1 && block >= chunk_size && block % chunk_size == 0),
+                "causal: n_q = n_k and a block of whole chunks");
+    TORCH_CHECK(v.size(0) == B && v.size(1) == nk, "v must be (B, n_k, d_v)");
+    check_outputs(state, c, out, den, logs, B, nq, dv, r);
+    const unsigned char* pad = nullptr;
+    int64_t pad_sb = 0;
+    if (padding.has_value()) {
+        TORCH_CHECK(padding->scalar_type() == at::kBool && padding->dim() == 2 && padding->size(0) == B &&
+                    padding->size(1) == nk && (nk <= 1 || padding->stride(1) == 1), "padding must be (B, n_k) bool");
+        pad = reinterpret_cast<const unsigned char*>(padding->data_ptr<bool>());
+        pad_sb = padding->stride(0);
+    }
+    const Problem g{(int)B, (int)nq, (int)r, (int)dv, (int)chunk_size, (float)log_decay, nullptr, nullptr, nullptr,
+                    nullptr, f32_rows(v, "v"), v.stride(0), v.stride(1), f32_out(state, "state"), f32_out(c, "c"),
+                    f32_out(out, "out"), f32_out(den, "den"), f32_out(logs, "logs"), out.stride(0), out.stride(1),
+                    den.stride(0), want_num ? 1 : 0};
+    const ExpInputs in{exp_map(wq, oq, mapq, d, "query map"), exp_map(wk, ok, mapk, d, "key map"), pxq, pxk,
+                       xq.stride(0), xq.stride(1), xk.stride(0), xk.stride(1), pad, pad_sb, (int)d, (int)nk,
+                       (int)block};
+    if (chunk_size > 0)
+        over_sequences((int)B, [&](int b0, int b1) { causal_exp_sequences(g, in, b0, b1); });
     else
-        over_sequences(B, threads, [&](int b0, int b1) { noncausal_sequences(g, in, b0, b1); });
-    return 0;
+        over_sequences((int)B, [&](int b0, int b1) { noncausal_sequences(g, in, b0, b1); });
+}
+
+// out = exp(src) over every entry (<= 0) by the kernels' exp, on torch's threads: for the benchmarks' roofline,
+// which charges every exp at the fastest rate measured on the machine.
+void exp_nonpos_op(const at::Tensor& src, const at::Tensor& out) {
+    TORCH_CHECK(src.numel() == out.numel(), "src and out differ in size");
+    const float* s = f32_dense(src, "src");
+    float* o = const_cast<float*>(f32_dense(out, "out"));
+    at::parallel_for(0, src.numel(), 1 << 14, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) o[i] = exp_nonpos(s[i]);
+    });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kernapprox, m) {
+    m.def("chunked_causal(Tensor pq, Tensor lq, Tensor pk, Tensor lk, Tensor v, Tensor(a!) state, Tensor(b!) c, "
+          "Tensor(c!) out, Tensor(d!) den, Tensor(e!) logs, int chunk_size, float log_decay, bool want_num) -> ()");
+    m.def("exp_attention(Tensor xq, Tensor xk, Tensor wq, Tensor? oq, float[] mapq, Tensor wk, Tensor? ok, "
+          "float[] mapk, Tensor? padding, Tensor v, Tensor(a!) state, Tensor(b!) c, Tensor(c!) out, Tensor(d!) den, "
+          "Tensor(e!) logs, int chunk_size, int block, float log_decay, bool want_num) -> ()");
+    m.def("exp_nonpos(Tensor src, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
+    m.impl("chunked_causal", &chunked_causal);
+    m.impl("exp_attention", &exp_attention);
+    m.impl("exp_nonpos", &exp_nonpos_op);
 }

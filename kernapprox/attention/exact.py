@@ -29,7 +29,16 @@ import torch
 import torch.nn.functional as F
 
 from ..kernel import resolve_scale
-from ..validation import check_bool, check_positive_int, check_qkv, compute_dtype, itemsize
+from ..validation import (
+    all_finite,
+    check_bool,
+    check_finite,
+    check_positive_int,
+    check_qkv,
+    compute_dtype,
+    itemsize,
+    max_row_norm,
+)
 from .masks import check_attn_mask, check_key_padding_mask
 
 # Memory budget of the score matrix: softmax_attention calls SDPA once when all (batch, head) score matrices
@@ -106,9 +115,12 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
                                                        attn_mask=chunk_mask, is_causal=causal and chunk_mask is None,
                                                        scale=s))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-2)
-    if out.numel() and not _all_finite(out):
+    if out.numel() and torch.compiler.is_compiling():     # an in-graph assertion (validation.check_finite)
+        check_finite(out, f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
+                     "or v is too large; rescale q and k (or pass a smaller scale)")
+    elif out.numel() and not all_finite(out):
         raise ValueError(f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
-                         f"(s = {s:.3g}, max ‖q‖ = {_max_norm(q):.3g}, max ‖k‖ = {_max_norm(k):.3g}) or v is too "
+                         f"(s = {s:.3g}, max ‖q‖ = {max_row_norm(q):.3g}, max ‖k‖ = {max_row_norm(k):.3g}) or v is too "
                          "large; rescale q and k (or pass a smaller scale)")
     out = out.to(q.dtype)
     if return_lse:
@@ -162,12 +174,3 @@ def _check_rows(mask, start):
         raise ValueError(f"query {row} (batch index {batch}) has no key to attend to: key_padding_mask, attn_mask "
                          "and causal order leave it none; softmax attention over no key is undefined (0/0). Unmask a "
                          "key for it, or drop the row")
-
-
-def _all_finite(x: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(x.detach())
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def _max_norm(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x.detach().double(), dim=-1).max())

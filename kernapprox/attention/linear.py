@@ -12,9 +12,10 @@ floating-point tolerance:
     step for decoding one token at a time.
 ``chunked`` (the fast mode)
     blockwise: exact masked products within a chunk, the running state across chunks. Float32 calls on a CPU
-    without gradients run the compiled kernels of :mod:`.native` (same results to rounding) when the fused switch
-    allows it: every causal call, and non-causal calls with a map of the exponential form (whose features the
-    kernels then compute themselves, causal or not).
+    without gradients run the compiled operators of :mod:`.native` (same results to rounding) when the backend
+    dispatch takes them (:mod:`kernapprox.backends`, switch ``KERNAPPROX_NATIVE``): every causal call, and
+    non-causal calls with a map of the exponential form (whose features the kernels then compute themselves,
+    causal or not).
 
 The state may be written by other rules than the sum (``rule=``, :mod:`kernapprox.rules`): a decayed sum
 (:class:`~kernapprox.rules.Decay`), the delta rule (:class:`~kernapprox.rules.Delta`, :mod:`.delta`) and the
@@ -38,6 +39,7 @@ import math
 
 import torch
 
+from .. import backends
 from ..estimators.base import AttentionParts, Estimator
 from ..rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
@@ -201,14 +203,16 @@ def _normalized_chunked(q, k, v, estimator, causal, chunk_size, a, padding, stat
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, q.dtype, q.device, want_num)
-    if causal and _native.eligible_exponential(q, estimator, batch, n, r, needs_grad=not inplace):
-        state, c = _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c, r, chunk_size)
-    elif causal and _native.eligible(q, batch, n, r, needs_grad=not inplace):
+    backend = backends.choose("linear_attention.chunked", device=q.device, dtype=ct, needs_grad=not inplace,
+                              rule_ok=True, batch=batch, entries=batch * max(n, n_k) * r, causal=causal,
+                              exponential=estimator.exponential_form(qf[:, :0], "query") is not None).backend
+    if backend == "native-exp":
+        forms = (estimator.exponential_form(qf, "query"), estimator.exponential_form(kf, "key"))
+        state, c = _chunked_native(forms, vf, padf, a, sink, state, c, r, chunk_size if causal else None)
+    elif backend == "native":
         state, c = _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a, sink, state, c, r)
     elif causal:
         state, c = _chunked_causal(qf, values, features, key_features, chunk_size, block, a, sink, state, c, ws)
-    elif _native.eligible_exponential(q, estimator, batch, max(n, n_k), r, needs_grad=not inplace):
-        state, c = _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c, r)
     else:
         state, c = _chunked_noncausal(n, n_k, block, lambda start, stop: features(qf[:, start:stop], "query"),
                                       key_features, values, a, sink, state, c)
@@ -421,6 +425,16 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
     return state, c_carry
 
 
+# The eager code's backends of the chunked mode (the compiled operators register theirs in .native).
+backends.register(backends.Backend(
+    "cuda", "linear_attention.chunked", 10,
+    lambda *, device, **_: (device.type == "cuda", "torch's CUDA kernels (the eager code on the GPU)"
+                            if device.type == "cuda" else f"on {device.type}"),
+    None, "the eager code on a CUDA device"))
+backends.register(backends.Backend("eager", "linear_attention.chunked", 0, lambda **_: (True, "the eager code"),
+                                   None, "the eager code: any device, dtype and rule, with autograd"))
+
+
 def _kernel_state(state, c_carry, sink, d_v, r):
     """The transposed state ``(batch, d_v+1, r)`` and its log-scale as the kernels advance them in place: fresh
     (zeros, the empty-state sentinel) or contiguous copies, never the caller's tensors."""
@@ -450,17 +464,18 @@ def _chunked_causal_native(qf, vf, features, key_features, chunk_size, block, a,
     return state, c_carry
 
 
-def _chunked_native(qf, kf, vf, padf, estimator, a, sink, state, c_carry, r, chunk_size=None):
-    """The chunked mode by a compiled kernel that computes the features itself (maps of the exponential form):
-    non-causal (:func:`.native.noncausal`) or, given ``chunk_size``, causal (:func:`.native.causal_exp`). Float32,
-    no gradient; returns the final (transposed) state and its log-scale."""
+def _chunked_native(forms, vf, padf, a, sink, state, c_carry, r, chunk_size=None):
+    """The chunked mode by the compiled operator that computes the features itself from the map's exponential
+    forms ``(query, key)`` (:meth:`~kernapprox.estimators.base.FeatureMap.exponential_form`): non-causal
+    (:func:`.native.noncausal`) or, given ``chunk_size``, causal (:func:`.native.causal_exp`). Float32, no
+    gradient; returns the final (transposed) state and its log-scale."""
     state, c_carry = _kernel_state(state, c_carry, sink, vf.shape[-1], r)
     out = sink.num if sink.num is not None else sink.out
     if chunk_size is None:
-        _native.noncausal(estimator, qf, kf, vf, padf, state, c_carry, out, sink.den, sink.logs, a,
+        _native.noncausal(forms, vf, padf, state, c_carry, out, sink.den, sink.logs, a,
                           want_num=sink.num is not None)
     else:
-        _native.causal_exp(estimator, qf, kf, vf, padf, state, c_carry, out, sink.den, sink.logs, chunk_size, a,
+        _native.causal_exp(forms, vf, padf, state, c_carry, out, sink.den, sink.logs, chunk_size, a,
                            want_num=sink.num is not None)
     return state, c_carry
 

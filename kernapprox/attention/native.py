@@ -1,246 +1,230 @@
-"""Compiled CPU kernels for the chunked mode of the sum and decay rules (float32, no gradient).
+"""Compiled CPU operators for the chunked mode of the sum and decay rules (float32, no gradient).
 
-Two kernels, in ``_chunked.cpp``, built once per machine and loaded with ``ctypes``; each equals the eager
-chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
+Two kernels, in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace,
+each equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
 
-causal (:func:`chunk_block`)
-    The eager causal chunked mode (:func:`kernapprox.attention.linear._chunked_causal`) batches each token
-    block's chunks into a few large products, which makes it materialise every chunk's summary and state
-    (``(d_v+1) × r`` each: more bytes than the chunk's features when ``C`` is small) and run a dozen element-wise
-    passes per block. The kernel runs the same recurrence chunk by chunk instead (Yang et al. 2024, "Gated Linear
-    Attention", sec. 3.2, with the log-domain shifts of :mod:`kernapprox.attention.linear`): the state stays in
-    cache, the state read and the intra-chunk scores come out of one single-threaded BLAS product
-    ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features are computed per token block by the estimator (fused or eager), or, for
-    maps of the exponential form, by the kernel itself (:func:`causal_exp`) as the non-causal kernel does, a
-    :func:`feature_block` of tokens at a time per sequence.
-non-causal (:func:`noncausal`)
-    ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6) with the feature map computed inside the
-    kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they are in cache: the projection GEMM, the row shift
-    and ``exp`` (with the key weights and the normaliser's sums folded into the same pass), then the summary or
-    read GEMM — no feature matrix, no ``[V 1]`` copy and no element-wise pass ever leaves the cache. Only for maps
-    of the exponential form ``log φ_j = α(x'Wᵀ)_j + o_j − kα²‖x'‖²/2 + c`` (FAVOR+, hyperbolic, the GERF family:
-    every :class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` that keeps its stabilised features,
-    :meth:`~kernapprox.estimators.random.ExponentialRandomFeatureMap._exponential_form`); other maps run eagerly.
+``torch.ops.kernapprox.chunked_causal`` (:func:`chunk_block`)
+    The eager causal chunked mode batches each token block's chunks into a few large products, which makes it
+    materialise every chunk's summary and state (``(d_v+1) × r`` each: more bytes than the chunk's features when
+    ``C`` is small) and run a dozen element-wise passes per block. The kernel runs the same recurrence chunk by
+    chunk instead (Yang et al. 2024, "Gated Linear Attention", sec. 3.2, with the log-domain shifts of
+    :mod:`kernapprox.attention.linear`): the state stays in cache, the state read and the intra-chunk scores come
+    out of one single-threaded matrix product ``φ(Q_j) [Sᵀ; φ(K_j)]ᵀ``. Features come in (any map's).
+``torch.ops.kernapprox.exp_attention`` (:func:`noncausal`, :func:`causal_exp`)
+    The same with the feature map computed inside the kernel, :data:`NONCAUSAL_BLOCK` tokens at a time while they
+    are in cache, for maps of the exponential form (:meth:`~kernapprox.estimators.base.FeatureMap.exponential_form`
+    not None: FAVOR+, hyperbolic, the GERF family): the projection GEMM, the row shift and ``exp``, then the
+    summary or read GEMM. Non-causal: ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6), key weights and
+    the normaliser's sums folded into the same pass; causal: the chunk loop above, per feature block.
 
-In both, the sequences (batch × heads) share torch's OpenMP threads, each running its products on one thread.
+The sequences (batch × heads) are spread over torch's threads (``at::parallel_for``), each running its products
+(``at::cpu::addmm_out`` on views of the kernel's buffers: torch's BLAS through its public API) on its own thread.
 
 When they run
 -------------
-They follow the switch of the fused feature maps (:mod:`kernapprox.estimators.fused`, ``KERNAPPROX_FUSED``):
-``"off"`` never; ``"on"`` for every eligible call; ``"auto"`` and ``"large"`` for eligible calls of at least
-:data:`~kernapprox.estimators.fused.MIN_ENTRIES` feature entries (a block's worth). Eligible: float32 inputs on a
-CPU, no gradient needed, the sum or decay rule, at least as many sequences (batch × heads) as torch threads, and
-the kernels available — a C++ compiler on ``PATH`` (``CXX``, ``g++``, ``c++``), a PyTorch built with MKL (the
-kernels call the ``sgemm_`` and ``MKL_Set_Num_Threads_Local`` that ``libtorch_cpu`` exports) and OpenMP; for the
-non-causal kernel also a map of the exponential form.
+The backend dispatch (:mod:`kernapprox.backends`, backends ``native-exp`` and ``native`` of
+``"linear_attention.chunked"``) takes them for eligible calls, as the switch ``KERNAPPROX_NATIVE`` says: ``"off"``
+never; ``"on"`` every eligible call; ``"auto"`` (default) eligible calls of at least :data:`MIN_ENTRIES` feature
+entries. Eligible: float32 inputs on a CPU, **no gradient needed** (the operators have no backward: a call whose
+inputs require gradients runs the eager code, whose autograd is the reference), the sum or decay rule, at least as
+many sequences as torch threads, the operators built and checked in this process; for ``native-exp`` a map of the
+exponential form. Inside :func:`torch.compile` the operators are traced as themselves (their fake versions give
+the shapes), so a compiled model runs the same kernel.
 
-Building
---------
-The first eligible call compiles the source once per machine (about a second) into
-``$KERNAPPROX_NATIVE_DIR``, else ``$XDG_CACHE_HOME/kernapprox`` (``~/.cache/kernapprox``; a per-user folder of the
-temporary directory when that cannot be written), named by a hash of the
-source, the flags, the compiler and torch's version and CPU capability; later processes load the file. The loaded
-library is checked once per process against the parallel mode on small problems (causal: decay, a partial chunk
-and a carried state; non-causal: decay, padded keys, a carried state, an offset and ``eps``, more queries than
-keys). Never a crash, never a wrong result: a failed build, load or check disables both kernels for the process
-with a ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
+Building and loading
+--------------------
+The first eligible call builds the source with :func:`torch.utils.cpp_extension.load` (ninja; its file lock makes
+concurrent processes wait for one build instead of all compiling), into a folder named by a hash of the source,
+the flags and torch's version, below :func:`build_root`: ``$KERNAPPROX_NATIVE_DIR`` if set, else
+``<cache root>/native`` (:func:`kernapprox.cache.cache_root`). **Both must be private** (owned by the user, mode
+``0700``, no symbolic link; :func:`kernapprox.cache.private_dir` creates them so): a folder another user could
+write is refused and nothing in it is ever loaded — there is no fallback to a shared temporary directory. The
+loaded operators are checked once per process against a float64 evaluation of the same attention on small
+problems (decay, partial chunks, a carried state, padded keys, an offset and ``eps``, more queries than keys).
+Never a crash, never a wrong result: a refused folder, a failed build, load or check disables the operators for
+the process with one ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import hashlib
+import math
 import os
 import platform
-import subprocess
-import tempfile
+import shutil
 import warnings
 from pathlib import Path
 
 import torch
 
-from ..estimators import fused
+from .. import backends
+from ..cache import UnsafeCacheError, cache_root, private_dir
 
 SOURCE = Path(__file__).with_name("_chunked.cpp")
 # Tokens per block of the non-causal kernel: a block's features (256 × r floats) stay in the L2 cache (blocks of
 # 64 to 512 tokens measured within 5 % of each other at r = 256, n = 16k, 8 heads, 2 threads).
 NONCAUSAL_BLOCK = 256
+# Auto mode runs the operators for calls of at least this many feature entries (batch × tokens × r): a token
+# block's worth; below it a call takes well under a millisecond either way.
+MIN_ENTRIES = 1 << 18
 DIR_ENV = "KERNAPPROX_NATIVE_DIR"
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
           "AVX2": ["-mavx2", "-mfma"]}
 
 
 class _State:
-    lib = None                   # the loaded library (its path: lib._name)
-    failed: str | None = None    # why it is disabled in this process
+    path: str | None = None      # the loaded library (loaded at most once per process: its operators stay)
+    ok = False                   # loaded and checked
+    failed: str | None = None    # why the operators are disabled in this process
 
 
-def _torch_lib_dir() -> Path:
-    return Path(torch.__file__).parent / "lib"
-
-
-@functools.cache
 def _prerequisites() -> tuple[bool, str]:
-    """Whether the kernel can be built and run in this process at all (no compilation), and why not."""
-    if fused.cxx_compiler() is None:
-        return False, "no C++ compiler on PATH (CXX, g++, clang++)"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """Whether the operators can be built here at all (nothing is compiled), and why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "aarch64", "arm64"):
         return False, f"no build flags for {platform.machine()}"
-    if not torch.backends.mkl.is_available():
-        return False, "PyTorch was built without MKL (the kernel calls its sgemm_)"
     if "OpenMP" not in torch.__config__.parallel_info():
         return False, "PyTorch's parallel backend is not OpenMP"
     try:
-        torch_cpu = ctypes.CDLL(str(_torch_lib_dir() / "libtorch_cpu.so"))
-        for symbol in ("sgemm_", "MKL_Set_Num_Threads_Local"):
-            getattr(torch_cpu, symbol)
-    except (OSError, AttributeError) as exc:
-        return False, f"libtorch_cpu does not export what the kernel needs ({exc})"
-    return True, "C++ compiler, MKL and OpenMP found"
+        from torch.utils.cpp_extension import verify_ninja_availability
+        verify_ninja_availability()
+    except (ImportError, RuntimeError) as exc:
+        return False, f"ninja is not available ({exc})"
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        return False, f"no C++ compiler ({compiler!r}; set CXX)"
+    return True, "C++ compiler, ninja and OpenMP found"
+
+
+def build_root() -> Path:
+    """The private folder that holds the builds: ``$KERNAPPROX_NATIVE_DIR``, else ``<cache root>/native``; created
+    with mode 0700 if missing; :class:`~kernapprox.cache.UnsafeCacheError` if it exists and is not private."""
+    override = os.environ.get(DIR_ENV)
+    return private_dir(Path(override) if override else cache_root() / "native")
+
+
+def _flags() -> list[str]:
+    return ["-O3", *_FLAGS.get(torch.backends.cpu.get_cpu_capability(), []), "-fopenmp"]
 
 
 def _build_dir() -> Path:
-    """``$KERNAPPROX_NATIVE_DIR``, else the user's cache (``$XDG_CACHE_HOME/kernapprox``, ``~/.cache/kernapprox``)
-    when it can be created and written, else a per-user folder in the temporary directory."""
-    root = os.environ.get(DIR_ENV)
-    if root:
-        return Path(root)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")) / "kernapprox"
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        if os.access(cache, os.W_OK):
-            return cache
-    except OSError:
-        pass
-    return Path(tempfile.gettempdir()) / f"kernapprox-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    """``build_root()/<hash of source, flags, torch>``, private like its parent."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + "\0".join(
+        [*_flags(), torch.__version__, os.environ.get("CXX", "")]).encode()).hexdigest()[:16]
+    return private_dir(build_root() / digest)
 
 
-def _command(source: Path, target: Path) -> list[str]:
-    lib = _torch_lib_dir()
-    flags = _FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    compiler = fused.cxx_compiler()
-    if compiler is None:
-        raise RuntimeError("no C++ compiler on PATH (CXX, g++, clang++)")
-    return [compiler, "-O3", *flags, "-fopenmp", "-fPIC", "-shared", "-std=c++17", str(source), "-o",
-            str(target), f"-L{lib}", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
-
-
-def _build() -> Path:
-    """Compile the source unless a library of the same source, flags, compiler and torch is cached; atomic (a
-    temporary file renamed), so that concurrent processes never load a half-written library."""
-    text = SOURCE.read_bytes()
-    probe = _command(Path("SRC"), Path("OUT"))
-    digest = hashlib.sha256(text + "\0".join([*probe, torch.__version__,
-                                              torch.backends.cpu.get_cpu_capability()]).encode()).hexdigest()[:16]
-    directory = _build_dir()
-    target = directory / f"chunked-{digest}.so"
-    if target.exists():
-        return target
-    directory.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=directory)
-    os.close(fd)
-    try:
-        done = subprocess.run(_command(SOURCE, Path(tmp)), capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"compilation failed (exit code {done.returncode}): "
-                               f"{(done.stderr or done.stdout).strip()[:300]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _load():
-    """The loaded library, or None (disabled, with the warning given once)."""
-    if _State.lib is not None or _State.failed is not None:
-        return _State.lib
+def _load() -> bool:
+    """Whether the operators are loaded and checked (building and loading them on the first call)."""
+    if _State.ok or _State.failed is not None:
+        return _State.ok
     ok, why = _prerequisites()
     if not ok:
-        _State.failed = why             # nothing to warn about: the kernel is simply not available here
-        return None
+        _State.failed = why             # nothing to warn about: the operators are simply not available here
+        return False
     try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-        fn = lib.kernapprox_chunked_causal
-        p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-        fn.argtypes = [i, i, i, i, i, ctypes.c_float, p, p, p, p, p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
-        fn.restype = i
-        fn = lib.kernapprox_exp_attention
-        fn.argtypes = [i, i, i, i, i, i, i, i, ctypes.c_float, p, p, p, p, p, p, p, i64, i64, p, i64, i64, p, i64,
-                       p, i64, i64, p, p, p, i64, i64, p, p, i64, i, i]
-        fn.restype = i
-        lib.kernapprox_exp_nonpos.argtypes = [p, p, i64, i]
-        lib.kernapprox_exp_nonpos.restype = None
-        _State.lib = lib
+        if _State.path is None:
+            from torch.utils import cpp_extension
+
+            folder = _build_dir()
+            cpp_extension.load(name="kernapprox_chunked", sources=[str(SOURCE)], extra_cflags=_flags(),
+                               extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False,
+                               verbose=False)
+            _State.path = str(folder / "kernapprox_chunked.so")
+            _register_fakes()
         _self_check()
+        _State.ok = True
+    except UnsafeCacheError as exc:
+        disable(f"refused to build or load from a folder that is not private: {exc}")
     except Exception as exc:  # noqa: BLE001 - any build, load or check failure means: run the eager code
         disable(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300])
-    return _State.lib
+    return _State.ok
+
+
+@torch.compiler.assume_constant_result
+def available() -> bool:
+    """Whether the operators are loaded and checked, building them on the first call (a constant to
+    :func:`torch.compile`, which runs it once while tracing)."""
+    return _load()
+
+
+@torch.compiler.assume_constant_result
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
 def disable(reason: str) -> None:
-    """Disable the kernel for the process (the eager code runs), with a ``RuntimeWarning`` naming ``reason``."""
-    _State.lib, _State.failed = None, reason
+    """Disable the operators for the process (the eager code runs), with a ``RuntimeWarning`` naming ``reason``."""
+    _State.ok, _State.failed = False, reason
     warnings.warn(f"kernapprox: the compiled chunked kernels are disabled for this process ({reason}); the "
-                  "eager code runs instead (set KERNAPPROX_FUSED=off to silence this)", RuntimeWarning, stacklevel=3)
+                  "eager code runs instead (set KERNAPPROX_NATIVE=off to silence this)", RuntimeWarning, stacklevel=3)
 
 
 def reset() -> None:
-    """Forget the loaded library and any failure (the next eligible call loads or builds again); for tests."""
-    _State.lib = _State.failed = None
-    _prerequisites.cache_clear()
+    """Forget a failure or a passed check (the next eligible call checks again; a loaded library stays loaded:
+    its operators cannot be unregistered); for tests."""
+    _State.ok, _State.failed = False, None
 
 
 def status() -> str:
     """``"unused"``, ``"loaded <path>"``, ``"unavailable: <why>"`` or ``"failed: <why>"``."""
-    if _State.lib is not None:
-        return f"loaded {_State.lib._name}"
+    if _State.ok:
+        return f"loaded {_State.path}"
     if _State.failed is not None:
-        ok = _prerequisites()[0]
-        return f"{'failed' if ok else 'unavailable'}: {_State.failed}"
+        return f"{'failed' if _prerequisites()[0] else 'unavailable'}: {_State.failed}"
     return "unused"
 
 
-def eligible(q: torch.Tensor, batch: int, n: int, r: int, needs_grad: bool) -> bool:
-    """Whether the chunked call on ``q`` (``batch`` sequences of ``n`` tokens, ``r`` features) may run a kernel
-    (see the module docstring; the features-given form serves causal calls of any map); loads or builds the
-    library on the first eligible call."""
-    switch = fused.get_mode()
-    if switch == "off" or needs_grad or q.device.type != "cpu" or q.dtype != torch.float32 or n < 1:
-        return False
-    if batch < torch.get_num_threads() or fused._compiling():
-        return False
-    if switch != "on" and batch * n * r < fused.MIN_ENTRIES:
-        return False
-    return _load() is not None
+# ------------------------------------------------------------------------------------------------ dispatch
+def _common_check(device, dtype, needs_grad, rule_ok, batch, entries) -> tuple[bool, str]:
+    switch = backends.get_mode("native")
+    if switch == "off":
+        return False, "KERNAPPROX_NATIVE=off"
+    if needs_grad:
+        return False, "gradients needed (the compiled operators have no backward; the eager code's autograd runs)"
+    if device.type != "cpu":
+        return False, f"on {device.type} (CPU operators)"
+    if dtype != torch.float32:
+        return False, f"dtype {dtype} (float32 operators)"
+    if not rule_ok:
+        return False, "a rule other than sum and decay"
+    threads = _threads()
+    if batch < threads:
+        return False, f"{batch} sequences < {threads} torch threads (one sequence per thread)"
+    if switch != "on" and entries < MIN_ENTRIES:
+        return False, f"{entries} feature entries < MIN_ENTRIES = {MIN_ENTRIES} (KERNAPPROX_NATIVE=auto)"
+    if not available():
+        return False, f"not available: {_State.failed}"
+    return True, f"KERNAPPROX_NATIVE={switch}, eligible"
 
 
-def exponential_form(estimator):
-    """Whether the kernels can compute ``estimator``'s features themselves: a fitted map of the exponential
-    form (:class:`~kernapprox.estimators.random.ExponentialRandomFeatureMap` with its own
-    :meth:`_fused_arguments` and the stabilised features of that class, not a subclass's own)."""
-    from ..estimators.random import ExponentialRandomFeatureMap as Exp
-
-    cls = type(estimator)
-    return (isinstance(estimator, Exp) and cls._fused_arguments is not Exp._fused_arguments
-            and cls._log_features is Exp._log_features and cls._log_features_into is Exp._log_features_into)
+def _check_exp(*, device, dtype, needs_grad, rule_ok, batch, entries, causal, exponential, **_):
+    if not exponential:
+        return False, "the map has no exponential form (FeatureMap.exponential_form is None)"
+    return _common_check(device, dtype, needs_grad, rule_ok, batch, entries)
 
 
-def eligible_exponential(q: torch.Tensor, estimator, batch: int, n: int, r: int, needs_grad: bool) -> bool:
-    """Whether the chunked call runs a kernel that computes the features itself (non-causal, or causal with
-    features inside): :func:`eligible` and a map of the exponential form."""
-    return exponential_form(estimator) and eligible(q, batch, n, r, needs_grad)
+def _check_causal(*, device, dtype, needs_grad, rule_ok, batch, entries, causal, **_):
+    if not causal:
+        return False, "non-causal (this operator runs the causal chunk loop)"
+    return _common_check(device, dtype, needs_grad, rule_ok, batch, entries)
 
 
-def _ptr(t: torch.Tensor):
-    return ctypes.c_void_p(t.data_ptr())
+backends.register(backends.Backend("native-exp", "linear_attention.chunked", 30, _check_exp, "native",
+                                   "kernapprox::exp_attention: the chunked mode with the features inside"))
+backends.register(backends.Backend("native", "linear_attention.chunked", 20, _check_causal, "native",
+                                   "kernapprox::chunked_causal: the causal chunk loop, features given"))
+
+
+# ------------------------------------------------------------------------------------------------ operators
+def _register_fakes() -> None:
+    """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
+    for name in ("chunked_causal", "exp_attention", "exp_nonpos"):
+        torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
 def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, log_decay: float,
                 want_num: bool) -> None:
-    """Advance ``state``/``c`` in place over one token block and write its rows.
+    """Advance ``state``/``c`` in place over one token block and write its rows (``kernapprox::chunked_causal``).
 
     ``pq, pk`` ``(B, L, r)`` and ``lq, lk`` ``(B, L)`` contiguous float32 stabilised features and log-scales;
     ``v`` ``(B, L, d_v)`` float32 with unit stride in the last dimension; ``state`` ``(B, d_v+1, r)`` contiguous
@@ -248,63 +232,45 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
     ``(B, L, d_v)`` receives ``num/den`` (or the numerators with ``want_num``), ``den`` and ``logs`` ``(B, L)``
     the normalisers and the rows' log-scales (unit stride in the last dimension).
     """
-    batch, length, r = pq.shape
-    d_v = v.shape[-1]
-    rc = _State.lib.kernapprox_chunked_causal(
-        batch, length, r, d_v, chunk_size, float(log_decay), _ptr(pq), _ptr(lq), _ptr(pk), _ptr(lk), _ptr(v),
-        v.stride(0), v.stride(1), _ptr(state), _ptr(c), _ptr(out), out.stride(0), out.stride(1), _ptr(den),
-        _ptr(logs), den.stride(0), int(want_num), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the causal chunked kernel rejected its arguments (code {rc})")
+    torch.ops.kernapprox.chunked_causal(pq, lq, pk, lk, v, state, c, out, den, logs, int(chunk_size),
+                                        float(log_decay), bool(want_num))
 
 
 def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``(B, n, m)`` if a BLAS product can read its rows in place (unit stride within a row, rows at least
+    """``t`` ``(B, n, m)`` if a matrix product can read its rows in place (unit stride within a row, rows at least
     ``m`` apart), else a contiguous copy (e.g. of an expanded tensor, whose rows share memory)."""
     return t if t.stride(-1) == 1 and t.stride(-2) >= t.shape[-1] else t.contiguous()
 
 
-def _map_arguments(estimator, x, role):
-    """``(rows, W, o or None, [α, c, eps, k])`` as float32 tensors the kernel reads."""
-    rows, alpha, weight, offset, scalars = estimator._exponential_form(x, role)
-    rows = _gemm_rows(rows)
-    weight = weight.to(torch.float32).contiguous()
-    offset = None if offset is None else offset.to(torch.float32).contiguous()
-    values = torch.tensor([alpha, *(float(s) for s in scalars)], dtype=torch.float32)
-    return rows, weight, offset, values
+def _map_arguments(form):
+    """``(rows, W, o or None, [α, c, eps, k])`` of an :class:`~kernapprox.estimators.base.ExponentialForm`, as the
+    operator reads them."""
+    weight = form.weight.to(torch.float32).contiguous()
+    offset = None if form.offset is None else form.offset.to(torch.float32).contiguous()
+    return (_gemm_rows(form.rows), weight, offset,
+            [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)])
 
 
-def _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool,
+def _exp_attention(forms, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool,
                    chunk_size: int, block: int) -> None:
-    """One call of the kernel that computes the features itself: causal with ``chunk_size > 0``, else non-causal
-    (arguments: :func:`noncausal`)."""
-    rq, wq, oq, mq = _map_arguments(estimator, xq, "query")
-    rk, wk, ok, mk = _map_arguments(estimator, xk, "key")
-    v = _gemm_rows(v)
+    rq, wq, oq, mq = _map_arguments(forms[0])
+    rk, wk, ok, mk = _map_arguments(forms[1])
     pad = None if padding is None else padding.to(torch.bool).contiguous()
-    rc = _State.lib.kernapprox_exp_attention(
-        chunk_size, rq.shape[0], rq.shape[1], rk.shape[1], rq.shape[-1], wq.shape[0], v.shape[-1], block,
-        float(log_decay), _ptr(wq), None if oq is None else _ptr(oq), _ptr(mq), _ptr(wk),
-        None if ok is None else _ptr(ok), _ptr(mk), _ptr(rq), rq.stride(0), rq.stride(1), _ptr(rk), rk.stride(0),
-        rk.stride(1), None if pad is None else _ptr(pad), 0 if pad is None else pad.stride(0), _ptr(v), v.stride(0),
-        v.stride(1), _ptr(state), _ptr(c), _ptr(out), out.stride(0), out.stride(1), _ptr(den), _ptr(logs),
-        den.stride(0), int(want_num), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"the chunked kernel with features inside rejected its arguments (code {rc})")
+    torch.ops.kernapprox.exp_attention(rq, rk, wq, oq, mq, wk, ok, mk, pad, _gemm_rows(v), state, c, out, den, logs,
+                                       int(chunk_size), int(block), float(log_decay), bool(want_num))
 
 
-def noncausal(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool) -> None:
-    """Non-causal chunked attention of ``B`` sequences by the kernel, features included.
+def noncausal(forms, v, padding, state, c, out, den, logs, log_decay: float, want_num: bool) -> None:
+    """Non-causal chunked attention of ``B`` sequences by ``kernapprox::exp_attention``, features included.
 
-    ``xq`` ``(B, n_q, d)``, ``xk`` ``(B, n_k, d)``: the float32 inputs (unscaled, as given to
-    :meth:`~kernapprox.estimators.base.FeatureMap.features`); ``v`` ``(B, n_k, d_v)`` float32; ``padding``
-    ``(B, n_k)`` bool (True: padded) or None; ``state`` ``(B, d_v+1, r)`` contiguous (``[W z]ᵀ``) and ``c`` ``(B,)``
-    its log-scale (the empty-state sentinel when empty), advanced in place over every key; ``out``
-    ``(B, n_q, d_v)`` receives ``num/den`` (or the numerators with ``want_num``), ``den`` and ``logs`` ``(B, n_q)``
-    the normalisers and the rows' log-scales (unit stride in the last dimension).
+    ``forms`` ``(query, key)``: the map's :class:`~kernapprox.estimators.base.ExponentialForm` for the float32
+    inputs ``(B, n_q, d)`` and ``(B, n_k, d)``; ``v`` ``(B, n_k, d_v)`` float32; ``padding`` ``(B, n_k)`` bool
+    (True: padded) or None; ``state`` ``(B, d_v+1, r)`` contiguous (``[W z]ᵀ``) and ``c`` ``(B,)`` its log-scale
+    (the empty-state sentinel when empty), advanced in place over every key; ``out`` ``(B, n_q, d_v)`` receives
+    ``num/den`` (or the numerators with ``want_num``), ``den`` and ``logs`` ``(B, n_q)`` the normalisers and the
+    rows' log-scales (unit stride in the last dimension).
     """
-    _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay, want_num, 0,
-                   NONCAUSAL_BLOCK)
+    _exp_attention(forms, v, padding, state, c, out, den, logs, log_decay, want_num, 0, NONCAUSAL_BLOCK)
 
 
 def feature_block(chunk_size: int) -> int:
@@ -313,29 +279,32 @@ def feature_block(chunk_size: int) -> int:
     return max(chunk_size, NONCAUSAL_BLOCK // chunk_size * chunk_size)
 
 
-def causal_exp(estimator, xq, xk, v, padding, state, c, out, den, logs, chunk_size: int, log_decay: float,
+def causal_exp(forms, v, padding, state, c, out, den, logs, chunk_size: int, log_decay: float,
                want_num: bool) -> None:
-    """Causal chunked attention of ``B`` sequences by the kernel, with the features of a map of the exponential
+    """Causal chunked attention by ``kernapprox::exp_attention``, with the features of a map of the exponential
     form computed inside it, :func:`feature_block` tokens at a time (arguments as for :func:`noncausal`;
     ``n_q = n_k``)."""
-    _exp_attention(estimator, xq, xk, v, padding, state, c, out, den, logs, log_decay, want_num, chunk_size,
+    _exp_attention(forms, v, padding, state, c, out, den, logs, log_decay, want_num, chunk_size,
                    feature_block(chunk_size))
 
 
 def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out ← exp(src)`` by the kernels' vectorised ``exp`` (arguments ``≤ 0``; results below the smallest normal
-    float flushed to 0), on torch's thread count: what the benchmarks' roofline measures as the kernels' ``exp``
-    rate. Contiguous float32 CPU tensors of one size; the library must be loaded (:func:`eligible`,
-    :func:`_load`)."""
+    float flushed to 0), on torch's threads: what the benchmarks' roofline measures as the kernels' ``exp`` rate.
+    Contiguous float32 CPU tensors of one size; the operators must be available (:func:`available`)."""
     for name, t in (("src", src), ("out", out)):
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
     if src.numel() != out.numel():
         raise ValueError(f"src and out differ in size: {src.numel()} and {out.numel()}")
-    if _State.lib is None:
+    if not _State.ok:
         raise RuntimeError(f"the compiled kernels are not loaded ({status()})")
-    _State.lib.kernapprox_exp_nonpos(_ptr(src), _ptr(out), src.numel(), torch.get_num_threads())
+    torch.ops.kernapprox.exp_nonpos(src, out)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- self-check
+SENTINEL = -1e30     # the empty state's log-scale (kernapprox.attention.rules.SENTINEL; checked equal in tests)
 
 
 def _self_check() -> None:
@@ -344,30 +313,53 @@ def _self_check() -> None:
     _self_check_exp(causal=True)
 
 
-def _agrees_with_parallel(label, run, feats, v, state0, causal, a):
-    """Run ``run(state, c, out, den, logs)`` (a kernel on the problem whose float64 features ``feats = (pq, lq,
-    pk, lk)`` and values ``v`` the parallel mode gets) from the carried state ``state0 = (w, z, c)``, and raise
-    unless its outputs, normalisers and final state agree with the parallel mode's (at the same log-scale: the
-    output is scale-free, the normalisers and the state are compared after rescaling)."""
-    from .linear import _normalized_parallel
-    from .rules import NormalizedState
+def _reference(pq, lq, pk, lk, v, causal, a, state0):
+    """Float64 attention by its definition, with every weight at one reference log-scale per row:
+    ``A_ij = φ̃(q_i)ᵀφ̃(k_j) e^{ℓ(q_i) + ℓ(k_j) + λ_ij a}`` (``λ_ij = i − j``, ``j ≤ i``, when causal; ``n_k − 1 − j``
+    when not) plus the carried state ``(W₀, z₀, c₀)`` at ``e^{ℓ(q_i) + c₀ + μ_i a}`` (``μ_i = i + 1`` causal,
+    ``n_k`` not); the final state ``Σ_j e^{ℓ(k_j) + (n_k−1−j) a} φ̃(k_j)[v_j 1]ᵀ + e^{c₀ + n_k a}[W₀ z₀]``.
+    Returns the output, the normalisers and the state, each with its log-scale: ``(out, den, log_den, S,
+    log_S)``."""
+    w0, z0, c0 = (t.double() for t in state0)
+    pq, lq, pk, lk, v = (t.double() for t in (pq, lq, pk, lk, v))
+    n_q, n_k = pq.shape[1], pk.shape[1]
+    i = torch.arange(n_q, dtype=torch.float64)[:, None]
+    j = torch.arange(n_k, dtype=torch.float64)[None, :]
+    lag = (i - j) if causal else (n_k - 1 - j).expand(n_q, n_k)
+    expo = lk[:, None, :] + lag * a
+    if causal:
+        expo = expo.masked_fill(j > i, -math.inf)
+    carried = c0[:, None] + ((i[:, 0] + 1) if causal else torch.full((n_q,), float(n_k), dtype=torch.float64)) * a
+    row = torch.maximum(expo.amax(-1), carried)                           # the row's reference log-scale
+    weights = (pq @ pk.transpose(-1, -2)) * torch.exp(expo - row[..., None])
+    f = torch.exp(carried - row)[..., None]
+    num = weights @ v + (pq @ w0) * f
+    den = weights.sum(-1) + (pq @ z0[..., None]).squeeze(-1) * f[..., 0]
+    key = lk + (n_k - 1 - torch.arange(n_k, dtype=torch.float64)) * a
+    log_s = torch.maximum(key.amax(-1), c0 + n_k * a)
+    wk = torch.exp(key - log_s[:, None])[..., None]
+    s = (torch.cat([v, torch.ones_like(v[..., :1])], -1) * wk).transpose(-1, -2) @ pk
+    s = s + torch.cat([w0, z0[..., None]], -1).transpose(-1, -2) * torch.exp(c0 + n_k * a - log_s)[:, None, None]
+    return num / den[..., None], den, lq + row, s, log_s
 
+
+def _agrees(label, run, feats, v, state0, causal, a):
+    """Run ``run(state, c, out, den, logs)`` (an operator on the problem whose float64 features are ``feats = (pq,
+    lq, pk, lk)``) from the carried state ``state0 = (w, z, c)``, and raise unless its outputs, normalisers and
+    final state agree with :func:`_reference` (the normalisers and the state compared at one log-scale)."""
     w0, z0, c0 = state0
     batch, n_q, d_v = feats[0].shape[0], feats[0].shape[1], v.shape[-1]
-    num, den, logs, final = _normalized_parallel(*feats, v.double(), causal, a, None,
-                                                 NormalizedState(w0.double(), z0.double(), c0.double()), True)
+    want_out, want_den, log_den, want_state, log_state = _reference(*feats, v, causal, a, state0)
     state = torch.cat([w0, z0[..., None]], -1).transpose(-1, -2).contiguous()
     c = c0.clone()
     out, got_den, got_logs = torch.empty(batch, n_q, d_v), torch.empty(batch, n_q), torch.empty(batch, n_q)
     run(state, c, out, got_den, got_logs)
-    rescale = torch.exp(final.log_scale - c.double())[:, None, None]
-    want_state = torch.cat([final.w, final.z[..., None]], -1).transpose(-1, -2) * rescale
-    checks = {"outputs": (out.double(), num / den[..., None]),
-              "normalisers": (got_den.double() * torch.exp(got_logs.double() - logs), den),
-              "state": (state.double(), want_state)}
+    checks = {"outputs": (out.double(), want_out),
+              "normalisers": (got_den.double() * torch.exp(got_logs.double() - log_den), want_den),
+              "state": (state.double() * torch.exp(c.double() - log_state)[:, None, None], want_state)}
     for name, (got, want) in checks.items():
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-            raise RuntimeError(f"self-check: {label} {name} differ from the parallel mode by "
+            raise RuntimeError(f"self-check: {label} {name} differ from the float64 reference by "
                                f"{float((got - want).abs().max()):.3g}")
 
 
@@ -377,44 +369,33 @@ def _random_state(gen, batch, r, d_v, shift=0.0):
 
 
 def _self_check_causal() -> None:
-    """The loaded kernel against the parallel mode on a small problem (decay, a partial chunk, a carried state)."""
+    """The causal operator (features given) on a small problem: decay, a partial chunk, a carried state."""
     gen = torch.Generator().manual_seed(0)
     batch, n, r, d_v, size, a = 3, 21, 12, 5, 4, -0.05
     pq, pk = torch.rand(batch, n, r, generator=gen), torch.rand(batch, n, r, generator=gen)
     lq, lk = torch.randn(batch, n, generator=gen), torch.randn(batch, n, generator=gen)
     v = torch.randn(batch, n, d_v, generator=gen)
     state0 = _random_state(gen, batch, r, d_v)
-    _agrees_with_parallel("its", lambda state, c, out, den, logs: chunk_block(
-        pq, lq, pk, lk, v, state, c, out, den, logs, size, a, want_num=False),
-        tuple(t.double() for t in (pq, lq, pk, lk)), v, state0, True, a)
+    _agrees("the causal operator's", lambda state, c, out, den, logs: chunk_block(
+        pq, lq, pk, lk, v, state, c, out, den, logs, size, a, want_num=False), (pq, lq, pk, lk), v, state0, True, a)
 
 
-class _CheckMap:
-    """A map of the exponential form with fixed random parameters, for :func:`_self_check_exp`."""
+def _check_form(gen, x, d, r):
+    """A map of the exponential form with fixed random parameters, and its float64 features ``(φ̃, ℓ)``."""
+    from ..estimators.base import ExponentialForm
 
-    def __init__(self, gen, d, r):
-        self.weight = torch.randn(r, d, generator=gen)
-        self.offset = 0.3 * torch.randn(r, generator=gen)
-        self.alpha, self.scalars = 0.7, (-1.5, 1e-3, 1.0)      # α, then [c, eps, k]
-
-    def _exponential_form(self, x, role):
-        return x, self.alpha, self.weight, self.offset, self.scalars
-
-    def reference(self, x):
-        """``(φ̃, ℓ)`` in float64 by the formula."""
-        c, eps, k = self.scalars
-        p = self.alpha * x.double() @ self.weight.double().T + self.offset.double()
-        shift = p.amax(-1)
-        norm = k * 0.5 * self.alpha ** 2 * (x.double() ** 2).sum(-1)
-        return torch.exp(p - shift[..., None]) + eps, shift + c - norm
+    weight, offset = torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen)
+    form = ExponentialForm(x, 0.7, weight, offset, -1.5, 1e-3, 1.0)
+    p = form.alpha * x.double() @ weight.double().T + offset.double()
+    shift = p.amax(-1)
+    norm = form.norm * 0.5 * form.alpha ** 2 * (x.double() ** 2).sum(-1)
+    return form, torch.exp(p - shift[..., None]) + form.eps, shift + form.log_constant - norm
 
 
 def _self_check_exp(causal: bool) -> None:
-    """A kernel that computes the features itself against the parallel mode: decay, padded keys, a carried state,
-    an offset and eps; non-causal with more queries than keys and a partial block, causal over two feature blocks
-    and a partial chunk."""
-    from .rules import SENTINEL
-
+    """The operator that computes the features itself: decay, padded keys, a carried state, an offset and eps;
+    non-causal with more queries than keys and a partial block, causal over two feature blocks and a partial
+    chunk."""
     gen = torch.Generator().manual_seed(2 if causal else 1)
     size, d, r, d_v, a = 8, 6, 10, 5, (-0.02 if causal else -0.01)
     if causal:
@@ -422,20 +403,20 @@ def _self_check_exp(causal: bool) -> None:
         n_k = n_q
     else:
         batch, n_q, n_k = 3, NONCAUSAL_BLOCK + 7, NONCAUSAL_BLOCK - 5
-    fmap = _CheckMap(gen, d, r)
     xq, xk = torch.randn(batch, n_q, d, generator=gen), torch.randn(batch, n_k, d, generator=gen)
+    state_gen = torch.Generator().manual_seed(3)
+    fq, pq, lq = _check_form(torch.Generator().manual_seed(4), xq, d, r)
+    fk, pk, lk = _check_form(torch.Generator().manual_seed(4), xk, d, r)      # one map for queries and keys
     v = torch.randn(batch, n_k, d_v, generator=gen)
     padding = torch.rand(batch, n_k, generator=gen) < 0.2
-    state0 = _random_state(gen, batch, r, d_v, shift=2.0)
-    pq, lq = fmap.reference(xq)
-    pk, lk = fmap.reference(xk)
+    state0 = _random_state(state_gen, batch, r, d_v, shift=2.0)
     pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
 
     def run(state, c, out, den, logs):
         if causal:
-            causal_exp(fmap, xq, xk, v, padding, state, c, out, den, logs, size, a, want_num=False)
+            causal_exp((fq, fk), v, padding, state, c, out, den, logs, size, a, want_num=False)
         else:
-            noncausal(fmap, xq, xk, v, padding, state, c, out, den, logs, a, want_num=False)
+            noncausal((fq, fk), v, padding, state, c, out, den, logs, a, want_num=False)
 
-    _agrees_with_parallel("the causal kernel's (features inside)" if causal else "the non-causal kernel's", run,
-                          (pq, lq, pk, lk), v, state0, causal, a)
+    _agrees("the causal operator's (features inside)" if causal else "the non-causal operator's", run,
+            (pq, lq, pk, lk), v, state0, causal, a)

@@ -37,7 +37,7 @@ from . import (  # noqa: F401
     registry,
     samplers,
 )
-from .base import AttentionEstimator, AttentionParts, Capabilities, Estimator, FeatureMap
+from .base import AttentionEstimator, AttentionParts, Capabilities, Estimator, ExponentialForm, FeatureMap
 from .deterministic import DPFPFeatures, EluPlusOneFeatures, TaylorFeatures
 from .exact import ExactKernel
 from .exponential import (
@@ -63,7 +63,7 @@ from .samplers import (
 )
 
 __all__ = [
-    "registry", "Estimator", "FeatureMap", "AttentionEstimator", "AttentionParts", "Capabilities",
+    "registry", "Estimator", "FeatureMap", "ExponentialForm", "AttentionEstimator", "AttentionParts", "Capabilities",
     "available_estimators", "capabilities", "estimator_class", "make_estimator", "register",
     "ExactKernel", "RandomFeatureMap", "TrigonometricFeatures", "PositiveFeatures", "HyperbolicFeatures",
     "GeneralizedExponentialFeatures", "OptimalPositiveFeatures", "SymmetricDenseExponentialFeatures",

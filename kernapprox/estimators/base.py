@@ -82,6 +82,7 @@ from ..kernel import resolve_scale
 from ..rules import RULES, Sum
 from ..validation import (
     NotFittedError,
+    all_finite,
     as_generator,
     check_choice,
     check_positive_float,
@@ -92,6 +93,7 @@ from ..validation import (
     check_tensor,
     compute_dtype,
     itemsize,
+    max_row_norm,
 )
 
 ROLES = ("query", "key")
@@ -218,6 +220,12 @@ class Estimator:
         for name in _DECLARED:
             if name in vars(cls) and not isinstance(vars(cls)[name], _Declared):
                 setattr(cls, name, _Declared(name, vars(cls)[name]))
+        # The declarations and the constructor's keywords as plain class data, read by capabilities_for and
+        # parameter_names: torch.compile (dynamo) then guards on constants, where it mis-resolves the _Declared
+        # descriptors (a raw descriptor, or an ``InternalTorchDynamoError: 'str' object has no attribute
+        # 'value'``) and mis-guards inspect.signature's Parameter.kind enum.
+        cls._declarations = {name: inspect.getattr_static(cls, name).value for name in _DECLARED}
+        cls._keyword_names = _keyword_parameters(cls)
 
     # ----------------------------------------------------------------------------------------- capabilities
     @classmethod
@@ -227,13 +235,14 @@ class Estimator:
         Subclasses whose declarations depend on an option (a sampler, an inner feature map, a truncation degree)
         override this and resolve it from ``options``.
         """
+        d = cls._declarations
         return Capabilities(
-            kind=cls.kind, unbiased=bool(cls.unbiased), positive=bool(cls.positive),
-            data_dependent=bool(cls.data_dependent), causal_fit=bool(cls.causal_fit),
-            consistent=bool(cls.unbiased if cls.consistent is None else cls.consistent), causal=bool(cls.causal),
-            fixed_dimension=bool(cls.fixed_dimension), rank_limited_by_points=bool(cls.rank_limited_by_points),
-            query_dependent=bool(cls.query_dependent), modes=tuple(cls.modes), rules=tuple(cls.rules),
-            reference=str(cls.reference))
+            kind=d["kind"], unbiased=bool(d["unbiased"]), positive=bool(d["positive"]),
+            data_dependent=bool(d["data_dependent"]), causal_fit=bool(d["causal_fit"]),
+            consistent=bool(d["unbiased"] if d["consistent"] is None else d["consistent"]), causal=bool(d["causal"]),
+            fixed_dimension=bool(d["fixed_dimension"]), rank_limited_by_points=bool(d["rank_limited_by_points"]),
+            query_dependent=bool(d["query_dependent"]), modes=tuple(d["modes"]), rules=tuple(d["rules"]),
+            reference=str(d["reference"]))
 
     def capabilities(self) -> Capabilities:
         """The capabilities of this estimator (its class's declarations resolved for its parameters)."""
@@ -404,7 +413,7 @@ class Estimator:
     @classmethod
     def parameter_names(cls) -> tuple[str, ...]:
         """The keyword-only constructor parameters, in signature order."""
-        return _keyword_parameters(cls)
+        return cls._keyword_names
 
     def get_params(self) -> dict:
         """Constructor parameters (scikit-learn style)."""
@@ -424,6 +433,10 @@ for _name in _DECLARED:
 def _keyword_parameters(cls) -> tuple[str, ...]:
     parameters = inspect.signature(cls.__init__).parameters
     return tuple(name for name, p in parameters.items() if p.kind == inspect.Parameter.KEYWORD_ONLY)
+
+
+Estimator._declarations = {_name: getattr(Estimator, _name) for _name in _DECLARED}
+Estimator._keyword_names = _keyword_parameters(Estimator)
 
 
 def _is_real_scalar(value) -> bool:
@@ -459,6 +472,25 @@ def _as_kind_of(current, value, name: str):
     return int(value) if isinstance(current, numbers.Integral) else float(value)
 
 
+
+
+class ExponentialForm(NamedTuple):
+    """A feature map of the exponential form, as parameters: for rows ``x'`` of the input,
+
+    ``log φ_j(x) = α (x'Wᵀ)_j + o_j − k α² ‖x'‖² / 2 + c``, stabilised as ``φ̃_j = exp(p_j − max_i p_i) + eps``,
+    ``ℓ = max_i p_i + c − k α² ‖x'‖² / 2`` with ``p = α x'Wᵀ + o``
+
+    (FAVOR+ and hyperbolic features, Choromanski et al. 2021, Lemma 1; the GERF family, Likhosherstov et al.
+    2022, eq. 7). What a kernel that computes such features itself reads (:mod:`kernapprox.attention.native`).
+    """
+
+    rows: torch.Tensor                    # x' (..., n, d'): the input, or its transform
+    alpha: float                          # the input scale applied inside the product (√s, or 1)
+    weight: torch.Tensor                  # W (r, d')
+    offset: torch.Tensor | None           # o (r,), or None for zero
+    log_constant: float                   # c
+    eps: float                            # added after the row shift
+    norm: float                           # k: 1 when the row's norm enters ℓ, else 0
 
 
 class FeatureMap(Estimator):
@@ -501,9 +533,9 @@ class FeatureMap(Estimator):
             _check_buffer(buffer, x, self.num_features, log_scale)
         xs = x.to(compute_dtype(x.dtype)) * math.sqrt(self.scale_)
         phi, logs = self._log_features(xs, role) if buffer is None else self._log_features_into(xs, role, buffer)
-        if check_finite and logs.numel() and not _all_finite(logs):
+        if check_finite and logs.numel() and not all_finite(logs):
             raise ValueError(f"{type(self).__name__}: the log-scale of the features of x is not finite in "
-                             f"{logs.dtype} (the input norms overflow it, max ‖x‖ = {_max_norm(x):.3g}); rescale x "
+                             f"{logs.dtype} (the input norms overflow it, max ‖x‖ = {max_row_norm(x):.3g}); rescale x "
                              "or pass a smaller scale")
         if log_scale:
             return phi, logs
@@ -514,6 +546,16 @@ class FeatureMap(Estimator):
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Stabilised features of the already scaled input ``x = sqrt(s) · input`` (compute dtype)."""
         raise NotImplementedError
+
+    def exponential_form(self, x: torch.Tensor, role: str = "query") -> ExponentialForm | None:
+        """The map as an :class:`ExponentialForm` for rows of the *unscaled* input ``x`` (compute dtype), or None
+        when the map is not of that form (the default).
+
+        A map that returns a form promises that its stabilised features (:meth:`features` with
+        ``log_scale=True``) equal the form's to rounding; a kernel may then compute them itself, fused with the
+        attention that reads them, instead of calling :meth:`features`.
+        """
+        return None
 
     def _log_features_into(self, x: torch.Tensor, role: str, buffer: torch.Tensor):
         """:meth:`_log_features`, free to write ``φ̃`` into ``buffer`` (checked by :meth:`features`); by default
@@ -581,15 +623,6 @@ def _check_buffer(buffer, x, r, log_scale) -> None:
         raise ValueError(f"buffer must be a contiguous {shape} tensor of {compute_dtype(x.dtype)} on {x.device}, got "
                          f"{tuple(buffer.shape)} {buffer.dtype} on {buffer.device}"
                          f"{'' if buffer.is_contiguous() else ' (not contiguous)'}")
-
-
-def _all_finite(x: torch.Tensor) -> bool:
-    lo, hi = torch.aminmax(x.detach())
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
-
-
-def _max_norm(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x.detach().double(), dim=-1).max())
 
 
 def _trusted_threshold(dtype: torch.dtype) -> float:

@@ -116,6 +116,9 @@ class _ExponentialFamilyFeatures(ExponentialRandomFeatureMap):
         return (x, self._param("weight_", x), self._param("frequency_offset_", x),
                 fused.scalars(self, "gerf", x, self.log_normalizer_, self.eps, 1.0))
 
+    def _log_constant(self) -> float:
+        return float(self.log_normalizer_)
+
     # ------------------------------------------------------------------------------- data statistics
     def _scaled_pairs(self, q, k):
         """Scaled float64 copies ``x, y`` of shape ``(batch, n, d)`` (``y = x`` when ``k`` is None)."""

@@ -24,7 +24,10 @@ summation order of ``‖x‖²``); the tests check it for every map and attentio
 
 The switch
 ----------
-``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode`:
+``KERNAPPROX_FUSED`` (environment, read at import) or :func:`set_mode` / the context manager :func:`mode` (the
+switch ``"fused"`` of :mod:`kernapprox.backends`, which makes and records each call's choice: backends ``fused``
+and ``eager`` of ``"features.exponential"`` and ``"features.trigonometric"``; the compiled chunked operators have
+their own switch, ``KERNAPPROX_NATIVE``):
 
 ``"auto"`` (default)
     fused when all of these hold, else eager: the call produces at least :data:`MIN_ENTRIES` feature entries
@@ -69,8 +72,9 @@ import warnings
 
 import torch
 
-MODES = ("auto", "large", "on", "off")
-_ALIASES = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "auto"}
+from .. import backends
+
+MODES = backends.SWITCHES["fused"].modes
 
 # Auto mode fuses only calls producing at least this many feature entries (rows × r, all batch entries together):
 # a token block of the chunked mode (2^19 entries on a CPU) and anything larger. Below it a call takes well under a
@@ -92,31 +96,14 @@ MAX_ENTRIES = {("trigonometric", "cpu"): 1 << 21}
 _VERIFY_ROWS = 256
 
 
-def _initial_mode() -> str:
-    raw = os.environ.get("KERNAPPROX_FUSED", "auto").strip().lower()
-    value = _ALIASES.get(raw, raw)
-    if value not in MODES:
-        warnings.warn(f"KERNAPPROX_FUSED={raw!r} is not one of {MODES} (or 1/0); using 'auto'", RuntimeWarning,
-                      stacklevel=2)
-        return "auto"
-    return value
-
-
-_mode = _initial_mode()
-
-
 def get_mode() -> str:
-    """The current switch: ``"auto"``, ``"on"`` or ``"off"``."""
-    return _mode
+    """The current switch: ``"auto"``, ``"large"``, ``"on"`` or ``"off"`` (:func:`kernapprox.backends.get_mode`)."""
+    return backends.get_mode("fused")
 
 
 def set_mode(value: str) -> str:
-    """Set the switch (``"auto"``, ``"on"``, ``"off"``) for the process; returns the previous value."""
-    global _mode
-    if not isinstance(value, str) or value not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {value!r}")
-    previous, _mode = _mode, value
-    return previous
+    """Set the switch for the process; returns the previous value (:func:`kernapprox.backends.set_mode`)."""
+    return backends.set_mode("fused", value)
 
 
 @contextlib.contextmanager
@@ -133,11 +120,8 @@ def mode(value: str):
     >>> phi.shape, log_scale.shape
     (torch.Size([3, 8]), torch.Size([3]))
     """
-    previous = set_mode(value)
-    try:
+    with backends.mode("fused", value):
         yield
-    finally:
-        set_mode(previous)
 
 
 def cxx_compiler() -> str | None:
@@ -174,25 +158,47 @@ def _compiling() -> bool:
 
 
 def use_fused(x: torch.Tensor, entries: int, kernel: str, *params: torch.Tensor) -> bool:
-    """Whether a call of ``kernel`` on ``x`` producing ``entries`` feature entries runs fused (the switch above)."""
-    if _mode == "off" or _compiling() or _KERNELS[kernel].failed is not None:
-        return False
-    if _mode == "on":
-        return True
-    if entries < MIN_ENTRIES or x.dtype != torch.float32:
-        return False
+    """Whether a call of ``kernel`` on ``x`` producing ``entries`` feature entries runs fused (the switch above),
+    chosen by :func:`kernapprox.backends.choose` (and recorded there)."""
+    return backends.choose(f"features.{kernel}", x=x, entries=entries, kernel=kernel, params=params).backend == "fused"
+
+
+def _fused_check(x, entries, kernel, params) -> tuple[bool, str]:
+    switch = get_mode()
+    if switch == "off":
+        return False, "KERNAPPROX_FUSED=off"
+    if _compiling():
+        return False, "inside torch.compile (the outer compilation fuses the eager code)"
+    if _KERNELS[kernel].failed is not None:
+        return False, f"disabled after a failure: {_KERNELS[kernel].failed}"
+    if switch == "on":
+        return True, "KERNAPPROX_FUSED=on"
+    if entries < MIN_ENTRIES:
+        return False, f"{entries} feature entries < MIN_ENTRIES"
+    if x.dtype != torch.float32:
+        return False, f"dtype {x.dtype} (fused in auto mode for float32 only)"
     if entries > MAX_ENTRIES.get((kernel, x.device.type), entries):
-        return False
+        return False, "above MAX_ENTRIES, where the compiled kernel was measured slower"
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
-        return False
-    if not available(x.device)[0]:
-        return False
+        return False, "gradients needed (auto mode fuses calls without gradients)"
+    ok, why = available(x.device)
+    if not ok:
+        return False, why
     k = _KERNELS[kernel]
     device = x.device.type
-    if _mode == "large" or k.verified:
-        return True
+    if switch == "large" or k.verified:
+        return True, "KERNAPPROX_FUSED=large" if switch == "large" else "compiled and verified in this process"
     k.eager_entries[device] = k.eager_entries.get(device, 0) + entries
-    return k.eager_entries[device] > WARMUP_ENTRIES.get(device, WARMUP_ENTRIES["cuda"])
+    if k.eager_entries[device] > WARMUP_ENTRIES.get(device, WARMUP_ENTRIES["cuda"]):
+        return True, "the eager work so far pays for the compilation (WARMUP_ENTRIES)"
+    return False, "warming up: the eager work so far does not yet pay for a compilation (WARMUP_ENTRIES)"
+
+
+for _kernel in ("exponential", "trigonometric"):
+    backends.register(backends.Backend("fused", f"features.{_kernel}", 10, _fused_check, "fused",
+                                       "torch.compile'd epilogue (C++ on a CPU, Triton on a GPU)"))
+    backends.register(backends.Backend("eager", f"features.{_kernel}", 0, lambda **call: (True, "eager code"),
+                                       None, "the eager torch code"))
 
 
 # --------------------------------------------------------------------------------------------------- kernels
@@ -397,7 +403,7 @@ def nystrom_features(x, landmarks, half_sq_norms, whitening, scalars, buffer=Non
 def status() -> dict:
     """Per kernel: ``"unused"``, ``"compiled"`` or ``"failed: <reason>"``, and the wall time of each variant's
     first call (compilation included, seconds). Also the switch and :func:`available` for the CPU."""
-    out = {"mode": _mode, "cpu": available("cpu")[1], "min_entries": MIN_ENTRIES}
+    out = {"mode": get_mode(), "cpu": available("cpu")[1], "min_entries": MIN_ENTRIES}
     for name, k in _KERNELS.items():
         state = f"failed: {k.failed}" if k.failed else ("compiled" if k.verified else "unused")
         out[name] = {"state": state, "first_call_s": dict(k.compile_s), "eager_entries": dict(k.eager_entries)}

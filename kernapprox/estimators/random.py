@@ -21,7 +21,7 @@ import torch
 
 from ..validation import check_positive_float, check_positive_int
 from . import fused
-from .base import FeatureMap
+from .base import ExponentialForm, FeatureMap
 from .registry import register
 from .samplers import SAMPLER_VARIANTS, make_sampler
 
@@ -81,17 +81,27 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
         parameters."""
         raise NotImplementedError
 
-    def _exponential_form(self, x, role) -> tuple:
-        """``(x', α, W, o, [c, eps, k])`` for rows of the *unscaled* input ``x`` (compute dtype), such that
-        ``log φ_j = α (x'Wᵀ)_j + o_j − k α² ‖x'‖² / 2 + c`` (``o`` None for zero): :meth:`_fused_arguments` with
-        the input scale ``α = √s`` left to the caller's product instead of a pass over ``x``. Maps that transform
-        their input first (:meth:`_input_transform`) return the transformed, scaled rows and ``α = 1``. Used by the
-        compiled kernels of :mod:`kernapprox.attention.native` that compute the features themselves."""
+    def _log_constant(self) -> float:
+        """``c`` of the form: the map's constant log-normaliser."""
+        raise NotImplementedError
+
+    def exponential_form(self, x, role="query"):
+        """:meth:`_fused_arguments` as an :class:`~kernapprox.estimators.base.ExponentialForm` (``k = 1``), with the
+        input scale ``α = √s`` left to the kernel's product instead of a pass over ``x``; maps that transform their
+        input first (:meth:`_input_transform`) give the transformed, scaled rows and ``α = 1``. None for a subclass
+        that computes its stabilised features otherwise (its own :meth:`_log_features`), or that gives no
+        parameters."""
+        cls, base = type(self), ExponentialRandomFeatureMap
+        if (cls._fused_arguments is base._fused_arguments or cls._log_features is not base._log_features
+                or cls._log_features_into is not base._log_features_into):
+            return None
+        self._check_fitted()
         transform = self._input_transform(role, x)
-        _, weight, offset, scalars = self._fused_arguments(x[..., :0, :], role)
-        if transform is None:
-            return x, math.sqrt(self.scale_), weight, offset, scalars
-        return (x * math.sqrt(self.scale_)) @ transform.T, 1.0, weight, offset, scalars
+        _, weight, offset, _ = self._fused_arguments(x[..., :0, :], role)
+        alpha = math.sqrt(self.scale_)
+        rows = x if transform is None else (x * alpha) @ transform.T
+        return ExponentialForm(rows, alpha if transform is None else 1.0, weight, offset, self._log_constant(),
+                               float(self.eps), 1.0)
 
     def _input_transform(self, role, like) -> torch.Tensor | None:
         """The ``(d, d)`` matrix applied to the scaled input before the projection, or None (the identity)."""
@@ -194,7 +204,10 @@ class PositiveFeatures(ExponentialRandomFeatureMap):
 
     def _fused_arguments(self, x, role):
         return (x, self._param("projection_", x), None,
-                fused.scalars(self, "positive", x, -0.5 * math.log(self.num_frequencies), self.eps, 1.0))
+                fused.scalars(self, "positive", x, self._log_constant(), self.eps, 1.0))
+
+    def _log_constant(self) -> float:
+        return -0.5 * math.log(self.num_frequencies)
 
 
 class HyperbolicFeatures(ExponentialRandomFeatureMap):
@@ -224,8 +237,10 @@ class HyperbolicFeatures(ExponentialRandomFeatureMap):
     def _fused_arguments(self, x, role):
         w = self._derived("fused:hyperbolic_weight", x, lambda: torch.cat([torch.as_tensor(self.projection_),
                                                                             -torch.as_tensor(self.projection_)]))
-        return x, w, None, fused.scalars(self, "hyperbolic", x, -0.5 * math.log(2 * self.num_frequencies), self.eps,
-                                         1.0)
+        return x, w, None, fused.scalars(self, "hyperbolic", x, self._log_constant(), self.eps, 1.0)
+
+    def _log_constant(self) -> float:
+        return -0.5 * math.log(2 * self.num_frequencies)
 
 
 for _name, _cls in (("trig", TrigonometricFeatures), ("positive", PositiveFeatures),
