@@ -147,7 +147,8 @@ def test_attention_error_split_is_exact_for_the_exact_kernel(causal):
     rng, data_rng = _rngs()
     params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "exact", "num_features": 8,
               "seq_len": 40, "causal": causal, "beta": 2.0, "seed": 0, "dim": 32, "heads": 4}
-    out = attention_error.run_cell(params, rng, torch.device("cpu"), data_rng)
+    data = attention_error.draw(params, data_rng, torch.device("cpu"))     # the engine's draw of the cell's data
+    out = attention_error.run_cell(params, rng, torch.device("cpu"), None, data)
     for metric in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms", "normalizer_log_rms"):
         assert out[metric] < 1e-12, (metric, out)
     assert out["nonpositive_rate"] == 0.0
@@ -157,7 +158,8 @@ def test_attention_error_parts_match_a_direct_float64_computation():
     """Numerator and normaliser relative to the exact normaliser, recomputed without stabilisation."""
     params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "positive", "num_features": 32,
               "seq_len": 24, "causal": True, "beta": 1.0, "seed": 0, "dim": 32, "heads": 4}
-    out = attention_error.run_cell(params, np.random.default_rng(9), torch.device("cpu"), np.random.default_rng(4))
+    data = attention_error.draw(params, np.random.default_rng(4), torch.device("cpu"))
+    out = attention_error.run_cell(params, np.random.default_rng(9), torch.device("cpu"), None, data)
     dist = make_distribution("isotropic", beta=1.0)
     q, k, v = dist.sample(24, heads=4, d=32, rng=np.random.default_rng(4), dtype=torch.float64)
     est = ka.make_estimator("positive", num_features=32, rng=np.random.default_rng(9)).fit(q, k)

@@ -597,7 +597,8 @@ def test_sklearn_adapter_refuses_bad_arrays(bad, name, seed):
     from kernapprox.sklearn import SoftmaxKernelFeatures
 
     X = np.random.default_rng(seed).standard_normal((12, D))
-    model = SoftmaxKernelFeatures(name, 4, random_state=0).fit(X)
+    size = None if ka.capabilities(name).fixed_dimension else 4        # fixed maps take their own dimension
+    model = SoftmaxKernelFeatures(name, size, random_state=0).fit(X)
     Y = {"nan": np.where(X > 1, np.nan, X), "inf": np.where(X > 1, np.inf, X), "1d": X[:, 0], "3d": X[None],
          "empty": X[:0], "no_features": X[:, :0], "complex": X + 1j, "strings": X.astype(str).astype(object) + "x",
          "wrong_width": X[:, :-1]}[bad]
@@ -605,7 +606,7 @@ def test_sklearn_adapter_refuses_bad_arrays(bad, name, seed):
         model.transform(Y)
     assert re.search(r"\bX\b|feature|array|complex|string|NaN|infinity", str(info.value), re.I), info.value
     with pytest.raises(ValueError):
-        SoftmaxKernelFeatures(name, 4, random_state=0).fit(Y if bad != "wrong_width" else Y[:0])
+        SoftmaxKernelFeatures(name, size, random_state=0).fit(Y if bad != "wrong_width" else Y[:0])
 
 
 @examples(60)

@@ -28,8 +28,8 @@ from test_fused import _rounding_close, data
 import kernapprox as ka
 from kernapprox import backends
 from kernapprox.attention import native
-from kernapprox.attention.rules import SENTINEL
 from kernapprox.estimators import fused
+from kernapprox.rules import SENTINEL
 
 pytestmark = pytest.mark.skipif(not native._prerequisites()[0], reason=native._prerequisites()[1])
 
@@ -479,7 +479,7 @@ def test_the_self_check_reference_is_the_eager_code():
     """The self-check's float64 reference (native._reference, which imports nothing of linear.py) equals the eager
     parallel mode on a problem with decay, a carried state and padded keys; and its sentinel is the rules'."""
     from kernapprox.attention.linear import _normalized_parallel
-    from kernapprox.attention.rules import NormalizedState
+    from kernapprox.rules import NormalizedState
 
     assert native.SENTINEL == SENTINEL
     gen = torch.Generator().manual_seed(11)

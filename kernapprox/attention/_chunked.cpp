@@ -82,7 +82,7 @@ inline float exp_nonpos(float x) {
     return x < lo ? 0.0f : p * s;
 }
 
-constexpr float SENTINEL = -1e30f;   // the empty state's log-scale (kernapprox/attention/rules.py)
+constexpr float SENTINEL = -1e30f;   // the empty state's log-scale (kernapprox/rules.py)
 
 struct Problem {
     int B, L, r, dv, C;

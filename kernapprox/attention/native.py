@@ -304,7 +304,7 @@ def exp_nonpositive(src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- self-check
-SENTINEL = -1e30     # the empty state's log-scale (kernapprox.attention.rules.SENTINEL; checked equal in tests)
+SENTINEL = -1e30     # the empty state's log-scale (kernapprox.rules.SENTINEL; checked equal in tests)
 
 
 def _self_check() -> None:
