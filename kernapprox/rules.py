@@ -408,6 +408,18 @@ class LeastSquares(Rule):
                              f", beyond 1/eps = {1 / eps:.3g}, so no digit of the result is guaranteed; use a ridge "
                              f"above {eps * num_keys:.2g} (λ ≳ 1e-5·n for ~1e-3 accuracy in float32) or float64")
 
+    def keys_in(self, state: LeastSquaresState) -> float:
+        """How many unit keys a state has absorbed (the largest over its batch entries), read off ``P``:
+        ``P⁻¹ = λI + Σ φ̄_j φ̄_jᵀ`` has trace ``rλ + n`` for ``n`` unit keys, so ``n = tr(P⁻¹) − rλ`` (computed in
+        float64; an ``r × r`` solve per entry, once per call or per :class:`RecurrentState`). What
+        :meth:`check_precision` counts for a call that starts from an initial state."""
+        p = state.p.double()
+        r = p.shape[-1]
+        eye = torch.eye(r, dtype=torch.float64, device=p.device).expand_as(p)
+        inverse = torch.linalg.solve(p, eye)
+        keys = inverse.diagonal(dim1=-2, dim2=-1).sum(-1) - r * self.ridge
+        return max(0.0, float(keys.max())) if keys.numel() else 0.0
+
     def empty_state(self, batch_shape, r, d_v, dtype, device):
         eye = torch.eye(r, dtype=dtype, device=device) / self.ridge
         return LeastSquaresState(torch.zeros(*batch_shape, r, d_v, dtype=dtype, device=device),

@@ -17,6 +17,7 @@ import torch
 
 import kernapprox as ka
 from kernapprox.metrics import relative_rms_error
+from kernapprox.rules import to_internal
 
 ESTIMATORS = ka.available_estimators()
 BATCH, N, D, DV, CHUNK, M = (2, 3), 13, 6, 5, 4, 16      # odd sizes on purpose; N is not a multiple of CHUNK
@@ -513,6 +514,30 @@ def test_least_squares_refuses_a_ridge_below_the_precision():
             dec.update(k[:, t], v[:, t])
     out = ka.linear_attention(q.double(), k.double(), v.double(), est, True, "chunked", rule=rule)
     assert bool(torch.isfinite(out).all())
+
+
+def test_the_precision_guard_counts_the_keys_of_an_initial_state():
+    """float32, λ = 1e-4: 1000 keys in one pass raise (eps·(1 + n/λ) ≥ 1 from n ≈ 839); so must a 600-token
+    prefill continued by 400 decode steps, or by a second call on 400 keys from the returned state, whose keys are
+    read off the state (tr(P⁻¹) − rλ)."""
+    q, k, v = qkv(8, batch=(1,), n=1000, dtype=torch.float32)
+    est = ka.make_estimator("positive", num_features=16, rng=0).fit(q, k)
+    rule = ka.rules.LeastSquares(1e-4)
+    with pytest.raises(ValueError, match="no digit"):
+        ka.linear_attention(q, k, v, est, True, "chunked", rule=rule)
+    _, state = ka.linear_attention(q[:, :600], k[:, :600], v[:, :600], est, True, "chunked", rule=rule,
+                                   return_state=True)
+    # P is float32 with condition number 1 + n/λ = 6e6: its inverse's trace is good to a few per cent here
+    assert abs(rule.keys_in(to_internal(state)) - 600) < 30
+    with pytest.raises(ValueError, match="over 1000 keys|over 1000.0 keys|no digit"):
+        ka.linear_attention(q[:, 600:], k[:, 600:], v[:, 600:], est, True, "chunked", rule=rule, initial_state=state)
+    dec = ka.RecurrentState(est, rule=rule, initial_state=state)
+    with pytest.raises(ValueError, match="no digit"):
+        for t in range(600, 1000):
+            dec.update(k[:, t], v[:, t])
+    assert 230 < dec.num_tokens < 400                       # it stops where the total passes the bound, not later
+    ka.linear_attention(q[:, 600:700], k[:, 600:700], v[:, 600:700], est, True, "chunked", rule=rule,
+                        initial_state=state)                 # 700 keys in all: within the bound, runs
 
 
 def test_rule_arguments_are_checked():

@@ -633,8 +633,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
             out = (num / den[..., None]).to(q.dtype)
         result = AttentionParts(out, num, den, logs) if return_parts else out
     else:
-        if rule.name == "least_squares":
-            rule.check_precision(k.shape[-2], ct)
+        if rule.name == "least_squares":          # the keys of an initial state count too
+            rule.check_precision(k.shape[-2] + (rule.keys_in(state0) if state0 is not None else 0.0), ct)
         module = _delta if rule.name == "delta" else _ls
         y, final = module.attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allowed, state0,
                                     return_state)

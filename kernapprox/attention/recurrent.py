@@ -161,8 +161,10 @@ class RecurrentState:
         self.check_finite = check_finite
         self._state = None
         self.num_tokens = 0
+        self._keys = 0.0                     # least squares: the unit keys the state holds (precision guard)
         if initial_state is not None:
             self._state = self._checked(initial_state, "initial_state", values=True)
+            self._keys = self._keys_in(self._state)
 
     # ------------------------------------------------------------------------------------------- the state
     @property
@@ -172,6 +174,10 @@ class RecurrentState:
     @state.setter
     def state(self, value):
         self._state = None if value is None else self._checked(value, "state", values=False)
+        self._keys = 0.0 if value is None else self._keys_in(self._state)
+
+    def _keys_in(self, state) -> float:
+        return self.rule.keys_in(state) if self.rule.name == "least_squares" else 0.0
 
     def _checked(self, state, name, values):
         if not isinstance(state, self.rule.state_type):
@@ -237,9 +243,10 @@ class RecurrentState:
             if self.rule.name == "delta":
                 self._state = DeltaState(delta_step(self._state.w, ku, vc, step_beta))
             else:
-                self.rule.check_precision(self.num_tokens + 1, ct)
+                self.rule.check_precision(self._keys + 1, ct)
                 self._state = least_squares_step(self._state, ku, vc)
         self.num_tokens += 1
+        self._keys += 1.0
 
     def _step_beta(self, beta, batch_shape, k_t):
         if self.rule.name != "delta":
