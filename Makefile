@@ -83,6 +83,7 @@ figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.$* --plot-only --out $< --figure $@
 
 bench: install
+	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m benchmarks.run --threads 2
 	$(PY) -m benchmarks.report results/bench.nc --out benchmarks/RESULTS.md
 
