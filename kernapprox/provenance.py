@@ -28,6 +28,7 @@ every key once (a miss, never a wrong hit).
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib.util
 import subprocess
@@ -163,7 +164,28 @@ def code_modules(modules, *, package: str = PACKAGE, root: str | Path | None = N
 def code_digest(modules, *, package: str = PACKAGE, root: str | Path | None = None) -> str:
     """SHA-256 (16 hex digits) of the code of ``modules`` and of every module of ``package`` they import (see the
     module docstring for what enters): unchanged by moving files, by comments, formatting and docstrings; changed
-    by any change of the code the modules run."""
-    trees = _walk(modules, package, _package_root(package, root))
+    by any change of the code the modules run.
+
+    Parsing the modules takes about a second, so the digest is computed once per process and kept while no file
+    below the package's folder changes (their paths, modification times and sizes, read on every call)."""
+    modules = (modules,) if isinstance(modules, str) else tuple(modules)
+    folder = _package_root(package, root)
+    return _cached_digest(modules, package, folder, _snapshot(folder))
+
+
+def _snapshot(folder: Path) -> tuple:
+    """``(path, mtime_ns, size)`` of every file below ``folder`` but the byte-code caches."""
+    entries = []
+    for path in folder.rglob("*"):
+        if "__pycache__" in path.parts or not path.is_file():
+            continue
+        info = path.stat()
+        entries.append((str(path), info.st_mtime_ns, info.st_size))
+    return tuple(sorted(entries))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_digest(modules: tuple, package: str, folder: Path, snapshot: tuple) -> str:
+    trees = _walk(modules, package, folder)
     digests = sorted(_module_digest(tree, path, package) for tree, path in trees.values())
     return hashlib.sha256("\n".join(digests).encode()).hexdigest()[:16]

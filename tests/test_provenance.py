@@ -93,3 +93,23 @@ def test_git_revision_outside_a_repository(tmp_path):
     assert provenance.git_revision(tmp_path) == "unknown"
     rev = provenance.git_revision()
     assert rev == "unknown" or len(rev.split("+")[0]) == 40
+
+
+def test_the_digest_is_computed_once_and_recomputed_when_a_file_changes(tmp_path):
+    """Parsing takes about a second: the second call is served from the cache; editing a module's code (new
+    content and modification time) gives a new digest at once."""
+    import time
+
+    from kernapprox.provenance import code_digest
+
+    pkg = tmp_path / "toypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from . import b\nX = b.Y + 1\n")
+    (pkg / "b.py").write_text("Y = 1\n")
+    first = code_digest("toypkg.a", package="toypkg", root=pkg)
+    start = time.perf_counter()
+    assert code_digest("toypkg.a", package="toypkg", root=pkg) == first
+    assert time.perf_counter() - start < 0.5
+    (pkg / "b.py").write_text("Y = 22\n")
+    assert code_digest("toypkg.a", package="toypkg", root=pkg) != first
