@@ -22,18 +22,21 @@ def _chunked_choices(calls):
     return [c for c in calls if c.op == CHUNKED]
 
 
+@pytest.mark.parametrize("switch", ["native", "fused"])
 @pytest.mark.parametrize("raw, expected", [("0", "off"), ("off", "off"), ("1", "on"), ("ON", "on"), ("", "auto"),
                                            ("auto", "auto"), ("yes", "on")])
-def test_native_switch_from_the_environment(monkeypatch, raw, expected):
-    monkeypatch.setenv("KERNAPPROX_NATIVE", raw)
-    assert backends._initial("native") == expected
+def test_switches_from_the_environment(monkeypatch, switch, raw, expected):
+    monkeypatch.setenv(f"KERNAPPROX_{switch.upper()}", raw)
+    assert backends._initial(switch) == expected
 
 
-def test_unknown_switch_values_warn_and_mean_the_default(monkeypatch):
-    monkeypatch.setenv("KERNAPPROX_NATIVE", "turbo")
-    with pytest.warns(RuntimeWarning, match="KERNAPPROX_NATIVE"):
-        assert backends._initial("native") == "auto"
-    monkeypatch.setenv("KERNAPPROX_NATIVE", "large")           # a value of the other switch only
+@pytest.mark.parametrize("switch", ["native", "fused"])
+def test_unknown_switch_values_warn_and_mean_the_default(monkeypatch, switch):
+    variable = f"KERNAPPROX_{switch.upper()}"
+    monkeypatch.setenv(variable, "turbo")
+    with pytest.warns(RuntimeWarning, match=variable):
+        assert backends._initial(switch) == "auto"
+    monkeypatch.setenv("KERNAPPROX_NATIVE", "large")           # a value of the fused switch only
     with pytest.warns(RuntimeWarning, match="KERNAPPROX_NATIVE"):
         assert backends._initial("native") == "auto"
 

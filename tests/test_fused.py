@@ -26,7 +26,6 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox import backends
 from kernapprox.estimators import fused
 
 EXPONENTIAL = ("positive", "positive_orthogonal", "hyperbolic", "gerf", "oprf", "sderf", "saderf", "aderf")
@@ -67,17 +66,7 @@ def test_switch_and_context_manager():
             pass
 
 
-@pytest.mark.parametrize("raw, expected", [("0", "off"), ("off", "off"), ("1", "on"), ("ON", "on"), ("", "auto"),
-                                           ("auto", "auto")])
-def test_environment_variable(monkeypatch, raw, expected):
-    monkeypatch.setenv("KERNAPPROX_FUSED", raw)
-    assert backends._initial("fused") == expected
-
-
-def test_unknown_environment_value_warns_and_means_auto(monkeypatch):
-    monkeypatch.setenv("KERNAPPROX_FUSED", "turbo")
-    with pytest.warns(RuntimeWarning, match="KERNAPPROX_FUSED"):
-        assert backends._initial("fused") == "auto"
+# the switch's environment variable: tests/test_backends.py (one test for both switches)
 
 
 def test_auto_policy(monkeypatch, fresh):
