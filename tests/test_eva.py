@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import gaussian
 
 from kernapprox.approximate.eva import (
     control_variate_reference,
@@ -14,10 +15,6 @@ from kernapprox.approximate.eva import (
     group_bounds,
     local_bounds,
 )
-
-
-def gaussian(shape, seed, std=1.0):
-    return np.random.default_rng(seed).standard_normal(shape) * std
 
 
 def scaled(q, k):

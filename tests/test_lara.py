@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+from helpers import gaussian
 
 from kernapprox.approximate.lara import (
     _log_normal,
@@ -18,10 +19,6 @@ from kernapprox.approximate.lara import (
     randomized_attention_reference,
     segment_bounds,
 )
-
-
-def gaussian(shape, seed, std=1.0):
-    return np.random.default_rng(seed).standard_normal(shape) * std
 
 
 def scaled(q, k, scale=None):
