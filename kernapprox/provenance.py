@@ -5,7 +5,7 @@ caches of computed objects (the trained models of :mod:`kernapprox.models.traini
 some modules and of every module of the package that they import, at any depth (imports inside functions
 included). What enters and what does not:
 
-- each module's syntax tree (:func:`ast.parse`), without its docstrings (module, class, function) and with every
+- each module's syntax tree (``ast.parse``), without its docstrings (module, class, function) and with every
   import of the package reduced to the names it binds (``from ..validation import check_choice`` and
   ``from kernapprox.checks import check_choice`` are the same statement), so comments, formatting, prose and
   *where* a module lives play no part: moving a file (and fixing the imports that name it) keeps the key, while

@@ -171,8 +171,10 @@ class TrainedModel(NamedTuple):
 
 # ---------------------------------------------------------------------------------------- configuration
 def code_version() -> str:
-    """SHA-256 (16 hex digits) of the code that builds, trains and runs a model: :func:`kernapprox.provenance.
-    code_digest` of this module and everything of the package it imports (see the module docstring)."""
+    """SHA-256 (16 hex digits) of the code that builds, trains and runs a model.
+
+    :func:`kernapprox.provenance.code_digest` of this module and everything of the package it imports (see the
+    module docstring)."""
     return code_digest(__name__)
 
 

@@ -235,7 +235,7 @@ class Experiment:
     check_params : callable ``(params) -> None``, optional
         Raises ``ValueError`` naming the axis for a cell the study cannot run (e.g. an estimator it does not
         support). The engine calls it on every cell of a grid, after its own checks of the common axes
-        (:func:`check_values`), before any cell runs, so a bad ``--set`` value fails at once.
+        (``check_values``), before any cell runs, so a bad ``--set`` value fails at once.
     replicates : str
         What the bootstrap intervals resample (the unit of replication), named in the closing line the engine
         writes after the findings (:func:`kernapprox.stats.interval_note`).
