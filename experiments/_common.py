@@ -130,12 +130,6 @@ def range_text(values, digits: int = 2) -> str:
     return f"{fmt(lo, digits)} to {fmt(hi, digits)}" if lo < 0 else f"{fmt(lo, digits)}–{fmt(hi, digits)}"
 
 
-def interval_note(ds: xr.Dataset) -> str:
-    """The closing line of a findings text (:func:`kernapprox.stats.interval_note`); the engine writes it after
-    the findings of a study that does not (kept for the studies that still add it themselves)."""
-    return stats.interval_note(ds)
-
-
 # ------------------------------------------------------------------------------------------ equal state bytes
 # How the studies compare estimators whose memory is not r·(d_v + 1): every estimator runs at its largest
 # configuration whose state fits the budget B(r) of the random-feature baselines at r features

@@ -33,7 +33,7 @@ import math
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_paired, interval_note, range_text
+from experiments._common import add_paired, range_text
 from kernapprox import stats, theory
 from kernapprox.estimators.samplers import make_sampler
 from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
@@ -262,7 +262,7 @@ def findings(ds: xr.Dataset) -> str:
         inside = _contains(s.sel(sampler="iid"), 1.0)
         lines.append(f"Control: Gaussian rows (iid) contain 1 in {int(inside.sum())} of {inside.size} intervals.")
     lines.append(f"Each value pools {ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs of "
-                 f"{int(ds.num_rows.values[0])} rows each. " + interval_note(ds))
+                 f"{int(ds.num_rows.values[0])} rows each. " + stats.interval_note(ds))
     return bullets(lines)
 
 

@@ -39,7 +39,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import CACHE_ENV as CACHE_ENV  # the one cache root's variable (cache_root reads it)
 from .cache import cache_dir
 from .distributions import Distribution, check_layer_head, register_distribution
 from .io import atomic_write, read_arrays
