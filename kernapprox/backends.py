@@ -1,6 +1,6 @@
 """One backend dispatch: which implementation runs a computation that has several, one switch each, and why.
 
-Two computations of kernapprox have more than one implementation:
+Three computations of kernapprox have more than one implementation:
 
 ``"linear_attention.chunked"``
     the chunked mode of the sum and decay rules (:func:`kernapprox.linear_attention`):
@@ -14,6 +14,11 @@ Two computations of kernapprox have more than one implementation:
     ``cuda``       10       the eager code on a CUDA device (torch's CUDA kernels)
     ``eager``      0        the eager code (any device, dtype, gradients)
     ============== ======== =================================================================================
+
+``"linear_attention.gradient"``
+    how the chunked mode's gradient is computed when a call needs one: ``chunk-backward`` (10; the sum rule's
+    backward written out in chunks, :mod:`kernapprox.attention.chunk_grad`, for calls that ask for the output only,
+    without an initial or returned state) or ``autograd`` (0; autograd through the eager chunked code, any rule).
 
 ``"features.exponential"``, ``"features.trigonometric"``
     the epilogue of a feature map (row shift and ``exp``, or ``sin``/``cos``): ``fused`` (10, a
@@ -35,6 +40,8 @@ manager :func:`mode`):
     ``on`` for every eligible call, ``off`` never (:mod:`kernapprox.attention.native`).
 ``KERNAPPROX_FUSED`` (``"auto"``, ``"large"``, ``"on"``, ``"off"``)
     the compiled feature-map epilogues (:mod:`kernapprox.estimators.fused`, whose docstring gives the rules).
+``KERNAPPROX_BACKWARD`` (``"auto"``, ``"off"``)
+    the written-out chunked backward: ``auto`` for every eligible call, ``off`` never (autograd instead).
 
 Examples
 --------
@@ -74,6 +81,7 @@ class Switch:
 SWITCHES = {
     "native": Switch("KERNAPPROX_NATIVE", ("auto", "on", "off"), "the compiled CPU operators of the chunked mode"),
     "fused": Switch("KERNAPPROX_FUSED", ("auto", "large", "on", "off"), "the compiled feature-map epilogues"),
+    "backward": Switch("KERNAPPROX_BACKWARD", ("auto", "off"), "the written-out backward of the chunked mode"),
 }
 
 

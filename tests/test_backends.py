@@ -87,8 +87,16 @@ def test_status_reports_each_calls_backend_and_why():
         with backends.mode("native", "on"):
             ka.linear_attention(q.double(), k.double(), v.double(), est, causal=True)
             ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+            with backends.mode("backward", "off"):
+                ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
             ka.linear_attention(q, k, v, trig, causal=False)
-    off, float64, grad, signed = _chunked_choices(calls)
+    off, float64, written, grad, signed = _chunked_choices(calls)
+    # with the written-out backward the forward needs no gradient: features given, the causal operator
+    assert written.backend == ("native" if native.available() else "eager")
+    assert "no exponential form" in dict(written.declined)["native-exp"]
+    gradients = [c for c in calls if c.op == "linear_attention.gradient"]
+    assert [c.backend for c in gradients] == ["chunk-backward", "autograd"]
+    assert dict(gradients[1].declined)["chunk-backward"] == "KERNAPPROX_BACKWARD=off"
     assert off.backend == "eager" and dict(off.declined)["native-exp"] == "KERNAPPROX_NATIVE=off"
     assert float64.backend == "eager" and "dtype torch.float64" in dict(float64.declined)["native-exp"]
     assert grad.backend == "eager" and "gradients needed" in dict(grad.declined)["native-exp"]

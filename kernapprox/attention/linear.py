@@ -43,9 +43,9 @@ from .. import backends
 from ..estimators.base import AttentionParts, Estimator
 from ..rules import SENTINEL, NormalizedState, Sum, resolve_rule, to_public
 from ..validation import check_bool, check_choice, check_positive_int, check_qkv, compute_dtype
+from . import chunk_grad, logdomain
 from . import delta as _delta
 from . import least_squares as _ls
-from . import logdomain
 from . import native as _native
 from .blocks import chunked_block_length
 from .exact import softmax_attention
@@ -440,6 +440,14 @@ backends.register(backends.Backend(
     None, "the eager code on a CUDA device"))
 backends.register(backends.Backend("eager", "linear_attention.chunked", 0, lambda **_: (True, "the eager code"),
                                    None, "the eager code: any device, dtype and rule, with autograd"))
+backends.register(backends.Backend(
+    "chunk-backward", "linear_attention.gradient", 10,
+    lambda **_: ((True, "the written-out chunked backward") if backends.get_mode("backward") == "auto"
+                 else (False, "KERNAPPROX_BACKWARD=off")),
+    "backward", "the sum rule's chunked backward written out (kernapprox.attention.chunk_grad)"))
+backends.register(backends.Backend("autograd", "linear_attention.gradient", 0,
+                                   lambda **_: (True, "autograd through the eager code"), None,
+                                   "autograd through the eager chunked code (any rule)"))
 
 
 def _kernel_state(state, c_carry, sink, d_v, r):
@@ -640,6 +648,18 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2],
                exempt=qpad)
 
+    if rule.normalized and mode == "chunked" and not rule.log_decay and state0 is None and not return_state \
+            and not return_parts and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        choice = backends.choose("linear_attention.gradient", causal=causal).backend
+        if choice == "chunk-backward":
+            out, den, logs = _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding)
+            if qpad is not None:
+                out = out.masked_fill(qpad[..., None], 0.0)
+                den, logs = den.masked_fill(qpad, 1.0), logs.masked_fill(qpad, 0.0)
+            if not logdomain.needs_recompute(estimator, den, logs):
+                return out.to(q.dtype)
+            # rows in doubt: the general path below recomputes them (float64, then exact)
+
     if rule.normalized:
         # padded query rows: the numerator comes back undivided (their rows may be 0/0) and is set to (0, 1, 0)
         num, den, logs, final, out = _normalized(q, k, v, estimator, causal, mode, chunk_size, rule.log_decay,
@@ -682,6 +702,25 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     if return_state:
         return result, to_public(final)
     return result
+
+
+def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding):
+    """The sum rule's chunked output with the written-out backward (:mod:`.chunk_grad`): the features of the
+    whole sequence (autograd takes their gradient to ``q`` and ``k``), then :class:`.chunk_grad.ChunkedSum`.
+    Returns ``(output, normaliser, log-scale)`` in the compute dtype."""
+    pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
+    batch_shape, n, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
+    r, d_v = pq.shape[-1], v.shape[-1]
+
+    def forward(pq, pk, lk, v):
+        zeros = torch.zeros(pq.shape[:-1], dtype=pq.dtype, device=pq.device)      # ℓ_q = 0: the log-scale is c
+        num, den, c, _ = _chunked_from_features(pq, zeros, pk, lk, v, causal, chunk_size, 0.0, None)
+        return num, den, c
+
+    y, den, c = chunk_grad.ChunkedSum.apply(pq.reshape(-1, n, r), pk.reshape(-1, n_k, r), lk.reshape(-1, n_k),
+                                            v.to(pq.dtype).reshape(-1, n_k, d_v), causal, chunk_size, forward)
+    rows = (*batch_shape, n)
+    return y.reshape(*rows, d_v), den.reshape(rows), lq + c.reshape(rows)
 
 
 def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, state0, want_state, want_num):
@@ -832,24 +871,35 @@ def _chunked_from_features(pq, lq, pk, lk, v, causal, chunk_size, a, state0):
     def values(start, stop):
         return torch.cat([vf[:, start:stop], ones[:, :stop - start]], -1)
 
+    # blocks of a batch of sequences are strided slices; the in-place products (no gradient) view them flat
     def query_features(start, stop):
-        return pqf[:, start:stop], lqf[:, start:stop]
+        return pqf[:, start:stop].contiguous(), lqf[:, start:stop].contiguous()
 
     def key_features(start, stop):
-        return pkf[:, start:stop], lkf[:, start:stop]
+        return pkf[:, start:stop].contiguous(), lkf[:, start:stop].contiguous()
 
     state = c = None
     if state0 is not None:
         state = torch.cat([state0.w.reshape(batch, r, d_v), state0.z.reshape(batch, r, 1)], -1).transpose(-1, -2)
         c = state0.log_scale.reshape(batch)
     sink = _Rows(batch, n, d_v, ct, ct, pq.device, True)
+    backend = backends.choose("linear_attention.chunked", device=pq.device, dtype=ct, needs_grad=needs_grad,
+                              rule_ok=True, batch=batch, entries=batch * max(n, n_k) * r, causal=causal,
+                              exponential=False).backend
     if causal:
-        # _chunked_causal slices its first argument by token and hands the slice to ``features``: pass the
+        # the causal loops slice their first argument by token and hand the slice to ``features``: pass the
         # positions, so that the slice names the block
         positions = torch.arange(n, device=pq.device).expand(batch, n)
-        state, c = _chunked_causal(positions, values, lambda idx, role: query_features(int(idx[0, 0]),
-                                                                                         int(idx[0, -1]) + 1),
-                                   key_features, chunk_size, block, a, sink, state, c, ws)
+
+        def block_features(idx, role):
+            return query_features(int(idx[0, 0]), int(idx[0, -1]) + 1)
+
+        if backend == "native":
+            state, c = _chunked_causal_native(positions, vf.contiguous(), block_features, key_features, chunk_size,
+                                              block, a, sink, state, c, r)
+        else:
+            state, c = _chunked_causal(positions, values, block_features, key_features, chunk_size, block, a, sink,
+                                       state, c, ws)
     else:
         state, c = _chunked_noncausal(n, n_k, block, query_features, key_features, values, a, sink, state, c)
     final = NormalizedState(state[:, :d_v].transpose(-1, -2).reshape(*batch_shape, r, d_v),
