@@ -167,7 +167,7 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, estimato
         dropout without ``rng``, and everything :func:`kernapprox.linear_attention` refuses.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
-        check_tensor(x, name, min_rank=4, finite=False)
+        check_tensor(x, name, min_rank=1, finite=False)
         if x.dim() != 4:
             raise ValueError(f"{name} must have shape (batch, heads, n, dim), got {tuple(x.shape)}")
     if not isinstance(estimator, Estimator):
