@@ -14,8 +14,12 @@ torch.Size([2, 10, 64])
 Design
 ------
 * **Randomness.** All of it comes from ``rng`` (int, ``SeedSequence`` or ``Generator``): the projection
-  weights (Xavier-uniform, biases zero) and the feature map's draws use two independent numpy streams spawned
-  from it; torch's global RNG is never used. Two layers built with the same ``rng`` are identical.
+  weights (Xavier-uniform, biases zero), the feature map's draws and the dropout masks use independent numpy
+  streams spawned from it; torch's global RNG is never used. Two layers built with the same ``rng`` are
+  identical.
+* **The attention** is :func:`kernapprox.nn.functional.kernel_attention` on the projected (and, with a
+  ``pos_hook``, positioned) heads: its module docstring states what grouped-query heads, dropout, autocast and
+  ``scale`` mean.
 * **Redraws are explicit.** The random features are drawn once (at construction for data-independent maps)
   and stay fixed — across forward passes, ``train()``/``eval()`` and steps — until :meth:`KernelAttention.redraw`
   (or :meth:`KernelAttention.fit`) is called. Performer-style periodic redrawing is the training loop's call.
