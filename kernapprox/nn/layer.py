@@ -700,4 +700,6 @@ class KernelAttention(nn.Module):
         r = self.estimator.get_params()["num_features"]
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
                 f"num_features={r}, mode={self.mode!r}, causal={self.causal}"
-                + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else ""))
+                + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else "")
+                + (f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else "")
+                + (f", dropout={self.dropout:g}" if self.dropout else ""))
