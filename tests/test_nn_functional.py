@@ -238,3 +238,20 @@ def test_rotary_embedding_is_roformer_eq_34():
         RotaryEmbedding(7)
     with pytest.raises(TypeError, match="positions must be an integer"):
         rope.rotate(x, positions.float())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_continues_the_sequence_with_grouped_heads_and_left_padding(mode):
+    """Prefill with return_state, then the rest of the sequence from initial_state: the full causal call's rows."""
+    q, k, v = heads(23), heads(24, HKV), heads(25, HKV)
+    est, pad = estimator(), left_padding()
+    full = kernel_attention(q, k, v, est, causal=True, mode=mode, key_padding_mask=pad, query_padding_mask=pad)
+    cut = 6
+    first, state = kernel_attention(q[:, :, :cut], k[:, :, :cut], v[:, :, :cut], est, causal=True, mode=mode,
+                                    key_padding_mask=pad[:, :cut], query_padding_mask=pad[:, :cut],
+                                    return_state=True)
+    rest = kernel_attention(q[:, :, cut:], k[:, :, cut:], v[:, :, cut:], est, causal=True, mode=mode,
+                            initial_state=state)
+    torch.testing.assert_close(torch.cat([first, rest], -2), full, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="exact attention has no fixed-size state"):
+        kernel_attention(q, k, v, estimator("exact"), causal=True, return_state=True)
