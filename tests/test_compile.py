@@ -118,6 +118,28 @@ def test_kernel_attention_compiles_and_equals_eager(name, causal):
     _close(got, want)
 
 
+@pytest.mark.parametrize("name", ["positive_orthogonal", "exact"])
+def test_kernel_attention_with_the_new_options_compiles_and_equals_eager(name):
+    """Grouped-query heads, a rotary hook, left padding (query and key masks), per-call causality and positions."""
+    from kernapprox.nn import RotaryEmbedding
+
+    x = torch.randn(2, 24, 16, generator=torch.Generator().manual_seed(2))
+    layer = KernelAttention(16, 4, name, num_features=None if name == "exact" else 16, rng=0, num_kv_heads=2,
+                            pos_hook=RotaryEmbedding(4), bias=False, chunk_size=8).eval()
+    pad = torch.zeros(2, 24, dtype=torch.bool)
+    pad[1, :5] = True
+    pos = (torch.cumsum(~pad, 1) - 1).clamp(min=0)
+
+    def fn(x, pad, pos):
+        return layer(x, key_padding_mask=pad, query_padding_mask=pad, positions=pos, causal=True)
+
+    switch, _ = _native_on()
+    with torch.no_grad(), switch:
+        want = fn(x, pad, pos)
+        got = torch.compile(fn, backend="aot_eager")(x, pad, pos)
+    _close(got, want)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_exact_attention_compiles_with_fullgraph(causal):
     """No data-dependent branch: one graph, for the function and for the layer."""

@@ -132,7 +132,8 @@ class Capabilities:
     causal : bool
         Causal attention is defined (``causal=True`` is accepted).
     fixed_dimension : bool
-        The feature dimension is fixed by ``d`` (``num_features`` must be ``None``).
+        The feature dimension is fixed by ``d`` (``num_features`` must be ``None``, which takes that dimension, or
+        that dimension itself; any other value raises, naming it).
     rank_limited_by_points : bool
         ``num_features`` cannot exceed the number of points it is fitted on (landmark methods).
     query_dependent : bool

@@ -102,7 +102,8 @@ def make_estimator(name: str, num_features: int | None = None, rng=None, **optio
         A name from :func:`available_estimators`; unknown names raise ``ValueError`` listing the valid ones.
     num_features : int or None
         ``r``, the feature dimension of the state. Estimators whose dimension is fixed by ``d``
-        (``capabilities(name).fixed_dimension``) take ``None`` and raise on any other value.
+        (``capabilities(name).fixed_dimension``) take ``None`` (their own dimension) or exactly that dimension, and
+        raise at ``fit`` on any other value, naming the dimension they have.
     rng : int, SeedSequence or Generator
         Source of randomness (drawn on the CPU in float64).
     **options

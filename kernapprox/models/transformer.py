@@ -56,7 +56,8 @@ class AttentionSpec:
     estimator : str
         Registry name (``"exact"``: softmax attention).
     num_features : int, optional
-        ``r`` of the estimator (ignored by fixed-dimension maps such as ``taylor2`` and ``elu1``).
+        ``r`` of the estimator. Fixed-dimension maps such as ``taylor2`` and ``elu1`` take ``None`` (their own
+        dimension, set by ``qk_dim``); another value raises, naming the dimension they have.
     qk_dim : int, optional
         Per-head query/key dimension (default ``d_model / num_heads``); with a fixed-dimension map it sets the
         feature dimension, as Based's projection before its Taylor map.

@@ -14,8 +14,12 @@ torch.Size([2, 10, 64])
 Design
 ------
 * **Randomness.** All of it comes from ``rng`` (int, ``SeedSequence`` or ``Generator``): the projection
-  weights (Xavier-uniform, biases zero) and the feature map's draws use two independent numpy streams spawned
-  from it; torch's global RNG is never used. Two layers built with the same ``rng`` are identical.
+  weights (Xavier-uniform, biases zero), the feature map's draws and the dropout masks use independent numpy
+  streams spawned from it; torch's global RNG is never used. Two layers built with the same ``rng`` are
+  identical.
+* **The attention** is :func:`kernapprox.nn.functional.kernel_attention` on the projected (and, with a
+  ``pos_hook``, positioned) heads: its module docstring states what grouped-query heads, dropout, autocast and
+  ``scale`` mean.
 * **Redraws are explicit.** The random features are drawn once (at construction for data-independent maps)
   and stay fixed — across forward passes, ``train()``/``eval()`` and steps — until :meth:`KernelAttention.redraw`
   (or :meth:`KernelAttention.fit`) is called. Performer-style periodic redrawing is the training loop's call.
@@ -25,7 +29,10 @@ Design
 
   - ``refit_every=k``: in training mode the map is refitted on the current batch before the first training
     forward and then every ``k`` training forwards (``k = 1``: every step), so it follows the projections as they
-    learn; in eval mode it is never refitted (inference is deterministic). This is the policy for training.
+    learn; in eval mode it is never refitted (inference is deterministic). This is the policy for training. The
+    map then lags the projections by design (the optimiser step after the last refit, and up to ``k − 1``
+    before it): the stale-map warning below is not raised for it; :meth:`KernelAttention.fit` on a calibration
+    batch after training fits it to the final projections.
   - :meth:`KernelAttention.fit` on a calibration batch, explicitly (the policy for inference after training).
   - Otherwise the map is fitted on the first batch ``forward`` sees, with a ``UserWarning``, and a ``UserWarning``
     is raised once when the layer is used after its query or key projections changed since the map was fitted
@@ -55,11 +62,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .attention import MODES, RecurrentState, linear_attention, softmax_attention
-from .estimators.base import Estimator
-from .estimators.registry import make_estimator
-from .rules import resolve_rule
-from .validation import as_generator, check_choice, check_device, check_positive_int, check_tensor
+from ..attention import MODES, RecurrentState
+from ..estimators.base import Estimator
+from ..estimators.registry import available_estimators, capabilities, make_estimator
+from ..rules import resolve_rule
+from ..validation import as_generator, check_bool, check_choice, check_device, check_positive_int, check_tensor
+from .functional import autocast_dtype, kernel_attention, repeat_kv
 
 __all__ = ["KernelAttention"]
 
@@ -147,27 +155,29 @@ def _plain(value):
     return repr(value)
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    """Whether autocast is active for ``device_type`` (mixed input/weight dtypes are then intended)."""
-    try:
-        return bool(torch.is_autocast_enabled(device_type))
-    except TypeError:  # torch < 2.4 has no device argument
-        if device_type == "cpu":
-            return bool(torch.is_autocast_cpu_enabled())
-        return bool(torch.is_autocast_enabled())
+def _registered() -> set[str]:
+    return set(available_estimators())
+
+
+def _is_fixed_feature_map(caps) -> bool:
+    """A data-independent feature map whose dimension is fixed by ``d`` (its dimension is known without data)."""
+    return caps.fixed_dimension and caps.kind == "features" and not caps.data_dependent
 
 
 class KernelAttention(nn.Module):
     r"""Multi-head attention with the softmax kernel replaced by a registry estimator.
 
     .. math::
-        \mathrm{out} = W_o\,\big[\mathrm{attn}(X_q W_q^{(h)}, X_k W_k^{(h)}, X_v W_v^{(h)})\big]_{h=1..H},\qquad
-        \mathrm{attn}(Q, K, V)_i = \frac{\sum_j κ̂(q_i, k_j)\, v_j}{\sum_j κ̂(q_i, k_j)}
+        \mathrm{out} = W_o\,\big[\mathrm{attn}(P(X_q W_q^{(h)}), P(X_k W_k^{(g(h))}), X_v W_v^{(g(h))})\big]_{h=1..H},
+        \qquad \mathrm{attn}(Q, K, V)_i = \frac{\sum_j κ̂(q_i, k_j)\, v_j}{\sum_j κ̂(q_i, k_j)}
 
-    with ``κ̂`` the estimator's approximation of ``exp(s · qᵀk)`` (``s = 1/sqrt(head_dim)`` unless ``scale`` is
-    given) and the sums over ``j ≤ i`` when ``causal``. With ``estimator="exact"`` this is
-    ``torch.nn.MultiheadAttention`` (same projections, same scaling). Whether the estimate is unbiased,
-    positive or data-dependent is the estimator's property (its class attributes and docstring).
+    with ``κ̂`` the estimator's approximation of ``exp(s · qᵀk)`` (``s = 1/sqrt(qk_dim)`` unless ``scale`` is
+    given), the sums over ``j ≤ i`` when causal, ``P`` the positional hook (identity by default; e.g.
+    :class:`~kernapprox.nn.RotaryEmbedding`) and ``g(h) = h // (H / H_kv)`` the key/value head of query head ``h``
+    (grouped-query attention). The attention itself is :func:`kernapprox.nn.functional.kernel_attention`. With
+    ``estimator="exact"`` this is ``torch.nn.MultiheadAttention`` (same projections, same scaling). Whether the
+    estimate is unbiased, positive or data-dependent is the estimator's property (its class attributes and
+    docstring).
 
     Parameters
     ----------
@@ -178,12 +188,20 @@ class KernelAttention(nn.Module):
     estimator : str, default="positive_orthogonal"
         Registry name (:func:`kernapprox.available_estimators`), ``"exact"`` included.
     num_features : int, optional
-        ``r`` of the estimator; required by every estimator whose dimension is not fixed by ``head_dim``.
+        ``r`` of the estimator; required by every estimator whose dimension is not fixed by ``qk_dim``. A map of
+        fixed dimension (capability ``fixed_dimension``: Taylor, ELU+1, ...) takes its own dimension when
+        ``num_features`` is None and raises ``ValueError`` naming ``num_features`` and that dimension for any other
+        value (its dimension is set through ``qk_dim``).
     mode : {"parallel", "recurrent", "chunked"}, default="chunked"
         Attention mode; must be one the estimator supports (``estimator.modes``).
     causal : bool, default=False
+        The default of every call (``forward(..., causal=...)`` overrides it per call).
     rng : int, SeedSequence or Generator, optional
-        The only source of randomness (projection weights and feature draws).
+        The only source of randomness (projection weights, feature draws and dropout masks).
+    num_kv_heads : int, optional
+        ``H_kv``, the key/value heads (grouped-query attention; default ``H``); must divide ``H``. ``k_proj`` and
+        ``v_proj`` then have ``H_kv`` heads' outputs. The state is kept per query head (a documented repetition of
+        the key/value heads, :mod:`kernapprox.nn.functional`).
     chunk_size : int, default=64
         Chunk length of the chunked mode.
     qk_dim : int, optional
@@ -198,7 +216,19 @@ class KernelAttention(nn.Module):
         The state-update rule of linear attention (:mod:`kernapprox.rules`: sum, decay, delta, least squares);
         it must be one the estimator supports. Exact attention takes ``"sum"`` only.
     bias : bool, default=True
-        Biases in the four projections.
+        Biases in the query, key and value projections.
+    out_bias : bool, optional
+        Bias in the output projection (default: ``bias``). Llama-style layers have none anywhere (``bias=False``);
+        Qwen-style ones ``bias=True, out_bias=False``.
+    dropout : float in [0, 1), default=0
+        Attention dropout in training mode: whole keys are dropped (their values zeroed, the kept ones scaled by
+        ``1/(1−p)``, the normaliser unchanged), the same in every mode (:mod:`kernapprox.nn.functional`). The masks
+        are drawn from the layer's own numpy stream (spawned from ``rng``).
+    pos_hook : callable or nn.Module, optional
+        ``pos_hook(q, k, positions) -> (q, k)``, applied between the projections and the feature map:
+        ``q (B, H, n, qk_dim)``, ``k (B, H_kv, n, qk_dim)``, ``positions (B, n)`` int64 (``arange(n)`` unless the
+        call gives them). :class:`~kernapprox.nn.RotaryEmbedding` is one. A module becomes a submodule (it moves
+        with the layer). Self-attention only.
     scale : float, optional
         Kernel scale ``s``.
     device, dtype : optional
@@ -218,13 +248,19 @@ class KernelAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, estimator: str = "positive_orthogonal",
                  num_features: int | None = None, mode: str = "chunked", causal: bool = False, rng=None, *,
-                 chunk_size: int = 64, qk_dim: int | None = None, refit_every: int | None = None, rule="sum",
-                 bias: bool = True, scale: float | None = None, device=None, dtype=None, **options):
+                 num_kv_heads: int | None = None, chunk_size: int = 64, qk_dim: int | None = None,
+                 refit_every: int | None = None, rule="sum", bias: bool = True, out_bias: bool | None = None,
+                 dropout: float = 0.0, pos_hook=None, scale: float | None = None, device=None, dtype=None,
+                 **options):
         super().__init__()
         self.embed_dim = check_positive_int(embed_dim, "embed_dim")
         self.num_heads = check_positive_int(num_heads, "num_heads")
         if embed_dim % num_heads:
             raise ValueError(f"num_heads ({num_heads}) must divide embed_dim ({embed_dim})")
+        self.num_kv_heads = num_heads if num_kv_heads is None else check_positive_int(num_kv_heads, "num_kv_heads")
+        if num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): each key/value head "
+                             "serves a group of query heads")
         self.head_dim = embed_dim // num_heads
         self.qk_dim = self.head_dim if qk_dim is None else check_positive_int(qk_dim, "qk_dim")
         check_choice(mode, "mode", MODES)
@@ -233,8 +269,24 @@ class KernelAttention(nn.Module):
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
+        out_bias = bias if out_bias is None else check_bool(out_bias, "out_bias")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
+        self.dropout = float(dropout)
+        if pos_hook is not None and not callable(pos_hook):
+            raise TypeError(f"pos_hook must be callable as pos_hook(q, k, positions) -> (q, k), got {pos_hook!r}")
+        self.pos_hook = pos_hook
+        if num_features is not None and isinstance(estimator, str) and estimator in _registered() and \
+                _is_fixed_feature_map(capabilities(estimator, **options)):
+            # a fixed-dimension map takes its own dimension; any other value is refused before anything is built
+            dim = make_estimator(estimator, rng=0, **options).fit(torch.zeros(1, self.qk_dim)).num_features
+            if num_features != dim:
+                raise ValueError(f"num_features={num_features!r} cannot be honoured: estimator {estimator!r} has a "
+                                 f"fixed dimension, {dim} at qk_dim={self.qk_dim}; pass num_features=None (or "
+                                 f"{dim}), or choose qk_dim to set the dimension")
         weight_rng, feature_rng = as_generator(rng).spawn(2)
         self._feature_rng = feature_rng
+        self._dropout_rng = weight_rng.spawn(1)[0]   # spawning does not advance weight_rng's draws
         self.estimator_name = estimator
         self.estimator = make_estimator(estimator, num_features=num_features, rng=feature_rng, scale=scale,
                                         **options)
@@ -262,10 +314,12 @@ class KernelAttention(nn.Module):
         self._fitted_projections = None              # version fingerprint of q_proj/k_proj at the last fit
         self._warned = set()
         # skip_init: nn.Linear's own initialisation would draw from torch's global RNG
+        device = torch.get_default_device() if device is None else check_device(device)
+        kv = self.num_kv_heads
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
-            nn.utils.skip_init(nn.Linear, embed_dim, width, bias=bias, dtype=dtype,
-                               device=torch.get_default_device() if device is None else check_device(device))
-            for width in (num_heads * self.qk_dim, num_heads * self.qk_dim, embed_dim, embed_dim))
+            nn.utils.skip_init(nn.Linear, embed_dim, width, bias=has_bias, dtype=dtype, device=device)
+            for width, has_bias in ((num_heads * self.qk_dim, bias), (kv * self.qk_dim, bias),
+                                    (kv * self.head_dim, bias), (embed_dim, out_bias)))
         self._init_projections(weight_rng)
         self.feature_state = _FittedState()
         self._signature = None
@@ -328,12 +382,13 @@ class KernelAttention(nn.Module):
                             "Call fit(calibration) first, or pass refit_every=k to refit it while training")
             with torch.no_grad():
                 self._fit_estimator(q.detach(), k.detach())
-        elif (not torch.compiler.is_compiling()        # a warning only: its version counters are not traceable
+        elif (self.refit_every is None                 # with a refit policy the lag is the policy's (docstring)
+              and not torch.compiler.is_compiling()    # a warning only: its version counters are not traceable
               and self._fitted_projections is not None and self._projection_versions() != self._fitted_projections):
             self._warn_once("stale", f"KernelAttention: the data-dependent estimator {self.estimator_name!r} was "
-                            "fitted on query/key projections that have changed since (an optimizer step or a "
-                            "load): the map is stale. Pass refit_every=k to refit it while training, or call "
-                            "fit(calibration) after training")
+                            "fitted on query/key projections that have changed since (an optimizer step or an "
+                            "in-place edit): the map is stale. Pass refit_every=k to refit it while training, or "
+                            "call fit(calibration) after training")
 
     def _sync(self) -> None:
         # Traced by torch.compile, the buffers' storage and version counters are not visible: the estimator is
@@ -354,11 +409,13 @@ class KernelAttention(nn.Module):
             self._sync()
         return out
 
-    def _split_heads(self, x: torch.Tensor) -> torch.Tensor:
+    def _split_heads(self, x: torch.Tensor, heads: int | None = None) -> torch.Tensor:
         batch, n, width = x.shape
-        return x.reshape(batch, n, self.num_heads, width // self.num_heads).transpose(1, 2)   # (b, h, n, dim)
+        heads = self.num_heads if heads is None else heads
+        return x.reshape(batch, n, heads, width // heads).transpose(1, 2)   # (b, h, n, dim)
 
     def _project(self, query, key, value):
+        """The heads ``q (B, H, n_q, qk_dim)``, ``k (B, H_kv, n_k, qk_dim)``, ``v (B, H_kv, n_k, head_dim)``."""
         key = query if key is None else key
         value = key if value is None else value
         for name, x in (("query", query), ("key", key), ("value", value)):
@@ -374,23 +431,57 @@ class KernelAttention(nn.Module):
             if x.device != weight.device:
                 raise ValueError(f"{name} is on {x.device} but the layer's weights are on {weight.device}; "
                                  "move one of them with .to()")
-            if x.dtype != weight.dtype and not _autocast_enabled(x.device.type):
+            if x.dtype != weight.dtype and autocast_dtype(x.device.type) is None:
                 raise TypeError(f"{name} has dtype {x.dtype} but the layer's weights are {weight.dtype}; cast one "
                                 "of them or run under torch.autocast")
-        return (self._split_heads(self.q_proj(query)), self._split_heads(self.k_proj(key)),
-                self._split_heads(self.v_proj(value)))
+        kv = self.num_kv_heads
+        return (self._split_heads(self.q_proj(query)), self._split_heads(self.k_proj(key), kv),
+                self._split_heads(self.v_proj(value), kv))
+
+    def _positions(self, q, k, positions, cross: bool):
+        """The positional hook applied to the projected heads (identity without one)."""
+        if self.pos_hook is None:
+            if positions is not None:
+                raise ValueError("positions are given but the layer has no pos_hook to use them")
+            return q, k
+        if cross:
+            raise ValueError("a pos_hook applies to self-attention (key and value omitted): queries and keys share "
+                             "the positions")
+        batch, _, n, _ = q.shape
+        if positions is None:
+            positions = torch.arange(n, device=q.device).expand(batch, n)
+        else:
+            if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or \
+                    positions.dtype == torch.bool:
+                raise TypeError("positions must be an integer torch.Tensor of shape (batch, n) or (n,)")
+            if positions.dim() == 1:
+                positions = positions[None]
+            if positions.dim() != 2 or positions.shape[-1] != n or positions.shape[0] not in (1, batch):
+                raise ValueError(f"positions must have shape (batch, n) = {(batch, n)} or (n,), got "
+                                 f"{tuple(positions.shape)}")
+            positions = positions.to(device=q.device, dtype=torch.int64).expand(batch, n)
+        out = self.pos_hook(q, k, positions)
+        if not (isinstance(out, tuple) and len(out) == 2 and out[0].shape == q.shape and out[1].shape == k.shape):
+            raise TypeError("pos_hook(q, k, positions) must return (q, k) of the shapes it was given")
+        return out
+
+    def _heads(self, query, key, value, positions):
+        q, k, v = self._project(query, key, value)
+        q, k = self._positions(q, k, positions, key is not None or value is not None)
+        return q, k, v
 
     # ------------------------------------------------------------------------------------- public API
     @torch.no_grad()
-    def fit(self, query: torch.Tensor, key: torch.Tensor | None = None, *, rng=None) -> KernelAttention:
+    def fit(self, query: torch.Tensor, key: torch.Tensor | None = None, *, positions=None, rng=None) -> KernelAttention:
         """Fit the estimator on a calibration batch: ``query`` (and ``key``) are ``(batch, seq, embed_dim)``
-        layer inputs, projected by the current ``q_proj``/``k_proj``. Draws from ``rng`` when given (which then
-        becomes the layer's feature stream), else continues the layer's stream. Returns ``self``."""
+        layer inputs, projected by the current ``q_proj``/``k_proj`` (and the ``pos_hook`` at ``positions``, as in
+        :meth:`forward`). Draws from ``rng`` when given (which then becomes the layer's feature stream), else
+        continues the layer's stream. Returns ``self``."""
         if rng is not None:
             self._feature_rng = as_generator(rng)
-        q, k, _ = self._project(query, key, None)
+        q, k, _ = self._heads(query, key, None, positions)
         self.estimator.rng = self._feature_rng
-        self._fit_estimator(q.detach(), k.detach())
+        self._fit_estimator(q.detach(), repeat_kv(k.detach(), self.num_heads // self.num_kv_heads))
         return self
 
     def redraw(self, rng=None) -> KernelAttention:
@@ -409,6 +500,7 @@ class KernelAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
                 key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                query_padding_mask: torch.Tensor | None = None, causal: bool | None = None, positions=None,
                 return_state: bool = False):
         """``(batch, n_q, E)``, optional ``key``/``value`` ``(batch, n_k, E)`` (self-attention when omitted)
         → ``(batch, n_q, E)``.
@@ -416,62 +508,84 @@ class KernelAttention(nn.Module):
         Parameters
         ----------
         key_padding_mask : bool Tensor ``(batch, n_k)``, optional
-            **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``.
+            **True = padding** (the key takes no part), as ``torch.nn.MultiheadAttention``. Every mode.
         attn_mask : Tensor ``(n_q, n_k)``, ``(batch, n_q, n_k)`` or ``(batch, num_heads, n_q, n_k)``, optional
             bool with **True = takes part** (SDPA's convention — the opposite of ``nn.MultiheadAttention``'s bool
             mask), or floating, added to the logits (``-inf`` excludes; cast to the attention dtype). Combined
-            with ``causal``; a query left without any key raises ``ValueError``.
+            with ``causal``; a query left without any key raises ``ValueError``. Exact attention and the parallel
+            mode only (other modes raise, saying why).
+        query_padding_mask : bool Tensor ``(batch, n_q)``, optional
+            **True = the query is padding**: its output row is the output projection's bias (attention output 0)
+            and it needs no key. Left-padded self-attention passes the same mask here and as
+            ``key_padding_mask``. Every mode.
+        causal : bool, optional
+            This call's causality (default: the layer's ``causal``).
+        positions : integer Tensor ``(batch, n_q)`` or ``(n_q,)``, optional
+            The positions the ``pos_hook`` sees (default ``arange(n_q)``); e.g. ``cumsum(~pad) − 1`` for left
+            padding, so that each sequence starts at position 0.
         return_state : bool
             Causal self-attention with a feature map: also return the :class:`~kernapprox.RecurrentState` after
-            the whole sequence (one state per batch element and head; padded keys left out), to continue token by
-            token with :meth:`step` (prefill, then decode): the state of ``linear_attention(...,
-            return_state=True)`` handed to a ``RecurrentState`` with the layer's rule.
+            the whole sequence (one state per batch element and query head; padded keys left out; float32 under
+            autocast), to continue token by token with :meth:`step` (prefill, then decode): the state of
+            :func:`~kernapprox.nn.functional.kernel_attention` handed to a ``RecurrentState`` with the layer's rule.
 
         Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
+        Dropout (``dropout > 0``) applies in training mode only.
         """
         if not isinstance(return_state, bool):
             raise TypeError(f"return_state must be a bool, got {return_state!r}")
+        causal = self._check_causal(causal)
         if return_state:
-            self._check_decodable(key, value)
-        q, k, v = self._project(query, key, value)
-        masks = self._masks(key_padding_mask, attn_mask, q, k)
+            self._check_decodable(key, value, causal)
+        q, k, v = self._heads(query, key, value, positions)
+        masks = self._masks(key_padding_mask, attn_mask, query_padding_mask, q, k)
         caps = self.estimator.capabilities()
         if caps.data_dependent:
-            self._apply_refit_policy(q, k)
+            self._apply_refit_policy(q, repeat_kv(k, self.num_heads // self.num_kv_heads))
         self._sync()
+        dropout = self.dropout if self.training else 0.0
+        out = kernel_attention(q, k, v, self.estimator, causal=causal, mode=self.mode, chunk_size=self.chunk_size,
+                               rule=self.rule, dropout_p=dropout, training=self.training,
+                               rng=self._dropout_rng if dropout else None, return_state=return_state, **masks)
         state = None
-        if caps.kind == "exact":                       # exact attention: one SDPA call (masks included)
-            out = softmax_attention(q, k, v, self.causal, self.estimator.scale_, **masks)
-        else:
-            out = linear_attention(q, k, v, self.estimator, causal=self.causal, mode=self.mode,
-                                   chunk_size=self.chunk_size, rule=self.rule, return_state=return_state,
-                                   **masks)                                      # (b, h, n_q, head_dim)
-            if return_state:
-                out, state = out
+        if return_state:
+            out, state = out                                                   # out: (b, h, n_q, head_dim)
         batch, _, n_q, _ = out.shape
         out = self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
         if not return_state:
             return out
         return out, RecurrentState(self.estimator, rule=self.rule, initial_state=state)
 
+    def _check_causal(self, causal) -> bool:
+        if causal is None:
+            return self.causal
+        check_bool(causal, "causal")
+        if causal and not self.estimator.capabilities().causal:
+            raise ValueError(f"estimator {self.estimator_name!r} does not support causal attention")
+        if not causal and not self.rule.noncausal:
+            raise ValueError(f"the {self.rule.name} rule is causal only: call with causal=True")
+        return causal
+
     # ---------------------------------------------------------------------------------------------- decoding
-    def _check_decodable(self, key, value) -> None:
+    def _check_decodable(self, key, value, causal) -> None:
         caps = self.estimator.capabilities()
         if key is not None or value is not None:
             raise ValueError("return_state needs self-attention (key and value omitted): the state continues the "
                              "sequence that step() extends")
-        if not self.causal:
-            raise ValueError("return_state needs a causal layer (causal=True): a non-causal layer has no state that "
-                             "a next token could extend")
+        if not causal:
+            raise ValueError("return_state needs causal attention (causal=True, in the layer or the call): a "
+                             "non-causal layer has no state that a next token could extend")
         if caps.kind != "features" or "recurrent" not in caps.modes:
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
                              f"{caps.kind!r}); decoding with step() needs a feature map")
 
-    def step(self, x: torch.Tensor, state: RecurrentState) -> torch.Tensor:
+    def step(self, x: torch.Tensor, state: RecurrentState, *, position=None) -> torch.Tensor:
         """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
         to ``state`` (from ``forward(..., return_state=True)``, updated in place) and read with its own query;
         returns the layer output for that token, of ``x``'s shape. Equal to the last row of ``forward`` on the
-        sequence extended by ``x`` (tested). The estimator is never refitted here."""
+        sequence extended by ``x`` (tested, left-padded prompts included). ``position`` (an int or an integer
+        tensor ``(batch,)``): the token's position for the ``pos_hook``, required with one. The estimator is
+        never refitted here; under autocast the state stays float32."""
         if not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
                 state.rule.name != self.rule.name:
             raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
@@ -481,24 +595,43 @@ class KernelAttention(nn.Module):
         if single and x.shape[1] != 1:
             raise ValueError(f"x must be one token, (batch, E) or (batch, 1, E); got shape {tuple(x.shape)}")
         x3 = x if single else x[:, None, :]
-        q, k, v = self._project(x3, None, None)                       # (b, h, 1, head_dim)
+        positions = None
+        if self.pos_hook is not None:
+            if position is None:
+                raise ValueError("step() of a layer with a pos_hook needs the token's position= (an int, or an "
+                                 "integer tensor (batch,))")
+            positions = torch.as_tensor(position, device=x.device).reshape(-1, 1)
+        elif position is not None:
+            raise ValueError("position is given but the layer has no pos_hook to use it")
+        q, k, v = self._heads(x3, None, None, positions)                # (b, h | h_kv, 1, dim)
+        groups = self.num_heads // self.num_kv_heads
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         self._sync()
-        y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])       # (b, h, head_dim)
+        low = autocast_dtype(x.device.type)
+        if low is not None:                       # the state's arithmetic in float32, as in forward
+            with torch.autocast(x.device.type, enabled=False):
+                y = state.step(q[..., 0, :].to(low), k[..., 0, :].to(low), v[..., 0, :].to(low))
+        else:
+            y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])       # (b, h, head_dim)
         out = self.out_proj(y.reshape(y.shape[0], self.embed_dim))
         return out[:, None, :] if single else out
 
-    def _masks(self, key_padding_mask, attn_mask, q, k) -> dict:
+    def _masks(self, key_padding_mask, attn_mask, query_padding_mask, q, k) -> dict:
         """The layer's masks in the ``(batch, heads, n_q, n_k)`` layout of the functional calls."""
         batch, _, n_q, _ = q.shape
         n_k = k.shape[-2]
         masks = {}
-        if key_padding_mask is not None:
-            if not isinstance(key_padding_mask, torch.Tensor):
-                raise TypeError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
-            if key_padding_mask.shape != (batch, n_k):
-                raise ValueError(f"key_padding_mask must have shape (batch, n_k) = {(batch, n_k)}, got "
-                                 f"{tuple(key_padding_mask.shape)}")
-            masks["key_padding_mask"] = key_padding_mask[:, None, :]                # (b, 1, n_k): every head
+        for name, mask, length in (("key_padding_mask", key_padding_mask, n_k),
+                                   ("query_padding_mask", query_padding_mask, n_q)):
+            if mask is None:
+                continue
+            if not isinstance(mask, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(mask).__name__}")
+            n = "n_k" if name == "key_padding_mask" else "n_q"
+            if mask.shape != (batch, length):
+                raise ValueError(f"{name} must have shape (batch, {n}) = {(batch, length)}, got "
+                                 f"{tuple(mask.shape)}")
+            masks[name] = mask[:, None, :]                                           # (b, 1, n): every head
         if attn_mask is not None:
             if not isinstance(attn_mask, torch.Tensor):
                 raise TypeError(f"attn_mask must be a torch.Tensor, got {type(attn_mask).__name__}")
@@ -567,4 +700,6 @@ class KernelAttention(nn.Module):
         r = self.estimator.get_params()["num_features"]
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
                 f"num_features={r}, mode={self.mode!r}, causal={self.causal}"
-                + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else ""))
+                + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else "")
+                + (f", num_kv_heads={self.num_kv_heads}" if self.num_kv_heads != self.num_heads else "")
+                + (f", dropout={self.dropout:g}" if self.dropout else ""))
