@@ -9,8 +9,9 @@ maps here are ``nn.Module`` s whose ``W_h, b_h`` are ``nn.Parameter`` s, one set
 - :class:`T2RMap`: ``φ_h(x) = relu(W_h x + b_h)`` (Kasai et al., EMNLP 2021);
 - :func:`feature_attention`: linear attention of ``(q, k, v)`` laid out ``(batch, heads, n, d)``, given after the
   caller's projections and positions (rotary), with grouped-query heads, through the one core
-  (:func:`kernapprox.attention.linear_attention_from_features`; Hedgehog's non-causal calls without masks or state
-  through :func:`kernapprox.attention.linear_attention_from_log_features`, stabilised per feature);
+  (:func:`kernapprox.attention.linear.linear_attention_from_features`; Hedgehog's non-causal calls without masks
+  or state through :func:`kernapprox.attention.linear.linear_attention_from_log_features`, stabilised per
+  feature);
 - :func:`feature_attention_weights`: the normalised kernel weights ``Â`` a map induces (what Hedgehog distils);
 - :func:`fit_to_softmax`: attention transfer, distilling a map into the softmax attention of a teacher on given
   calibration ``q, k (, v)``, by Hedgehog's cross-entropy on weights or LoLCATs' MSE on outputs.
@@ -231,8 +232,8 @@ class HedgehogMap(TrainableFeatureMap):
 
     Features are given as logarithms, ``log φ = log_softmax(·)``, exactly stabilised: :func:`feature_attention`
     runs non-causal calls without masks or state on
-    :func:`~kernapprox.attention.linear_attention_from_log_features` (shifted per feature) and every other call on
-    :func:`~kernapprox.attention.linear_attention_from_features` with ``φ̃ = e^{log φ − max log φ}``,
+    :func:`~kernapprox.attention.linear.linear_attention_from_log_features` (shifted per feature) and every other
+    call on :func:`~kernapprox.attention.linear.linear_attention_from_features` with ``φ̃ = e^{log φ − max log φ}``,
     ``ℓ = max log φ ∈ [−log 2f, 0]``.
 
     Parameters
@@ -437,8 +438,8 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
                        {\sum_{j} w_{ij}\, φ_h(q_{h,i})^⊤ φ'_{g}(k_{g,j})},\qquad g = h // G,
 
     with ``φ`` the query map (``feature_map``), ``φ'`` the key map (``key_map``, default the same map), ``w_ij``
-    the causal order, masks and decay of the rule, as in :func:`kernapprox.linear_attention`. Gradients reach the
-    maps' parameters in every mode.
+    the causal order, masks and decay of the rule, as in :func:`~kernapprox.attention.linear.linear_attention`.
+    Gradients reach the maps' parameters in every mode.
 
     Parameters
     ----------
@@ -456,7 +457,7 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
     chunk_size : int, default 64
     rule : "sum" or :class:`~kernapprox.rules.Decay`
         The state-update rule (the delta and least-squares rules take an estimator: use
-        :func:`kernapprox.linear_attention`).
+        :func:`~kernapprox.attention.linear.linear_attention`).
     key_padding_mask : bool Tensor, optional
         ``True`` = padding, broadcastable to the keys' ``(..., H_kv, n_k)`` (pass ``(B, 1, n_k)``).
     attn_mask : Tensor, optional
