@@ -220,7 +220,7 @@ class HedgehogMap(TrainableFeatureMap):
         φ_h(x) = \operatorname{softmax}\big([W_h x + b_h,\ −(W_h x + b_h)]\big) ∈ \mathbb R^{2f},\qquad
         W_h ∈ \mathbb R^{f×d},\ b_h ∈ \mathbb R^f,
 
-    that is the paper's exponential map ``[exp(W_h x + b_h), exp(−W_h x − b_h)]`` (Zhang et al. 2024, §4.1)
+    that is the paper's exponential map ``[exp(W_h x + b_h), exp(−W_h x − b_h)]`` (Zhang et al. 2024, §4)
     divided by its sum over the ``2f`` outputs, a per-token factor that keeps every feature in ``(0, 1]`` and,
     on queries, cancels in the attention ratio (the normalisation of the reference implementations).
     ``normalize="halves"`` normalises each half on its own, ``[softmax(u), softmax(−u)]``, as LoLCATs' map
@@ -262,7 +262,7 @@ class HedgehogMap(TrainableFeatureMap):
     References
     ----------
     Zhang, Bhatia, Kumbong & Ré, *The Hedgehog & the Porcupine: Expressive Linear Attentions with Softmax
-    Mimicry*, ICLR 2024 (arXiv 2402.04347), §4.1 (the exponential map, identity initialisation) and §4.2 (the
+    Mimicry*, ICLR 2024 (arXiv 2402.04347), §4 (the exponential map, its identity initialisation, and the
     attention-weight distillation loss, :func:`fit_to_softmax`).
     Zhang et al., *LoLCATs: On Low-Rank Linearizing of Large Language Models*, ICLR 2025 (arXiv 2410.10254).
 
@@ -280,7 +280,7 @@ class HedgehogMap(TrainableFeatureMap):
 
     log_domain: ClassVar[bool] = True
     feature_multiplier: ClassVar[int] = 2
-    reference: ClassVar[str] = "Zhang et al. 2024 (Hedgehog, ICLR, arXiv 2402.04347), §4.1"
+    reference: ClassVar[str] = "Zhang et al. 2024 (Hedgehog, ICLR, arXiv 2402.04347), §4"
 
     def __init__(self, num_heads: int, head_dim: int, feature_dim: int, *, bias: bool = True,
                  init: str = "identity", normalize: str = "joint", rng=None, dtype: torch.dtype | None = None,
@@ -333,7 +333,7 @@ class T2RMap(TrainableFeatureMap):
     References
     ----------
     Kasai, Peng, Zhang, Yogatama, Ilharco, Pappas, Mao, Chen & Smith, *Finetuning Pretrained Transformers into
-    RNNs*, EMNLP 2021 (arXiv 2103.13076), §3.1, eq. 4–5.
+    RNNs*, EMNLP 2021 (arXiv 2103.13076), eq. 4–5.
 
     Examples
     --------
@@ -518,8 +518,9 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
             out, final = _attention_of_features(q, k, v, feature_map, key_map, lay, causal, mode, chunk_size, rule,
                                                 padding, attn_mask, initial_state, return_state, ct)
         out = out.reshape(*q.shape[:-1], v.shape[-1])
-    check_finite(out, "feature_attention gave non-finite outputs: a query's features have a zero inner product with "
-                      "every key's (a T2R map's relu can be zero everywhere: use T2RMap(..., eps=1e-6))")
+    check_finite(out, f"feature_attention gave non-finite outputs in {ct}: a query's features have a zero inner "
+                      "product with every key's (a T2R map's relu can be zero everywhere: use T2RMap(..., eps=1e-6); "
+                      "a map with extreme logits can underflow float32: use float64)")
     out = out.to(q.dtype)
     return (out, final) if return_state else out
 
@@ -691,16 +692,18 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
     With teacher weights ``P_{h,ij} = softmax_j(s q_{h,i}^⊤ k_{g,j})`` (``s = 1/√d`` unless ``scale``; ``j ≤ i``
     when causal) and the map's normalised kernel weights ``Â`` (:func:`feature_attention_weights`):
 
-    - ``loss="weights"`` (Hedgehog, Zhang et al. 2024, §4.2): the cross-entropy
+    - ``loss="weights"`` (Hedgehog, Zhang et al. 2024, §4): the cross-entropy
       ``L = −mean_{h,i} Σ_j P_{h,ij} log Â_{h,ij}``;
-    - ``loss="outputs"`` (LoLCATs' attention transfer, Zhang et al. 2025, §3.1, eq. 4): the mean squared error
+    - ``loss="outputs"`` (LoLCATs' attention transfer, Zhang et al. 2025, §3): the mean squared error
       ``L = mean (ŷ − y)²`` between the map's attention outputs ``ŷ`` (:func:`feature_attention`, parallel mode)
       and the teacher's ``y = P V``.
 
     Minimised by ``steps`` Adam steps at learning rate ``lr`` on the parameters of ``feature_map`` (and of
     ``key_map``, when given), each on ``batch_size`` sequences drawn without replacement from ``rng`` (default:
     every sequence, every step; the fit is then deterministic and ``rng`` unused). Each head's parameters see only
-    its own heads' loss, so the heads are fitted independently in one pass.
+    its own heads' loss, so the heads are fitted independently in one pass. Both losses materialise the ``n × n``
+    weights of every (sequence, head) of a batch, as softmax attention does: choose ``batch_size`` for long
+    calibration sequences.
 
     Parameters
     ----------
@@ -730,9 +733,9 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
 
     References
     ----------
-    Zhang, Bhatia, Kumbong & Ré, *The Hedgehog & the Porcupine*, ICLR 2024, §4.2 (attention-weight distillation).
+    Zhang, Bhatia, Kumbong & Ré, *The Hedgehog & the Porcupine*, ICLR 2024, §4 (attention-weight distillation).
     Zhang, Arora, Chalamala, Wu, Spector, Singhal, Ramesh, Linderman & Ré, *LoLCATs: On Low-Rank Linearizing of
-    Large Language Models*, ICLR 2025 (arXiv 2410.10254), §3.1 (attention transfer by output MSE).
+    Large Language Models*, ICLR 2025 (arXiv 2410.10254), §3 (attention transfer by output MSE).
 
     Examples
     --------

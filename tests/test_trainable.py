@@ -287,6 +287,7 @@ def test_autocast_bfloat16_keeps_features_and_states_in_float32(kind):
     torch.testing.assert_close(state.z, want_state.z.detach(), rtol=0.05, atol=0.05)
     y.float().sum().backward()
     assert fmap.weight.grad.dtype == torch.float32 and float(fmap.weight.grad.abs().max()) > 0
+    assert float(proj.weight.grad.abs().max()) > 0                  # through the features to the projections
 
 
 def test_trained_end_to_end_by_an_optimiser_and_saved():
@@ -419,6 +420,11 @@ def test_fit_record_and_reproducibility():
     assert ra.cpu_seconds >= 0 and ra.wall_seconds >= 0 and ra.as_dict()["losses"] == list(ra.losses)
     c = HedgehogMap(2, 8, 8)
     assert fit_to_softmax(c, q, k, steps=5, lr=0.05, batch_size=4, rng=8).losses != ra.losses
+    # separate query and key maps: both are trained
+    query_map, key_map = HedgehogMap(2, 8, 8), HedgehogMap(2, 8, 8)
+    fit_to_softmax(query_map, q, k, key_map=key_map, steps=3, lr=0.05)
+    assert not torch.equal(query_map.weight, key_map.weight)
+    assert not torch.equal(key_map.weight.detach(), torch.eye(8).expand(2, 8, 8))
     # grouped heads: a key-head map fitted to four query heads
     q4 = torch.cat([q, q.flip(-1)], 1)
     t2r = T2RMap(2, 8, 8, rng=0, eps=1e-6)
