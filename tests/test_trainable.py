@@ -312,6 +312,17 @@ def test_trained_end_to_end_by_an_optimiser_and_saved():
                                    atol=0)
 
 
+def test_on_every_device_the_modes_agree_with_the_cpu(device):
+    q, k, v = (t.float() for t in qkv(120))
+    fmap = make_map("hedgehog", H_KV, dtype=torch.float32)
+    want = feature_attention(q, k, v, fmap, causal=True, mode="parallel")
+    fmap = fmap.to(device)
+    for mode in MODES:
+        got = feature_attention(q.to(device), k.to(device), v.to(device), fmap, causal=True, mode=mode, chunk_size=4)
+        assert got.device.type == device.type
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_input_raises_naming_the_argument():
     q, k, v = qkv()
