@@ -12,7 +12,7 @@ torch.Size([2, 4, 128, 32])
 
 # approximate (the attention estimators, above the attention core) registers its names in the estimator registry;
 # real (the real-model home) registers the "real" heads in the distribution registry
-from . import approximate, backends, estimators, metrics, real, rules, theory
+from . import approximate, backends, estimators, metrics, real, rules, theory, trainable
 from .attention import (
     MODES,
     RecurrentState,
@@ -33,6 +33,7 @@ from .estimators.registry import (
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
 from .rules import available_rules
 from .surgery import convert
+from .trainable import HedgehogMap, T2RMap, feature_attention, fit_to_softmax
 from .validation import NotFittedError
 
 __version__ = "0.1.0"
@@ -42,5 +43,6 @@ __all__ = [
     "NotFittedError", "MODES", "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState",
     "linear_attention", "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix",
     "log_kernel_matrix", "resolve_scale", "available_estimators", "capabilities", "estimator_class",
-    "estimator_table", "make_estimator", "register", "convert", "__version__",
+    "estimator_table", "make_estimator", "register", "convert", "trainable", "HedgehogMap", "T2RMap",
+    "feature_attention", "fit_to_softmax", "__version__",
 ]
