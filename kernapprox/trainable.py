@@ -430,7 +430,7 @@ def _share(x, lay: _Layout):
 def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: TrainableFeatureMap, *,
                       key_map: TrainableFeatureMap | None = None, causal: bool = False, mode: str = "chunked",
                       chunk_size: int = 64, rule="sum", key_padding_mask=None, attn_mask=None, initial_state=None,
-                      return_state: bool = False):
+                      return_state: bool = False, query_padding_mask=None):
     r"""Linear attention with a trainable per-head map, in the parallel, recurrent or chunked mode.
 
     .. math::
@@ -462,6 +462,10 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
         ``True`` = padding, broadcastable to the keys' ``(..., H_kv, n_k)`` (pass ``(B, 1, n_k)``).
     attn_mask : Tensor, optional
         Bool (``True`` = takes part) or additive float, broadcastable to ``(..., H, n, n_k)``; parallel mode only.
+    query_padding_mask : bool Tensor, optional
+        ``True`` = the query is padding (a left-padded batch's filler), broadcastable to ``(..., H, n)`` (pass
+        ``(B, 1, n)``): its output row is 0 and it needs no key, as in
+        :func:`~kernapprox.attention.linear.linear_attention`.
     initial_state : NormalizedState, optional
         The state of a previous call (``return_state=True``): ``w (..., S, r, d_v)``, ``z (..., S, r)``,
         ``log_scale (..., S)`` with ``S`` the key map's ``num_heads``; decoding one token at a time is a causal call
@@ -507,7 +511,8 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
     with _no_autocast(q.device):
         k, v = _repeat_heads(k, lay.repeat), _repeat_heads(v, lay.repeat).to(ct)
         log_path = (feature_map.log_domain and not causal and padding is None and attn_mask is None
-                    and initial_state is None and not return_state and rule.name == "sum")
+                    and initial_state is None and not return_state and rule.name == "sum"
+                    and query_padding_mask is None)
         if log_path:                           # every feature shifted by its own maximum: exact stabilisation
             log_q, log_k = feature_map.log_features(q), key_map.log_features(k)
             if lay.groups > 1:
@@ -516,7 +521,8 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
             out, final = num / den[..., None], None
         else:
             out, final = _attention_of_features(q, k, v, feature_map, key_map, lay, causal, mode, chunk_size, rule,
-                                                padding, attn_mask, initial_state, return_state, ct)
+                                                padding, attn_mask, initial_state, return_state, ct,
+                                                _query_padding(query_padding_mask, q))
         out = out.reshape(*q.shape[:-1], v.shape[-1])
     check_finite(out, f"feature_attention gave non-finite outputs in {ct}: a query's features have a zero inner "
                       "product with every key's (a T2R map's relu can be zero everywhere: use T2RMap(..., eps=1e-6); "
@@ -539,8 +545,21 @@ def _padding(mask, k, lay: _Layout):
     return mask.repeat_interleave(lay.repeat, dim=-2) if lay.repeat > 1 else mask
 
 
+def _query_padding(mask, q):
+    """The query padding mask expanded to the queries ``(..., H, n)``, or None."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError("query_padding_mask must be a bool torch.Tensor (True = padding)")
+    try:
+        return mask.expand(q.shape[:-1])
+    except RuntimeError:
+        raise ValueError(f"query_padding_mask of shape {tuple(mask.shape)} does not broadcast to the queries' "
+                         f"(..., H, n) = {tuple(q.shape[:-1])} (pass (B, 1, n))") from None
+
+
 def _attention_of_features(q, k, v, query_map, key_map, lay, causal, mode, chunk_size, rule, padding, attn_mask,
-                           initial_state, return_state, ct):
+                           initial_state, return_state, ct, qpad=None):
     pq, lq = query_map.stabilised_features(q)                     # (..., H, n, r)
     pk, lk = key_map.stabilised_features(k)                       # (..., S, n_k, r)
     state0 = initial_state
@@ -563,12 +582,15 @@ def _attention_of_features(q, k, v, query_map, key_map, lay, causal, mode, chunk
             padding = padding.unsqueeze(-2).expand(*padding.shape[:-1], lay.groups, padding.shape[-1])
         if attn_mask is not None:
             attn_mask = _group(attn_mask, lay)
+        if qpad is not None:
+            qpad = _group(qpad[..., None], lay)[..., 0]
         if state0 is not None:
             state0 = NormalizedState(_share(state0.w, lay), _share(state0.z[..., None], lay)[..., 0],
                                      state0.log_scale[..., None].expand(*state0.log_scale.shape, lay.groups))
     result = linear_attention_from_features(pq, lq, pk, lk, v, causal=causal, mode=mode, chunk_size=chunk_size,
                                             rule=rule, key_padding_mask=padding, attn_mask=attn_mask,
-                                            initial_state=state0, return_state=return_state)
+                                            initial_state=state0, return_state=return_state,
+                                            query_padding_mask=qpad)
     parts, final = result if return_state else (result, None)
     if final is not None and lay.groups > 1:      # the G copies of a state head's state are one state
         final = NormalizedState(final.w[..., 0, :, :], final.z[..., 0, :], final.log_scale[..., 0])

@@ -460,3 +460,20 @@ def test_state_bytes_is_the_estimators_convention(d_v):
         assert T2RMap(1, 8, f + 1, rng=0).state_bytes(d_v) * cls.feature_multiplier > budget
     _, state = feature_attention(*synthetic_head(2, 1), hedgehog, causal=True, return_state=True)
     assert (state.w.numel() + state.z.numel()) * state.w.element_size() == 2 * hedgehog.state_bytes(8)
+
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
+def test_left_padded_causal_batch_equals_each_sequence_alone(mode):
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 12, 8, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(2, 2, 12, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    fmap = HedgehogMap(num_heads=2, head_dim=8, feature_dim=8, dtype=torch.float64)
+    pad = torch.zeros(2, 1, 12, dtype=torch.bool)
+    pad[0, :, :5] = True
+    y = feature_attention(q, k, v, fmap, causal=True, mode=mode, chunk_size=4, key_padding_mask=pad,
+                          query_padding_mask=pad)
+    assert (y[0, :, :5] == 0).all()
+    alone = feature_attention(q[:1, :, 5:], k[:1, :, 5:], v[:1, :, 5:], fmap, causal=True, mode=mode, chunk_size=4)
+    torch.testing.assert_close(y[:1, :, 5:], alone, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(y[1:], feature_attention(q[1:], k[1:], v[1:], fmap, causal=True, mode=mode,
+                                                         chunk_size=4), rtol=1e-10, atol=1e-12)
