@@ -11,10 +11,11 @@ with its percentile-bootstrap interval and the perplexity ``exp(mean NLL)`` with
 (:func:`kernapprox.stats.bootstrap_interval`; ``exp`` is increasing, so the bounds map to bounds).
 
 Recall: :func:`passkey_prompt` hides ``"The pass key is 71432. Remember it. 71432 is the pass key."`` at a chosen
-depth of real text (Mohtashami & Jaggi, *Landmark Attention*, 2023, §4.2: the passkey retrieval task) and asks for
-it at the end; :func:`kv_lookup_prompt` lists sentences ``"Ada Brook's locker number is 4821."`` for distinct
-people and asks for one of them (an associative-recall task written in natural language, cf. Arora et al., *Zoology*,
-2023, multi-query associative recall). Both return a :class:`RecallPrompt` whose answer is scored by
+depth of real text, or of the original test's repeated sentences (:func:`classic_filler`; Mohtashami & Jaggi,
+*Landmark Attention*, 2023, §4.2: the passkey retrieval task), and asks for it at the end;
+:func:`kv_lookup_prompt` lists sentences ``"Ada Brook's locker number is 4821."`` for distinct people and asks for
+one of them (an associative-recall task written in natural language, cf. Arora et al., *Zoology*, 2023,
+multi-query associative recall). Both return a :class:`RecallPrompt` whose answer is scored by
 :func:`score_recall`: the answer's log-probability under teacher forcing, and whether the greedy decode gives it,
 which is exactly whether every answer token is the argmax at its position given the prompt and the answer's earlier
 tokens (the greedy path is the teacher-forced path as long as they agree), so one forward pass gives both.
@@ -36,8 +37,8 @@ import xarray as xr
 from . import stats
 from .validation import check_positive_int
 
-__all__ = ["token_nll", "nll_summary", "RecallPrompt", "passkey_prompt", "kv_lookup_prompt", "score_recall",
-           "recall_summary", "decode_timing", "cache_bytes", "greedy_reply"]
+__all__ = ["token_nll", "nll_summary", "RecallPrompt", "CLASSIC_FILLER", "classic_filler", "passkey_prompt",
+           "kv_lookup_prompt", "score_recall", "recall_summary", "decode_timing", "cache_bytes", "greedy_reply"]
 
 
 def _check_ids(input_ids, name: str = "input_ids", *, min_len: int = 2) -> torch.Tensor:
@@ -164,6 +165,20 @@ def _line_boundary(tokenizer, filler: list[int], position: int, reach: int = 64)
     return position
 
 
+# The haystack of the original passkey test (Mohtashami & Jaggi 2023, §4.2), repeated: predictable text, against which
+# the real text of a held-out source is the harder test (SmolLM2-135M finds a key at 1024 tokens in the one, not in
+# the other: docs/guide/causal_lm.md).
+CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def classic_filler(tokenizer, n_tokens: int) -> np.ndarray:
+    """At least ``n_tokens`` token ids of :data:`CLASSIC_FILLER` repeated (``int64``): the original passkey test's
+    haystack, a ``filler`` for :func:`passkey_prompt`."""
+    n_tokens = check_positive_int(n_tokens, "n_tokens")
+    unit = _encode(tokenizer, CLASSIC_FILLER)
+    return np.asarray(unit * (n_tokens // len(unit) + 1), dtype=np.int64)
+
+
 def passkey_prompt(tokenizer, context_len: int, filler, *, depth: float = 0.5, seed: int = 0) -> RecallPrompt:
     """A passkey prompt of exactly ``context_len`` tokens: instruction, real text with the passkey sentence at
     ``depth``, then the question ``"What is the pass key? The pass key is"``; the answer is ``" NNNNN"``.
@@ -176,8 +191,9 @@ def passkey_prompt(tokenizer, context_len: int, filler, *, depth: float = 0.5, s
     context_len : int
         Prompt length in tokens.
     filler : 1-D sequence of int
-        Token ids of real text (e.g. the evaluation split's stream, :func:`kernapprox.lm.text_windows`); the prompt
-        takes a contiguous run of it starting at an offset drawn from ``seed``.
+        Token ids of real text (e.g. the evaluation split's stream, :func:`kernapprox.lm.text_stream`), or the
+        original test's repeated haystack (:func:`classic_filler`); the prompt takes a contiguous run of it starting
+        at an offset drawn from ``seed``.
     depth : float in [0, 1]
         Where the passkey sits in the filler (0: right after the instruction; 1: right before the question); moved
         forward to the next line start within 64 tokens.

@@ -165,6 +165,16 @@ def test_passkey_prompt(tokenizer, filler, context_len, depth):
     assert other.answer != p.answer
 
 
+def test_classic_filler_makes_a_passkey_prompt(tokenizer):
+    filler = lm_eval.classic_filler(tokenizer, 600)
+    assert len(filler) >= 600 and filler.dtype == np.int64
+    assert tokenizer.decode(filler).startswith(lm_eval.CLASSIC_FILLER * 3)
+    p = lm_eval.passkey_prompt(tokenizer, 512, filler, depth=0.5, seed=0)
+    assert len(p.input_ids) == 512 and "The grass is green." in tokenizer.decode(p.input_ids)
+    with pytest.raises((ValueError, TypeError), match="n_tokens"):
+        lm_eval.classic_filler(tokenizer, 0)
+
+
 def test_passkey_depth_orders_the_needle(tokenizer, filler):
     starts = [lm_eval.passkey_prompt(tokenizer, 1024, filler, depth=d, seed=0).needle_start
               for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
