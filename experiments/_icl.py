@@ -118,13 +118,38 @@ def sized_readout_arguments(table: dict, label: str, num_features: int, *, num_c
     return name, options, r, ("queries_and_keys" if name in BATCH_READOUTS else "keys")
 
 
+class EpisodeDraw:
+    """One data draw of an in-context study (what its ``Experiment.draw`` returns): the ``episodes``, the
+    ``queries``, ``keys`` and ``values`` an attention read-out reads from them, and exact attention's read-out of
+    them at each ``β``, computed when first asked for. The engine hands the same draw to the reference and to
+    every estimator and rank of the draw, so the episodes and the exact read-out are computed once per draw."""
+
+    def __init__(self, episodes, queries, keys, values):
+        self.episodes, self.queries, self.keys, self.values = episodes, queries, keys, values
+        self._exact: dict[float, readout.Readout] = {}
+
+    def exact(self, beta: float) -> readout.Readout:
+        """Exact attention's read-out at inverse temperature ``beta``."""
+        if beta not in self._exact:
+            self._exact[beta] = readout.attention_readout("exact", self.queries, self.keys, self.values, beta=beta)
+        return self._exact[beta]
+
+    def readouts(self, estimator, *, beta: float, **kwargs) -> tuple[readout.Readout, readout.Readout]:
+        """``(read, exact)`` as :func:`kernapprox.readout.paired_readouts` (keywords as there), exact attention's
+        from the draw."""
+        exact = self.exact(beta)
+        if readout.estimator_capabilities(estimator, **(kwargs.get("options") or {})).kind == "exact":
+            return exact, exact
+        return readout.attention_readout(estimator, self.queries, self.keys, self.values, beta=beta, **kwargs), exact
+
+
 _EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
 
 
 def memoised_episodes(data_rng, what: tuple, make):
-    """``make()`` (episodes drawn from a fresh ``data_rng``), memoised by the data stream's seed and ``what``: the
-    engine runs the cells of one data draw one after the other, so the episodes are drawn once per draw (they are
-    a deterministic function of that seed; nothing else may be drawn from ``data_rng`` after them)."""
+    """``make()`` (episodes drawn from a fresh ``data_rng``), memoised by the data stream's seed and ``what``: for
+    the studies that do not yet declare an ``Experiment.draw`` (``state_rules``, ``rank_summary``); nothing else
+    may be drawn from ``data_rng`` after them."""
     seq = data_rng.bit_generator.seed_seq
     key = (seq.entropy, seq.spawn_key, what)
     if key not in _EPISODES:

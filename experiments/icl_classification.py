@@ -22,17 +22,17 @@ from experiments._icl import (
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
-    memoised_episodes,
     readout_metric_table,
     readout_metrics,
     score_grid,
     summarise_accuracy,
     summarise_readout,
 )
-from kernapprox import readout, tasks
+from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt_ci, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
@@ -69,31 +69,27 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(params, data_rng, device):
-    what = ("digits", params["num_context"], params["num_queries"], str(device))
-    return memoised_episodes(data_rng, what, lambda: tasks.digits_classification(
-        params["num_context"], num_queries=params["num_queries"], batch=EPISODES, rng=data_rng, device=device))
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_context, seed)``, which every estimator, rank and temperature reads."""
+    ep = tasks.digits_classification(params["num_context"], num_queries=params["num_queries"], batch=EPISODES,
+                                     rng=data_rng, device=device)
+    return EpisodeDraw(ep, ep.x_query, ep.x, ep.onehot)
 
 
-def run_cell(params, rng, device, data_rng):
-    label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
+def run_cell(params, rng, device, data_rng, data):
+    label, r, n = params["estimator"], params["num_features"], params["num_context"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
-                                          options=options)
-    return {
-        "accuracy": tasks.classification_accuracy(read.output, ep).cpu().numpy(),
-        "accuracy_numerator": tasks.classification_accuracy(read.numerator, ep).cpu().numpy(),
-        **readout_metrics(read, exact),
-    }
+    read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
+    return {"accuracy": tasks.classification_accuracy(read.output, data.episodes).cpu().numpy(),
+            "accuracy_numerator": tasks.classification_accuracy(read.numerator, data.episodes).cpu().numpy(),
+            **readout_metrics(read, exact)}
 
 
-def run_reference(params, device, data_rng):
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=params["beta"])
-    return {"accuracy_exact": tasks.classification_accuracy(exact.output, ep).cpu().numpy(),
+def run_reference(params, device, data_rng, data):
+    ep = data.episodes
+    return {"accuracy_exact": tasks.classification_accuracy(data.exact(params["beta"]).output, ep).cpu().numpy(),
             "accuracy_nearest_neighbour": tasks.classification_accuracy(
                 tasks.nearest_neighbour_predictions(ep), ep).cpu().numpy()}
 
@@ -194,7 +190,7 @@ EXPERIMENT = Experiment(
     name="icl_classification",
     title="Training-free few-shot classification of digits: accuracy against rank and context length",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

@@ -35,11 +35,11 @@ from experiments._icl import (
     QUERY_COSINES,
     REPLICATES,
     SET_CONTEXT_EQUAL_BYTES,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
     legend_entries,
-    memoised_episodes,
     query_key_cosine,
     readout_metric_table,
     readout_metrics,
@@ -49,7 +49,7 @@ from experiments._icl import (
     summarise_readout,
 )
 from experiments._icl import style as icl_style
-from kernapprox import memory, readout, stats, tasks
+from kernapprox import memory, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
@@ -116,44 +116,36 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(params, data_rng, device):
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_pairs, query, seed)``, which every estimator, rank and temperature reads."""
     n = params["num_pairs"]
-    what = ("recall", n, params["query"], params["max_queries"], params["dim"], params["num_candidates"], str(device))
-    return memoised_episodes(data_rng, what, lambda: recall_episodes(
-        n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]), dim=params["dim"],
-        num_candidates=params["num_candidates"]))
+    ep = recall_episodes(n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]),
+                         dim=params["dim"], num_candidates=params["num_candidates"])
+    return EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data_rng, data):
     label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d, seq_len=n))}
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
     fit_on = "keys"
-    if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
-        if r not in MATCHED_BUDGETS:                     # run at the budgets of the equal-bytes comparison only
-            return not_applicable(**budget)
-        sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
-        if sized is None:
+    if label in SIZED:       # equal state bytes, at the comparison's budgets only: the largest configuration in B(r)
+        if r not in MATCHED_BUDGETS or (sized := sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d,
+                                                                         d_v=d)) is None:
             return not_applicable(**budget)
         name, options, r, fit_on = sized
-    beta = tasks.log_n_beta(n, params["beta_factor"])
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
-                                          options=options, fit_on=fit_on)
-    return {
-        "accuracy": tasks.recall_accuracy(read.output, ep).cpu().numpy(),
-        "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).cpu().numpy(),
-        **readout_metrics(read, exact), **budget,
-    }
+    read, exact = data.readouts(name, beta=tasks.log_n_beta(n, params["beta_factor"]), num_features=r, rng=rng,
+                                options=options, fit_on=fit_on)
+    return {"accuracy": tasks.recall_accuracy(read.output, data.episodes).cpu().numpy(),
+            "accuracy_numerator": tasks.recall_accuracy(read.numerator, data.episodes).cpu().numpy(),
+            **readout_metrics(read, exact), **budget}
 
 
-def run_reference(params, device, data_rng):
-    n = params["num_pairs"]
-    beta = tasks.log_n_beta(n, params["beta_factor"])
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=beta)
+def run_reference(params, device, data_rng, data):
+    beta = tasks.log_n_beta(params["num_pairs"], params["beta_factor"])
+    ep, exact = data.episodes, data.exact(beta)
     return {"accuracy_exact": tasks.recall_accuracy(exact.output, ep).cpu().numpy(),
             "query_cosine": query_key_cosine(ep), "state_bytes_exact": np.float64(exact.state_bytes),
             "num_queries": np.float64(ep.queries.shape[1]), "beta": np.float64(beta)}
@@ -505,7 +497,7 @@ def _trig_verdict(ds, r, at, random_maps, queries) -> str:
 EXPERIMENT = Experiment(
     name="icl_recall", title="Training-free associative recall: accuracy against state size and query perturbation",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS,
                         axes=("num_pairs", "beta_factor", "query", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)

@@ -23,16 +23,16 @@ from experiments._icl import (
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
-    memoised_episodes,
     readout_metric_table,
     readout_metrics,
     score_grid,
     summarise_readout,
 )
-from kernapprox import readout, tasks
+from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, fmt_pct, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
@@ -66,30 +66,25 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(params, data_rng, device):
-    what = ("regression", params["num_context"], params["dim"], params["num_queries"], params["lengthscale"],
-            params["noise_std"], str(device))
-    return memoised_episodes(data_rng, what, lambda: tasks.smooth_regression(
-        params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
-        lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES, rng=data_rng,
-        device=device))
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_context, seed)``, which every estimator, rank and bandwidth reads."""
+    ep = tasks.smooth_regression(params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
+                                 lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES,
+                                 rng=data_rng, device=device)
+    return EpisodeDraw(ep, ep.x_query, ep.x, ep.y)
 
 
-def run_cell(params, rng, device, data_rng):
-    label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
+def run_cell(params, rng, device, data_rng, data):
+    label, r, n = params["estimator"], params["num_features"], params["num_context"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.y, beta=beta, num_features=r, rng=rng,
-                                          options=options)
-    return {"nmse": tasks.normalized_mse(read.output, ep).cpu().numpy(), **readout_metrics(read, exact)}
+    read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
+    return {"nmse": tasks.normalized_mse(read.output, data.episodes).cpu().numpy(), **readout_metrics(read, exact)}
 
 
-def run_reference(params, device, data_rng):
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.x_query, ep.x, ep.y, beta=params["beta"])
-    return {"nmse_exact": tasks.normalized_mse(exact.output, ep).cpu().numpy()}
+def run_reference(params, device, data_rng, data):
+    return {"nmse_exact": tasks.normalized_mse(data.exact(params["beta"]).output, data.episodes).cpu().numpy()}
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
@@ -185,7 +180,7 @@ def findings(ds: xr.Dataset) -> str:
 EXPERIMENT = Experiment(
     name="icl_regression", title="Training-free in-context regression: error against rank and context length",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

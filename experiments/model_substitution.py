@@ -35,8 +35,8 @@ layers × heads × seeds, with paired ratios against each baseline map on the sa
 
 from __future__ import annotations
 
-import functools
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -166,11 +166,19 @@ def applicable(name: str, num_features: int, search: bool, params) -> bool:
     return not search or (name in searched(params) and num_features == params["search_rank"])
 
 
-@functools.lru_cache(maxsize=2)
-def _context(paragraphs: int, device: str):
-    """The corpus, its tokenised input and the exact run (computed once per process and corpus)."""
-    return sub.retrieval_setup(paragraphs, min_document_tokens=16, max_document_tokens=64, bucket_tokens=1024,
-                               device=device)
+class Draw(NamedTuple):
+    """The data draw of a ``(paragraphs, seed)``: the corpus, its tokenised input and the exact model's run on it,
+    and the root seed of the seed's random draws (projections, initialisations, k-means seeds)."""
+
+    setup: object
+    root: int
+
+
+def draw(params, data_rng, device) -> Draw:
+    _check_real()
+    setup = sub.retrieval_setup(params["paragraphs"], min_document_tokens=16, max_document_tokens=64,
+                                bucket_tokens=1024, device=str(device))
+    return Draw(setup, int(data_rng.integers(2**63)))
 
 
 def substitution_for(name: str, num_features: int, root: int, params, *, cache: bool = True):
@@ -188,14 +196,12 @@ def _check_real():
         raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data_rng, data):
     name, r, search = params["estimator"], params["num_features"], params["search"]
-    _check_real()
-    setup = _context(params["paragraphs"], str(device))
     if not applicable(name, r, search, params):
         return not_applicable()
+    setup, root = data                                  # root: shared by every cell of this (paragraphs, seed)
     out = _nan_result(len(setup.corpus))                # filled per placement as the runs come
-    root = int(data_rng.integers(2**63))                # shared by every cell of this (paragraphs, seed)
     subst = substitution_for(name, r, root, params)
 
     def record(exact_layers, run):
@@ -217,10 +223,9 @@ def run_cell(params, rng, device, data_rng):
     return out
 
 
-def run_reference(params, device, data_rng):
+def run_reference(params, device, data_rng, data):
     """The exact model on the corpus: its own retrieval accuracy and its KV caches (deterministic)."""
-    _check_real()
-    setup = _context(params["paragraphs"], str(device))
+    setup = data.setup
     kv = sub.placement_bytes(None, range(NUM_LAYERS), setup.inputs.lengths)
     return {"exact_self_hit": np.asarray(setup.exact_hits, dtype=np.float64),
             "exact_attention_bytes": float(np.mean(kv))}
@@ -606,7 +611,7 @@ EXPERIMENT = Experiment(
                  "exact model, embedding cosine, final-state and per-layer errors, attention memory per placement, "
                  "and each head's held-out attention error. Grid: estimator × r × placement search × corpus × "
                  "training steps × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
     axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 
