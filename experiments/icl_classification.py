@@ -26,6 +26,7 @@ from experiments._icl import (
     applicable,
     available,
     episode_dims,
+    labels_with,
     readout_metric_table,
     readout_metrics,
     score_grid,
@@ -123,22 +124,19 @@ def plot(ds: xr.Dataset, path) -> None:
 
 
 def findings(ds: xr.Dataset) -> str:
-    names = [str(v) for v in ds.estimator.values]
-    ns = [int(v) for v in ds.num_context.values]
-    betas = [float(v) for v in ds.beta.values]
-    ranks = [int(v) for v in ds.num_features.values]
+    names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
     acc, diff = ds["accuracy_summary"], ds["accuracy_vs_exact_summary"]
     exact, nn = ds["accuracy_exact_summary"], ds["accuracy_nearest_neighbour_summary"]
-    lines = []
+    lines, random_maps = [], labels_with(ESTIMATORS, names, unbiased=True)
+
+    def reaches(m, n, b) -> list[int]:
+        """The ranks r ≤ n whose paired accuracy deficit to exact attention is within 0.05 at the lower end of
+        its 95 % interval."""
+        return [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n, beta=b,
+                                                              stat="lo")) > -0.05]
     if "nystrom_kmeans" in names:
-        reached = []
-        for n in ns:
-            for b in betas:
-                ok = [r for r in ranks if r <= n and float(diff.sel(estimator="nystrom_kmeans", num_features=r,
-                                                                    num_context=n, beta=b, stat="lo")) > -0.05]
-                reached.append(ok[0] if ok else None)
+        reached = [(reaches("nystrom_kmeans", n, b) or [None])[0] for n in ns for b in betas]
         smallest = [r for r in reached if r is not None]
-        random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
         best = diff.sel(num_features=max(ranks), estimator=random_maps).sel(stat="estimate").max("estimator")
         within = (f"from r = {min(smallest)} in {sum(r == min(smallest) for r in reached)} of {len(reached)} (n, β) "
                   "settings" if smallest else f"at no grid rank in any of the {len(reached)} (n, β) settings")
@@ -149,17 +147,11 @@ def findings(ds: xr.Dataset) -> str:
     lines.append("Exact attention against 1-NN on the same episodes: " + "; ".join(
         f"n = {n}, β = {b:g}: {fmt_ci(exact.sel(num_context=n, beta=b))} vs {fmt_ci(nn.sel(num_context=n, beta=b))}"
         for n in ns for b in betas) + ".")
-    nystrom = [m for m in names if m.startswith("nystrom")]
-    for m in nystrom:
-        reach = []
-        for n in ns:
-            for b in betas:
-                ok = [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n,
-                                                                    beta=b, stat="lo")) > -0.05]
-                reach.append(f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if ok else "none"))
+    for m in labels_with(ESTIMATORS, names, rank_limited_by_points=True):
+        reach = [f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if (ok := reaches(m, n, b)) else "none")
+                 for n in ns for b in betas]
         lines.append(f"`{m}` (fitted on the context images): smallest r whose paired accuracy deficit to exact "
                      "attention is within 0.05 at the lower end of its 95 % interval: " + "; ".join(reach) + ".")
-    random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
     if random_maps:
         r_big = max(ranks)
         parts = []
@@ -170,16 +162,14 @@ def findings(ds: xr.Dataset) -> str:
                 parts.append(f"n = {n}, β = {b:g}: best `{best}` {fmt_ci(s.sel(estimator=best))}")
         lines.append(f"Random maps at r = {r_big}, accuracy minus exact attention's on the same episodes (mean per "
                      "episode): " + "; ".join(parts) + ".")
-    trig = [m for m in names if m.startswith("trig")]
-    for m in trig:
+    for m in [m for m in names if m.startswith("trig")]:
         rate = ds["nonpositive_normalizer_rate_summary"].sel(estimator=m, num_features=max(ranks))
         a = acc.sel(estimator=m, num_features=max(ranks))
         lines.append(f"`{m}` at r = {max(ranks)}: " + "; ".join(
             f"β = {b:g}: accuracy {range_text(a.sel(beta=b, stat='estimate').values)}, normalisers ≤ 0 "
             f"{range_text(100 * rate.sel(beta=b, stat='estimate').values)} %" for b in betas)
             + f" (over n = {', '.join(map(str, ns))}).")
-    fixed = [m for m in names if m in ("taylor2", "elu1")]
-    if fixed:
+    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps, accuracy minus exact attention's on the same episodes: " + "; ".join(
             f"`{m}` {range_text(diff.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (over the n and β of the grid).")

@@ -27,6 +27,7 @@ from experiments._icl import (
     applicable,
     available,
     episode_dims,
+    labels_with,
     readout_metric_table,
     readout_metrics,
     score_grid,
@@ -95,8 +96,7 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["nmse_vs_exact"] = ratio
     ds = add_summaries(ds, ["nmse_vs_exact"], REPLICATES, tail_threshold=None)
     ds["nmse_vs_exact_summary"].attrs["neutral"] = 1.0
-    ds = summarise_readout(ds)
-    return ds
+    return summarise_readout(ds)
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -122,15 +122,9 @@ def plot(ds: xr.Dataset, path) -> None:
 
 # -------------------------------------------------------------------------------------------------- findings
 def findings(ds: xr.Dataset) -> str:
-    names = [str(v) for v in ds.estimator.values]
-    ns = [int(v) for v in ds.num_context.values]
-    betas = [float(v) for v in ds.beta.values]
-    ranks = [int(v) for v in ds.num_features.values]
-    ratio = ds["nmse_vs_exact_summary"]
-    nmse = ds["nmse_summary"]
-    lines = []
-    nystrom = [m for m in names if m.startswith("nystrom")]
-    n_small = min(ns)
+    names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
+    ratio, nmse, lines = ds["nmse_vs_exact_summary"], ds["nmse_summary"], []
+    nystrom, n_small = labels_with(ESTIMATORS, names, rank_limited_by_points=True), min(ns)
     if nystrom and n_small in ranks:
         gap = float(abs(ds["nmse"].sel(estimator=nystrom, num_features=n_small, num_context=n_small)
                         - ds["nmse_exact"].sel(num_context=n_small)).max())
@@ -147,8 +141,7 @@ def findings(ds: xr.Dataset) -> str:
                  for m in nystrom for b in betas]
         lines.append(f"Nyström at n = {n_big}, per-episode nMSE over exact attention's (median, 95 % interval): "
                      + "; ".join(parts) + ".")
-    random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
-    if random_maps:
+    if random_maps := labels_with(ESTIMATORS, names, unbiased=True):
         parts = []
         for b in betas:
             s = ratio.sel(num_features=r_big, num_context=n_big, beta=b, estimator=random_maps)
@@ -157,9 +150,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{range_text(s.sel(stat='estimate').values)}")
         lines.append(f"Random maps at r = {r_big}, n = {n_big}, nMSE over exact attention's on the same episodes: "
                      + "; ".join(parts) + ".")
-    trig = [m for m in names if m.startswith("trig")]
-    if trig:
-        m = trig[0]
+    for m in [m for m in names if m.startswith("trig")][:1]:
         parts = []
         for b in betas:
             s = nmse.sel(estimator=m, num_context=n_big, beta=b)
@@ -169,8 +160,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{fmt_pct(float(s.sel(stat='tail').isel(num_features=-1)))} at r = {ranks[-1]}; normalisers "
                          f"≤ 0 {fmt_ci(rate.isel(num_features=0), percent=True)} at r = {ranks[0]}")
         lines.append(f"`{m}` at n = {n_big}: " + "; ".join(parts) + ".")
-    fixed = [m for m in names if m in ("taylor2", "elu1")]
-    if fixed:
+    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps (their own dimension): " + "; ".join(
             f"`{m}` {range_text(nmse.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (median nMSE over the n and β of the grid).")
