@@ -193,9 +193,9 @@ def _tradeoff_panel(ax, ds, labels, n, factor):
     ax.errorbar([kv], [float(exact.sel(stat="estimate"))], marker="*", markersize=12, color="0.3", linestyle="none",
                 label="exact (KV cache)")
     ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")
     label_panel(ax, "memory kept from the context (float32; Nyström: state + landmarks + whitening)", ACCURACY,
                 f"query = stored key, n = {n} pairs, β = {factor:g}·ln n", accuracy=True, log2_x=True)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")   # after the scale
 
 
 def _load_panel(ax, ds, labels, factor, query="key"):

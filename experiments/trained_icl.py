@@ -48,7 +48,7 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from experiments._icl import EPISODES, REPLICATES, EpisodeDraw, episode_dims
+from experiments._icl import EPISODES, EpisodeDraw, add_mean, add_vs_exact, episode_dims
 from kernapprox import metrics, readout, stats, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
@@ -356,39 +356,17 @@ def run_reference(params, device, data_rng, data):
 
 
 # ------------------------------------------------------------------------------------------------ summaries
-def _mean_summary(ds: xr.Dataset, name: str) -> None:
-    summary = stats.bootstrap_interval(ds[name], REPLICATES, "mean")
-    summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": ds[name].attrs.get("units", "1"),
-                          "description": f"mean of {name} over seed, episode: " + summary.attrs["interval"]})
-    ds[f"{name}_summary"] = summary
-
-
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     """Means over prompts with bootstrap intervals, the paired difference from the reference per prompt, the
     layers' errors over seeds, and Spearman's ρ of proxy and post-hoc accuracy with its interval."""
     for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy"):
-        _mean_summary(ds, name)
-    diff = (ds["score"] - ds["score_exact"]).assign_attrs(
-        long_name="task score: − the reference's on the same prompt", units="1", baseline="reference",
-        comparison="difference", description="per prompt, score − score_exact (identical prompts)")
-    ds["score_vs_exact"] = diff
-    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-    summary.attrs["description"] = "summary of score_vs_exact over seed, episode: " + summary.attrs["interval"]
-    ds["score_vs_exact_summary"] = summary
+        ds = add_mean(ds, name)
+    ds = add_vs_exact(ds, "score", "score_exact", reference="the reference's", unit="prompt", baseline="reference")
     layer = stats.summarise(ds["layer_error"], "seed")
     layer.attrs["description"] = "summary of layer_error over seed: " + layer.attrs["interval"]
     ds["layer_error_summary"] = layer
     ds["proxy_rank_correlation"] = report.rank_correlations(ds)
     return ds
-
-
-def findings(ds: xr.Dataset) -> str:
-    """Markdown bullets; every number is computed from ``ds`` (see :mod:`experiments._trained_icl_report`)."""
-    return report.findings(ds)
-
-
-def plot(ds: xr.Dataset, path) -> None:
-    report.plot(ds, path)
 
 
 EXPERIMENT = Experiment(
@@ -398,9 +376,9 @@ EXPERIMENT = Experiment(
                 "estimator at rank r (every layer or one); fixed-state models trained from scratch at feature "
                 "dimension r; the training-free read-out accuracy against the trained post-hoc accuracy. Grid: "
                 "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "context", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=report.plot, data_axes=("task", "context", "seed"),
+    draw=draw, reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=report.findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -264,8 +264,8 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
     s = ds.score_summary.sel(task="mqar_smoke", substitution="all", estimator="positive_orthogonal", context=4,
                              num_features=16)
     np.testing.assert_allclose(float(s.sel(stat="estimate")), float(prf.score.sel(substitution="all").mean()))
-    text = trained_icl.findings(ds)
-    assert "changes no score" in text and text == trained_icl.findings(ds.copy(deep=True))
+    text = trained_icl.EXPERIMENT.findings(ds)
+    assert "changes no score" in text and text == trained_icl.EXPERIMENT.findings(ds.copy(deep=True))
     from kernapprox import sweep
 
     closing = sweep.findings_text(trained_icl.EXPERIMENT, ds, "x").split("\n\n")[0].splitlines()[-1]
