@@ -66,8 +66,7 @@ QUERY_AXIS = {"long_name": "recall query: the stored key ('key'), the key pertur
 
 # ------------------------------------------------------------------------------------------- grid and cells
 def available(table: dict, labels) -> list[str]:
-    """The labels of ``table`` whose estimator exists: a registered name or a class given directly (grids
-    adapt to what is installed)."""
+    """The labels of ``table`` whose estimator is installed (a registered name, or a class given directly)."""
     names = set(available_estimators())
     return [label for label in labels if isinstance(table[label][0], type) or table[label][0] in names]
 
@@ -92,8 +91,7 @@ def sized_readout(table: dict, label: str, num_features: int, *, num_context: in
     """``(registry name, constructor arguments, budget)`` of an equal-bytes estimator (``table[label]``) at the
     budget of FAVOR+ at ``num_features`` features (:func:`kernapprox.memory.budget_bytes`), or ``None`` where it
     is not run: no configuration fits the budget, or the budget reaches exact attention's KV cache (there the
-    context itself fits, and a compressed state has nothing to compress). Pass the arguments to
-    :func:`kernapprox.readout.paired_readouts` as ``num_features=args.pop("num_features"), options=args``."""
+    context itself fits, and a compressed state has nothing to compress)."""
     name, options = table[label]
     budget = memory.budget_bytes(num_features, d=d, d_v=d_v, seq_len=num_context)
     if budget >= kv_cache_bytes(num_context, d, d_v):
@@ -163,12 +161,6 @@ def recall_episodes(num_pairs: int, query: str, *, rng, device, num_queries: int
     return tasks.associative_recall(num_pairs, query_cosine=QUERY_COSINES[query], **common)
 
 
-def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
-    """Mean cosine of each episode's queries to the keys they ask for: ``(B,)``."""
-    keys = ep.keys.gather(1, ep.query_slots[..., None].expand(-1, -1, ep.keys.shape[-1]))
-    return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
-
-
 def episode_dims(episodes: int = EPISODES) -> dict:
     return {"dims": ("episode",), "coords": {"episode": list(range(episodes))}}
 
@@ -200,16 +192,10 @@ def readout_metrics(read: readout.Readout, exact: readout.Readout) -> dict:
     """What every cell records of a read-out against exact attention on the same episodes: per episode, the
     output's relative RMS error and the rate of non-positive normalisers; the state size (NaN for an estimator
     without a recurrent state) and the fitted feature dimension."""
-    return {
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).cpu().numpy(),
-        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).cpu().numpy(),
-        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
-        "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
-    }
-
-
-EXACT_STATE = Metric(long_name="KV cache of exact attention", units="byte",
-                     description="n·(d + d_v) float32 numbers: what exact attention keeps from the context")
+    return {"output_rel_error": metrics.relative_rms_error(read.output, exact.output).cpu().numpy(),
+            "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).cpu().numpy(),
+            "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
+            "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features)}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
@@ -254,9 +240,8 @@ def summarise_readout(ds: xr.Dataset) -> xr.Dataset:
 
 
 def labels_with(table: dict, labels, **declared) -> list[str]:
-    """The ``labels`` (in order) whose estimator in ``table`` declares each of the given capability values, e.g.
-    ``unbiased=True`` (the random-feature maps), ``fixed_dimension=True``, ``rank_limited_by_points=True``
-    (the landmark maps)."""
+    """The ``labels`` (in order) whose estimator in ``table`` declares the given capability values, e.g.
+    ``unbiased=True`` (random-feature maps), ``fixed_dimension=True``, ``rank_limited_by_points=True`` (landmarks)."""
     caps = {label: readout.estimator_capabilities(table[label][0], **table[label][1]) for label in labels}
     return [label for label in labels if all(getattr(caps[label], k) == v for k, v in declared.items())]
 

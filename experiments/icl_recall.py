@@ -29,7 +29,6 @@ import xarray as xr
 
 from experiments._common import add_paired, range_text, verdict
 from experiments._icl import (
-    EXACT_STATE,
     FIXED_DIMENSION_SLOT,
     QUERY_AXIS,
     QUERY_COSINES,
@@ -42,7 +41,6 @@ from experiments._icl import (
     label_panel,
     labels_with,
     legend_entries,
-    query_key_cosine,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -112,10 +110,17 @@ REFERENCE_METRICS = {
                              description="accuracy of exact softmax attention on the same episodes", **episode_dims()),
     "query_cosine": Metric(long_name="mean cosine of a query to its stored key", units="1",
                            description="per episode (1 for query = key)", **episode_dims()),
-    "state_bytes_exact": EXACT_STATE,
+    "state_bytes_exact": Metric(long_name="KV cache of exact attention", units="byte",
+                                description="n·(d + d_v) float32 numbers: what exact attention keeps from the context"),
     "num_queries": Metric(long_name="queries per episode", units="1", description="min(n, max_queries)"),
     "beta": Metric(long_name="inverse temperature", units="1", description="β = beta_factor · ln(num_pairs)"),
 }
+
+
+def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
+    """Mean cosine of each episode's queries to the keys they ask for: ``(B,)``."""
+    keys = ep.keys.gather(1, ep.query_slots[..., None].expand(-1, -1, ep.keys.shape[-1]))
+    return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
 
 
 def draw(params, data_rng, device) -> EpisodeDraw:

@@ -177,7 +177,7 @@ def test_applicability_rules():
 def test_query_axis_values_make_the_promised_episodes():
     for query, cosine in _icl.QUERY_COSINES.items():
         ep = _icl.recall_episodes(32, query, rng=0, device="cpu", num_queries=32, batch=2)
-        measured = _icl.query_key_cosine(ep)
+        measured = icl_recall.query_key_cosine(ep)
         if cosine is not None:
             np.testing.assert_allclose(measured, cosine, atol=1e-5)
         else:
