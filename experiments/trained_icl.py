@@ -48,7 +48,7 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from experiments._icl import EPISODES, EpisodeDraw, add_mean, add_vs_exact, episode_dims
+from experiments._icl import EPISODES, add_mean, add_vs_exact, episode_dims
 from kernapprox import metrics, readout, stats, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
@@ -273,7 +273,7 @@ class Draw(NamedTuple):
     reference: object
     eval_task: object
     prompts: object
-    proxy: EpisodeDraw | None
+    proxy: tasks.RecallEpisodes | None
 
 
 def draw(params, data_rng, device) -> Draw | None:
@@ -285,23 +285,21 @@ def draw(params, data_rng, device) -> Draw | None:
     config = setup.build(device=str(device))
     ev = eval_task(config[1], context)
     prompts = ev.sample(data_rng, EPISODES, device=device)
-    proxy = None
-    if config[1].name == "mqar":
-        ep = tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
+    proxy = (tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
                                       num_candidates=params["proxy_candidates"], batch=EPISODES, rng=data_rng,
-                                      device=device)
-        proxy = EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
+                                      device=device) if config[1].name == "mqar" else None)
     return Draw(config, load_or_train(*config), ev, prompts, proxy)
 
 
-def _proxy(label: str, r: int, params, episodes: EpisodeDraw, rng) -> np.ndarray:
+def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> np.ndarray:
     name, options = ESTIMATORS[label]
     caps = readout.estimator_capabilities(name, **options)
     if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > params["context"]):
         return np.full(EPISODES, np.nan)
-    read, _ = episodes.readouts(name, beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
-                                num_features=None if caps.fixed_dimension else r, rng=rng, options=options)
-    return tasks.recall_accuracy(read.output, episodes.episodes).cpu().numpy()
+    read = readout.attention_readout(name, episodes.queries, episodes.keys, episodes.values, rng=rng, options=options,
+                                     beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
+                                     num_features=None if caps.fixed_dimension else r)
+    return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
 
 
 @torch.no_grad()

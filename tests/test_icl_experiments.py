@@ -98,7 +98,7 @@ def test_read_outs_fit_on_the_context_only(module, monkeypatch):
 
 def test_episode_draw_pairs_read_outs_as_paired_readouts():
     """A draw's ``(read, exact)`` equal :func:`kernapprox.readout.paired_readouts` on its episodes bit for bit;
-    exact attention's read-out is computed once per β and is the read-out of the exact estimator itself."""
+    exact attention's read-out is computed once per β and equals the read-out of the exact estimator itself."""
     ep = _icl.recall_episodes(32, "key", rng=0, device="cpu", num_queries=16, batch=2)
     draw = _icl.EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
     read, exact = draw.readouts("positive_orthogonal", beta=3.0, num_features=16, rng=np.random.default_rng(4))
@@ -108,7 +108,9 @@ def test_episode_draw_pairs_read_outs_as_paired_readouts():
         torch.testing.assert_close(got.output, expected.output, rtol=0, atol=0)
         torch.testing.assert_close(got.normalizer, expected.normalizer, rtol=0, atol=0)
     assert draw.exact(3.0) is exact and draw.exact(4.0) is not exact
-    assert draw.readouts("exact", beta=3.0) == (exact, exact)
+    read, again = draw.readouts("exact", beta=3.0)
+    assert again is exact
+    torch.testing.assert_close(read.output, exact.output, rtol=0, atol=0)
 
 
 def test_recall_smoke_values(smoke_run):
