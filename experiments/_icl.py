@@ -102,9 +102,8 @@ def sized_readout(table: dict, label: str, num_features: int, *, num_context: in
 
 def sized_readout_arguments(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
                             ) -> tuple[str, dict, int, str] | None:
-    """:func:`sized_readout` unpacked for :func:`kernapprox.readout.paired_readouts`: ``(registry name, options,
-    num_features, fit_on)``, ``fit_on`` ``"queries_and_keys"`` for the batch read-outs (:data:`BATCH_READOUTS`), else
-    ``"keys"``; ``None`` where the estimator is not run."""
+    """:func:`sized_readout` as read-out arguments ``(registry name, options, num_features, fit_on)`` (``fit_on``
+    ``"queries_and_keys"`` for :data:`BATCH_READOUTS`, else ``"keys"``), or ``None`` where it is not run."""
     if (sized := sized_readout(table, label, num_features, num_context=num_context, d=d, d_v=d_v)) is None:
         return None
     name, options = sized[0], dict(sized[1])
@@ -139,11 +138,10 @@ _EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process m
 def memoised_episodes(data_rng, what: tuple, make):
     """``make()`` (episodes from a fresh ``data_rng``), memoised by the data stream's seed and ``what``, for the
     studies that declare no ``Experiment.draw`` (``state_rules``, ``rank_summary``)."""
-    seq = data_rng.bit_generator.seed_seq
-    key = (seq.entropy, seq.spawn_key, what)
+    key = (data_rng.bit_generator.seed_seq.entropy, data_rng.bit_generator.seed_seq.spawn_key, what)
     if key not in _EPISODES:
         _EPISODES[key] = make()
-        while len(_EPISODES) > 4:
+        if len(_EPISODES) > 4:                     # one entry comes in at a time
             _EPISODES.popitem(last=False)
     _EPISODES.move_to_end(key)
     return _EPISODES[key]
@@ -225,9 +223,8 @@ def add_vs_exact(ds: xr.Dataset, name: str, exact: str, *, reference: str = "exa
 
 
 def summarise_accuracy(ds: xr.Dataset, name: str, exact: str, queries) -> xr.Dataset:
-    """Accuracy summaries: pooled proportions with Clopper–Pearson intervals for ``name`` and ``exact``
-    (``queries`` per episode: a number or an array of the data dims), and the paired per-episode difference
-    ``<name>_vs_exact`` (:func:`add_vs_exact`)."""
+    """Pooled proportions with Clopper–Pearson intervals for ``name`` and ``exact`` (``queries`` per episode: a
+    number or an array of the data dims), and the paired difference ``<name>_vs_exact`` (:func:`add_vs_exact`)."""
     for var in (name, exact):
         ds = add_proportion(ds, var, (ds[var] * queries).round(), queries, REPLICATES)
     return add_vs_exact(ds, name, exact)
@@ -281,9 +278,7 @@ def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
 
 def label_panel(ax, xlabel: str, ylabel: str, title: str = "", *, accuracy: bool = False, log2_x: bool = False):
     """A panel's axis labels and title; ``accuracy``: the y range of a score in [0, 1]; ``log2_x``: a base-2 x."""
-    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
-    if accuracy:
-        ax.set_ylim(-0.03, 1.03)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, **({"ylim": (-0.03, 1.03)} if accuracy else {}))
     if log2_x:
         ax.set_xscale("log", base=2)
 

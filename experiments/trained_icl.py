@@ -291,15 +291,16 @@ def draw(params, data_rng, device) -> Draw | None:
     return Draw(config, load_or_train(*config), ev, prompts, proxy)
 
 
-def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> np.ndarray:
+def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> dict:
+    """``proxy_accuracy`` of the cell's estimator, or nothing where the proxy does not apply (left NaN)."""
     name, options = ESTIMATORS[label]
     caps = readout.estimator_capabilities(name, **options)
     if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > params["context"]):
-        return np.full(EPISODES, np.nan)
+        return {}
     read = readout.attention_readout(name, episodes.queries, episodes.keys, episodes.values, rng=rng, options=options,
                                      beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
                                      num_features=None if caps.fixed_dimension else r)
-    return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
+    return {"proxy_accuracy": tasks.recall_accuracy(read.output, episodes).cpu().numpy()}
 
 
 @torch.no_grad()
@@ -326,7 +327,7 @@ def run_cell(params, rng, device, data_rng, data):
         model = substitute(reference.model, {i: _spec(label, r) for i in layers}, rng=rng, calibration=calibration)
         result["layer_error"] = _layer_errors(model, reference.model, prompts, layers)
         if sub == "all" and task.name == "mqar":
-            result["proxy_accuracy"] = _proxy(label, r, params, data.proxy, rng)
+            result.update(_proxy(label, r, params, data.proxy, rng))
     result["score"] = ev.score(model(prompts.inputs), prompts).cpu().numpy()
     result["state_bytes"] = np.float64(state_bytes(model, ev.seq_len))
     result["feature_dim"] = np.float64(_feature_dim(model))
