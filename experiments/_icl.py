@@ -1,27 +1,27 @@
-"""What the in-context-learning studies share: estimator tables, applicability, episodes, per-episode read-out
-metrics, the exact reference, summaries and figures.
+"""What the in-context-learning studies share: estimator tables, applicability, episodes and their data draw,
+per-episode read-out metrics, summaries and figures.
 
 The studies ``icl_recall``, ``icl_regression``, ``icl_classification`` and ``rank_summary`` describe their
 estimators by a table ``label -> (registry name or estimator class, constructor options)`` and run every estimator
-on the grid axis ``num_features``. Design (common random numbers): episodes are drawn from the data stream of the
-cell's data axes, so every estimator and rank reads the same episodes, and exact attention's read-out of them is
-the study's :class:`~kernapprox.sweep.Reference`, computed once per data draw and stored without the estimator
-axes. Every cell stores per-episode values (dimension ``episode``) for ``seed × episode`` replicates; the summaries
-pool them. Data-dependent maps are fitted on the context keys only (``kernapprox.readout``'s default
-``fit_on="keys"``): no read-out looks at its test queries. The exception is an *oracle* (the rank-r SVD
-references), which needs the query–key matrix and is labelled so.
+on the grid axis ``num_features``. Design (common random numbers): the episodes of a data draw
+(:class:`EpisodeDraw`, made once by the engine) are read by every estimator and rank, and exact attention's score
+on them is the study's :class:`~kernapprox.sweep.Reference`, stored without the estimator axes. Cells store
+per-episode values (dimension ``episode``) for ``seed × episode`` replicates; the summaries pool them.
+Data-dependent maps are fitted on the context keys only (``kernapprox.readout``'s default ``fit_on="keys"``); the
+exception is an *oracle* (the rank-r SVD references), which needs the query–key matrix and is labelled so.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 
 import numpy as np
 import xarray as xr
 
 from experiments._common import add_proportion, add_summaries, sized_configuration
 from kernapprox import available_estimators, memory, metrics, readout, stats, tasks
-from kernapprox.plotting import estimator_style, new_figure, plot_summary
+from kernapprox.plotting import errorbar_summary, estimator_style, new_figure, plot_summary
 from kernapprox.sweep import Metric
 
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
@@ -41,14 +41,12 @@ SET_CONTEXT_ESTIMATORS = {  # label -> (registry name or estimator class, constr
     "nystrom_rls": ("nystrom_rls", {}),
 }
 
-# LARA and EVA in the in-context studies, compared with the other estimators at equal state bytes (the EQUAL_BYTES
-# configurations of experiments._common, sized by sized_readout): label -> (registry name, constructor options).
-# A context here is a set (pairs or points in random order, queries unrelated to positions), so EVA runs without
-# its exact local window (window = 0): a window of positions would hand each query a random band of keys. Both
-# are defined for non-causal attention and build their proposals from the queries they are given (LARA: segment
-# means of the queries and keys; EVA: the mean query), so their read-out of a query depends on the other test
-# queries of the episode: they read a batch of queries at once (declared ``query_dependent``; BATCH_READOUTS,
-# fit_on="queries_and_keys"), an advantage the context-only read-outs do not have, named wherever they are compared.
+# LARA and EVA, compared with the other estimators at equal state bytes (sized by sized_readout): label -> (registry
+# name, constructor options). A context here is a set (queries unrelated to positions), so EVA runs without its
+# local window (window = 0), which would hand each query a random band of keys. Both build their proposals from the
+# queries they are given (LARA: segment means of queries and keys; EVA: the mean query): they read the episode's
+# test queries as a batch (declared ``query_dependent``: BATCH_READOUTS, fit_on="queries_and_keys"), an advantage
+# the context-only read-outs do not have, named wherever they are compared.
 SET_CONTEXT_EQUAL_BYTES = {
     "lara": ("lara", {}),
     "lara_balance": ("lara_balance", {}),
@@ -68,8 +66,7 @@ QUERY_AXIS = {"long_name": "recall query: the stored key ('key'), the key pertur
 
 # ------------------------------------------------------------------------------------------- grid and cells
 def available(table: dict, labels) -> list[str]:
-    """The labels of ``table`` whose estimator exists: a registered name or a class given directly (grids
-    adapt to what is installed)."""
+    """The labels of ``table`` whose estimator is installed (a registered name, or a class given directly)."""
     names = set(available_estimators())
     return [label for label in labels if isinstance(table[label][0], type) or table[label][0] in names]
 
@@ -94,8 +91,7 @@ def sized_readout(table: dict, label: str, num_features: int, *, num_context: in
     """``(registry name, constructor arguments, budget)`` of an equal-bytes estimator (``table[label]``) at the
     budget of FAVOR+ at ``num_features`` features (:func:`kernapprox.memory.budget_bytes`), or ``None`` where it
     is not run: no configuration fits the budget, or the budget reaches exact attention's KV cache (there the
-    context itself fits, and a compressed state has nothing to compress). Pass the arguments to
-    :func:`kernapprox.readout.paired_readouts` as ``num_features=args.pop("num_features"), options=args``."""
+    context itself fits, and a compressed state has nothing to compress)."""
     name, options = table[label]
     budget = memory.budget_bytes(num_features, d=d, d_v=d_v, seq_len=num_context)
     if budget >= kv_cache_bytes(num_context, d, d_v):
@@ -106,30 +102,46 @@ def sized_readout(table: dict, label: str, num_features: int, *, num_context: in
 
 def sized_readout_arguments(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
                             ) -> tuple[str, dict, int, str] | None:
-    """:func:`sized_readout` unpacked for :func:`kernapprox.readout.paired_readouts`: ``(registry name, options,
-    num_features, fit_on)``, ``fit_on`` ``"queries_and_keys"`` for the batch read-outs (:data:`BATCH_READOUTS`), else
-    ``"keys"``; ``None`` where the estimator is not run."""
-    sized = sized_readout(table, label, num_features, num_context=num_context, d=d, d_v=d_v)
-    if sized is None:
+    """:func:`sized_readout` as read-out arguments ``(registry name, options, num_features, fit_on)`` (``fit_on``
+    ``"queries_and_keys"`` for :data:`BATCH_READOUTS`, else ``"keys"``), or ``None`` where it is not run."""
+    if (sized := sized_readout(table, label, num_features, num_context=num_context, d=d, d_v=d_v)) is None:
         return None
-    name, options, _ = sized
-    options = dict(options)
-    r = options.pop("num_features")
-    return name, options, r, ("queries_and_keys" if name in BATCH_READOUTS else "keys")
+    name, options = sized[0], dict(sized[1])
+    return name, options, options.pop("num_features"), ("queries_and_keys" if name in BATCH_READOUTS else "keys")
+
+
+class EpisodeDraw:
+    """A data draw of an in-context study (what its ``Experiment.draw`` returns): the ``episodes``, the ``queries``,
+    ``keys`` and ``values`` a read-out reads, and exact attention's read-out at each ``β`` when first asked for. The
+    engine hands one draw to the reference and every cell of it: episodes and exact read-out are made once."""
+
+    def __init__(self, episodes, queries, keys, values):
+        self.episodes, self.queries, self.keys, self.values = episodes, queries, keys, values
+        self._exact: dict[float, readout.Readout] = {}
+
+    def exact(self, beta: float) -> readout.Readout:
+        """Exact attention's read-out at inverse temperature ``beta``."""
+        if beta not in self._exact:
+            self._exact[beta] = readout.attention_readout("exact", self.queries, self.keys, self.values, beta=beta)
+        return self._exact[beta]
+
+    def readouts(self, estimator, *, beta: float, **kwargs) -> tuple[readout.Readout, readout.Readout]:
+        """``(read, exact)`` as :func:`kernapprox.readout.paired_readouts` (keywords as there), exact attention's
+        from the draw."""
+        read = readout.attention_readout(estimator, self.queries, self.keys, self.values, beta=beta, **kwargs)
+        return read, self.exact(beta)
 
 
 _EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
 
 
 def memoised_episodes(data_rng, what: tuple, make):
-    """``make()`` (episodes drawn from a fresh ``data_rng``), memoised by the data stream's seed and ``what``: the
-    engine runs the cells of one data draw one after the other, so the episodes are drawn once per draw (they are
-    a deterministic function of that seed; nothing else may be drawn from ``data_rng`` after them)."""
-    seq = data_rng.bit_generator.seed_seq
-    key = (seq.entropy, seq.spawn_key, what)
+    """``make()`` (episodes from a fresh ``data_rng``), memoised by the data stream's seed and ``what``, for the
+    studies that declare no ``Experiment.draw`` (``state_rules``, ``rank_summary``)."""
+    key = (data_rng.bit_generator.seed_seq.entropy, data_rng.bit_generator.seed_seq.spawn_key, what)
     if key not in _EPISODES:
         _EPISODES[key] = make()
-        while len(_EPISODES) > 4:
+        if len(_EPISODES) > 4:                     # one entry comes in at a time
             _EPISODES.popitem(last=False)
     _EPISODES.move_to_end(key)
     return _EPISODES[key]
@@ -147,101 +159,95 @@ def recall_episodes(num_pairs: int, query: str, *, rng, device, num_queries: int
     return tasks.associative_recall(num_pairs, query_cosine=QUERY_COSINES[query], **common)
 
 
-def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
-    """Mean cosine of each episode's queries to the keys they ask for: ``(B,)``."""
-    keys = ep.keys.gather(1, ep.query_slots[..., None].expand(-1, -1, ep.keys.shape[-1]))
-    return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
-
-
 def episode_dims(episodes: int = EPISODES) -> dict:
     return {"dims": ("episode",), "coords": {"episode": list(range(episodes))}}
 
 
-READOUT_DESCRIPTIONS = {  # metric -> default description of what readout_metrics records
-    "output_rel_error": "‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the same episode (inf when an output is not "
-                        "finite)",
-    "nonpositive_normalizer_rate": "fraction of the episode's queries with Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite",
-    "state_bytes": "estimator.state_bytes(d_v, float32, seq_len=n): the linear state r·(d_v+1) plus what the map "
-                   "keeps from the context (Nyström: r·d landmarks and the r×r whitening), float32",
-    "feature_dim": "r as fitted",
+READOUT_METRICS = {  # metric -> (long name, units, default description, per episode) of what readout_metrics records
+    "output_rel_error": ("attention-output relative RMS error", "1", "‖Ŷ−Y‖_F/‖Y‖_F against exact attention on the "
+                         "same episode (inf when an output is not finite)", True),
+    "nonpositive_normalizer_rate": ("rate of non-positive normalisers", "1", "fraction of the episode's queries with "
+                                    "Σ_i φ(q)ᵀφ(k_i) ≤ 0 or not finite", True),
+    "state_bytes": ("memory a decoder keeps from the context", "byte", "estimator.state_bytes(d_v, float32, "
+                    "seq_len=n): the linear state r·(d_v+1) plus what the map keeps from the context (Nyström: r·d "
+                    "landmarks and the r×r whitening), float32", False),
+    "feature_dim": ("feature dimension of the state", "1", "r as fitted", False),
 }
 
 
 def readout_metric_table(episodes: int = EPISODES, **descriptions: str) -> dict[str, Metric]:
     """The declarations of the metrics :func:`readout_metrics` records, in its order; a keyword replaces the
-    default description (:data:`READOUT_DESCRIPTIONS`) of the metric it names."""
-    unknown = sorted(set(descriptions) - set(READOUT_DESCRIPTIONS))
+    default description (:data:`READOUT_METRICS`) of the metric it names."""
+    unknown = sorted(set(descriptions) - set(READOUT_METRICS))
     if unknown:
-        raise ValueError(f"no read-out metric named {', '.join(unknown)}; known: {', '.join(READOUT_DESCRIPTIONS)}")
-    text = {**READOUT_DESCRIPTIONS, **descriptions}
-    per_episode = episode_dims(episodes)
-    return {
-        "output_rel_error": Metric(long_name="attention-output relative RMS error", units="1",
-                                   description=text["output_rel_error"], **per_episode),
-        "nonpositive_normalizer_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                                              description=text["nonpositive_normalizer_rate"], **per_episode),
-        "state_bytes": Metric(long_name="memory a decoder keeps from the context", units="byte",
-                              description=text["state_bytes"]),
-        "feature_dim": Metric(long_name="feature dimension of the state", units="1", description=text["feature_dim"]),
-    }
+        raise ValueError(f"no read-out metric named {', '.join(unknown)}; known: {', '.join(READOUT_METRICS)}")
+    return {name: Metric(long_name=long, units=units, description=descriptions.get(name, text),
+                         **(episode_dims(episodes) if per_episode else {}))
+            for name, (long, units, text, per_episode) in READOUT_METRICS.items()}
 
 
 def readout_metrics(read: readout.Readout, exact: readout.Readout) -> dict:
     """What every cell records of a read-out against exact attention on the same episodes: per episode, the
     output's relative RMS error and the rate of non-positive normalisers; the state size (NaN for an estimator
     without a recurrent state) and the fitted feature dimension."""
-    return {
-        "output_rel_error": metrics.relative_rms_error(read.output, exact.output).cpu().numpy(),
-        "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).cpu().numpy(),
-        "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
-        "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features),
-    }
-
-
-EXACT_STATE = Metric(long_name="KV cache of exact attention", units="byte",
-                     description="n·(d + d_v) float32 numbers: what exact attention keeps from the context")
+    return {"output_rel_error": metrics.relative_rms_error(read.output, exact.output).cpu().numpy(),
+            "nonpositive_normalizer_rate": metrics.nonpositive_normalizer_rate(read.normalizer).cpu().numpy(),
+            "state_bytes": np.float64(np.nan if read.state_bytes is None else read.state_bytes),
+            "feature_dim": np.float64(np.nan if read.num_features is None else read.num_features)}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
 REPLICATES = ("seed", "episode")
 
 
-def summarise_accuracy(ds: xr.Dataset, name: str, exact: str, queries) -> xr.Dataset:
-    """Accuracy summaries: pooled proportions with Clopper–Pearson intervals for ``name`` and ``exact``
-    (``queries`` per episode: a number or an array of the data dims), and the paired per-episode difference
-    ``<name>_vs_exact = name − exact`` with its bootstrap interval."""
-    for var in (name, exact):
-        successes = (ds[var] * queries).round()
-        ds = add_proportion(ds, var, successes, queries, REPLICATES)
-    diff = (ds[name] - ds[exact]).assign_attrs(
-        long_name=f"{ds[name].attrs['long_name']}: − exact attention on the same episode", units="1",
-        description=f"per episode, {name} − {exact} (identical episodes)", comparison="difference")
-    ds[f"{name}_vs_exact"] = diff
-    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
+def add_mean(ds: xr.Dataset, name: str) -> xr.Dataset:
+    """``<name>_summary``: the mean over seed × episode with its percentile-bootstrap interval."""
+    summary = stats.bootstrap_interval(ds[name], REPLICATES, "mean")
+    summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": ds[name].attrs.get("units", "1"),
+                          "description": f"mean of {name} over seed, episode: " + summary.attrs["interval"]})
+    ds[f"{name}_summary"] = summary
+    return ds
+
+
+def add_vs_exact(ds: xr.Dataset, name: str, exact: str, *, reference: str = "exact attention",
+                 unit: str = "episode", **attrs) -> xr.Dataset:
+    """``<name>_vs_exact = name − exact`` per ``unit`` (identical inputs: the paired design) and its summary, the
+    mean with its bootstrap interval over seed × episode."""
+    ds[f"{name}_vs_exact"] = (ds[name] - ds[exact]).assign_attrs(
+        long_name=f"{ds[name].attrs['long_name']}: − {reference} on the same {unit}", units="1",
+        description=f"per {unit}, {name} − {exact} (identical {unit}s)", comparison="difference", **attrs)
+    summary = stats.paired_summary(ds[f"{name}_vs_exact"], REPLICATES, statistic="mean")
     summary.attrs["description"] = f"summary of {name}_vs_exact over seed, episode: " + summary.attrs["interval"]
     ds[f"{name}_vs_exact_summary"] = summary
     return ds
 
 
+def summarise_accuracy(ds: xr.Dataset, name: str, exact: str, queries) -> xr.Dataset:
+    """Pooled proportions with Clopper–Pearson intervals for ``name`` and ``exact`` (``queries`` per episode: a
+    number or an array of the data dims), and the paired difference ``<name>_vs_exact`` (:func:`add_vs_exact`)."""
+    for var in (name, exact):
+        ds = add_proportion(ds, var, (ds[var] * queries).round(), queries, REPLICATES)
+    return add_vs_exact(ds, name, exact)
+
+
 def summarise_readout(ds: xr.Dataset) -> xr.Dataset:
     """Summaries of the read-out metrics: output error (median, interval, tail), non-positive normalisers
-    (mean with its bootstrap interval)."""
-    ds = add_summaries(ds, ["output_rel_error"], REPLICATES)
-    rate = stats.bootstrap_interval(ds["nonpositive_normalizer_rate"], REPLICATES, "mean")
-    rate.attrs.update({"long_name": ds["nonpositive_normalizer_rate"].attrs["long_name"], "units": "1",
-                       "description": "mean over seed, episode: " + rate.attrs["interval"]})
-    ds["nonpositive_normalizer_rate_summary"] = rate
-    return ds
+    (:func:`add_mean`)."""
+    return add_mean(add_summaries(ds, ["output_rel_error"], REPLICATES), "nonpositive_normalizer_rate")
+
+
+def labels_with(table: dict, labels, **declared) -> list[str]:
+    """The ``labels`` (in order) whose estimator in ``table`` declares the given capability values, e.g.
+    ``unbiased=True`` (random-feature maps), ``fixed_dimension=True``, ``rank_limited_by_points=True`` (landmarks)."""
+    caps = {label: readout.estimator_capabilities(table[label][0], **table[label][1]) for label in labels}
+    return [label for label in labels if all(getattr(caps[label], k) == v for k, v in declared.items())]
 
 
 # ------------------------------------------------------------------------------------------------- figures
 STYLE_OVERRIDES = {  # variants of one family that the house style would draw alike
-    "nystrom_uniform": {"marker": "o", "linestyle": "-."},
-    "nystrom_kmeans": {"marker": "D", "linestyle": "-"},
+    "nystrom_uniform": {"marker": "o", "linestyle": "-."}, "nystrom_kmeans": {"marker": "D", "linestyle": "-"},
     "nystrom_rls": {"marker": "^", "linestyle": ":"},
-    "dpfp_nu1": {"marker": "*"},
-    "dpfp_nu2": {"marker": ">"},
-    "dpfp_nu3": {"marker": "P"},
+    "dpfp_nu1": {"marker": "*"}, "dpfp_nu2": {"marker": ">"}, "dpfp_nu3": {"marker": "P"},
 }
 
 
@@ -260,17 +266,21 @@ def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
         keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
         if not keep.any():
             continue
-        kw = style(label)
+        kw, s = style(label), s.isel(num_features=np.flatnonzero(keep))
         if keep.sum() == 1:
-            i = int(np.flatnonzero(keep)[0])
-            est, lo, hi = (float(s.sel(stat=k)[i]) for k in ("estimate", "lo", "hi"))
-            ax.errorbar([float(x[i])], [est], yerr=[[est - lo], [hi - est]], marker=kw["marker"], markersize=7,
-                        linestyle="none", color=kw["color"], capsize=2, label=label)
+            errorbar_summary(ax, s, x.values[keep], marker=kw["marker"], markersize=7, color=kw["color"], label=label,
+                             elinewidth=None)
         else:
-            plot_summary(ax, s.isel(num_features=np.flatnonzero(keep)), None,
-                         xvalues=x.values[keep], **kw)
+            plot_summary(ax, s, None, xvalues=x.values[keep], **kw)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+
+
+def label_panel(ax, xlabel: str, ylabel: str, title: str = "", *, accuracy: bool = False, log2_x: bool = False):
+    """A panel's axis labels and title; ``accuracy``: the y range of a score in [0, 1]; ``log2_x``: a base-2 x."""
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title, **({"ylim": (-0.03, 1.03)} if accuracy else {}))
+    if log2_x:
+        ax.set_xscale("log", base=2)
 
 
 def exact_band(ax, summary: xr.DataArray, label: str = "exact attention (same episodes)") -> float:
@@ -282,42 +292,30 @@ def exact_band(ax, summary: xr.DataArray, label: str = "exact attention (same ep
     return est
 
 
-def score_panel(ax, ds: xr.Dataset, var: str, exact_var: str, labels, *, ylabel: str, **sel) -> float:
-    """:func:`rank_panel` of a task score with exact attention's score on the same episodes as a band, and the
-    axis labels. Returns exact attention's estimate."""
-    rank_panel(ax, ds, var, labels, **sel)
-    exact_sel = {k: v for k, v in sel.items() if k in ds[f"{exact_var}_summary"].dims}
-    exact = exact_band(ax, ds[f"{exact_var}_summary"].sel(**exact_sel))
-    ax.set_xlabel("feature dimension r of the state")
-    ax.set_ylabel(ylabel)
-    return exact
-
-
 def score_grid(ds: xr.Dataset, var: str, exact_var: str, *, ylabel: str, decorate, n_axis: str):
-    """A figure of :func:`score_panel` panels, rows ``beta`` and columns ``n_axis``, with one legend.
+    """A figure of :func:`rank_panel` panels of a task score with exact attention's on the same episodes as a band
+    (:func:`exact_band`), rows ``beta`` and columns ``n_axis``, with one legend.
 
     ``decorate(ax, n, beta, exact)`` adds each panel's reference lines, limits and title. Returns the figure."""
-    labels = [str(v) for v in ds.estimator.values]
-    betas = [float(v) for v in ds.beta.values]
-    ns = [int(v) for v in ds[n_axis].values]
+    labels, betas, ns = ([str(v) for v in ds.estimator.values], [float(v) for v in ds.beta.values],
+                         [int(v) for v in ds[n_axis].values])
     fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
-    for i, beta in enumerate(betas):
-        for j, n in enumerate(ns):
-            exact = score_panel(axes[i, j], ds, var, exact_var, labels, ylabel=ylabel, beta=beta, **{n_axis: n})
-            decorate(axes[i, j], n, beta, exact)
+    for (i, beta), (j, n) in itertools.product(enumerate(betas), enumerate(ns)):
+        rank_panel(axes[i, j], ds, var, labels, beta=beta, **{n_axis: n})
+        exact = exact_band(axes[i, j], ds[f"{exact_var}_summary"].sel(beta=beta, **{n_axis: n}))
+        label_panel(axes[i, j], "feature dimension r of the state", ylabel)
+        decorate(axes[i, j], n, beta, exact)
     collect_legend(fig, axes.flat)
     return fig
 
 
 def legend_entries(axes) -> tuple[list, list]:
     """``(handles, names)`` of all the axes' labelled artists, each name once, in drawing order."""
-    handles, names = [], []
+    entries = {}
     for ax in axes:
-        for h, nm in zip(*ax.get_legend_handles_labels()):
-            if nm not in names:
-                handles.append(h)
-                names.append(nm)
-    return handles, names
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(name, handle)
+    return list(entries.values()), list(entries)
 
 
 def collect_legend(fig, axes) -> None:

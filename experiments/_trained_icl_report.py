@@ -8,13 +8,14 @@ which the paired design allows (every point reads the same prompts and the same 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 
 import numpy as np
 import xarray as xr
 from scipy import stats as scipy_stats
 
-from experiments._icl import REPLICATES, legend_entries
+from experiments._icl import REPLICATES, label_panel, legend_entries, rank_panel
 from experiments._icl import style as icl_style
 from kernapprox import stats
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
@@ -33,6 +34,11 @@ def _ran(da: xr.DataArray) -> bool:
 def _contexts(ds, task) -> list[int]:
     sel = ds.score_exact.sel(task=task)
     return [int(c) for c in ds.context.values if _ran(sel.sel(context=c))]
+
+
+def _evaluated(ds, family: str) -> list[tuple[str, int]]:
+    """``(task, largest context)`` of each task of ``family`` with a reference score."""
+    return [(task, _contexts(ds, task)[-1]) for task in _tasks(ds, family) if _contexts(ds, task)]
 
 
 def _estimate(summary: xr.DataArray) -> float:
@@ -160,24 +166,18 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"Substituting exact attention for the reference's own (every layer or one) changes no score: "
                      f"max |difference| = {fmt(float(abs(exact).max()))} over {int(exact.notnull().sum())} "
                      "prompt scores.")
-    for task in _tasks(ds, "mqar") + _tasks(ds, "regression"):
-        cs = _contexts(ds, task)
-        if cs:
-            lines += _post_hoc_lines(ds, task, cs[-1])
-    for task in _tasks(ds, "mqar"):
-        cs = _contexts(ds, task)
-        if cs:
-            lines += _mqar_lines(ds, task, cs[-1])
+    for task, c in _evaluated(ds, "mqar") + _evaluated(ds, "regression"):
+        lines += _post_hoc_lines(ds, task, c)
+    for task, c in _evaluated(ds, "mqar"):
+        lines += _mqar_lines(ds, task, c)
     lines.append(_training_line(ds))
     return bullets(lines)
 
 
 def _headline(ds) -> str:
-    mqar = [t for t in _tasks(ds, "mqar") if _contexts(ds, t)]
-    if not mqar:
+    if not (mqar := _evaluated(ds, "mqar")):
         return "No MQAR model in this dataset."
-    task = mqar[0]
-    c = _contexts(ds, task)[-1]
+    task, c = mqar[0]
     ref = fmt_ci(ds["score_exact_summary"].sel(task=task, context=c))
     text = f"A trained MQAR Transformer ({task}, {c} pairs) recalls {ref} with softmax attention"
     span = _post_hoc_range(ds, task, c)
@@ -268,15 +268,14 @@ def _training_line(ds) -> str:
         wall, cpu = float(ref["reference_train_seconds"].max()), float(ref["reference_train_cpu_seconds"].max())
         if np.isfinite(wall):
             seconds[(str(task), "reference")] = (cpu, wall)
-        sel = ref.sel(substitution="trained") if "trained" in ds.substitution.values else None
-        if sel is None:
+        if "trained" not in ds.substitution.values:
             continue
-        for est in sel.estimator.values:
-            for r in sel.num_features.values:
-                one = sel.sel(estimator=est, num_features=r)
-                wall, cpu = float(one.train_seconds.max()), float(one.train_cpu_seconds.max())
-                if np.isfinite(wall):
-                    seconds[(str(task), f"{est} r={int(r)}")] = (cpu, wall)
+        sel = ref.sel(substitution="trained")
+        for est, r in itertools.product(sel.estimator.values, sel.num_features.values):
+            one = sel.sel(estimator=est, num_features=r)
+            wall, cpu = float(one.train_seconds.max()), float(one.train_cpu_seconds.max())
+            if np.isfinite(wall):
+                seconds[(str(task), f"{est} r={int(r)}")] = (cpu, wall)
     if not seconds:
         return ""
     cpu, wall = (sum(v[i] for v in seconds.values()) for i in (0, 1))
@@ -286,45 +285,26 @@ def _training_line(ds) -> str:
 
 
 # ------------------------------------------------------------------------------------------------------ plot
-def _curve(ax, ds, task, sub, var, context, *, log=False):
-    sel = ds.sel(task=task, substitution=sub, context=context)
-    for est in sel.estimator.values:
-        if str(est) == "exact":
-            continue
-        s = sel[f"{var}_summary"].sel(estimator=est)
-        x = sel.feature_dim.sel(estimator=est).max("seed").values
-        est_v, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-        keep = np.isfinite(est_v) & np.isfinite(x)
-        if not keep.any():
-            continue
-        style = icl_style(str(est))
-        if keep.sum() == 1:
-            ax.errorbar(x[keep], est_v[keep], yerr=[est_v[keep] - lo[keep], hi[keep] - est_v[keep]],
-                        marker=style["marker"], linestyle="none", color=style["color"], label=str(est), markersize=6)
-        else:
-            ax.plot(x[keep], est_v[keep], **style)
-            ax.fill_between(x[keep], lo[keep], hi[keep], color=style["color"], alpha=0.15, linewidth=0)
-    ax.set_xscale("log", base=2)
-    if log:
-        ax.set_yscale("log")
-    ax.set_xlabel("feature dimension r per head")
+R_PER_HEAD = "feature dimension r per head"
+
+
+def _curve(ax, ds, task, sub, var, context):
+    """``<var>_summary`` of the approximate estimators against the feature dimension (:func:`~experiments._icl.
+    rank_panel`)."""
+    labels = [str(est) for est in ds.estimator.values if str(est) != "exact"]
+    rank_panel(ax, ds, var, labels, task=task, substitution=sub, context=context)
 
 
 def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(2, 3, squeeze=False, width=13.5, height=7.6)
-    mq = [t for t in _tasks(ds, "mqar") if _contexts(ds, t)][:1]
-    rg = [t for t in _tasks(ds, "regression") if _contexts(ds, t)][:1]
-    notes = []
+    mq, rg, notes = _evaluated(ds, "mqar")[:1], _evaluated(ds, "regression")[:1], []
     if mq:
-        task = mq[0]
-        c = _contexts(ds, task)[-1]
+        task, c = mq[0]
         ax = axes[0, 0]
         _curve(ax, ds, task, "all", "score", c)
         ax.axhline(_estimate(ds["score_exact_summary"].sel(task=task, context=c)), color="k", linestyle="--",
                    linewidth=1.0, label="softmax reference")
-        ax.set_ylim(-0.03, 1.03)
-        ax.set_ylabel("MQAR accuracy")
-        ax.set_title(f"(a) post hoc, every layer ({c} pairs)")
+        label_panel(ax, R_PER_HEAD, "MQAR accuracy", f"(a) post hoc, every layer ({c} pairs)", accuracy=True)
         ax = axes[0, 1]
         err = ds["layer_error_summary"].sel(task=task, substitution="all", context=c, stat="estimate")
         for est in err.estimator.values:
@@ -338,20 +318,18 @@ def plot(ds: xr.Dataset, path) -> None:
                     st = icl_style(str(est))
                     ax.plot(x.values[keep], e.values[keep], color=st["color"], marker=st["marker"], linestyle=ls,
                             label=str(est) if layer == 0 else None)
-        ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("feature dimension r per head")
-        ax.set_ylabel("attention-output rel. RMS error")
-        ax.set_title("(b) per-layer error, own activations (— layer 0, - - layer 1)")
+        label_panel(ax, R_PER_HEAD, "attention-output rel. RMS error",
+                    "(b) per-layer error, own activations (— layer 0, - - layer 1)", log2_x=True)
         _frontier(axes[1, 0], ds, task, c)
         _proxy_panel(axes[1, 1], ds, task, c)
         _context_panel(axes[1, 2], ds, task)
         notes.insert(0, f"MQAR panels: task {task}, {c} pairs in context")
     if rg:
-        task = rg[0]
-        c = _contexts(ds, task)[-1]
+        task, c = rg[0]
         ax = axes[0, 2]
-        _curve(ax, ds, task, "all", "score", c, log=True)
+        _curve(ax, ds, task, "all", "score", c)
+        ax.set_yscale("log")
         notes.append(f"regression panel: task {task}, {c} pairs in context")
         for var, label, ls in (("score_exact", "softmax reference", "--"), ("baseline_ridge", "ridge", ":"),
                                ("baseline_ls", "least squares", "-.")):
@@ -360,8 +338,7 @@ def plot(ds: xr.Dataset, path) -> None:
                 ax.axhline(m, color="k", linestyle=ls, linewidth=1.0, label=label)
             else:
                 notes.append(f"{label}: {m:.0e}, below the axis")
-        ax.set_ylabel("squared error / d (mean over queries)")
-        ax.set_title(f"(c) regression post hoc ({c} examples)")
+        label_panel(ax, R_PER_HEAD, "squared error / d (mean over queries)", f"(c) regression post hoc ({c} examples)")
     handles, names = legend_entries(axes.flat)
     fig.legend(handles, names, loc="outside right center", fontsize=7, frameon=False)
     save_figure(fig, path, (
@@ -394,11 +371,8 @@ def _frontier(ax, ds, task, c):
             # later estimators smaller and on top: points that coincide (e.g. two saturated maps) stay visible
             ax.plot(x[keep], s[keep], **{**st, "label": f"{est} (trained)", "zorder": 2 + order,
                                          "markersize": max(3.0, (9.0 if keep.sum() == 1 else 7.0) - 1.2 * order)})
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("state size (bytes, float32)")
-    ax.set_ylabel("MQAR accuracy")
-    ax.set_title(f"(d) trained from scratch ({c} pairs)")
+    label_panel(ax, "state size (bytes, float32)", "MQAR accuracy", f"(d) trained from scratch ({c} pairs)",
+                accuracy=True, log2_x=True)
 
 
 def _proxy_panel(ax, ds, task, c):
@@ -412,10 +386,8 @@ def _proxy_panel(ax, ds, task, c):
     ax.plot([0, 1], [0, 1], color="0.5", linewidth=0.8)
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     ax.set_xlim(-0.03, 1.03)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("training-free read-out accuracy (proxy)")
-    ax.set_ylabel("trained model, post-hoc accuracy")
-    ax.set_title(f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points")
+    label_panel(ax, "training-free read-out accuracy (proxy)", "trained model, post-hoc accuracy",
+                f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points", accuracy=True)
 
 
 def _context_panel(ax, ds, task):
@@ -432,8 +404,5 @@ def _context_panel(ax, ds, task):
         keep = np.isfinite(s) & np.isfinite(x)
         if keep.any():
             ax.plot(x[keep], s[keep], **icl_style(str(est)))
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("MQAR accuracy")
-    ax.set_title(f"(f) post hoc against length, r = {r}")
+    label_panel(ax, "prompt length (tokens)", "MQAR accuracy", f"(f) post hoc against length, r = {r}",
+                accuracy=True, log2_x=True)

@@ -22,17 +22,18 @@ from experiments._icl import (
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
-    memoised_episodes,
+    labels_with,
     readout_metric_table,
     readout_metrics,
     score_grid,
     summarise_accuracy,
     summarise_readout,
 )
-from kernapprox import readout, tasks
+from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt_ci, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
@@ -69,31 +70,27 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(params, data_rng, device):
-    what = ("digits", params["num_context"], params["num_queries"], str(device))
-    return memoised_episodes(data_rng, what, lambda: tasks.digits_classification(
-        params["num_context"], num_queries=params["num_queries"], batch=EPISODES, rng=data_rng, device=device))
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_context, seed)``, which every estimator, rank and temperature reads."""
+    ep = tasks.digits_classification(params["num_context"], num_queries=params["num_queries"], batch=EPISODES,
+                                     rng=data_rng, device=device)
+    return EpisodeDraw(ep, ep.x_query, ep.x, ep.onehot)
 
 
-def run_cell(params, rng, device, data_rng):
-    label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
+def run_cell(params, rng, device, data_rng, data):
+    label, r, n = params["estimator"], params["num_features"], params["num_context"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.onehot, beta=beta, num_features=r, rng=rng,
-                                          options=options)
-    return {
-        "accuracy": tasks.classification_accuracy(read.output, ep).cpu().numpy(),
-        "accuracy_numerator": tasks.classification_accuracy(read.numerator, ep).cpu().numpy(),
-        **readout_metrics(read, exact),
-    }
+    read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
+    return {"accuracy": tasks.classification_accuracy(read.output, data.episodes).cpu().numpy(),
+            "accuracy_numerator": tasks.classification_accuracy(read.numerator, data.episodes).cpu().numpy(),
+            **readout_metrics(read, exact)}
 
 
-def run_reference(params, device, data_rng):
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.x_query, ep.x, ep.onehot, beta=params["beta"])
-    return {"accuracy_exact": tasks.classification_accuracy(exact.output, ep).cpu().numpy(),
+def run_reference(params, device, data_rng, data):
+    ep = data.episodes
+    return {"accuracy_exact": tasks.classification_accuracy(data.exact(params["beta"]).output, ep).cpu().numpy(),
             "accuracy_nearest_neighbour": tasks.classification_accuracy(
                 tasks.nearest_neighbour_predictions(ep), ep).cpu().numpy()}
 
@@ -127,22 +124,19 @@ def plot(ds: xr.Dataset, path) -> None:
 
 
 def findings(ds: xr.Dataset) -> str:
-    names = [str(v) for v in ds.estimator.values]
-    ns = [int(v) for v in ds.num_context.values]
-    betas = [float(v) for v in ds.beta.values]
-    ranks = [int(v) for v in ds.num_features.values]
+    names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
     acc, diff = ds["accuracy_summary"], ds["accuracy_vs_exact_summary"]
     exact, nn = ds["accuracy_exact_summary"], ds["accuracy_nearest_neighbour_summary"]
-    lines = []
+    lines, random_maps = [], labels_with(ESTIMATORS, names, unbiased=True)
+
+    def reaches(m, n, b) -> list[int]:
+        """The ranks r ≤ n whose paired accuracy deficit to exact attention is within 0.05 at the lower end of
+        its 95 % interval."""
+        return [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n, beta=b,
+                                                              stat="lo")) > -0.05]
     if "nystrom_kmeans" in names:
-        reached = []
-        for n in ns:
-            for b in betas:
-                ok = [r for r in ranks if r <= n and float(diff.sel(estimator="nystrom_kmeans", num_features=r,
-                                                                    num_context=n, beta=b, stat="lo")) > -0.05]
-                reached.append(ok[0] if ok else None)
+        reached = [(reaches("nystrom_kmeans", n, b) or [None])[0] for n in ns for b in betas]
         smallest = [r for r in reached if r is not None]
-        random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
         best = diff.sel(num_features=max(ranks), estimator=random_maps).sel(stat="estimate").max("estimator")
         within = (f"from r = {min(smallest)} in {sum(r == min(smallest) for r in reached)} of {len(reached)} (n, β) "
                   "settings" if smallest else f"at no grid rank in any of the {len(reached)} (n, β) settings")
@@ -153,17 +147,11 @@ def findings(ds: xr.Dataset) -> str:
     lines.append("Exact attention against 1-NN on the same episodes: " + "; ".join(
         f"n = {n}, β = {b:g}: {fmt_ci(exact.sel(num_context=n, beta=b))} vs {fmt_ci(nn.sel(num_context=n, beta=b))}"
         for n in ns for b in betas) + ".")
-    nystrom = [m for m in names if m.startswith("nystrom")]
-    for m in nystrom:
-        reach = []
-        for n in ns:
-            for b in betas:
-                ok = [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n,
-                                                                    beta=b, stat="lo")) > -0.05]
-                reach.append(f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if ok else "none"))
+    for m in labels_with(ESTIMATORS, names, rank_limited_by_points=True):
+        reach = [f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if (ok := reaches(m, n, b)) else "none")
+                 for n in ns for b in betas]
         lines.append(f"`{m}` (fitted on the context images): smallest r whose paired accuracy deficit to exact "
                      "attention is within 0.05 at the lower end of its 95 % interval: " + "; ".join(reach) + ".")
-    random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
     if random_maps:
         r_big = max(ranks)
         parts = []
@@ -174,16 +162,14 @@ def findings(ds: xr.Dataset) -> str:
                 parts.append(f"n = {n}, β = {b:g}: best `{best}` {fmt_ci(s.sel(estimator=best))}")
         lines.append(f"Random maps at r = {r_big}, accuracy minus exact attention's on the same episodes (mean per "
                      "episode): " + "; ".join(parts) + ".")
-    trig = [m for m in names if m.startswith("trig")]
-    for m in trig:
+    for m in [m for m in names if m.startswith("trig")]:
         rate = ds["nonpositive_normalizer_rate_summary"].sel(estimator=m, num_features=max(ranks))
         a = acc.sel(estimator=m, num_features=max(ranks))
         lines.append(f"`{m}` at r = {max(ranks)}: " + "; ".join(
             f"β = {b:g}: accuracy {range_text(a.sel(beta=b, stat='estimate').values)}, normalisers ≤ 0 "
             f"{range_text(100 * rate.sel(beta=b, stat='estimate').values)} %" for b in betas)
             + f" (over n = {', '.join(map(str, ns))}).")
-    fixed = [m for m in names if m in ("taylor2", "elu1")]
-    if fixed:
+    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps, accuracy minus exact attention's on the same episodes: " + "; ".join(
             f"`{m}` {range_text(diff.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (over the n and β of the grid).")
@@ -194,7 +180,7 @@ EXPERIMENT = Experiment(
     name="icl_classification",
     title="Training-free few-shot classification of digits: accuracy against rank and context length",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

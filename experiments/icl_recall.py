@@ -29,18 +29,18 @@ import xarray as xr
 
 from experiments._common import add_paired, range_text, verdict
 from experiments._icl import (
-    EXACT_STATE,
     FIXED_DIMENSION_SLOT,
     QUERY_AXIS,
     QUERY_COSINES,
     REPLICATES,
     SET_CONTEXT_EQUAL_BYTES,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
+    label_panel,
+    labels_with,
     legend_entries,
-    memoised_episodes,
-    query_key_cosine,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -49,7 +49,7 @@ from experiments._icl import (
     summarise_readout,
 )
 from experiments._icl import style as icl_style
-from kernapprox import memory, readout, stats, tasks
+from kernapprox import memory, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
@@ -110,50 +110,49 @@ REFERENCE_METRICS = {
                              description="accuracy of exact softmax attention on the same episodes", **episode_dims()),
     "query_cosine": Metric(long_name="mean cosine of a query to its stored key", units="1",
                            description="per episode (1 for query = key)", **episode_dims()),
-    "state_bytes_exact": EXACT_STATE,
+    "state_bytes_exact": Metric(long_name="KV cache of exact attention", units="byte",
+                                description="n·(d + d_v) float32 numbers: what exact attention keeps from the context"),
     "num_queries": Metric(long_name="queries per episode", units="1", description="min(n, max_queries)"),
     "beta": Metric(long_name="inverse temperature", units="1", description="β = beta_factor · ln(num_pairs)"),
 }
 
 
-def _episodes(params, data_rng, device):
+def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
+    """Mean cosine of each episode's queries to the keys they ask for: ``(B,)``."""
+    keys = ep.keys.gather(1, ep.query_slots[..., None].expand(-1, -1, ep.keys.shape[-1]))
+    return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
+
+
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_pairs, query, seed)``, which every estimator, rank and temperature reads."""
     n = params["num_pairs"]
-    what = ("recall", n, params["query"], params["max_queries"], params["dim"], params["num_candidates"], str(device))
-    return memoised_episodes(data_rng, what, lambda: recall_episodes(
-        n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]), dim=params["dim"],
-        num_candidates=params["num_candidates"]))
+    ep = recall_episodes(n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]),
+                         dim=params["dim"], num_candidates=params["num_candidates"])
+    return EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data_rng, data):
     label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d, seq_len=n))}
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
     fit_on = "keys"
-    if label in SIZED:                                   # equal state bytes: the largest configuration within B(r)
-        if r not in MATCHED_BUDGETS:                     # run at the budgets of the equal-bytes comparison only
-            return not_applicable(**budget)
-        sized = sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d, d_v=d)
-        if sized is None:
+    if label in SIZED:       # equal state bytes, at the comparison's budgets only: the largest configuration in B(r)
+        if r not in MATCHED_BUDGETS or (sized := sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d,
+                                                                         d_v=d)) is None:
             return not_applicable(**budget)
         name, options, r, fit_on = sized
-    beta = tasks.log_n_beta(n, params["beta_factor"])
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.queries, ep.keys, ep.values, beta=beta, num_features=r, rng=rng,
-                                          options=options, fit_on=fit_on)
-    return {
-        "accuracy": tasks.recall_accuracy(read.output, ep).cpu().numpy(),
-        "accuracy_numerator": tasks.recall_accuracy(read.numerator, ep).cpu().numpy(),
-        **readout_metrics(read, exact), **budget,
-    }
+    read, exact = data.readouts(name, beta=tasks.log_n_beta(n, params["beta_factor"]), num_features=r, rng=rng,
+                                options=options, fit_on=fit_on)
+    return {"accuracy": tasks.recall_accuracy(read.output, data.episodes).cpu().numpy(),
+            "accuracy_numerator": tasks.recall_accuracy(read.numerator, data.episodes).cpu().numpy(),
+            **readout_metrics(read, exact), **budget}
 
 
-def run_reference(params, device, data_rng):
-    n = params["num_pairs"]
-    beta = tasks.log_n_beta(n, params["beta_factor"])
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.queries, ep.keys, ep.values, beta=beta)
+def run_reference(params, device, data_rng, data):
+    beta = tasks.log_n_beta(params["num_pairs"], params["beta_factor"])
+    ep, exact = data.episodes, data.exact(beta)
     return {"accuracy_exact": tasks.recall_accuracy(exact.output, ep).cpu().numpy(),
             "query_cosine": query_key_cosine(ep), "state_bytes_exact": np.float64(exact.state_bytes),
             "num_queries": np.float64(ep.queries.shape[1]), "beta": np.float64(beta)}
@@ -173,6 +172,17 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------- figure
+ACCURACY = "recall accuracy"
+
+
+def _bars(ax, x, summary, style_of: str, **kw) -> None:
+    """``summary``'s estimates at ``x`` with its 95 % interval as bars, in the style of estimator ``style_of``."""
+    est, lo, hi = (summary.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+    style = icl_style(style_of)
+    ax.errorbar(x, est, yerr=[est - lo, hi - est], **{"color": style["color"], "marker": style["marker"],
+                                                      "linestyle": style["linestyle"], "capsize": 2, **kw})
+
+
 def _tradeoff_panel(ax, ds, labels, n, factor):
     acc = ds["accuracy_summary"].sel(num_pairs=n, beta_factor=factor, query="key")
     for label in labels:
@@ -181,22 +191,16 @@ def _tradeoff_panel(ax, ds, labels, n, factor):
         keep = np.isfinite(s.sel(stat="estimate").values) & np.isfinite(size.values)
         if not keep.any():
             continue
-        style = icl_style(label)
-        est, lo, hi = (s.sel(stat=k).values[keep] for k in ("estimate", "lo", "hi"))
-        ax.errorbar(size.values[keep], est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
-                    linestyle=style["linestyle"] if keep.sum() > 1 else "none", capsize=2, label=label,
-                    markersize=7 if keep.sum() == 1 else 4)
+        _bars(ax, size.values[keep], s.isel(num_features=np.flatnonzero(keep)), label, label=label,
+              **({} if keep.sum() > 1 else {"linestyle": "none"}), markersize=7 if keep.sum() == 1 else 4)
     exact = ds["accuracy_exact_summary"].sel(num_pairs=n, beta_factor=factor, query="key")
     kv = float(ds["state_bytes_exact"].sel(num_pairs=n, beta_factor=factor, query="key").median())
     ax.errorbar([kv], [float(exact.sel(stat="estimate"))], marker="*", markersize=12, color="0.3", linestyle="none",
                 label="exact (KV cache)")
     ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("memory kept from the context (float32; Nyström: state + landmarks + whitening)")
-    ax.set_ylabel("recall accuracy")
-    ax.set_title(f"query = stored key, n = {n} pairs, β = {factor:g}·ln n")
+    label_panel(ax, "memory kept from the context (float32; Nyström: state + landmarks + whitening)", ACCURACY,
+                f"query = stored key, n = {n} pairs, β = {factor:g}·ln n", accuracy=True, log2_x=True)
+    ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")   # after the scale
 
 
 def _load_panel(ax, ds, labels, factor, query="key"):
@@ -204,27 +208,21 @@ def _load_panel(ax, ds, labels, factor, query="key"):
     for label in labels:
         acc = ds["accuracy_summary"].sel(estimator=label, beta_factor=factor, query=query)
         dim = ds["feature_dim"].sel(estimator=label, beta_factor=factor, query=query).median("seed")
-        style = icl_style(label)
         first = True
         for n in acc.num_pairs.values:
             a = acc.sel(num_pairs=n)
             load = float(n) / dim.sel(num_pairs=n).values
             keep = np.isfinite(a.sel(stat="estimate").values) & np.isfinite(load)
-            if not keep.any():
-                continue
-            est, lo, hi = (a.sel(stat=k).values[keep] for k in ("estimate", "lo", "hi"))
-            ax.errorbar(load[keep], est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
-                        linestyle=style["linestyle"], linewidth=0.8, capsize=2, label=label if first else None)
-            first = False
+            if keep.any():
+                _bars(ax, load[keep], a.isel(num_features=np.flatnonzero(keep)), label, linewidth=0.8,
+                      label=label if first else None)
+                first = False
     load = np.logspace(-6, 8, 300, base=2)
     ax.plot(load, np.minimum(1.0, 1.0 / load), color="0.3", linestyle=(0, (4, 3)), linewidth=1.0,
             label="min(1, r/n)")
     ax.axvline(1.0, color="0.5", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("load n / r (stored pairs per state feature)")
-    ax.set_ylabel("recall accuracy")
-    ax.set_title(f"capacity, query = stored key, β = {factor:g}·ln n")
+    label_panel(ax, "load n / r (stored pairs per state feature)", ACCURACY,
+                f"capacity, query = stored key, β = {factor:g}·ln n", accuracy=True, log2_x=True)
 
 
 def _query_panel(ax, ds, labels, n, factor, r):
@@ -239,23 +237,16 @@ def _query_panel(ax, ds, labels, n, factor, r):
         if not usable:
             continue
         rank = r if r in usable else max(usable)
-        s = acc.sel(num_features=rank)
-        style = icl_style(label)
-        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
         dim = float(ds["feature_dim"].sel(estimator=label, num_pairs=n, beta_factor=factor,
                                           num_features=rank).median())
-        ax.errorbar(xs, est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
-                    linestyle=style["linestyle"], capsize=2, label=f"{label} (r = {dim:g})")
+        _bars(ax, xs, acc.sel(num_features=rank), label, label=f"{label} (r = {dim:g})")
     exact = ds["accuracy_exact_summary"].sel(num_pairs=n, beta_factor=factor)
     ax.plot(xs, exact.sel(stat="estimate").values, color="0.3", marker="*", markersize=9, linestyle="--",
             label="exact attention")
     cos = ds["query_cosine_mean"].sel(num_pairs=n, beta_factor=factor).values
     ax.set_xticks(xs, [f"{q}\n(cos {c:.2f})" if q == "paraphrase" else q for q, c in zip(queries, cos)],
                   fontsize=7)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("query")
-    ax.set_ylabel("recall accuracy")
-    ax.set_title(f"query perturbation, n = {n}, random maps at r = {r}")
+    label_panel(ax, "query", ACCURACY, f"query perturbation, n = {n}, random maps at r = {r}", accuracy=True)
 
 
 def matched_cells(ds, n, factor, r) -> dict:
@@ -286,19 +277,14 @@ def _matched_panel(ax, ds, n, factor, r):
     at = {"num_pairs": n, "beta_factor": factor}
     budget = float(ds["budget_bytes"].sel(num_features=r, query="key", **at).max())
     for label, rank in matched_cells(ds, n, factor, r).items():
-        s = ds["accuracy_summary"].sel(estimator=label, num_features=rank, **at)
-        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
         kb = float(ds["state_bytes"].sel(estimator=label, num_features=rank, query="key", **at).median()) / 1024
-        style = icl_style(label)
-        ax.errorbar(xs, est, yerr=[est - lo, hi - est], color=style["color"], marker=style["marker"],
-                    linestyle=style["linestyle"], capsize=2, label=f"{label} ({kb:.3g} KiB)")
+        _bars(ax, xs, ds["accuracy_summary"].sel(estimator=label, num_features=rank, **at), label,
+              label=f"{label} ({kb:.3g} KiB)")
     exact = ds["accuracy_exact_summary"].sel(**at)
     ax.plot(xs, exact.sel(stat="estimate").values, color="0.3", marker="*", markersize=9, linestyle="--",
             label="exact attention")
     ax.set_xticks(xs, queries, fontsize=7)
-    ax.set_ylim(-0.03, 1.03)
-    ax.set_xlabel("query")
-    ax.set_ylabel("recall accuracy")
+    label_panel(ax, "query", ACCURACY, accuracy=True)
     ax.set_title(f"equal state bytes: budget of FAVOR+ at r = {r} ({budget / 1024:.3g} KiB)", fontsize=9)
     ax.legend(fontsize=5.5, loc="center right", ncol=2)
 
@@ -346,13 +332,9 @@ def findings(ds: xr.Dataset) -> str:
     n = int(ds.num_pairs.values.max())
     factor = float(ds.beta_factor.values.max())
     at = {"num_pairs": n, "beta_factor": factor}
-    acc = ds["accuracy_summary"].sel(**at)
-    names = [str(v) for v in ds.estimator.values]
-    queries = [str(q) for q in ds["query"].values]
-    ranks = [int(v) for v in ds.num_features.values]
+    acc, cos, lines = ds["accuracy_summary"].sel(**at), ds["query_cosine_mean"].sel(**at), []
+    names, queries, ranks = (ds[a].values.tolist() for a in ("estimator", "query", "num_features"))
     r_q = 1024 if 1024 in ranks else max(ranks)
-    cos = ds["query_cosine_mean"].sel(**at)
-    lines = []
     random_maps = [m for m in ("trig_orthogonal", "positive_orthogonal", "oprf_orthogonal") if m in names]
     if "trig_orthogonal" in random_maps and len(random_maps) > 1 and len(queries) > 1:
         far = min(queries[1:], key=lambda q: float(cos.sel(query=q)))
@@ -373,17 +355,10 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"Recall of the orthogonal random maps at n = {n}, r = {r_q}, β = {factor:g}·ln n, by query: "
                      + "; ".join(per_query) + ". " + _trig_verdict(ds, r_q, at, random_maps, queries))
     lines.extend(_matched_findings(ds, n, factor))
-    nystrom = [m for m in names if m.startswith("nystrom")]
-    if nystrom:
-        law = []
-        for q in queries:
-            values = []
-            for r in ranks:
-                if r > n:
-                    continue
-                s = acc.sel(estimator=nystrom, num_features=r, query=q).sel(stat="estimate").values
-                values.append(f"r/n = {fmt(r / n, 2)}: {range_text(s)}")
-            law.append(f"{q}: " + ", ".join(values))
+    if nystrom := labels_with(ESTIMATORS, names, rank_limited_by_points=True):
+        est = acc.sel(estimator=nystrom, stat="estimate")
+        law = [f"{q}: " + ", ".join(f"r/n = {fmt(r / n, 2)}: {range_text(est.sel(num_features=r, query=q).values)}"
+                                    for r in ranks if r <= n) for q in queries]
         lines.append("Nyström maps (fitted on the context keys) against the landmark law min(1, r/n): "
                      + "; ".join(law) + ".")
     exact = ds["accuracy_exact_summary"].sel(**at)
@@ -396,21 +371,16 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"At r = n = {n}, `{m}` keeps {fmt(mem / 1024, 3)} kB from the context (state, {n} landmarks and "
                      f"the {n}×{n} whitening, float32) against {fmt(kv / 1024, 3)} kB for exact attention's KV cache "
                      f"({fmt(mem / kv, 2)}×).")
-    fixed = [m for m in names if m in ("taylor2", "dpfp_nu1", "elu1")]
-    if fixed:
-        parts = []
-        for m in fixed:
-            s = acc.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, query="key")
-            dim = float(ds["feature_dim"].sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, query="key",
-                                              **at).median())
-            parts.append(f"`{m}` (r = {fmt(dim)}) {fmt_ci(s)}")
-        lines.append("Fixed maps, query = stored key: " + "; ".join(parts) + ".")
+    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
+        cell = {"num_features": FIXED_DIMENSION_SLOT, "query": "key"}
+        lines.append("Fixed maps, query = stored key: " + "; ".join(
+            f"`{m}` (r = {fmt(float(ds['feature_dim'].sel(estimator=m, **cell, **at).median()))}) "
+            f"{fmt_ci(acc.sel(estimator=m, **cell))}" for m in fixed) + ".")
     if "trig_orthogonal" in names:
         r_lo = min(ranks)
-        norm = acc.sel(estimator="trig_orthogonal", num_features=r_lo, query="key")
-        num = ds["accuracy_numerator_summary"].sel(estimator="trig_orthogonal", num_features=r_lo, query="key", **at)
-        rate = ds["nonpositive_normalizer_rate_summary"].sel(estimator="trig_orthogonal", num_features=r_lo,
-                                                            query="key", **at)
+        cell = {"estimator": "trig_orthogonal", "num_features": r_lo, "query": "key", **at}
+        norm, num, rate = (ds[f"{v}_summary"].sel(**cell) for v in ("accuracy", "accuracy_numerator",
+                                                                   "nonpositive_normalizer_rate"))
         lines.append(f"At r = {r_lo} trigonometric features have {fmt_ci(rate, percent=True)} of normalisers ≤ 0; the "
                      f"normalised read-out recalls {fmt_ci(norm)}, the numerator alone {fmt_ci(num)}.")
     return bullets(lines)
@@ -482,11 +452,10 @@ def _flip_text(ds, r, at, random_maps, near, far) -> str:
     ``far`` (both differences resolved, opposite signs)."""
     a, b = (_trig_minus_best_positive(ds, r, at, random_maps, q) for q in (near, far))
     sign = [1 if float(s.sel(stat="lo")) > 0 else -1 if float(s.sel(stat="hi")) < 0 else 0 for s in (a, b)]
-    if sign[0] and sign[1] and sign[0] != sign[1]:
-        return (f"paired per episode, trigonometric minus the better positive map is {fmt_ci(a)} at {near} and "
-                f"{fmt_ci(b)} at {far}: the ranking of random maps flips")
+    flips = sign[0] and sign[1] and sign[0] != sign[1]
     return (f"paired per episode, trigonometric minus the better positive map is {fmt_ci(a)} at {near} and "
-            f"{fmt_ci(b)} at {far}: the ranking does not flip with both intervals resolved")
+            f"{fmt_ci(b)} at {far}: " + ("the ranking of random maps flips" if flips else
+                                         "the ranking does not flip with both intervals resolved"))
 
 
 def _trig_verdict(ds, r, at, random_maps, queries) -> str:
@@ -505,7 +474,7 @@ def _trig_verdict(ds, r, at, random_maps, queries) -> str:
 EXPERIMENT = Experiment(
     name="icl_recall", title="Training-free associative recall: accuracy against state size and query perturbation",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS,
                         axes=("num_pairs", "beta_factor", "query", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)

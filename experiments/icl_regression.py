@@ -23,16 +23,17 @@ from experiments._icl import (
     FIXED_DIMENSION_SLOT,
     REPLICATES,
     SET_CONTEXT_ESTIMATORS,
+    EpisodeDraw,
     applicable,
     available,
     episode_dims,
-    memoised_episodes,
+    labels_with,
     readout_metric_table,
     readout_metrics,
     score_grid,
     summarise_readout,
 )
-from kernapprox import readout, tasks
+from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, fmt_pct, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
@@ -66,30 +67,25 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(params, data_rng, device):
-    what = ("regression", params["num_context"], params["dim"], params["num_queries"], params["lengthscale"],
-            params["noise_std"], str(device))
-    return memoised_episodes(data_rng, what, lambda: tasks.smooth_regression(
-        params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
-        lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES, rng=data_rng,
-        device=device))
+def draw(params, data_rng, device) -> EpisodeDraw:
+    """The episodes of a ``(num_context, seed)``, which every estimator, rank and bandwidth reads."""
+    ep = tasks.smooth_regression(params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
+                                 lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES,
+                                 rng=data_rng, device=device)
+    return EpisodeDraw(ep, ep.x_query, ep.x, ep.y)
 
 
-def run_cell(params, rng, device, data_rng):
-    label, r, n, beta = params["estimator"], params["num_features"], params["num_context"], params["beta"]
+def run_cell(params, rng, device, data_rng, data):
+    label, r, n = params["estimator"], params["num_features"], params["num_context"]
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    ep = _episodes(params, data_rng, device)
-    read, exact = readout.paired_readouts(name, ep.x_query, ep.x, ep.y, beta=beta, num_features=r, rng=rng,
-                                          options=options)
-    return {"nmse": tasks.normalized_mse(read.output, ep).cpu().numpy(), **readout_metrics(read, exact)}
+    read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
+    return {"nmse": tasks.normalized_mse(read.output, data.episodes).cpu().numpy(), **readout_metrics(read, exact)}
 
 
-def run_reference(params, device, data_rng):
-    ep = _episodes(params, data_rng, device)
-    exact = readout.attention_readout("exact", ep.x_query, ep.x, ep.y, beta=params["beta"])
-    return {"nmse_exact": tasks.normalized_mse(exact.output, ep).cpu().numpy()}
+def run_reference(params, device, data_rng, data):
+    return {"nmse_exact": tasks.normalized_mse(data.exact(params["beta"]).output, data.episodes).cpu().numpy()}
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
@@ -100,8 +96,7 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["nmse_vs_exact"] = ratio
     ds = add_summaries(ds, ["nmse_vs_exact"], REPLICATES, tail_threshold=None)
     ds["nmse_vs_exact_summary"].attrs["neutral"] = 1.0
-    ds = summarise_readout(ds)
-    return ds
+    return summarise_readout(ds)
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -127,15 +122,9 @@ def plot(ds: xr.Dataset, path) -> None:
 
 # -------------------------------------------------------------------------------------------------- findings
 def findings(ds: xr.Dataset) -> str:
-    names = [str(v) for v in ds.estimator.values]
-    ns = [int(v) for v in ds.num_context.values]
-    betas = [float(v) for v in ds.beta.values]
-    ranks = [int(v) for v in ds.num_features.values]
-    ratio = ds["nmse_vs_exact_summary"]
-    nmse = ds["nmse_summary"]
-    lines = []
-    nystrom = [m for m in names if m.startswith("nystrom")]
-    n_small = min(ns)
+    names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
+    ratio, nmse, lines = ds["nmse_vs_exact_summary"], ds["nmse_summary"], []
+    nystrom, n_small = labels_with(ESTIMATORS, names, rank_limited_by_points=True), min(ns)
     if nystrom and n_small in ranks:
         gap = float(abs(ds["nmse"].sel(estimator=nystrom, num_features=n_small, num_context=n_small)
                         - ds["nmse_exact"].sel(num_context=n_small)).max())
@@ -152,8 +141,7 @@ def findings(ds: xr.Dataset) -> str:
                  for m in nystrom for b in betas]
         lines.append(f"Nyström at n = {n_big}, per-episode nMSE over exact attention's (median, 95 % interval): "
                      + "; ".join(parts) + ".")
-    random_maps = [m for m in names if m.split("_")[0] in ("positive", "hyperbolic", "oprf", "trig")]
-    if random_maps:
+    if random_maps := labels_with(ESTIMATORS, names, unbiased=True):
         parts = []
         for b in betas:
             s = ratio.sel(num_features=r_big, num_context=n_big, beta=b, estimator=random_maps)
@@ -162,9 +150,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{range_text(s.sel(stat='estimate').values)}")
         lines.append(f"Random maps at r = {r_big}, n = {n_big}, nMSE over exact attention's on the same episodes: "
                      + "; ".join(parts) + ".")
-    trig = [m for m in names if m.startswith("trig")]
-    if trig:
-        m = trig[0]
+    for m in [m for m in names if m.startswith("trig")][:1]:
         parts = []
         for b in betas:
             s = nmse.sel(estimator=m, num_context=n_big, beta=b)
@@ -174,8 +160,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{fmt_pct(float(s.sel(stat='tail').isel(num_features=-1)))} at r = {ranks[-1]}; normalisers "
                          f"≤ 0 {fmt_ci(rate.isel(num_features=0), percent=True)} at r = {ranks[0]}")
         lines.append(f"`{m}` at n = {n_big}: " + "; ".join(parts) + ".")
-    fixed = [m for m in names if m in ("taylor2", "elu1")]
-    if fixed:
+    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps (their own dimension): " + "; ".join(
             f"`{m}` {range_text(nmse.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (median nMSE over the n and β of the grid).")
@@ -185,7 +170,7 @@ def findings(ds: xr.Dataset) -> str:
 EXPERIMENT = Experiment(
     name="icl_regression", title="Training-free in-context regression: error against rank and context length",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
     parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

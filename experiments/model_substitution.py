@@ -35,8 +35,8 @@ layers × heads × seeds, with paired ratios against each baseline map on the sa
 
 from __future__ import annotations
 
-import functools
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -166,11 +166,19 @@ def applicable(name: str, num_features: int, search: bool, params) -> bool:
     return not search or (name in searched(params) and num_features == params["search_rank"])
 
 
-@functools.lru_cache(maxsize=2)
-def _context(paragraphs: int, device: str):
-    """The corpus, its tokenised input and the exact run (computed once per process and corpus)."""
-    return sub.retrieval_setup(paragraphs, min_document_tokens=16, max_document_tokens=64, bucket_tokens=1024,
-                               device=device)
+class Draw(NamedTuple):
+    """The data draw of a ``(paragraphs, seed)``: the corpus, its tokenised input and the exact model's run on it,
+    and the root seed of the seed's random draws (projections, initialisations, k-means seeds)."""
+
+    setup: object
+    root: int
+
+
+def draw(params, data_rng, device) -> Draw:
+    _check_real()
+    setup = sub.retrieval_setup(params["paragraphs"], min_document_tokens=16, max_document_tokens=64,
+                                bucket_tokens=1024, device=str(device))
+    return Draw(setup, int(data_rng.integers(2**63)))
 
 
 def substitution_for(name: str, num_features: int, root: int, params, *, cache: bool = True):
@@ -188,14 +196,12 @@ def _check_real():
         raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data_rng, data):
     name, r, search = params["estimator"], params["num_features"], params["search"]
-    _check_real()
-    setup = _context(params["paragraphs"], str(device))
     if not applicable(name, r, search, params):
         return not_applicable()
+    setup, root = data                                  # root: shared by every cell of this (paragraphs, seed)
     out = _nan_result(len(setup.corpus))                # filled per placement as the runs come
-    root = int(data_rng.integers(2**63))                # shared by every cell of this (paragraphs, seed)
     subst = substitution_for(name, r, root, params)
 
     def record(exact_layers, run):
@@ -217,10 +223,9 @@ def run_cell(params, rng, device, data_rng):
     return out
 
 
-def run_reference(params, device, data_rng):
+def run_reference(params, device, data_rng, data):
     """The exact model on the corpus: its own retrieval accuracy and its KV caches (deterministic)."""
-    _check_real()
-    setup = _context(params["paragraphs"], str(device))
+    setup = data.setup
     kv = sub.placement_bytes(None, range(NUM_LAYERS), setup.inputs.lengths)
     return {"exact_self_hit": np.asarray(setup.exact_hits, dtype=np.float64),
             "exact_attention_bytes": float(np.mean(kv))}
@@ -280,22 +285,15 @@ def hybrid_table(ds, est: str, r: int) -> dict[str, xr.DataArray]:
 
 
 def _searches(ds) -> list[tuple[str, int]]:
-    out = []
-    for est in ds.estimator.values:
-        for r in ds.num_features.values:
-            if True in ds.search.values and hybrid_table(ds, str(est), int(r)):
-                out.append((str(est), int(r)))
-    return out
+    """The ``(estimator, r)`` whose hybrid placements were searched."""
+    return [(str(est), int(r)) for est in ds.estimator.values for r in ds.num_features.values
+            if True in ds.search.values and hybrid_table(ds, str(est), int(r))]
 
 
-def _best(table, count):
-    rows = {label: s for label, s in table.items() if _num_exact(label) == count}
-    return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
-
-
-def _runner_up(table, count, best: str):
-    rows = {label: s for label, s in table.items() if _num_exact(label) == count and label != best}
-    return max(rows.items(), key=lambda item: float(item[1].sel(stat="estimate"))) if rows else None
+def _ranked(table, count) -> list:
+    """``(label, summary)`` of the placements of ``table`` with ``count`` exact layers, best agreement first."""
+    return sorted(((label, s) for label, s in table.items() if _num_exact(label) == count),
+                  key=lambda item: -float(item[1].sel(stat="estimate")))
 
 
 def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
@@ -340,26 +338,22 @@ def findings(ds) -> str:
         table = hybrid_table(ds, est, r)
         none = table.get(NONE_EXACT)
         for count in (1, 2):
-            best = _best(table, count)
-            if best is None:
+            ranked = _ranked(table, count)
+            if not ranked:
                 continue
+            best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
             naive = [f"{which} {count}: {fmt_ci(table[label], 2)}" for which, label in (
                 ("first", sub.placement_label(sub.first_layers(count))),
                 ("last", sub.placement_label(sub.last_layers(count)))) if label in table]
-            tried = sum(_num_exact(label) == count for label in table)
-            second = _runner_up(table, count, best[0])
             versus = (f"; runner-up {second[0]} {fmt_ci(second[1], 2)}, "
                       + _difference_text(ds, est, r, best[0], second[0]) if second is not None else "")
-            lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {tried} placements "
-                         f"is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} (" + "; ".join(naive)
-                         + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
-        alone = {layer: table.get(sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]))
-                 for layer in range(NUM_LAYERS)}
-        alone = {layer: s for layer, s in alone.items() if s is not None}
+            lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {len(ranked)} "
+                         f"placements is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} ("
+                         + "; ".join(naive) + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
+        labels = {i: sub.placement_label([j for j in range(NUM_LAYERS) if j != i]) for i in range(NUM_LAYERS)}
+        alone = {layer: table[label] for layer, label in labels.items() if label in table}
         if alone:
-            worst = min(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
-            top = max(alone, key=lambda layer: float(alone[layer].sel(stat="estimate")))
-            labels = {layer: sub.placement_label([j for j in range(NUM_LAYERS) if j != layer]) for layer in alone}
+            worst, top = (pick(alone, key=lambda i: float(alone[i].sel(stat="estimate"))) for pick in (min, max))
             lines.append(f"`{est}`, r = {r}, one layer substituted at a time: top-10 agreement from "
                          f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
                          + _difference_text(ds, est, r, labels[top], labels[worst]) + ".")
@@ -376,7 +370,7 @@ def _headline(ds, estimators, ranks) -> str:
             "share of each query's top-10 documents that the exact model also retrieves is " + ", ".join(parts))
     for est, rs in _searches(ds):
         table = hybrid_table(ds, est, rs)
-        best = _best(table, 2)
+        best = (_ranked(table, 2) or [None])[0]
         if best is not None and NONE_EXACT in table:
             d = _placement_difference(ds, est, rs, best[0], NONE_EXACT)
             verb = "raises" if resolved(d) and float(d.sel(stat="estimate")) > 0 else "does not resolvably change"
@@ -475,13 +469,11 @@ def plot(ds, path):
         _rank_curve(a_top1, ds, "top1_agreement_summary", est, ranks, **style)
         _rank_curve(a_top10, ds, "top10_agreement_summary", est, ranks, **style)
         _rank_curve(a_err, ds, "final_state_error_summary", est, ranks, **style)
-    for ax, label in ((a_top1, "top-1 agreement with exact"), (a_top10, "top-10 agreement with exact")):
+    for ax, top, title in ((a_top1, "top-1", "nearest document unchanged"),
+                           (a_top10, "top-10", "top-10 documents shared")):
         ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_xlabel("features per head r")
-        ax.set_ylabel(label)
-    a_top1.set_title("nearest document unchanged (all layers)")
-    a_top10.set_title("top-10 documents shared (all layers)")
+        ax.set(ylim=(-0.02, 1.02), xlabel="features per head r", ylabel=f"{top} agreement with exact",
+               title=f"{title} (all layers)")
     a_top1.legend(fontsize=6.5)
     plotting.loglog_rank_axes(a_err, xlabel="features per head r", ylabel="relative error of final states")
     a_err.set_title("final hidden-state error (all layers)")
@@ -511,7 +503,7 @@ def plot(ds, path):
                                                       placement=label).max()) / kib for label in table}
         curves = {"best": [], "first": [], "last": []}
         for count in range(NUM_LAYERS):
-            best = _best(table, count)
+            best = (_ranked(table, count) or [None])[0]
             exhaustive = count <= params["search_max_exact"] or count >= NUM_LAYERS - 1
             if best is not None and exhaustive:
                 curves["best"].append((mem[best[0]], float(best[1].sel(stat="estimate")), count))
@@ -536,10 +528,8 @@ def plot(ds, path):
     a_mem.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     a_mem.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     a_mem.xaxis.set_minor_formatter(ticker.NullFormatter())
-    a_mem.set_ylim(-0.02, 1.05)
-    a_mem.set_xlabel("attention memory per text, KiB (mean over texts)")
-    a_mem.set_ylabel("top-10 agreement with exact")
-    a_mem.set_title("agreement against memory (numbers: exact layers)")
+    a_mem.set(ylim=(-0.02, 1.05), xlabel="attention memory per text, KiB (mean over texts)",
+              ylabel="top-10 agreement with exact", title="agreement against memory (numbers: exact layers)")
     a_mem.legend(fontsize=5.3, ncol=1, loc="lower right")
 
     # held-out per-head error at heldout_rank (boxes of the per-head, per-seed draws)
@@ -560,9 +550,8 @@ def plot(ds, path):
             patch.set_facecolor(plotting.estimator_style(est)["color"])
             patch.set_alpha(0.5)
         a_head.set_xticks(range(1, len(labels) + 1), labels, rotation=20, fontsize=7)
-    a_head.set_yscale("log")
-    a_head.set_ylabel("held-out attention-output error")
-    a_head.set_title(f"per head, r = {r_head}: fitted on windows 0–1, tested on 2–3")
+    a_head.set(yscale="log", ylabel="held-out attention-output error",
+               title=f"per head, r = {r_head}: fitted on windows 0–1, tested on 2–3")
 
     # per-layer attention error with all layers substituted
     for est in estimators:
@@ -573,10 +562,8 @@ def plot(ds, path):
                                                     placement=NONE_EXACT).squeeze(drop=True)
         if np.isfinite(s.sel(stat="estimate").values).any():
             plotting.plot_summary(a_layer, s, "layer", **plotting.estimator_style(est))
-    a_layer.set_yscale("log")
-    a_layer.set_xlabel("layer")
-    a_layer.set_ylabel("attention-output error of the layer")
-    a_layer.set_title(f"each layer's own error, all layers substituted (r = {r_head})")
+    a_layer.set(yscale="log", xlabel="layer", ylabel="attention-output error of the layer",
+                title=f"each layer's own error, all layers substituted (r = {r_head})")
 
     n = int(ds.paragraphs.values[0])
     fig.suptitle("all-MiniLM-L6-v2 on approximate attention: retrieval, state error, hybrids, learned maps")
@@ -606,7 +593,7 @@ EXPERIMENT = Experiment(
                  "exact model, embedding cosine, final-state and per-layer errors, attention memory per placement, "
                  "and each head's held-out attention error. Grid: estimator × r × placement search × corpus × "
                  "training steps × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
     axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

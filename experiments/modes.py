@@ -47,9 +47,9 @@ INPUT_STD = 0.5
 METHODS = ["exact_full", "exact_decode", "linear_parallel", "linear_chunked", "linear_recurrent", "linear_decode"]
 FULL_SEQUENCE = ["exact_full", "linear_parallel", "linear_chunked", "linear_recurrent"]
 DECODE = ["exact_decode", "linear_decode"]
-# the parallel mode materialises H·n² numbers: bounded by device
-PARALLEL_MAX_N = {"cpu": 2048, "cuda": 16384}
-RECURRENT_MAX_N = {"cpu": 65536, "cuda": 65536}          # a Python loop over tokens: slow everywhere
+# the longest n a computation runs at, by device: the parallel mode materialises H·n² numbers; the recurrent mode
+# is a Python loop over tokens (slow everywhere)
+MAX_N = {"linear_parallel": {"cpu": 2048, "cuda": 16384}, "linear_recurrent": {"cpu": 65536, "cuda": 65536}}
 
 PARAMETERS = {
     "heads": Parameter(HEADS, long_name="attention heads", units="1"),
@@ -147,11 +147,7 @@ def _inputs(rng: np.random.Generator, n: int, device: torch.device, heads: int =
 
 
 def _applicable(method: str, n: int, device: torch.device) -> bool:
-    if method == "linear_parallel":
-        return n <= PARALLEL_MAX_N[device.type]
-    if method == "linear_recurrent":
-        return n <= RECURRENT_MAX_N[device.type]
-    return True
+    return n <= MAX_N.get(method, {}).get(device.type, n)
 
 
 def _filled_state(est, k, v, n):
@@ -266,7 +262,7 @@ def crossover(n: np.ndarray, t_exact: np.ndarray, t_linear: np.ndarray) -> float
     return float(math.exp(x0 + (x1 - x0) * y0 / (y0 - y1)))
 
 
-def summarise(ds) -> dict:
+def scaling(ds) -> dict:
     """Slopes of time against n, the exact/chunked crossover and the decode growth, from the dataset only."""
     n = ds["seq_len"].values
     t = {m: ds["time_s"].sel(computation=m).squeeze(drop=True).values for m in METHODS}
@@ -282,7 +278,7 @@ def summarise(ds) -> dict:
     return out
 
 
-def summaries(ds):
+def summarise(ds):
     """``time_s_summary``: the median of the repeated calls of each cell with its 95 % bootstrap interval over
     the repeats (the replicates of a timing study)."""
     summary = stats.bootstrap_interval(ds["repeat_times"], "repeat", "median")
@@ -293,7 +289,7 @@ def summaries(ds):
 
 
 def findings(ds) -> str:
-    s = summarise(ds)
+    s = scaling(ds)
     t = ds["time_s_summary"].squeeze("budget_s", drop=True) if "budget_s" in ds.dims else ds["time_s_summary"]
     n_max, n_min = s["n_max"], s["n_min"]
     lines = [
@@ -336,7 +332,7 @@ def plot(ds, path) -> None:
     from kernapprox import plotting
 
     plotting.house_style()
-    s = summarise(ds)
+    s = scaling(ds)
     n = ds["seq_len"].values
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     styles = {"exact_full": ("C3", "o", "-"), "linear_parallel": ("C1", "s", ":"), "linear_chunked": ("C0", "D", "-"),
@@ -357,8 +353,7 @@ def plot(ds, path) -> None:
             if ok.any():
                 ax.plot(n[ok], y[ok], color=c, marker=mk, ls=ls, label=m)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length n (tokens)")
+        ax.set(yscale="log", xlabel="sequence length n (tokens)")
 
     ax = axes[0]
     series(ax, "time_s", FULL_SEQUENCE)
@@ -366,8 +361,7 @@ def plot(ds, path) -> None:
         ax.axvline(s["crossover_n"], color="0.5", lw=0.8, ls=":")
         ax.annotate(_crossover_text(s), (s["crossover_n"], ax.get_ylim()[1]),
                     xytext=(4, -12), textcoords="offset points", fontsize=8, color="0.3")
-    ax.set_ylabel("time of the whole causal sequence (s)")
-    ax.set_title("full sequence (Transformer mode vs linear modes)")
+    ax.set(ylabel="time of the whole causal sequence (s)", title="full sequence (Transformer mode vs linear modes)")
     ax.legend(fontsize=7)
 
     ax = axes[1]
@@ -379,8 +373,7 @@ def plot(ds, path) -> None:
                                        f"{s[f'growth_min_{m}']:.2f})")
     if math.isfinite(s["decode_crossover_n"]) and s["decode_crossover_n"] > s["n_min"]:
         ax.axvline(s["decode_crossover_n"], color="0.5", lw=0.8, ls=":")
-    ax.set_ylabel("time of one decode step (µs)")
-    ax.set_title("one generated token: KV cache vs RNN state")
+    ax.set(ylabel="time of one decode step (µs)", title="one generated token: KV cache vs RNN state")
     ax.legend(fontsize=7)
 
     ax = axes[2]
@@ -393,12 +386,9 @@ def plot(ds, path) -> None:
         ok = np.isfinite(y)
         ax.plot(n[ok], y[ok], color=styles[m][0], marker=styles[m][1], ls=":", label=f"peak extra: {m}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length n (tokens)")
-    measured = bool(np.nanmax(ds["peak_measured"].values) > 0) if np.isfinite(ds["peak_measured"].values).any() \
-        else False
-    ax.set_ylabel("MiB (float32)")
-    ax.set_title("memory " + ("(peak measured on CUDA)" if measured else "(peak: analytic count, CPU)"))
+    measured = bool((ds["peak_measured"] > 0).any())                  # NaN (not run) compares False
+    ax.set(yscale="log", xlabel="sequence length n (tokens)", ylabel="MiB (float32)",
+           title="memory " + ("(peak measured on CUDA)" if measured else "(peak: analytic count, CPU)"))
     ax.legend(fontsize=7)
 
     device = ds.attrs.get("device", "?")
@@ -423,7 +413,7 @@ EXPERIMENT = Experiment(
                 "where does linear attention overtake exact attention, and is a decode step O(1) in RNN mode and "
                 "O(n) with a KV cache?",
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False, parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summaries, findings=findings, replicates="the timed calls")
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings, replicates="the timed calls")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

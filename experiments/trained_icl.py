@@ -40,6 +40,7 @@ import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,13 +48,12 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from experiments._icl import EPISODES, REPLICATES, episode_dims, memoised_episodes
+from experiments._icl import EPISODES, add_mean, add_vs_exact, episode_dims
 from kernapprox import metrics, readout, stats, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
     AttentionSpec,
     attention_heads,
-    config_key,
     load_or_train,
     presets,
     record_attention_inputs,
@@ -197,17 +197,6 @@ REFERENCE_METRICS = {
 
 
 # ----------------------------------------------------------------------------------------------- models
-_MODELS: dict[str, object] = {}
-
-
-def trained(config):
-    """The trained model of ``(ModelConfig, task, TrainConfig)``, from the checkpoint cache (memoised)."""
-    key = config_key(*config)
-    if key not in _MODELS:
-        _MODELS[key] = load_or_train(*config)
-    return _MODELS[key]
-
-
 def eval_task(task, context: int):
     """The evaluation task with ``context`` pairs (MQAR at the training task's length per pair; regression with
     its queries after them)."""
@@ -276,50 +265,55 @@ def _layer_errors(model, reference, prompts, layers) -> np.ndarray:
     return out
 
 
-def _data(params, data_rng, device):
-    """The data draw of ``(task, context, seed)``: the reference's configuration, the evaluation task, its prompts
-    and (MQAR) the proxy's episodes, drawn in this order from ``data_rng`` once per draw (memoised: the reference and
-    every cell of the draw read them)."""
-    ref_config = SETUPS[params["task"]].build(device=str(device))
-    task, context = ref_config[1], params["context"]
-    ev = eval_task(task, context)
+class Draw(NamedTuple):
+    """The data draw of a ``(task, context, seed)``: the reference's configuration ``(ModelConfig, task,
+    TrainConfig)`` and trained model, the evaluation task, its prompts and (MQAR) the proxy's episodes."""
 
-    def make():
-        prompts = ev.sample(data_rng, EPISODES, device=device)
-        proxy = (tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
-                                          num_candidates=params["proxy_candidates"], batch=EPISODES, rng=data_rng,
-                                          device=device) if task.name == "mqar" else None)
-        return prompts, proxy
-
-    what = ("trained_icl", params["task"], context, params["proxy_dim"], params["proxy_candidates"], str(device))
-    prompts, proxy = memoised_episodes(data_rng, what, make)
-    return ref_config, ev, prompts, proxy
+    config: tuple
+    reference: object
+    eval_task: object
+    prompts: object
+    proxy: tasks.RecallEpisodes | None
 
 
-def _proxy(label: str, r: int, params, episodes, rng) -> np.ndarray:
+def draw(params, data_rng, device) -> Draw | None:
+    """The draw of a ``(task, context, seed)``: the prompts, then (MQAR) the proxy's episodes, from ``data_rng``;
+    None for a context the setup does not evaluate (its cells are not applicable)."""
+    setup, context = SETUPS[params["task"]], params["context"]
+    if context not in setup.contexts:
+        return None
+    config = setup.build(device=str(device))
+    ev = eval_task(config[1], context)
+    prompts = ev.sample(data_rng, EPISODES, device=device)
+    proxy = (tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
+                                      num_candidates=params["proxy_candidates"], batch=EPISODES, rng=data_rng,
+                                      device=device) if config[1].name == "mqar" else None)
+    return Draw(config, load_or_train(*config), ev, prompts, proxy)
+
+
+def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> dict:
+    """``proxy_accuracy`` of the cell's estimator, or nothing where the proxy does not apply (left NaN)."""
     name, options = ESTIMATORS[label]
     caps = readout.estimator_capabilities(name, **options)
     if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > params["context"]):
-        return np.full(EPISODES, np.nan)
-    read, _ = readout.paired_readouts(name, episodes.queries, episodes.keys, episodes.values,
-                                      beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
-                                      num_features=None if caps.fixed_dimension else r, rng=rng, options=options)
-    return tasks.recall_accuracy(read.output, episodes).cpu().numpy()
+        return {}
+    read = readout.attention_readout(name, episodes.queries, episodes.keys, episodes.values, rng=rng, options=options,
+                                     beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
+                                     num_features=None if caps.fixed_dimension else r)
+    return {"proxy_accuracy": tasks.recall_accuracy(read.output, episodes).cpu().numpy()}
 
 
 @torch.no_grad()
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data_rng, data):
     setup = SETUPS[params["task"]]
     sub, label, r, context = params["substitution"], params["estimator"], params["num_features"], params["context"]
     model_config = setup.build(device=str(device))[0]
     if not applicable(setup, sub, label, r, context, model_config.num_layers):
         return not_applicable()
-    ref_config, ev, prompts, proxy = _data(params, data_rng, device)
-    task = ref_config[1]
-    reference = trained(ref_config)
+    task, reference, ev, prompts = data.config[1], data.reference, data.eval_task, data.prompts
     result = {}
     if sub == "trained":
-        evaluated = reference if label == "exact" else trained(presets.fixed_state(label, r, ref_config))
+        evaluated = reference if label == "exact" else load_or_train(*presets.fixed_state(label, r, data.config))
         model = evaluated.model
         if label != "exact":
             result["train_seconds"] = np.float64(evaluated.curve.attrs["train_seconds"])
@@ -333,7 +327,7 @@ def run_cell(params, rng, device, data_rng):
         model = substitute(reference.model, {i: _spec(label, r) for i in layers}, rng=rng, calibration=calibration)
         result["layer_error"] = _layer_errors(model, reference.model, prompts, layers)
         if sub == "all" and task.name == "mqar":
-            result["proxy_accuracy"] = _proxy(label, r, params, proxy, rng)
+            result.update(_proxy(label, r, params, data.proxy, rng))
     result["score"] = ev.score(model(prompts.inputs), prompts).cpu().numpy()
     result["state_bytes"] = np.float64(state_bytes(model, ev.seq_len))
     result["feature_dim"] = np.float64(_feature_dim(model))
@@ -341,63 +335,37 @@ def run_cell(params, rng, device, data_rng):
 
 
 @torch.no_grad()
-def run_reference(params, device, data_rng):
+def run_reference(params, device, data_rng, data):
     """The unmodified softmax reference on the prompts of the data draw: its score, the regression baselines, the
     effective temperature of its layers, the prompt length and its training record."""
-    setup = SETUPS[params["task"]]
-    if params["context"] not in setup.contexts:
+    if data is None:
         return not_applicable()
-    ref_config, ev, prompts, _ = _data(params, data_rng, device)
-    reference = trained(ref_config)
-    out = {}
-    out["score_exact"] = ev.score(reference.model(prompts.inputs), prompts).cpu().numpy()
-    heads = attention_heads(reference.model, prompts.inputs)
-    out["reference_beta"] = np.array([float(effective_beta(heads["q"][i], heads["k"][i]).mean())
-                                      for i in range(ref_config[0].num_layers)])
-    if ref_config[1].name == "regression":
+    ev, prompts, reference, curve = data.eval_task, data.prompts, data.reference.model, data.reference.curve
+    heads = attention_heads(reference, prompts.inputs)
+    out = {"score_exact": ev.score(reference(prompts.inputs), prompts).cpu().numpy(),
+           "reference_beta": np.array([float(effective_beta(heads["q"][i], heads["k"][i]).mean())
+                                       for i in range(data.config[0].num_layers)])}
+    if data.config[1].name == "regression":
         out["baseline_ls"] = ev.baseline_score(prompts, "least_squares").cpu().numpy()
         out["baseline_ridge"] = ev.baseline_score(prompts, "ridge", params["ridge_alpha"]).cpu().numpy()
-    out["seq_len"] = np.float64(ev.seq_len)
-    out["reference_train_seconds"] = np.float64(reference.curve.attrs["train_seconds"])
-    out["reference_train_cpu_seconds"] = np.float64(reference.curve.attrs["train_cpu_seconds"])
-    out["reference_train_score"] = np.float64(reference.curve.eval_score.values[-1])
-    return not_applicable(**out)             # the regression baselines stay NaN for MQAR
+    return not_applicable(**out, seq_len=np.float64(ev.seq_len),   # the regression baselines stay NaN for MQAR
+                          reference_train_seconds=np.float64(curve.attrs["train_seconds"]),
+                          reference_train_cpu_seconds=np.float64(curve.attrs["train_cpu_seconds"]),
+                          reference_train_score=np.float64(curve.eval_score.values[-1]))
 
 
 # ------------------------------------------------------------------------------------------------ summaries
-def _mean_summary(ds: xr.Dataset, name: str) -> None:
-    summary = stats.bootstrap_interval(ds[name], REPLICATES, "mean")
-    summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": ds[name].attrs.get("units", "1"),
-                          "description": f"mean of {name} over seed, episode: " + summary.attrs["interval"]})
-    ds[f"{name}_summary"] = summary
-
-
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     """Means over prompts with bootstrap intervals, the paired difference from the reference per prompt, the
     layers' errors over seeds, and Spearman's ρ of proxy and post-hoc accuracy with its interval."""
     for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy"):
-        _mean_summary(ds, name)
-    diff = (ds["score"] - ds["score_exact"]).assign_attrs(
-        long_name="task score: − the reference's on the same prompt", units="1", baseline="reference",
-        comparison="difference", description="per prompt, score − score_exact (identical prompts)")
-    ds["score_vs_exact"] = diff
-    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-    summary.attrs["description"] = "summary of score_vs_exact over seed, episode: " + summary.attrs["interval"]
-    ds["score_vs_exact_summary"] = summary
+        ds = add_mean(ds, name)
+    ds = add_vs_exact(ds, "score", "score_exact", reference="the reference's", unit="prompt", baseline="reference")
     layer = stats.summarise(ds["layer_error"], "seed")
     layer.attrs["description"] = "summary of layer_error over seed: " + layer.attrs["interval"]
     ds["layer_error_summary"] = layer
     ds["proxy_rank_correlation"] = report.rank_correlations(ds)
     return ds
-
-
-def findings(ds: xr.Dataset) -> str:
-    """Markdown bullets; every number is computed from ``ds`` (see :mod:`experiments._trained_icl_report`)."""
-    return report.findings(ds)
-
-
-def plot(ds: xr.Dataset, path) -> None:
-    report.plot(ds, path)
 
 
 EXPERIMENT = Experiment(
@@ -407,9 +375,9 @@ EXPERIMENT = Experiment(
                 "estimator at rank r (every layer or one); fixed-state models trained from scratch at feature "
                 "dimension r; the training-free read-out accuracy against the trained post-hoc accuracy. Grid: "
                 "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "context", "seed"),
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=report.plot, data_axes=("task", "context", "seed"),
+    draw=draw, reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=report.findings)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

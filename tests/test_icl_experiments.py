@@ -13,6 +13,18 @@ EXPERIMENTS = [icl_recall, icl_regression, icl_classification, rank_summary]
 SCORES = {"icl_recall": ("accuracy", "accuracy_exact"), "icl_regression": ("nmse", "nmse_exact"),
           "icl_classification": ("accuracy", "accuracy_exact"), "rank_summary": ("score", "score_exact")}
 NYSTROM = "nystrom_uniform"
+CPU = torch.device("cpu")
+
+
+def run_cell(exp, params, rng, data_rng):
+    """One cell as the engine runs it: with its data draw (from the same data stream) where the study declares
+    one."""
+    if exp.draw is None:
+        return exp.run_cell(params, rng, CPU, data_rng)
+    state = data_rng.bit_generator.state
+    data = exp.draw(params, data_rng, CPU)
+    data_rng.bit_generator.state = state                        # the cell gets a fresh data stream, as in the engine
+    return exp.run_cell(params, rng, CPU, data_rng, data)
 
 
 @pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.EXPERIMENT.name)
@@ -66,23 +78,39 @@ def test_read_outs_fit_on_the_context_only(module, monkeypatch):
     labelled rank-r oracles and the estimators whose definition reads the batch of test queries (LARA, EVA:
     ``_icl.BATCH_READOUTS``, named as such in the studies) see the queries."""
     seen = []
-    real = readout.paired_readouts
+    real = readout.attention_readout
 
     def spy(*args, fit_on="keys", **kwargs):
         seen.append((args[0], fit_on))
         return real(*args, fit_on=fit_on, **kwargs)
 
-    monkeypatch.setattr(readout, "paired_readouts", spy)
+    monkeypatch.setattr(readout, "attention_readout", spy)
     exp = module.EXPERIMENT
     grid = exp.grid("smoke")
-    cpu = torch.device("cpu")
     for label in grid["estimator"]:
         params = {**exp.parameter_values(), **{axis: values[0] for axis, values in grid.items()}, "estimator": label}
-        exp.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(1))
+        run_cell(exp, params, np.random.default_rng(0), np.random.default_rng(1))
     oracles = getattr(module, "ORACLES", {})
     batch = set(_icl.BATCH_READOUTS)
     assert seen and all(fit == ("queries_and_keys" if name in oracles or name in batch else "keys")
                         for name, fit in seen), seen
+
+
+def test_episode_draw_pairs_read_outs_as_paired_readouts():
+    """A draw's ``(read, exact)`` equal :func:`kernapprox.readout.paired_readouts` on its episodes bit for bit;
+    exact attention's read-out is computed once per β and equals the read-out of the exact estimator itself."""
+    ep = _icl.recall_episodes(32, "key", rng=0, device="cpu", num_queries=16, batch=2)
+    draw = _icl.EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
+    read, exact = draw.readouts("positive_orthogonal", beta=3.0, num_features=16, rng=np.random.default_rng(4))
+    want = readout.paired_readouts("positive_orthogonal", ep.queries, ep.keys, ep.values, beta=3.0, num_features=16,
+                                   rng=np.random.default_rng(4))
+    for got, expected in zip((read, exact), want):
+        torch.testing.assert_close(got.output, expected.output, rtol=0, atol=0)
+        torch.testing.assert_close(got.normalizer, expected.normalizer, rtol=0, atol=0)
+    assert draw.exact(3.0) is exact and draw.exact(4.0) is not exact
+    read, again = draw.readouts("exact", beta=3.0)
+    assert again is exact
+    torch.testing.assert_close(read.output, exact.output, rtol=0, atol=0)
 
 
 def test_recall_smoke_values(smoke_run):
@@ -129,14 +157,12 @@ def test_cells_are_reproducible_and_not_applicable_cells_are_nan():
     exp = icl_recall.EXPERIMENT
     params = {**exp.parameter_values(), "estimator": "positive_orthogonal", "num_features": 16, "num_pairs": 16,
               "beta_factor": 2.0, "query": "cos0.9", "seed": 0}
-    cpu = torch.device("cpu")
-    a = icl_recall.run_cell(params, np.random.default_rng(123), cpu, np.random.default_rng(7))
-    b = icl_recall.run_cell(params, np.random.default_rng(123), cpu, np.random.default_rng(7))
+    a = run_cell(exp, params, np.random.default_rng(123), np.random.default_rng(7))
+    b = run_cell(exp, params, np.random.default_rng(123), np.random.default_rng(7))
     assert set(a) == set(icl_recall.METRICS)
     for key in a:
         np.testing.assert_array_equal(a[key], b[key])
-    fixed = icl_recall.run_cell({**params, "estimator": "taylor2"}, np.random.default_rng(1), cpu,
-                                np.random.default_rng(7))
+    fixed = run_cell(exp, {**params, "estimator": "taylor2"}, np.random.default_rng(1), np.random.default_rng(7))
     assert all(np.isnan(v) for v in fixed.values())
 
 
@@ -153,7 +179,7 @@ def test_applicability_rules():
 def test_query_axis_values_make_the_promised_episodes():
     for query, cosine in _icl.QUERY_COSINES.items():
         ep = _icl.recall_episodes(32, query, rng=0, device="cpu", num_queries=32, batch=2)
-        measured = _icl.query_key_cosine(ep)
+        measured = icl_recall.query_key_cosine(ep)
         if cosine is not None:
             np.testing.assert_allclose(measured, cosine, atol=1e-5)
         else:

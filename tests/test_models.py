@@ -264,52 +264,44 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
     s = ds.score_summary.sel(task="mqar_smoke", substitution="all", estimator="positive_orthogonal", context=4,
                              num_features=16)
     np.testing.assert_allclose(float(s.sel(stat="estimate")), float(prf.score.sel(substitution="all").mean()))
-    text = trained_icl.findings(ds)
-    assert "changes no score" in text and text == trained_icl.findings(ds.copy(deep=True))
+    text = trained_icl.EXPERIMENT.findings(ds)
+    assert "changes no score" in text and text == trained_icl.EXPERIMENT.findings(ds.copy(deep=True))
     from kernapprox import sweep
 
     closing = sweep.findings_text(trained_icl.EXPERIMENT, ds, "x").split("\n\n")[0].splitlines()[-1]
     assert text.startswith("- ") and "95 % intervals" in closing       # the engine's closing line
 
 
-def test_trained_icl_proxy_episodes_are_the_data_streams_own(tmp_path, monkeypatch):
-    """The memoised prompts and proxy episodes equal a fresh draw from the cell's data stream, whichever cell (or the
-    reference) came first."""
-    import collections
-
-    from experiments import _icl, trained_icl
+def test_trained_icl_cells_read_their_data_draw(tmp_path, monkeypatch):
+    """The draw of a data stream (prompts, proxy episodes, the reference model) is the same whenever it is drawn,
+    and a cell or the reference gives the same values from any copy of it: nothing but the draw carries state from
+    one cell to the next."""
+    from experiments import trained_icl
     from kernapprox.sweep import cell_seed_sequence, data_seed_sequence
 
     monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(trained_icl, "_MODELS", {})
-    monkeypatch.setattr(_icl, "_EPISODES", collections.OrderedDict())
     exp = trained_icl.EXPERIMENT
+    cpu = torch.device("cpu")
+    params = {"task": "mqar_smoke", "substitution": "all", "estimator": "positive_orthogonal", "num_features": 16,
+              "context": 4, "seed": 0, **exp.parameter_values()}
 
-    def streams(estimator, r):
-        params = {"task": "mqar_smoke", "substitution": "all", "estimator": estimator, "num_features": r,
-                  "context": 4, "seed": 0, **exp.parameter_values()}
+    def stream():
+        return np.random.default_rng(data_seed_sequence(exp.name, params, exp.data_axes, 0))
+
+    def cell(data):
         rng = np.random.default_rng(cell_seed_sequence(exp.name, {k: params[k] for k in exp.axes}, 0))
-        data = np.random.default_rng(data_seed_sequence(exp.name, params, exp.data_axes, 0))
-        return params, rng, data
+        return trained_icl.run_cell(params, rng, cpu, stream(), data)
 
-    def cell(estimator, r):
-        params, rng, data = streams(estimator, r)
-        return trained_icl.run_cell(params, rng, torch.device("cpu"), data)
-
-    first = cell("positive_orthogonal", 16)
-    params, _, data = streams("exact", 64)
-    reference = trained_icl.run_reference(params, torch.device("cpu"), data)   # from the memo
-    cell("elu1", 64)
-    _icl._EPISODES.clear()
-    fresh = cell("positive_orthogonal", 16)
-    again = cell("positive_orthogonal", 16)                                   # from the memo
-    for out in (fresh, again):
-        np.testing.assert_array_equal(out["proxy_accuracy"], first["proxy_accuracy"])
-        np.testing.assert_array_equal(out["score"], first["score"])
-    _icl._EPISODES.clear()
-    params, _, data = streams("exact", 64)
-    np.testing.assert_array_equal(trained_icl.run_reference(params, torch.device("cpu"), data)["score_exact"],
+    first, second = trained_icl.draw(params, stream(), cpu), trained_icl.draw(params, stream(), cpu)
+    torch.testing.assert_close(first.prompts.inputs, second.prompts.inputs, rtol=0, atol=0)
+    torch.testing.assert_close(first.proxy.keys, second.proxy.keys, rtol=0, atol=0)
+    reference = trained_icl.run_reference(params, cpu, stream(), first)
+    a, b = cell(first), cell(second)
+    for key in ("proxy_accuracy", "score", "layer_error"):
+        np.testing.assert_array_equal(a[key], b[key])
+    np.testing.assert_array_equal(trained_icl.run_reference(params, cpu, stream(), second)["score_exact"],
                                   reference["score_exact"])
+    assert trained_icl.draw({**params, "context": 3}, stream(), cpu) is None      # not a context of the setup
 
 
 def test_trained_icl_applicable_cells_of_the_default_setups():
