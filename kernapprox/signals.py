@@ -506,14 +506,34 @@ def video_frames(source: str = "bigbuckbunny", *, size: tuple[int, int] | None =
     """Downsampled video frames, or their patches, as vectors: ``(n_tokens, dim)``.
 
     The ffmpeg binary of ``imageio-ffmpeg`` decodes the H.264 stream to raw YUV 4:2:0 with no conversion (the
-    decoder is bit-exact, so every platform gets the same planes); each plane is downsampled to ``size``
-    ``(height, width)`` by area averaging (:func:`area_resample`); ``colour="grey"`` keeps the luma Y,
-    ``"rgb"`` converts with BT.601 limited range, :math:`R = 1.164(Y-16) + 1.596(V-128)`,
-    :math:`G = 1.164(Y-16) - 0.392(U-128) - 0.813(V-128)`, :math:`B = 1.164(Y-16) + 2.017(U-128)`, divided by
-    255 and clipped to [0, 1] (ITU-R BT.601; grey is :math:`Y/255`). ``patch=None`` gives one vector per frame (dim ``h·w·c``); ``patch=(ph, pw)`` cuts each frame into
-    non-overlapping patches in raster order, tokens ordered frame by frame (dim ``ph·pw·c``; ViT/ViViT
-    tubelet-1 tokens). ``size=None``: height 72, width the nearest multiple of the patch width (or of 8) that
-    keeps the aspect ratio (Big Buck Bunny: 72×128). Each dimension is then standardised over the tokens.
+    decoder is bit-exact, so every platform gets the same planes); each plane is downsampled to ``size`` by area
+    averaging (:func:`area_resample`). Grey is :math:`Y/255`; RGB is ITU-R BT.601 (limited range),
+    :math:`R = 1.164(Y-16) + 1.596(V-128)`, :math:`G = 1.164(Y-16) - 0.392(U-128) - 0.813(V-128)`,
+    :math:`B = 1.164(Y-16) + 2.017(U-128)`, divided by 255 and clipped to [0, 1]. Each dimension is then
+    standardised over the tokens.
+
+    Parameters
+    ----------
+    source : str
+        ``"bigbuckbunny"`` (CC BY 3.0) or ``"bikes"`` (licence not stated).
+    size : (int, int) or None
+        ``(height, width)`` after downsampling, at most half the source's (chroma is 4:2:0). ``None``: height 72,
+        width the multiple of the patch width (or of 8) nearest to the source's aspect ratio (Big Buck Bunny:
+        72×128, bikes: 72×168).
+    patch : (int, int) or None
+        ``None``: one vector per frame, dim ``h·w·c``. ``(ph, pw)``: non-overlapping patches in raster order, the
+        tokens of one frame after another (ViT patches; tubelets of one frame), dim ``ph·pw·c``.
+    colour : {"grey", "rgb"}
+    max_frames : int or None
+        Decode only the first frames.
+    standardise, cache : bool
+        Standardise each dimension; read and write the cache.
+
+    Returns
+    -------
+    Frames
+        ``values`` ``(frames · patches, dim)``, ``frame_rate`` in tokens per second, ``attrs`` with the
+        provenance, ``frames`` and ``tokens_per_frame``.
     """
     src = _source(source)
     if src.modality != "video":

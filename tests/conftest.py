@@ -13,8 +13,12 @@ import tempfile
 import pytest
 import torch
 
-from kernapprox.cache import CACHE_ENV
+from kernapprox.cache import CACHE_ENV, cache_root
 
+# The user's own cache root, named before it is replaced, for the tests that read (never write) what an install
+# step put there: the signals that `make signals` fetched (tests/test_signals.py).
+USER_CACHE_ENV = "KERNAPPROX_TEST_USER_CACHE_DIR"
+os.environ.setdefault(USER_CACHE_ENV, str(cache_root()))
 _CACHE_ROOT = tempfile.mkdtemp(prefix="kernapprox-test-cache-")
 os.environ[CACHE_ENV] = _CACHE_ROOT
 atexit.register(shutil.rmtree, _CACHE_ROOT, ignore_errors=True)   # also when a worker ends without unconfigure
