@@ -437,14 +437,16 @@ def _resample(x, rate_in: int, rate_out: int):
 
 def audio_frames(source: str = "vibe_ace", *, sample_rate: int = 16000, n_fft: int = 400, hop: int = 160,
                  n_mels: int = 64, fmin: float = 0.0, fmax: float | None = None, scale: str = "slaney",
-                 norm: str = "area", floor: float = 1e-10, standardise: bool = True, cache: bool = True) -> Frames:
+                 norm: str = "area", top_db: float = 80.0, standardise: bool = True, cache: bool = True) -> Frames:
     """Log-mel frames of an audio source: ``(n_frames, n_mels)``.
 
     The file is read with ``soundfile`` (float64), mixed to mono (mean of the channels), resampled to
     ``sample_rate`` (polyphase, ``scipy.signal.resample_poly``), cut into frames of ``n_fft`` samples every
     ``hop`` (defaults 25 ms / 10 ms at 16 kHz) with a periodic Hann window (:func:`stft_power`), projected on
-    ``n_mels`` triangular mel filters (:func:`mel_filterbank`) and logged, :math:`\\ln(\\max(E, \\text{floor}))`;
-    then each mel band is standardised over the frames (``standardise=False`` keeps the log energies).
+    ``n_mels`` triangular mel filters (:func:`mel_filterbank`) and logged with a floor ``top_db`` below the
+    loudest band of the recording, :math:`\\ln \\max(E, 10^{-\\text{top\\_db}/10} \\max E)`, so digital
+    silence (a fade-in of exact zeros) stays a quiet frame instead of an outlier; then each mel band is
+    standardised over the frames (``standardise=False`` keeps the log energies).
     """
     src = _source(source)
     if src.modality != "audio":
@@ -454,9 +456,9 @@ def audio_frames(source: str = "vibe_ace", *, sample_rate: int = 16000, n_fft: i
               "n_fft": check_positive_int(n_fft, "n_fft"),
               "hop": check_positive_int(hop, "hop"), "n_mels": check_positive_int(n_mels, "n_mels"),
               "fmin": float(fmin), "fmax": None if fmax is None else float(fmax), "scale": scale, "norm": norm,
-              "floor": float(floor), "standardise": bool(standardise)}
-    if not floor > 0:
-        raise ValueError(f"floor must be > 0, got {floor}")
+              "top_db": float(top_db), "standardise": bool(standardise)}
+    if not (np.isfinite(top_db) and top_db > 0):
+        raise ValueError(f"top_db must be a positive number of decibels, got {top_db}")
     bank = mel_filterbank(n_mels, n_fft, sample_rate, fmin=fmin, fmax=fmax, scale=scale, norm=norm)
 
     def compute(paths):
@@ -468,7 +470,10 @@ def audio_frames(source: str = "vibe_ace", *, sample_rate: int = 16000, n_fft: i
             pieces.append(_resample(data.mean(axis=1), int(rate), sample_rate))
             rates.append(int(rate))
         signal = np.concatenate(pieces)
-        logmel = np.log(np.maximum(stft_power(signal, n_fft, hop) @ bank.T, floor))
+        energy = stft_power(signal, n_fft, hop) @ bank.T
+        if not energy.max() > 0:
+            raise ValueError(f"{source}: the recording is silent")
+        logmel = np.log(np.maximum(energy, energy.max() * 10.0 ** (-top_db / 10.0)))
         values = standardise_columns(logmel, f"{source} log-mel frames") if standardise else logmel
         return values, sample_rate / hop, {"native_sample_rate": rates, "samples": int(signal.size)}
 
