@@ -15,7 +15,7 @@ THREADS ?= 1
 JOBS ?= 2
 # The torch pinned when none is importable: the CPU-friendly build. An existing torch is never replaced.
 TORCH_PIN ?= torch==2.13.0
-EXTRAS ?= dev,dask,real
+EXTRAS ?= dev,dask,real,signals
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
@@ -31,10 +31,11 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 # Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
-.PHONY: install lm test test-slow lint figures figures-all gallery results bench docs clean distclean help
+.PHONY: install lm signals test test-slow lint figures figures-all gallery results bench docs clean distclean help
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
+	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
 	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
@@ -60,7 +61,15 @@ $(LM_STAMP): pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(LM_WHEELS)
 	@touch $@
 
+# The audio files of kernapprox.signals that no wheel ships: one file from each of two hash-pinned source
+# distributions (librosa 0.7.2, pysptk 1.0.1), fetched with pip into the cache root once (about 2 minutes, most of
+# it pip preparing the archives' metadata); a file already there is kept. `make test` fetches them too, so CI runs
+# the audio tests; where PyPI cannot be reached those tests skip and say why.
+signals: install
+	$(PY) -m kernapprox.signals fetch
+
 test: install
+	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "make test: fetching the audio signals failed; their tests skip (run make signals to see why)"
 	OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow"
 
 test-slow: install

@@ -19,7 +19,8 @@ import torch
 from kernapprox.cache import CACHE_ENV, cache_root
 
 # The user's root, read before the tests' own root replaces it, and handed to the xdist workers and subprocesses
-# (which inherit the replaced KERNAPPROX_CACHE_DIR) through a variable of its own.
+# (which inherit the replaced KERNAPPROX_CACHE_DIR) through a variable of its own: the tests marked lm load
+# SmolLM2 there, the tests marked signals read (never write) what `make signals` fetched.
 _USER_ROOT_ENV = "KERNAPPROX_TEST_USER_CACHE_ROOT"
 os.environ.setdefault(_USER_ROOT_ENV, str(cache_root()))
 USER_CACHE_ROOT = os.environ[_USER_ROOT_ENV]
