@@ -30,13 +30,15 @@ import torch
 
 from ..estimators.registry import make_estimator
 from . import attention as sa
+from . import cache as _cache
 from .bert import BertStack
+from .llama import LlamaStack
 from .placement import check_layers
 
 __all__ = ["FAMILIES", "stack_for", "head_seed", "substitute", "calibrate", "convert"]
 
 # model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
-FAMILIES: dict[str, type] = {"bert": BertStack}
+FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
 
 
 def stack_for(model):
@@ -69,6 +71,8 @@ def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
     sa.enable(target)
     for layer, heads in layers.items():
         sa.set_attention(stack.attention_module(int(layer)), sa.SubstitutedAttention(heads))
+    if getattr(stack, "causal", False):
+        _cache.install(target)
     return target
 
 
@@ -81,11 +85,14 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
     if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
         raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
     stack = stack_for(model)
+    inputs = dict(calibration)
+    if getattr(stack, "causal", False):
+        inputs.setdefault("use_cache", False)            # a calibration pass keeps no decoder cache
     fitted = {}
     for layer in sorted(estimators):
         heads = list(estimators[layer])
         module = stack.attention_module(layer)
-        call = sa.capture(module, lambda: model(**calibration))
+        call = sa.capture(module, lambda: model(**inputs))
         real = (torch.ones(call.query.shape[0], call.query.shape[-2], dtype=torch.bool, device=call.query.device)
                 if call.key_padding_mask is None else ~call.key_padding_mask[:, 0])
         out = []
@@ -126,6 +133,8 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
     head_set = set(range(stack.num_heads)) if heads is None else _check_heads(heads, stack.num_heads)
     sa.enable(converted)
+    if getattr(stack, "causal", False):                # decoding through the model's own cache interface
+        _cache.install(converted)
     dtype = next(converted.parameters()).dtype
     device = next(converted.parameters()).device
     pending = {}                                          # layer -> heads still to be fitted on calibration data
