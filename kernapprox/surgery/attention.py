@@ -321,6 +321,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     n_q, n_k = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    common = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    if not query.dtype == key.dtype == value.dtype:
+        # under autocast the rotary embeddings (float32 tables) promote bf16 queries and keys, not the values
+        query, key, value = query.to(common), key.to(common), value.to(common)
     full_mask = attention_mask
     if layer is not None and attention_mask is not None and attention_mask.shape[-1] != n_k:
         # the mask covers the whole context; the new keys are its last columns (the state holds the others)
