@@ -72,8 +72,11 @@ the group's keys is the mixture ``Σ_{m∈G_c} π_{m|c} N(ω; x + y_m)`` (the ra
 paper restricted to the group), whose mean is ``x + Σ π_{m|c} y_m ≈ x + ȳ_c`` for the queries that read the group;
 ``x̄`` is their mean — all queries when non-causal; when causal, the group's own queries (as in the reference's
 causal code), because a decoder forms the group's summary when the group is complete, before the later queries
-that read it exist. ``ω_c = μ_c + ε_c`` with ``ε_c ~ N(0, I)`` (``sample=True``, the paper's estimator) or
-``ω_c = μ_c`` (``sample=False``, the reference code at inference: deterministic).
+that read it exist. ``ω_c = μ_c + ε_c`` with ``ε_c ~ N(0, I)`` (``sample=True``: the paper's training-time rule) or
+``ω_c = μ_c`` (``sample=False``: its inference-time rule, as the reference code evaluates; deterministic). Both are
+*training-free variants* of EVA: the paper learns the group logit and the landmark projections with the model,
+while here the group's coefficient is its Jensen lower bound and the landmarks are plain group means, so neither
+registered name is the paper's trained estimator.
 
 Causality: with these sets, every group a causal query reads through a summary is complete and lies before the
 query, and its summary (``ȳ_c``, ``β_c`` with ``ω_c``, which uses only the group's own tokens) is fixed once the
@@ -529,8 +532,8 @@ class EfficientAttentionCV(AttentionEstimator):
     window : int
         ``w ≥ 0``: the band ``|i − j| < w`` (non-causal) or the last ``w`` keys (causal) computed exactly.
     sample : bool
-        Draw ``ω_c = μ_c + ε_c`` (default, the paper's estimator) or use ``ω_c = μ_c`` (the reference code at
-        inference; deterministic).
+        Draw ``ω_c = μ_c + ε_c`` (default; the paper's training-time rule) or use ``ω_c = μ_c`` (its inference-time
+        rule, as the reference code evaluates; deterministic). Training-free either way (module docstring).
     rng : int, SeedSequence or Generator
         Source of the noise ``ε (C, d)``, drawn once at ``fit`` and shared by every batch element and head.
     scale : float, optional
@@ -561,7 +564,8 @@ class EfficientAttentionCV(AttentionEstimator):
     causal_fit = True
     consistent = False
     modes = ("parallel", "recurrent", "chunked")
-    reference = "Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA)"
+    reference = ("Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA); a training-free "
+                 "variant (no learned group logit or landmark layers)")
     # how it uses the linear-attention core: the decoder's per-group value sums are its per-feature state
     core: ClassVar[tuple[str, ...]] = ("add_log_keys",)
 

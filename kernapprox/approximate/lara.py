@@ -84,8 +84,11 @@ no learned layers): split the queries and the keys into ``C`` contiguous segment
 segment of nearby queries and a segment of keys place a proposal where the mass of their ``p_x`` lies. Segments
 here are ``[⌊cN/C⌋, max(⌊(c+1)N/C⌋, ⌊cN/C⌋ + 1))`` (:func:`segment_bounds`): a partition into near-equal parts when
 ``N ≥ C``, single (repeated) tokens when ``N < C``. Samples ``ω_{cs} = μ_c + ε_{cs}`` with ``ε ~ N(0, I)``
-(``sample=True``), or ``ω_c = μ_c`` (``sample=False``, the reference code's inference mode, which makes LARA a
-deterministic, biased estimator).
+(``sample=True``, the paper's training-time rule), or ``ω_c = μ_c`` (``sample=False``, its inference-time rule as
+the reference code evaluates, which makes LARA a deterministic, biased estimator). The paper trains the landmark
+projections with the model and samples only in training; both registered rules here are *training-free variants*
+(plain segment means, no learned layers), so ``lara`` is not the paper's trained estimator and ``lara_mean`` is
+the training-free form of what the paper runs at inference.
 
 *Weights* ``α_{nc}``:
 
@@ -504,7 +507,8 @@ class LinearRandomizedAttention(AttentionEstimator):
     causal = False
     consistent = True
     modes = ("parallel", "recurrent", "chunked")
-    reference = "Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling)"
+    reference = ("Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling); "
+                 "a training-free variant (no learned landmark layers)")
     # how it uses the linear-attention core: all of it is linear attention on log-features
     core: ClassVar[tuple[str, ...]] = ("linear_attention_from_log_features",)
 

@@ -39,7 +39,7 @@ from ..validation import (
     itemsize,
     max_row_norm,
 )
-from .masks import check_attn_mask, check_key_padding_mask
+from .masks import check_attn_mask, check_key_padding_mask, check_query_padding_mask
 
 # Memory budget of the score matrix: softmax_attention calls SDPA once when all (batch, head) score matrices
 # together hold at most this many bytes in the compute dtype (256 MiB: n = 4096 with 4 heads in float32), and
@@ -49,7 +49,8 @@ SCORE_BUDGET_BYTES = 1 << 28
 
 
 def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None, *, key_padding_mask=None,
-                      attn_mask=None, chunk_size: int | None = None, return_lse: bool = False):
+                      attn_mask=None, chunk_size: int | None = None, return_lse: bool = False,
+                      query_padding_mask=None):
     """Exact softmax attention ``softmax(s · Q Kᵀ + mask) V``: SDPA, in query chunks beyond a memory budget.
 
     Parameters
@@ -66,6 +67,9 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
     chunk_size : int, optional
         Queries per SDPA call. Default: all of them when the score matrices of every (batch, head) entry
         together fit :data:`SCORE_BUDGET_BYTES` in the compute dtype, else as many as fit (at least one).
+    query_padding_mask : bool Tensor ``(..., n_q)``, optional
+        True = the query is padding: its output row (and log-normaliser) is 0, it needs no key to attend to (it is
+        computed over every key and then zeroed, so nothing is 0/0), and no gradient flows through it.
     return_lse : bool
         Also return ``log Σ_j exp(s q_iᵀk_j + mask_ij)``, shape ``(..., n_q)`` (computed from the logits in the
         same query chunks, not by SDPA, which does not return it).
@@ -86,6 +90,7 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
     batch, n_q, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     ct = compute_dtype(q.dtype)
     mask = combine_masks(q, k, causal, key_padding_mask, attn_mask)        # None, or bool / float (..., n_q, n_k)
+    qpad = check_query_padding_mask(query_padding_mask, q)
     entries = math.prod(batch)
     if chunk_size is None:
         per_query = max(entries * n_k * itemsize(ct), 1)
@@ -99,6 +104,10 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
         stop = min(start + chunk_size, n_q)
         kend = stop if causal else n_k                   # a causal chunk sees no key after its last query
         chunk_mask = _chunk_mask(mask, causal, start, stop, kend, q.device)
+        if qpad is not None and chunk_mask is not None:   # a padded row attends to every key, then is zeroed
+            rows = qpad[..., start:stop, None]
+            chunk_mask = (chunk_mask | rows if chunk_mask.dtype == torch.bool
+                          else torch.where(rows, torch.zeros((), dtype=chunk_mask.dtype), chunk_mask))
         _check_rows(chunk_mask, start)
         if return_lse:
             logits = s * (qc[..., start:stop, :] @ kc[..., :kend, :].transpose(-1, -2))
@@ -122,9 +131,12 @@ def softmax_attention(q, k, v, causal: bool = False, scale: float | None = None,
         raise ValueError(f"softmax_attention: the result is not finite in {ct}: the logits s·qᵀk overflow it "
                          f"(s = {s:.3g}, max ‖q‖ = {max_row_norm(q):.3g}, max ‖k‖ = {max_row_norm(k):.3g}) or v is too "
                          "large; rescale q and k (or pass a smaller scale)")
+    if qpad is not None:
+        out = out.masked_fill(qpad[..., None], 0.0)
     out = out.to(q.dtype)
     if return_lse:
-        return out, torch.cat(lses, dim=-1)
+        lse = torch.cat(lses, dim=-1)
+        return out, lse if qpad is None else lse.masked_fill(qpad, 0.0)
     return out
 
 

@@ -49,7 +49,14 @@ from . import logdomain
 from . import native as _native
 from .blocks import chunked_block_length
 from .exact import softmax_attention
-from .masks import allowed_pairs, check_attn_mask, check_key_padding_mask, check_rows
+from .masks import (
+    allowed_pairs,
+    check_attn_mask,
+    check_key_padding_mask,
+    check_query_padding_mask,
+    check_rows,
+    zero_padded_rows,
+)
 from .recurrent import normalized_read, normalized_step
 
 MODES = ("parallel", "recurrent", "chunked")
@@ -483,7 +490,7 @@ def _chunked_native(forms, vf, padf, a, sink, state, c_carry, r, chunk_size=None
 # ---------------------------------------------------------------------------------------------- entry point
 def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: str = "chunked", *,
                      chunk_size: int = 64, return_parts: bool = False, rule="sum", key_padding_mask=None,
-                     attn_mask=None, initial_state=None, return_state: bool = False):
+                     attn_mask=None, initial_state=None, return_state: bool = False, query_padding_mask=None):
     """Kernelised attention ``y_i = Σ_j φ(q_i)ᵀφ(k_j) v_j / Σ_j φ(q_i)ᵀφ(k_j)`` (``j ≤ i`` if causal), or the
     read-out of another state rule.
 
@@ -526,6 +533,12 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     return_state : bool
         Also return the state after the last key: ``(output or parts, state)``. Not with an ``attn_mask`` (a
         per-query key selection has no single final state).
+    query_padding_mask : bool Tensor ``(..., n_q)``, optional
+        True = the query is padding (the filler positions of a left- or right-padded batch): its output row is 0
+        (parts: numerator 0, normaliser 1, log-scale 0), it needs no key to attend to (a left-padded causal row
+        sees only padded keys), and no gradient flows through it. Broadcast like ``key_padding_mask``. Every mode,
+        rule and estimator kind. The state is unaffected: pass the same positions in ``key_padding_mask`` to keep
+        their keys out of it.
 
     The normaliser may be ≤ 0 for signed features (trigonometric, Maclaurin, Nyström); the output is then
     ±inf or has the wrong sign, which :func:`kernapprox.metrics.nonpositive_normalizer_rate` measures. Nothing
@@ -570,6 +583,7 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
         raise ValueError(f"the {rule.name} rule is causal only (its weights γ^(i−j) are defined for keys before the "
                          "query): use causal=True")
     padding = check_key_padding_mask(key_padding_mask, k)
+    qpad = check_query_padding_mask(query_padding_mask, q)
     mask = check_attn_mask(attn_mask, q, k)
     if mask is not None and mode != "parallel":
         raise ValueError(f"attn_mask is honoured in the parallel mode only: the {mode} mode builds one state per "
@@ -591,6 +605,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
                 extra["key_padding_mask"] = key_padding_mask
             if mask is not None:
                 extra["attn_mask"] = attn_mask
+            if qpad is not None:
+                extra["query_padding_mask"] = query_padding_mask
             out, lse = softmax_attention(q, k, v, causal, estimator.scale_, return_lse=True, **extra)
             if not return_parts:
                 return out
@@ -598,8 +614,14 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
             return AttentionParts(out, out.to(lse.dtype), one, lse)
         if padding is not None or mask is not None:
             raise ValueError(f"{name} brings its own attention, which takes no key_padding_mask or attn_mask")
-        return estimator.attention(q, k, v, causal=causal, mode=mode, chunk_size=chunk_size,
-                                   return_parts=return_parts)
+        result = estimator.attention(q, k, v, causal=causal, mode=mode, chunk_size=chunk_size,
+                                     return_parts=return_parts)
+        if qpad is None:
+            return result
+        if not return_parts:                     # every row saw keys (no key mask): only the padded rows are zeroed
+            return result.masked_fill(qpad[..., None], 0.0)
+        num, den, logs = zero_padded_rows(result.numerator, result.normalizer, result.log_scale, qpad)
+        return AttentionParts(result.output.masked_fill(qpad[..., None], 0.0), num, den, logs)
 
     ct = compute_dtype(q.dtype)
     r = estimator.num_features
@@ -615,19 +637,27 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
         nonempty = state0.log_scale >= SENTINEL / 2      # per entry: has the initial state absorbed a key?
     else:
         nonempty = True                                  # a regression state always has a read-out
-    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2])
+    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=q.shape[-2],
+               exempt=qpad)
 
     if rule.normalized:
+        # padded query rows: the numerator comes back undivided (their rows may be 0/0) and is set to (0, 1, 0)
         num, den, logs, final, out = _normalized(q, k, v, estimator, causal, mode, chunk_size, rule.log_decay,
-                                                 padding, mask, state0, return_state, return_parts)
+                                                 padding, mask, state0, return_state,
+                                                 return_parts or qpad is not None)
         rows = (*q.shape[:-2], q.shape[-2])
         den = den.reshape(rows)
         logs = logs.reshape(rows)
+        if qpad is not None:
+            num, den, logs = zero_padded_rows(num, den, logs, qpad)
+            out = None
         if logdomain.needs_recompute(estimator, den, logs):   # precision hook (see logdomain): float64, then exact
+            extra = {} if qpad is None else {"query_padding_mask": query_padding_mask}
             _, num, den, logs = logdomain.recompute(
                 q, k, v, estimator, causal, linear_attention, rule=rule, initial_state=initial_state,
                 return_state=return_state, mode=mode, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
-                attn_mask=attn_mask)
+                attn_mask=attn_mask, **extra)
+            num, den, logs = zero_padded_rows(num, den, logs, qpad)
             out = None
         if out is None:                                # the chunked mode divides block by block when it can
             out = (num / den[..., None]).to(q.dtype)
@@ -642,6 +672,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
             hint = " (use a larger ridge, or float64)" if rule.name == "least_squares" else ""
             raise ValueError(f"the {rule.name} rule gave non-finite outputs in {ct}: the state lost its numerical "
                              f"range{hint}")
+        if qpad is not None:
+            y = y.masked_fill(qpad[..., None], 0.0)
         out = y.to(q.dtype)
         if return_parts:
             result = AttentionParts(out, y, torch.ones_like(y[..., 0]), torch.zeros_like(y[..., 0]))
@@ -673,7 +705,7 @@ def _normalized(q, k, v, estimator, causal, mode, chunk_size, a, padding, mask, 
 # ------------------------------------------------------------------------------ the core on given features
 def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, mode: str = "parallel",
                                    chunk_size: int = 64, rule="sum", key_padding_mask=None, attn_mask=None,
-                                   initial_state=None, return_state: bool = False):
+                                   initial_state=None, return_state: bool = False, query_padding_mask=None):
     r"""Linear attention of given stabilised features, under the sum or decay rule: the core that
     :func:`linear_attention` runs for a feature map, for estimators that make their features themselves.
 
@@ -696,7 +728,7 @@ def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, m
     pk, lk : Tensor ``(..., n_k, r)``, ``(..., n_k)``
         Key features and log-scales.
     v : Tensor ``(..., n_k, d_v)``
-    causal, mode, chunk_size, rule, key_padding_mask, attn_mask, initial_state, return_state
+    causal, mode, chunk_size, rule, key_padding_mask, attn_mask, initial_state, return_state, query_padding_mask
         As in :func:`linear_attention` (``rule``: ``"sum"`` or a :class:`~kernapprox.rules.Decay`; the delta and
         least-squares rules need unit features of a feature map: use :func:`linear_attention`).
 
@@ -751,6 +783,7 @@ def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, m
     if causal and n != n_k:
         raise ValueError(f"causal attention needs as many queries as keys, got {n} and {n_k}")
     padding = check_key_padding_mask(key_padding_mask, pk)
+    qpad = check_query_padding_mask(query_padding_mask, pq)
     mask = check_attn_mask(attn_mask, pq, pk)
     if mask is not None and mode != "parallel":
         raise ValueError(f"attn_mask is honoured in the parallel mode only, not the {mode} mode")
@@ -762,7 +795,7 @@ def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, m
         state0 = rule.check_state(initial_state, batch_shape, r, v.shape[-1], pq.dtype, pq.device, "initial_state")
     allowed = None if mask is None else allowed_pairs(mask, padding, causal, n, n_k, pq.device)
     nonempty = None if state0 is None else state0.log_scale >= SENTINEL / 2
-    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=n)
+    check_rows(causal=causal, key_padding=padding, allowed=allowed, state_nonempty=nonempty, n_q=n, exempt=qpad)
     if padding is not None:
         pk, lk = _mask_keys(pk, lk, padding)
     a = rule.log_decay
@@ -778,6 +811,7 @@ def linear_attention_from_features(pq, lq, pk, lk, v, *, causal: bool = False, m
     else:
         num, den, logs, final = _chunked_from_features(pq, lq, pk, lk, v, causal, chunk_size, a, state0)
     den, logs = den.reshape(pq.shape[:-1]), logs.reshape(pq.shape[:-1])
+    num, den, logs = zero_padded_rows(num, den, logs, qpad)
     parts = AttentionParts(num / den[..., None], num, den, logs)
     return (parts, to_public(final)) if return_state else parts
 

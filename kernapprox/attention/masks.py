@@ -4,6 +4,10 @@
 the key is padding and is ignored by every query. It broadcasts against the inputs' batch dimensions by torch's
 rules (aligned from the right), so for inputs ``(B, H, n, d)`` pass ``(B, 1, n_k)``.
 
+``query_padding_mask``: a bool tensor ``(..., n_q)``, ``True`` = the query is padding (a left- or right-padded
+batch's filler position): its output row is 0 (numerator 0, normaliser 1, log-scale 0), it needs no key to attend
+to, and it adds nothing to any gradient. Broadcast like ``key_padding_mask``, against the queries.
+
 ``attn_mask`` (``torch.nn.functional.scaled_dot_product_attention``'s convention): broadcastable to
 ``(..., n_q, n_k)``; bool with ``True`` = the pair takes part, or a float additive mask (in the inputs' dtype)
 added to the logits, ``−inf`` removing the pair.
@@ -34,6 +38,27 @@ def check_key_padding_mask(mask, k: torch.Tensor) -> torch.Tensor | None:
     except RuntimeError:
         raise ValueError(f"key_padding_mask of shape {tuple(mask.shape)} does not broadcast to the keys' batch "
                          f"shape and length {want} (for inputs (B, H, n, d) pass (B, 1, n_k))") from None
+
+
+def check_query_padding_mask(mask, q: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` expanded to ``q.shape[:-1]`` (bool), or ``None``."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"query_padding_mask must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"query_padding_mask must have dtype torch.bool (True = padding), got {mask.dtype}")
+    if mask.device != q.device:
+        raise ValueError(f"query_padding_mask is on {mask.device} but the queries are on {q.device}")
+    want = tuple(q.shape[:-1])
+    if mask.dim() < 1 or mask.shape[-1] != want[-1]:
+        raise ValueError(f"query_padding_mask must have shape (..., n_q) with n_q = {want[-1]}, got "
+                         f"{tuple(mask.shape)}")
+    try:
+        return mask.expand(want)
+    except RuntimeError:
+        raise ValueError(f"query_padding_mask of shape {tuple(mask.shape)} does not broadcast to the queries' batch "
+                         f"shape and length {want} (for inputs (B, H, n, d) pass (B, 1, n_q))") from None
 
 
 def check_attn_mask(mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -90,8 +115,9 @@ def check_every_row_has_a_key(has_key: torch.Tensor, why: str) -> None:
 
 
 def check_rows(*, causal: bool, key_padding: torch.Tensor | None, allowed: torch.Tensor | None,
-               state_nonempty, n_q: int) -> None:
-    """Every query row sees at least one key (or a non-empty initial state), else ``ValueError``.
+               state_nonempty, n_q: int, exempt: torch.Tensor | None = None) -> None:
+    """Every query row sees at least one key (or a non-empty initial state), else ``ValueError``; rows marked
+    in ``exempt`` (``(..., n_q)``, the padded queries) need none.
 
     ``allowed`` (parallel mode with an ``attn_mask``) is the full pair mask; otherwise the rows are derived from
     ``key_padding`` (causal: a key at or before the row; non-causal: any key).
@@ -112,4 +138,14 @@ def check_rows(*, causal: bool, key_padding: torch.Tensor | None, allowed: torch
         why = "key_padding_mask"
     if extra is not None:
         has_key = has_key | extra[..., None]
+    if exempt is not None:
+        has_key = has_key | exempt
     check_every_row_has_a_key(has_key, why)
+
+
+def zero_padded_rows(num, den, logs, padded):
+    """Numerator, normaliser and log-scale with the padded query rows set to ``(0, 1, 0)``: their output is 0,
+    finite, and no gradient reaches the (possibly empty, 0/0) rows computed for them."""
+    if padded is None:
+        return num, den, logs
+    return (num.masked_fill(padded[..., None], 0.0), den.masked_fill(padded, 1.0), logs.masked_fill(padded, 0.0))
