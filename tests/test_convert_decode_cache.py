@@ -153,3 +153,25 @@ def test_bad_continuations_are_refused():
     pad[0, 0, 0] = True
     with pytest.raises(ValueError, match="takes no padding masks"):
         replay.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :], key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("name", ["positive", "hedgehog", "taylor2", "exact", "nystrom_uniform"])
+def test_a_left_padded_batch_decodes_as_each_sequence_alone(name):
+    """Entry 0 of the batch is left-padded by 4 tokens: padded keys enter no state, padded queries get rows of 0,
+    and its real rows equal the unpadded sequence's, in the full pass and from prefill to decode alike."""
+    q, k, v = _qkv(seed=5, batch=(2, 3))
+    est = _fitted(name, q, k)
+    pad = torch.zeros(2, 1, N, dtype=torch.bool)
+    pad[0, :, :4] = True
+    full = ka.linear_attention(q, k, v, est, causal=True, key_padding_mask=pad, query_padding_mask=pad)
+    cache = decode_cache(est)
+    outs = [cache.prefill(q[..., :8, :], k[..., :8, :], v[..., :8, :], key_padding_mask=pad[..., :8],
+                          query_padding_mask=pad[..., :8])]
+    for t in range(8, N):
+        outs.append(cache.step(q[..., t, :], k[..., t, :], v[..., t, :])[..., None, :])
+    got = torch.cat(outs, -2)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+    assert bool((got[0, :, :4] == 0).all())
+    alone = ka.linear_attention(q[0, :, 4:], k[0, :, 4:], v[0, :, 4:], est, causal=True)
+    torch.testing.assert_close(got[0, :, 4:], alone, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[1], ka.linear_attention(q[1], k[1], v[1], est, causal=True), rtol=0, atol=1e-12)

@@ -207,3 +207,49 @@ def test_compile_of_a_converted_forward_equals_eager():
         compiled = torch.compile(converted, backend="aot_eager")(input_ids=tokens, use_cache=False).logits
     torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
+
+
+def left_padded(batch=3, n=10, seed=7):
+    """Token ids with sequence ``b`` left-padded by ``2b`` tokens, their attention mask and the positions
+    ``generate()`` gives them (the count of real tokens before each, as transformers computes it)."""
+    tokens = ids(batch, n, seed)
+    mask = torch.ones(batch, n, dtype=torch.long)
+    for b in range(batch):
+        mask[b, :2 * b] = 0
+        tokens[b, :2 * b] = 0
+    positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+    return tokens, mask, positions
+
+
+@pytest.mark.parametrize("name", ["positive", "exact", "hedgehog", "taylor2", "trig_orthogonal"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+def test_a_left_padded_batch_decodes_to_the_full_pass(name, impl):
+    converted = convert(llama(impl).double(), name)
+    tokens, mask, _ = left_padded()
+    real = mask.bool()
+    with torch.no_grad():
+        full = converted(input_ids=tokens, attention_mask=mask, use_cache=False).logits
+        got, _ = decode(converted, tokens, prefill=6, attention_mask=mask)
+    assert bool(torch.isfinite(got[real]).all())
+    assert float((got - full)[real].abs().max()) < 1e-10
+
+
+def test_left_padded_real_tokens_are_those_of_each_prompt_alone():
+    converted = convert(llama().double(), "positive_orthogonal")
+    tokens, mask, positions = left_padded()
+    with torch.no_grad():
+        batch = converted(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False).logits
+        for b in range(tokens.shape[0]):
+            alone = converted(input_ids=tokens[b:b + 1, 2 * b:], use_cache=False).logits[0]
+            assert float((batch[b, 2 * b:] - alone).abs().max()) < 1e-10
+
+
+def test_generate_of_a_left_padded_batch_equals_each_prompt_alone():
+    converted = convert(llama(), "positive_orthogonal", layers=[1])
+    tokens, mask, _ = left_padded(n=6)
+    kw = {"max_new_tokens": 5, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    with torch.no_grad():
+        batch = converted.generate(input_ids=tokens, attention_mask=mask, **kw)
+        for b in range(tokens.shape[0]):
+            alone = converted.generate(input_ids=tokens[b:b + 1, 2 * b:], **kw)
+            assert batch[b, 2 * b:].tolist() == alone[0].tolist()
