@@ -25,8 +25,9 @@ tokens of every batch entry:
 
 ``extend(q, k, v, key_padding_mask=None, query_padding_mask=None)``
     causal attention of the new tokens: new query ``i`` sees every cached token and the new tokens ``≤ i``, then
-    the cache holds all of them. The first call is the prefill (:meth:`~FeatureStateCache.prefill` is the same call
-    on an empty cache); later calls continue it with one token or more. Padding masks as in
+    the cache holds all of them. The first call is the prefill
+    (:meth:`~kernapprox.attention.decode.DecodeCache.prefill` is the same call on an empty cache); later calls
+    continue it with one token or more. Padding masks as in
     :func:`~kernapprox.attention.linear.linear_attention`, for the new tokens (``(..., n)``, True = padding): a
     padded key enters no state, a padded query's row is 0.
 ``step(q_t, k_t, v_t)``

@@ -1,9 +1,9 @@
 """The decoder cache of a converted model: fixed-size states for substituted layers, a KV cache for the others.
 
 A converted causal model (:func:`~kernapprox.surgery.conversion.convert` of a ``LlamaForCausalLM``) keeps the
-Hugging Face decoding interface: ``model(..., use_cache=True)`` returns its cache as ``outputs.cache``
-(``past_key_values``), which the next call continues, and ``generate()`` decodes with it. :class:`KernelCache` is
-that cache: a transformers ``DynamicCache`` whose layers are
+Hugging Face decoding interface: ``model(..., use_cache=True)`` returns its cache as ``outputs.cache`` (the
+``past_key_values`` of transformers before 5), which the next call continues (``cache=``), and ``generate()``
+decodes with it. :class:`KernelCache` is that cache: a transformers ``DynamicCache`` whose layers are
 
 * :class:`StateLayer` for a substituted layer: per substituted head (or group of heads sharing an estimator), the
   estimator's decoding cache (:func:`kernapprox.attention.decode.decode_cache`: the fixed-size state of a feature
@@ -12,16 +12,18 @@ that cache: a transformers ``DynamicCache`` whose layers are
 
 How the cache reaches a substituted layer's attention: transformers' attention module calls
 ``cache.update(key, value, layer_idx, kwargs=kwargs)`` after its rotary embeddings and before the attention
-interface, with the keyword arguments it then passes to that interface. :meth:`StateLayer.update` returns the new
-keys and values unchanged and adds itself to those keyword arguments (``kernapprox_cache_layer``), so that
+interface, with the keyword arguments it then passes to that interface. :meth:`StateLayer.update
+<kernapprox.surgery.cache.StateLayer.update>` returns the new keys and values unchanged and adds itself to those
+keyword arguments (``kernapprox_cache_layer``), so that
 :func:`~kernapprox.surgery.attention.attention_forward` runs each substituted head's cache on the new tokens: new
 query ``i`` attends to the state of every earlier token and to the new keys up to itself.
 
 The cache is created by the model itself: :func:`install` registers a forward pre-hook on the decoder (the
 ``LlamaModel``) that, when the call uses a cache, gives it a :class:`KernelCache` (no cache passed) or puts
-:class:`StateLayer` s into the empty layers of the ``DynamicCache`` it was given (the one ``generate()`` creates),
-so prefill and decode need nothing from the user. Masks keep working: ``get_seq_length`` counts the tokens seen and
-``get_mask_sizes`` is the dynamic cache's (``seen + query length``, offset 0), so ``masking_utils`` builds the mask
+state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
+``generate()`` creates), so prefill and decode need nothing from the user. Masks keep working:
+``get_seq_length`` counts the tokens seen and ``get_mask_sizes`` is the dynamic cache's (``seen + query length``,
+offset 0), so ``masking_utils`` builds the mask
 of the whole context; the substituted layer reads the columns of the new tokens from it.
 
 Padding (left-padded batches, as batched generation pads): a padding token enters no state, and its own output row
@@ -36,9 +38,9 @@ is 0 (its logits are not defined by the model either). Beam search reorders the 
 >>> fast = ka.convert(model, "positive", num_features=16, rng=0)
 >>> ids = torch.tensor([[3, 7, 1, 9, 4]])
 >>> out = fast(input_ids=ids[:, :4], use_cache=True)
->>> type(out.past_key_values).__name__, out.past_key_values.get_seq_length()
+>>> type(out.cache).__name__, out.cache.get_seq_length()
 ('KernelCache', 4)
->>> step = fast(input_ids=ids[:, 4:], past_key_values=out.past_key_values, use_cache=True)
+>>> step = fast(input_ids=ids[:, 4:], cache=out.cache, use_cache=True)
 >>> full = fast(input_ids=ids, use_cache=False)
 >>> bool(torch.allclose(step.logits[:, -1], full.logits[:, -1], atol=1e-5))
 True
@@ -52,6 +54,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, Dynam
 from ..attention.decode import DecodeCache, decode_cache
 from . import attention as sa
 from .attention import CACHE_KEYWORD
+from .llama import LlamaStack
 
 __all__ = ["StateLayer", "KernelCache", "install"]
 _HOOK = "kernapprox_cache_hook"
@@ -189,9 +192,7 @@ class KernelCache(DynamicCache):
     """
 
     def __init__(self, model):
-        from .conversion import stack_for
-
-        Cache.__init__(self, layers=_layers_for(stack_for(model)))
+        Cache.__init__(self, layers=_layers_for(LlamaStack(model)))
 
     def state_bytes(self) -> int:
         """Bytes of the whole cache: states of the substituted layers, keys and values of the others."""
@@ -206,7 +207,7 @@ class KernelCache(DynamicCache):
 
 
 def _adopt(cache: Cache, stack) -> None:
-    """Put :class:`StateLayer` s into the substituted layers of a transformers cache that holds no token yet (the
+    """Put state layers into the substituted layers of a transformers cache that holds no token yet (the
     ``DynamicCache`` that ``generate()`` creates); raise for a cache that cannot hold a substituted layer's state."""
     if isinstance(cache, KernelCache):
         return
@@ -232,8 +233,6 @@ def _adopt(cache: Cache, stack) -> None:
 
 
 def _pre_hook(module, args, kwargs):
-    from .conversion import stack_for
-
     if len(args) > 3:
         raise TypeError("pass the cache of a converted model by keyword (cache= or past_key_values=)")
     name = "past_key_values" if "past_key_values" in kwargs and kwargs.get("cache") is None else "cache"
@@ -247,7 +246,7 @@ def _pre_hook(module, args, kwargs):
         kwargs[name] = KernelCache(module)
         return args, kwargs
     if isinstance(cache, Cache):
-        _adopt(cache, stack_for(module))
+        _adopt(cache, LlamaStack(module))
     return None
 
 

@@ -4,8 +4,11 @@
 :func:`substitute` puts given fitted estimators into a copy; :func:`calibrate` fits data-dependent maps layer by
 layer on a calibration batch, each layer on the activations of the model as substituted below it. A model family
 is found by its configuration's declared ``model_type`` in :data:`FAMILIES` (``"bert"``: BERT-family encoders,
-MiniLM included); a family adapter gives the attention module of each layer and the sizes
-(:class:`~kernapprox.surgery.bert.BertStack` is the model).
+MiniLM included; ``"llama"``: ``LlamaForCausalLM`` and ``LlamaModel``, with their rotary embeddings and
+grouped-query heads); a family adapter gives the attention module of each layer and the sizes
+(:class:`~kernapprox.surgery.bert.BertStack`, :class:`~kernapprox.surgery.llama.LlamaStack`). A converted causal
+decoder keeps the Hugging Face decoding interface, with fixed-size states as the cache of its substituted layers
+(:mod:`~kernapprox.surgery.cache`).
 
 >>> import torch, transformers
 >>> from kernapprox.surgery import convert
@@ -71,7 +74,7 @@ def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
     sa.enable(target)
     for layer, heads in layers.items():
         sa.set_attention(stack.attention_module(int(layer)), sa.SubstitutedAttention(heads))
-    if getattr(stack, "causal", False):
+    if stack.decodes:
         _cache.install(target)
     return target
 
@@ -86,7 +89,7 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
         raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
     stack = stack_for(model)
     inputs = dict(calibration)
-    if getattr(stack, "causal", False):
+    if stack.decodes:
         inputs.setdefault("use_cache", False)            # a calibration pass keeps no decoder cache
     fitted = {}
     for layer in sorted(estimators):
@@ -133,7 +136,7 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
     head_set = set(range(stack.num_heads)) if heads is None else _check_heads(heads, stack.num_heads)
     sa.enable(converted)
-    if getattr(stack, "causal", False):                # decoding through the model's own cache interface
+    if stack.decodes:                # decoding through the model's own cache interface
         _cache.install(converted)
     dtype = next(converted.parameters()).dtype
     device = next(converted.parameters()).device

@@ -23,11 +23,12 @@ class LlamaStack:
     ----------
     model : the decoder (``LlamaModel``: ``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)
     num_layers, num_heads, num_kv_heads, head_dim : int
-    causal : bool
-        True: the model is a causal decoder (its converted copies decode with a state cache).
+    decodes : bool
+        True (declared): the family is a causal decoder whose converted copies decode with a
+        :class:`~kernapprox.surgery.cache.KernelCache`.
     """
 
-    causal = True
+    decodes = True
 
     def __init__(self, model):
         base = getattr(model, "model", model)
