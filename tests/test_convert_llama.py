@@ -253,3 +253,17 @@ def test_generate_of_a_left_padded_batch_equals_each_prompt_alone():
         for b in range(tokens.shape[0]):
             alone = converted.generate(input_ids=tokens[b:b + 1, 2 * b:], **kw)
             assert batch[b, 2 * b:].tolist() == alone[0].tolist()
+
+
+def test_the_convert_guide_runs():
+    """The code of docs/guide/convert.md, block after block, as a reader runs it."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "guide" / "convert.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) >= 5
+    scope: dict = {}
+    for block in blocks:
+        exec(compile(block, "convert.md", "exec"), scope)
+    assert isinstance(scope["cache"], KernelCache) and scope["generated"].shape == (2, 16)
