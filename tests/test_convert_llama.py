@@ -267,3 +267,16 @@ def test_the_convert_guide_runs():
     for block in blocks:
         exec(compile(block, "convert.md", "exec"), scope)
     assert isinstance(scope["cache"], KernelCache) and scope["generated"].shape == (2, 16)
+
+
+def test_the_model_trains_through_the_substituted_attention_and_the_original_is_untouched():
+    model = llama()
+    converted = convert(model, "positive_orthogonal", layers=[0])
+    assert not model.model._forward_pre_hooks                               # the hook is the copy's
+    converted.train()
+    tokens = ids()
+    logits = converted(input_ids=tokens, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+    grad = converted.model.layers[0].self_attn.q_proj.weight.grad
+    assert grad is not None and bool(torch.isfinite(grad).all()) and float(grad.abs().max()) > 0
+    assert model.model.layers[0].self_attn.q_proj.weight.grad is None
