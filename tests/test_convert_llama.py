@@ -198,15 +198,18 @@ def test_fitted_maps_need_a_calibration_batch():
 
 def test_compile_of_a_converted_forward_equals_eager():
     """``aot_eager`` (dynamo and the operators' fake versions, no code generation): seconds on a CPU; the
-    inductor backend gives the same logits but spends minutes compiling C++ on a CPU."""
+    inductor backend gives the same logits but spends minutes compiling C++ on a CPU. One layer substituted and
+    one kept, called twice: the compiled frames must tell the two layers apart (a substitution read from the
+    module's ``__dict__`` was not guarded per module, so the kept layer ran the substituted one's code)."""
     torch._dynamo.reset()
-    converted = convert(llama(), "positive_orthogonal")
-    tokens = ids()
+    converted = convert(llama(), "positive_orthogonal", layers=[1])
+    compiled = torch.compile(converted, backend="aot_eager")
     with torch.no_grad():
-        eager = converted(input_ids=tokens, use_cache=False).logits
-        compiled = torch.compile(converted, backend="aot_eager")(input_ids=tokens, use_cache=False).logits
+        for seed in (1, 2):
+            tokens = ids(seed=seed)
+            eager = converted(input_ids=tokens, use_cache=False).logits
+            torch.testing.assert_close(compiled(input_ids=tokens, use_cache=False).logits, eager, rtol=0, atol=1e-6)
     torch._dynamo.reset()
-    torch.testing.assert_close(compiled, eager, rtol=0, atol=1e-6)
 
 
 def left_padded(batch=3, n=10, seed=7):

@@ -305,7 +305,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     feature map), else what the model's own ``base`` function returns.
     """
     layer = kwargs.pop(CACHE_KEYWORD, None)          # a StateLayer of the converted model's cache (surgery.cache)
-    attention = module.__dict__.get(_ATTRIBUTE)
+    attention = getattr(module, _ATTRIBUTE, None)     # an attribute read: torch.compile guards it per module
     if attention is None:
         if layer is not None:
             raise ValueError("the cache holds a kernapprox state for a layer whose attention is not substituted")

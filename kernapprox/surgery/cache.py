@@ -23,8 +23,8 @@ The cache is created by the model itself: :func:`install` registers a forward pr
 state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
 ``generate()`` creates), so prefill and decode need nothing from the user. Masks keep working:
 ``get_seq_length`` counts the tokens seen and ``get_mask_sizes`` is the dynamic cache's (``seen + query length``,
-offset 0), so ``masking_utils`` builds the mask
-of the whole context; the substituted layer reads the columns of the new tokens from it.
+offset 0), so ``masking_utils`` builds the mask of the whole context; the substituted layer reads the columns of
+the new tokens from it.
 
 Padding (left-padded batches, as batched generation pads): a padding token enters no state, and its own output row
 is 0 (its logits are not defined by the model either). Beam search reorders the states (``reorder_cache``);
