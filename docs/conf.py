@@ -61,7 +61,7 @@ numpydoc_validation_checks: set[str] = set()
 nitpicky = True
 nitpick_ignore_regex = [
     (r"py:.*", r"(.*\.)?_\w+"),
-    (r"py:.*", r"(torch|numpy|np|scipy|sklearn|xarray|xr|matplotlib|dask|pandas)(\..*)?"),
+    (r"py:.*", r"(torch|numpy|np|scipy|sklearn|xarray|xr|matplotlib|dask|pandas|transformers)(\..*)?"),
     (r"py:data", r".*"),
     (r"py:attr", r"default_dim"),
 ]

@@ -13,6 +13,12 @@ everything else (projections, positions, masks, the rest of the network) the mod
     adapters (``FAMILIES``).
 :mod:`~kernapprox.surgery.bert`
     :class:`~kernapprox.surgery.bert.BertStack`: a BERT-family encoder layer by layer, through its own modules.
+:mod:`~kernapprox.surgery.llama`
+    :class:`~kernapprox.surgery.llama.LlamaStack`: the attention modules of a Llama-family decoder
+    (``LlamaForCausalLM``, ``LlamaModel``).
+:mod:`~kernapprox.surgery.cache`
+    :class:`~kernapprox.surgery.cache.KernelCache`: a converted decoder's cache (fixed-size states for substituted
+    layers, keys and values for the others), which ``model(..., use_cache=True)`` and ``generate()`` use.
 :mod:`~kernapprox.surgery.placement`
     Placements of exact layers, the prefix-sharing search over them, their attention memory.
 :mod:`~kernapprox.surgery.retrieval`
@@ -34,7 +40,10 @@ from .attention import (
     set_attention,
 )
 from .bert import BertStack
+from .cache import KernelCache, StateLayer
 from .conversion import FAMILIES, calibrate, convert, head_seed, stack_for, substitute
+from .llama import LlamaStack
 
 __all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "capture", "disable", "enable", "get_attention",
-           "set_attention", "BertStack", "FAMILIES", "calibrate", "convert", "head_seed", "stack_for", "substitute"]
+           "set_attention", "BertStack", "LlamaStack", "KernelCache", "StateLayer", "FAMILIES", "calibrate", "convert",
+           "head_seed", "stack_for", "substitute"]

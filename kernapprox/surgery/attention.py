@@ -21,12 +21,19 @@ switches the model to it (``model.set_attn_implementation``). Every attention mo
   than one query, as transformers' SDPA function reads them); heads without an estimator keep the model's own
   output.
 
+A decoder's cache: the layer of a converted model's :class:`~kernapprox.surgery.cache.KernelCache` reaches this
+function through the module's keyword arguments (``kernapprox_cache_layer``, set by
+:meth:`~kernapprox.surgery.cache.StateLayer.update`); each substituted head then continues its decoding cache
+(:func:`kernapprox.attention.decode.decode_cache`) with the call's new tokens, the mask's last columns giving their
+padding. Padded queries that no real key precedes (left padding) get rows of 0 (``query_padding_mask``). The core
+runs with autocast disabled: half-precision activations are computed in float32 and the output returned in their
+dtype.
+
 What it cannot honour it refuses with ``ValueError``: an attention mask that is not key padding (with or without
 the causal triangle), an additive bias other than 0/−∞, a sliding window, a soft cap or attention sinks,
-attention dropout in training, a causal call of several queries against more keys (a prefill continuing a cache),
-an estimator whose kernel scale is not the module's. One query against a cache of keys (decoding) is attention
-over all of them, which the layer computes; keeping a fixed-size state instead of the cache is a cache object's
-work, not this function's.
+attention dropout in training, a causal call of several queries against more keys from a plain key/value cache
+(decode a converted model with its own cache), an estimator whose kernel scale is not the module's. One query
+against a key/value cache (decoding) is attention over all of them, which the layer computes.
 
 >>> import torch, transformers, kernapprox as ka
 >>> from kernapprox.surgery import attention as sa
@@ -42,6 +49,7 @@ torch.Size([1, 4, 16])
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import sys
@@ -51,6 +59,8 @@ import torch
 
 from ..attention import linear_attention
 from ..estimators import Estimator
+
+CACHE_KEYWORD = "kernapprox_cache_layer"   # how a decoder cache layer reaches this function (surgery.cache)
 
 __all__ = ["SubstitutedAttention", "PerSequence", "AttentionCall", "enable", "disable", "set_attention",
            "get_attention", "capture", "attention_forward", "key_padding_from_mask", "implementation_name",
@@ -294,8 +304,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     Returns ``(output (B, n_q, H, d_v), None)`` for a substituted module (no attention weights exist for a
     feature map), else what the model's own ``base`` function returns.
     """
-    attention = module.__dict__.get(_ATTRIBUTE)
+    layer = kwargs.pop(CACHE_KEYWORD, None)          # a StateLayer of the converted model's cache (surgery.cache)
+    attention = getattr(module, _ATTRIBUTE, None)     # an attribute read: torch.compile guards it per module
     if attention is None:
+        if layer is not None:
+            raise ValueError("the cache holds a kernapprox state for a layer whose attention is not substituted")
         return _base_function(module, base)(module, query, key, value, attention_mask, scaling=scaling,
                                             dropout=dropout, **kwargs)
     for name in _REFUSED:
@@ -308,18 +321,35 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     n_q, n_k = query.shape[-2], key.shape[-2]
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    common = torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
+    if not query.dtype == key.dtype == value.dtype:
+        # under autocast the rotary embeddings (float32 tables) promote bf16 queries and keys, not the values
+        query, key, value = query.to(common), key.to(common), value.to(common)
+    full_mask = attention_mask
+    if layer is not None and attention_mask is not None and attention_mask.shape[-1] != n_k:
+        # the mask covers the whole context; the new keys are its last columns (the state holds the others)
+        if attention_mask.shape[-1] != layer.seen:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[-1]} keys but the cache has seen "
+                             f"{layer.seen} tokens")
+        attention_mask = attention_mask[..., -n_k:]
     padding, causal = key_padding_from_mask(attention_mask, n_q, n_k)
     if causal is None:                 # no mask: the call's flag, else the module's, as transformers' SDPA reads it
         is_causal = kwargs.get("is_causal")
         causal = bool(getattr(module, "is_causal", False) if is_causal is None else is_causal) and n_q > 1
+    if layer is not None:
+        causal = True                  # a decoder cache: every new query sees the state and the new keys before it
     if causal and n_q != n_k:
-        raise ValueError(f"a causal call with {n_q} queries and {n_k} keys (decoding from a cache) is not supported "
-                         "by the substituted attention")
+        raise ValueError(f"a causal call with {n_q} queries and {n_k} keys (decoding from a key/value cache) is not "
+                         "supported by the substituted attention: decode a converted model with its own cache "
+                         "(kernapprox.surgery.cache.KernelCache, which model(..., use_cache=True) and generate() "
+                         "create)")
     heads = query.shape[1]
     if heads % key.shape[1]:
         raise ValueError(f"{heads} query heads do not share {key.shape[1]} key/value heads evenly")
     groups = heads // key.shape[1]
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)
+    if layer is not None and layer.kv is not None:
+        own_key, own_value = layer.full                # the kept heads attend over the whole context
     if groups > 1:                                    # grouped-query heads: each query head reads its group's keys
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     call = AttentionCall(query, key, value, padding, causal, float(scaling))
@@ -327,10 +357,11 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise _Captured(call)
     if len(attention.heads) != heads:
         raise ValueError(f"the substitution has {len(attention.heads)} heads, the module {heads}")
+    query_padding = _keyless_queries(padding) if causal else None
 
     kept = [h for h, entry in enumerate(attention.heads) if entry is None]
     if kept:                                          # the model's own output for the heads it keeps
-        own, _ = _base_function(module, base)(module, query, own_key, own_value, attention_mask, scaling=scaling,
+        own, _ = _base_function(module, base)(module, query, own_key, own_value, full_mask, scaling=scaling,
                                               dropout=dropout, **kwargs)
         out = own.transpose(1, 2).clone()
     else:
@@ -341,16 +372,53 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             groups_of.setdefault(id(entry), []).append(h)
     for index in groups_of.values():
         entry = attention.heads[index[0]]
+        select = torch.tensor(index, device=query.device)
+        q_sel, k_sel, v_sel = call.query[:, select], call.key[:, select], call.value[:, select]
+        if layer is not None:
+            if isinstance(entry, PerSequence):
+                raise ValueError("a head fitted on each sequence (PerSequence) has no decoding state")
+            _check_scale(entry, call.scaling)
+            out[:, index] = layer.decoder(tuple(index), entry, attention.mode).extend(
+                q_sel, k_sel, v_sel, **_padding_kwargs(padding, query_padding))
+            continue
         if isinstance(entry, PerSequence) or (padding is not None and entry.capabilities().kind == "attention"):
             out[:, index] = _per_sequence(call, index, entry, attention.mode)
             continue
         _check_scale(entry, call.scaling)
-        select = torch.tensor(index, device=query.device)
-        out[:, index] = linear_attention(call.query[:, select], call.key[:, select], call.value[:, select], entry,
-                                         causal=causal, mode=_mode(entry, attention.mode), key_padding_mask=padding)
+        with _core_precision(query):
+            out[:, index] = linear_attention(q_sel, k_sel, v_sel, entry, causal=causal,
+                                             mode=_mode(entry, attention.mode),
+                                             **_padding_kwargs(padding, query_padding))
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _keyless_queries(padding):
+    """The padded queries of a causal call that no real key precedes (left padding), ``(B, 1, n)`` bool, or
+    ``None`` when there are none: the core gives their rows 0 (``query_padding_mask``) where it would otherwise have
+    no key for them; padded queries after a real token (right padding) keep the rows the model computes."""
+    if padding is None:
+        return None
+    keyless = padding & (torch.cumsum((~padding).to(torch.int32), -1) == 0)
+    return keyless if bool(keyless.any()) else None
+
+
+def _padding_kwargs(padding, query_padding) -> dict:
+    extra = {}
+    if padding is not None:
+        extra["key_padding_mask"] = padding
+    if query_padding is not None:
+        extra["query_padding_mask"] = query_padding
+    return extra
+
+
+def _core_precision(x: torch.Tensor):
+    """Autocast off around the core: it computes half-precision inputs in float32 itself (and keeps float32
+    states), and returns the inputs' dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _check_scale(estimator: Estimator, scaling: float) -> None:

@@ -29,7 +29,11 @@ class BertStack:
     Attributes
     ----------
     num_layers, num_heads, head_dim : int
+    decodes : bool
+        False (declared): an encoder; its converted copies keep no decoder cache of states.
     """
+
+    decodes = False
 
     def __init__(self, model):
         base = getattr(model, "base_model", model)

@@ -4,8 +4,11 @@
 :func:`substitute` puts given fitted estimators into a copy; :func:`calibrate` fits data-dependent maps layer by
 layer on a calibration batch, each layer on the activations of the model as substituted below it. A model family
 is found by its configuration's declared ``model_type`` in :data:`FAMILIES` (``"bert"``: BERT-family encoders,
-MiniLM included); a family adapter gives the attention module of each layer and the sizes
-(:class:`~kernapprox.surgery.bert.BertStack` is the model).
+MiniLM included; ``"llama"``: ``LlamaForCausalLM`` and ``LlamaModel``, with their rotary embeddings and
+grouped-query heads); a family adapter gives the attention module of each layer and the sizes
+(:class:`~kernapprox.surgery.bert.BertStack`, :class:`~kernapprox.surgery.llama.LlamaStack`). A converted causal
+decoder keeps the Hugging Face decoding interface, with fixed-size states as the cache of its substituted layers
+(:mod:`~kernapprox.surgery.cache`).
 
 >>> import torch, transformers
 >>> from kernapprox.surgery import convert
@@ -30,13 +33,15 @@ import torch
 
 from ..estimators.registry import make_estimator
 from . import attention as sa
+from . import cache as _cache
 from .bert import BertStack
+from .llama import LlamaStack
 from .placement import check_layers
 
 __all__ = ["FAMILIES", "stack_for", "head_seed", "substitute", "calibrate", "convert"]
 
 # model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
-FAMILIES: dict[str, type] = {"bert": BertStack}
+FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
 
 
 def stack_for(model):
@@ -69,6 +74,8 @@ def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
     sa.enable(target)
     for layer, heads in layers.items():
         sa.set_attention(stack.attention_module(int(layer)), sa.SubstitutedAttention(heads))
+    if stack.decodes:
+        _cache.install(target)
     return target
 
 
@@ -81,11 +88,14 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
     if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
         raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
     stack = stack_for(model)
+    inputs = dict(calibration)
+    if stack.decodes:
+        inputs.setdefault("use_cache", False)            # a calibration pass keeps no decoder cache
     fitted = {}
     for layer in sorted(estimators):
         heads = list(estimators[layer])
         module = stack.attention_module(layer)
-        call = sa.capture(module, lambda: model(**calibration))
+        call = sa.capture(module, lambda: model(**inputs))
         real = (torch.ones(call.query.shape[0], call.query.shape[-2], dtype=torch.bool, device=call.query.device)
                 if call.key_padding_mask is None else ~call.key_padding_mask[:, 0])
         out = []
@@ -126,6 +136,8 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
     head_set = set(range(stack.num_heads)) if heads is None else _check_heads(heads, stack.num_heads)
     sa.enable(converted)
+    if stack.decodes:                # decoding through the model's own cache interface
+        _cache.install(converted)
     dtype = next(converted.parameters()).dtype
     device = next(converted.parameters()).device
     pending = {}                                          # layer -> heads still to be fitted on calibration data

@@ -1,0 +1,379 @@
+"""One cache object from prefill to decode, for every causal estimator: the same calls whatever it keeps.
+
+:func:`decode_cache` returns, for a fitted estimator, the object a decoder holds between calls:
+
+:class:`FeatureStateCache` (feature maps)
+    the fixed-size state of :func:`~kernapprox.attention.linear.linear_attention` under its rule (sum: the
+    normalised ``(W̃, z̃, c)`` of :class:`~kernapprox.rules.NormalizedState`), carried from one call to the next by
+    ``initial_state``/``return_state``; its size does not grow with the context.
+:class:`KVCache` (``exact``)
+    the keys and values of every token so far (and which of them are padding): softmax attention of the new
+    queries over all of them, each new query seeing the cached keys and the new keys up to itself.
+:class:`ReplayCache` (estimators with their own causal attention that reads one query at a time: the hybrids
+    ``window_linear`` and ``scatterbrain``)
+    every key and value so far; the rows of new queries are recomputed by the estimator's own causal attention over
+    the whole context. Its memory grows with the context: these estimators' fixed-size decoding state (a KV window
+    plus a linear state, what their ``state_bytes`` accounts for) is their own attention's internal, which they do
+    not hand to the core.
+
+Estimators whose output at a token depends on the other queries of the call (declared ``query_dependent``: EVA,
+the kernel SVD reference) or that define no causal attention have no decoding cache: :func:`decode_cache` raises
+``ValueError`` naming them.
+
+Every cache has the same calls. With ``q, k, v`` ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)`` the next ``n``
+tokens of every batch entry:
+
+``extend(q, k, v, key_padding_mask=None, query_padding_mask=None)``
+    causal attention of the new tokens: new query ``i`` sees every cached token and the new tokens ``≤ i``, then
+    the cache holds all of them. The first call is the prefill
+    (:meth:`~kernapprox.attention.decode.DecodeCache.prefill` is the same call on an empty cache); later calls
+    continue it with one token or more. Padding masks as in
+    :func:`~kernapprox.attention.linear.linear_attention`, for the new tokens (``(..., n)``, True = padding): a
+    padded key enters no state, a padded query's row is 0.
+``step(q_t, k_t, v_t)``
+    one token ``(..., d)``: ``extend`` of a sequence of one, returning ``(..., d_v)``.
+``state_bytes()``
+    the memory the cache stands for, in the convention of :mod:`kernapprox.memory` and the memory axes: the
+    estimator's :meth:`~kernapprox.estimators.base.Estimator.state_bytes` at the state's dtype and the number of
+    tokens seen, times the batch entries (:class:`ReplayCache`: the keys and values it holds).
+    ``held_bytes()`` is what its tensors occupy now.
+
+Precision: states are kept in the compute dtype (float32 for half-precision inputs, float64 for float64), and the
+core runs with autocast disabled, so a prefill under ``torch.autocast(dtype=torch.bfloat16)`` keeps float32 states
+(the outputs come back in the inputs' dtype). The KV cache keeps the keys and values in their own dtype, as a
+model's KV cache does.
+
+Prefill followed by decoding gives the full causal pass's outputs (to rounding): the tests check it for every
+registered causal estimator in float64.
+
+>>> import torch, kernapprox as ka
+>>> from kernapprox.attention.decode import decode_cache
+>>> gen = torch.Generator().manual_seed(0)
+>>> q, k, v = (torch.randn(2, 12, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+>>> est = ka.make_estimator("positive", num_features=32, rng=0).fit(q, k)
+>>> cache = decode_cache(est)
+>>> head = cache.extend(q[:, :10], k[:, :10], v[:, :10])                 # prefill
+>>> y10, y11 = cache.step(q[:, 10], k[:, 10], v[:, 10]), cache.step(q[:, 11], k[:, 11], v[:, 11])
+>>> full = ka.linear_attention(q, k, v, est, causal=True)
+>>> bool(torch.allclose(torch.stack([y10, y11], -2), full[:, 10:], atol=1e-12)), cache.num_tokens
+(True, 12)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..estimators.base import Estimator
+from ..rules import resolve_rule
+from ..validation import check_qkv
+from .exact import softmax_attention
+from .linear import linear_attention
+
+__all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "ReplayCache"]
+
+
+def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -> DecodeCache:
+    """The decoding cache of a fitted ``estimator`` (see the module docstring): :class:`FeatureStateCache` for a
+    feature map, :class:`KVCache` for the exact kernel, :class:`ReplayCache` for a causal estimator with its own
+    attention that is not query-dependent.
+
+    Parameters
+    ----------
+    estimator : Estimator
+        Fitted.
+    mode : str, optional
+        The attention mode of the calls (default: ``"chunked"`` where declared, else the first declared mode).
+    rule : str or rule object
+        The state rule of a feature map (:mod:`kernapprox.rules`; default the sum). Other kinds take the sum only.
+
+    Raises
+    ------
+    ValueError
+        The estimator defines no causal attention, or its output depends on the other queries of a call
+        (``query_dependent``): no prefill + decode reproduces its full pass.
+    """
+    if not isinstance(estimator, Estimator):
+        raise TypeError(f"estimator must be a kernapprox estimator, got {type(estimator).__name__}")
+    estimator._check_fitted()
+    caps = estimator.capabilities()
+    name = type(estimator).__name__
+    if not caps.causal:
+        raise ValueError(f"{name} defines no causal attention, so it has no decoding cache (a decoder's token sees "
+                         "only the tokens before it)")
+    if mode is not None and mode not in caps.modes:
+        raise ValueError(f"mode {mode!r} is not supported by {name}; supported: {', '.join(caps.modes)}")
+    rule = resolve_rule(rule)
+    if caps.kind == "features":
+        return FeatureStateCache(estimator, mode=mode, rule=rule)
+    if rule.name != "sum":
+        raise ValueError(f"rule {rule.name!r} needs a feature map; {name} takes the sum rule only")
+    if caps.kind == "exact":
+        return KVCache(estimator)
+    if caps.query_dependent:
+        raise ValueError(f"{name} has no decoding cache: its output at a token depends on the other queries of the "
+                         "call (it is query_dependent: proposals, landmarks or a fit on the call's queries), so a "
+                         "prefill followed by one-token steps cannot reproduce its full causal pass")
+    return ReplayCache(estimator, mode=mode)
+
+
+def _default_mode(estimator: Estimator, mode: str | None) -> str:
+    modes = estimator.capabilities().modes
+    if mode is not None:
+        return mode
+    return "chunked" if "chunked" in modes else modes[0]
+
+
+def _no_autocast(x: torch.Tensor):
+    """Autocast disabled for the core's products (its states stay in the compute dtype)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.autocast(x.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _check_padding(mask, name: str, n: int):
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor (..., n) (True = padding), got "
+                        f"{type(mask).__name__ if not isinstance(mask, torch.Tensor) else mask.dtype}")
+    if mask.dim() < 1 or mask.shape[-1] != n:
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not end in the {n} new tokens")
+    return mask
+
+
+class DecodeCache:
+    """The calls every decoding cache has (see the module docstring); subclasses keep what their estimator needs.
+
+    Attributes
+    ----------
+    estimator : Estimator
+    mode : str
+    num_tokens : int
+        Tokens seen so far (padding included).
+    """
+
+    def __init__(self, estimator: Estimator, *, mode: str | None = None):
+        self.estimator = estimator
+        self.mode = _default_mode(estimator, mode)
+        self.num_tokens = 0
+        self._batch = None             # batch shape and d_v, fixed by the first call
+        self._d_v = None
+
+    def prefill(self, q, k, v, *, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
+        """The first call (the cache must be empty): causal attention of the prompt, kept."""
+        if self.num_tokens:
+            raise ValueError(f"prefill on a cache that holds {self.num_tokens} tokens already: use extend (or reset)")
+        return self.extend(q, k, v, key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask)
+
+    def extend(self, q, k, v, *, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
+        """Causal attention of ``n`` new tokens after the cached ones; the cache then holds them too."""
+        check_qkv(q, k, v, True)
+        key_padding_mask = _check_padding(key_padding_mask, "key_padding_mask", k.shape[-2])
+        query_padding_mask = _check_padding(query_padding_mask, "query_padding_mask", q.shape[-2])
+        if self._batch is not None and (tuple(q.shape[:-2]) != self._batch or v.shape[-1] != self._d_v):
+            raise ValueError(f"q/v of shapes {tuple(q.shape)}, {tuple(v.shape)} do not continue the cache of batch "
+                             f"shape {self._batch} and d_v={self._d_v}")
+        out = self._extend(q, k, v, key_padding_mask, query_padding_mask)
+        self._batch, self._d_v = tuple(q.shape[:-2]), v.shape[-1]
+        self.num_tokens += k.shape[-2]
+        return out
+
+    def step(self, q_t, k_t, v_t, *, key_padding_mask=None) -> torch.Tensor:
+        """One token ``(..., d)``, ``(..., d)``, ``(..., d_v)``: its output ``(..., d_v)``. ``key_padding_mask``
+        (the batch shape, True = padding): the token is padding for that entry."""
+        pad = None if key_padding_mask is None else key_padding_mask[..., None]
+        return self.extend(q_t[..., None, :], k_t[..., None, :], v_t[..., None, :], key_padding_mask=pad,
+                           query_padding_mask=pad)[..., 0, :]
+
+    def reset(self) -> None:
+        """Empty the cache (the estimator is kept)."""
+        self.num_tokens = 0
+        self._batch = self._d_v = None
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the batch entries ``index`` (a long tensor on the first batch dimension; beam search reorders)."""
+        raise NotImplementedError
+
+    def state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors the cache holds now."""
+        return sum(t.numel() * t.element_size() for t in self._tensors())
+
+    def _tensors(self):
+        return []
+
+    def _entries(self) -> int:
+        return math.prod(self._batch) if self._batch is not None else 0
+
+    def _extend(self, q, k, v, key_padding, query_padding):
+        raise NotImplementedError
+
+
+def _padding_kwargs(key_padding, query_padding) -> dict:
+    extra = {}
+    if key_padding is not None:
+        extra["key_padding_mask"] = key_padding
+    if query_padding is not None:
+        extra["query_padding_mask"] = query_padding
+    return extra
+
+
+class FeatureStateCache(DecodeCache):
+    """The fixed-size state of a feature map under a rule, from prefill to decode.
+
+    ``extend`` is ``linear_attention(q, k, v, estimator, causal=True, rule=rule, initial_state=state,
+    return_state=True)``: the new tokens' keys come after the state's, each new query reads the state plus the new
+    keys up to itself. ``state`` (the rule's public tuple, :mod:`kernapprox.rules`) is ``None`` before the first
+    call; its tensors are in the compute dtype (float32 under half-precision inputs or autocast).
+    """
+
+    def __init__(self, estimator: Estimator, *, mode: str | None = None, rule="sum"):
+        super().__init__(estimator, mode=mode)
+        self.rule = resolve_rule(rule)
+        self.state = None
+
+    def _extend(self, q, k, v, key_padding, query_padding):
+        with _no_autocast(q):
+            out, self.state = linear_attention(q, k, v, self.estimator, causal=True, mode=self.mode, rule=self.rule,
+                                               initial_state=self.state, return_state=True,
+                                               **_padding_kwargs(key_padding, query_padding))
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self.state = None
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.state is not None:
+            self.state = type(self.state)(*(t.index_select(0, index.to(t.device)) for t in self.state))
+            self._batch = (len(index), *self._batch[1:])
+
+    def _tensors(self):
+        return [] if self.state is None else list(self.state)
+
+    def state_bytes(self) -> int:
+        """Batch entries × the estimator's ``state_bytes(d_v, state dtype)``: ``r (d_v + 1)`` numbers for the sum and
+        decay rules plus the fitted context state (the memory axes' convention); 0 before the first call."""
+        if self.state is None:
+            return 0
+        dtype = self.state[0].dtype
+        per_entry = self.estimator.state_bytes(self._d_v, dtype, seq_len=max(self.num_tokens, 1))
+        if self.rule.name != "sum" and self.rule.name != "decay":   # the rule's own state: every tensor it keeps
+            per_entry = sum(t[(0,) * len(self._batch)].numel() for t in self.state) * self.state[0].element_size()
+        return self._entries() * per_entry
+
+
+class KVCache(DecodeCache):
+    """The exact kernel's cache: the keys and values of every token so far, and which are padding.
+
+    ``extend`` is softmax attention (:func:`~kernapprox.attention.exact.softmax_attention`, the estimator's scale)
+    of the new queries over the cached and the new keys, new query ``i`` seeing the cached keys and new keys
+    ``≤ i``; the keys and values are kept in their own dtype.
+    """
+
+    def __init__(self, estimator: Estimator):
+        super().__init__(estimator, mode=None)
+        self.keys = self.values = None
+        self.padding = None              # (..., n) bool, True = padding; None while no key was padding
+
+    def _extend(self, q, k, v, key_padding, query_padding):
+        n_new = k.shape[-2]
+        past = 0 if self.keys is None else self.keys.shape[-2]
+        if past and (self.keys.dtype != k.dtype or self.keys.device != k.device):
+            raise TypeError(f"k has dtype {k.dtype} on {k.device} but the cache holds {self.keys.dtype} on "
+                            f"{self.keys.device}")
+        keys = k if not past else torch.cat([self.keys, k], -2)
+        values = v if not past else torch.cat([self.values, v], -2)
+        padding = self.padding
+        if key_padding is not None or padding is not None:
+            new = (key_padding.expand(*k.shape[:-2], n_new) if key_padding is not None
+                   else torch.zeros(*k.shape[:-2], n_new, dtype=torch.bool, device=k.device))
+            old = (padding if padding is not None
+                   else torch.zeros(*k.shape[:-2], past, dtype=torch.bool, device=k.device))
+            padding = torch.cat([old.expand(*k.shape[:-2], past), new], -1)
+        extra = _padding_kwargs(padding, query_padding)
+        with _no_autocast(q):
+            if not past:
+                out = softmax_attention(q, keys, values, True, self.estimator.scale_, **extra)
+            else:                  # the new rows: every cached key, and the new keys up to the row
+                rows = torch.arange(n_new, device=q.device)[:, None]
+                cols = torch.arange(past + n_new, device=q.device)[None, :]
+                allowed = cols <= rows + past
+                out = softmax_attention(q, keys, values, False, self.estimator.scale_, attn_mask=allowed, **extra)
+        self.keys, self.values, self.padding = keys, values, padding
+        return out
+
+    def reset(self) -> None:
+        super().reset()
+        self.keys = self.values = self.padding = None
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.keys is not None:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            if self.padding is not None:
+                self.padding = self.padding.expand(*self.keys.shape[:-2], self.padding.shape[-1]).index_select(0,
+                                                                                                              index)
+            self._batch = (len(index), *self._batch[1:])
+
+    def _tensors(self):
+        return [t for t in (self.keys, self.values, self.padding) if t is not None]
+
+    def state_bytes(self) -> int:
+        """Batch entries × ``num_tokens · (d + d_v)`` numbers of the keys' dtype (the exact kernel's
+        ``state_bytes`` at the context length)."""
+        if self.keys is None:
+            return 0
+        return self._entries() * self.estimator.state_bytes(self._d_v, self.keys.dtype, seq_len=self.num_tokens)
+
+
+class ReplayCache(DecodeCache):
+    """Every key and value so far, for an estimator that brings its own causal attention (``kind="attention"``,
+    not query-dependent): the rows of the new queries are its causal attention over the whole context, with the
+    earlier queries' rows (which it does not read for these rows) left at zero.
+
+    Exact to rounding, but its memory grows with the context (``num_tokens · (d + d_v)`` numbers per entry) and
+    each call costs a pass over the context: the fixed-size state these estimators account for in their
+    ``state_bytes`` lives inside their own attention. Such estimators take no padding masks.
+    """
+
+    def __init__(self, estimator: Estimator, *, mode: str | None = None):
+        super().__init__(estimator, mode=mode)
+        self.keys = self.values = None
+
+    def _extend(self, q, k, v, key_padding, query_padding):
+        if key_padding is not None or query_padding is not None:
+            if bool((key_padding if key_padding is not None else query_padding).any()):
+                raise ValueError(f"{type(self.estimator).__name__} brings its own attention, which takes no padding "
+                                 "masks: decode unpadded sequences with it")
+        n_new = k.shape[-2]
+        keys = k if self.keys is None else torch.cat([self.keys, k], -2)
+        values = v if self.values is None else torch.cat([self.values, v], -2)
+        past = keys.shape[-2] - n_new
+        queries = q if not past else torch.cat([q.new_zeros(*q.shape[:-2], past, q.shape[-1]), q], -2)
+        with _no_autocast(q):
+            out = linear_attention(queries, keys, values, self.estimator, causal=True, mode=self.mode)
+        self.keys, self.values = keys, values
+        return out[..., past:, :]
+
+    def reset(self) -> None:
+        super().reset()
+        self.keys = self.values = None
+
+    def select(self, index: torch.Tensor) -> None:
+        if self.keys is not None:
+            index = index.to(self.keys.device)
+            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+            self._batch = (len(index), *self._batch[1:])
+
+    def _tensors(self):
+        return [t for t in (self.keys, self.values) if t is not None]
+
+    def state_bytes(self) -> int:
+        """What it holds: batch entries × ``num_tokens · (d + d_v)`` numbers of the keys' dtype."""
+        return self.held_bytes()

@@ -1,0 +1,260 @@
+"""The decoder cache of a converted model: fixed-size states for substituted layers, a KV cache for the others.
+
+A converted causal model (:func:`~kernapprox.surgery.conversion.convert` of a ``LlamaForCausalLM``) keeps the
+Hugging Face decoding interface: ``model(..., use_cache=True)`` returns its cache as ``outputs.cache`` (the
+``past_key_values`` of transformers before 5), which the next call continues (``cache=``), and ``generate()``
+decodes with it. :class:`KernelCache` is that cache: a transformers ``DynamicCache`` whose layers are
+
+* :class:`StateLayer` for a substituted layer: per substituted head (or group of heads sharing an estimator), the
+  estimator's decoding cache (:func:`kernapprox.attention.decode.decode_cache`: the fixed-size state of a feature
+  map, a KV cache for ``exact``), plus a KV cache of the layer's own heads when some are kept;
+* transformers' ``DynamicLayer`` (keys and values) for a layer left as it was.
+
+How the cache reaches a substituted layer's attention: transformers' attention module calls
+``cache.update(key, value, layer_idx, kwargs=kwargs)`` after its rotary embeddings and before the attention
+interface, with the keyword arguments it then passes to that interface. :meth:`StateLayer.update
+<kernapprox.surgery.cache.StateLayer.update>` returns the new keys and values unchanged and adds itself to those
+keyword arguments (``kernapprox_cache_layer``), so that
+:func:`~kernapprox.surgery.attention.attention_forward` runs each substituted head's cache on the new tokens: new
+query ``i`` attends to the state of every earlier token and to the new keys up to itself.
+
+The cache is created by the model itself: :func:`install` registers a forward pre-hook on the decoder (the
+``LlamaModel``) that, when the call uses a cache, gives it a :class:`KernelCache` (no cache passed) or puts
+state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
+``generate()`` creates), so prefill and decode need nothing from the user. Masks keep working:
+``get_seq_length`` counts the tokens seen and ``get_mask_sizes`` is the dynamic cache's (``seen + query length``,
+offset 0), so ``masking_utils`` builds the mask of the whole context; the substituted layer reads the columns of
+the new tokens from it.
+
+Padding (left-padded batches, as batched generation pads): a padding token enters no state, and its own output row
+is 0 (its logits are not defined by the model either). Beam search reorders the states (``reorder_cache``);
+``crop`` (assisted decoding's rollback) is not supported by a fixed-size state.
+
+>>> import torch, transformers, kernapprox as ka
+>>> config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+...                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+>>> torch.manual_seed(0) and None
+>>> model = transformers.LlamaForCausalLM(config).eval()
+>>> fast = ka.convert(model, "positive", num_features=16, rng=0)
+>>> ids = torch.tensor([[3, 7, 1, 9, 4]])
+>>> out = fast(input_ids=ids[:, :4], use_cache=True)
+>>> type(out.cache).__name__, out.cache.get_seq_length()
+('KernelCache', 4)
+>>> step = fast(input_ids=ids[:, 4:], cache=out.cache, use_cache=True)
+>>> full = fast(input_ids=ids, use_cache=False)
+>>> bool(torch.allclose(step.logits[:, -1], full.logits[:, -1], atol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+
+from ..attention.decode import DecodeCache, decode_cache
+from . import attention as sa
+from .attention import CACHE_KEYWORD
+from .llama import LlamaStack
+
+__all__ = ["StateLayer", "KernelCache", "install"]
+_HOOK = "kernapprox_cache_hook"
+
+
+class StateLayer(CacheLayerMixin):
+    """The cache of one substituted layer: a decoding cache per estimator of its heads, a KV cache of the heads it
+    keeps (``keep_kv``).
+
+    Attributes
+    ----------
+    decoders : dict
+        ``{head group: DecodeCache}`` (the group: the tuple of query heads sharing one estimator), created at the
+        first call (the prefill).
+    kv : DynamicLayer or None
+        The keys and values of the layer's key/value heads, for the query heads that keep the model's own attention.
+    seen : int
+        Tokens seen (padding included).
+    """
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+
+    def __init__(self, *, keep_kv: bool = False):
+        super().__init__()
+        self.decoders: dict[tuple[int, ...], DecodeCache] = {}
+        self.kv = DynamicLayer() if keep_kv else None
+        self.seen = 0
+        self.full = None                 # (keys, values) of every token, for the kept heads of the current call
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.dtype = key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, kwargs=None, **extra):
+        """Count the new tokens, keep their keys and values for kept heads, hand this layer to the attention call
+        (through ``kwargs``), and return the new keys and values: the substituted heads read their states."""
+        if kwargs is None:
+            raise ValueError("the attention module did not pass its keyword arguments to cache.update(..., "
+                             "kwargs=...), so a substituted layer cannot reach its state (transformers' Llama "
+                             "attention passes them)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.kv is not None:
+            self.full = self.kv.update(key_states, value_states)
+        self.seen += key_states.shape[-2]
+        self.batch_size = key_states.shape[0]
+        kwargs[CACHE_KEYWORD] = self
+        return key_states, value_states
+
+    def decoder(self, heads: tuple[int, ...], estimator, mode: str | None) -> DecodeCache:
+        """The decoding cache of the head group ``heads`` (created for ``estimator`` at the first call)."""
+        found = self.decoders.get(heads)
+        if found is None:
+            found = self.decoders[heads] = decode_cache(estimator, mode=mode)
+        return found
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(seen + query_length, 0)``: the mask covers the whole context, as a dynamic KV layer's does."""
+        return self.seen + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def state_bytes(self) -> int:
+        """Bytes the layer stands for: its decoders' ``state_bytes`` plus the kept heads' keys and values."""
+        kept = 0 if self.kv is None or self.kv.keys is None else sum(
+            t.numel() * t.element_size() for t in (self.kv.keys, self.kv.values))
+        return sum(d.state_bytes() for d in self.decoders.values()) + kept
+
+    def offload(self):             # the states are small; they stay on their device
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reset(self) -> None:
+        self.decoders = {}
+        self.seen = 0
+        self.full = None
+        if self.kv is not None:
+            self.kv.reset()
+        self.is_initialized = False
+
+    def _select(self, index: torch.Tensor) -> None:
+        for dec in self.decoders.values():
+            dec.select(index)
+        if self.kv is not None and self.kv.get_seq_length() > 0:
+            self.kv.batch_select_indices(index.to(self.kv.keys.device))
+        self.batch_size = len(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(torch.as_tensor(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.seen:
+            self._select(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise ValueError("a fixed-size state cannot remove tokens (crop): assisted decoding and other rollbacks "
+                             "are not supported by a converted model's cache")
+
+
+def _layers_for(stack) -> list:
+    layers = []
+    for index in range(stack.num_layers):
+        attention = sa.get_attention(stack.attention_module(index))
+        if attention is None:
+            layers.append(DynamicLayer())
+        else:
+            layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads)))
+    return layers
+
+
+class KernelCache(DynamicCache):
+    """The cache of a converted decoder: :class:`StateLayer` for its substituted layers, ``DynamicLayer`` (keys and
+    values) for the others, built from the model's current substitutions.
+
+    Parameters
+    ----------
+    model
+        A converted Llama-family model (``LlamaForCausalLM`` or ``LlamaModel``).
+
+    A converted model creates it itself when a call uses a cache (:func:`install`); pass one as ``past_key_values``
+    to keep a handle on it from the start. ``state_bytes()`` is the memory of every layer's cache.
+    """
+
+    def __init__(self, model):
+        Cache.__init__(self, layers=_layers_for(LlamaStack(model)))
+
+    def state_bytes(self) -> int:
+        """Bytes of the whole cache: states of the substituted layers, keys and values of the others."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, StateLayer):
+                total += layer.state_bytes()
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * \
+                    layer.values.element_size()
+        return total
+
+
+def _adopt(cache: Cache, stack) -> None:
+    """Put state layers into the substituted layers of a transformers cache that holds no token yet (the
+    ``DynamicCache`` that ``generate()`` creates); raise for a cache that cannot hold a substituted layer's state."""
+    if isinstance(cache, KernelCache):
+        return
+    wanted = _layers_for(stack)
+    if cache.layer_class_to_replicate is not None:       # a lazily built DynamicCache(): its layers, now
+        if cache.layer_class_to_replicate is not DynamicLayer:
+            raise TypeError(f"a converted model decodes with a KernelCache or a DynamicCache, got a cache of "
+                            f"{cache.layer_class_to_replicate.__name__} layers")
+        while len(cache.layers) < len(wanted):
+            cache.layers.append(DynamicLayer())
+        cache.layer_class_to_replicate = None
+    if len(cache.layers) != len(wanted):
+        raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(wanted)}")
+    for index, layer in enumerate(wanted):
+        if not isinstance(layer, StateLayer) or isinstance(cache.layers[index], StateLayer):
+            continue
+        current = cache.layers[index]
+        if type(current) is not DynamicLayer or current.get_seq_length() > 0:
+            raise TypeError(f"layer {index} is substituted, so its cache must be a kernapprox StateLayer, but the "
+                            f"given cache holds a {type(current).__name__} with {current.get_seq_length()} tokens: "
+                            "decode a converted model with the cache it returns (or a KernelCache(model))")
+        cache.layers[index] = layer
+
+
+def _pre_hook(module, args, kwargs):
+    if len(args) > 3:
+        raise TypeError("pass the cache of a converted model by keyword (cache= or past_key_values=)")
+    name = "past_key_values" if "past_key_values" in kwargs and kwargs.get("cache") is None else "cache"
+    cache = kwargs.get(name)
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(module.config, "use_cache", False)
+    if cache is None:
+        if not use_cache:
+            return None
+        kwargs[name] = KernelCache(module)
+        return args, kwargs
+    if isinstance(cache, Cache):
+        _adopt(cache, LlamaStack(module))
+    return None
+
+
+def install(model) -> None:
+    """Make ``model`` (a converted Llama-family model) create and adopt its :class:`KernelCache` (see the module
+    docstring): a forward pre-hook on its decoder. Idempotent; copies of the model (``copy.deepcopy``) keep it."""
+    base = getattr(model, "model", model)
+    if base.__dict__.get(_HOOK):
+        return
+    base.register_forward_pre_hook(_pre_hook, with_kwargs=True)
+    base.__dict__[_HOOK] = True

@@ -1,0 +1,177 @@
+"""One cache object from prefill to decode (:mod:`kernapprox.attention.decode`): a prefill, a continuation of
+several tokens and one-token steps give the full causal pass for every registered causal estimator (float64); the
+state keeps its size and dtype; estimators without a decoding cache say so by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernapprox as ka
+from kernapprox.attention.decode import FeatureStateCache, KVCache, ReplayCache, decode_cache
+
+D, DV, N = 8, 6, 20
+# the estimators with their own attention take a window shorter than the test sequence, so both parts are used
+OPTIONS = {"window_linear": {"window": 4}, "scatterbrain": {"window": 4}}
+
+
+def _qkv(seed=0, batch=(2, 3), n=N, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(0.6 * torch.randn(*batch, n, dim, generator=gen, dtype=dtype) for dim in (D, D, DV))
+
+
+def _fitted(name, q, k):
+    caps = ka.capabilities(name, **OPTIONS.get(name, {}))
+    r = None if caps.fixed_dimension else 16
+    return ka.make_estimator(name, num_features=r, rng=0, **OPTIONS.get(name, {})).fit(
+        q.reshape(-1, D), k.reshape(-1, D))
+
+
+def _decoded(cache, q, k, v, prefill=7, block=3):
+    """Prefill of ``prefill`` tokens, one continuation of ``block`` tokens, then one token at a time."""
+    outs = [cache.prefill(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :])]
+    stop = prefill + block
+    outs.append(cache.extend(q[..., prefill:stop, :], k[..., prefill:stop, :], v[..., prefill:stop, :]))
+    for t in range(stop, q.shape[-2]):
+        outs.append(cache.step(q[..., t, :], k[..., t, :], v[..., t, :])[..., None, :])
+    return torch.cat(outs, -2)
+
+
+CAUSAL = [name for name in ka.available_estimators() if ka.capabilities(name, **OPTIONS.get(name, {})).causal]
+DECODABLE = [name for name in CAUSAL if not ka.capabilities(name, **OPTIONS.get(name, {})).query_dependent]
+
+
+@pytest.mark.parametrize("name", DECODABLE)
+def test_prefill_then_decode_is_the_full_causal_pass(name):
+    q, k, v = _qkv()
+    est = _fitted(name, q, k)
+    cache = decode_cache(est)
+    full = ka.linear_attention(q, k, v, est, causal=True, mode=cache.mode)
+    got = _decoded(cache, q, k, v)
+    assert cache.num_tokens == N
+    assert float((got - full).abs().max()) < 1e-12 * max(1.0, float(full.abs().max()))
+
+
+def test_each_kind_gets_its_cache():
+    q, k, _ = _qkv()
+    assert isinstance(decode_cache(_fitted("positive", q, k)), FeatureStateCache)
+    assert isinstance(decode_cache(_fitted("exact", q, k)), KVCache)
+    assert isinstance(decode_cache(_fitted("window_linear", q, k)), ReplayCache)
+
+
+@pytest.mark.parametrize("name", sorted(set(CAUSAL) - set(DECODABLE)))
+def test_query_dependent_estimators_have_no_decoding_cache(name):
+    q, k, _ = _qkv()
+    est = _fitted(name, q, k)
+    with pytest.raises(ValueError, match=f"{type(est).__name__} has no decoding cache.*query_dependent"):
+        decode_cache(est)
+
+
+def test_non_causal_estimators_are_refused_by_name():
+    q, k, _ = _qkv()
+    est = ka.make_estimator("nystromformer", num_features=8, rng=0).fit(q.reshape(-1, D), k.reshape(-1, D))
+    with pytest.raises(ValueError, match="Nystromformer.* defines no causal attention"):
+        decode_cache(est)
+    with pytest.raises(TypeError, match="estimator must be a kernapprox estimator"):
+        decode_cache("positive")
+
+
+@pytest.mark.parametrize("rule", [ka.rules.Decay(0.9), ka.rules.Delta(0.5), ka.rules.LeastSquares(1.0)])
+@pytest.mark.parametrize("mode", ["chunked", "recurrent", "parallel"])
+def test_every_rule_and_mode_decodes_the_full_pass(rule, mode):
+    q, k, v = _qkv(seed=3)
+    est = _fitted("positive_orthogonal", q, k)
+    cache = decode_cache(est, rule=rule, mode=mode)
+    full = ka.linear_attention(q, k, v, est, causal=True, rule=rule, mode=mode)
+    torch.testing.assert_close(_decoded(cache, q, k, v), full, rtol=0, atol=1e-11)
+
+
+def test_the_feature_state_keeps_its_size_and_the_kv_cache_grows():
+    q, k, v = _qkv(seed=1)
+    feat = decode_cache(_fitted("positive", q, k))
+    kv = decode_cache(_fitted("exact", q, k))
+    for cache in (feat, kv):
+        assert cache.state_bytes() == 0
+        cache.prefill(q[..., :5, :], k[..., :5, :], v[..., :5, :])
+    entries = 2 * 3
+    assert feat.state_bytes() == entries * 16 * (DV + 1) * 8           # r (d_v + 1) float64 numbers per entry
+    assert kv.state_bytes() == entries * 5 * (D + DV) * 8              # n (d + d_v) numbers per entry
+    first = feat.state_bytes(), feat.held_bytes()
+    for t in range(5, N):
+        feat.step(q[..., t, :], k[..., t, :], v[..., t, :])
+        kv.step(q[..., t, :], k[..., t, :], v[..., t, :])
+    assert (feat.state_bytes(), feat.held_bytes()) == first
+    assert kv.state_bytes() == entries * N * (D + DV) * 8 == kv.held_bytes()
+    # the memory axes' convention: the estimator's own state_bytes
+    assert feat.state_bytes() == entries * feat.estimator.state_bytes(DV, torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_under_autocast_keeps_float32_states(dtype):
+    q, k, v = (t.to(dtype) for t in _qkv(seed=2, dtype=torch.float32))
+    est = _fitted("positive", q.float(), k.float())
+    cache = decode_cache(est)
+    with torch.autocast("cpu", dtype=dtype):
+        y = cache.prefill(q[..., :8, :], k[..., :8, :], v[..., :8, :])
+        y_t = cache.step(q[..., 8, :], k[..., 8, :], v[..., 8, :])
+    assert y.dtype == y_t.dtype == dtype
+    assert all(t.dtype == torch.float32 for t in cache.state)
+    assert cache.state_bytes() == 2 * 3 * est.state_bytes(DV, torch.float32)
+    full = ka.linear_attention(q.float()[..., :9, :], k.float()[..., :9, :], v.float()[..., :9, :], est, causal=True)
+    torch.testing.assert_close(y_t.float(), full[..., 8, :], rtol=0, atol=2e-2)
+
+
+def test_select_reorders_the_batch_as_beam_search_does():
+    q, k, v = _qkv(seed=4, batch=(3, 2))
+    index = torch.tensor([2, 0, 0])
+    for name in ("positive", "exact", "window_linear"):
+        est = _fitted(name, q, k)
+        cache = decode_cache(est)
+        cache.prefill(q[..., :10, :], k[..., :10, :], v[..., :10, :])
+        cache.select(index)
+        got = cache.extend(q[index, :, 10:], k[index, :, 10:], v[index, :, 10:])
+        full = ka.linear_attention(q[index], k[index], v[index], est, causal=True, mode=cache.mode)
+        torch.testing.assert_close(got, full[..., 10:, :], rtol=0, atol=1e-12)
+
+
+def test_bad_continuations_are_refused():
+    q, k, v = _qkv()
+    cache = decode_cache(_fitted("positive", q, k))
+    cache.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :])
+    with pytest.raises(ValueError, match="prefill on a cache that holds 4 tokens"):
+        cache.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :])
+    with pytest.raises(ValueError, match="do not continue the cache of batch shape"):
+        cache.extend(q[:1, :, 4:6], k[:1, :, 4:6], v[:1, :, 4:6])
+    with pytest.raises(TypeError, match="key_padding_mask must be a bool tensor"):
+        cache.extend(q[..., 4:6, :], k[..., 4:6, :], v[..., 4:6, :], key_padding_mask=torch.zeros(2))
+    with pytest.raises(ValueError, match="causal attention needs as many queries as keys"):
+        cache.extend(q[..., 4:6, :], k[..., 4:7, :], v[..., 4:7, :])
+    cache.reset()
+    assert cache.state is None and cache.num_tokens == 0
+    replay = decode_cache(_fitted("window_linear", q, k))
+    pad = torch.zeros(2, 3, 4, dtype=torch.bool)
+    pad[0, 0, 0] = True
+    with pytest.raises(ValueError, match="takes no padding masks"):
+        replay.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :], key_padding_mask=pad)
+
+
+@pytest.mark.parametrize("name", ["positive", "hedgehog", "taylor2", "exact", "nystrom_uniform"])
+def test_a_left_padded_batch_decodes_as_each_sequence_alone(name):
+    """Entry 0 of the batch is left-padded by 4 tokens: padded keys enter no state, padded queries get rows of 0,
+    and its real rows equal the unpadded sequence's, in the full pass and from prefill to decode alike."""
+    q, k, v = _qkv(seed=5, batch=(2, 3))
+    est = _fitted(name, q, k)
+    pad = torch.zeros(2, 1, N, dtype=torch.bool)
+    pad[0, :, :4] = True
+    full = ka.linear_attention(q, k, v, est, causal=True, key_padding_mask=pad, query_padding_mask=pad)
+    cache = decode_cache(est)
+    outs = [cache.prefill(q[..., :8, :], k[..., :8, :], v[..., :8, :], key_padding_mask=pad[..., :8],
+                          query_padding_mask=pad[..., :8])]
+    for t in range(8, N):
+        outs.append(cache.step(q[..., t, :], k[..., t, :], v[..., t, :])[..., None, :])
+    got = torch.cat(outs, -2)
+    torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+    assert bool((got[0, :, :4] == 0).all())
+    alone = ka.linear_attention(q[0, :, 4:], k[0, :, 4:], v[0, :, 4:], est, causal=True)
+    torch.testing.assert_close(got[0, :, 4:], alone, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got[1], ka.linear_attention(q[1], k[1], v[1], est, causal=True), rtol=0, atol=1e-12)
