@@ -2,7 +2,9 @@
 
 ``y(q) = Σ_i κ(q, k_i) v_i / Σ_i κ(q, k_i)``. With the exact kernel ``κ = exp(s qᵀk)`` this is softmax attention
 (:mod:`.exact`); with a feature map ``κ ≈ φ(q)ᵀφ(k)`` it is linear attention (:mod:`.linear`), computed in the
-parallel, recurrent or chunked mode, with :class:`~.recurrent.RecurrentState` for decoding one token at a time.
+parallel, recurrent or chunked mode, with :class:`~.recurrent.RecurrentState` for decoding one token at a time and
+:func:`~.decode.decode_cache` for one cache object from prefill to decode for every estimator (a fixed-size state,
+or a KV cache for the exact kernel).
 :mod:`.naive` holds the plain float64 loop oracles the fast paths are tested against. The state may be written by
 other rules than the sum (:mod:`kernapprox.rules`, their one home: decay, delta rule, least squares;
 :mod:`.delta` and :mod:`.least_squares` hold their modes), and every mode takes torch's masks (:mod:`.masks`).
@@ -19,6 +21,7 @@ Examples
 True
 """
 
+from .decode import DecodeCache, FeatureStateCache, KVCache, ReplayCache, decode_cache
 from .exact import softmax_attention
 from .linear import (
     MODES,
@@ -34,4 +37,5 @@ from .recurrent import RecurrentState, add_keys, read_queries
 __all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_from_features",
            "linear_attention_from_log_features", "add_keys", "read_queries", "add_log_keys", "RecurrentState",
            "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
-           "linear_attention_from_log_features_naive"]
+           "linear_attention_from_log_features_naive", "decode_cache", "DecodeCache", "FeatureStateCache", "KVCache",
+           "ReplayCache"]
