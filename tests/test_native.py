@@ -129,7 +129,8 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
     run = dict(causal=True, mode="chunked", chunk_size=8)
     ka.linear_attention(q.double(), k.double(), v.double(), est, **run)      # float64: eager
-    ka.linear_attention(q.requires_grad_(), k, v, est, **run)                # a gradient: eager
+    with backends.mode("backward", "off"):                                   # a gradient through autograd: eager
+        ka.linear_attention(q.requires_grad_(), k, v, est, **run)
     ka.linear_attention(q.detach(), k, v, est, rule=ka.rules.Delta(), **run)  # another rule: eager
     with backends.mode("native", "off"):
         ka.linear_attention(q.detach(), k, v, est, **run)
@@ -146,6 +147,9 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     with backends.mode("native", "auto"):                                    # auto at the threshold: the kernel
         ka.linear_attention(q.detach(), k, v, est, **run)
     assert len(kernel_only) == 3
+    with backends.mode("native", "auto"):   # the written-out backward's forward needs no gradient: features given
+        ka.linear_attention(q.detach().requires_grad_(), k, v, est, **run)
+    assert kernel_only[-1] == (2, 40, 8)
 
 
 # ------------------------------------------------------------------------------------------ non-causal kernel
