@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, add_comparison, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -39,10 +39,7 @@ from experiments._icl import (
     SET_CONTEXT_EQUAL_BYTES,
     applicable,
     available,
-    collect_legend,
     episode_dims,
-    exact_band,
-    memoised_episodes,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -51,7 +48,18 @@ from experiments._icl import (
 )
 from experiments._icl import style as icl_style
 from kernapprox import memory, readout, stats, tasks
-from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
+from kernapprox.plotting import (
+    figure_legend,
+    fmt,
+    fmt_bytes,
+    fmt_ci,
+    log_axis,
+    new_figure,
+    plot_summary,
+    reference_band,
+    reference_slope,
+    save_figure,
+)
 from kernapprox.sweep import Experiment, Metric, Reference, not_applicable, run_cli
 
 TASKS = {  # task -> settings
@@ -110,38 +118,39 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(task, query, rng, device):
-    """(queries, keys, values, per-episode scorer, β) of one batch of episodes of ``task`` (memoised per draw)."""
-    return memoised_episodes(rng, (task, query, str(device)), lambda: _draw_episodes(task, query, rng, device))
-
-
-def _draw_episodes(task, query, rng, device):
-    s = TASKS[task]
+def draw(params, data_rng, device):
+    """``(queries, keys, values, per-episode scorer, β, exact attention's read-out)`` of one batch of episodes of
+    the task (None where the task does not run with this query)."""
+    task, query, s = params["task"], params["query"], TASKS[params["task"]]
+    if not _runs(task, query):
+        return None
     if task == "recall":
-        ep = recall_episodes(s["num_context"], query, rng=rng, device=device, num_queries=s["num_queries"],
+        ep = recall_episodes(s["num_context"], query, rng=data_rng, device=device, num_queries=s["num_queries"],
                              dim=s["dim"], num_candidates=s["num_candidates"])
-        return (ep.queries, ep.keys, ep.values, lambda y: tasks.recall_accuracy(y, ep),
-                tasks.log_n_beta(s["num_context"], s["beta_factor"]))
-    if task == "regression":
-        ep = tasks.smooth_regression(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=rng,
+        q, k, v, score, beta = (ep.queries, ep.keys, ep.values, lambda y: tasks.recall_accuracy(y, ep),
+                                tasks.log_n_beta(s["num_context"], s["beta_factor"]))
+    elif task == "regression":
+        ep = tasks.smooth_regression(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=data_rng,
                                      device=device)
-        return ep.x_query, ep.x, ep.y, lambda y: tasks.normalized_mse(y, ep), s["beta"]
-    ep = tasks.digits_classification(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=rng,
-                                     device=device)
-    return ep.x_query, ep.x, ep.onehot, lambda y: tasks.classification_accuracy(y, ep), s["beta"]
+        q, k, v, score, beta = ep.x_query, ep.x, ep.y, lambda y: tasks.normalized_mse(y, ep), s["beta"]
+    else:
+        ep = tasks.digits_classification(s["num_context"], num_queries=s["num_queries"], batch=EPISODES,
+                                         rng=data_rng, device=device)
+        q, k, v, score, beta = ep.x_query, ep.x, ep.onehot, lambda y: tasks.classification_accuracy(y, ep), s["beta"]
+    return q, k, v, score, beta, readout.attention_readout("exact", q, k, v, beta=beta)
 
 
 def _runs(task: str, query: str) -> bool:
     return task == "recall" or query == "key"
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data):
     task, query, label, r = params["task"], params["query"], params["estimator"], params["num_features"]
     n = TASKS[task]["num_context"]
-    if not _runs(task, query) or not applicable(ESTIMATORS, label, r, n):
+    if data is None or not applicable(ESTIMATORS, label, r, n):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
+    queries, keys, values, score, beta, exact = data
     d, d_v = keys.shape[-1], values.shape[-1]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d_v, seq_len=n))}
     fit_on = "queries_and_keys" if label in ORACLES else "keys"
@@ -152,18 +161,13 @@ def run_cell(params, rng, device, data_rng):
         if sized is None:
             return not_applicable(**budget)
         name, options, r, fit_on = sized
-    read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
-                                          options=options, fit_on=fit_on)
+    read = readout.attention_readout(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
+                                     options=options, fit_on=fit_on)
     return {"score": score(read.output).cpu().numpy(), **readout_metrics(read, exact), **budget}
 
 
-def run_reference(params, device, data_rng):
-    task, query = params["task"], params["query"]
-    if not _runs(task, query):
-        return {"score_exact": np.float64(np.nan)}
-    queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
-    exact = readout.attention_readout("exact", queries, keys, values, beta=beta)
-    return {"score_exact": score(exact.output).cpu().numpy()}
+def run_reference(params, device, data):
+    return not_applicable() if data is None else {"score_exact": data[3](data[5].output).cpu().numpy()}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
@@ -194,12 +198,7 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         long_name="task score − exact attention's on the same episode", units="1",
         description="per episode (accuracy difference; regression: nMSE difference, positive = worse)",
         comparison="difference")
-    ds["score_vs_exact"] = diff
-    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-    summary.attrs["description"] = "summary of score_vs_exact over seed, episode: " + summary.attrs["interval"]
-    ds["score_vs_exact_summary"] = summary
-    ds = summarise_readout(ds)
-    return ds
+    return summarise_readout(add_comparison(ds, "score_vs_exact", diff, REPLICATES, statistic="mean"))
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -207,28 +206,18 @@ def _label(label: str) -> str:
     return ORACLES.get(label, label)
 
 
+ORACLE_STYLES = {KERNEL_SVD: {"color": "black", "linestyle": "-"}, ATTENTION_SVD: {"color": "0.45", "linestyle": "--"}}
+
+
 def _rank_lines(ax, ds, var, labels, **sel):
-    summary = ds[f"{var}_summary"]
+    """``<var>_summary`` against the fitted feature dimension (the sized estimators at their budget r)."""
     for label in labels:
-        s = summary.sel(estimator=label, **sel)
-        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed")
+        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed").values
         if label in SIZED:                           # at equal state bytes: placed at the budget r
-            x = x.copy(data=np.where(np.isfinite(x.values), ds.num_features.values.astype(float), np.nan))
-        keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
-        if not keep.any():
-            continue
-        kw = {**icl_style(label), "label": _label(label)}
-        if label in ORACLES:
-            kw.update(color="black" if label == KERNEL_SVD else "0.45", linestyle="-" if label == KERNEL_SVD else "--")
-        if keep.sum() == 1:
-            i = int(np.flatnonzero(keep)[0])
-            est, lo, hi = (float(s.sel(stat=k)[i]) for k in ("estimate", "lo", "hi"))
-            ax.errorbar([float(x[i])], [est], yerr=[[est - lo], [hi - est]], marker=kw["marker"], markersize=7,
-                        linestyle="none", color=kw["color"], capsize=2, label=kw["label"])
-        else:
-            plot_summary(ax, s.isel(num_features=np.flatnonzero(keep)), None, xvalues=x.values[keep], **kw)
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+            x = np.where(np.isfinite(x), ds.num_features.values.astype(float), np.nan)
+        plot_summary(ax, ds[f"{var}_summary"].sel(estimator=label, **sel), xvalues=x,
+                     **{**icl_style(label), "label": _label(label), **ORACLE_STYLES.get(label, {})})
+    log_axis(ax)
 
 
 def _setting(task):
@@ -248,7 +237,8 @@ def _error_panel(ax, ds, labels, **sel):
 
 def _score_panel(ax, ds, labels, task, query):
     _rank_lines(ax, ds, "score", labels, task=task, query=query)
-    ex = exact_band(ax, ds["score_exact_summary"].sel(task=task, query=query))
+    ex = reference_band(ax, ds["score_exact_summary"].sel(task=task, query=query),
+                        label="exact attention (same episodes)")
     if task == "regression":
         ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1.0, label="context mean (nMSE = 1)")
         ax.set_yscale("log")
@@ -278,7 +268,7 @@ def plot(ds: xr.Dataset, path) -> None:
             axes[2, j].axis("on")
             ex = _score_panel(axes[2, j], ds, labels, "recall", query)
             axes[2, j].set_title(f"recall, {query}: exact {ex:.3f}")
-    collect_legend(fig, axes.flat)
+    figure_legend(fig, axes)
     save_figure(fig, path, (
         "One set of episodes per data draw, read by exact attention and by every estimator at rank r. Top: relative "
         "RMS error of the attention output against exact attention (grey dashed: slope r^(-1/2)). Middle: the task "
@@ -298,7 +288,7 @@ def plot(ds: xr.Dataset, path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     labels = [str(v) for v in ds.estimator.values]
     ranks = [int(v) for v in ds.num_features.values]
     score, diff = ds["score_summary"], ds["score_vs_exact_summary"]
@@ -373,8 +363,7 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
     lines.extend(_matched_findings(ds))
     headline = [line for line in lines if line.startswith("At r = ")]
-    lines = headline + [line for line in lines if line not in headline]
-    return bullets(lines)
+    return headline + [line for line in lines if line not in headline]
 
 
 def _matched_findings(ds) -> list[str]:
@@ -391,22 +380,17 @@ def _matched_findings(ds) -> list[str]:
         cells = []
         for r in (int(v) for v in ds.num_features.values):
             at = {"task": task, "query": "key", "num_features": r}
-            ran = [m for m in sized if bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any())]
-            if not ran:
+            ran = {m for m in compared if bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any())}
+            if not ran & set(sized):
                 continue
-            budget = float(ds["budget_bytes"].sel(**at).max())
             entries = []
             for m in compared:
-                if not bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any()):
-                    entries.append(f"`{m}` n/a")
-                    continue
-                kb = float(ds["state_bytes"].sel(estimator=m, **at).median()) / 1024
-                dim = float(ds["feature_dim"].sel(estimator=m, **at).median())
+                one = {**at, "estimator": m}
                 unit = "groups" if m.startswith("eva") else "draws" if m.startswith("lara") else "features"
-                entries.append(f"`{m}` [{fmt(dim)} {unit}, "
-                               f"{fmt(kb)} KiB] error {fmt_ci(err.sel(estimator=m, **at))}, "
-                               f"{SCORE_NAMES[task]} {fmt_ci(score.sel(estimator=m, **at))}")
-            cells.append(f"r = {r} ({fmt(budget / 1024)} KiB): " + "; ".join(entries))
+                entries.append(f"`{m}` [{fmt(ds['feature_dim'].sel(**one).median())} {unit}, "
+                               f"{fmt_bytes(ds['state_bytes'].sel(**one).median())}] error {fmt_ci(err.sel(**one))}, "
+                               f"{SCORE_NAMES[task]} {fmt_ci(score.sel(**one))}" if m in ran else f"`{m}` n/a")
+            cells.append(f"r = {r} ({fmt_bytes(ds['budget_bytes'].sel(**at).max())}): " + "; ".join(entries))
         if cells:
             parts.append(f"{task}: " + " — ".join(cells))
     return [("LARA and EVA at equal state bytes (budget of FAVOR+ at r in each task's dimensions, query = key; "
@@ -416,7 +400,7 @@ def _matched_findings(ds) -> list[str]:
 EXPERIMENT = Experiment(
     name="rank_summary", title="Rank against attention-output error and in-context score (matched inputs)",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "query", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "query", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), axis_attrs=AXIS_ATTRS,
     summarise=summarise, findings=findings)
 
