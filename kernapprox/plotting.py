@@ -141,14 +141,19 @@ def plot_summary(ax, summary: xr.DataArray, x: str | None = None, *, band_alpha:
     return line
 
 
-def errorbar_summary(ax, summary: xr.DataArray, x, **kw):
-    """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name). Points
-    whose estimate or position is not finite are left out; a missing bound (NaN) draws no bar on that side; one
-    point left is drawn without a joining line. Returns the ``ErrorbarContainer`` (``None`` if nothing is
-    finite)."""
+def _entries(entry: str) -> tuple[str, str, str]:
+    """The stat names of an interval: ``estimate, lo, hi``, or ``<entry>, <entry>_lo, <entry>_hi`` (the tail)."""
+    return ("estimate", "lo", "hi") if entry == "estimate" else (entry, f"{entry}_lo", f"{entry}_hi")
+
+
+def errorbar_summary(ax, summary: xr.DataArray, x, *, entry: str = "estimate", **kw):
+    """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name;
+    ``entry="tail"``: the tail fraction with its interval). Points whose estimate or position is not finite are
+    left out; a missing bound (NaN) draws no bar on that side; one point left is drawn without a joining line.
+    Returns the ``ErrorbarContainer`` (``None`` if nothing is finite)."""
     summary = _summary(summary)
     xs = np.asarray(summary[x].values if isinstance(x, str) else x, dtype=float)
-    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in ("estimate", "lo", "hi"))
+    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in _entries(entry))
     if np.ndim(est) == 0:
         xs, est, lo, hi = (np.atleast_1d(v) for v in (xs, est, lo, hi))
     if est.ndim != 1 or xs.shape != est.shape:
@@ -282,8 +287,7 @@ def fmt_ci(summary: xr.DataArray, digits: int = 3, *, percent: bool = False, ent
     fractions as percentages (``12.5 % (9.1–16.4 %)``); ``entry="tail"`` writes the tail fraction with its
     interval (``tail (tail_lo–tail_hi)``, :func:`kernapprox.stats.summarise`)."""
     summary = _summary(summary)
-    names = ("estimate", "lo", "hi") if entry == "estimate" else (entry, f"{entry}_lo", f"{entry}_hi")
-    est, lo, hi = (float(summary.sel(stat=s)) for s in names)
+    est, lo, hi = (float(summary.sel(stat=s)) for s in _entries(entry))
     if percent:
         return f"{fmt_pct(est)} ({_percent_number(lo)}–{_percent_number(hi)} %)"
     sep = " to " if lo < 0 else "–"
