@@ -75,6 +75,14 @@ def new_figure(nrows: int = 1, ncols: int = 1, *, width: float | None = None, he
     return fig, axes
 
 
+def palette(values, name: str = "colorblind", *, trim: int = 0) -> dict:
+    """One colour (hex) per value, in order, from the seaborn palette ``name``; ``trim`` leaves out that many
+    colours at each end (the palest and darkest of a sequential palette such as ``"rocket"``)."""
+    values = list(values)
+    colors = sns.color_palette(name, len(values) + 2 * trim).as_hex()
+    return dict(zip(values, colors[trim:trim + len(values)]))
+
+
 def split_estimator_name(name: str) -> tuple[str, str]:
     """``"positive_orthogonal"`` → ``("positive", "orthogonal")``; a bare family name has variant ``"iid"``."""
     family, _, variant = name.partition("_")
@@ -149,7 +157,8 @@ def _entries(entry: str) -> tuple[str, str, str]:
 def errorbar_summary(ax, summary: xr.DataArray, x, *, entry: str = "estimate", **kw):
     """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name;
     ``entry="tail"``: the tail fraction with its interval). Points whose estimate or position is not finite are
-    left out; a missing bound (NaN) draws no bar on that side; one point left is drawn without a joining line.
+    left out; a bound that is not finite (NaN: not computed, ``inf``: unbounded) draws no bar on that side; one
+    point left is drawn without a joining line.
     Returns the ``ErrorbarContainer`` (``None`` if nothing is finite)."""
     summary = _summary(summary)
     xs = np.asarray(summary[x].values if isinstance(x, str) else x, dtype=float)
@@ -165,7 +174,8 @@ def errorbar_summary(ax, summary: xr.DataArray, x, *, entry: str = "estimate", *
     style = {"linestyle": "none", "capsize": 2, "elinewidth": 0.8, **kw}
     if keep.sum() == 1:
         style["linestyle"] = "none"
-    bars = [np.nan_to_num(est[keep] - lo[keep]), np.nan_to_num(hi[keep] - est[keep])]
+    below, above = est[keep] - lo[keep], hi[keep] - est[keep]
+    bars = [np.where(np.isfinite(below), below, 0.0), np.where(np.isfinite(above), above, 0.0)]
     return ax.errorbar(xs[keep], est[keep], yerr=bars, **style)
 
 

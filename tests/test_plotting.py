@@ -59,11 +59,11 @@ def test_plot_summary_draws_against_given_positions():
 
 def test_errorbar_summary_bars_are_the_interval_and_non_finite_points_are_left_out():
     _, ax = axes()
-    s = summary([1.0, 2.0, np.nan, 4.0], lo=[0.5, 1.0, np.nan, 3.0], hi=[2.0, 3.0, np.nan, np.nan])
+    s = summary([1.0, 2.0, np.nan, 4.0], lo=[0.5, 1.0, np.nan, 3.0], hi=[2.0, 3.0, np.nan, np.inf])
     bars = plotting.errorbar_summary(ax, s, [1.0, np.nan, 3.0, 4.0], color="k")
     np.testing.assert_array_equal(bars.lines[0].get_xdata(), [1.0, 4.0])    # NaN position, NaN estimate: out
     segments = bars.lines[2][0].get_segments()
-    np.testing.assert_allclose([seg[:, 1] for seg in segments], [[0.5, 2.0], [3.0, 4.0]])  # no bar above a NaN hi
+    np.testing.assert_allclose([seg[:, 1] for seg in segments], [[0.5, 2.0], [3.0, 4.0]])  # no bar above an unbounded hi
     assert plotting.errorbar_summary(ax, summary([np.nan, np.nan]), "num_features") is None
     one = plotting.errorbar_summary(ax, summary([1.0]).isel(num_features=0), [2.0], linestyle="-")
     assert one.lines[0].get_linestyle() == "None"                         # a single point joins nothing
