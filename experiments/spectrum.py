@@ -32,9 +32,9 @@ import xarray as xr
 
 import kernapprox as ka
 from experiments._common import add_summaries, per_draw_slope
-from kernapprox import metrics, real
+from kernapprox import metrics, plotting, real
 from kernapprox.distributions import effective_beta, make_distribution
-from kernapprox.plotting import bullets, fmt_ci
+from kernapprox.plotting import fmt_ci
 from kernapprox.spectrum import (
     attention_singular_values,
     kernel_singular_values,
@@ -248,13 +248,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
 # --------------------------------------------------------------------------------------------------- figure
 def data_colors(values):
     """text: warm colours; continuous: greens from rough (light) to smooth (dark)."""
-    import seaborn as sns
-
     conts = [v for v in values if v.startswith("continuous")]
-    greens = sns.color_palette("crest", len(conts) + 1).as_hex()
-    colors = {"text_like": "#d55e00", REAL_VALUE: "#000000"}
-    colors.update({v: greens[i] for i, v in enumerate(conts)})
-    return colors
+    return {"text_like": "#d55e00", REAL_VALUE: "#000000", **plotting.palette(conts, "crest")}
 
 
 def _label(value):
@@ -264,10 +259,6 @@ def _label(value):
 
 
 def plot(ds, path):
-    from matplotlib import ticker
-
-    from kernapprox import plotting
-
     values = [str(v) for v in ds.data.values]
     colors = data_colors(values)
     ns = [int(n) for n in ds.seq_len.values]
@@ -278,13 +269,9 @@ def plot(ds, path):
             finite = [n for n in ns if bool(np.isfinite(ds[f"{var}_draw"].sel(data=v, seq_len=n)).any())]
             if not finite:
                 continue
-            n_show = finite[-1]
-            s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=n_show)
-            idx = np.arange(1, s.sizes["sv_index"] + 1)
-            est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-            ok = np.isfinite(est) & (est > 0)
-            ax.plot(idx[ok], est[ok], color=colors[v], label=f"{_label(v)}, n = {n_show}")
-            ax.fill_between(idx[ok], np.maximum(lo[ok], 1e-300), hi[ok], color=colors[v], alpha=0.15, linewidth=0)
+            s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=finite[-1])
+            plotting.plot_summary(ax, s, xvalues=np.arange(1, s.sizes["sv_index"] + 1), positive=True, band_alpha=0.15,
+                                  color=colors[v], label=f"{_label(v)}, n = {finite[-1]}")
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_ylim(1e-12, 1.5)
@@ -299,7 +286,7 @@ def plot(ds, path):
                                       marker="o", label=_label(v) if t == TARGETS[0] else None)
         ax.plot(ns, ns, color="0.5", linestyle=":", linewidth=1.0, label="rank = n")
         plotting.loglog_rank_axes(ax, xlabel="sequence length n", ylabel="rank r for the target")
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        plotting.log_axis(ax, "y", base=10)
         ax.set_title(f"rank for 1% (solid) / 10% (dashed) error, {what} matrix")
     axes[0, 0].legend(fontsize=6.5)
     axes[1, 0].legend(fontsize=6.5)
@@ -316,22 +303,19 @@ def plot(ds, path):
         for g, (name, var, color) in enumerate(groups):
             for t_i, t in enumerate(TARGETS):
                 s = ds[var].sel(seq_len=n_est, target=t, data=values)
-                est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+                est = s.sel(stat="estimate").values
                 x = np.arange(len(values)) + (g * len(TARGETS) + t_i - (len(groups) * len(TARGETS) - 1) / 2) * width
                 reached = np.isfinite(est)
                 hatch = None if t_i == 0 else "//"
                 ax.bar(x[reached], est[reached], width, color=color, hatch=hatch, edgecolor="white",
                        label=f"{name}, {t:.0%}")
-                bars = reached & np.isfinite(hi)
-                ax.errorbar(x[bars], est[bars], yerr=[est[bars] - lo[bars], hi[bars] - est[bars]], fmt="none",
-                            ecolor="0.2", elinewidth=0.7, capsize=1.5)
+                plotting.errorbar_summary(ax, s, x, fmt="none", ecolor="0.2", elinewidth=0.7, capsize=1.5)
                 miss = np.isinf(est)
                 ax.bar(x[miss], np.full(miss.sum(), n_est), width, color="none", edgecolor=color, hatch=hatch,
                        linestyle="--", linewidth=0.8)
         ax.axhline(n_est, color="0.5", linestyle=":", linewidth=1.0)
-        ax.set_yscale("log", base=2)
+        plotting.log_axis(ax, "y")
         ax.set_ylim(1, n_est * 1.6)
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xticks(np.arange(len(values)), [_label(v).replace(", ", ",\n").replace(" (", "\n(")
                                                for v in values], fontsize=6.5)
         ax.set_ylabel("rank / features needed")
@@ -352,7 +336,7 @@ def plot(ds, path):
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     values = [str(v) for v in ds.data.values]
     ns = [int(n) for n in ds.seq_len.values]
     n_max, n_min = max(ns), min(ns)
@@ -404,7 +388,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{_needed(rf)}")
         lines.append(f"Features needed for {t:.0%} attention-matrix error at n = {n_est} (head 0, medians over seeds; "
                      "'not reached' = no m ≤ n did): " + "; ".join(parts) + ".")
-    return bullets(lines)
+    return lines
 
 
 def _needed(summary) -> str:

@@ -198,7 +198,8 @@ def kv_cache_marker(ax, kv_bytes: float, summary: xr.DataArray, label: str = "ex
 
 
 def log_axis(ax, which: str = "x", *, base: int = 2, label: str | None = None, unit: str | None = None) -> None:
-    """A logarithmic axis with ticks written as plain numbers (``unit="bytes"``: as B, KiB, MiB)."""
+    """A logarithmic axis with its major ticks written as plain numbers (``unit="bytes"``: as B, KiB, MiB); minor
+    ticks keep matplotlib's labels."""
     if which not in ("x", "y"):
         raise ValueError(f"which must be 'x' or 'y', got {which!r}")
     if unit not in (None, "bytes"):
@@ -206,7 +207,6 @@ def log_axis(ax, which: str = "x", *, base: int = 2, label: str | None = None, u
     getattr(ax, f"set_{which}scale")("log", base=base)
     axis = getattr(ax, f"{which}axis")
     axis.set_major_formatter(ticker.FuncFormatter(fmt_bytes if unit else lambda v, _: f"{v:g}"))
-    axis.set_minor_formatter(ticker.NullFormatter())
     if label:
         getattr(ax, f"set_{which}label")(label)
 

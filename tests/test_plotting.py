@@ -63,7 +63,7 @@ def test_errorbar_summary_bars_are_the_interval_and_non_finite_points_are_left_o
     bars = plotting.errorbar_summary(ax, s, [1.0, np.nan, 3.0, 4.0], color="k")
     np.testing.assert_array_equal(bars.lines[0].get_xdata(), [1.0, 4.0])    # NaN position, NaN estimate: out
     segments = bars.lines[2][0].get_segments()
-    np.testing.assert_allclose([seg[:, 1] for seg in segments], [[0.5, 2.0], [3.0, 4.0]])  # no bar above an unbounded hi
+    np.testing.assert_allclose([seg[:, 1] for seg in segments], [[0.5, 2.0], [3.0, 4.0]])  # none above inf
     assert plotting.errorbar_summary(ax, summary([np.nan, np.nan]), "num_features") is None
     one = plotting.errorbar_summary(ax, summary([1.0]).isel(num_features=0), [2.0], linestyle="-")
     assert one.lines[0].get_linestyle() == "None"                         # a single point joins nothing
