@@ -121,6 +121,12 @@ def resolved(summary: xr.DataArray) -> bool:
     return np.isfinite(lo) and np.isfinite(hi) and (lo > neutral or hi < neutral)
 
 
+def covers(summary: xr.DataArray, value) -> xr.DataArray:
+    """Elementwise, whether a summary's interval ``[lo, hi]`` contains ``value`` (a number or an array that
+    broadcasts against it, e.g. a closed form per cell); False where the interval is NaN."""
+    return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
+
+
 def ratio_phrase(summary: xr.DataArray, *, better: str = "lower", worse: str = "higher") -> str:
     """``"lower (ratio 0.57 (0.50–0.65))"`` or ``"not separated (ratio 0.97 (0.85–1.10))"`` for a paired ratio."""
     text = f"ratio {fmt_ci(summary)}"

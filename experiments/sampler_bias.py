@@ -33,7 +33,7 @@ import math
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_comparison, add_mean, add_paired, range_text
+from experiments._common import add_comparison, add_mean, add_paired, covers, range_text
 from kernapprox import theory
 from kernapprox.estimators.samplers import make_sampler
 from kernapprox.plotting import errorbar_summary, estimator_style, fmt, fmt_ci, new_figure, save_figure
@@ -184,10 +184,6 @@ def _summary(ds: xr.Dataset, name: str) -> xr.DataArray:
     return ds[name].squeeze(("num_rows", "num_pairs"), drop=True)
 
 
-def _contains(summary: xr.DataArray, value: float) -> xr.DataArray:
-    return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
-
-
 def findings(ds: xr.Dataset) -> list[str]:
     """Markdown bullets; every number computed from ``ds`` (means over seeds × pairs with 95 % bootstrap
     intervals)."""
@@ -225,14 +221,14 @@ def findings(ds: xr.Dataset) -> list[str]:
                                  for dim in dims) + ".")
     if "sorf" in samplers:
         vs = _summary(ds, "ratio_vs_closed_form_summary").sel(sampler="sorf")
-        inside = _contains(vs, 1.0)
+        inside = covers(vs, 1.0)
         text = (f"SORF's mean follows the sphere closed form (SMREG's law): over every d, level and map its mean "
                 f"divided by the closed form has an interval containing 1 in {int(inside.sum())} of {inside.size} "
                 f"cells (estimates "
                 f"{range_text(vs.sel(stat='estimate').values, 3)})")
         if "ratio_vs_regularized_summary" in ds:
             diff = _summary(ds, "ratio_vs_regularized_summary").sel(sampler="sorf")
-            resolved = ~_contains(diff, 0.0)
+            resolved = ~covers(diff, 0.0)
             text += (f", and SORF − SMREG on the same pairs is {range_text(diff.sel(stat='estimate').values, 2)}, "
                      f"resolved from 0 in {int(resolved.sum())} of {resolved.size} cells"
                      + (": the two laws are close, not identical" if resolved.any() else ""))
@@ -251,13 +247,13 @@ def findings(ds: xr.Dataset) -> list[str]:
         dev = np.abs(chi.sel(stat="estimate") - 1.0)
         at = {k: v.item() for k, v in dev.argmax(...).items()}
         where = {k: chi[k].values[v] for k, v in at.items()}
-        inside = _contains(chi, 1.0)
+        inside = covers(chi, 1.0)
         lines.append(f"sorf_chi (SORF directions, chi(d) norms): its interval contains 1 in {int(inside.sum())} of "
                      f"{inside.size} cells; the largest deviation is at d = {int(where['dim'])}, "
                      f"{LEVELS[str(where['level'])][2]}, {where['feature_map']}: "
                      f"{cell('sorf_chi', int(where['dim']), str(where['level']), str(where['feature_map']))}.")
     if "iid" in samplers:
-        inside = _contains(s.sel(sampler="iid"), 1.0)
+        inside = covers(s.sel(sampler="iid"), 1.0)
         lines.append(f"Control: Gaussian rows (iid) contain 1 in {int(inside.sum())} of {inside.size} intervals.")
     lines.append(f"Each value pools {ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs of "
                  f"{int(ds.num_rows.values[0])} rows each.")
@@ -286,10 +282,7 @@ def plot(ds: xr.Dataset, path) -> None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(dims, [str(int(d)) for d in dims])
             ax.set_title(f"{name}: {LEVELS[c][2]}", fontsize=9)
-            if i == len(maps) - 1:
-                ax.set_xlabel("dimension d")
-            if j == 0:
-                ax.set_ylabel("mean estimate / kernel")
+            ax.set(xlabel="dimension d" if i == len(maps) - 1 else None, ylabel=None if j else "mean estimate / kernel")
     axes[0, min(1, len(levels) - 1)].legend(fontsize=7, loc="center", ncol=2)      # between the two groups of lines
     fig.suptitle("Bias of the SORF and SMREG samplers at Performer scaling", fontsize=11, fontweight="bold")
     save_figure(fig, path, (
