@@ -4,9 +4,13 @@ intervals, reference slopes, theory overlays, captions drawn under the figure, a
 Figures are pure functions of result datasets (they never recompute an estimator). The summaries a figure draws
 are stored in the dataset (:mod:`kernapprox.stats`: a ``stat`` dimension with ``estimate``, ``lo``, ``hi``, ...);
 :func:`plot_summary` draws one as a line with its interval as a band, :func:`errorbar_summary` as markers with
-bars. ``median_band`` (medians and percentile bands computed in xarray, not by seaborn's estimators, so that bands
-on log axes are bands of the data) stays for quick looks. Findings texts format their numbers with :func:`fmt`
-and intervals with :func:`fmt_ci`, so every study writes them alike.
+bars, both leaving out the cells that did not run; :func:`reference_band` and :func:`kv_cache_marker` draw exact
+attention beside them (across a panel; on a memory axis, at its KV cache); :func:`log_axis`, :func:`floor_ylim`,
+:func:`figure_legend`, :func:`legend_below` and :func:`proxy_legend` are the axes and legends the studies share.
+``median_band`` (medians and percentile bands computed in xarray, not by seaborn's estimators, so that bands on
+log axes are bands of the data) stays for quick looks. Findings texts format their numbers with :func:`fmt`,
+sizes with :func:`fmt_bytes`, intervals with :func:`fmt_ci` and lists of them with :func:`fmt_cis`, so every
+study writes them alike.
 
 >>> import numpy as np, tempfile, xarray as xr
 >>> from kernapprox.plotting import (estimator_style, loglog_rank_axes, median_band, new_figure,
