@@ -54,6 +54,7 @@ from kernapprox.memory import budget_bytes
 from kernapprox.metrics import nonpositive_normalizer_rate, relative_rms_error
 from kernapprox.plotting import (
     errorbar_summary,
+    estimator_lines,
     estimator_style,
     figure_legend,
     floor_ylim,
@@ -66,7 +67,6 @@ from kernapprox.plotting import (
     loglog_rank_axes,
     new_figure,
     plot_summary,
-    reference_slope,
     save_figure,
 )
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
@@ -303,7 +303,6 @@ def plot(ds, path):
     n_max = int(ds.seq_len.values.max())
     n_match = _matched_length(full)
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
-    r = ds.num_features.values
     out, num, den = (ds[f"{m}_summary"] for m in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms"))
     ncols = 4 + len(betas)
     fig, axes = new_figure(ds.sizes["causal"], ncols, width=3.9 * ncols, height=3.4 * ds.sizes["causal"] + 0.9,
@@ -311,12 +310,7 @@ def plot(ds, path):
     for row, causal in enumerate(ds.causal.values):
         kind = "causal" if causal else "non-causal"
         ax = axes[row, 0]
-        for name in names:
-            plot_summary(ax, out.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
-                         **estimator_style(name))
-        y0 = float(out.sel(estimator=names, seq_len=n_max, causal=causal, stat="estimate").isel(num_features=0)
-                   .median())
-        reference_slope(ax, r, 1.5 * y0)
+        estimator_lines(ax, out.sel(seq_len=n_max, causal=causal), names, slope=-0.5)
         loglog_rank_axes(ax, ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error, n = {n_max}, {kind}", fontsize=9)
         ax.legend(fontsize=6.5, loc="upper right")
@@ -332,9 +326,7 @@ def plot(ds, path):
         ax.set_title(f"numerator (solid), normaliser (dotted), n = {n_max}", fontsize=8)
 
         ax = axes[row, 2]
-        for name in names:
-            plot_summary(ax, out.sel(estimator=name, num_features=r_mid, causal=causal), "seq_len",
-                         **estimator_style(name))
+        estimator_lines(ax, out.sel(num_features=r_mid, causal=causal), names, "seq_len")
         loglog_rank_axes(ax, xlabel="sequence length n", ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error against n, r = {r_mid}, {kind}", fontsize=9)
 

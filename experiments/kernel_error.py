@@ -42,6 +42,7 @@ from kernapprox import stats
 from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.plotting import (
     errorbar_summary,
+    estimator_lines,
     estimator_style,
     fmt_ci,
     legend_below,
@@ -49,7 +50,6 @@ from kernapprox.plotting import (
     new_figure,
     plot_summary,
     proxy_legend,
-    reference_slope,
     save_figure,
     split_estimator_name,
 )
@@ -225,7 +225,6 @@ def plot(ds, path):
     fig, axes = new_figure(len(betas), ncols, width=3.3 * ncols + 1.5, height=3.0 * len(betas) + 2.2, squeeze=False)
     titles = ["trigonometric, positive, hyperbolic, Maclaurin", "exponential families (GERF, OPRF, DERF)",
               "data-dependent and hybrid"]
-    r = ds.num_features.values
     for row, beta in enumerate(betas):
         sub = summ.sel(beta=beta, seq_len=n_short)
         beta_eff = float(ds["beta_eff_summary"].sel(beta=beta, seq_len=n_short, stat="estimate"))
@@ -235,12 +234,8 @@ def plot(ds, path):
                 ax.sharey(axes[row, 0])
             shown = [n for n in names if _panel_of(n) == col
                      and (col == 2 or split_estimator_name(n)[1] in ("iid", "orthogonal"))]
-            for name in shown:
-                plot_summary(ax, sub.sel(estimator=name), "num_features", **estimator_style(name))
+            estimator_lines(ax, sub, shown, slope=-0.5)
             _draw_svd(ax, ds, beta=beta, seq_len=n_short)
-            if shown:
-                y0 = float(sub.sel(estimator=shown, stat="estimate").isel(num_features=0).median())
-                reference_slope(ax, r, 1.5 * y0)
             loglog_rank_axes(ax, ylabel="‖Â−A‖_F / ‖A‖_F" if col == 0 else None)
             ax.set_title(f"{titles[col]}\nn = {n_short}, β = {beta:g} (measured {beta_eff:.2f})", fontsize=8.5)
             if row == len(betas) - 1:
@@ -248,9 +243,7 @@ def plot(ds, path):
         if long_col:
             ax = axes[row, 3]
             ax.sharey(axes[row, 0])
-            for name in [n for n in names if n in LONG_SEQUENCE]:
-                plot_summary(ax, summ.sel(estimator=name, beta=beta, seq_len=n_long), "num_features",
-                             **estimator_style(name))
+            estimator_lines(ax, summ.sel(beta=beta, seq_len=n_long), [n for n in names if n in LONG_SEQUENCE])
             _draw_svd(ax, ds, beta=beta, seq_len=n_long)
             loglog_rank_axes(ax)
             ax.set_title(f"long sequences: n = {n_long}, β = {beta:g}", fontsize=8.5)

@@ -330,12 +330,8 @@ def plot(ds, path):
     else:
         pooled = pooled.sel(distribution=ref).rename(beta="layer")
         title = f"{ref}, all beta and seeds"
-    summary = stats.summarise(pooled, ("layer", "seed"))
-    for est in estimators:
-        style = plotting.estimator_style(est)
-        if est in ORACLES:
-            style.update(color="black", label=ORACLES[est])
-        plotting.plot_summary(ax, summary.sel(estimator=est), "num_features", **style)
+    plotting.estimator_lines(ax, stats.summarise(pooled, ("layer", "seed")), estimators,
+                             styles={e: {"color": "black", "label": ORACLES[e]} for e in ORACLES})
     plotting.loglog_rank_axes(ax, xlabel="budget r (FAVOR+ features at equal state)",
                               ylabel="attention output rel. error")
     plotting.floor_ylim(ax, 1e-4)

@@ -158,6 +158,20 @@ def _entries(entry: str) -> tuple[str, str, str]:
     return ("estimate", "lo", "hi") if entry == "estimate" else (entry, f"{entry}_lo", f"{entry}_hi")
 
 
+def estimator_lines(ax, summary: xr.DataArray, names, x: str = "num_features", *, dim: str = "estimator",
+                    styles=None, slope: float | None = None, **line_kw) -> list:
+    """:func:`plot_summary` of ``summary.sel({dim: name})`` against ``x`` for each of ``names``, in the house style
+    of each (:func:`estimator_style`, updated by ``styles[name]`` and ``line_kw``); with ``slope``, also the
+    reference line ``∝ x^slope`` (:func:`reference_slope`) through 1.5 times the median first estimate of the
+    lines drawn. Returns the names that have a line."""
+    drawn = [name for name in names if plot_summary(ax, summary.sel({dim: name}), x, **{
+        **estimator_style(str(name)), **(styles or {}).get(name, {}), **line_kw}) is not None]
+    if slope is not None and drawn:
+        first = summary.sel({dim: drawn, "stat": "estimate"}).isel({x: 0})
+        reference_slope(ax, summary[x].values, 1.5 * float(first.median()), slope=slope)
+    return drawn
+
+
 def errorbar_summary(ax, summary: xr.DataArray, x, *, entry: str = "estimate", **kw):
     """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name;
     ``entry="tail"``: the tail fraction with its interval). Points whose estimate or position is not finite are

@@ -140,3 +140,18 @@ def test_findings_formats():
     assert plotting.fmt_bytes(640) == "640 B"
     assert plotting.fmt_bytes(1536) == "1.5 KiB"
     assert plotting.fmt_bytes(3 * 2**20) == "3 MiB"
+
+
+def test_estimator_lines_draw_each_estimator_in_its_house_style_with_the_reference_slope():
+    _, ax = axes()
+    s = xr.concat([summary([1.0, 0.7, 0.5, 0.35]), summary([2.0, 1.4, 1.0, 0.7]), summary([np.nan] * 4)],
+                  dim=xr.DataArray(["positive", "trig", "gerf"], dims="estimator"))
+    drawn = plotting.estimator_lines(ax, s, ["positive", "trig", "gerf"], slope=-0.5,
+                                     styles={"trig": {"color": "black"}})
+    assert drawn == ["positive", "trig"]                                  # nothing to draw for gerf
+    lines = {line.get_label(): line for line in ax.lines}
+    assert lines["positive"].get_color() == plotting.estimator_style("positive")["color"]
+    assert lines["trig"].get_color() == "black"
+    slope = lines[r"$\propto r^{-1/2}$"]
+    np.testing.assert_allclose(slope.get_ydata()[0], 1.5 * 1.5)            # 1.5 × the median first estimate
+    np.testing.assert_allclose(slope.get_ydata()[-1], 1.5 * 1.5 * (64 / 8) ** -0.5)
