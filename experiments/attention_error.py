@@ -57,6 +57,7 @@ from kernapprox.plotting import (
     estimator_lines,
     estimator_style,
     figure_legend,
+    finite_values,
     floor_ylim,
     fmt,
     fmt_bytes,
@@ -454,8 +455,7 @@ def findings(ds: xr.Dataset) -> list[str]:
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
     lines = []
     top = out.sel(seq_len=n_max, num_features=r_max, causal=False)
-    ran = [n for n in everyone if np.isfinite(float(top.sel(estimator=n, stat="estimate")))]
-    order = sorted(ran, key=lambda n: float(top.sel(estimator=n, stat="estimate")))
+    order = sorted(finite_values(top, "estimator"), key=lambda n: float(top.sel(estimator=n, stat="estimate")))
     budget = float(ds["budget_bytes"].sel(seq_len=n_max, num_features=r_max, causal=False).max())
     head = (f"At n = {n_max}, β = {beta:g} (non-causal), at equal state bytes (the budget of FAVOR+ at r = {r_max}, "
             f"{fmt_bytes(budget)}) the smallest median output error is `{order[0]}`'s, "

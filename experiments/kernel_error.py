@@ -44,6 +44,7 @@ from kernapprox.plotting import (
     errorbar_summary,
     estimator_lines,
     estimator_style,
+    finite_values,
     fmt_ci,
     legend_below,
     loglog_rank_axes,
@@ -267,11 +268,8 @@ def plot(ds, path):
 def _sampler_panel(ax, ds, beta, n):
     top = int(ds.num_features.values.max())
     summ = ds["sampler_ratio_summary"].sel(beta=beta, seq_len=n, num_features=top)
-    rows = []
-    for name in ds.estimator.values:
-        family, variant = split_estimator_name(str(name))
-        if variant in ("orthogonal", "qmc") and np.isfinite(float(summ.sel(estimator=name, stat="estimate"))):
-            rows.append((family, variant, summ.sel(estimator=name)))
+    rows = [(*split_estimator_name(name), summ.sel(estimator=name)) for name in finite_values(summ, "estimator")
+            if split_estimator_name(name)[1] in ("orthogonal", "qmc")]
     families = sorted({f for f, _, _ in rows})
     for family, variant, s in rows:
         style = estimator_style(f"{family}_{variant}")

@@ -34,7 +34,7 @@ import kernapprox as ka
 from experiments._common import add_summaries, per_draw_slope
 from kernapprox import metrics, plotting, real
 from kernapprox.distributions import effective_beta, make_distribution
-from kernapprox.plotting import fmt_ci
+from kernapprox.plotting import finite_values, fmt_ci, fmt_cis
 from kernapprox.spectrum import (
     attention_singular_values,
     kernel_singular_values,
@@ -225,12 +225,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
             + "; median over the heads of a draw")
     for name in ("rank_kernel", "rank_attention"):
         ds[f"{name}_growth"] = rank_growth(ds[f"{name}_draw"])
-    ds["rank_attention_head0"] = ds["rank_attention"].sel(head=0, drop=True).assign_attrs(
-        long_name="rank for a relative error of the attention matrix, head 0", units="1",
-        description="the head the estimators are swept on (paired with them)")
-    ds["rank_kernel_head0"] = ds["rank_kernel"].sel(head=0, drop=True).assign_attrs(
-        long_name="rank for a relative error of the kernel matrix, head 0", units="1",
-        description="the head the estimators are swept on (paired with them)")
+    for what in ("attention", "kernel"):
+        ds[f"rank_{what}_head0"] = ds[f"rank_{what}"].sel(head=0, drop=True).assign_attrs(
+            long_name=f"rank for a relative error of the {what} matrix, head 0", units="1",
+            description="the head the estimators are swept on (paired with them)")
     for group, members in (("nystrom", NYSTROM), ("random_features", RANDOM_FEATURES)):
         for what in ("kernel", "attention"):
             da = ds[f"features_{what}"].sel(estimator=[m for m in members if m in ds.estimator.values])
@@ -345,8 +343,7 @@ def findings(ds: xr.Dataset) -> list[str]:
     lines = []
     parts = []
     for v in values:
-        finite = [n for n in ns if np.isfinite(float(rank.sel(data=v, seq_len=n, target=TARGETS[0],
-                                                             stat="estimate")))]
+        finite = finite_values(rank.sel(data=v, target=TARGETS[0]), "seq_len")
         if not finite:
             continue
         parts.append(f"{_label(v)} {fmt_ci(rank.sel(data=v, seq_len=finite[-1], target=TARGETS[0]))} at "
@@ -355,12 +352,10 @@ def findings(ds: xr.Dataset) -> list[str]:
     lines.append(f"Rank a truncated SVD needs for {TARGETS[0]:.0%} relative Frobenius error of the attention matrix "
                  "softmax(s QKᵀ) (head mean per draw; median over seeds): " + "; ".join(parts)
                  + ". An exponent of 1 would mean a rank proportional to n.")
-    kern = ds["rank_kernel_draw_summary"]
-    parts = [f"{_label(v)} {fmt_ci(kern.sel(data=v, seq_len=n_max, target=TARGETS[0]))}" for v in values
-             if np.isfinite(float(kern.sel(data=v, seq_len=n_max, target=TARGETS[0], stat="estimate")))]
-    if parts:
-        lines.append(f"For the kernel matrix exp(s QKᵀ) at n = {n_max} the same target needs: " + "; ".join(parts)
-                     + ".")
+    kern = ds["rank_kernel_draw_summary"].sel(seq_len=n_max, target=TARGETS[0])
+    if finite_values(kern, "data"):
+        lines.append(f"For the kernel matrix exp(s QKᵀ) at n = {n_max} the same target needs: "
+                     + fmt_cis(kern, "data", finite_values(kern, "data"), names=_label) + ".")
     if "text_like" in values:
         dq = ds["distinct_queries_draw_summary"].sel(data="text_like")
         lines.append(f"Text-like sequences hold {fmt_ci(dq.sel(seq_len=n_min), 3)} distinct tokens at n = {n_min} and "
@@ -369,7 +364,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                      f"{fmt_ci(rank.sel(data='text_like', seq_len=n_max, target=TARGETS[0]), 3)}.")
     if REAL_VALUE in values:
         b = ds["beta_eff_draw_summary"].sel(data=REAL_VALUE)
-        finite = [n for n in ns if np.isfinite(float(b.sel(seq_len=n, stat="estimate")))]
+        finite = finite_values(b, "seq_len")
         if finite and n_max > finite[-1]:
             lines.append(f"Real MiniLM heads (β_eff {fmt_ci(b.sel(seq_len=finite[-1]), 2)} at n = {finite[-1]}) are "
                          f"decomposed up to one model window, n = {finite[-1]}: longer sequences would join windows "

@@ -223,10 +223,9 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = add_paired(ds, "accuracy", "sum", REPLICATES, op="difference", dim="rule", statistic="mean")
     ds = add_summaries(ds, ["nmse", "nmse_exact"], REPLICATES)
     ds = add_paired(ds, "nmse", "sum", REPLICATES, op="ratio", dim="rule")
-    memory = ds["state_bytes"].max("seed").assign_attrs(
-        long_name="state memory", units="byte", description="state_bytes of the cell (equal for every seed), max "
-                                                            "over seeds")
-    ds["state_memory"] = memory
+    ds["state_memory"] = ds["state_bytes"].max("seed").assign_attrs(
+        long_name="state memory", units="byte", description="state_bytes of the cell (equal for every seed), max over "
+                                                            "seeds")
     ds["kv_cache_memory"] = ds["kv_cache_bytes"].max("seed").assign_attrs(
         long_name="exact attention memory", units="byte", description="kv_cache_bytes, max over seeds")
     return ds

@@ -333,6 +333,15 @@ def fmt_cis(summary: xr.DataArray, dim: str, values=None, *, digits: int = 3, pe
     return sep.join(f"{name(v)} {fmt_ci(summary.sel({dim: v}), digits, percent=percent)}" for v in values)
 
 
+def finite_values(summary: xr.DataArray, dim: str) -> list:
+    """The values of ``dim`` at which a summary has a finite estimate (in order): the cells a finding can quote,
+    leaving out those that did not run or do not apply."""
+    est = _summary(summary).sel(stat="estimate")
+    if est.dims != (dim,):
+        raise ValueError(f"finite_values needs a summary along {dim!r} only, got dims {summary.dims}")
+    return [v.item() if hasattr(v, "item") else v for v, e in zip(summary[dim].values, est.values) if np.isfinite(e)]
+
+
 def fmt_bytes(value, _=None) -> str:
     """A memory size for a sentence or an axis tick: ``512 B``, ``1.5 KiB``, ``3 MiB`` (3 significant digits)."""
     value = float(value)

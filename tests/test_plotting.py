@@ -155,3 +155,11 @@ def test_estimator_lines_draw_each_estimator_in_its_house_style_with_the_referen
     slope = lines[r"$\propto r^{-1/2}$"]
     np.testing.assert_allclose(slope.get_ydata()[0], 1.5 * 1.5)            # 1.5 × the median first estimate
     np.testing.assert_allclose(slope.get_ydata()[-1], 1.5 * 1.5 * (64 / 8) ** -0.5)
+
+
+def test_finite_values_are_the_cells_a_finding_can_quote():
+    s = summary([1.0, np.nan, np.inf, 0.5], dim="estimator", coords=("a", "b", "c", "d"))
+    assert plotting.finite_values(s, "estimator") == ["a", "d"]
+    assert all(type(v) is str for v in plotting.finite_values(s, "estimator"))
+    with pytest.raises(ValueError, match="along 'seed' only"):
+        plotting.finite_values(s, "seed")
