@@ -127,6 +127,12 @@ def covers(summary: xr.DataArray, value) -> xr.DataArray:
     return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
 
 
+def above(a: xr.DataArray, b: xr.DataArray) -> bool:
+    """Whether summary ``a``'s interval lies wholly above summary ``b``'s (the two are separated, ``a`` higher);
+    summaries of independent draws, compared by their intervals rather than paired."""
+    return float(a.sel(stat="lo")) > float(b.sel(stat="hi"))
+
+
 def ratio_phrase(summary: xr.DataArray, *, better: str = "lower", worse: str = "higher") -> str:
     """``"lower (ratio 0.57 (0.50–0.65))"`` or ``"not separated (ratio 0.97 (0.85–1.10))"`` for a paired ratio."""
     text = f"ratio {fmt_ci(summary)}"

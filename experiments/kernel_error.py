@@ -28,6 +28,7 @@ from experiments._common import (
     BASELINE,
     DENSE_BUDGET_ENTRIES,
     KERNEL_SVD,
+    above,
     add_comparison,
     add_paired,
     add_summaries,
@@ -356,7 +357,7 @@ def findings(ds: xr.Dataset) -> list[str]:
             b = summ.sel(estimator=name, beta=b_lo, seq_len=n_short, num_features=r_top)
             if np.isfinite(float(a.sel(stat="estimate"))):
                 grow.append(f"`{name}` {fmt_ci(b, 2)} → {fmt_ci(a, 2)}")
-                (higher if float(a.sel(stat="lo")) > float(b.sel(stat="hi")) else same).append(f"`{name}`")
+                (higher if above(a, b) else same).append(f"`{name}`")
         lines.append(f"From n = {n_short} to n = {n_long} at r = {r_top}, β = {b_lo:g} (median kernel error, 95 % "
                      f"interval): " + "; ".join(grow) + f". Higher at n = {n_long} with separated intervals: "
                      + (", ".join(higher) or "none") + "; not separated: " + (", ".join(same) or "none") + ".")

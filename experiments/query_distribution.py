@@ -40,6 +40,7 @@ from experiments._common import (
     EQUAL_BYTES,
     EQUAL_BYTES_COMPARATORS,
     KERNEL_SVD,
+    above,
     add_paired,
     add_summaries,
     range_text,
@@ -391,8 +392,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                           f"{fmt_ci(ds['logit_std_summary'].sel(distribution=fam, beta=b1), 2)}, error "
                           f"{fmt_ci(errors[fam])}")
         iso, aniso = errors["isotropic"], errors["anisotropic"]
-        separated = float(aniso.sel(stat="lo")) > float(iso.sel(stat="hi")) or \
-            float(aniso.sel(stat="hi")) < float(iso.sel(stat="lo"))
+        separated = above(aniso, iso) or above(iso, aniso)
         verdict = ("the error intervals are separated" if separated else
                    "the error intervals overlap: at this sample size the two families are not separated")
         lines.append(f"Anisotropy at nominal β = {b1:g}, i.i.d. positive features (r = {m}): " + "; ".join(pieces)
@@ -405,7 +405,7 @@ def findings(ds: xr.Dataset) -> list[str]:
         near = float(ds.beta.values[int(np.nanargmin(np.abs(np.log(iso_b.values / b_heavy))))])
         iso = err.sel(distribution="isotropic", estimator="trig", num_features=m, beta=near)
         heavy = s.sel(beta=where)
-        separated = float(heavy.sel(stat="lo")) > float(iso.sel(stat="hi"))
+        separated = above(heavy, iso)
         lines.append(
             f"Trigonometric output error (r = {m}) on heavy-tailed norms (Student-t, 3 degrees of freedom) at β_eff "
             f"{fmt(b_heavy, 2)}: median {fmt_ci(heavy)}, 90 % quantile {fmt(float(heavy.sel(stat='q90')))} over "

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, add_comparison, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, above, add_comparison, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -53,6 +53,7 @@ from kernapprox.plotting import (
     fmt,
     fmt_bytes,
     fmt_ci,
+    fmt_cis,
     log_axis,
     new_figure,
     plot_summary,
@@ -312,13 +313,11 @@ def findings(ds: xr.Dataset) -> list[str]:
         parts = []
         r_hi = max(ranks)
         for m in [m for m in labels if m.split("_")[0] in ("trig", "positive", "oprf")]:
-            values = ", ".join(f"{q} {fmt_ci(score.sel(task='recall', query=q, estimator=m, num_features=r_hi))}"
-                               for q in queries)
-            parts.append(f"`{m}`: {values}")
-        lines.append(f"Recall at r = {r_hi} as the queries move off the keys: " + "; ".join(parts)
-                     + "; exact attention: " + ", ".join(
-                         f"{q} {fmt_ci(ds['score_exact_summary'].sel(task='recall', query=q))}" for q in queries)
-                     + ".")
+            s = score.sel(task="recall", estimator=m, num_features=r_hi)
+            parts.append(f"`{m}`: {fmt_cis(s, 'query', queries, sep=', ', names=str)}")
+        exact = fmt_cis(ds["score_exact_summary"].sel(task="recall"), "query", queries, sep=", ", names=str)
+        lines.append(f"Recall at r = {r_hi} as the queries move off the keys: {'; '.join(parts)}; exact attention: "
+                     f"{exact}.")
     random_maps = [m for m in labels if m.split("_")[0] in ("positive", "oprf")]
     if random_maps:
         r_hi = max(ranks)
@@ -334,9 +333,7 @@ def findings(ds: xr.Dataset) -> list[str]:
             m_err = err.sel(task="recall", query="key", estimator=m, num_features=r_mid)
             m_acc = score.sel(task="recall", query="key", estimator=m, num_features=r_mid)
             pieces.append(f"`{m}` error {fmt_ci(m_err)}, recall {fmt_ci(m_acc)}")
-            worse_error = float(t_err.sel(stat="lo")) > float(m_err.sel(stat="hi"))
-            better_recall = float(t_acc.sel(stat="lo")) > float(m_acc.sel(stat="hi"))
-            if worse_error and better_recall:
+            if above(t_err, m_err) and above(t_acc, m_acc):            # worse error, better recall
                 opposite.append(f"`{m}`")
         verdict = (f"output error and recall rank trigonometric features and {', '.join(opposite)} in opposite "
                    "orders (both intervals separated)" if opposite else
@@ -349,8 +346,8 @@ def findings(ds: xr.Dataset) -> list[str]:
         for task in ds.task.values:
             n = TASKS[str(task)]["num_context"]
             rs = [r for r in ranks if r <= n]
-            vals = ", ".join(f"r = {r}: {fmt_ci(diff.sel(task=task, query='key', estimator=oracle, num_features=r))}"
-                             for r in rs)
+            vals = fmt_cis(diff.sel(task=task, query="key", estimator=oracle), "num_features", rs, sep=", ",
+                           names=lambda r: f"r = {r}:")
             parts.append(f"{task} ({vals})")
         lines.append(f"The {ORACLES[oracle]}, fitted on the query–key matrix, score minus exact attention's: "
                      + "; ".join(parts) + ". It is a reference for the matrix it approximates, not a bound on scores.")

@@ -44,3 +44,15 @@ def test_add_mean_is_the_bootstrap_mean_with_its_description():
     np.testing.assert_allclose(ds["err_mean"].sel(stat="estimate"), per_draw()["err"].mean("seed"))
     assert ds["err_mean"].attrs["long_name"] == "mean error"
     assert ds["err_mean"].attrs["description"].startswith("mean of err over seed: ")
+
+
+def test_covers_and_above_read_intervals():
+    from experiments._common import above, covers
+
+    s = stats.bootstrap_interval(per_draw()["err"], "seed", "mean")
+    a, b = s.sel(estimator="a"), s.sel(estimator="b")
+    assert bool(covers(a, float(a.sel(stat="estimate")))) and not bool(covers(a, 1e6))
+    np.testing.assert_array_equal(covers(s, xr.DataArray([float(a.sel(stat="estimate")), -1.0],
+                                                         coords={"estimator": ["a", "b"]}, dims="estimator")),
+                                  [True, False])
+    assert above(b, a) and not above(a, b) and not above(a, a)                # b is twice a
