@@ -229,11 +229,9 @@ def _setting(task):
 
 def _error_panel(ax, ds, labels, **sel):
     _rank_lines(ax, ds, "output_rel_error", labels, **sel)
-    ax.set_yscale("log")
     reference_slope(ax, ds.num_features.values.astype(float), 1.0, slope=-0.5)
-    ax.set_ylim(1e-3, 1e2)
-    ax.set_xlabel("feature dimension r of the state")
-    ax.set_ylabel("attention-output relative error")
+    ax.set(yscale="log", ylim=(1e-3, 1e2), xlabel="feature dimension r of the state",
+           ylabel="attention-output relative error")
 
 
 def _score_panel(ax, ds, labels, task, query):
@@ -242,12 +240,8 @@ def _score_panel(ax, ds, labels, task, query):
                         label="exact attention (same episodes)")
     if task == "regression":
         ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1.0, label="context mean (nMSE = 1)")
-        ax.set_yscale("log")
-        ax.set_ylim(None, 10)
-    else:
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("feature dimension r of the state")
-    ax.set_ylabel(SCORE_NAMES.get(task, "score"))
+    ax.set(**({"yscale": "log", "ylim": (None, 10)} if task == "regression" else {"ylim": (-0.02, 1.02)}),
+           xlabel="feature dimension r of the state", ylabel=SCORE_NAMES.get(task, "score"))
     return ex
 
 

@@ -270,12 +270,8 @@ def plot(ds, path):
             s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=finite[-1])
             plotting.plot_summary(ax, s, xvalues=np.arange(1, s.sizes["sv_index"] + 1), positive=True, band_alpha=0.15,
                                   color=colors[v], label=f"{_label(v)}, n = {finite[-1]}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_ylim(1e-12, 1.5)
-        ax.set_xlabel("index i")
-        ax.set_ylabel("σ_i / σ_1")
-        ax.set_title(f"spectrum of the {what} matrix at the largest n")
+        ax.set(xscale="log", yscale="log", ylim=(1e-12, 1.5), xlabel="index i", ylabel="σ_i / σ_1",
+               title=f"spectrum of the {what} matrix at the largest n")
         ax = axes[1, col]
         rank = ds[f"rank_{what}_draw_summary"]
         for v in values:
@@ -316,8 +312,7 @@ def plot(ds, path):
         ax.set_ylim(1, n_est * 1.6)
         ax.set_xticks(np.arange(len(values)), [_label(v).replace(", ", ",\n").replace(" (", "\n(")
                                                for v in values], fontsize=6.5)
-        ax.set_ylabel("rank / features needed")
-        ax.set_title(f"needed for 1% / 10% error, {what} matrix, n = {n_est}")
+        ax.set(ylabel="rank / features needed", title=f"needed for 1% / 10% error, {what} matrix, n = {n_est}")
         ax.legend(fontsize=6, ncol=2, loc="lower left")
     fig.suptitle("The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences")
     plotting.save_figure(fig, path, (

@@ -360,14 +360,10 @@ def plot(ds: xr.Dataset, path) -> None:
         kv_cache_marker(ax, float(ds["kv_cache_memory"].sel(**at)), ds[f"{var}_exact_summary"].sel(**at))
         log_axis(ax, unit="bytes", label="state memory (float32)")
         if recall:
-            ax.set_ylim(-0.03, 1.03)
-            ax.set_ylabel("recall accuracy")
-            ax.set_title(f"{task.replace('_', ' ')}, n = {n}")
+            ax.set(ylim=(-0.03, 1.03), ylabel="recall accuracy", title=f"{task.replace('_', ' ')}, n = {n}")
         else:
-            ax.set_yscale("log")
             ax.axhline(1.0, color="0.5", linestyle=":", linewidth=0.9)
-            ax.set_ylabel("normalised MSE")
-            ax.set_title(f"regression, n = {n}")
+            ax.set(yscale="log", ylabel="normalised MSE", title=f"regression, n = {n}")
     maps = {n: {"color": estimator_style(str(n))["color"], "linewidth": 2} for n in ds.estimator.values}
     proxy_legend(axes[-1], {**maps, **{r: RULE_STYLES[str(r)] for r in ds.rule.values}, "exact (KV cache)": {
         "color": "k", "marker": "*", "markersize": 10, "linestyle": "none"}}, off=True)

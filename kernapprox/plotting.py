@@ -225,6 +225,8 @@ def log_axis(ax, which: str = "x", *, base: int = 2, label: str | None = None, u
     getattr(ax, f"set_{which}scale")("log", base=base)
     axis = getattr(ax, f"{which}axis")
     axis.set_major_formatter(ticker.FuncFormatter(fmt_bytes if unit else lambda v, _: f"{v:g}"))
+    if unit:                                  # sizes span many powers of two: label every few (the text is long)
+        axis.set_major_locator(ticker.LogLocator(base=base, numticks=6))
     if label:
         getattr(ax, f"set_{which}label")(label)
 
