@@ -55,8 +55,9 @@ def test_rank_summary_nystrom_at_r_equal_n_reproduces_exact_attention():
     for task in ("recall", "regression"):
         params = {"task": task, "query": "key", "estimator": NYSTROM, "seed": 0,
                   "num_features": rank_summary.TASKS[task]["num_context"]}
-        out = rank_summary.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(5))
-        ref = rank_summary.run_reference(params, cpu, np.random.default_rng(5))
+        data = rank_summary.draw(params, np.random.default_rng(5), cpu)      # the engine's draw of the cell's data
+        out = rank_summary.run_cell(params, np.random.default_rng(0), cpu, data)
+        ref = rank_summary.run_reference(params, cpu, data)
         np.testing.assert_allclose(out["score"], ref["score_exact"], rtol=1e-5, atol=1e-6)
 
 
@@ -66,19 +67,22 @@ def test_read_outs_fit_on_the_context_only(module, monkeypatch):
     labelled rank-r oracles and the estimators whose definition reads the batch of test queries (LARA, EVA:
     ``_icl.BATCH_READOUTS``, named as such in the studies) see the queries."""
     seen = []
-    real = readout.paired_readouts
+    real = readout.attention_readout
 
-    def spy(*args, fit_on="keys", **kwargs):
+    def spy(*args, fit_on="keys", **kwargs):         # every read-out, paired_readouts' included
         seen.append((args[0], fit_on))
         return real(*args, fit_on=fit_on, **kwargs)
 
-    monkeypatch.setattr(readout, "paired_readouts", spy)
+    monkeypatch.setattr(readout, "attention_readout", spy)
     exp = module.EXPERIMENT
     grid = exp.grid("smoke")
     cpu = torch.device("cpu")
     for label in grid["estimator"]:
         params = {**exp.parameter_values(), **{axis: values[0] for axis, values in grid.items()}, "estimator": label}
-        exp.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(1))
+        if exp.draw is None:
+            exp.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(1))
+        else:                                        # a study whose data (and exact read-out) the engine draws
+            exp.run_cell(params, np.random.default_rng(0), cpu, exp.draw(params, np.random.default_rng(1), cpu))
     oracles = getattr(module, "ORACLES", {})
     batch = set(_icl.BATCH_READOUTS)
     assert seen and all(fit == ("queries_and_keys" if name in oracles or name in batch else "keys")
