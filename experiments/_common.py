@@ -70,14 +70,32 @@ def add_proportion(ds: xr.Dataset, name: str, successes: xr.DataArray, trials, d
 
 def add_paired(ds: xr.Dataset, name: str, baseline, dims, *, op: str, dim: str = "estimator",
                statistic: str = "median", label: str | None = None) -> xr.Dataset:
-    """``<name>_vs_<label>`` (per draw, against ``baseline`` along ``dim`` on identical inputs) and its summary."""
-    label = label or str(baseline)
-    comparison = stats.paired(ds[name], dim, baseline, op=op)
-    var = f"{name}_vs_{label}"
+    """``<name>_vs_<label>`` (per draw, against ``baseline`` along ``dim`` on identical inputs) and its summary;
+    nothing where ``baseline`` is not among the values of ``dim`` (a preset without it)."""
+    if baseline not in ds[dim].values:
+        return ds
+    return add_comparison(ds, f"{name}_vs_{label or baseline}", stats.paired(ds[name], dim, baseline, op=op), dims,
+                          statistic=statistic)
+
+
+def add_comparison(ds: xr.Dataset, var: str, comparison: xr.DataArray, dims, *,
+                   statistic: str = "median") -> xr.Dataset:
+    """``var``: a per-draw paired comparison (attributes ``comparison = "ratio"`` or ``"difference"``), and
+    ``<var>_summary`` with its interval over ``dims`` (:func:`kernapprox.stats.paired_summary`)."""
     ds[var] = comparison
     summary = stats.paired_summary(comparison, dims, statistic=statistic)
+    dims = [dims] if isinstance(dims, str) else list(dims)
     summary.attrs["description"] = f"summary of {var} over {', '.join(dims)}: " + summary.attrs["interval"]
     ds[f"{var}_summary"] = summary
+    return ds
+
+
+def add_mean(ds: xr.Dataset, var: str, da: xr.DataArray, dims, *, long_name: str, description: str) -> xr.Dataset:
+    """``var``: the mean of ``da`` over ``dims`` with its bootstrap interval (``description`` says of what)."""
+    mean = stats.bootstrap_interval(da, dims, "mean")
+    mean.attrs.update({"long_name": long_name, "units": "1", "description": f"{description}: "
+                       + mean.attrs["interval"]})
+    ds[var] = mean
     return ds
 
 
@@ -101,6 +119,18 @@ def resolved(summary: xr.DataArray) -> bool:
     neutral = float(summary.attrs.get("neutral", 0.0))
     lo, hi = float(summary.sel(stat="lo")), float(summary.sel(stat="hi"))
     return np.isfinite(lo) and np.isfinite(hi) and (lo > neutral or hi < neutral)
+
+
+def covers(summary: xr.DataArray, value) -> xr.DataArray:
+    """Elementwise, whether a summary's interval ``[lo, hi]`` contains ``value`` (a number or an array that
+    broadcasts against it, e.g. a closed form per cell); False where the interval is NaN."""
+    return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
+
+
+def above(a: xr.DataArray, b: xr.DataArray) -> bool:
+    """Whether summary ``a``'s interval lies wholly above summary ``b``'s (the two are separated, ``a`` higher);
+    summaries of independent draws, compared by their intervals rather than paired."""
+    return float(a.sel(stat="lo")) > float(b.sel(stat="hi"))
 
 
 def ratio_phrase(summary: xr.DataArray, *, better: str = "lower", worse: str = "higher") -> str:

@@ -37,6 +37,7 @@ from experiments._common import (
     BASELINE,
     EQUAL_BYTES,
     EQUAL_BYTES_COMPARATORS,
+    add_comparison,
     add_paired,
     add_summaries,
     per_draw_slope,
@@ -52,15 +53,21 @@ from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.memory import budget_bytes
 from kernapprox.metrics import nonpositive_normalizer_rate, relative_rms_error
 from kernapprox.plotting import (
-    bullets,
+    errorbar_summary,
+    estimator_lines,
     estimator_style,
+    figure_legend,
+    finite_values,
+    floor_ylim,
     fmt,
+    fmt_bytes,
     fmt_ci,
+    fmt_cis,
     fmt_pct,
+    log_axis,
     loglog_rank_axes,
     new_figure,
     plot_summary,
-    reference_slope,
     save_figure,
 )
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
@@ -145,23 +152,14 @@ def _data(params, data_rng, device):
                        dtype=torch.float64)                                 # (1, heads, n, d) each
 
 
-class _Draw:
-    """One data draw: ``q, k, v`` (1, heads, n, d) and exact attention on them, its output and log-normaliser
-    computed once per causality when first read (the engine hands the same draw to every estimator and rank)."""
-
-    def __init__(self, q, k, v):
-        self.q, self.k, self.v = q, k, v
-        self._exact = {}
-
-    def exact(self, causal: bool):
-        if causal not in self._exact:
-            self._exact[causal] = ka.softmax_attention(self.q, self.k, self.v, causal=causal, return_lse=True)
-        return self._exact[causal]
-
-
 def draw(params, data_rng, device):
-    """The draw of a (β, n, seed) in the design; None for one outside it (its cells are not applicable)."""
-    return _Draw(*_data(params, data_rng, device)) if _runs(params) else None
+    """The draw of a (β, n, seed) in the design, ``(q, k, v, exact)`` with ``exact[causal]`` exact attention's
+    output and log-normaliser on it (the engine hands it to every estimator and rank); None for a draw outside the
+    design (its cells are not applicable)."""
+    if not _runs(params):
+        return None
+    q, k, v = _data(params, data_rng, device)
+    return q, k, v, {c: ka.softmax_attention(q, k, v, causal=c, return_lse=True) for c in (False, True)}
 
 
 def _runs(params) -> bool:
@@ -184,21 +182,21 @@ def configuration(params) -> tuple[str, dict | None, dict]:
     return name, sized_configuration(name, options, budget, d=d, d_v=d, seq_len=n), info
 
 
-def run_cell(params, rng, device, data_rng, data):
+def run_cell(params, rng, device, data):
     if data is None:
         return not_applicable()
     name, kwargs, info = configuration(params)
     book = {"budget_bytes": float(info["budget"]), "smallest_state_bytes": float(info.get("smallest", np.nan))}
     if kwargs is None:                                          # not applicable: nothing fits, or causal LARA
         return not_applicable(**book)
-    q, k, v = data.q, data.k, data.v
+    q, k, v, exact = data
     causal = params["causal"]
     est = ka.make_estimator(name, rng=rng, **kwargs).fit(q, k)
     state = est.state_bytes(params["dim"], torch.float32, seq_len=params["seq_len"])
     if params["estimator"] in MATCHED and state > info["budget"]:      # the equal-bytes rule, checked per cell
         raise RuntimeError(f"{params['estimator']} keeps {state} bytes, over its budget of {info['budget']}")
     parts = ka.linear_attention(q, k, v, est, causal=causal, mode="chunked", return_parts=True)
-    exact, lse = data.exact(causal)                                        # (..., n, d_v), (..., n)
+    exact, lse = exact[causal]                                            # (..., n, d_v), (..., n)
     to_exact = torch.exp(parts.log_scale - lse)                # true part / Z_i, from the stabilised parts
     ratio = parts.normalizer * to_exact                         # Ẑ_i / Z_i
     numerator = parts.numerator * to_exact[..., None]           # N̂_i / Z_i
@@ -214,13 +212,12 @@ def run_cell(params, rng, device, data_rng, data):
             "group_size": float(kwargs.get("group_size", np.nan)), **book}
 
 
-def run_reference(params, device, data_rng, data):
+def run_reference(params, device, data):
     if data is None:
         return not_applicable()
-    q, k, v = data.q, data.k, data.v
+    q, k, v, exacts = data
     uniform = {}
-    for causal in (False, True):
-        exact, _ = data.exact(causal)
+    for causal, (exact, _) in exacts.items():
         if causal:
             mean = v.cumsum(-2) / torch.arange(1, v.shape[-2] + 1, dtype=v.dtype, device=v.device)[:, None]
         else:
@@ -249,23 +246,15 @@ def _uniform(ds: xr.Dataset) -> xr.DataArray:
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = add_summaries(ds, ERRORS + ["beta_eff", "uniform_rel_rms", "uniform_rel_rms_causal"], "seed")
     ds = add_summaries(ds, ["nonpositive_rate"], "seed", tail_threshold=None)
-    if BASELINE in ds.estimator.values:
-        ds = add_paired(ds, "output_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
-    if OPRF in ds.estimator.values:
-        ds = add_paired(ds, "output_rel_rms", OPRF, "seed", op="ratio", label="oprf")
-    if NYSTROM in ds.estimator.values:
-        ds = add_paired(ds, "output_rel_rms", NYSTROM, "seed", op="ratio", label="nystrom")
+    for baseline, label in ((BASELINE, "baseline"), (OPRF, "oprf"), (NYSTROM, "nystrom")):
+        ds = add_paired(ds, "output_rel_rms", baseline, "seed", op="ratio", label=label)
     with np.errstate(invalid="ignore", divide="ignore"):
         ratio = ds["output_rel_rms"] / _uniform(ds)
     ratio.attrs = {"long_name": f"output error / that of {UNIFORM} on the same draw", "units": "1",
                    "description": "per draw, output_rel_rms / uniform_rel_rms (causal: uniform_rel_rms_causal); "
                                   "below 1: closer to softmax attention than attention that ignores the keys",
                    "baseline": "uniform average", "comparison": "ratio"}
-    ds["output_rel_rms_vs_uniform"] = ratio
-    summary = stats.paired_summary(ratio, "seed")
-    summary.attrs["description"] = "summary of output_rel_rms_vs_uniform over seed: " + summary.attrs["interval"]
-    ds["output_rel_rms_vs_uniform_summary"] = summary
-    return ds
+    return add_comparison(ds, "output_rel_rms_vs_uniform", ratio, "seed")
 
 
 # ------------------------------------------------------------------------------------------------------ plot
@@ -287,30 +276,19 @@ def _matched_panel(ax, ds, n, beta, causal):
     estimators that fit no budget named."""
     names = [m for m in MATCHED if m in ds.estimator.values]
     out = ds["output_rel_rms_summary"].sel(seq_len=n, beta=beta, causal=causal)
-    budget = ds["budget_bytes"].sel(seq_len=n, beta=beta, causal=causal).max(["estimator", "seed"]).values / 1024
+    budget = ds["budget_bytes"].sel(seq_len=n, beta=beta, causal=causal).max(["estimator", "seed"]).values
     missing = []
     for i, name in enumerate(names):
-        style = estimator_style(name)
-        s = out.sel(estimator=name)
-        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-        keep = np.isfinite(est)
-        if keep.any():
-            x = budget[keep] * 2 ** (0.05 * (i - (len(names) - 1) / 2))       # side by side at each budget
-            ax.errorbar(x, est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], color=style["color"],
-                        marker=style["marker"], linestyle=style["linestyle"], linewidth=1.0, capsize=2,
-                        label=name)
+        errorbar_summary(ax, out.sel(estimator=name), budget * 2 ** (0.05 * (i - (len(names) - 1) / 2)),
+                         **{**estimator_style(name), "linewidth": 1.0})          # side by side at each budget
         gaps = _not_applicable(ds, name, seq_len=n, beta=beta, causal=causal)
         if gaps:
             missing.append(f"{name}: {'all' if len(gaps) == ds.sizes['num_features'] else ', '.join(map(str, gaps))}")
     uni = ds[f"uniform_rel_rms{'_causal' if causal else ''}_summary"].sel(seq_len=n, beta=beta)
     ax.axhline(float(uni.sel(stat="estimate")), color="0.35", linestyle=":", linewidth=1.2, label=f"{UNIFORM}")
-    ax.set_xscale("log", base=2)
+    log_axis(ax, unit="bytes", label="state budget B(r) (float32)")
     ax.set_yscale("log")
-    low, high = ax.get_ylim()
-    if low < 1e-3 < high:                       # exact reproductions (EVA with one key per group) sit on the axis
-        ax.set_ylim(1e-3, high)
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
-    ax.set_xlabel("state budget B(r) (KiB, float32)")
+    floor_ylim(ax, 1e-3)                        # exact reproductions (EVA with one key per group) sit on the axis
     ax.set_ylabel("‖Ŷ−Y‖_F / ‖Y‖_F")
     ax.set_title(f"equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}", fontsize=8.5)
     if missing:
@@ -326,7 +304,6 @@ def plot(ds, path):
     n_max = int(ds.seq_len.values.max())
     n_match = _matched_length(full)
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
-    r = ds.num_features.values
     out, num, den = (ds[f"{m}_summary"] for m in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms"))
     ncols = 4 + len(betas)
     fig, axes = new_figure(ds.sizes["causal"], ncols, width=3.9 * ncols, height=3.4 * ds.sizes["causal"] + 0.9,
@@ -334,12 +311,7 @@ def plot(ds, path):
     for row, causal in enumerate(ds.causal.values):
         kind = "causal" if causal else "non-causal"
         ax = axes[row, 0]
-        for name in names:
-            plot_summary(ax, out.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
-                         **estimator_style(name))
-        y0 = float(out.sel(estimator=names, seq_len=n_max, causal=causal, stat="estimate").isel(num_features=0)
-                   .median())
-        reference_slope(ax, r, 1.5 * y0)
+        estimator_lines(ax, out.sel(seq_len=n_max, causal=causal), names, slope=-0.5)
         loglog_rank_axes(ax, ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error, n = {n_max}, {kind}", fontsize=9)
         ax.legend(fontsize=6.5, loc="upper right")
@@ -355,9 +327,7 @@ def plot(ds, path):
         ax.set_title(f"numerator (solid), normaliser (dotted), n = {n_max}", fontsize=8)
 
         ax = axes[row, 2]
-        for name in names:
-            plot_summary(ax, out.sel(estimator=name, num_features=r_mid, causal=causal), "seq_len",
-                         **estimator_style(name))
+        estimator_lines(ax, out.sel(num_features=r_mid, causal=causal), names, "seq_len")
         loglog_rank_axes(ax, xlabel="sequence length n", ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
         ax.set_title(f"output error against n, r = {r_mid}, {kind}", fontsize=9)
 
@@ -369,9 +339,7 @@ def plot(ds, path):
                 style = estimator_style(name)
                 plot_summary(ax, rate.sel(estimator=name, seq_len=n), "num_features", band_alpha=0.1 * alpha,
                              **{**style, "alpha": alpha, "label": f"{name}, n = {n}"})
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
-        ax.set_xlabel("number of features r")
+        log_axis(ax, label="number of features r")
         ax.set_ylabel("fraction of queries with Ẑ ≤ 0")
         ax.set_title(f"non-positive normalisers, {kind}", fontsize=9)
         if signed:
@@ -380,9 +348,7 @@ def plot(ds, path):
             ax.text(0.5, 0.5, "no estimator produced Ẑ ≤ 0", ha="center", transform=ax.transAxes)
         for j, beta in enumerate(betas):
             _matched_panel(axes[row, 4 + j], full, n_match, beta, bool(causal))
-    handles, labels = axes[0, 4].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right center", fontsize=7, frameon=False,
-               title="equal state bytes", title_fontsize=7.5)
+    figure_legend(fig, axes[0, 4:], title="equal state bytes", title_fontsize=7.5)
     beta = betas[0]
     beta_eff = float(ds["beta_eff_summary"].sel(seq_len=n_max, stat="estimate"))
     fig.suptitle("Attention-output error of linear attention against exact softmax attention", fontsize=11,
@@ -406,10 +372,6 @@ def plot(ds, path):
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def _kb(value) -> str:
-    return f"{fmt(float(value) / 1024, 3)} KiB"
-
-
 def _matched_entry(ds, name, n, beta, causal, r) -> str:
     """``name`` at one cell of the equal-bytes design: its error with interval and the configuration it ran, or
     why it is not applicable."""
@@ -419,14 +381,14 @@ def _matched_entry(ds, name, n, beta, causal, r) -> str:
         if name in SIZED and causal and not ka.capabilities(SIZED[name][0], **SIZED[name][1]).causal:
             return f"`{name}` n/a (non-causal only)"
         smallest = float(ds["smallest_state_bytes"].sel(**at).max())
-        return f"`{name}` n/a (needs ≥ {_kb(smallest)})"
+        return f"`{name}` n/a (needs ≥ {fmt_bytes(smallest)})"
     error = fmt_ci(ds["output_rel_rms_summary"].sel(**at))
     if name not in SIZED:
         return f"`{name}` {error}"
     config = f"r' = {int(used.median())}"
     if bool(ds["group_size"].sel(**at).notnull().any()):
         config = f"{int(used.median())} groups of {int(ds['group_size'].sel(**at).median())}"
-    return f"`{name}` {error} [{config}, {_kb(ds['state_bytes'].sel(**at).median())}]"
+    return f"`{name}` {error} [{config}, {fmt_bytes(ds['state_bytes'].sel(**at).median())}]"
 
 
 def _matched_findings(ds) -> list[str]:
@@ -447,30 +409,27 @@ def _matched_findings(ds) -> list[str]:
             for r in ranks:
                 budget = float(ds["budget_bytes"].sel(num_features=r, seq_len=n, beta=beta, causal=causal).max())
                 entries = "; ".join(_matched_entry(ds, m, n, beta, causal, r) for m in names)
-                pieces.append(f"r = {r} (budget {_kb(budget)}): {entries}")
+                pieces.append(f"r = {r} (budget {fmt_bytes(budget)}): {entries}")
             uni = ds[f"uniform_rel_rms{'_causal' if causal else ''}_summary"].sel(seq_len=n, beta=beta)
             lines.append(f"Equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}, median "
                          "output error over seeds [configuration, state kept]: " + " — ".join(pieces)
                          + f"; {UNIFORM}: {fmt_ci(uni)}.")
+    def finite_cells(vs, m, judge):
+        """``c β=2 r=64 0.93 (0.9–0.96) lower, …``: the finite cells of ``m`` in a paired summary at length n."""
+        at = [(c, b, r) for c in ds.causal.values for b in betas for r in ranks]
+        return [f"{'c' if c else 'nc'} β={b:g} r={r} {fmt_ci(s)}" + (f" {verdict(s)}" if judge else "")
+                for c, b, r in at if np.isfinite(float((s := vs.sel(estimator=m, beta=b, causal=c,
+                                                                      num_features=r)).sel(stat="estimate")))]
+
     for label, baseline, title, who in (("oprf", OPRF, f"OPRF (`{OPRF}`)", list(SIZED)),
                                         ("baseline", BASELINE, f"FAVOR+ (`{BASELINE}`)", LARA_EVA),
                                         ("nystrom", NYSTROM, f"Nyström with uniform landmarks (`{NYSTROM}`)",
                                          LARA_EVA)):
-        var = f"output_rel_rms_vs_{label}_summary"
-        if var not in ds:
+        if f"output_rel_rms_vs_{label}_summary" not in ds:
             continue
-        vs = ds[var].sel(seq_len=n)
-        parts = []
-        for m in [m for m in names if m in who and m != baseline]:
-            cells = []
-            for causal in ds.causal.values:
-                for beta in betas:
-                    for r in ranks:
-                        s = vs.sel(estimator=m, beta=beta, causal=causal, num_features=r)
-                        if np.isfinite(float(s.sel(stat="estimate"))):
-                            cells.append(f"{'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)} {verdict(s)}")
-            if cells:
-                parts.append(f"`{m}`: " + ", ".join(cells))
+        vs = ds[f"output_rel_rms_vs_{label}_summary"].sel(seq_len=n)
+        parts = [f"`{m}`: " + ", ".join(c) for m in names
+                 if m in who and m != baseline and (c := finite_cells(vs, m, True))]
         if parts:
             lines.append(f"Against {title} on the same draws at equal state bytes (n = {n}; per-draw ratio of "
                          "output errors, median with its interval; lower/higher: the interval excludes 1; not "
@@ -478,20 +437,13 @@ def _matched_findings(ds) -> list[str]:
     means = [m for m in names if m.endswith("_mean")]
     if means:
         vs = ds["output_rel_rms_vs_uniform_summary"].sel(seq_len=n)
-        cells = []
-        for m in means:
-            for causal in ds.causal.values:
-                for beta in betas:
-                    for r in ranks:
-                        s = vs.sel(estimator=m, beta=beta, causal=causal, num_features=r)
-                        if np.isfinite(float(s.sel(stat="estimate"))):
-                            cells.append(f"`{m}` {'c' if causal else 'nc'} β={beta:g} r={r} {fmt_ci(s)}")
+        cells = [f"`{m}` {c}" for m in means for c in finite_cells(vs, m, False)]
         lines.append(f"The draws at the proposal means against {UNIFORM} on the same draws (n = {n}; per-draw ratio "
                      "of output errors; 1 = no better than ignoring the keys): " + ", ".join(cells) + ".")
     return lines
 
 
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     full = ds
     ds = ds.sel(beta=ds.beta.values.max())
     beta = float(ds.beta)
@@ -503,11 +455,11 @@ def findings(ds: xr.Dataset) -> str:
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
     lines = []
     top = out.sel(seq_len=n_max, num_features=r_max, causal=False)
-    ran = [n for n in everyone if np.isfinite(float(top.sel(estimator=n, stat="estimate")))]
-    order = sorted(ran, key=lambda n: float(top.sel(estimator=n, stat="estimate")))
+    order = sorted(finite_values(top, "estimator"), key=lambda n: float(top.sel(estimator=n, stat="estimate")))
     budget = float(ds["budget_bytes"].sel(seq_len=n_max, num_features=r_max, causal=False).max())
     head = (f"At n = {n_max}, β = {beta:g} (non-causal), at equal state bytes (the budget of FAVOR+ at r = {r_max}, "
-            f"{_kb(budget)}) the smallest median output error is `{order[0]}`'s, {fmt_ci(top.sel(estimator=order[0]))}")
+            f"{fmt_bytes(budget)}) the smallest median output error is `{order[0]}`'s, "
+            f"{fmt_ci(top.sel(estimator=order[0]))}")
     other = order[1] if order[0] == BASELINE and len(order) > 1 else order[0]
     if "output_rel_rms_vs_baseline_summary" in ds and other != BASELINE:
         vs = ds["output_rel_rms_vs_baseline_summary"].sel(seq_len=n_max, num_features=r_max, causal=False,
@@ -523,7 +475,7 @@ def findings(ds: xr.Dataset) -> str:
             ds["numerator_rel_rms"].sel(estimator=positive, seq_len=n_max, num_features=r_max, causal=False)
             / ds["normalizer_rel_rms"].sel(estimator=positive, seq_len=n_max, num_features=r_max, causal=False),
             "seed")
-        parts = "; ".join(f"`{n}` {fmt_ci(split.sel(estimator=n))}" for n in positive)
+        parts = fmt_cis(split, "estimator")
         above = [n for n in positive if float(split.sel(estimator=n, stat="lo")) > 1]
         lines.append(f"Per-draw ratio of numerator to normaliser error at n = {n_max}, r = {r_max}: {parts}; above 1 "
                      f"with its whole interval for {len(above)} of {len(positive)} positive maps.")
@@ -544,26 +496,20 @@ def findings(ds: xr.Dataset) -> str:
         / ds["output_rel_rms"].sel(estimator=names, causal=False, seq_len=n_max, num_features=r_max), "seed")
     lo_c = [n for n in names if float(causal_ratio.sel(estimator=n, stat="hi")) < 1]
     lines.append(f"Causal against non-causal output error on the same data (n = {n_max}, r = {r_max}, per-draw ratio): "
-                 + "; ".join(f"`{n}` {fmt_ci(causal_ratio.sel(estimator=n))}" for n in names)
+                 + fmt_cis(causal_ratio, "estimator")
                  + f" — below 1 with its whole interval for {len(lo_c)} of {len(names)} random-feature maps.")
     if positive and n_max != n_min:
-        pieces = []
-        for n in positive:
-            a, b = (out.sel(estimator=n, num_features=r_mid, causal=False, seq_len=length)
-                    for length in (n_min, n_max))
-            pieces.append(f"`{n}` {fmt_ci(a)} → {fmt_ci(b)}")
+        at = out.sel(num_features=r_mid, causal=False)
+        pieces = [f"`{n}` {fmt_ci(at.sel(estimator=n, seq_len=n_min))} → {fmt_ci(at.sel(estimator=n, seq_len=n_max))}"
+                  for n in positive]
         lines.append(f"At fixed r = {r_mid}, from n = {n_min} to n = {n_max} (non-causal; independent draws per "
                      "length): " + "; ".join(pieces) + ".")
     trig = [n for n in names if n.startswith("trig")]
     if trig:
-        rate = ds["nonpositive_rate_summary"]
-        pieces = []
-        for n in trig:
-            lo_r = rate.sel(estimator=n, num_features=r_min, causal=False, seq_len=n_max)
-            hi_r = rate.sel(estimator=n, num_features=r_max, causal=False, seq_len=n_max)
-            e_lo = out.sel(estimator=n, num_features=r_min, causal=False, seq_len=n_max)
-            pieces.append(f"`{n}`: {fmt_ci(lo_r, percent=True)} of normalisers ≤ 0 at r = {r_min} (output error "
-                          f"{fmt_ci(e_lo)}), {fmt_ci(hi_r, percent=True)} at r = {r_max}")
+        rate, err = (v.sel(causal=False, seq_len=n_max) for v in (ds["nonpositive_rate_summary"], out))
+        pieces = [f"`{n}`: {fmt_ci(rate.sel(estimator=n, num_features=r_min), percent=True)} of normalisers ≤ 0 at "
+                  f"r = {r_min} (output error {fmt_ci(err.sel(estimator=n, num_features=r_min))}), "
+                  f"{fmt_ci(rate.sel(estimator=n, num_features=r_max), percent=True)} at r = {r_max}" for n in trig]
         lines.append(f"Signed trigonometric features fail where their normaliser is ≤ 0 (n = {n_max}, non-causal): "
                      + "; ".join(pieces) + ".")
     signed = [n for n in everyone if n.startswith("trig") or n.startswith("nystrom")]
@@ -572,7 +518,7 @@ def findings(ds: xr.Dataset) -> str:
         worst = float(full["nonpositive_rate"].sel(estimator=unsigned).max())
         lines.append(f"The largest rate of non-positive normalisers among the positive estimators (every one but "
                      f"trigonometric features and Nyström), over every cell and draw, is {fmt(worst)}.")
-    return bullets(lines)
+    return lines
 
 
 EXPERIMENT = Experiment(name="attention_error", title="Attention-output error: numerator, normaliser and output",

@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import xarray as xr
-from matplotlib.lines import Line2D
 
 import kernapprox as ka
 from experiments._common import (
@@ -29,6 +28,8 @@ from experiments._common import (
     BASELINE,
     DENSE_BUDGET_ENTRIES,
     KERNEL_SVD,
+    above,
+    add_comparison,
     add_paired,
     add_summaries,
     per_draw_slope,
@@ -41,13 +42,16 @@ from experiments._common import (
 from kernapprox import stats
 from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.plotting import (
-    bullets,
+    errorbar_summary,
+    estimator_lines,
     estimator_style,
+    finite_values,
     fmt_ci,
+    legend_below,
     loglog_rank_axes,
     new_figure,
     plot_summary,
-    reference_slope,
+    proxy_legend,
     save_figure,
     split_estimator_name,
 )
@@ -103,7 +107,8 @@ REFERENCE_METRICS = {
 AXIS_ATTRS = {"beta": {"long_name": "nominal inverse temperature β (E‖q‖² = β√d)", "units": "1"}}
 
 
-def _data(params, data_rng, device):
+def draw(params, data_rng, device):
+    """The queries and keys ``(n, d)`` of one draw, read by every estimator and rank and by the reference."""
     dist = make_distribution("isotropic", beta=params["beta"])
     q, k, _ = dist.sample(params["seq_len"], d=params["dim"], rng=data_rng, device=device, dtype=torch.float64)
     return q[0, 0], k[0, 0]                                                    # (n, d)
@@ -134,21 +139,20 @@ def kernel_errors(est, q, k) -> tuple[float, float]:
     return float(np.sqrt(sq_err / sq_ref)), worst
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data):
     name, n = params["estimator"], params["seq_len"]
     if not runs(name, n, params["all_estimators_max_len"]):
         return not_applicable()
-    q, k = _data(params, data_rng, device)
+    q, k = data
     r = None if ka.capabilities(name).fixed_dimension else params["num_features"]
     est = ka.make_estimator(name, num_features=r, rng=rng).fit(q, k)
     fro, worst = kernel_errors(est, q, k)
     return {"kernel_rel_fro": fro, "kernel_max_rel": worst}
 
 
-def run_reference(params, device, data_rng):
-    q, k = _data(params, data_rng, device)
-    n = params["seq_len"]
-    sv = kernel_singular_values(q, k) if n * n <= DENSE_BUDGET_ENTRIES else np.nan
+def run_reference(params, device, data):
+    q, k = data
+    sv = kernel_singular_values(q, k) if q.shape[0] * k.shape[0] <= DENSE_BUDGET_ENTRIES else np.nan
     return {"beta_eff": effective_beta(q, k).item(), "kernel_sv": sv}
 
 
@@ -193,14 +197,9 @@ def sampler_ratios(err: xr.DataArray) -> xr.DataArray:
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["kernel_svd_rel_fro"] = kernel_svd_errors(ds)
-    ds["sampler_ratio"] = sampler_ratios(ds["kernel_rel_fro"])
+    ds = add_comparison(ds, "sampler_ratio", sampler_ratios(ds["kernel_rel_fro"]), "seed")
     ds = add_summaries(ds, ["kernel_rel_fro", "kernel_svd_rel_fro", "beta_eff"], "seed")
-    summary = stats.paired_summary(ds["sampler_ratio"], "seed")
-    summary.attrs["description"] = "summary of sampler_ratio over seed: " + summary.attrs["interval"]
-    ds["sampler_ratio_summary"] = summary
-    if BASELINE in ds.estimator.values:
-        ds = add_paired(ds, "kernel_rel_fro", BASELINE, "seed", op="ratio", label="baseline")
-    return ds
+    return add_paired(ds, "kernel_rel_fro", BASELINE, "seed", op="ratio", label="baseline")
 
 
 # ------------------------------------------------------------------------------------------------------ plot
@@ -214,9 +213,8 @@ def _panel_of(name: str) -> int:
 
 
 def _draw_svd(ax, ds, **sel):
-    line = plot_summary(ax, ds["kernel_svd_rel_fro_summary"].sel(**sel), "num_features", color="black",
-                        linewidth=2.0, label="rank-r kernel SVD (bounds this error only)")
-    return line
+    plot_summary(ax, ds["kernel_svd_rel_fro_summary"].sel(**sel), "num_features", color="black", linewidth=2.0,
+                 label="rank-r kernel SVD (bounds this error only)")
 
 
 def plot(ds, path):
@@ -229,7 +227,6 @@ def plot(ds, path):
     fig, axes = new_figure(len(betas), ncols, width=3.3 * ncols + 1.5, height=3.0 * len(betas) + 2.2, squeeze=False)
     titles = ["trigonometric, positive, hyperbolic, Maclaurin", "exponential families (GERF, OPRF, DERF)",
               "data-dependent and hybrid"]
-    r = ds.num_features.values
     for row, beta in enumerate(betas):
         sub = summ.sel(beta=beta, seq_len=n_short)
         beta_eff = float(ds["beta_eff_summary"].sel(beta=beta, seq_len=n_short, stat="estimate"))
@@ -239,27 +236,21 @@ def plot(ds, path):
                 ax.sharey(axes[row, 0])
             shown = [n for n in names if _panel_of(n) == col
                      and (col == 2 or split_estimator_name(n)[1] in ("iid", "orthogonal"))]
-            for name in shown:
-                plot_summary(ax, sub.sel(estimator=name), "num_features", **estimator_style(name))
+            estimator_lines(ax, sub, shown, slope=-0.5)
             _draw_svd(ax, ds, beta=beta, seq_len=n_short)
-            if shown:
-                y0 = float(sub.sel(estimator=shown, stat="estimate").isel(num_features=0).median())
-                reference_slope(ax, r, 1.5 * y0)
             loglog_rank_axes(ax, ylabel="‖Â−A‖_F / ‖A‖_F" if col == 0 else None)
             ax.set_title(f"{titles[col]}\nn = {n_short}, β = {beta:g} (measured {beta_eff:.2f})", fontsize=8.5)
             if row == len(betas) - 1:
-                ax.legend(ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=6.5, frameon=False)
+                legend_below(ax)
         if long_col:
             ax = axes[row, 3]
             ax.sharey(axes[row, 0])
-            for name in [n for n in names if n in LONG_SEQUENCE]:
-                plot_summary(ax, summ.sel(estimator=name, beta=beta, seq_len=n_long), "num_features",
-                             **estimator_style(name))
+            estimator_lines(ax, summ.sel(beta=beta, seq_len=n_long), [n for n in names if n in LONG_SEQUENCE])
             _draw_svd(ax, ds, beta=beta, seq_len=n_long)
             loglog_rank_axes(ax)
             ax.set_title(f"long sequences: n = {n_long}, β = {beta:g}", fontsize=8.5)
             if row == len(betas) - 1:
-                ax.legend(ncol=1, loc="upper center", bbox_to_anchor=(0.5, -0.2), fontsize=6.5, frameon=False)
+                legend_below(ax, ncol=1)
         _sampler_panel(axes[row, ncols - 1], ds, beta, n_short)
     fig.suptitle("Kernel-matrix error against the number of features", fontsize=11, fontweight="bold")
     save_figure(fig, path, (
@@ -278,18 +269,14 @@ def plot(ds, path):
 def _sampler_panel(ax, ds, beta, n):
     top = int(ds.num_features.values.max())
     summ = ds["sampler_ratio_summary"].sel(beta=beta, seq_len=n, num_features=top)
-    rows = []
-    for name in ds.estimator.values:
-        family, variant = split_estimator_name(str(name))
-        if variant in ("orthogonal", "qmc") and np.isfinite(float(summ.sel(estimator=name, stat="estimate"))):
-            rows.append((family, variant, summ.sel(estimator=name)))
+    rows = [(*split_estimator_name(name), summ.sel(estimator=name)) for name in finite_values(summ, "estimator")
+            if split_estimator_name(name)[1] in ("orthogonal", "qmc")]
     families = sorted({f for f, _, _ in rows})
     for family, variant, s in rows:
         style = estimator_style(f"{family}_{variant}")
-        x = families.index(family) + (0.15 if variant == "qmc" else -0.15)
-        est, lo, hi = (float(s.sel(stat=k)) for k in ("estimate", "lo", "hi"))
-        ax.errorbar([x], [est], yerr=[[est - lo], [hi - est]], fmt=style["marker"], color=style["color"],
-                    markersize=5, capsize=2, elinewidth=0.8, markeredgecolor="black", markeredgewidth=0.3)
+        errorbar_summary(ax, s, [families.index(family) + (0.15 if variant == "qmc" else -0.15)],
+                         marker=style["marker"], color=style["color"], markersize=5, markeredgecolor="black",
+                         markeredgewidth=0.3)
     ax.axhline(1.0, color="0.3", linewidth=0.8)
     ax.set_yscale("log")
     ax.yaxis.set_major_formatter(lambda v, _: f"{v:g}")
@@ -297,13 +284,12 @@ def _sampler_panel(ax, ds, beta, n):
     ax.set_xticks(range(len(families)), families, rotation=40, ha="right")
     ax.set_ylabel(f"error / i.i.d. error, same inputs, r = {top}")
     ax.set_title(f"structured samplers against i.i.d.\nn = {n}, β = {beta:g}", fontsize=8.5)
-    variants = sorted({variant for _, variant, _ in rows})
-    ax.legend([Line2D([], [], linestyle="", marker=estimator_style(f"x_{v}")["marker"], color="0.4")
-               for v in variants], variants, fontsize=6.5, loc="best")
+    proxy_legend(ax, {v: {"linestyle": "", "marker": estimator_style(f"x_{v}")["marker"], "color": "0.4"}
+                      for v in sorted({variant for _, variant, _ in rows})}, fontsize=6.5, loc="best")
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     summ = ds["kernel_rel_fro_summary"]
     n_short, n_long = int(ds.seq_len.values.min()), int(ds.seq_len.values.max())
     r_top = int(ds.num_features.values.max())
@@ -344,7 +330,7 @@ def findings(ds: xr.Dataset) -> str:
             f"At β = {b_hi:g} the same maps reach median errors {range_text(hi_err.sel(stat='estimate').values)} at "
             f"r = {r_top} (β = {b_lo:g}: {range_text(summ.sel(estimator=data_independent, beta=b_lo, seq_len=n_short, num_features=r_top, stat='estimate').values)}); "  # noqa: E501
             f"the share of draws with error above 1 is {range_text(100 * tails)} % across them, largest for `{worst}` "
-            f"({fmt_ci(_tail(hi_err.sel(estimator=worst)), percent=True)}).")
+            f"({fmt_ci(hi_err.sel(estimator=worst), percent=True, entry='tail')}).")
     resolved_rows, unresolved = [], []
     ratio = ds["sampler_ratio_summary"].sel(seq_len=n_short, num_features=r_top)
     for name in names:
@@ -371,7 +357,7 @@ def findings(ds: xr.Dataset) -> str:
             b = summ.sel(estimator=name, beta=b_lo, seq_len=n_short, num_features=r_top)
             if np.isfinite(float(a.sel(stat="estimate"))):
                 grow.append(f"`{name}` {fmt_ci(b, 2)} → {fmt_ci(a, 2)}")
-                (higher if float(a.sel(stat="lo")) > float(b.sel(stat="hi")) else same).append(f"`{name}`")
+                (higher if above(a, b) else same).append(f"`{name}`")
         lines.append(f"From n = {n_short} to n = {n_long} at r = {r_top}, β = {b_lo:g} (median kernel error, 95 % "
                      f"interval): " + "; ".join(grow) + f". Higher at n = {n_long} with separated intervals: "
                      + (", ".join(higher) or "none") + "; not separated: " + (", ".join(same) or "none") + ".")
@@ -381,20 +367,14 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("The hybrids keep an exact window of keys besides their features; against FAVOR+ on the same "
                      f"draws (r = {r_top}, β = {b_lo:g}) their error is " + "; ".join(
                          f"`{h}` {ratio_phrase(vs.sel(estimator=h))}" for h in hybrids) + ".")
-    return bullets(lines)
-
-
-def _tail(summary):
-    """The tail fraction of a summary as an estimate/lo/hi triple (for :func:`fmt_ci`)."""
-    values = [float(summary.sel(stat=s)) for s in ("tail", "tail_lo", "tail_hi")]
-    return xr.DataArray(values, dims="stat", coords={"stat": ["estimate", "lo", "hi"]})
+    return lines
 
 
 EXPERIMENT = Experiment(name="kernel_error", title="Kernel-matrix error against the number of features",
                         description=" ".join((__doc__.strip().split("\n\n")[0] + " "
                                               + __doc__.strip().split("\n\n")[1]).split()),
                         grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot,
-                        data_axes=("beta", "seq_len", "seed"),
+                        data_axes=("beta", "seq_len", "seed"), draw=draw,
                         reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
                         parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

@@ -40,6 +40,7 @@ from experiments._common import (
     EQUAL_BYTES,
     EQUAL_BYTES_COMPARATORS,
     KERNEL_SVD,
+    above,
     add_paired,
     add_summaries,
     range_text,
@@ -48,10 +49,10 @@ from experiments._common import (
     sized_configuration,
     verdict,
 )
-from kernapprox import metrics, real
+from kernapprox import metrics, plotting, real, stats
 from kernapprox.distributions import effective_beta, make_distribution
 from kernapprox.memory import budget_bytes
-from kernapprox.plotting import bullets, fmt, fmt_ci
+from kernapprox.plotting import fmt, fmt_bytes, fmt_ci
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 ESTIMATORS = registered("positive", "positive_orthogonal", "trig", "hyperbolic_orthogonal", "oprf",
@@ -220,28 +221,13 @@ def run_cell(params, rng, device):
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = add_summaries(ds, ["kernel_rel_fro", "attention_rel_rms", "beta_eff", "logit_std"], "seed")
     ds = add_summaries(ds, ["nonpositive_rate"], "seed", tail_threshold=None)
-    if BASELINE in ds.estimator.values:
-        ds = add_paired(ds, "attention_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
-    if OPRF in ds.estimator.values:
-        ds = add_paired(ds, "attention_rel_rms", OPRF, "seed", op="ratio", label="oprf")
-    return ds
+    ds = add_paired(ds, "attention_rel_rms", BASELINE, "seed", op="ratio", label="baseline")
+    return add_paired(ds, "attention_rel_rms", OPRF, "seed", op="ratio", label="oprf")
 
 
 # --------------------------------------------------------------------------------------------------- figure
 FAMILY_ORDER = [*SYNTHETIC]
 PLOT_FEATURES = 64
-
-
-def _family_colors():
-    import seaborn as sns
-
-    return dict(zip(FAMILY_ORDER, sns.color_palette("colorblind", len(FAMILY_ORDER)).as_hex()))
-
-
-def _layer_colors(count):
-    import seaborn as sns
-
-    return sns.color_palette("rocket", count + 2).as_hex()[1:-1]
 
 
 def _against_beta(ax, ds, var, estimator, m, families, real_values, colors, layer_colors, label=True):
@@ -250,29 +236,16 @@ def _against_beta(ax, ds, var, estimator, m, families, real_values, colors, laye
     summ = ds[f"{var}_summary"].sel(estimator=estimator, num_features=m).isel(seq_len=0)
     beta = ds["beta_eff_summary"].isel(seq_len=0).sel(stat="estimate")
     for fam in families:
-        s = summ.sel(distribution=fam)
-        x = beta.sel(distribution=fam).values
-        est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-        ok = np.isfinite(x) & np.isfinite(est) & (est > 0)
-        ax.plot(x[ok], est[ok], marker="o", color=colors[fam], label=fam if label else None)
-        ax.fill_between(x[ok], np.maximum(lo[ok], 1e-300), hi[ok], color=colors[fam], alpha=0.15, linewidth=0)
-    for i, value in enumerate(real_values):
-        s = summ.sel(distribution=value, beta=REAL_BETA)
-        x = float(beta.sel(distribution=value, beta=REAL_BETA))
-        est, lo, hi = (float(s.sel(stat=k)) for k in ("estimate", "lo", "hi"))
-        if np.isfinite(x) and np.isfinite(est) and est > 0:
-            ax.errorbar([x], [est], yerr=[[est - lo], [hi - est]], marker="D", markersize=5, color=layer_colors[i],
-                        markeredgecolor="black", markeredgewidth=0.4, linestyle="none", zorder=3,
-                        label=f"real layer {value.removeprefix('real_L')}" if label else None)
-    ax.set_xscale("log", base=2)
+        plotting.plot_summary(ax, summ.sel(distribution=fam), xvalues=beta.sel(distribution=fam).values, positive=True,
+                              band_alpha=0.15, marker="o", color=colors[fam], label=fam if label else None)
+    for value in real_values:
+        at = {"distribution": value, "beta": REAL_BETA}
+        if float(summ.sel(**at, stat="estimate")) > 0:
+            plotting.errorbar_summary(ax, summ.sel(**at), [float(beta.sel(**at))], marker="D", markersize=5,
+                                      color=layer_colors[value], markeredgecolor="black", markeredgewidth=0.4, zorder=3,
+                                      label=f"real layer {value.removeprefix('real_L')}" if label else None)
+    plotting.log_axis(ax)
     ax.set_yscale("log")
-
-
-def _clip_bottom(ax, bottom=1e-4):
-    """Errors below ``bottom`` (exact reproductions at r ≥ n) sit on the axis instead of stretching it."""
-    lo, hi = ax.get_ylim()
-    if lo < bottom < hi:
-        ax.set_ylim(bottom, hi)
 
 
 def panel_budget(ds, estimator, m: int) -> int:
@@ -284,15 +257,13 @@ def panel_budget(ds, estimator, m: int) -> int:
 
 
 def plot(ds, path):
-    from kernapprox import plotting
-
     estimators = [str(e) for e in ds.estimator.values]
     values = [str(v) for v in ds.distribution.values]
     families = [f for f in FAMILY_ORDER if f in values]
     real_values = [v for v in values if v.startswith("real_L")]
     nums = [int(m) for m in ds.num_features.values]
     m = PLOT_FEATURES if PLOT_FEATURES in nums else nums[len(nums) // 2]
-    colors, layer_colors = _family_colors(), _layer_colors(max(len(real_values), 1))
+    colors, layer_colors = plotting.palette(FAMILY_ORDER), plotting.palette(real_values, "rocket", trim=1)
     ncols = 4
     nrows = -(-(len(estimators) + 3) // ncols)
     fig, axes = plotting.new_figure(nrows, ncols, width=15.5, height=3.0 * nrows + 0.6, squeeze=False)
@@ -310,7 +281,7 @@ def plot(ds, path):
         ax.set_xlabel("measured β_eff = s·mean‖q‖·mean‖k‖")
         ax.set_ylabel("attention output rel. error")
         ax.axhline(1.0, color="0.4", linewidth=0.8, linestyle=":")
-        _clip_bottom(ax)
+        plotting.floor_ylim(ax, 1e-4)          # exact reproductions at r ≥ n sit on the axis
     axes[0].legend(loc="upper left", ncol=2, fontsize=6.5)
 
     ref = "isotropic" if "isotropic" in values else families[0]
@@ -325,11 +296,10 @@ def plot(ds, path):
         if est in ORACLES:
             style.update(color="black", label=ORACLES[est])
         plotting.plot_summary(ax, s, None, xvalues=beta.sel(distribution=ref).values, **style)
-    ax.set_xscale("log", base=2)
+    plotting.log_axis(ax, label="measured β_eff")
     ax.set_yscale("log")
-    _clip_bottom(ax)
+    plotting.floor_ylim(ax, 1e-4)
     ax.set_title(f"kernel matrix error, {ref} (budget r = {m})")
-    ax.set_xlabel("measured β_eff")
     ax.set_ylabel("‖Â − A‖_F / ‖A‖_F")
     ax.legend(fontsize=6, ncol=2)
 
@@ -341,15 +311,14 @@ def plot(ds, path):
             continue
         plotting.plot_summary(ax, r.sel(distribution=ref), None, xvalues=beta.sel(distribution=ref).values,
                               **plotting.estimator_style(est))
-        for i, value in enumerate(real_values):
+        for value in real_values:
             s = r.sel(distribution=value, beta=REAL_BETA)
             ax.scatter([float(beta.sel(distribution=value, beta=REAL_BETA))], [float(s.sel(stat="estimate"))],
-                       marker="D", s=18, color=layer_colors[i], edgecolor=plotting.estimator_style(est)["color"],
+                       marker="D", s=18, color=layer_colors[value], edgecolor=plotting.estimator_style(est)["color"],
                        linewidth=0.8, zorder=3)
-    ax.set_xscale("log", base=2)
+    plotting.log_axis(ax, label="measured β_eff (line: isotropic; ◆: real layers)")
     ax.set_ylim(-0.02, 0.62)
     ax.set_title(f"non-positive normalisers (budget r = {m})")
-    ax.set_xlabel("measured β_eff (line: isotropic; ◆: real layers)")
     ax.set_ylabel("fraction of queries")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=6)
@@ -362,17 +331,11 @@ def plot(ds, path):
     else:
         pooled = pooled.sel(distribution=ref).rename(beta="layer")
         title = f"{ref}, all beta and seeds"
-    from kernapprox import stats
-
-    summary = stats.summarise(pooled, ("layer", "seed"))
-    for est in estimators:
-        style = plotting.estimator_style(est)
-        if est in ORACLES:
-            style.update(color="black", label=ORACLES[est])
-        plotting.plot_summary(ax, summary.sel(estimator=est), "num_features", **style)
+    plotting.estimator_lines(ax, stats.summarise(pooled, ("layer", "seed")), estimators,
+                             styles={e: {"color": "black", "label": ORACLES[e]} for e in ORACLES})
     plotting.loglog_rank_axes(ax, xlabel="budget r (FAVOR+ features at equal state)",
                               ylabel="attention output rel. error")
-    _clip_bottom(ax)
+    plotting.floor_ylim(ax, 1e-4)
     ax.set_title(f"error vs budget, {title}", fontsize=8.5)
     for ax in axes[len(estimators) + 3:]:
         ax.set_visible(False)
@@ -394,7 +357,7 @@ def plot(ds, path):
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     ds = ds.isel(seq_len=0)
     err = ds["attention_rel_rms_summary"]
     beta = ds["beta_eff_summary"]
@@ -416,7 +379,7 @@ def findings(ds: xr.Dataset) -> str:
             vs = ds["attention_rel_rms_vs_baseline_summary"].sel(distribution="isotropic", num_features=m)
             landmarks = range_text(ds["features_used"].sel(estimator=nys, num_features=m).values)
             lines.append(f"Nyström against FAVOR+ on the same isotropic samples at equal state bytes (budget of "
-                         f"FAVOR+ at r = {m}, {fmt(float(ds['budget_bytes'].sel(num_features=m).max()) / 1024)} KiB: "
+                         f"FAVOR+ at r = {m}, {fmt_bytes(ds['budget_bytes'].sel(num_features=m).max())}: "
                          f"{landmarks} landmarks; paired ratio of output errors): " + "; ".join(
                              f"β = {bb:g}: " + ", ".join(f"`{n}` {ratio_phrase(vs.sel(estimator=n, beta=bb))}"
                                                          for n in nys) for bb in (betas[0], betas[-1])) + ".")
@@ -429,8 +392,7 @@ def findings(ds: xr.Dataset) -> str:
                           f"{fmt_ci(ds['logit_std_summary'].sel(distribution=fam, beta=b1), 2)}, error "
                           f"{fmt_ci(errors[fam])}")
         iso, aniso = errors["isotropic"], errors["anisotropic"]
-        separated = float(aniso.sel(stat="lo")) > float(iso.sel(stat="hi")) or \
-            float(aniso.sel(stat="hi")) < float(iso.sel(stat="lo"))
+        separated = above(aniso, iso) or above(iso, aniso)
         verdict = ("the error intervals are separated" if separated else
                    "the error intervals overlap: at this sample size the two families are not separated")
         lines.append(f"Anisotropy at nominal β = {b1:g}, i.i.d. positive features (r = {m}): " + "; ".join(pieces)
@@ -443,7 +405,7 @@ def findings(ds: xr.Dataset) -> str:
         near = float(ds.beta.values[int(np.nanargmin(np.abs(np.log(iso_b.values / b_heavy))))])
         iso = err.sel(distribution="isotropic", estimator="trig", num_features=m, beta=near)
         heavy = s.sel(beta=where)
-        separated = float(heavy.sel(stat="lo")) > float(iso.sel(stat="hi"))
+        separated = above(heavy, iso)
         lines.append(
             f"Trigonometric output error (r = {m}) on heavy-tailed norms (Student-t, 3 degrees of freedom) at β_eff "
             f"{fmt(b_heavy, 2)}: median {fmt_ci(heavy)}, 90 % quantile {fmt(float(heavy.sel(stat='q90')))} over "
@@ -477,7 +439,7 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"Trigonometric features on isotropic data (r = {m}): normalisers ≤ 0 for "
                      f"{fmt_ci(rate.sel(beta=betas[0]), percent=True)} of queries at β = {betas[0]:g} and "
                      f"{fmt_ci(rate.sel(beta=betas[-1]), percent=True)} at β = {betas[-1]:g}.")
-    return bullets(lines)
+    return lines
 
 
 def _sized_findings(ds, names, values, betas) -> list[str]:
@@ -510,7 +472,7 @@ def _sized_findings(ds, names, values, betas) -> list[str]:
                 cells.append(f"real layers {range_text(med)} (medians per layer)")
             parts.append(f"`{name}`: " + ", ".join(cells) if cells else f"`{name}`: n/a")
         lines.append(f"LARA and EVA against {label} on the same samples at equal state bytes (budget of FAVOR+ at "
-                     f"r = {r}, {fmt(budget / 1024)} KiB, n = {int(ds.seq_len)}; nominal β = {b1:g}; paired ratio of "
+                     f"r = {r}, {fmt_bytes(budget)}, n = {int(ds.seq_len)}; nominal β = {b1:g}; paired ratio of "
                      "output errors; lower/higher: the interval excludes 1; not resolved: it does not): "
                      + "; ".join(parts) + ".")
     others = [n for n in names if n not in ORACLES and n not in RANDOM]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
-from experiments._common import ATTENTION_SVD, KERNEL_SVD, range_text
+from experiments._common import ATTENTION_SVD, KERNEL_SVD, above, add_comparison, range_text
 from experiments._icl import (
     EPISODES,
     QUERY_AXIS,
@@ -39,10 +39,7 @@ from experiments._icl import (
     SET_CONTEXT_EQUAL_BYTES,
     applicable,
     available,
-    collect_legend,
     episode_dims,
-    exact_band,
-    memoised_episodes,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -51,7 +48,19 @@ from experiments._icl import (
 )
 from experiments._icl import style as icl_style
 from kernapprox import memory, readout, stats, tasks
-from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, plot_summary, reference_slope, save_figure
+from kernapprox.plotting import (
+    figure_legend,
+    fmt,
+    fmt_bytes,
+    fmt_ci,
+    fmt_cis,
+    log_axis,
+    new_figure,
+    plot_summary,
+    reference_band,
+    reference_slope,
+    save_figure,
+)
 from kernapprox.sweep import Experiment, Metric, Reference, not_applicable, run_cli
 
 TASKS = {  # task -> settings
@@ -110,38 +119,39 @@ REFERENCE_METRICS = {
 }
 
 
-def _episodes(task, query, rng, device):
-    """(queries, keys, values, per-episode scorer, β) of one batch of episodes of ``task`` (memoised per draw)."""
-    return memoised_episodes(rng, (task, query, str(device)), lambda: _draw_episodes(task, query, rng, device))
-
-
-def _draw_episodes(task, query, rng, device):
-    s = TASKS[task]
+def draw(params, data_rng, device):
+    """``(queries, keys, values, per-episode scorer, β, exact attention's read-out)`` of one batch of episodes of
+    the task (None where the task does not run with this query)."""
+    task, query, s = params["task"], params["query"], TASKS[params["task"]]
+    if not _runs(task, query):
+        return None
     if task == "recall":
-        ep = recall_episodes(s["num_context"], query, rng=rng, device=device, num_queries=s["num_queries"],
+        ep = recall_episodes(s["num_context"], query, rng=data_rng, device=device, num_queries=s["num_queries"],
                              dim=s["dim"], num_candidates=s["num_candidates"])
-        return (ep.queries, ep.keys, ep.values, lambda y: tasks.recall_accuracy(y, ep),
-                tasks.log_n_beta(s["num_context"], s["beta_factor"]))
-    if task == "regression":
-        ep = tasks.smooth_regression(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=rng,
+        q, k, v, score, beta = (ep.queries, ep.keys, ep.values, lambda y: tasks.recall_accuracy(y, ep),
+                                tasks.log_n_beta(s["num_context"], s["beta_factor"]))
+    elif task == "regression":
+        ep = tasks.smooth_regression(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=data_rng,
                                      device=device)
-        return ep.x_query, ep.x, ep.y, lambda y: tasks.normalized_mse(y, ep), s["beta"]
-    ep = tasks.digits_classification(s["num_context"], num_queries=s["num_queries"], batch=EPISODES, rng=rng,
-                                     device=device)
-    return ep.x_query, ep.x, ep.onehot, lambda y: tasks.classification_accuracy(y, ep), s["beta"]
+        q, k, v, score, beta = ep.x_query, ep.x, ep.y, lambda y: tasks.normalized_mse(y, ep), s["beta"]
+    else:
+        ep = tasks.digits_classification(s["num_context"], num_queries=s["num_queries"], batch=EPISODES,
+                                         rng=data_rng, device=device)
+        q, k, v, score, beta = ep.x_query, ep.x, ep.onehot, lambda y: tasks.classification_accuracy(y, ep), s["beta"]
+    return q, k, v, score, beta, readout.attention_readout("exact", q, k, v, beta=beta)
 
 
 def _runs(task: str, query: str) -> bool:
     return task == "recall" or query == "key"
 
 
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data):
     task, query, label, r = params["task"], params["query"], params["estimator"], params["num_features"]
     n = TASKS[task]["num_context"]
-    if not _runs(task, query) or not applicable(ESTIMATORS, label, r, n):
+    if data is None or not applicable(ESTIMATORS, label, r, n):
         return not_applicable()
     name, options = ESTIMATORS[label]
-    queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
+    queries, keys, values, score, beta, exact = data
     d, d_v = keys.shape[-1], values.shape[-1]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d_v, seq_len=n))}
     fit_on = "queries_and_keys" if label in ORACLES else "keys"
@@ -152,18 +162,13 @@ def run_cell(params, rng, device, data_rng):
         if sized is None:
             return not_applicable(**budget)
         name, options, r, fit_on = sized
-    read, exact = readout.paired_readouts(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
-                                          options=options, fit_on=fit_on)
+    read = readout.attention_readout(name, queries, keys, values, beta=beta, num_features=r, rng=rng,
+                                     options=options, fit_on=fit_on)
     return {"score": score(read.output).cpu().numpy(), **readout_metrics(read, exact), **budget}
 
 
-def run_reference(params, device, data_rng):
-    task, query = params["task"], params["query"]
-    if not _runs(task, query):
-        return {"score_exact": np.float64(np.nan)}
-    queries, keys, values, score, beta = _episodes(task, query, data_rng, device)
-    exact = readout.attention_readout("exact", queries, keys, values, beta=beta)
-    return {"score_exact": score(exact.output).cpu().numpy()}
+def run_reference(params, device, data):
+    return not_applicable() if data is None else {"score_exact": data[3](data[5].output).cpu().numpy()}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
@@ -194,12 +199,7 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         long_name="task score − exact attention's on the same episode", units="1",
         description="per episode (accuracy difference; regression: nMSE difference, positive = worse)",
         comparison="difference")
-    ds["score_vs_exact"] = diff
-    summary = stats.paired_summary(diff, REPLICATES, statistic="mean")
-    summary.attrs["description"] = "summary of score_vs_exact over seed, episode: " + summary.attrs["interval"]
-    ds["score_vs_exact_summary"] = summary
-    ds = summarise_readout(ds)
-    return ds
+    return summarise_readout(add_comparison(ds, "score_vs_exact", diff, REPLICATES, statistic="mean"))
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -207,28 +207,18 @@ def _label(label: str) -> str:
     return ORACLES.get(label, label)
 
 
+ORACLE_STYLES = {KERNEL_SVD: {"color": "black", "linestyle": "-"}, ATTENTION_SVD: {"color": "0.45", "linestyle": "--"}}
+
+
 def _rank_lines(ax, ds, var, labels, **sel):
-    summary = ds[f"{var}_summary"]
+    """``<var>_summary`` against the fitted feature dimension (the sized estimators at their budget r)."""
     for label in labels:
-        s = summary.sel(estimator=label, **sel)
-        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed")
+        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed").values
         if label in SIZED:                           # at equal state bytes: placed at the budget r
-            x = x.copy(data=np.where(np.isfinite(x.values), ds.num_features.values.astype(float), np.nan))
-        keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
-        if not keep.any():
-            continue
-        kw = {**icl_style(label), "label": _label(label)}
-        if label in ORACLES:
-            kw.update(color="black" if label == KERNEL_SVD else "0.45", linestyle="-" if label == KERNEL_SVD else "--")
-        if keep.sum() == 1:
-            i = int(np.flatnonzero(keep)[0])
-            est, lo, hi = (float(s.sel(stat=k)[i]) for k in ("estimate", "lo", "hi"))
-            ax.errorbar([float(x[i])], [est], yerr=[[est - lo], [hi - est]], marker=kw["marker"], markersize=7,
-                        linestyle="none", color=kw["color"], capsize=2, label=kw["label"])
-        else:
-            plot_summary(ax, s.isel(num_features=np.flatnonzero(keep)), None, xvalues=x.values[keep], **kw)
-    ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
+            x = np.where(np.isfinite(x), ds.num_features.values.astype(float), np.nan)
+        plot_summary(ax, ds[f"{var}_summary"].sel(estimator=label, **sel), xvalues=x,
+                     **{**icl_style(label), "label": _label(label), **ORACLE_STYLES.get(label, {})})
+    log_axis(ax)
 
 
 def _setting(task):
@@ -239,24 +229,19 @@ def _setting(task):
 
 def _error_panel(ax, ds, labels, **sel):
     _rank_lines(ax, ds, "output_rel_error", labels, **sel)
-    ax.set_yscale("log")
     reference_slope(ax, ds.num_features.values.astype(float), 1.0, slope=-0.5)
-    ax.set_ylim(1e-3, 1e2)
-    ax.set_xlabel("feature dimension r of the state")
-    ax.set_ylabel("attention-output relative error")
+    ax.set(yscale="log", ylim=(1e-3, 1e2), xlabel="feature dimension r of the state",
+           ylabel="attention-output relative error")
 
 
 def _score_panel(ax, ds, labels, task, query):
     _rank_lines(ax, ds, "score", labels, task=task, query=query)
-    ex = exact_band(ax, ds["score_exact_summary"].sel(task=task, query=query))
+    ex = reference_band(ax, ds["score_exact_summary"].sel(task=task, query=query),
+                        label="exact attention (same episodes)")
     if task == "regression":
         ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1.0, label="context mean (nMSE = 1)")
-        ax.set_yscale("log")
-        ax.set_ylim(None, 10)
-    else:
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("feature dimension r of the state")
-    ax.set_ylabel(SCORE_NAMES.get(task, "score"))
+    ax.set(**({"yscale": "log", "ylim": (None, 10)} if task == "regression" else {"ylim": (-0.02, 1.02)}),
+           xlabel="feature dimension r of the state", ylabel=SCORE_NAMES.get(task, "score"))
     return ex
 
 
@@ -278,7 +263,7 @@ def plot(ds: xr.Dataset, path) -> None:
             axes[2, j].axis("on")
             ex = _score_panel(axes[2, j], ds, labels, "recall", query)
             axes[2, j].set_title(f"recall, {query}: exact {ex:.3f}")
-    collect_legend(fig, axes.flat)
+    figure_legend(fig, axes)
     save_figure(fig, path, (
         "One set of episodes per data draw, read by exact attention and by every estimator at rank r. Top: relative "
         "RMS error of the attention output against exact attention (grey dashed: slope r^(-1/2)). Middle: the task "
@@ -298,7 +283,7 @@ def plot(ds: xr.Dataset, path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     labels = [str(v) for v in ds.estimator.values]
     ranks = [int(v) for v in ds.num_features.values]
     score, diff = ds["score_summary"], ds["score_vs_exact_summary"]
@@ -322,13 +307,11 @@ def findings(ds: xr.Dataset) -> str:
         parts = []
         r_hi = max(ranks)
         for m in [m for m in labels if m.split("_")[0] in ("trig", "positive", "oprf")]:
-            values = ", ".join(f"{q} {fmt_ci(score.sel(task='recall', query=q, estimator=m, num_features=r_hi))}"
-                               for q in queries)
-            parts.append(f"`{m}`: {values}")
-        lines.append(f"Recall at r = {r_hi} as the queries move off the keys: " + "; ".join(parts)
-                     + "; exact attention: " + ", ".join(
-                         f"{q} {fmt_ci(ds['score_exact_summary'].sel(task='recall', query=q))}" for q in queries)
-                     + ".")
+            s = score.sel(task="recall", estimator=m, num_features=r_hi)
+            parts.append(f"`{m}`: {fmt_cis(s, 'query', queries, sep=', ', names=str)}")
+        exact = fmt_cis(ds["score_exact_summary"].sel(task="recall"), "query", queries, sep=", ", names=str)
+        lines.append(f"Recall at r = {r_hi} as the queries move off the keys: {'; '.join(parts)}; exact attention: "
+                     f"{exact}.")
     random_maps = [m for m in labels if m.split("_")[0] in ("positive", "oprf")]
     if random_maps:
         r_hi = max(ranks)
@@ -344,9 +327,7 @@ def findings(ds: xr.Dataset) -> str:
             m_err = err.sel(task="recall", query="key", estimator=m, num_features=r_mid)
             m_acc = score.sel(task="recall", query="key", estimator=m, num_features=r_mid)
             pieces.append(f"`{m}` error {fmt_ci(m_err)}, recall {fmt_ci(m_acc)}")
-            worse_error = float(t_err.sel(stat="lo")) > float(m_err.sel(stat="hi"))
-            better_recall = float(t_acc.sel(stat="lo")) > float(m_acc.sel(stat="hi"))
-            if worse_error and better_recall:
+            if above(t_err, m_err) and above(t_acc, m_acc):            # worse error, better recall
                 opposite.append(f"`{m}`")
         verdict = (f"output error and recall rank trigonometric features and {', '.join(opposite)} in opposite "
                    "orders (both intervals separated)" if opposite else
@@ -359,8 +340,8 @@ def findings(ds: xr.Dataset) -> str:
         for task in ds.task.values:
             n = TASKS[str(task)]["num_context"]
             rs = [r for r in ranks if r <= n]
-            vals = ", ".join(f"r = {r}: {fmt_ci(diff.sel(task=task, query='key', estimator=oracle, num_features=r))}"
-                             for r in rs)
+            vals = fmt_cis(diff.sel(task=task, query="key", estimator=oracle), "num_features", rs, sep=", ",
+                           names=lambda r: f"r = {r}:")
             parts.append(f"{task} ({vals})")
         lines.append(f"The {ORACLES[oracle]}, fitted on the query–key matrix, score minus exact attention's: "
                      + "; ".join(parts) + ". It is a reference for the matrix it approximates, not a bound on scores.")
@@ -373,8 +354,7 @@ def findings(ds: xr.Dataset) -> str:
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
     lines.extend(_matched_findings(ds))
     headline = [line for line in lines if line.startswith("At r = ")]
-    lines = headline + [line for line in lines if line not in headline]
-    return bullets(lines)
+    return headline + [line for line in lines if line not in headline]
 
 
 def _matched_findings(ds) -> list[str]:
@@ -391,22 +371,17 @@ def _matched_findings(ds) -> list[str]:
         cells = []
         for r in (int(v) for v in ds.num_features.values):
             at = {"task": task, "query": "key", "num_features": r}
-            ran = [m for m in sized if bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any())]
-            if not ran:
+            ran = {m for m in compared if bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any())}
+            if not ran & set(sized):
                 continue
-            budget = float(ds["budget_bytes"].sel(**at).max())
             entries = []
             for m in compared:
-                if not bool(ds["feature_dim"].sel(estimator=m, **at).notnull().any()):
-                    entries.append(f"`{m}` n/a")
-                    continue
-                kb = float(ds["state_bytes"].sel(estimator=m, **at).median()) / 1024
-                dim = float(ds["feature_dim"].sel(estimator=m, **at).median())
+                one = {**at, "estimator": m}
                 unit = "groups" if m.startswith("eva") else "draws" if m.startswith("lara") else "features"
-                entries.append(f"`{m}` [{fmt(dim)} {unit}, "
-                               f"{fmt(kb)} KiB] error {fmt_ci(err.sel(estimator=m, **at))}, "
-                               f"{SCORE_NAMES[task]} {fmt_ci(score.sel(estimator=m, **at))}")
-            cells.append(f"r = {r} ({fmt(budget / 1024)} KiB): " + "; ".join(entries))
+                entries.append(f"`{m}` [{fmt(ds['feature_dim'].sel(**one).median())} {unit}, "
+                               f"{fmt_bytes(ds['state_bytes'].sel(**one).median())}] error {fmt_ci(err.sel(**one))}, "
+                               f"{SCORE_NAMES[task]} {fmt_ci(score.sel(**one))}" if m in ran else f"`{m}` n/a")
+            cells.append(f"r = {r} ({fmt_bytes(ds['budget_bytes'].sel(**at).max())}): " + "; ".join(entries))
         if cells:
             parts.append(f"{task}: " + " — ".join(cells))
     return [("LARA and EVA at equal state bytes (budget of FAVOR+ at r in each task's dimensions, query = key; "
@@ -416,7 +391,7 @@ def _matched_findings(ds) -> list[str]:
 EXPERIMENT = Experiment(
     name="rank_summary", title="Rank against attention-output error and in-context score (matched inputs)",
     description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "query", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "query", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), axis_attrs=AXIS_ATTRS,
     summarise=summarise, findings=findings)
 

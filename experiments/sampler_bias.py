@@ -33,10 +33,10 @@ import math
 import numpy as np
 import xarray as xr
 
-from experiments._common import add_paired, range_text
-from kernapprox import stats, theory
+from experiments._common import add_comparison, add_mean, add_paired, covers, range_text
+from kernapprox import theory
 from kernapprox.estimators.samplers import make_sampler
-from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.plotting import errorbar_summary, estimator_style, fmt, fmt_ci, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 SAMPLERS = ["iid", "regularized", "sorf", "sorf_chi"]
@@ -124,7 +124,12 @@ def _row_ratios(rows: np.ndarray, x: np.ndarray, y: np.ndarray, A: float, radial
                            for i in range(0, len(rows), ROW_BLOCK)])
 
 
-def run_cell(params, rng, device, data_rng):
+def draw(params, data_rng, device):
+    """The pairs of one (d, number of pairs, seed), the same for every sampler."""
+    return draw_pairs(params["dim"], params["num_pairs"], data_rng)
+
+
+def run_cell(params, rng, device, data):
     dim, rows_per_cell, num_pairs, sampler = params["dim"], params["num_rows"], params["num_pairs"], params["sampler"]
     groups = params["row_groups"]
     if dim & (dim - 1):
@@ -132,7 +137,7 @@ def run_cell(params, rng, device, data_rng):
     if rows_per_cell % groups or (rows_per_cell // groups) % dim:
         raise ValueError(f"num_rows / row_groups must be a multiple of dim (whole sampler blocks per group), got "
                          f"num_rows = {rows_per_cell}, row_groups = {groups}, dim = {dim}")
-    x, y = draw_pairs(dim, num_pairs, data_rng)
+    x, y = data
     rows = make_sampler(sampler).sample(rows_per_cell, dim, rng)
     radial = "chi" if sampler in CHI_NORMS else None
     norm2, a_opt = _levels(dim)
@@ -148,7 +153,7 @@ def run_cell(params, rng, device, data_rng):
     return {"ratio": ratio, "ratio_se": se}
 
 
-def run_reference(params, device, data_rng):
+def run_reference(params, device, data):
     """The sphere closed form at each level and map (deterministic in d; the pairs are not needed)."""
     norm2, a_opt = _levels(params["dim"])
     closed = np.array([[float(theory.regularized_mean_ratio(v, params["dim"], A=_gerf_a(name, a)))
@@ -160,21 +165,14 @@ def run_reference(params, device, data_rng):
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     """The mean ratio over seeds × pairs with its bootstrap interval; per draw, the ratio to the sphere closed
     form and the paired difference from SMREG on the same pairs, with their intervals."""
-    mean = stats.bootstrap_interval(ds["ratio"], DRAWS, "mean")
-    mean.attrs.update({"long_name": ds["ratio"].attrs["long_name"], "units": "1",
-                       "description": "mean of ratio over seed, pair: " + mean.attrs["interval"]})
-    ds["ratio_summary"] = mean
+    ds = add_mean(ds, "ratio_summary", ds["ratio"], DRAWS, long_name=ds["ratio"].attrs["long_name"],
+                  description="mean of ratio over seed, pair")
     to_closed = (ds["ratio"] / ds["closed_form"]).assign_attrs(
         long_name="mean estimate / kernel: / the sphere closed form", units="1", baseline="closed_form",
         comparison="ratio", description="per draw, ratio / closed_form (1: the mean of rows uniform on the sphere "
                                         "of radius √d, SMREG's law)")
-    ds["ratio_vs_closed_form"] = to_closed
-    summary = stats.paired_summary(to_closed, DRAWS, statistic="mean")
-    summary.attrs["description"] = "summary of ratio_vs_closed_form over seed, pair: " + summary.attrs["interval"]
-    ds["ratio_vs_closed_form_summary"] = summary
-    if "regularized" in ds["sampler"].values:
-        ds = add_paired(ds, "ratio", "regularized", DRAWS, op="difference", dim="sampler", statistic="mean")
-    return ds
+    ds = add_comparison(ds, "ratio_vs_closed_form", to_closed, DRAWS, statistic="mean")
+    return add_paired(ds, "ratio", "regularized", DRAWS, op="difference", dim="sampler", statistic="mean")
 
 
 def _closed(ds: xr.Dataset) -> xr.DataArray:
@@ -186,11 +184,7 @@ def _summary(ds: xr.Dataset, name: str) -> xr.DataArray:
     return ds[name].squeeze(("num_rows", "num_pairs"), drop=True)
 
 
-def _contains(summary: xr.DataArray, value: float) -> xr.DataArray:
-    return (summary.sel(stat="lo") <= value) & (summary.sel(stat="hi") >= value)
-
-
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     """Markdown bullets; every number computed from ``ds`` (means over seeds × pairs with 95 % bootstrap
     intervals)."""
     s = _summary(ds, "ratio_summary")
@@ -227,14 +221,14 @@ def findings(ds: xr.Dataset) -> str:
                                  for dim in dims) + ".")
     if "sorf" in samplers:
         vs = _summary(ds, "ratio_vs_closed_form_summary").sel(sampler="sorf")
-        inside = _contains(vs, 1.0)
+        inside = covers(vs, 1.0)
         text = (f"SORF's mean follows the sphere closed form (SMREG's law): over every d, level and map its mean "
                 f"divided by the closed form has an interval containing 1 in {int(inside.sum())} of {inside.size} "
                 f"cells (estimates "
                 f"{range_text(vs.sel(stat='estimate').values, 3)})")
         if "ratio_vs_regularized_summary" in ds:
             diff = _summary(ds, "ratio_vs_regularized_summary").sel(sampler="sorf")
-            resolved = ~_contains(diff, 0.0)
+            resolved = ~covers(diff, 0.0)
             text += (f", and SORF − SMREG on the same pairs is {range_text(diff.sel(stat='estimate').values, 2)}, "
                      f"resolved from 0 in {int(resolved.sum())} of {resolved.size} cells"
                      + (": the two laws are close, not identical" if resolved.any() else ""))
@@ -253,17 +247,17 @@ def findings(ds: xr.Dataset) -> str:
         dev = np.abs(chi.sel(stat="estimate") - 1.0)
         at = {k: v.item() for k, v in dev.argmax(...).items()}
         where = {k: chi[k].values[v] for k, v in at.items()}
-        inside = _contains(chi, 1.0)
+        inside = covers(chi, 1.0)
         lines.append(f"sorf_chi (SORF directions, chi(d) norms): its interval contains 1 in {int(inside.sum())} of "
                      f"{inside.size} cells; the largest deviation is at d = {int(where['dim'])}, "
                      f"{LEVELS[str(where['level'])][2]}, {where['feature_map']}: "
                      f"{cell('sorf_chi', int(where['dim']), str(where['level']), str(where['feature_map']))}.")
     if "iid" in samplers:
-        inside = _contains(s.sel(sampler="iid"), 1.0)
+        inside = covers(s.sel(sampler="iid"), 1.0)
         lines.append(f"Control: Gaussian rows (iid) contain 1 in {int(inside.sum())} of {inside.size} intervals.")
     lines.append(f"Each value pools {ds.sizes['seed']} seeds × {ds.sizes['pair']} pairs of "
-                 f"{int(ds.num_rows.values[0])} rows each. " + stats.interval_note(ds))
-    return bullets(lines)
+                 f"{int(ds.num_rows.values[0])} rows each.")
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------------ plot
@@ -280,21 +274,15 @@ def plot(ds: xr.Dataset, path) -> None:
             ax.plot(dims, closed.sel(feature_map=name, level=c).values, color="black", linewidth=2.0,
                     label="sphere closed form")
             for k, sampler in enumerate(s.sampler.values):
-                one = s.sel(sampler=sampler, feature_map=name, level=c)
-                est, lo, hi = (one.sel(stat=q).values for q in ("estimate", "lo", "hi"))
                 style = estimator_style(f"{name}_{sampler}" if sampler != "iid" else name)
-                shift = 1.0 + 0.03 * (k - 1.5)
-                ax.errorbar(dims * shift, est, yerr=np.stack([est - lo, hi - est]),
-                            color=SAMPLER_COLORS.get(str(sampler), "0.3"), marker=style["marker"],
-                            linestyle=style["linestyle"], ms=4, linewidth=1.0, capsize=2, label=str(sampler))
+                errorbar_summary(ax, s.sel(sampler=sampler, feature_map=name, level=c), dims * (1.0 + 0.03 * (k - 1.5)),
+                                 color=SAMPLER_COLORS.get(str(sampler), "0.3"), marker=style["marker"],
+                                 linestyle=style["linestyle"], ms=4, linewidth=1.0, label=str(sampler))
             ax.axhline(1.0, color="0.5", linewidth=0.8, linestyle=":")
             ax.set_xscale("log", base=2)
             ax.set_xticks(dims, [str(int(d)) for d in dims])
             ax.set_title(f"{name}: {LEVELS[c][2]}", fontsize=9)
-            if i == len(maps) - 1:
-                ax.set_xlabel("dimension d")
-            if j == 0:
-                ax.set_ylabel("mean estimate / kernel")
+            ax.set(xlabel="dimension d" if i == len(maps) - 1 else None, ylabel=None if j else "mean estimate / kernel")
     axes[0, min(1, len(levels) - 1)].legend(fontsize=7, loc="center", ncol=2)      # between the two groups of lines
     fig.suptitle("Bias of the SORF and SMREG samplers at Performer scaling", fontsize=11, fontweight="bold")
     save_figure(fig, path, (
@@ -309,9 +297,10 @@ def plot(ds: xr.Dataset, path) -> None:
 
 EXPERIMENT = Experiment(name="sampler_bias", title="Bias of the SORF and SMREG samplers at Performer scaling",
                         description=" ".join(__doc__.split("\n\n")[0].split()), grids=GRIDS, metrics=METRICS,
-                        run_cell=run_cell, plot=plot, data_axes=("dim", "num_pairs", "seed"),
+                        run_cell=run_cell, plot=plot, data_axes=("dim", "num_pairs", "seed"), draw=draw,
                         reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
-                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
+                        replicates="the seeds × pairs")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

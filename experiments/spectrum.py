@@ -32,9 +32,9 @@ import xarray as xr
 
 import kernapprox as ka
 from experiments._common import add_summaries, per_draw_slope
-from kernapprox import metrics, real
+from kernapprox import metrics, plotting, real
 from kernapprox.distributions import effective_beta, make_distribution
-from kernapprox.plotting import bullets, fmt_ci
+from kernapprox.plotting import finite_values, fmt_ci, fmt_cis
 from kernapprox.spectrum import (
     attention_singular_values,
     kernel_singular_values,
@@ -225,12 +225,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
             + "; median over the heads of a draw")
     for name in ("rank_kernel", "rank_attention"):
         ds[f"{name}_growth"] = rank_growth(ds[f"{name}_draw"])
-    ds["rank_attention_head0"] = ds["rank_attention"].sel(head=0, drop=True).assign_attrs(
-        long_name="rank for a relative error of the attention matrix, head 0", units="1",
-        description="the head the estimators are swept on (paired with them)")
-    ds["rank_kernel_head0"] = ds["rank_kernel"].sel(head=0, drop=True).assign_attrs(
-        long_name="rank for a relative error of the kernel matrix, head 0", units="1",
-        description="the head the estimators are swept on (paired with them)")
+    for what in ("attention", "kernel"):
+        ds[f"rank_{what}_head0"] = ds[f"rank_{what}"].sel(head=0, drop=True).assign_attrs(
+            long_name=f"rank for a relative error of the {what} matrix, head 0", units="1",
+            description="the head the estimators are swept on (paired with them)")
     for group, members in (("nystrom", NYSTROM), ("random_features", RANDOM_FEATURES)):
         for what in ("kernel", "attention"):
             da = ds[f"features_{what}"].sel(estimator=[m for m in members if m in ds.estimator.values])
@@ -248,13 +246,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
 # --------------------------------------------------------------------------------------------------- figure
 def data_colors(values):
     """text: warm colours; continuous: greens from rough (light) to smooth (dark)."""
-    import seaborn as sns
-
     conts = [v for v in values if v.startswith("continuous")]
-    greens = sns.color_palette("crest", len(conts) + 1).as_hex()
-    colors = {"text_like": "#d55e00", REAL_VALUE: "#000000"}
-    colors.update({v: greens[i] for i, v in enumerate(conts)})
-    return colors
+    return {"text_like": "#d55e00", REAL_VALUE: "#000000", **plotting.palette(conts, "crest")}
 
 
 def _label(value):
@@ -264,10 +257,6 @@ def _label(value):
 
 
 def plot(ds, path):
-    from matplotlib import ticker
-
-    from kernapprox import plotting
-
     values = [str(v) for v in ds.data.values]
     colors = data_colors(values)
     ns = [int(n) for n in ds.seq_len.values]
@@ -278,19 +267,11 @@ def plot(ds, path):
             finite = [n for n in ns if bool(np.isfinite(ds[f"{var}_draw"].sel(data=v, seq_len=n)).any())]
             if not finite:
                 continue
-            n_show = finite[-1]
-            s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=n_show)
-            idx = np.arange(1, s.sizes["sv_index"] + 1)
-            est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-            ok = np.isfinite(est) & (est > 0)
-            ax.plot(idx[ok], est[ok], color=colors[v], label=f"{_label(v)}, n = {n_show}")
-            ax.fill_between(idx[ok], np.maximum(lo[ok], 1e-300), hi[ok], color=colors[v], alpha=0.15, linewidth=0)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_ylim(1e-12, 1.5)
-        ax.set_xlabel("index i")
-        ax.set_ylabel("σ_i / σ_1")
-        ax.set_title(f"spectrum of the {what} matrix at the largest n")
+            s = ds[f"{var}_draw_summary"].sel(data=v, seq_len=finite[-1])
+            plotting.plot_summary(ax, s, xvalues=np.arange(1, s.sizes["sv_index"] + 1), positive=True, band_alpha=0.15,
+                                  color=colors[v], label=f"{_label(v)}, n = {finite[-1]}")
+        ax.set(xscale="log", yscale="log", ylim=(1e-12, 1.5), xlabel="index i", ylabel="σ_i / σ_1",
+               title=f"spectrum of the {what} matrix at the largest n")
         ax = axes[1, col]
         rank = ds[f"rank_{what}_draw_summary"]
         for v in values:
@@ -299,7 +280,7 @@ def plot(ds, path):
                                       marker="o", label=_label(v) if t == TARGETS[0] else None)
         ax.plot(ns, ns, color="0.5", linestyle=":", linewidth=1.0, label="rank = n")
         plotting.loglog_rank_axes(ax, xlabel="sequence length n", ylabel="rank r for the target")
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        plotting.log_axis(ax, "y", base=10)
         ax.set_title(f"rank for 1% (solid) / 10% (dashed) error, {what} matrix")
     axes[0, 0].legend(fontsize=6.5)
     axes[1, 0].legend(fontsize=6.5)
@@ -316,26 +297,22 @@ def plot(ds, path):
         for g, (name, var, color) in enumerate(groups):
             for t_i, t in enumerate(TARGETS):
                 s = ds[var].sel(seq_len=n_est, target=t, data=values)
-                est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
+                est = s.sel(stat="estimate").values
                 x = np.arange(len(values)) + (g * len(TARGETS) + t_i - (len(groups) * len(TARGETS) - 1) / 2) * width
                 reached = np.isfinite(est)
                 hatch = None if t_i == 0 else "//"
                 ax.bar(x[reached], est[reached], width, color=color, hatch=hatch, edgecolor="white",
                        label=f"{name}, {t:.0%}")
-                bars = reached & np.isfinite(hi)
-                ax.errorbar(x[bars], est[bars], yerr=[est[bars] - lo[bars], hi[bars] - est[bars]], fmt="none",
-                            ecolor="0.2", elinewidth=0.7, capsize=1.5)
+                plotting.errorbar_summary(ax, s, x, fmt="none", ecolor="0.2", elinewidth=0.7, capsize=1.5)
                 miss = np.isinf(est)
                 ax.bar(x[miss], np.full(miss.sum(), n_est), width, color="none", edgecolor=color, hatch=hatch,
                        linestyle="--", linewidth=0.8)
         ax.axhline(n_est, color="0.5", linestyle=":", linewidth=1.0)
-        ax.set_yscale("log", base=2)
+        plotting.log_axis(ax, "y")
         ax.set_ylim(1, n_est * 1.6)
-        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xticks(np.arange(len(values)), [_label(v).replace(", ", ",\n").replace(" (", "\n(")
                                                for v in values], fontsize=6.5)
-        ax.set_ylabel("rank / features needed")
-        ax.set_title(f"needed for 1% / 10% error, {what} matrix, n = {n_est}")
+        ax.set(ylabel="rank / features needed", title=f"needed for 1% / 10% error, {what} matrix, n = {n_est}")
         ax.legend(fontsize=6, ncol=2, loc="lower left")
     fig.suptitle("The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences")
     plotting.save_figure(fig, path, (
@@ -352,7 +329,7 @@ def plot(ds, path):
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     values = [str(v) for v in ds.data.values]
     ns = [int(n) for n in ds.seq_len.values]
     n_max, n_min = max(ns), min(ns)
@@ -361,8 +338,7 @@ def findings(ds: xr.Dataset) -> str:
     lines = []
     parts = []
     for v in values:
-        finite = [n for n in ns if np.isfinite(float(rank.sel(data=v, seq_len=n, target=TARGETS[0],
-                                                             stat="estimate")))]
+        finite = finite_values(rank.sel(data=v, target=TARGETS[0]), "seq_len")
         if not finite:
             continue
         parts.append(f"{_label(v)} {fmt_ci(rank.sel(data=v, seq_len=finite[-1], target=TARGETS[0]))} at "
@@ -371,12 +347,10 @@ def findings(ds: xr.Dataset) -> str:
     lines.append(f"Rank a truncated SVD needs for {TARGETS[0]:.0%} relative Frobenius error of the attention matrix "
                  "softmax(s QKᵀ) (head mean per draw; median over seeds): " + "; ".join(parts)
                  + ". An exponent of 1 would mean a rank proportional to n.")
-    kern = ds["rank_kernel_draw_summary"]
-    parts = [f"{_label(v)} {fmt_ci(kern.sel(data=v, seq_len=n_max, target=TARGETS[0]))}" for v in values
-             if np.isfinite(float(kern.sel(data=v, seq_len=n_max, target=TARGETS[0], stat="estimate")))]
-    if parts:
-        lines.append(f"For the kernel matrix exp(s QKᵀ) at n = {n_max} the same target needs: " + "; ".join(parts)
-                     + ".")
+    kern = ds["rank_kernel_draw_summary"].sel(seq_len=n_max, target=TARGETS[0])
+    if finite_values(kern, "data"):
+        lines.append(f"For the kernel matrix exp(s QKᵀ) at n = {n_max} the same target needs: "
+                     + fmt_cis(kern, "data", finite_values(kern, "data"), names=_label) + ".")
     if "text_like" in values:
         dq = ds["distinct_queries_draw_summary"].sel(data="text_like")
         lines.append(f"Text-like sequences hold {fmt_ci(dq.sel(seq_len=n_min), 3)} distinct tokens at n = {n_min} and "
@@ -385,7 +359,7 @@ def findings(ds: xr.Dataset) -> str:
                      f"{fmt_ci(rank.sel(data='text_like', seq_len=n_max, target=TARGETS[0]), 3)}.")
     if REAL_VALUE in values:
         b = ds["beta_eff_draw_summary"].sel(data=REAL_VALUE)
-        finite = [n for n in ns if np.isfinite(float(b.sel(seq_len=n, stat="estimate")))]
+        finite = finite_values(b, "seq_len")
         if finite and n_max > finite[-1]:
             lines.append(f"Real MiniLM heads (β_eff {fmt_ci(b.sel(seq_len=finite[-1]), 2)} at n = {finite[-1]}) are "
                          f"decomposed up to one model window, n = {finite[-1]}: longer sequences would join windows "
@@ -404,7 +378,7 @@ def findings(ds: xr.Dataset) -> str:
                          f"{_needed(rf)}")
         lines.append(f"Features needed for {t:.0%} attention-matrix error at n = {n_est} (head 0, medians over seeds; "
                      "'not reached' = no m ≤ n did): " + "; ".join(parts) + ".")
-    return bullets(lines)
+    return lines
 
 
 def _needed(summary) -> str:

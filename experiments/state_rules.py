@@ -43,12 +43,22 @@ from experiments._icl import (
     applicable,
     available,
     episode_dims,
-    memoised_episodes,
     summarise_accuracy,
 )
 from kernapprox import readout, stats, tasks
-from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.plotting import (
+    errorbar_summary,
+    estimator_style,
+    fmt,
+    fmt_bytes,
+    fmt_ci,
+    kv_cache_marker,
+    log_axis,
+    new_figure,
+    proxy_legend,
+    save_figure,
+)
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 # label -> (registry name or estimator class, constructor options). The default preset runs every entry that is
 # registered here except those in FULL_ONLY; add a map in this one table.
@@ -132,26 +142,20 @@ def _recall(task: str) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------------ data
-def _data(params, data_rng, device):
-    """The episodes and the map seed of each episode, drawn once per data stream (memoised: the reference and the
-    cells of every estimator, rank and rule of the same task, n and seed read them)."""
+def draw(params, data_rng, device):
+    """The episodes and the map seed of each episode (the engine hands them to the reference and to the cells of
+    every estimator, rank and rule of the same task, n and seed)."""
     task, n = params["task"], params["num_pairs"]
-    names = ("key_dim", "value_dim", "num_candidates", "max_queries", "regression_dim", "regression_queries",
-             "lengthscale", "noise_std")
-
-    def make():
-        if _recall(task):
-            ep = tasks.associative_recall(n, dim=params["key_dim"], value_dim=params["value_dim"],
-                                          num_candidates=params["num_candidates"],
-                                          num_queries=min(n, params["max_queries"]), query_cosine=TASKS[task][1],
-                                          batch=EPISODES, rng=data_rng, device=device)
-        else:
-            ep = tasks.smooth_regression(n, dim=params["regression_dim"], num_queries=params["regression_queries"],
-                                         lengthscale=params["lengthscale"], noise_std=params["noise_std"],
-                                         batch=EPISODES, rng=data_rng, device=device)
-        return ep, data_rng.integers(0, 2**63 - 1, size=EPISODES)
-
-    return memoised_episodes(data_rng, ("state_rules", task, n, *(params[k] for k in names), str(device)), make)
+    if _recall(task):
+        ep = tasks.associative_recall(n, dim=params["key_dim"], value_dim=params["value_dim"],
+                                      num_candidates=params["num_candidates"],
+                                      num_queries=min(n, params["max_queries"]), query_cosine=TASKS[task][1],
+                                      batch=EPISODES, rng=data_rng, device=device)
+    else:
+        ep = tasks.smooth_regression(n, dim=params["regression_dim"], num_queries=params["regression_queries"],
+                                     lengthscale=params["lengthscale"], noise_std=params["noise_std"],
+                                     batch=EPISODES, rng=data_rng, device=device)
+    return ep, data_rng.integers(0, 2**63 - 1, size=EPISODES)
 
 
 def _qkv(task, ep):
@@ -172,18 +176,13 @@ def _score(task, outputs, ep):
     return tasks.normalized_mse(outputs, ep).cpu().numpy()
 
 
-def _nan(shape):
-    return np.full(shape, np.nan)
-
-
-def run_cell(params, rng, device, data_rng):
+def run_cell(params, rng, device, data):
     task, label, r, n = params["task"], params["estimator"], params["num_features"], params["num_pairs"]
     rule_table = rules(params)
     if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
-        return {"accuracy": _nan((len(rule_table), EPISODES)), "nmse": _nan((len(rule_table), EPISODES)),
-                "state_bytes": _nan(len(rule_table)), "feature_dim": np.float64(np.nan)}
+        return not_applicable()
     name, options = ESTIMATORS[label]
-    ep, seeds = _data(params, data_rng, device)
+    ep, seeds = data
     q, k, v = _qkv(task, ep)
     scores = np.empty((len(rule_table), EPISODES))
     for b in range(EPISODES):
@@ -195,22 +194,22 @@ def run_cell(params, rng, device, data_rng):
             ep._replace(f_query=ep.f_query[b:b + 1].expand(len(rule_table), *ep.f_query.shape[1:]))
         scores[:, b] = _score(task, outs, one)
     return {
-        "accuracy": scores if _recall(task) else _nan(scores.shape),
-        "nmse": _nan(scores.shape) if _recall(task) else scores,
+        "accuracy": scores if _recall(task) else np.nan,            # NaN: the other task's score
+        "nmse": np.nan if _recall(task) else scores,
         "state_bytes": np.array([ka.rules.resolve_rule(rule).state_bytes(est, v.shape[-1])
                                  for rule in rule_table.values()], dtype=np.float64),
         "feature_dim": np.float64(est.num_features),
     }
 
 
-def run_reference(params, device, data_rng):
+def run_reference(params, device, data):
     """Exact softmax attention on the episodes of the data draw, and its KV cache."""
     task, n = params["task"], params["num_pairs"]
-    ep, _ = _data(params, data_rng, device)
+    ep, _ = data
     q, k, v = _qkv(task, ep)
     exact = _score(task, ka.softmax_attention(q, k, v, scale=_beta(params)), ep)
-    return {"accuracy_exact": exact if _recall(task) else _nan(EPISODES),
-            "nmse_exact": _nan(EPISODES) if _recall(task) else exact,
+    return {"accuracy_exact": exact if _recall(task) else np.nan,
+            "nmse_exact": np.nan if _recall(task) else exact,
             "kv_cache_bytes": np.float64(n * (k.shape[-1] + v.shape[-1]) * 4),
             "num_queries": np.float64(q.shape[1])}
 
@@ -224,10 +223,9 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = add_paired(ds, "accuracy", "sum", REPLICATES, op="difference", dim="rule", statistic="mean")
     ds = add_summaries(ds, ["nmse", "nmse_exact"], REPLICATES)
     ds = add_paired(ds, "nmse", "sum", REPLICATES, op="ratio", dim="rule")
-    memory = ds["state_bytes"].max("seed").assign_attrs(
-        long_name="state memory", units="byte", description="state_bytes of the cell (equal for every seed), max "
-                                                            "over seeds")
-    ds["state_memory"] = memory
+    ds["state_memory"] = ds["state_bytes"].max("seed").assign_attrs(
+        long_name="state memory", units="byte", description="state_bytes of the cell (equal for every seed), max over "
+                                                            "seeds")
     ds["kv_cache_memory"] = ds["kv_cache_bytes"].max("seed").assign_attrs(
         long_name="exact attention memory", units="byte", description="kv_cache_bytes, max over seeds")
     return ds
@@ -248,11 +246,7 @@ def _configs(ds, task, n):
     return out
 
 
-def _kib(value) -> str:
-    return f"{fmt(float(value) / 1024)} KiB"
-
-
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     """Markdown bullets computed from the dataset: each rule's score per map and state size with its 95 % interval
     (Clopper–Pearson for recall accuracies, bootstrap of the median for nMSE), the paired change of each rule against
     the sum rule on the same episodes and map draws, the state memory, and the best state below the KV cache."""
@@ -264,20 +258,18 @@ def findings(ds: xr.Dataset) -> str:
         exact = ds[f"{var}_exact_summary"].sel(**at)
         what = ("recall accuracy pooled over" if _recall(task) else "median normalised MSE over")
         lines.append(f"{task}, n = {n}: {what} {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes; exact "
-                     f"attention {fmt_ci(exact)} with a {_kib(ds['kv_cache_memory'].sel(**at))} KV cache.")
+                     f"attention {fmt_ci(exact)} with a {fmt_bytes(ds['kv_cache_memory'].sel(**at))} KV cache.")
         for name, r, dim in _configs(ds, task, n):
             sel = {**at, "estimator": name, "num_features": r}
             parts = [f"{rule} {fmt_ci(ds[f'{var}_summary'].sel(**sel, rule=rule))} "
-                     f"({_kib(ds['state_memory'].sel(**sel, rule=rule))})" for rule in ds.rule.values]
+                     f"({fmt_bytes(ds['state_memory'].sel(**sel, rule=rule))})" for rule in ds.rule.values]
             word = "−" if _recall(task) else "/"
             paired = [f"{rule} {word} sum {fmt_ci(ds[f'{var}_vs_sum_summary'].sel(**sel, rule=rule))}"
                       for rule in ("delta", "least_squares") if rule in ds.rule.values]
             lines.append(f"{task}, `{name}` r = {dim}: " + "; ".join(parts) + ". Paired per episode: "
                          + ", ".join(paired) + ".")
-        best = _best_per_budget(ds, task, n)
-        if best:
-            lines.append(best)
-    return bullets(lines)
+        lines.append(_best_per_budget(ds, task, n))
+    return lines
 
 
 HEADLINE_MAPS = ("positive_orthogonal", "nystrom_uniform", "taylor2")   # the maps the headline names, if run
@@ -324,11 +316,11 @@ def _best_per_budget(ds, task, n) -> str:
                          {**sel, "rule": str(rule)}))
     small = [row for row in rows if row[0] <= kv and np.isfinite(row[1])]
     if not small:
-        return f"{task}: no map and rule keeps a state smaller than the KV cache ({_kib(kv)})."
+        return f"{task}: no map and rule keeps a state smaller than the KV cache ({fmt_bytes(kv)})."
     ranked = sorted(small, key=lambda row: -row[1] if _recall(task) else row[1])
     pick = ranked[0]
-    text = (f"{task}: the best point estimate among the states not larger than the KV cache ({_kib(kv)}) is "
-            f"{pick[3]}, {fmt_ci(pick[2])} ({_kib(pick[0])})")
+    text = (f"{task}: the best point estimate among the states not larger than the KV cache ({fmt_bytes(kv)}) is "
+            f"{pick[3]}, {fmt_ci(pick[2])} ({fmt_bytes(pick[0])})")
     if len(ranked) < 2:
         return text + "."
     second = ranked[1]
@@ -341,13 +333,13 @@ def _best_per_budget(ds, task, n) -> str:
         summary, word = stats.paired_summary(comparison, REPLICATES, statistic="median"), "/"
     verdict = ("resolved" if resolved(summary) else
                f"not resolved (the interval contains {fmt(summary.attrs['neutral'])}: either may be the best)")
-    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({_kib(second[0])}); paired per episode, "
+    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({fmt_bytes(second[0])}); paired per episode, "
             f"best {word} runner-up {fmt_ci(summary)}: {verdict}.")
 
 
 # ---------------------------------------------------------------------------------------------------- figure
-RULE_MARKERS = {"sum": "o", "decay": "v", "delta": "s", "least_squares": "D"}
-RULE_LINES = {"sum": "-", "decay": ":", "delta": "--", "least_squares": "-."}
+RULE_STYLES = {"sum": {"marker": "o", "linestyle": "-"}, "decay": {"marker": "v", "linestyle": ":"},
+               "delta": {"marker": "s", "linestyle": "--"}, "least_squares": {"marker": "D", "linestyle": "-."}}
 
 
 def plot(ds: xr.Dataset, path) -> None:
@@ -360,42 +352,21 @@ def plot(ds: xr.Dataset, path) -> None:
         var = _var(task)
         at = {"task": task, "num_pairs": n}
         for name in ds.estimator.values:
-            color = estimator_style(str(name))["color"]
             for rule in ds.rule.values:
-                s = ds[f"{var}_summary"].sel(**at, estimator=name, rule=rule)
-                size = ds["state_memory"].sel(**at, estimator=name, rule=rule).values
-                est, lo, hi = (s.sel(stat=k).values for k in ("estimate", "lo", "hi"))
-                keep = np.isfinite(size) & np.isfinite(est)
-                if not keep.any():
-                    continue
-                ax.errorbar(size[keep], est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], color=color,
-                            marker=RULE_MARKERS.get(str(rule), "x"), markersize=4.5, linewidth=0.9, capsize=2,
-                            linestyle=RULE_LINES.get(str(rule), "-") if keep.sum() > 1 else "none")
-        exact = ds[f"{var}_exact_summary"].sel(**at)
-        est, lo, hi = (float(exact.sel(stat=k)) for k in ("estimate", "lo", "hi"))
-        kv = float(ds["kv_cache_memory"].sel(**at))
-        ax.errorbar([kv], [est], yerr=[[est - lo], [hi - est]], color="k", marker="*", markersize=10,
-                    linestyle="none")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("state memory (bytes, float32)")
+                errorbar_summary(ax, ds[f"{var}_summary"].sel(**at, estimator=name, rule=rule),
+                                 ds["state_memory"].sel(**at, estimator=name, rule=rule).values,
+                                 color=estimator_style(str(name))["color"], markersize=4.5, linewidth=0.9,
+                                 **RULE_STYLES[str(rule)])
+        kv_cache_marker(ax, float(ds["kv_cache_memory"].sel(**at)), ds[f"{var}_exact_summary"].sel(**at))
+        log_axis(ax, unit="bytes", label="state memory (float32)")
         if recall:
-            ax.set_ylim(-0.03, 1.03)
-            ax.set_ylabel("recall accuracy")
-            ax.set_title(f"{task.replace('_', ' ')}, n = {n}")
+            ax.set(ylim=(-0.03, 1.03), ylabel="recall accuracy", title=f"{task.replace('_', ' ')}, n = {n}")
         else:
-            ax.set_yscale("log")
             ax.axhline(1.0, color="0.5", linestyle=":", linewidth=0.9)
-            ax.set_ylabel("normalised MSE")
-            ax.set_title(f"regression, n = {n}")
-    legend = axes[-1]
-    legend.axis("off")
-    for name in ds.estimator.values:
-        legend.plot([], [], color=estimator_style(str(name))["color"], linewidth=2, label=str(name))
-    for rule in ds.rule.values:
-        legend.plot([], [], color="0.3", marker=RULE_MARKERS.get(str(rule), "x"),
-                    linestyle=RULE_LINES.get(str(rule), "-"), label=str(rule))
-    legend.plot([], [], color="k", marker="*", markersize=10, linestyle="none", label="exact (KV cache)")
-    legend.legend(loc="center", frameon=False)
+            ax.set(yscale="log", ylabel="normalised MSE", title=f"regression, n = {n}")
+    maps = {n: {"color": estimator_style(str(n))["color"], "linewidth": 2} for n in ds.estimator.values}
+    proxy_legend(axes[-1], {**maps, **{r: RULE_STYLES[str(r)] for r in ds.rule.values}, "exact (KV cache)": {
+        "color": "k", "marker": "*", "markersize": 10, "linestyle": "none"}}, off=True)
     caption = (
         f"Four state-update rules on one axis of memory, n = {n} context pairs: the sum of linear attention, a "
         f"decayed sum (γ = {float(ds['decay_gamma']):g}), the delta rule (β = {float(ds['delta_beta']):g}) and the "
@@ -418,7 +389,7 @@ EXPERIMENT = Experiment(
                 f"{EPISODES} episodes with the rules {', '.join(RULE_NAMES)} (metric dimension rule), on data shared "
                 "by all estimators and ranks of the same task, n and seed; exact attention reads them once per data "
                 "draw (the reference).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
     axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

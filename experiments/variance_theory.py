@@ -18,9 +18,18 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_summaries, range_text
-from kernapprox import stats, theory
-from kernapprox.plotting import bullets, estimator_style, fmt, fmt_ci, fmt_pct, identity_line, new_figure, save_figure
+from experiments._common import add_mean, add_summaries, covers, range_text
+from kernapprox import theory
+from kernapprox.plotting import (
+    errorbar_summary,
+    estimator_style,
+    fmt,
+    fmt_ci,
+    fmt_pct,
+    identity_line,
+    new_figure,
+    save_figure,
+)
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
 
 
@@ -84,9 +93,14 @@ def pair_with_norms(sum_norm: float, diff_norm: float, dim: int, rng: np.random.
     return (z + delta) / 2, (z - delta) / 2
 
 
-def run_cell(params, rng, device, data_rng):
+def draw(params, data_rng, device):
+    """The cell's pair ``(x, y)``, the same for every estimator (a random orientation per seed)."""
+    return pair_with_norms(params["sum_norm"], params["diff_norm"], params["dim"], data_rng)
+
+
+def run_cell(params, rng, device, data):
     name = params["estimator"]
-    x, y = pair_with_norms(params["sum_norm"], params["diff_norm"], params["dim"], data_rng)
+    x, y = data
     xt = torch.as_tensor(x[None], dtype=torch.float64, device=device)        # (1, d)
     yt = torch.as_tensor(y[None], dtype=torch.float64, device=device)
     replicates = params["replicates"]
@@ -101,9 +115,8 @@ def run_cell(params, rng, device, data_rng):
             "theory_is_upper_bound": float(is_bound), "num_frequencies": float(m)}
 
 
-def run_reference(params, device, data_rng):
-    x, y = pair_with_norms(params["sum_norm"], params["diff_norm"], params["dim"], data_rng)
-    return {"kernel_value": float(theory.softmax_kernel(x, y))}
+def run_reference(params, device, data):
+    return {"kernel_value": float(theory.softmax_kernel(*data))}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
@@ -116,14 +129,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         long_name="squared relative error", units="1", description="(φ(x)ᵀφ(y)/SM − 1)² per draw")
     ds["abs_error"] = abs(ratio - 1.0).assign_attrs(
         long_name="absolute relative error", units="1", description="|φ(x)ᵀφ(y)/SM − 1| per draw")
-    mse = stats.bootstrap_interval(ds["squared_error"], DRAWS, "mean")
-    mse.attrs.update({"long_name": "empirical relative MSE", "units": "1",
-                      "description": "mean of squared_error over seeds and replicates: " + mse.attrs["interval"]})
-    ds["relative_mse_summary"] = mse
-    bias = stats.bootstrap_interval(ratio - 1.0, DRAWS, "mean")
-    bias.attrs.update({"long_name": "relative bias", "units": "1",
-                       "description": "mean of φ(x)ᵀφ(y)/SM − 1: " + bias.attrs["interval"]})
-    ds["relative_bias_summary"] = bias
+    ds = add_mean(ds, "relative_mse_summary", ds["squared_error"], DRAWS, long_name="empirical relative MSE",
+                  description="mean of squared_error over seeds and replicates")
+    ds = add_mean(ds, "relative_bias_summary", ratio - 1.0, DRAWS, long_name="relative bias",
+                  description="mean of φ(x)ᵀφ(y)/SM − 1")
     ds = add_summaries(ds, ["abs_error"], DRAWS)
     theory_value = ds["relative_mse_theory"].median("seed")
     ds["relative_mse_theory_pair"] = theory_value.assign_attrs(
@@ -144,31 +153,21 @@ def plot(ds, path):
     for name in ds.estimator.values:
         style = estimator_style(str(name))
         bound = bool(ds["theory_is_upper_bound"].sel(estimator=name).max())
-        t = theo.sel(estimator=name).values.ravel()
-        e, lo, hi = (mse.sel(estimator=name, stat=s).values.ravel() for s in ("estimate", "lo", "hi"))
-        label = f"{name} (theory = Thm 2 bound)" if bound else str(name)
-        face = "none" if bound else style["color"]
-        ax.errorbar(t, e, yerr=[e - lo, hi - e], fmt="none", ecolor=style["color"], elinewidth=0.7, alpha=0.6)
-        ax.scatter(t, e, marker=style["marker"], facecolor=face, edgecolor=style["color"], s=22, label=label)
-        axr.errorbar(t, e / t, yerr=[(e - lo) / t, (hi - e) / t], fmt=style["marker"], color=style["color"], mfc=face,
-                     ms=4, elinewidth=0.7, label=label)
-        tf, tlo, thi = (tail.sel(estimator=name, stat=s).values.ravel() for s in ("tail", "tail_lo", "tail_hi"))
-        axt.errorbar(t, tf, yerr=[tf - tlo, thi - tf], fmt=style["marker"], color=style["color"], mfc=face, ms=4,
-                     elinewidth=0.7, label=label)
-    for a in (ax, axr):
-        a.set_xscale("log")
-        a.set_yscale("log")
-        a.set_xlabel("closed-form relative MSE  MSE/SM²")
-    ax.set_ylabel("empirical relative MSE (mean over draws)")
-    ax.set_title("empirical against closed form")
+        pairs = {"pair": ("sum_norm", "diff_norm")}
+        t, e = theo.sel(estimator=name).stack(pairs), mse.sel(estimator=name).stack(pairs)
+        kw = {"marker": style["marker"], "color": style["color"], "mfc": "none" if bound else style["color"],
+              "ms": 4, "elinewidth": 0.7, "label": f"{name} (theory = Thm 2 bound)" if bound else str(name)}
+        errorbar_summary(ax, e, t.values, **kw)
+        errorbar_summary(axr, e / t, t.values, **kw)
+        errorbar_summary(axt, tail.sel(estimator=name).stack(pairs), t.values, entry="tail", **kw)
+    closed = {"xscale": "log", "xlabel": "closed-form relative MSE  MSE/SM²"}
+    ax.set(**closed, yscale="log", ylabel="empirical relative MSE (mean over draws)",
+           title="empirical against closed form")
     ax.legend(fontsize=7, loc="upper left")
     axr.axhline(1.0, color="0.2", linewidth=0.9)
-    axr.set_ylabel("empirical / closed form")
-    axr.set_title("ratio (bars: 95 % bootstrap interval)")
-    axt.set_xscale("log")
-    axt.set_xlabel("closed-form relative MSE  MSE/SM²")
-    axt.set_ylabel("share of draws with |φ(x)ᵀφ(y)/SM − 1| > 1")
-    axt.set_title("the heavy tail (bars: Clopper–Pearson 95 %)")
+    axr.set(**closed, yscale="log", ylabel="empirical / closed form", title="ratio (bars: 95 % bootstrap interval)")
+    axt.set(**closed, ylabel="share of draws with |φ(x)ᵀφ(y)/SM − 1| > 1",
+            title="the heavy tail (bars: Clopper–Pearson 95 %)")
     fig.suptitle("Random-feature MSE: Monte Carlo against closed forms", fontsize=11, fontweight="bold")
     draws = ds.sizes["seed"] * ds.sizes["replicate"]
     save_figure(fig, path, (
@@ -184,12 +183,12 @@ def plot(ds, path):
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def findings(ds: xr.Dataset) -> str:
+def findings(ds: xr.Dataset) -> list[str]:
     ds = ds.isel(num_features=0)
     mse, theo = ds["relative_mse_summary"], ds["relative_mse_theory_pair"]
     exact_forms = ds["theory_is_upper_bound"].max("seed") == 0
     lo, hi = mse.sel(stat="lo"), mse.sel(stat="hi")
-    covered = (lo <= theo) & (theo <= hi)
+    covered = covers(mse, theo)
     small = (theo < 0.5) & exact_forms
     ratio = mse.sel(stat="estimate") / theo
     draws = ds.sizes["seed"] * ds.sizes["replicate"]
@@ -222,11 +221,11 @@ def findings(ds: xr.Dataset) -> str:
         s = tail.sel(**where)
         lines.append(
             f"The largest share of draws with relative error above 1 is "
-            f"{fmt_ci(_triple(s, 'tail'), percent=True)} (`{where['estimator']}`, ‖x+y‖ = {where['sum_norm']:g}, "
+            f"{fmt_ci(s, percent=True, entry='tail')} (`{where['estimator']}`, ‖x+y‖ = {where['sum_norm']:g}, "
             f"‖x−y‖ = {where['diff_norm']:g}); the median relative error there is {fmt_ci(s)}, against a closed-form "
             f"root-MSE of {fmt(float(np.sqrt(theo.sel(**where))))}.")
     bias = ds["relative_bias_summary"]
-    off = (bias.sel(stat="lo") > 0) | (bias.sel(stat="hi") < 0)
+    off = ~covers(bias, 0.0)
     total = int(bias.sel(stat="estimate").notnull().sum())
     lines.append(f"The relative bias is zero within its 95 % interval at {total - int(off.sum())} of {total} cells "
                  f"(about {fmt_pct(0.05)} are expected outside by chance).")
@@ -243,17 +242,12 @@ def findings(ds: xr.Dataset) -> str:
                           f" against GERF {fmt_ci(mse.sel(estimator='gerf', sum_norm=s_norm, diff_norm=d0))}")
         lines.append(f"OPRF's fitted A* against GERF's fixed A (relative MSE at ‖x−y‖ = {d0:g}): " + "; ".join(pieces)
                      + ".")
-    return bullets(lines)
-
-
-def _triple(summary, prefix):
-    values = [float(summary.sel(stat=s)) for s in (prefix, f"{prefix}_lo", f"{prefix}_hi")]
-    return xr.DataArray(values, dims="stat", coords={"stat": ["estimate", "lo", "hi"]})
+    return lines
 
 
 EXPERIMENT = Experiment(name="variance_theory", title="Random-feature MSE: Monte Carlo against closed forms",
                         description=" ".join(__doc__.split()), grids=GRIDS, metrics=METRICS, run_cell=run_cell,
-                        plot=plot, data_axes=("sum_norm", "diff_norm", "seed"),
+                        plot=plot, data_axes=("sum_norm", "diff_norm", "seed"), draw=draw,
                         reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
                         parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
 

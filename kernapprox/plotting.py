@@ -4,9 +4,13 @@ intervals, reference slopes, theory overlays, captions drawn under the figure, a
 Figures are pure functions of result datasets (they never recompute an estimator). The summaries a figure draws
 are stored in the dataset (:mod:`kernapprox.stats`: a ``stat`` dimension with ``estimate``, ``lo``, ``hi``, ...);
 :func:`plot_summary` draws one as a line with its interval as a band, :func:`errorbar_summary` as markers with
-bars. ``median_band`` (medians and percentile bands computed in xarray, not by seaborn's estimators, so that bands
-on log axes are bands of the data) stays for quick looks. Findings texts format their numbers with :func:`fmt`
-and intervals with :func:`fmt_ci`, so every study writes them alike.
+bars, both leaving out the cells that did not run; :func:`reference_band` and :func:`kv_cache_marker` draw exact
+attention beside them (across a panel; on a memory axis, at its KV cache); :func:`log_axis`, :func:`floor_ylim`,
+:func:`figure_legend`, :func:`legend_below` and :func:`proxy_legend` are the axes and legends the studies share.
+``median_band`` (medians and percentile bands computed in xarray, not by seaborn's estimators, so that bands on
+log axes are bands of the data) stays for quick looks. Findings texts format their numbers with :func:`fmt`,
+sizes with :func:`fmt_bytes`, intervals with :func:`fmt_ci` and lists of them with :func:`fmt_cis`, so every
+study writes them alike.
 
 >>> import numpy as np, tempfile, xarray as xr
 >>> from kernapprox.plotting import (estimator_style, loglog_rank_axes, median_band, new_figure,
@@ -39,6 +43,7 @@ import seaborn as sns
 import xarray as xr
 from matplotlib import ticker
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 FAMILY_COLORS = {  # one hue per estimator family, the same in every figure
     "trig": "#0173b2", "positive": "#de8f05", "hyperbolic": "#029e73", "maclaurin": "#56b4e9",
@@ -72,6 +77,14 @@ def new_figure(nrows: int = 1, ncols: int = 1, *, width: float | None = None, he
     fig = Figure(figsize=(width or 3.4 * ncols + 0.6, height or 2.8 * nrows + 0.4), layout="constrained")
     axes = fig.subplots(nrows, ncols, sharex=sharex, sharey=sharey, squeeze=squeeze)
     return fig, axes
+
+
+def palette(values, name: str = "colorblind", *, trim: int = 0) -> dict:
+    """One colour (hex) per value, in order, from the seaborn palette ``name``; ``trim`` leaves out that many
+    colours at each end (the palest and darkest of a sequential palette such as ``"rocket"``)."""
+    values = list(values)
+    colors = sns.color_palette(name, len(values) + 2 * trim).as_hex()
+    return dict(zip(values, colors[trim:trim + len(values)]))
 
 
 def split_estimator_name(name: str) -> tuple[str, str]:
@@ -114,33 +127,153 @@ def _summary(summary: xr.DataArray) -> xr.DataArray:
 
 
 def plot_summary(ax, summary: xr.DataArray, x: str | None = None, *, band_alpha: float = 0.18, xvalues=None,
-                 **line_kw):
-    """Draw a stored summary against coordinate ``x``: its estimate as a line and its ``lo``–``hi`` interval as a
-    band of the line's colour. Points where the estimate is NaN are left out (a gap); ``inf`` is drawn as a gap
-    too. Returns the line (``None`` if nothing is finite)."""
+                 positive: bool = False, **line_kw):
+    """Draw a stored summary against coordinate ``x`` (or against ``xvalues``): its estimate as a line and its
+    ``lo``–``hi`` interval as a band of the line's colour. Points where the estimate or ``x`` is NaN are left out
+    (a gap); ``inf`` is drawn as a gap too; ``positive`` (for log axes) also leaves out estimates ≤ 0 and keeps
+    the band above zero. A single point left is drawn as a marker with its interval as a bar (a line of one point
+    would not show). Returns the line (``None`` if nothing is finite)."""
     summary = _summary(summary)
     xs = np.asarray(summary[x].values if xvalues is None else xvalues, dtype=float)
     est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in ("estimate", "lo", "hi"))
     if est.ndim != 1 or est.shape != xs.shape:
         raise ValueError(f"plot_summary needs a 1-D summary along {x!r}, got dims {summary.dims}")
-    keep = np.isfinite(est) & np.isfinite(xs)
+    keep = np.isfinite(est) & np.isfinite(xs) & ((est > 0) if positive else True)
     if not keep.any():
         return None
+    if keep.sum() == 1:
+        style = {**line_kw, "marker": line_kw.get("marker") or "o", "markersize": 7, "linestyle": "none"}
+        along = next(d for d in summary.dims if d != "stat")
+        return errorbar_summary(ax, summary.isel({along: np.flatnonzero(keep)}), xs[keep], **style)[0]
     (line,) = ax.plot(xs[keep], est[keep], **line_kw)
     band = keep & np.isfinite(lo)
-    ax.fill_between(xs[band], lo[band], np.where(np.isfinite(hi[band]), hi[band], np.nanmax(est[keep]) * 1e3),
+    low = np.maximum(lo[band], np.finfo(float).tiny) if positive else lo[band]
+    ax.fill_between(xs[band], low, np.where(np.isfinite(hi[band]), hi[band], np.nanmax(est[keep]) * 1e3),
                     color=line.get_color(), alpha=band_alpha, linewidth=0)
     return line
 
 
-def errorbar_summary(ax, summary: xr.DataArray, x, **kw):
-    """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name)."""
+def _entries(entry: str) -> tuple[str, str, str]:
+    """The stat names of an interval: ``estimate, lo, hi``, or ``<entry>, <entry>_lo, <entry>_hi`` (the tail)."""
+    return ("estimate", "lo", "hi") if entry == "estimate" else (entry, f"{entry}_lo", f"{entry}_hi")
+
+
+def estimator_lines(ax, summary: xr.DataArray, names, x: str = "num_features", *, dim: str = "estimator",
+                    styles=None, slope: float | None = None, **line_kw) -> list:
+    """:func:`plot_summary` of ``summary.sel({dim: name})`` against ``x`` for each of ``names``, in the house style
+    of each (:func:`estimator_style`, updated by ``styles[name]`` and ``line_kw``); with ``slope``, also the
+    reference line ``∝ x^slope`` (:func:`reference_slope`) through 1.5 times the median first estimate of the
+    lines drawn. Returns the names that have a line."""
+    drawn = [name for name in names if plot_summary(ax, summary.sel({dim: name}), x, **{
+        **estimator_style(str(name)), **(styles or {}).get(name, {}), **line_kw}) is not None]
+    if slope is not None and drawn:
+        first = summary.sel({dim: drawn, "stat": "estimate"}).isel({x: 0})
+        reference_slope(ax, summary[x].values, 1.5 * float(first.median()), slope=slope)
+    return drawn
+
+
+def errorbar_summary(ax, summary: xr.DataArray, x, *, entry: str = "estimate", **kw):
+    """Markers at a summary's estimates with ``lo``–``hi`` bars (``x``: positions or a coordinate name;
+    ``entry="tail"``: the tail fraction with its interval). Points whose estimate or position is not finite are
+    left out; a bound that is not finite (NaN: not computed, ``inf``: unbounded) draws no bar on that side; one
+    point left is drawn without a joining line.
+    Returns the ``ErrorbarContainer`` (``None`` if nothing is finite)."""
     summary = _summary(summary)
     xs = np.asarray(summary[x].values if isinstance(x, str) else x, dtype=float)
-    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in ("estimate", "lo", "hi"))
-    keep = np.isfinite(est)
+    est, lo, hi = (np.asarray(summary.sel(stat=s).values, dtype=float) for s in _entries(entry))
+    if np.ndim(est) == 0:
+        xs, est, lo, hi = (np.atleast_1d(v) for v in (xs, est, lo, hi))
+    if est.ndim != 1 or xs.shape != est.shape:
+        raise ValueError(f"errorbar_summary needs a 1-D summary with one position per entry, got dims "
+                         f"{summary.dims} and {xs.size} positions")
+    keep = np.isfinite(est) & np.isfinite(xs)
+    if not keep.any():
+        return None
     style = {"linestyle": "none", "capsize": 2, "elinewidth": 0.8, **kw}
-    return ax.errorbar(xs[keep], est[keep], yerr=[est[keep] - lo[keep], hi[keep] - est[keep]], **style)
+    if keep.sum() == 1:
+        style["linestyle"] = "none"
+    below, above = est[keep] - lo[keep], hi[keep] - est[keep]
+    bars = [np.where(np.isfinite(below), below, 0.0), np.where(np.isfinite(above), above, 0.0)]
+    return ax.errorbar(xs[keep], est[keep], yerr=bars, **style)
+
+
+def reference_band(ax, summary: xr.DataArray, label: str = "exact attention (same inputs)", **kw) -> float:
+    """A reference's summary (exact attention's score) across the panel: its estimate as a dashed line and its
+    interval as a grey band; returns the estimate."""
+    est, lo, hi = (float(summary.sel(stat=k)) for k in ("estimate", "lo", "hi"))
+    style = {"color": estimator_style("exact")["color"], "linestyle": "--", "linewidth": 1.2, **kw}
+    ax.axhline(est, label=label, **style)
+    ax.axhspan(lo, hi, color=style["color"], alpha=0.15, linewidth=0)
+    return est
+
+
+def kv_cache_marker(ax, kv_bytes: float, summary: xr.DataArray, label: str = "exact (KV cache)", **kw):
+    """Exact attention on a memory axis: a star at its KV cache's size (bytes) with its score's interval as a bar,
+    and a dotted vertical line there, the memory every fixed-size state is measured against."""
+    ax.axvline(kv_bytes, color="0.6", linewidth=0.8, linestyle=":")
+    style = {"marker": "*", "markersize": 10, "color": "k", "label": label, **kw}
+    return errorbar_summary(ax, summary, [float(kv_bytes)], **style)
+
+
+def log_axis(ax, which: str = "x", *, base: int = 2, label: str | None = None, unit: str | None = None) -> None:
+    """A logarithmic axis with its major ticks written as plain numbers (``unit="bytes"``: as B, KiB, MiB); minor
+    ticks keep matplotlib's labels."""
+    if which not in ("x", "y"):
+        raise ValueError(f"which must be 'x' or 'y', got {which!r}")
+    if unit not in (None, "bytes"):
+        raise ValueError(f"unit must be None or 'bytes', got {unit!r}")
+    getattr(ax, f"set_{which}scale")("log", base=base)
+    axis = getattr(ax, f"{which}axis")
+    axis.set_major_formatter(ticker.FuncFormatter(fmt_bytes if unit else lambda v, _: f"{v:g}"))
+    if unit:                                  # sizes span many powers of two: label every few (the text is long)
+        axis.set_major_locator(ticker.LogLocator(base=base, numticks=6))
+    if label:
+        getattr(ax, f"set_{which}label")(label)
+
+
+def floor_ylim(ax, bottom: float) -> None:
+    """Raise the lower limit of a log axis to ``bottom`` when the data reach below it (exact reproductions, errors
+    of 1e-15, would otherwise stretch the axis over decades of nothing)."""
+    low, high = ax.get_ylim()
+    if low < bottom < high:
+        ax.set_ylim(bottom, high)
+
+
+def legend_entries(axes) -> tuple[list, list]:
+    """``(handles, labels)`` of all the axes' labelled artists, each label once, in drawing order."""
+    handles, labels = [], []
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    return handles, labels
+
+
+def figure_legend(fig, axes, **kw):
+    """One legend for the whole figure from the entries of ``axes`` (no label twice), outside the panels on the
+    right by default; ``None`` if nothing is labelled."""
+    handles, labels = legend_entries(np.ravel(axes))
+    if not handles:
+        return None
+    return fig.legend(handles, labels, **{"loc": "outside right center", "fontsize": 7, "frameon": False, **kw})
+
+
+def proxy_legend(ax, entries, *, off: bool = False, **kw):
+    """A legend of encodings rather than of drawn artists: ``entries`` maps each label to the line keywords of its
+    key (``{"sum": {"marker": "o", "color": "0.3"}, ...}``), e.g. colour for the estimator and marker for the rule.
+    ``off`` turns the axes off first (a panel that holds the legend only, centred)."""
+    if off:
+        ax.axis("off")
+        kw = {"loc": "center", "frameon": False, **kw}
+    handles = [Line2D([], [], **{"color": "0.3", **style}) for style in entries.values()]
+    return ax.legend(handles, [str(label) for label in entries], **kw)
+
+
+def legend_below(ax, ncol: int = 2, **kw):
+    """The panel's legend under its axes, without a frame (for the last row of a grid of panels)."""
+    return ax.legend(**{"ncol": ncol, "loc": "upper center", "bbox_to_anchor": (0.5, -0.2), "fontsize": 6.5,
+                        "frameon": False, **kw})
 
 
 # ------------------------------------------------------------------------------------------- findings text
@@ -179,17 +312,45 @@ def fmt_pct(value) -> str:
     return "n/a" if math.isnan(value) else f"{_percent_number(value)} %"
 
 
-def fmt_ci(summary: xr.DataArray, digits: int = 3, *, percent: bool = False) -> str:
+def fmt_ci(summary: xr.DataArray, digits: int = 3, *, percent: bool = False, entry: str = "estimate") -> str:
     """``estimate (lo–hi)`` of one summary entry (a 0-d selection with a ``stat`` dimension); ``percent`` writes
-    fractions as percentages (``12.5 % (9.1–16.4 %)``)."""
+    fractions as percentages (``12.5 % (9.1–16.4 %)``); ``entry="tail"`` writes the tail fraction with its
+    interval (``tail (tail_lo–tail_hi)``, :func:`kernapprox.stats.summarise`)."""
     summary = _summary(summary)
-    est, lo, hi = (float(summary.sel(stat=s)) for s in ("estimate", "lo", "hi"))
+    est, lo, hi = (float(summary.sel(stat=s)) for s in _entries(entry))
     if percent:
         return f"{fmt_pct(est)} ({_percent_number(lo)}–{_percent_number(hi)} %)"
     sep = " to " if lo < 0 else "–"
     while digits < 6 and len({fmt(v, digits) for v in (est, lo, hi)}) < len({est, lo, hi}):
         digits += 1                              # e.g. 1 (0.99982–1), not 1 (1–1)
     return f"{fmt(est, digits)} ({fmt(lo, digits)}{sep}{fmt(hi, digits)})"
+
+
+def fmt_cis(summary: xr.DataArray, dim: str, values=None, *, digits: int = 3, percent: bool = False,
+            sep: str = "; ", names=None) -> str:
+    """``"`a` est (lo–hi); `b` est (lo–hi)"``: :func:`fmt_ci` of ``summary`` at each value of ``dim`` (all of them
+    by default), each named (``names``: value -> text; default the value in backticks)."""
+    values = [v.item() if hasattr(v, "item") else v for v in (summary[dim].values if values is None else values)]
+    name = names or (lambda v: f"`{v}`")
+    return sep.join(f"{name(v)} {fmt_ci(summary.sel({dim: v}), digits, percent=percent)}" for v in values)
+
+
+def finite_values(summary: xr.DataArray, dim: str) -> list:
+    """The values of ``dim`` at which a summary has a finite estimate (in order): the cells a finding can quote,
+    leaving out those that did not run or do not apply."""
+    est = _summary(summary).sel(stat="estimate")
+    if est.dims != (dim,):
+        raise ValueError(f"finite_values needs a summary along {dim!r} only, got dims {summary.dims}")
+    return [v.item() if hasattr(v, "item") else v for v, e in zip(summary[dim].values, est.values) if np.isfinite(e)]
+
+
+def fmt_bytes(value, _=None) -> str:
+    """A memory size for a sentence or an axis tick: ``512 B``, ``1.5 KiB``, ``3 MiB`` (3 significant digits)."""
+    value = float(value)
+    for unit, size in (("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            return f"{fmt(value / size)} {unit}"
+    return f"{fmt(value)} B"
 
 
 def bullets(lines) -> str:

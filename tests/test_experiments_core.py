@@ -70,15 +70,16 @@ KERNEL_PARAMS = {"num_features": 8, "beta": 2.0, "seq_len": 32, "seed": 0, "dim"
 
 def test_kernel_error_is_zero_for_the_exact_kernel():
     rng, data_rng = _rngs()
-    out = kernel_error.run_cell({"estimator": "exact", **KERNEL_PARAMS}, rng, torch.device("cpu"), data_rng)
+    data = kernel_error.draw(KERNEL_PARAMS, data_rng, torch.device("cpu"))     # the engine's draw of the cell's data
+    out = kernel_error.run_cell({"estimator": "exact", **KERNEL_PARAMS}, rng, torch.device("cpu"), data)
     assert out["kernel_rel_fro"] == 0.0 and out["kernel_max_rel"] == 0.0
-    ref = kernel_error.run_reference(KERNEL_PARAMS, torch.device("cpu"), np.random.default_rng(1))
+    ref = kernel_error.run_reference(KERNEL_PARAMS, torch.device("cpu"), data)
     assert 1.5 < ref["beta_eff"] < 2.5 and ref["kernel_sv"][0] == 1.0
 
 
 def test_kernel_error_blockwise_equals_the_dense_metric(monkeypatch):
     """Row blocks of the query side give the dense relative Frobenius error and largest relative entry error."""
-    q, k = kernel_error._data({**KERNEL_PARAMS, "seq_len": 300}, np.random.default_rng(2), torch.device("cpu"))
+    q, k = kernel_error.draw({**KERNEL_PARAMS, "seq_len": 300}, np.random.default_rng(2), torch.device("cpu"))
     est = ka.make_estimator("positive", num_features=16, rng=0).fit(q, k)
     approx, exact = est.kernel_matrix(q, k), ka.kernel_matrix(q, k)
     blocks = kernel_error.row_blocks(300, 300, entries=300 * 7)            # 43 blocks, the last one short
@@ -133,9 +134,10 @@ def test_variance_theory_matches_lemma_2_where_tails_are_light():
     """Small norms: the squared errors are light-tailed, so 400 draws pin the MSE to ~10 %; the closed-form
     variance of the squared error (fourth moment) sets the tolerance, not the sample."""
     rng, data_rng = _rngs(5)
+    params = {"sum_norm": 0.5, "diff_norm": 0.5, "num_features": 16, "seed": 0, "dim": 16, "replicates": 400}
+    data = variance_theory.draw(params, data_rng, torch.device("cpu"))
     for name in ("trig", "positive", "hyperbolic"):
-        out = variance_theory.run_cell({"estimator": name, "sum_norm": 0.5, "diff_norm": 0.5, "num_features": 16,
-                                        "seed": 0, "dim": 16, "replicates": 400}, rng, torch.device("cpu"), data_rng)
+        out = variance_theory.run_cell({"estimator": name, **params}, rng, torch.device("cpu"), data)
         sq = (out["estimate_ratio"] - 1) ** 2
         se = sq.std(ddof=1) / np.sqrt(sq.size)
         assert abs(sq.mean() - out["relative_mse_theory"]) < 4 * se, (name, sq.mean(), out["relative_mse_theory"])
@@ -148,7 +150,7 @@ def test_attention_error_split_is_exact_for_the_exact_kernel(causal):
     params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "exact", "num_features": 8,
               "seq_len": 40, "causal": causal, "beta": 2.0, "seed": 0, "dim": 32, "heads": 4}
     data = attention_error.draw(params, data_rng, torch.device("cpu"))     # the engine's draw of the cell's data
-    out = attention_error.run_cell(params, rng, torch.device("cpu"), None, data)
+    out = attention_error.run_cell(params, rng, torch.device("cpu"), data)
     for metric in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms", "normalizer_log_rms"):
         assert out[metric] < 1e-12, (metric, out)
     assert out["nonpositive_rate"] == 0.0
@@ -159,7 +161,7 @@ def test_attention_error_parts_match_a_direct_float64_computation():
     params = {**attention_error.EXPERIMENT.parameter_values(), "estimator": "positive", "num_features": 32,
               "seq_len": 24, "causal": True, "beta": 1.0, "seed": 0, "dim": 32, "heads": 4}
     data = attention_error.draw(params, np.random.default_rng(4), torch.device("cpu"))
-    out = attention_error.run_cell(params, np.random.default_rng(9), torch.device("cpu"), None, data)
+    out = attention_error.run_cell(params, np.random.default_rng(9), torch.device("cpu"), data)
     dist = make_distribution("isotropic", beta=1.0)
     q, k, v = dist.sample(24, heads=4, d=32, rng=np.random.default_rng(4), dtype=torch.float64)
     est = ka.make_estimator("positive", num_features=32, rng=np.random.default_rng(9)).fit(q, k)

@@ -8,6 +8,7 @@ import torch
 
 from experiments import _icl, icl_classification, icl_recall, icl_regression, rank_summary
 from kernapprox import available_estimators, readout
+from kernapprox.sweep._experiment import accepts
 
 EXPERIMENTS = [icl_recall, icl_regression, icl_classification, rank_summary]
 SCORES = {"icl_recall": ("accuracy", "accuracy_exact"), "icl_regression": ("nmse", "nmse_exact"),
@@ -24,7 +25,8 @@ def run_cell(exp, params, rng, data_rng):
     state = data_rng.bit_generator.state
     data = exp.draw(params, data_rng, CPU)
     data_rng.bit_generator.state = state                        # the cell gets a fresh data stream, as in the engine
-    return exp.run_cell(params, rng, CPU, data_rng, data)
+    extra = {"data_rng": data_rng} if accepts(exp.run_cell, "data_rng") else {}
+    return exp.run_cell(params, rng, CPU, data=data, **extra)
 
 
 @pytest.mark.parametrize("module", EXPERIMENTS, ids=lambda m: m.EXPERIMENT.name)
@@ -67,8 +69,9 @@ def test_rank_summary_nystrom_at_r_equal_n_reproduces_exact_attention():
     for task in ("recall", "regression"):
         params = {"task": task, "query": "key", "estimator": NYSTROM, "seed": 0,
                   "num_features": rank_summary.TASKS[task]["num_context"]}
-        out = rank_summary.run_cell(params, np.random.default_rng(0), cpu, np.random.default_rng(5))
-        ref = rank_summary.run_reference(params, cpu, np.random.default_rng(5))
+        data = rank_summary.draw(params, np.random.default_rng(5), cpu)      # the engine's draw of the cell's data
+        out = rank_summary.run_cell(params, np.random.default_rng(0), cpu, data)
+        ref = rank_summary.run_reference(params, cpu, data)
         np.testing.assert_allclose(out["score"], ref["score_exact"], rtol=1e-5, atol=1e-6)
 
 
@@ -80,7 +83,7 @@ def test_read_outs_fit_on_the_context_only(module, monkeypatch):
     seen = []
     real = readout.attention_readout
 
-    def spy(*args, fit_on="keys", **kwargs):
+    def spy(*args, fit_on="keys", **kwargs):         # every read-out, paired_readouts' included
         seen.append((args[0], fit_on))
         return real(*args, fit_on=fit_on, **kwargs)
 

@@ -183,8 +183,8 @@ def test_smoke_dataset_findings_and_figure(smoke):
         assert bool(ds[name].notnull().all()), name
     assert "sampler" not in ds["closed_form"].dims                       # the reference: once per data draw
     assert sweep.load(folder / "x.nc").equals(ds)
-    text = sampler_bias.findings(ds)
-    assert text == sampler_bias.findings(ds) and text.startswith("- ") and "sphere closed form" in text
+    text = sweep.findings_text(exp, ds, "x.nc")
+    assert text == sweep.findings_text(exp, ds, "x.nc") and text.startswith("- ") and "sphere closed form" in text
     assert "e^(−c²/4)" in text and "95 % intervals" in text
     # the summaries are the stats module's: the estimate is the mean over seeds × pairs, inside its interval
     s = ds["ratio_summary"]

@@ -47,8 +47,8 @@ def test_smoke_dataset(smoke):
 
 
 def test_findings_come_from_the_dataset(smoke):
-    text = state_rules.findings(smoke)
-    assert text == state_rules.findings(smoke.copy(deep=True))                 # deterministic
+    text = sweep.findings_body(state_rules.EXPERIMENT, smoke)
+    assert text == sweep.findings_body(state_rules.EXPERIMENT, smoke.copy(deep=True))      # deterministic
     sel = {"task": "recall_rho1", "estimator": "positive_orthogonal", "num_features": 16, "num_pairs": 32}
     s = smoke["accuracy_summary"].sel(**sel, rule="least_squares")
     # every episode asks the same number of queries: the pooled proportion is the mean of the episodes' accuracies

@@ -140,8 +140,8 @@ def test_every_comparative_study_is_paired_and_replicated(name):
 @pytest.mark.parametrize("name", OWN)
 def test_findings_are_computed_from_the_dataset_and_tied_to_the_figure(name, smoke_run, tmp_path):
     module, ds, folder = smoke_run(name)
-    text = module.EXPERIMENT.findings(ds)
-    assert text == module.EXPERIMENT.findings(ds.copy(deep=True))       # a pure, deterministic function
+    text = sweep.findings_body(module.EXPERIMENT, ds)
+    assert text == sweep.findings_body(module.EXPERIMENT, ds.copy(deep=True))   # a pure, deterministic function
     assert text.startswith("- ")
     written = sweep.draw(module.EXPERIMENT, ds, tmp_path / f"{name}.png", source=f"results/{name}.nc")
     md = (tmp_path / f"{name}.md").read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ Runs use ``tests/toy_experiment.py`` (numpy only, with failure points set by env
 are bitwise reproducible across processes and executors.
 """
 
+import dataclasses
 import json
 import os
 import signal
@@ -425,11 +426,26 @@ def test_each_data_draw_is_made_once_and_handed_to_every_cell_and_its_reference(
         np.testing.assert_array_equal(ds[var].values, again[var].values)
 
 
+def test_findings_may_be_sentences_the_engine_writes_as_bullets(tmp_path):
+    """Experiment.findings returning a list: one bullet per non-empty sentence, then the engine's closing line on
+    the intervals and the line naming the data; an empty list is refused."""
+    import toy_paired
+
+    ds = sweep.run(toy_paired.EXPERIMENT, out=tmp_path / "p.nc", device="cpu", progress=False)
+    listed = dataclasses.replace(toy_paired.EXPERIMENT, findings=lambda ds: ["First  sentence.", "", "Second."])
+    assert sweep.findings_body(listed, ds) == "- First sentence.\n- Second."
+    text = sweep.findings_text(listed, ds, "results/p.nc")
+    assert text.startswith("- First sentence.\n- Second.\n- Numbers in parentheses are 95 % intervals")
+    assert sweep.read_digest(text) == sweep.dataset_digest(ds)
+    with pytest.raises(ValueError, match="non-empty markdown text or a list of sentences"):
+        sweep.findings_body(dataclasses.replace(listed, findings=lambda ds: []), ds)
+
+
 def test_a_draw_needs_data_axes_and_cells_that_take_it():
     import toy_draw
 
     with pytest.raises(TypeError, match="needs data_axes"):
         _experiment(draw=toy_draw.draw)
-    with pytest.raises(TypeError, match="run_cell\\(params, rng, device, data_rng, data\\)"):
+    with pytest.raises(TypeError, match="run_cell\\(params, rng, device, data\\)"):
         _experiment(grids={"smoke": {"a": [1], "seed": [0]}}, data_axes=("seed",), draw=toy_draw.draw,
                     run_cell=lambda params, rng, device, data_rng: {"m": 0.0})

@@ -5,6 +5,7 @@ how often each draw was made, across processes."""
 import os
 import uuid
 
+import numpy as np
 import toy_paired
 
 from kernapprox.sweep import Experiment, Reference, run_cli
@@ -18,13 +19,15 @@ def draw(params, data_rng, device):
     return {"x": toy_paired._data(params, data_rng)}
 
 
-def run_cell(params, rng, device, data_rng, data):
+def run_cell(params, rng, device, data):            # no data_rng: the draw has spent the data stream
     x = data["x"]
     estimate = x.mean() + rng.standard_normal() / params["num_features"]
     return {"data_mean": x.mean(), "error": abs(estimate - x.mean())}
 
 
-def run_reference(params, device, data_rng, data):
+def run_reference(params, device, data_rng, data):  # a function that names data_rng is still handed it
+    if not isinstance(data_rng, np.random.Generator):
+        raise TypeError(f"data_rng is a {type(data_rng).__name__}")
     return {"reference_mean": data["x"].mean()}
 
 

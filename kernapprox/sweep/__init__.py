@@ -2,9 +2,12 @@
 
 An experiment module defines ``GRIDS`` (presets), ``METRICS``, ``run_cell(params, rng, device)`` and
 ``plot(ds, path)``, wraps them in :class:`Experiment` and calls :func:`run_cli`. A comparative study (an
-``estimator`` axis) also declares ``data_axes`` (refused otherwise), usually a :class:`Reference` computed once per
-data draw, fixed :class:`Parameter` values, a ``summarise`` that adds paired comparisons and summaries with
-intervals (:mod:`kernapprox.stats`), and ``findings(ds) -> str``, written beside the figure. From Python:
+``estimator`` axis) also declares ``data_axes`` (refused otherwise), usually a ``draw`` (the data of one draw and
+its exact references, made once by the engine and handed to every cell of the draw as ``data``), a
+:class:`Reference` computed once per data draw, fixed :class:`Parameter` values, a ``summarise`` that adds paired
+comparisons and summaries with intervals (:mod:`kernapprox.stats`), and ``findings(ds)``, its sentences, which the
+engine writes beside the figure as bullets with the closing line on the intervals and the data's digest
+(:func:`findings_text`). A combination that does not apply returns :func:`not_applicable`. From Python:
 
 >>> from kernapprox.sweep import run, load
 >>> ds = run(EXPERIMENT, preset="smoke", out="results/x.nc", device="cpu")   # doctest: +SKIP
@@ -30,13 +33,13 @@ from ._experiment import (
     data_seed_sequence,
     iter_cells,
 )
-from ._figures import dataset_digest, draw, findings_text, read_digest
+from ._figures import dataset_digest, draw, findings_body, findings_text, read_digest
 from ._run import SweepError, default_output, resolve_device, resolve_grid, run, summarise_dataset
 from ._store import MARKER, OutputPathError, load
 from ._worker import CellError, not_applicable
 
 __all__ = ["Experiment", "Metric", "Parameter", "Reference", "AXIS_ATTRS", "run", "run_cli", "load",
            "cell_seed_sequence", "data_seed_sequence", "cell_key", "iter_cells", "resolve_grid",
-           "summarise_dataset", "draw", "findings_text", "dataset_digest", "read_digest",
+           "summarise_dataset", "draw", "findings_body", "findings_text", "dataset_digest", "read_digest",
            "build_parser", "default_output", "resolve_device", "SweepError", "CellError", "OutputPathError",
            "MARKER", "not_applicable"]

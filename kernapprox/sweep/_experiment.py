@@ -92,8 +92,9 @@ class Reference:
     Parameters
     ----------
     run_cell : callable ``(params, device, data_rng) -> dict``
-        ``params`` holds the values of ``axes`` (and the fixed parameters); ``data_rng`` is the data stream of
-        the experiment's ``data_axes``, so the reference draws exactly the inputs the estimator cells draw.
+        ``params`` holds the values of ``axes`` (and the fixed parameters); ``data_rng`` (a keyword) is the data
+        stream of the experiment's ``data_axes``, so the reference draws exactly the inputs the estimator cells
+        draw. With ``Experiment.draw``: ``(params, device, data)``, the draw's data.
         Deterministic given its inputs (no other randomness).
     metrics : mapping name -> Metric
         Stored with dims ``axes`` (in grid order) then each metric's own dims.
@@ -179,6 +180,13 @@ def axis_type(values: Sequence) -> type:
     return type(values[0])
 
 
+def accepts(fn, name: str) -> bool:
+    """Whether ``fn`` takes a parameter called ``name`` (or any keyword): how the engine decides which of the
+    optional arguments (``data_rng``, ``data``) a cell function is handed."""
+    parameters = inspect.signature(fn).parameters
+    return name in parameters or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+
+
 def _default_module(fn) -> str:
     module = getattr(fn, "__module__", None) or "__main__"
     if module == "__main__":  # python -m experiments.x: the importable name is the spec's
@@ -212,8 +220,8 @@ class Experiment:
     data_axes : tuple of str
         Common random numbers: when given, ``run_cell`` also receives ``data_rng``, a ``Generator`` derived from
         the values of these axes only (:func:`data_seed_sequence`), so every cell that shares them draws the same
-        data (e.g. the same queries and keys for every estimator and rank: paired comparisons, and exact
-        references that a cell may memoise by ``data_rng.bit_generator.seed_seq``). ``rng`` stays per cell.
+        data (e.g. the same queries and keys for every estimator and rank: paired comparisons). With a ``draw``
+        the engine makes that data once per draw instead and hands it to the cells. ``rng`` stays per cell.
         Required for a comparative study (a grid with an ``estimator`` axis); must include ``seed`` when the
         grid has one, and never ``estimator`` or ``num_features``.
     reference : Reference, optional
@@ -227,9 +235,10 @@ class Experiment:
     summarise : callable ``(dataset) -> dataset``, optional
         Adds the derived variables (paired comparisons, summaries with intervals: :mod:`kernapprox.stats`) the
         figure and the findings read; applied by the engine before the dataset is written.
-    findings : callable ``(dataset) -> str``, optional
-        Markdown bullets whose every number is computed from the dataset; written beside the figure
-        (``figures/<name>.md``).
+    findings : callable ``(dataset) -> str or list of str``, optional
+        The findings, every number computed from the dataset: markdown text, or its sentences (one bullet each,
+        empty ones left out: :func:`kernapprox.plotting.bullets`); written beside the figure
+        (``figures/<name>.md``) with the closing line on the intervals and the line naming the data.
     module : str, optional
         Importable module holding the experiment (found from ``run_cell``); worker processes import it.
     check_params : callable ``(params) -> None``, optional
@@ -243,9 +252,11 @@ class Experiment:
         The data of one draw (inputs, and what is computed from them alone, such as exact attention's output):
         ``params`` holds the data axes' values and the fixed parameters, ``data_rng`` a fresh data stream. The
         engine computes it once per draw and hands it to every cell of that draw and to its reference as the
-        keyword ``data`` (``run_cell(params, rng, device, data_rng, data)``, ``Reference.run_cell(params,
-        device, data_rng, data)``); on a process pool or dask the cells of one draw run as one task, so a draw
-        is never recomputed by another worker. Needs ``data_axes``.
+        keyword ``data`` (``run_cell(params, rng, device, data)``, ``Reference.run_cell(params, device,
+        data)``; the data stream, already spent by the draw, is passed as ``data_rng`` only to a function that
+        names it); on a process pool or dask the cells of one draw run as one task, so a draw is never recomputed
+        by another worker. Exact references that every cell of a draw reads (exact attention's output on the
+        draw's inputs) belong in the draw too: computed once, never memoised by the study. Needs ``data_axes``.
     """
 
     name: str
@@ -302,7 +313,7 @@ class Experiment:
             raise ValueError(f"data_axes must be a tuple of grid axes {axes[0]}, got {self.data_axes!r}")
         object.__setattr__(self, "data_axes", tuple(self.data_axes))
         self._check_comparative(axes[0])
-        if self.data_axes and "data_rng" not in inspect.signature(self.run_cell).parameters:
+        if self.data_axes and self.draw is None and not accepts(self.run_cell, "data_rng"):
             raise TypeError("an experiment with data_axes needs run_cell(params, rng, device, data_rng)")
         self._check_reference(axes[0])
         self._check_parameters(axes[0])
@@ -314,10 +325,10 @@ class Experiment:
             if not callable(self.draw) or not self.data_axes:
                 raise TypeError("Experiment draw must be a callable (params, data_rng, device) -> data, and needs "
                                 "data_axes (a draw is per data-axis values)")
-            if "data" not in inspect.signature(self.run_cell).parameters:
-                raise TypeError("an experiment with a draw needs run_cell(params, rng, device, data_rng, data)")
-            if self.reference is not None and "data" not in inspect.signature(self.reference.run_cell).parameters:
-                raise TypeError("an experiment with a draw needs Reference.run_cell(params, device, data_rng, data)")
+            if not accepts(self.run_cell, "data"):
+                raise TypeError("an experiment with a draw needs run_cell(params, rng, device, data)")
+            if self.reference is not None and not accepts(self.reference.run_cell, "data"):
+                raise TypeError("an experiment with a draw needs Reference.run_cell(params, device, data)")
         if not isinstance(self.replicates, str) or not self.replicates.strip():
             raise ValueError("Experiment replicates must name the unit the intervals resample")
         if self.check_params is not None and not callable(self.check_params):

@@ -42,17 +42,28 @@ def dataset_digest(ds: xr.Dataset) -> str:
     return digest.hexdigest()[:16]
 
 
+def findings_body(experiment, ds: xr.Dataset) -> str:
+    """The experiment's findings on ``ds`` as markdown: its text, or its sentences as bullets
+    (:func:`kernapprox.plotting.bullets`; empty sentences left out). ``ValueError`` if there is nothing."""
+    from ..plotting import bullets
+
+    body = experiment.findings(ds)
+    if isinstance(body, list | tuple):                      # sentences: one bullet each
+        body = bullets(body)
+    if not isinstance(body, str) or not body.strip():
+        raise ValueError(f"findings of {experiment.name!r} must return non-empty markdown text or a list of "
+                         "sentences")
+    return body.strip()
+
+
 def findings_text(experiment, ds: xr.Dataset, source: str) -> str:
-    """The markdown written beside the figure: the experiment's findings, the closing line that says what the
-    intervals are (:func:`kernapprox.stats.interval_note` over the study's ``replicates``), then the line naming
-    the data."""
+    """The markdown written beside the figure: the experiment's findings (:func:`findings_body`), the closing
+    line that says what the intervals are (:func:`kernapprox.stats.interval_note` over the study's
+    ``replicates``), then the line naming the data."""
     from ..plotting import bullets
     from ..stats import interval_note
 
-    body = experiment.findings(ds)
-    if not isinstance(body, str) or not body.strip():
-        raise ValueError(f"findings of {experiment.name!r} must return non-empty markdown text")
-    body = body.strip()
+    body = findings_body(experiment, ds)
     note = bullets([interval_note(ds, experiment.replicates)])
     if "Numbers in parentheses are" not in body:          # the engine's closing line, unless the study wrote one
         body = f"{body}\n{note}"

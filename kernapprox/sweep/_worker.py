@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._experiment import Experiment
+from ._experiment import Experiment, accepts
 
 
 class CellError(RuntimeError):
@@ -189,8 +189,9 @@ def execute_cell(task: CellTask) -> CellOutcome:
         restore_precision(precision_settings(task.allow_tf32))
         device = torch.device(task.device)
         rng = np.random.default_rng(np.random.SeedSequence(task.root_seed, spawn_key=task.spawn_key))
+        fn = experiment.reference.run_cell if task.reference else experiment.run_cell
         extra = {}
-        if task.data_spawn_key is not None:
+        if task.data_spawn_key is not None and (experiment.draw is None or accepts(fn, "data_rng")):
             extra["data_rng"] = np.random.default_rng(np.random.SeedSequence(task.root_seed,
                                                                              spawn_key=task.data_spawn_key))
         params = {**(task.parameters or {}), **task.params}
@@ -198,10 +199,7 @@ def execute_cell(task: CellTask) -> CellOutcome:
             extra["data"] = draw_of(experiment, task, device)
         try:
             start = time.perf_counter()
-            if task.reference:
-                result = experiment.reference.run_cell(params, device, extra.pop("data_rng"), **extra)
-            else:
-                result = experiment.run_cell(params, rng, device, **extra)
+            result = fn(params, device, **extra) if task.reference else fn(params, rng, device, **extra)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - start
