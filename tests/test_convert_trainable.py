@@ -306,3 +306,25 @@ def test_a_bert_encoder_takes_a_trainable_map_with_key_padding():
         alone = converted(input_ids=tokens[:1, :4]).last_hidden_state
     assert float((batch[0, :4] - alone[0]).abs().max()) < 1e-10
     assert len(map_parameters(converted)) == 2
+
+
+def test_compile_of_a_trainable_conversion_equals_eager_and_trains():
+    """``aot_eager`` (dynamo and fake tensors, no code generation), one layer with a map and one kept, forward and
+    backward: the compiled graph reads the map's parameters, so its gradients are eager's."""
+    torch._dynamo.reset()
+    converted = ka.convert(llama(init=0.2), "hedgehog_trainable", num_features=8, layers=[1], rng=0)
+    compiled = torch.compile(converted, backend="aot_eager")
+    tokens = ids()
+    grads = []
+    for model in (converted, compiled):
+        converted.zero_grad(set_to_none=True)
+        logits = model(input_ids=tokens, use_cache=False).logits
+        logits.square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in map_parameters(converted).items()})
+        if model is converted:
+            eager = logits.detach()
+        else:
+            torch.testing.assert_close(logits.detach(), eager, rtol=0, atol=1e-6)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
+    torch._dynamo.reset()
