@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..estimators.registry import make_estimator
-from ..trainable import LOSSES, HedgehogMap, T2RMap, fit_to_softmax
+from ..trainable import LOSSES, MAP_OPTIONS, MAPS, fit_to_softmax, make_map
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import attention as sa
 from . import cache as _cache
@@ -53,9 +53,8 @@ __all__ = ["FAMILIES", "TRAINABLE_MAPS", "stack_for", "head_seed", "substitute",
 # model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
 FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
 # the names convert() takes for trainable maps (parameters of the converted model, not registry estimators)
-TRAINABLE_MAPS: dict[str, type] = {"hedgehog_trainable": HedgehogMap, "t2r_trainable": T2RMap}
-# convert()'s options of a trainable map, by what they configure
-_MAP_OPTIONS = {"hedgehog_trainable": ("bias", "init", "normalize"), "t2r_trainable": ("bias", "init", "eps")}
+TRAINABLE_MAPS: dict[str, type] = MAPS
+# convert()'s other options of a trainable map, by what they configure
 _ATTENTION_OPTIONS = ("mode", "chunk_size")
 _FIT_OPTIONS = ("fit_loss", "fit_steps", "fit_lr", "fit_batch_size")
 
@@ -237,7 +236,7 @@ def fit_records(model) -> dict:
 
 def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rng, calibration, **options):
     """:func:`convert` with a trainable map (see its docstring)."""
-    allowed = _MAP_OPTIONS[estimator] + _ATTENTION_OPTIONS + _FIT_OPTIONS
+    allowed = MAP_OPTIONS[estimator] + _ATTENTION_OPTIONS + _FIT_OPTIONS
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise TypeError(f"convert({estimator!r}) got unknown options {', '.join(unknown)}; it takes "
@@ -259,27 +258,14 @@ def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rn
     if heads is not None and _check_heads(heads, stack.num_heads) != set(range(stack.num_heads)):
         raise ValueError(f"a trainable map ({estimator}) replaces every head of a layer (one map per key/value head, "
                          "shared by its group): pass heads=None, or choose the layers")
-    cls = TRAINABLE_MAPS[estimator]
-    d = stack.head_dim
     kv_heads = getattr(stack, "num_kv_heads", stack.num_heads)
-    if num_features is None:
-        feature_dim = d
-    else:
-        r = check_positive_int(num_features, "num_features")
-        if r % cls.feature_multiplier:
-            raise ValueError(f"num_features of {estimator} is r = {cls.feature_multiplier} · feature_dim; got {r}")
-        feature_dim = r // cls.feature_multiplier
-    if cls is HedgehogMap:
-        options.setdefault("init", "identity" if feature_dim == d else "random")
-    else:
-        options.setdefault("eps", 1e-6)
     param = next(converted.parameters())
     sa.enable(converted)
     if stack.decodes:
         _cache.install(converted)
     for layer in chosen:
-        fmap = cls(kv_heads, d, feature_dim, rng=head_seed(rng, layer, 0), dtype=param.dtype, device=param.device,
-                   **options)
+        fmap = make_map(estimator, num_heads=kv_heads, head_dim=stack.head_dim, num_features=num_features,
+                        rng=head_seed(rng, layer, 0), dtype=param.dtype, device=param.device, **options)
         sa.set_attention(stack.attention_module(layer), sa.TrainableAttention(fmap, **attention_options))
     if calibration is not None:
         _transfer(converted, stack, chosen, calibration, loss=loss, steps=steps, lr=lr, batch_size=batch_size,
