@@ -328,3 +328,86 @@ def test_compile_of_a_trainable_conversion_equals_eager_and_trains():
     for name in grads[0]:
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-5, atol=1e-7)
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------------------------ the layer
+from kernapprox.nn import KernelAttention, MapState, RotaryEmbedding  # noqa: E402
+
+
+def layer(estimator="hedgehog_trainable", mode="chunked", **kw):
+    kw.setdefault("num_kv_heads", 2)
+    return KernelAttention(32, 4, estimator, mode=mode, causal=True, rng=0, chunk_size=4, **kw)
+
+
+def inputs(batch=2, n=11, seed=0, dtype=torch.float32):
+    return torch.randn(batch, n, 32, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def test_a_layer_holds_a_trainable_map_as_its_parameters():
+    att = layer()
+    assert att.estimator is None and isinstance(att.feature_map, ka.HedgehogMap)
+    assert att.feature_map.num_heads == 2 and att.feature_map.feature_dim == 8            # identity at d = 8
+    names = {name for name, _ in att.named_parameters()}
+    assert {"feature_map.weight", "feature_map.bias"} <= names
+    given = ka.T2RMap(4, 8, 6, rng=1, eps=1e-6)
+    assert layer(given).feature_map is given                                             # one map per query head
+    with pytest.raises(ValueError, match="head_dim = 6 is not the layer's qk_dim = 8"):
+        layer(ka.HedgehogMap(2, 6, 6))
+    with pytest.raises(ValueError, match="scale applies to estimators"):
+        layer(scale=0.5)
+    with pytest.raises(ValueError, match="fit\\(\\) applies to estimators"):
+        layer().fit(inputs())
+    with pytest.raises(ValueError, match="redraw\\(\\) applies to estimators"):
+        layer().redraw()
+
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
+def test_the_layer_trains_its_map_in_every_mode(mode):
+    torch.manual_seed(0)
+    att = layer("hedgehog_trainable", mode=mode, num_features=8)
+    x, target = inputs(), inputs(seed=1)
+    before = att.feature_map.weight.detach().clone()
+    optimizer = torch.optim.Adam(att.parameters(), lr=0.01)
+    losses = []
+    for _ in range(20):
+        optimizer.zero_grad()
+        loss = (att(x) - target).pow(2).mean()
+        loss.backward()
+        assert float(att.feature_map.weight.grad.abs().max()) > 0
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.95 * losses[0]
+    assert float((att.feature_map.weight.detach() - before).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("estimator", ["hedgehog_trainable", "t2r_trainable"])
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
+def test_the_layers_step_decoding_is_its_full_forward(estimator, mode):
+    att = layer(estimator, mode=mode, pos_hook=RotaryEmbedding(8)).double()
+    x = inputs(dtype=torch.float64)
+    with torch.no_grad():
+        full = att(x)
+        head, state = att(x[:, :6], return_state=True)
+        assert isinstance(state, MapState) and state.state.w.shape[:2] == (2, 2)    # per key/value head
+        steps = [att.step(x[:, t], state, position=t) for t in range(6, 11)]
+    got = torch.cat([head, torch.stack(steps, 1)], 1)
+    assert float((got - full).abs().max()) < 1e-12
+
+
+def test_the_layers_state_dict_round_trips_and_bf16_autocast_decodes():
+    att = layer(num_features=8)
+    with torch.no_grad():
+        att.feature_map.weight.add_(0.1)
+    other = layer(num_features=8)
+    other.load_state_dict(att.state_dict(), strict=True)
+    x = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), att(x), rtol=0, atol=0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            head, state = att(x[:, :6], return_state=True)
+            step = att.step(x[:, 6], state)
+        full = att(x[:, :7])[:, -1]
+    assert state.state.w.dtype == torch.float32 and head.dtype == torch.bfloat16
+    assert float((step.float() - full).abs().max()) < 0.05
+    with pytest.raises(RuntimeError, match="estimator mismatch"):
+        layer(num_features=16).load_state_dict(att.state_dict())
