@@ -411,3 +411,18 @@ def test_the_layers_state_dict_round_trips_and_bf16_autocast_decodes():
     assert float((step.float() - full).abs().max()) < 0.05
     with pytest.raises(RuntimeError, match="estimator mismatch"):
         layer(num_features=16).load_state_dict(att.state_dict())
+
+
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
+def test_the_layers_left_padded_rows_are_each_prompt_alone(mode):
+    att = layer(mode=mode, num_features=8, pos_hook=RotaryEmbedding(8)).double()
+    x = inputs(3, 9, dtype=torch.float64)
+    pad = torch.zeros(3, 9, dtype=torch.bool)
+    for b in range(3):
+        pad[b, :2 * b] = True
+    positions = ((~pad).cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        batch = att(x, key_padding_mask=pad, query_padding_mask=pad, positions=positions)
+        for b in range(3):
+            alone = att(x[b:b + 1, 2 * b:])
+            assert float((batch[b, 2 * b:] - alone[0]).abs().max()) < 1e-12

@@ -149,9 +149,9 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     **options
         Further constructor options of the estimator.
 
-    Trainable maps
-    --------------
-    With ``estimator="hedgehog_trainable"`` (:class:`~kernapprox.trainable.HedgehogMap`,
+    Notes
+    -----
+    Trainable maps. With ``estimator="hedgehog_trainable"`` (:class:`~kernapprox.trainable.HedgehogMap`,
     ``φ_h(x) = softmax([W_h x + b_h, −(W_h x + b_h)])``, Zhang et al. 2024, §4) or ``"t2r_trainable"``
     (:class:`~kernapprox.trainable.T2RMap`, ``φ_h(x) = relu(W_h x + b_h)`` floored at ``eps``, Kasai et al. 2021,
     eq. 4–5), each chosen layer's attention module gets a
