@@ -69,7 +69,8 @@ from .validation import (
 )
 
 __all__ = ["TrainableFeatureMap", "HedgehogMap", "T2RMap", "feature_attention", "feature_attention_weights",
-           "fit_to_softmax", "FitRecord", "INITS", "LOSSES"]
+           "fit_to_softmax", "FitRecord", "INITS", "LOSSES", "MAPS", "MAP_OPTIONS",
+           "make_map"]
 
 INITS = ("identity", "random")
 LOSSES = ("weights", "outputs")
@@ -359,6 +360,42 @@ class T2RMap(TrainableFeatureMap):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", eps={self.eps}"
+
+
+# the names a model builder takes for a trainable map (ka.convert, KernelAttention): not registry estimators, but
+# modules whose parameters the model trains
+MAPS: dict[str, type] = {"hedgehog_trainable": HedgehogMap, "t2r_trainable": T2RMap}
+MAP_OPTIONS: dict[str, tuple] = {"hedgehog_trainable": ("bias", "init", "normalize"),
+                                 "t2r_trainable": ("bias", "init", "eps")}
+
+
+def make_map(name: str, *, num_heads: int, head_dim: int, num_features: int | None = None, rng=None,
+             dtype: torch.dtype | None = None, device=None, **options) -> TrainableFeatureMap:
+    """The trainable map ``name`` (:data:`MAPS`) as a model builder makes it: ``r = num_features`` features per head
+    (the estimators' convention: ``feature_dim = r / 2`` for Hedgehog, ``r`` for T2R; ``None``: ``feature_dim =
+    head_dim``); Hedgehog at the identity when ``feature_dim = head_dim``, else drawn from ``rng``; T2R drawn from
+    ``rng`` and floored at ``eps = 1e-6`` (so no query meets a zero kernel). ``options``: the map's ``bias``,
+    ``init``, ``normalize`` (Hedgehog) or ``eps`` (T2R)."""
+    if name not in MAPS:
+        raise ValueError(f"unknown trainable map {name!r}; valid values: {', '.join(MAPS)}")
+    unknown = sorted(set(options) - set(MAP_OPTIONS[name]))
+    if unknown:
+        raise TypeError(f"the trainable map {name!r} got unknown options {', '.join(unknown)}; it takes "
+                        f"{', '.join(MAP_OPTIONS[name])}")
+    cls = MAPS[name]
+    head_dim = check_positive_int(head_dim, "head_dim")
+    if num_features is None:
+        feature_dim = head_dim
+    else:
+        r = check_positive_int(num_features, "num_features")
+        if r % cls.feature_multiplier:
+            raise ValueError(f"num_features of {name} is r = {cls.feature_multiplier} · feature_dim; got {r}")
+        feature_dim = r // cls.feature_multiplier
+    if cls is HedgehogMap:
+        options.setdefault("init", "identity" if feature_dim == head_dim else "random")
+    else:
+        options.setdefault("eps", 1e-6)
+    return cls(num_heads, head_dim, feature_dim, rng=rng, dtype=dtype, device=device, **options)
 
 
 # ------------------------------------------------------------------------------------------ attention of maps

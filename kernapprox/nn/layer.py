@@ -51,6 +51,14 @@ Design
   state dict into a layer whose data-dependent estimator has not been fitted yet first builds the fitted
   structure from a placeholder fit and then takes every value from the state dict.
 * One estimator is shared by all heads (statistics of data-dependent maps are pooled over batch and heads).
+* **Trainable maps.** ``estimator="hedgehog_trainable"`` or ``"t2r_trainable"`` (:data:`kernapprox.trainable.MAPS`),
+  or a :class:`~kernapprox.trainable.TrainableFeatureMap` instance, makes the layer's kernel a per-head map whose
+  parameters are the layer's (``feature_map``, a submodule: in ``parameters()`` and ``state_dict``), trained by the
+  model's optimiser in every mode through :func:`kernapprox.trainable.feature_attention`; one map per key/value
+  head (``num_heads = num_kv_heads``) unless an instance says otherwise. No refit, redraw or fit applies (attention
+  transfer is :func:`kernapprox.trainable.fit_to_softmax`), nor ``scale`` (the map's ``W_h`` carries its own
+  temperature), nor dropout; the rules are the sum and the decay. Decoding: ``forward(..., return_state=True)``
+  gives a :class:`MapState` that :meth:`KernelAttention.step` continues.
 """
 
 from __future__ import annotations
@@ -65,11 +73,12 @@ from torch import nn
 from ..attention import MODES, RecurrentState
 from ..estimators.base import Estimator
 from ..estimators.registry import available_estimators, capabilities, make_estimator
-from ..rules import resolve_rule
+from ..rules import NormalizedState, resolve_rule
+from ..trainable import MAPS, TrainableFeatureMap, feature_attention, make_map
 from ..validation import as_generator, check_bool, check_choice, check_device, check_positive_int, check_tensor
 from .functional import autocast_dtype, kernel_attention, repeat_kv
 
-__all__ = ["KernelAttention"]
+__all__ = ["KernelAttention", "MapState"]
 
 
 class _FittedState(nn.Module):
@@ -164,6 +173,39 @@ def _is_fixed_feature_map(caps) -> bool:
     return caps.fixed_dimension and caps.kind == "features" and not caps.data_dependent
 
 
+def _common_dtype(q, k, v):
+    """``q, k, v`` in one dtype: under autocast the autocast dtype (as
+    :func:`~kernapprox.nn.functional.kernel_attention` casts them; a rotary hook's float32 tables promote queries and
+    keys, not values), else their promotion."""
+    low = autocast_dtype(q.device.type)
+    dtype = low if low is not None else torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+class MapState:
+    """The decoding state of a :class:`KernelAttention` with a trainable map: the map's
+    :class:`~kernapprox.rules.NormalizedState` after the tokens so far (``w (B, S, r, d_v)``, ``z (B, S, r)``,
+    ``log_scale (B, S)``, ``S`` the key map's heads; float32, float64 for a float64 layer, also under autocast),
+    which :meth:`KernelAttention.step` updates in place.
+
+    Attributes
+    ----------
+    feature_map : TrainableFeatureMap
+        The layer's map (the state belongs to it).
+    rule : rule object
+    state : NormalizedState
+    """
+
+    def __init__(self, feature_map: TrainableFeatureMap, rule, state: NormalizedState):
+        self.feature_map = feature_map
+        self.rule = rule
+        self.state = state
+
+    def state_bytes(self) -> int:
+        """``r (d_v + 1)`` numbers per state head and sequence (the estimators' convention)."""
+        return sum(t.numel() * t.element_size() for t in (self.state.w, self.state.z))
+
+
 class KernelAttention(nn.Module):
     r"""Multi-head attention with the softmax kernel replaced by a registry estimator.
 
@@ -185,8 +227,12 @@ class KernelAttention(nn.Module):
         Model width ``E``; inputs are ``(batch, seq, E)``.
     num_heads : int
         ``H``; must divide ``embed_dim`` (``head_dim = E / H``).
-    estimator : str, default="positive_orthogonal"
-        Registry name (:func:`kernapprox.available_estimators`), ``"exact"`` included.
+    estimator : str or TrainableFeatureMap, default="positive_orthogonal"
+        Registry name (:func:`kernapprox.available_estimators`), ``"exact"`` included; or a trainable map,
+        ``"hedgehog_trainable"`` / ``"t2r_trainable"`` (built by :func:`kernapprox.trainable.make_map` with
+        ``num_heads = num_kv_heads``, ``head_dim = qk_dim``, ``r = num_features``, drawn from ``rng``; ``options``
+        its ``bias``, ``init``, ``normalize``, ``eps``), or a :class:`~kernapprox.trainable.TrainableFeatureMap`
+        instance (``head_dim = qk_dim``, ``num_heads`` the key/value or the query heads).
     num_features : int, optional
         ``r`` of the estimator; required by every estimator whose dimension is not fixed by ``qk_dim``. A map of
         fixed dimension (capability ``fixed_dimension``: Taylor, ELU+1, ...) takes its own dimension when
@@ -238,9 +284,12 @@ class KernelAttention(nn.Module):
 
     Attributes
     ----------
-    estimator : Estimator
+    estimator : Estimator or None
         The kernapprox estimator (its fitted values mirror ``feature_state``). Refit it through
         :meth:`fit` or :meth:`redraw`, not directly: a direct ``estimator.fit`` would leave the buffers behind.
+        ``None`` with a trainable map.
+    feature_map : TrainableFeatureMap or None
+        The trainable map (a submodule; its parameters are the layer's), or ``None`` with an estimator.
     feature_state : nn.Module
         The estimator's fitted values as buffers.
     q_proj, k_proj, v_proj, out_proj : nn.Linear
@@ -270,12 +319,18 @@ class KernelAttention(nn.Module):
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {bias!r}")
         out_bias = bias if out_bias is None else check_bool(out_bias, "out_bias")
+        self._bias, self._out_bias = bias, out_bias
+        self.feature_map = None
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be a number in [0, 1), got {dropout!r}")
         self.dropout = float(dropout)
         if pos_hook is not None and not callable(pos_hook):
             raise TypeError(f"pos_hook must be callable as pos_hook(q, k, positions) -> (q, k), got {pos_hook!r}")
         self.pos_hook = pos_hook
+        if isinstance(estimator, TrainableFeatureMap) or (isinstance(estimator, str) and estimator in MAPS):
+            self._init_map(estimator, num_features, mode, causal, rng, refit_every, rule, scale, device, dtype,
+                           options)
+            return
         if num_features is not None and isinstance(estimator, str) and estimator in _registered() and \
                 _is_fixed_feature_map(capabilities(estimator, **options)):
             # a fixed-dimension map takes its own dimension; any other value is refused before anything is built
@@ -326,6 +381,56 @@ class KernelAttention(nn.Module):
         self.register_load_state_dict_post_hook(KernelAttention._after_load)
         if not self.estimator.capabilities().data_dependent:
             self._fit_estimator(torch.zeros(1, self.qk_dim, dtype=torch.float64), None)
+
+    def _init_map(self, estimator, num_features, mode, causal, rng, refit_every, rule, scale, device, dtype,
+                  options) -> None:
+        """The rest of ``__init__`` for a trainable map (see the module docstring)."""
+        if refit_every is not None:
+            raise ValueError("refit_every applies to data-dependent estimators; a trainable map trains with the model")
+        if scale is not None:
+            raise ValueError("scale applies to estimators of exp(s·qᵀk); a trainable map's W_h carries its own scale")
+        if self.dropout:
+            raise ValueError("dropout is not supported with a trainable map (dropout=0)")
+        self.rule = resolve_rule(rule)
+        if self.rule.name not in ("sum", "decay"):
+            raise ValueError(f"rule {self.rule.name!r} is not supported with a trainable map; supported: sum, decay")
+        if not causal and not self.rule.noncausal:
+            raise ValueError(f"the {self.rule.name} rule is causal only: use causal=True")
+        self.mode = mode
+        self.causal = causal
+        self.refit_every = None
+        weight_rng, feature_rng = as_generator(rng).spawn(2)
+        self._feature_rng = feature_rng
+        self._dropout_rng = weight_rng.spawn(1)[0]
+        device = torch.get_default_device() if device is None else check_device(device)
+        if isinstance(estimator, TrainableFeatureMap):
+            if num_features is not None or options:
+                raise ValueError("num_features and map options describe a map to build; the given map is built")
+            if estimator.head_dim != self.qk_dim:
+                raise ValueError(f"the feature map's head_dim = {estimator.head_dim} is not the layer's qk_dim = "
+                                 f"{self.qk_dim}")
+            if estimator.num_heads not in (self.num_heads, self.num_kv_heads):
+                raise ValueError(f"the feature map has num_heads = {estimator.num_heads}; it must be the layer's "
+                                 f"query heads ({self.num_heads}) or key/value heads ({self.num_kv_heads})")
+            fmap, name = estimator, type(estimator).__name__
+        else:
+            fmap = make_map(estimator, num_heads=self.num_kv_heads, head_dim=self.qk_dim, num_features=num_features,
+                            rng=feature_rng, dtype=dtype, device=device, **options)
+            name = estimator
+        self.estimator_name = name
+        self.estimator = None
+        kv = self.num_kv_heads
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (
+            nn.utils.skip_init(nn.Linear, self.embed_dim, width, bias=has_bias, dtype=dtype, device=device)
+            for width, has_bias in ((self.num_heads * self.qk_dim, self._bias), (kv * self.qk_dim, self._bias),
+                                    (kv * self.head_dim, self._bias), (self.embed_dim, self._out_bias)))
+        self._init_projections(weight_rng)
+        self.feature_map = fmap
+        self.feature_state = _FittedState()
+        self._signature = None
+        self._training_forwards = 0
+        self._fitted_projections = None
+        self._warned = set()
 
     # ------------------------------------------------------------------------------------------ set-up
     @torch.no_grad()
@@ -477,6 +582,7 @@ class KernelAttention(nn.Module):
         layer inputs, projected by the current ``q_proj``/``k_proj`` (and the ``pos_hook`` at ``positions``, as in
         :meth:`forward`). Draws from ``rng`` when given (which then becomes the layer's feature stream), else
         continues the layer's stream. Returns ``self``."""
+        self._refuse_for_map("fit")
         if rng is not None:
             self._feature_rng = as_generator(rng)
         q, k, _ = self._heads(query, key, None, positions)
@@ -490,6 +596,7 @@ class KernelAttention(nn.Module):
         With ``rng`` the draw comes from ``as_generator(rng)``, which becomes the layer's feature stream (so
         ``redraw(5)`` is reproducible); without, the layer's stream continues. Returns ``self``.
         """
+        self._refuse_for_map("redraw")
         if self.estimator.capabilities().data_dependent:
             raise ValueError(f"estimator {self.estimator_name!r} is data-dependent: redraw it with fit(calibration)")
         if rng is not None:
@@ -497,6 +604,11 @@ class KernelAttention(nn.Module):
         self.estimator.rng = self._feature_rng
         self._fit_estimator(torch.zeros(1, self.qk_dim, dtype=torch.float64), None)
         return self
+
+    def _refuse_for_map(self, what: str) -> None:
+        if self.feature_map is not None:
+            raise ValueError(f"{what}() applies to estimators; the trainable map {self.estimator_name!r} trains with "
+                             "the model (attention transfer: kernapprox.trainable.fit_to_softmax on its feature_map)")
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None, *,
                 key_padding_mask: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
@@ -539,6 +651,14 @@ class KernelAttention(nn.Module):
             self._check_decodable(key, value, causal)
         q, k, v = self._heads(query, key, value, positions)
         masks = self._masks(key_padding_mask, attn_mask, query_padding_mask, q, k)
+        if self.feature_map is not None:
+            q, k, v = _common_dtype(q, k, v)
+            out = feature_attention(q, k, v, self.feature_map, causal=causal, mode=self.mode,
+                                    chunk_size=self.chunk_size, rule=self.rule, return_state=return_state, **masks)
+            out, state = out if return_state else (out, None)
+            batch, _, n_q, _ = out.shape
+            out = self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim))
+            return (out, MapState(self.feature_map, self.rule, state)) if return_state else out
         caps = self.estimator.capabilities()
         if caps.data_dependent:
             self._apply_refit_policy(q, repeat_kv(k, self.num_heads // self.num_kv_heads))
@@ -560,6 +680,10 @@ class KernelAttention(nn.Module):
         if causal is None:
             return self.causal
         check_bool(causal, "causal")
+        if self.feature_map is not None:
+            if not causal and not self.rule.noncausal:
+                raise ValueError(f"the {self.rule.name} rule is causal only: call with causal=True")
+            return causal
         if causal and not self.estimator.capabilities().causal:
             raise ValueError(f"estimator {self.estimator_name!r} does not support causal attention")
         if not causal and not self.rule.noncausal:
@@ -568,13 +692,15 @@ class KernelAttention(nn.Module):
 
     # ---------------------------------------------------------------------------------------------- decoding
     def _check_decodable(self, key, value, causal) -> None:
-        caps = self.estimator.capabilities()
         if key is not None or value is not None:
             raise ValueError("return_state needs self-attention (key and value omitted): the state continues the "
                              "sequence that step() extends")
         if not causal:
             raise ValueError("return_state needs causal attention (causal=True, in the layer or the call): a "
                              "non-causal layer has no state that a next token could extend")
+        if self.feature_map is not None:
+            return
+        caps = self.estimator.capabilities()
         if caps.kind != "features" or "recurrent" not in caps.modes:
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
                              f"{caps.kind!r}); decoding with step() needs a feature map")
@@ -586,7 +712,10 @@ class KernelAttention(nn.Module):
         sequence extended by ``x`` (tested, left-padded prompts included). ``position`` (an int or an integer
         tensor ``(batch,)``): the token's position for the ``pos_hook``, required with one. The estimator is
         never refitted here; under autocast the state stays float32."""
-        if not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
+        if self.feature_map is not None:
+            if not isinstance(state, MapState) or state.feature_map is not self.feature_map:
+                raise TypeError("state must be the MapState returned by this layer's forward(..., return_state=True)")
+        elif not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
                 state.rule.name != self.rule.name:
             raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
                             "return_state=True)")
@@ -604,6 +733,12 @@ class KernelAttention(nn.Module):
         elif position is not None:
             raise ValueError("position is given but the layer has no pos_hook to use it")
         q, k, v = self._heads(x3, None, None, positions)                # (b, h | h_kv, 1, dim)
+        if self.feature_map is not None:               # the map's state continued by one causal token
+            q, k, v = _common_dtype(q, k, v)
+            y, state.state = feature_attention(q, k, v, self.feature_map, causal=True, mode="recurrent",
+                                               rule=self.rule, initial_state=state.state, return_state=True)
+            out = self.out_proj(y[..., 0, :].reshape(y.shape[0], self.embed_dim))
+            return out[:, None, :] if single else out
         groups = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         self._sync()
@@ -650,6 +785,11 @@ class KernelAttention(nn.Module):
         """The estimator's identity, saved in ``state_dict`` under ``"_extra_state"``: its registry name and its
         constructor parameters (``num_features``, ``scale``, options; not ``rng``), and the per-head dimension
         the map is fitted for. ``load_state_dict`` refuses a state whose record differs."""
+        if self.feature_map is not None:         # the map's parameters are in the state_dict; its shape here
+            fmap = self.feature_map
+            params = {"num_heads": fmap.num_heads, "feature_dim": fmap.feature_dim,
+                      "num_features": fmap.num_features, "bias": fmap.bias is not None}
+            return {"estimator": self.estimator_name, "params": params, "head_dim": self.qk_dim}
         params = {name: _plain(value) for name, value in self.estimator.get_params().items() if name != "rng"}
         return {"estimator": self.estimator_name, "params": params, "head_dim": self.qk_dim}   # the map's input d
 
@@ -697,7 +837,8 @@ class KernelAttention(nn.Module):
             missing_keys.remove(record_key)   # a state saved before the record existed: shape checks only
 
     def extra_repr(self) -> str:
-        r = self.estimator.get_params()["num_features"]
+        r = (self.feature_map.num_features if self.feature_map is not None
+             else self.estimator.get_params()["num_features"])
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, estimator={self.estimator_name!r}, "
                 f"num_features={r}, mode={self.mode!r}, causal={self.causal}"
                 + (f", qk_dim={self.qk_dim}" if self.qk_dim != self.head_dim else "")

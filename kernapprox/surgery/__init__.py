@@ -4,6 +4,7 @@ everything else (projections, positions, masks, the rest of the network) the mod
 :mod:`~kernapprox.surgery.attention`
     The attention function registered with transformers' attention interface;
     :class:`~kernapprox.surgery.attention.SubstitutedAttention` (one entry per query head);
+    :class:`~kernapprox.surgery.attention.TrainableAttention` (a layer's trainable map, a submodule);
     :func:`~kernapprox.surgery.attention.enable`, :func:`~kernapprox.surgery.attention.set_attention`;
     :func:`~kernapprox.surgery.attention.capture` (a layer's attention inputs).
 :mod:`~kernapprox.surgery.conversion`
@@ -33,6 +34,7 @@ from .attention import (
     AttentionCall,
     PerSequence,
     SubstitutedAttention,
+    TrainableAttention,
     capture,
     disable,
     enable,
@@ -41,9 +43,10 @@ from .attention import (
 )
 from .bert import BertStack
 from .cache import KernelCache, StateLayer
-from .conversion import FAMILIES, calibrate, convert, head_seed, stack_for, substitute
+from .conversion import FAMILIES, TRAINABLE_MAPS, calibrate, convert, fit_records, head_seed, stack_for, substitute
 from .llama import LlamaStack
 
-__all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "capture", "disable", "enable", "get_attention",
-           "set_attention", "BertStack", "LlamaStack", "KernelCache", "StateLayer", "FAMILIES", "calibrate", "convert",
-           "head_seed", "stack_for", "substitute"]
+__all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "TrainableAttention", "capture", "disable",
+           "enable", "get_attention", "set_attention", "BertStack", "LlamaStack", "KernelCache", "StateLayer",
+           "FAMILIES", "TRAINABLE_MAPS", "calibrate", "convert", "fit_records", "head_seed", "stack_for",
+           "substitute"]

@@ -57,14 +57,16 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..attention import linear_attention
+from ..attention import MODES, linear_attention
 from ..estimators import Estimator
+from ..trainable import TrainableFeatureMap, feature_attention
+from ..validation import check_choice, check_positive_int
 
 CACHE_KEYWORD = "kernapprox_cache_layer"   # how a decoder cache layer reaches this function (surgery.cache)
 
-__all__ = ["SubstitutedAttention", "PerSequence", "AttentionCall", "enable", "disable", "set_attention",
-           "get_attention", "capture", "attention_forward", "key_padding_from_mask", "implementation_name",
-           "BASES"]
+__all__ = ["SubstitutedAttention", "TrainableAttention", "PerSequence", "AttentionCall", "enable", "disable",
+           "set_attention", "get_attention", "capture", "attention_forward", "key_padding_from_mask",
+           "implementation_name", "BASES"]
 
 PREFIX = "kernapprox_"
 BASES = ("eager", "sdpa")
@@ -119,6 +121,68 @@ class SubstitutedAttention:
     def __repr__(self) -> str:
         kept = sum(entry is None for entry in self.heads)
         return f"SubstitutedAttention({len(self.heads)} heads, {kept} kept)"
+
+
+class TrainableAttention(torch.nn.Module):
+    r"""A whole layer's attention by a trainable feature map (:mod:`kernapprox.trainable`): a module the attention
+    module holds as its submodule ``kernapprox_attention``, so the map's parameters are the model's parameters
+    (``model.parameters()``, ``state_dict()``) and its optimiser trains them.
+
+    The layer computes :func:`kernapprox.trainable.feature_attention` of the module's own queries and keys (after
+    its projections and rotary positions) and values, grouped-query heads as the model groups them:
+
+    .. math::
+        y_{h,i} = \frac{\sum_{j ≤ i} φ_h(q_{h,i})^⊤ φ_g(k_{g,j})\, v_{g,j}}{\sum_{j ≤ i} φ_h(q_{h,i})^⊤ φ_g(k_{g,j})},
+        \qquad g = h // G
+
+    (``j ≤ i`` when the call is causal), with key padding from the mask and rows of 0 for left-padded queries. The
+    module's ``scaling`` takes no part: the map's ``W_h`` carries its own temperature (Hedgehog, Zhang et al. 2024,
+    §4). A decoder's cache keeps the map's fixed-size state (:class:`~kernapprox.rules.NormalizedState`) per key
+    head.
+
+    Parameters
+    ----------
+    feature_map : TrainableFeatureMap
+        ``num_heads`` the layer's key/value heads (one state per key head) or its query heads.
+    key_map : TrainableFeatureMap, optional
+        A separate map for keys (default: the queries' map, Hedgehog's tied map).
+    mode : {"parallel", "recurrent", "chunked"}, default "chunked"
+    chunk_size : int, default 64
+
+    Attributes
+    ----------
+    fit_record : FitRecord or None
+        The attention-transfer fit (:func:`kernapprox.trainable.fit_to_softmax`) that initialised the map, when
+        :func:`~kernapprox.surgery.conversion.convert` was given a calibration batch (a plain attribute, not in the
+        ``state_dict``).
+    """
+
+    def __init__(self, feature_map: TrainableFeatureMap, *, key_map: TrainableFeatureMap | None = None,
+                 mode: str = "chunked", chunk_size: int = 64):
+        super().__init__()
+        for name, fmap in (("feature_map", feature_map), ("key_map", key_map)):
+            if fmap is not None and not isinstance(fmap, TrainableFeatureMap):
+                raise TypeError(f"{name} must be a kernapprox.trainable map (HedgehogMap, T2RMap), got "
+                                f"{type(fmap).__name__}")
+        if feature_map is None:
+            raise TypeError("feature_map must be a kernapprox.trainable map (HedgehogMap, T2RMap), got None")
+        self.feature_map = feature_map
+        self.key_map = key_map
+        self.mode = check_choice(mode, "mode", MODES)
+        self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        self.fit_record = None
+
+    def forward(self, query, key, value, *, causal: bool, key_padding_mask=None, query_padding_mask=None,
+                initial_state=None, return_state: bool = False):
+        """:func:`~kernapprox.trainable.feature_attention` of ``query (B, H, n, d)`` and ``key``/``value``
+        ``(B, H_kv, n_k, ·)`` with this layer's maps; ``(B, H, n, d_v)`` (and the state with ``return_state``)."""
+        return feature_attention(query, key, value, self.feature_map, key_map=self.key_map, causal=causal,
+                                 mode=self.mode, chunk_size=self.chunk_size, key_padding_mask=key_padding_mask,
+                                 query_padding_mask=query_padding_mask, initial_state=initial_state,
+                                 return_state=return_state)
+
+    def extra_repr(self) -> str:
+        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,28 +253,36 @@ def disable(model) -> None:
     current = model.config._attn_implementation
     if not (current and current.startswith(PREFIX)):
         return
-    for module in model.modules():
+    for module in list(model.modules()):
         module.__dict__.pop(_ATTRIBUTE, None)
+        module._modules.pop(_ATTRIBUTE, None)
     model.set_attn_implementation(current.removeprefix(PREFIX))
 
 
-def set_attention(module: torch.nn.Module, attention: SubstitutedAttention | None) -> None:
+def set_attention(module: torch.nn.Module, attention: SubstitutedAttention | TrainableAttention | None) -> None:
     """Give the attention ``module`` (one that calls transformers' attention interface) its substitution, or take
-    it away (``None``). The model must be :func:`enable`-d for the substitution to be called."""
+    it away (``None``). The model must be :func:`enable`-d for the substitution to be called.
+
+    A :class:`SubstitutedAttention` (fitted estimators) is a plain attribute of the module, in no ``state_dict``; a
+    :class:`TrainableAttention` is registered as its submodule ``kernapprox_attention``, so its maps are parameters
+    of the model."""
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-    if attention is not None and not isinstance(attention, SubstitutedAttention | _Capture):
-        raise TypeError(f"attention must be a SubstitutedAttention or None, got {type(attention).__name__}")
-    if attention is None:
-        module.__dict__.pop(_ATTRIBUTE, None)
-    else:
+    if attention is not None and not isinstance(attention, SubstitutedAttention | TrainableAttention | _Capture):
+        raise TypeError(f"attention must be a SubstitutedAttention, a TrainableAttention or None, got "
+                        f"{type(attention).__name__}")
+    module.__dict__.pop(_ATTRIBUTE, None)
+    module._modules.pop(_ATTRIBUTE, None)
+    if isinstance(attention, TrainableAttention):
+        module.add_module(_ATTRIBUTE, attention)        # a submodule: its parameters are the model's
+    elif attention is not None:
         module.__dict__[_ATTRIBUTE] = attention          # a plain attribute: not a parameter, not in state_dict
 
 
-def get_attention(module: torch.nn.Module) -> SubstitutedAttention | None:
+def get_attention(module: torch.nn.Module) -> SubstitutedAttention | TrainableAttention | None:
     """The substitution of ``module`` (``None``: the model's own attention)."""
-    found = module.__dict__.get(_ATTRIBUTE)
-    return found if isinstance(found, SubstitutedAttention) else None
+    found = module.__dict__.get(_ATTRIBUTE, module._modules.get(_ATTRIBUTE))
+    return found if isinstance(found, SubstitutedAttention | TrainableAttention) else None
 
 
 def capture(module: torch.nn.Module, run: Callable[[], object]) -> AttentionCall:
@@ -347,6 +419,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if heads % key.shape[1]:
         raise ValueError(f"{heads} query heads do not share {key.shape[1]} key/value heads evenly")
     groups = heads // key.shape[1]
+    if isinstance(attention, TrainableAttention):      # the whole layer, grouped heads as the model groups them
+        return _trainable_forward(attention, layer, query, key, value, padding, causal), None
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)
     if layer is not None and layer.kv is not None:
         own_key, own_value = layer.full                # the kept heads attend over the whole context
@@ -392,6 +466,19 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _trainable_forward(attention: TrainableAttention, layer, query, key, value, padding, causal):
+    """The layer's output ``(B, n_q, H, d_v)`` by its trainable map; with a decoder cache ``layer``, the map's state
+    continues from the tokens before (``layer.map_state``) and is kept for the next call."""
+    query_padding = _keyless_queries(padding) if causal else None
+    extra = _padding_kwargs(padding, query_padding)
+    if layer is None:
+        out = attention(query, key, value, causal=causal, **extra)
+    else:
+        out, layer.map_state = attention(query, key, value, causal=True, initial_state=layer.map_state,
+                                         return_state=True, **extra)
+    return out.transpose(1, 2).contiguous()
 
 
 def _keyless_queries(padding):

@@ -7,7 +7,10 @@ decodes with it. :class:`KernelCache` is that cache: a transformers ``DynamicCac
 
 * :class:`StateLayer` for a substituted layer: per substituted head (or group of heads sharing an estimator), the
   estimator's decoding cache (:func:`kernapprox.attention.decode.decode_cache`: the fixed-size state of a feature
-  map, a KV cache for ``exact``), plus a KV cache of the layer's own heads when some are kept;
+  map, a KV cache for ``exact``), plus a KV cache of the layer's own heads when some are kept; for a layer of a
+  trainable map (:class:`~kernapprox.surgery.attention.TrainableAttention`), the map's
+  :class:`~kernapprox.rules.NormalizedState` per key head (``map_state``), continued by
+  :func:`kernapprox.trainable.feature_attention` (``initial_state``/``return_state``);
 * transformers' ``DynamicLayer`` (keys and values) for a layer left as it was.
 
 How the cache reaches a substituted layer's attention: transformers' attention module calls
@@ -71,6 +74,9 @@ class StateLayer(CacheLayerMixin):
         first call (the prefill).
     kv : DynamicLayer or None
         The keys and values of the layer's key/value heads, for the query heads that keep the model's own attention.
+    map_state : NormalizedState or None
+        The state of a trainable map's layer (``w (B, S, r, d_v)``, ``z (B, S, r)``, ``log_scale (B, S)``, ``S`` the
+        key map's heads), float32 (float64 for a float64 model) also under autocast; ``None`` before the prefill.
     seen : int
         Tokens seen (padding included).
     """
@@ -85,6 +91,7 @@ class StateLayer(CacheLayerMixin):
         self.kv = DynamicLayer() if keep_kv else None
         self.seen = 0
         self.full = None                 # (keys, values) of every token, for the kept heads of the current call
+        self.map_state = None            # a trainable map's NormalizedState (surgery.attention.TrainableAttention)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
@@ -125,10 +132,13 @@ class StateLayer(CacheLayerMixin):
         return -1
 
     def state_bytes(self) -> int:
-        """Bytes the layer stands for: its decoders' ``state_bytes`` plus the kept heads' keys and values."""
+        """Bytes the layer stands for: its decoders' ``state_bytes`` plus the kept heads' keys and values, or a
+        trainable map's state (``r (d_v + 1)`` numbers per key head and sequence, the estimators' convention)."""
         kept = 0 if self.kv is None or self.kv.keys is None else sum(
             t.numel() * t.element_size() for t in (self.kv.keys, self.kv.values))
-        return sum(d.state_bytes() for d in self.decoders.values()) + kept
+        mapped = 0 if self.map_state is None else sum(
+            t.numel() * t.element_size() for t in (self.map_state.w, self.map_state.z))
+        return sum(d.state_bytes() for d in self.decoders.values()) + kept + mapped
 
     def offload(self):             # the states are small; they stay on their device
         pass
@@ -140,6 +150,7 @@ class StateLayer(CacheLayerMixin):
         self.decoders = {}
         self.seen = 0
         self.full = None
+        self.map_state = None
         if self.kv is not None:
             self.kv.reset()
         self.is_initialized = False
@@ -147,6 +158,8 @@ class StateLayer(CacheLayerMixin):
     def _select(self, index: torch.Tensor) -> None:
         for dec in self.decoders.values():
             dec.select(index)
+        if self.map_state is not None:
+            self.map_state = type(self.map_state)(*(t.index_select(0, index.to(t.device)) for t in self.map_state))
         if self.kv is not None and self.kv.get_seq_length() > 0:
             self.kv.batch_select_indices(index.to(self.kv.keys.device))
         self.batch_size = len(index)
@@ -173,6 +186,8 @@ def _layers_for(stack) -> list:
         attention = sa.get_attention(stack.attention_module(index))
         if attention is None:
             layers.append(DynamicLayer())
+        elif isinstance(attention, sa.TrainableAttention):     # every head by the map: no kept keys and values
+            layers.append(StateLayer())
         else:
             layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads)))
     return layers

@@ -10,6 +10,13 @@ grouped-query heads); a family adapter gives the attention module of each layer 
 decoder keeps the Hugging Face decoding interface, with fixed-size states as the cache of its substituted layers
 (:mod:`~kernapprox.surgery.cache`).
 
+Trainable maps (:data:`TRAINABLE_MAPS`: ``"hedgehog_trainable"``, ``"t2r_trainable"``) are not estimators but
+parameters: each chosen layer gets one map module (:class:`~kernapprox.trainable.HedgehogMap` or
+:class:`~kernapprox.trainable.T2RMap`, one set of parameters per key/value head) inside a
+:class:`~kernapprox.surgery.attention.TrainableAttention`, a submodule of the layer's attention module, which the
+model's optimiser trains; a calibration batch, when given, initialises them by attention transfer
+(:func:`~kernapprox.trainable.fit_to_softmax`), layer by layer.
+
 >>> import torch, transformers
 >>> from kernapprox.surgery import convert
 >>> config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
@@ -32,16 +39,24 @@ import numpy as np
 import torch
 
 from ..estimators.registry import make_estimator
+from ..trainable import LOSSES, MAP_OPTIONS, MAPS, fit_to_softmax, make_map
+from ..validation import check_choice, check_positive_float, check_positive_int
 from . import attention as sa
 from . import cache as _cache
 from .bert import BertStack
 from .llama import LlamaStack
 from .placement import check_layers
 
-__all__ = ["FAMILIES", "stack_for", "head_seed", "substitute", "calibrate", "convert"]
+__all__ = ["FAMILIES", "TRAINABLE_MAPS", "stack_for", "head_seed", "substitute", "calibrate", "convert",
+           "fit_records"]
 
 # model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
 FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
+# the names convert() takes for trainable maps (parameters of the converted model, not registry estimators)
+TRAINABLE_MAPS: dict[str, type] = MAPS
+# convert()'s other options of a trainable map, by what they configure
+_ATTENTION_OPTIONS = ("mode", "chunk_size")
+_FIT_OPTIONS = ("fit_loss", "fit_steps", "fit_lr", "fit_batch_size")
 
 
 def stack_for(model):
@@ -110,16 +125,19 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
 
 def convert(model, estimator: str, *, num_features: int | None = None, layers=None, heads=None, rng=0,
             calibration: Mapping | None = None, **options):
-    """A copy of ``model`` whose chosen layers and heads attend with the registry estimator ``estimator``.
+    """A copy of ``model`` whose chosen layers and heads attend with the registry estimator ``estimator``, or
+    with a trainable map of :data:`TRAINABLE_MAPS`.
 
     Parameters
     ----------
     model
         A transformers model of a family in :data:`FAMILIES`, on the eager or SDPA attention implementation.
     estimator : str
-        A registry name (``"exact"`` reproduces the model to rounding).
+        A registry name (``"exact"`` reproduces the model to rounding), or ``"hedgehog_trainable"`` /
+        ``"t2r_trainable"``: one trainable map per chosen layer, a parameter of the copy (see below).
     num_features : int, optional
-        ``r`` per head (``None`` for maps whose dimension ``d`` fixes).
+        ``r`` per head (``None`` for maps whose dimension ``d`` fixes; for a trainable map, ``None`` is
+        ``feature_dim = d``: ``r = 2d`` for Hedgehog, ``r = d`` for T2R).
     layers, heads : iterables of int, optional
         The layers (default: all) and, in each, the query heads (default: all) to substitute; the other heads keep
         the model's own attention.
@@ -130,7 +148,30 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
         converted model is then evaluated on.
     **options
         Further constructor options of the estimator.
+
+    Notes
+    -----
+    Trainable maps. With ``estimator="hedgehog_trainable"`` (:class:`~kernapprox.trainable.HedgehogMap`,
+    ``φ_h(x) = softmax([W_h x + b_h, −(W_h x + b_h)])``, Zhang et al. 2024, §4) or ``"t2r_trainable"``
+    (:class:`~kernapprox.trainable.T2RMap`, ``φ_h(x) = relu(W_h x + b_h)`` floored at ``eps``, Kasai et al. 2021,
+    eq. 4–5), each chosen layer's attention module gets a
+    :class:`~kernapprox.surgery.attention.TrainableAttention` submodule holding one map with ``num_heads`` the
+    layer's key/value heads (each query head uses its group's map; one state per key head) in the model's dtype and
+    device: its ``weight``/``bias`` are in ``model.parameters()`` and the ``state_dict``. Every head of a layer is
+    the map's (``heads`` must be ``None``). ``num_features`` is ``r`` (even for Hedgehog, ``feature_dim = r/2``).
+    Initialisation: Hedgehog at the identity when ``feature_dim = d`` (else ``init="random"``), T2R at a random
+    draw; a random draw of layer ``l`` comes from :func:`head_seed` ``(rng, l, 0)``. Options: ``bias``, ``init``,
+    ``normalize`` (Hedgehog), ``eps`` (T2R, default ``1e-6`` so that no query meets a zero kernel), ``mode`` and
+    ``chunk_size`` (of :func:`~kernapprox.trainable.feature_attention`); with ``calibration``, attention transfer
+    (:func:`~kernapprox.trainable.fit_to_softmax`) on the batch's activations, layer by layer, with ``fit_loss``
+    (``"weights"``, Hedgehog's cross-entropy, default, or ``"outputs"``), ``fit_steps`` (100), ``fit_lr`` (0.01),
+    ``fit_batch_size`` (every sequence); each layer's :class:`~kernapprox.trainable.FitRecord` is its
+    ``TrainableAttention.fit_record`` (:func:`fit_records`). Without ``calibration`` the maps keep their
+    initialisation, for the model's optimiser to train.
     """
+    if estimator in TRAINABLE_MAPS:
+        return _convert_trainable(model, estimator, num_features=num_features, layers=layers, heads=heads, rng=rng,
+                                  calibration=calibration, **options)
     converted = _copy.deepcopy(model)
     stack = stack_for(converted)
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
@@ -179,3 +220,79 @@ def _check_heads(heads, num_heads: int) -> set[int]:
     if not out:
         raise ValueError("heads must name at least one head (None: all of them)")
     return out
+
+
+def fit_records(model) -> dict:
+    """``{layer: FitRecord}`` of a model converted with a trainable map and a calibration batch (the attention
+    transfer of each layer's map, :func:`~kernapprox.trainable.fit_to_softmax`); empty without one."""
+    stack = stack_for(model)
+    out = {}
+    for layer in range(stack.num_layers):
+        attention = sa.get_attention(stack.attention_module(layer))
+        if isinstance(attention, sa.TrainableAttention) and attention.fit_record is not None:
+            out[layer] = attention.fit_record
+    return out
+
+
+def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rng, calibration, **options):
+    """:func:`convert` with a trainable map (see its docstring)."""
+    allowed = MAP_OPTIONS[estimator] + _ATTENTION_OPTIONS + _FIT_OPTIONS
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"convert({estimator!r}) got unknown options {', '.join(unknown)}; it takes "
+                        f"{', '.join(allowed)}")
+    fit = {name: options.pop(name) for name in _FIT_OPTIONS if name in options}
+    attention_options = {name: options.pop(name) for name in _ATTENTION_OPTIONS if name in options}
+    if fit and calibration is None:
+        raise ValueError(f"{', '.join(sorted(fit))} configure the attention transfer on a calibration batch: pass "
+                         "calibration=")
+    loss = check_choice(fit.get("fit_loss", "weights"), "fit_loss", LOSSES)
+    steps = check_positive_int(fit.get("fit_steps", 100), "fit_steps")
+    lr = check_positive_float(fit.get("fit_lr", 0.01), "fit_lr")
+    batch_size = fit.get("fit_batch_size")
+    if batch_size is not None:
+        check_positive_int(batch_size, "fit_batch_size")
+    converted = _copy.deepcopy(model)
+    stack = stack_for(converted)
+    chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
+    if heads is not None and _check_heads(heads, stack.num_heads) != set(range(stack.num_heads)):
+        raise ValueError(f"a trainable map ({estimator}) replaces every head of a layer (one map per key/value head, "
+                         "shared by its group): pass heads=None, or choose the layers")
+    kv_heads = getattr(stack, "num_kv_heads", stack.num_heads)
+    param = next(converted.parameters())
+    sa.enable(converted)
+    if stack.decodes:
+        _cache.install(converted)
+    for layer in chosen:
+        fmap = make_map(estimator, num_heads=kv_heads, head_dim=stack.head_dim, num_features=num_features,
+                        rng=head_seed(rng, layer, 0), dtype=param.dtype, device=param.device, **options)
+        sa.set_attention(stack.attention_module(layer), sa.TrainableAttention(fmap, **attention_options))
+    if calibration is not None:
+        _transfer(converted, stack, chosen, calibration, loss=loss, steps=steps, lr=lr, batch_size=batch_size,
+                  rng=rng)
+    return converted
+
+
+def _transfer(model, stack, chosen, calibration, *, loss, steps, lr, batch_size, rng) -> None:
+    """Attention transfer of each chosen layer's map, in order, on the calibration batch's queries, keys and values
+    as the model computes them with the maps below already fitted (the teacher: the layer's softmax attention)."""
+    if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
+        raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
+    inputs = dict(calibration)
+    if stack.decodes:
+        inputs.setdefault("use_cache", False)
+    for layer in chosen:
+        module = stack.attention_module(layer)
+        attention = sa.get_attention(module)
+        with torch.no_grad():
+            call = sa.capture(module, lambda: model(**inputs))
+        if call.key_padding_mask is not None and bool(call.key_padding_mask.any()):
+            raise ValueError("the attention transfer of a trainable map takes an unpadded calibration batch (every "
+                             "sequence of the same length, no padding in attention_mask)")
+        fmap = attention.feature_map
+        groups = call.query.shape[1] // fmap.num_heads
+        # the call's keys and values are repeated to the query heads; the map's heads are one per group
+        key, value = call.key[:, ::groups], call.value[:, ::groups]
+        attention.fit_record = fit_to_softmax(fmap, call.query, key, value, key_map=attention.key_map, loss=loss,
+                                              steps=steps, lr=lr, batch_size=batch_size,
+                                              rng=head_seed(rng, layer, 0), causal=call.causal, scale=call.scaling)
