@@ -86,9 +86,9 @@ def test_status_reports_each_calls_backend_and_why():
             ka.linear_attention(q, k, v, est, causal=True)
         with backends.mode("native", "on"):
             ka.linear_attention(q.double(), k.double(), v.double(), est, causal=True)
-            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
-            with backends.mode("backward", "off"):
+            with backends.mode("backward", "on"):
                 ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
             ka.linear_attention(q, k, v, trig, causal=False)
     off, float64, written, grad, signed = _chunked_choices(calls)
     # with the written-out backward the forward needs no gradient: features given, the causal operator

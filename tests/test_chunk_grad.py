@@ -39,7 +39,7 @@ def _grads(switch, q, k, v, est, **kw):
 def test_gradients_equal_autograd_through_the_eager_code(name, causal, n, chunk):
     q, k, v = _inputs((2, 3), n)
     est = _fitted(name, q, k)
-    y1, g1, ran1 = _grads("auto", q, k, v, est, causal=causal, chunk_size=chunk)
+    y1, g1, ran1 = _grads("on", q, k, v, est, causal=causal, chunk_size=chunk)
     y0, g0, ran0 = _grads("off", q, k, v, est, causal=causal, chunk_size=chunk)
     assert ran1 == ["chunk-backward"] and ran0 == ["autograd"]
     torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-13)
@@ -53,7 +53,7 @@ def test_left_padding_and_query_padding():
     pad[0, :, :11] = True                        # more than one chunk of padding
     est = _fitted("positive", q, k)
     kw = {"causal": True, "chunk_size": 8, "key_padding_mask": pad, "query_padding_mask": pad}
-    y1, g1, _ = _grads("auto", q, k, v, est, **kw)
+    y1, g1, _ = _grads("on", q, k, v, est, **kw)
     y0, g0, _ = _grads("off", q, k, v, est, **kw)
     torch.testing.assert_close(y1, y0, rtol=1e-12, atol=1e-13)
     for a, b in zip(g1, g0):
@@ -69,15 +69,15 @@ def test_finite_differences(causal):
     def f(q, k, v):
         return ka.linear_attention(q, k, v, est, causal=causal, chunk_size=4)
 
-    with backends.mode("backward", "auto"):
+    with backends.mode("backward", "on"):
         assert torch.autograd.gradcheck(f, tuple(t.clone().requires_grad_() for t in (q, k, v)))
 
 
 def test_float32_within_rounding_of_float64():
     q, k, v = _inputs((1, 2), 300, d_v=8, seed=5)
     est = _fitted("positive_orthogonal", q, k, r=32)
-    _, g64, _ = _grads("auto", q, k, v, est, causal=True)
-    _, g32, ran = _grads("auto", q.float(), k.float(), v.float(), est, causal=True)
+    _, g64, _ = _grads("on", q, k, v, est, causal=True)
+    _, g32, ran = _grads("on", q.float(), k.float(), v.float(), est, causal=True)
     assert ran == ["chunk-backward"]
     for a, b in zip(g32, g64):
         assert float((a.double() - b).abs().max() / b.abs().max()) < 1e-5

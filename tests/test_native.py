@@ -147,7 +147,7 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     with backends.mode("native", "auto"):                                    # auto at the threshold: the kernel
         ka.linear_attention(q.detach(), k, v, est, **run)
     assert len(kernel_only) == 3
-    with backends.mode("native", "auto"):   # the written-out backward's forward needs no gradient: features given
+    with backends.mode("native", "auto"), backends.mode("backward", "on"):   # its forward needs no gradient
         ka.linear_attention(q.detach().requires_grad_(), k, v, est, **run)
     assert kernel_only[-1] == (2, 40, 8)
 

@@ -24,7 +24,10 @@ h_i^⊤`` with ``s_J`` the shift at the end of chunk ``J``: every exponent is �
 directions are ``C × C`` products. Non-causal, one shift ``c`` for all rows and one state each way.
 
 This is the gradient of :func:`kernapprox.attention.linear_attention` in the chunked mode for the sum rule
-without an initial or returned state, when only the output is asked for (what a model's training step needs);
+without an initial or returned state, when only the output is asked for (what a model's training step needs), with
+the switch ``KERNAPPROX_BACKWARD=on`` (:mod:`kernapprox.backends`; off by default: in eager torch it is no faster
+than autograd through the chunked code on a CPU and holds the whole sequence's features, so it stands as the
+reference of a compiled backward);
 its test oracle is autograd through the eager chunked code (itself tested against the naive oracles of
 :mod:`kernapprox.attention.naive`). The structure is the chunk-wise backward of Katharopoulos et al., *Transformers
 are RNNs*, ICML 2020, §3.3.1 (the gradients as cumulative sums), and of flash-linear-attention's chunked kernels

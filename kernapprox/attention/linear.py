@@ -442,7 +442,7 @@ backends.register(backends.Backend("eager", "linear_attention.chunked", 0, lambd
                                    None, "the eager code: any device, dtype and rule, with autograd"))
 backends.register(backends.Backend(
     "chunk-backward", "linear_attention.gradient", 10,
-    lambda **_: ((True, "the written-out chunked backward") if backends.get_mode("backward") == "auto"
+    lambda **_: ((True, "the written-out chunked backward") if backends.get_mode("backward") == "on"
                  else (False, "KERNAPPROX_BACKWARD=off")),
     "backward", "the sum rule's chunked backward written out (kernapprox.attention.chunk_grad)"))
 backends.register(backends.Backend("autograd", "linear_attention.gradient", 0,

@@ -118,6 +118,10 @@ class ExponentialRandomFeatureMap(RandomFeatureMap):
                 return fused.unflat(out, x.shape[:-1])
         proj, offset = self._exponents(x, role)
         shift = proj.amax(-1, keepdim=True)
+        if not self.eps:
+            # without eps, φ̃ e^ℓ = exp(p + offset) does not depend on the shift: no gradient through the max
+            # (whose backward, a scatter over the n × r projections, costs as much as the features)
+            shift = shift.detach()
         phi = torch.exp(proj - shift)
         if self.eps:
             phi = phi + self.eps
