@@ -13,7 +13,6 @@ exception is an *oracle* (the rank-r SVD references), which needs the query–ke
 
 from __future__ import annotations
 
-import collections
 import itertools
 
 import numpy as np
@@ -21,7 +20,7 @@ import xarray as xr
 
 from experiments._common import add_proportion, add_summaries, sized_configuration
 from kernapprox import available_estimators, memory, metrics, readout, stats, tasks
-from kernapprox.plotting import errorbar_summary, estimator_style, new_figure, plot_summary
+from kernapprox.plotting import errorbar_summary, estimator_style, figure_legend, new_figure, plot_summary
 from kernapprox.sweep import Metric
 
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
@@ -132,19 +131,6 @@ class EpisodeDraw:
         return read, self.exact(beta)
 
 
-_EPISODES: collections.OrderedDict = collections.OrderedDict()   # per-process memo of the last data draws
-
-
-def memoised_episodes(data_rng, what: tuple, make):
-    """``make()`` (episodes from a fresh ``data_rng``), memoised by the data stream's seed and ``what``, for the
-    studies that declare no ``Experiment.draw`` (``state_rules``, ``rank_summary``)."""
-    key = (data_rng.bit_generator.seed_seq.entropy, data_rng.bit_generator.seed_seq.spawn_key, what)
-    if key not in _EPISODES:
-        _EPISODES[key] = make()
-        if len(_EPISODES) > 4:                     # one entry comes in at a time
-            _EPISODES.popitem(last=False)
-    _EPISODES.move_to_end(key)
-    return _EPISODES[key]
 
 
 def recall_episodes(num_pairs: int, query: str, *, rng, device, num_queries: int, dim: int = 64,
@@ -305,19 +291,5 @@ def score_grid(ds: xr.Dataset, var: str, exact_var: str, *, ylabel: str, decorat
         exact = exact_band(axes[i, j], ds[f"{exact_var}_summary"].sel(beta=beta, **{n_axis: n}))
         label_panel(axes[i, j], "feature dimension r of the state", ylabel)
         decorate(axes[i, j], n, beta, exact)
-    collect_legend(fig, axes.flat)
+    figure_legend(fig, axes.flat)
     return fig
-
-
-def legend_entries(axes) -> tuple[list, list]:
-    """``(handles, names)`` of all the axes' labelled artists, each name once, in drawing order."""
-    entries = {}
-    for ax in axes:
-        for handle, name in zip(*ax.get_legend_handles_labels()):
-            entries.setdefault(name, handle)
-    return list(entries.values()), list(entries)
-
-
-def collect_legend(fig, axes) -> None:
-    """One legend for the whole figure, outside the panels on the right (no entry twice)."""
-    fig.legend(*legend_entries(axes), loc="outside right center", fontsize=7, frameon=False)

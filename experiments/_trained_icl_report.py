@@ -15,10 +15,10 @@ import numpy as np
 import xarray as xr
 from scipy import stats as scipy_stats
 
-from experiments._icl import REPLICATES, label_panel, legend_entries, rank_panel
+from experiments._icl import REPLICATES, label_panel, rank_panel
 from experiments._icl import style as icl_style
 from kernapprox import stats
-from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.plotting import bullets, fmt, fmt_ci, legend_entries, new_figure, save_figure
 
 
 # ------------------------------------------------------------------------------------------------ helpers

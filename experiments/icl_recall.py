@@ -40,7 +40,6 @@ from experiments._icl import (
     episode_dims,
     label_panel,
     labels_with,
-    legend_entries,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -51,7 +50,7 @@ from experiments._icl import (
 from experiments._icl import style as icl_style
 from kernapprox import memory, stats, tasks
 from kernapprox.estimators import DPFPFeatures
-from kernapprox.plotting import bullets, fmt, fmt_ci, new_figure, save_figure
+from kernapprox.plotting import bullets, fmt, fmt_ci, legend_entries, new_figure, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 # label -> (registry name or estimator class, constructor options); unregistered names are left out
