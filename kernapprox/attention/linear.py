@@ -55,6 +55,7 @@ from .masks import (
     check_key_padding_mask,
     check_query_padding_mask,
     check_rows,
+    mask_kwargs,
     zero_padded_rows,
 )
 from .recurrent import normalized_read, normalized_step
@@ -608,14 +609,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
             raise ValueError(f"{name} has no linear state to start from or return (initial_state/return_state "
                              "need a finite feature map)")
         if caps.kind == "exact":
-            extra = {}
-            if padding is not None:
-                extra["key_padding_mask"] = key_padding_mask
-            if mask is not None:
-                extra["attn_mask"] = attn_mask
-            if qpad is not None:
-                extra["query_padding_mask"] = query_padding_mask
-            out, lse = softmax_attention(q, k, v, causal, estimator.scale_, return_lse=True, **extra)
+            out, lse = softmax_attention(q, k, v, causal, estimator.scale_, return_lse=True,
+                                         **mask_kwargs(key_padding_mask, attn_mask, query_padding_mask))
             if not return_parts:
                 return out
             one = torch.ones_like(lse)

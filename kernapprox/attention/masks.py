@@ -20,45 +20,45 @@ import math
 import torch
 
 
-def check_key_padding_mask(mask, k: torch.Tensor) -> torch.Tensor | None:
-    """``mask`` expanded to ``k.shape[:-1]`` (bool), or ``None``."""
+def check_bool_mask(mask, name: str) -> None:
+    """``mask`` is a bool tensor (True = padding), else ``TypeError`` naming ``name``."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"{name} must have dtype torch.bool (True = padding, ignored), got {mask.dtype}")
+
+
+def _check_padding(mask, x: torch.Tensor, name: str, what: str, hint: str) -> torch.Tensor | None:
+    """A padding mask over the rows of ``x`` (keys or queries) expanded to ``x.shape[:-1]``, or ``None``."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must have dtype torch.bool (True = padding, ignored), got {mask.dtype}")
-    if mask.device != k.device:
-        raise ValueError(f"key_padding_mask is on {mask.device} but the keys are on {k.device}")
-    want = tuple(k.shape[:-1])
+    check_bool_mask(mask, name)
+    if mask.device != x.device:
+        raise ValueError(f"{name} is on {mask.device} but the {what} are on {x.device}")
+    want = tuple(x.shape[:-1])
     if mask.dim() < 1 or mask.shape[-1] != want[-1]:
-        raise ValueError(f"key_padding_mask must have shape (..., n_k) with n_k = {want[-1]}, got {tuple(mask.shape)}")
+        raise ValueError(f"{name} must have shape (..., {hint}) with {hint} = {want[-1]}, got {tuple(mask.shape)}")
     try:
         return mask.expand(want)
     except RuntimeError:
-        raise ValueError(f"key_padding_mask of shape {tuple(mask.shape)} does not broadcast to the keys' batch "
-                         f"shape and length {want} (for inputs (B, H, n, d) pass (B, 1, n_k))") from None
+        raise ValueError(f"{name} of shape {tuple(mask.shape)} does not broadcast to the {what}' batch shape and "
+                         f"length {want} (for inputs (B, H, n, d) pass (B, 1, {hint}))") from None
+
+
+def check_key_padding_mask(mask, k: torch.Tensor) -> torch.Tensor | None:
+    """``mask`` expanded to ``k.shape[:-1]`` (bool), or ``None``."""
+    return _check_padding(mask, k, "key_padding_mask", "keys", "n_k")
 
 
 def check_query_padding_mask(mask, q: torch.Tensor) -> torch.Tensor | None:
     """``mask`` expanded to ``q.shape[:-1]`` (bool), or ``None``."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"query_padding_mask must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"query_padding_mask must have dtype torch.bool (True = padding), got {mask.dtype}")
-    if mask.device != q.device:
-        raise ValueError(f"query_padding_mask is on {mask.device} but the queries are on {q.device}")
-    want = tuple(q.shape[:-1])
-    if mask.dim() < 1 or mask.shape[-1] != want[-1]:
-        raise ValueError(f"query_padding_mask must have shape (..., n_q) with n_q = {want[-1]}, got "
-                         f"{tuple(mask.shape)}")
-    try:
-        return mask.expand(want)
-    except RuntimeError:
-        raise ValueError(f"query_padding_mask of shape {tuple(mask.shape)} does not broadcast to the queries' batch "
-                         f"shape and length {want} (for inputs (B, H, n, d) pass (B, 1, n_q))") from None
+    return _check_padding(mask, q, "query_padding_mask", "queries", "n_q")
+
+
+def mask_kwargs(key_padding_mask=None, attn_mask=None, query_padding_mask=None) -> dict:
+    """The masks that are given, as keyword arguments of an attention call (none of them when all are None)."""
+    masks = {"key_padding_mask": key_padding_mask, "attn_mask": attn_mask, "query_padding_mask": query_padding_mask}
+    return {name: mask for name, mask in masks.items() if mask is not None}
 
 
 def check_attn_mask(mask, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ..attention import linear_attention, softmax_attention
+from ..attention.masks import check_bool_mask, mask_kwargs
 from ..estimators.base import Estimator
 from ..rules import resolve_rule
 from ..validation import as_generator, check_bool, check_positive_float, check_positive_int, check_tensor
@@ -80,10 +81,7 @@ def _padding(mask, name: str, batch: int, heads: int, kv_heads: int, length: int
     a per-key/value-head mask is repeated to the query heads."""
     if mask is None:
         return None
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{name} must be a bool torch.Tensor (True = padding), got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"{name} must have dtype torch.bool (True = padding), got {mask.dtype}")
+    check_bool_mask(mask, name)
     if mask.dim() == 2:
         mask = mask[:, None, :]
     if mask.dim() != 3 or mask.shape[0] != batch or mask.shape[-1] != length or \
@@ -208,13 +206,7 @@ def kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, estimato
             raise ValueError("dropout_p > 0 in training needs rng= (int, SeedSequence or Generator): the dropout mask "
                              "is drawn from it, never from torch's global RNG")
         v = v * _dropout_keep(dropout_p, (batch, heads, n_k), rng, v)[..., None]
-    masks = {}
-    if key_padding is not None:
-        masks["key_padding_mask"] = key_padding
-    if attn_mask is not None:
-        masks["attn_mask"] = attn_mask
-    if query_padding is not None:
-        masks["query_padding_mask"] = query_padding
+    masks = mask_kwargs(key_padding, attn_mask, query_padding)
     estimator._check_fitted()
     if caps.kind == "exact":
         if initial_state is not None or return_state:

@@ -58,6 +58,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..attention import MODES, linear_attention
+from ..attention.masks import mask_kwargs
 from ..estimators import Estimator
 from ..trainable import TrainableFeatureMap, feature_attention
 from ..validation import check_choice, check_positive_int
@@ -453,7 +454,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
                 raise ValueError("a head fitted on each sequence (PerSequence) has no decoding state")
             _check_scale(entry, call.scaling)
             out[:, index] = layer.decoder(tuple(index), entry, attention.mode).extend(
-                q_sel, k_sel, v_sel, **_padding_kwargs(padding, query_padding))
+                q_sel, k_sel, v_sel, **mask_kwargs(padding, query_padding_mask=query_padding))
             continue
         if isinstance(entry, PerSequence) or (padding is not None and entry.capabilities().kind == "attention"):
             out[:, index] = _per_sequence(call, index, entry, attention.mode)
@@ -462,7 +463,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         with _core_precision(query):
             out[:, index] = linear_attention(q_sel, k_sel, v_sel, entry, causal=causal,
                                              mode=_mode(entry, attention.mode),
-                                             **_padding_kwargs(padding, query_padding))
+                                             **mask_kwargs(padding, query_padding_mask=query_padding))
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
@@ -472,7 +473,7 @@ def _trainable_forward(attention: TrainableAttention, layer, query, key, value, 
     """The layer's output ``(B, n_q, H, d_v)`` by its trainable map; with a decoder cache ``layer``, the map's state
     continues from the tokens before (``layer.map_state``) and is kept for the next call."""
     query_padding = _keyless_queries(padding) if causal else None
-    extra = _padding_kwargs(padding, query_padding)
+    extra = mask_kwargs(padding, query_padding_mask=query_padding)
     if layer is None:
         out = attention(query, key, value, causal=causal, **extra)
     else:
@@ -489,15 +490,6 @@ def _keyless_queries(padding):
         return None
     keyless = padding & (torch.cumsum((~padding).to(torch.int32), -1) == 0)
     return keyless if bool(keyless.any()) else None
-
-
-def _padding_kwargs(padding, query_padding) -> dict:
-    extra = {}
-    if padding is not None:
-        extra["key_padding_mask"] = padding
-    if query_padding is not None:
-        extra["query_padding_mask"] = query_padding
-    return extra
 
 
 def _core_precision(x: torch.Tensor):
