@@ -98,7 +98,8 @@ def test_rotary_hook_with_exact_attention_is_sdpa_on_rotated_heads():
 
 DECODE_CASES = [("positive_orthogonal", "sum", "chunked"), ("positive_orthogonal", "sum", "recurrent"),
                 ("taylor2", "sum", "parallel"), ("hedgehog", "sum", "chunked"),
-                ("positive_orthogonal", "delta", "chunked"), ("positive_orthogonal", "decay", "parallel")]
+                ("positive_orthogonal", "delta", "chunked"), ("positive_orthogonal", "decay", "parallel"),
+                ("exact", "sum", "parallel")]
 
 
 @pytest.mark.parametrize(("name", "rule", "mode"), DECODE_CASES, ids=["-".join(c) for c in DECODE_CASES])

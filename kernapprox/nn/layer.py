@@ -71,6 +71,7 @@ import torch
 from torch import nn
 
 from ..attention import MODES, RecurrentState
+from ..attention.decode import DecodeCache, decode_cache
 from ..estimators.base import Estimator
 from ..estimators.registry import available_estimators, capabilities, make_estimator
 from ..rules import NormalizedState, resolve_rule
@@ -640,6 +641,8 @@ class KernelAttention(nn.Module):
             the whole sequence (one state per batch element and query head; padded keys left out; float32 under
             autocast), to continue token by token with :meth:`step` (prefill, then decode): the state of
             :func:`~kernapprox.nn.functional.kernel_attention` handed to a ``RecurrentState`` with the layer's rule.
+            With ``estimator="exact"`` the state is the KV cache (:class:`~kernapprox.attention.decode.KVCache`,
+            the same calls and ``state_bytes``), so the softmax baseline of a decoding comparison is the same code.
 
         Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
         Dropout (``dropout > 0``) applies in training mode only.
@@ -664,6 +667,8 @@ class KernelAttention(nn.Module):
             self._apply_refit_policy(q, repeat_kv(k, self.num_heads // self.num_kv_heads))
         self._sync()
         dropout = self.dropout if self.training else 0.0
+        if return_state and caps.kind == "exact":      # the exact kernel's state is its KV cache
+            return self._exact_prefill(q, k, v, masks, dropout)
         out = kernel_attention(q, k, v, self.estimator, causal=causal, mode=self.mode, chunk_size=self.chunk_size,
                                rule=self.rule, dropout_p=dropout, training=self.training,
                                rng=self._dropout_rng if dropout else None, return_state=return_state, **masks)
@@ -675,6 +680,21 @@ class KernelAttention(nn.Module):
         if not return_state:
             return out
         return out, RecurrentState(self.estimator, rule=self.rule, initial_state=state)
+
+    def _exact_prefill(self, q, k, v, masks, dropout):
+        """``forward(..., return_state=True)`` of the exact kernel: the prompt's causal attention through a
+        :class:`~kernapprox.attention.decode.KVCache`, which :meth:`step` then extends."""
+        if "attn_mask" in masks:
+            raise ValueError("return_state with an attn_mask: a KV cache continues causal attention over every "
+                             "earlier key (use key_padding_mask / query_padding_mask)")
+        if dropout:
+            raise ValueError("return_state in training with dropout > 0: decoding runs without dropout (call "
+                             "layer.eval() first)")
+        groups = self.num_heads // self.num_kv_heads
+        cache = decode_cache(self.estimator)
+        out = cache.prefill(q, repeat_kv(k, groups), repeat_kv(v, groups), **masks)
+        batch, _, n_q, _ = out.shape
+        return self.out_proj(out.transpose(1, 2).reshape(batch, n_q, self.embed_dim)), cache
 
     def _check_causal(self, causal) -> bool:
         if causal is None:
@@ -701,6 +721,8 @@ class KernelAttention(nn.Module):
         if self.feature_map is not None:
             return
         caps = self.estimator.capabilities()
+        if caps.kind == "exact":                     # a KV cache (kernapprox.attention.decode.KVCache)
+            return
         if caps.kind != "features" or "recurrent" not in caps.modes:
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
                              f"{caps.kind!r}); decoding with step() needs a feature map")
@@ -715,6 +737,10 @@ class KernelAttention(nn.Module):
         if self.feature_map is not None:
             if not isinstance(state, MapState) or state.feature_map is not self.feature_map:
                 raise TypeError("state must be the MapState returned by this layer's forward(..., return_state=True)")
+        elif isinstance(state, DecodeCache):
+            if state.estimator is not self.estimator:
+                raise TypeError("state must be the KV cache returned by this layer's forward(..., "
+                                "return_state=True)")
         elif not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
                 state.rule.name != self.rule.name:
             raise TypeError("state must be the RecurrentState returned by this layer's forward(..., "
@@ -742,6 +768,10 @@ class KernelAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         self._sync()
+        if isinstance(state, DecodeCache):             # the exact kernel: one more token in the KV cache
+            y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
+            out = self.out_proj(y.reshape(y.shape[0], self.embed_dim))
+            return out[:, None, :] if single else out
         low = autocast_dtype(x.device.type)
         if low is not None:                       # the state's arithmetic in float32, as in forward
             with torch.autocast(x.device.type, enabled=False):
