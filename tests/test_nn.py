@@ -305,12 +305,14 @@ def test_layer_masks_equal_the_functional_calls():
         lay(x, key_padding_mask=torch.ones(2, N, dtype=torch.bool))
 
 
-def test_decoding_needs_a_causal_feature_map():
+def test_decoding_needs_a_causal_feature_map_or_the_exact_kernel():
     x = inputs(21)
     with pytest.raises(ValueError, match="causal"):
         layer(causal=False)(x, return_state=True)
     with pytest.raises(ValueError, match="fixed-size recurrent state"):
-        layer("exact", num_features=None, causal=True)(x, return_state=True)
+        layer("window_linear", causal=True)(x, return_state=True)
+    _, cache = layer("exact", num_features=None, causal=True)(x, return_state=True)     # its KV cache
+    assert cache.num_tokens == x.shape[1] and cache.state_bytes() > 0
     with pytest.raises(ValueError, match="self-attention"):
         layer(causal=True)(x, x, return_state=True)
     lay = layer(causal=True)
