@@ -725,7 +725,8 @@ class KernelAttention(nn.Module):
             return
         if caps.kind != "features" or "recurrent" not in caps.modes:
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
-                             f"{caps.kind!r}); decoding with step() needs a feature map")
+                             f"{caps.kind!r}); decoding with step() needs a feature map or the exact kernel (a KV "
+                             "cache)")
 
     def step(self, x: torch.Tensor, state: RecurrentState, *, position=None) -> torch.Tensor:
         """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
