@@ -55,6 +55,7 @@ class ChunkedSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pq, pk, lk, v, causal, chunk_size, forward):
+        """``(y, d, c)`` from the chunked core ``forward`` (no gradient), keeping what the backward reads."""
         num, den, c = forward(pq, pk, lk, v)
         safe = torch.where(den == 0, torch.ones((), dtype=den.dtype, device=den.device), den)
         y = num / safe[..., None]
@@ -65,6 +66,7 @@ class ChunkedSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, _gden, _gc):
+        """The gradients of ``pq, pk, lk, v`` from that of ``y`` (module docstring)."""
         pq, pk, lk, v, y, den, c = ctx.saved_tensors
         h = torch.cat([gy, -(gy * y).sum(-1, keepdim=True)], -1) / den[..., None]       # (B, n, d_v + 1)
         vt = torch.cat([v, _ones(v, 1)], -1)
