@@ -21,3 +21,13 @@ def decode_steps(model, tokens, prefill, attention_mask=None):
         assert out.cache is cache
         logits.append(out.logits)
     return torch.cat(logits, 1), cache
+
+
+def assert_decode_equals_full_pass(model, tokens, attention_mask, *, prefill: int, tolerance: float):
+    """Prefill then token-by-token decoding gives the full pass's logits on the real (unpadded) tokens, finite."""
+    real = attention_mask.bool()
+    with torch.no_grad():
+        full = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits
+        got, _ = decode_steps(model, tokens, prefill=prefill, attention_mask=attention_mask)
+    assert bool(torch.isfinite(got[real]).all())
+    assert float((got - full)[real].abs().max()) < tolerance

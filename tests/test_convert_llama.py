@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import transformers
-from helpers import decode_steps
+from helpers import assert_decode_equals_full_pass, decode_steps
 
 import kernapprox as ka
 from kernapprox.surgery import attention as sa
@@ -219,12 +219,7 @@ def left_padded(batch=3, n=10, seed=7):
 def test_a_left_padded_batch_decodes_to_the_full_pass(name, impl):
     converted = convert(llama(impl).double(), name)
     tokens, mask, _ = left_padded()
-    real = mask.bool()
-    with torch.no_grad():
-        full = converted(input_ids=tokens, attention_mask=mask, use_cache=False).logits
-        got, _ = decode_steps(converted, tokens, prefill=6, attention_mask=mask)
-    assert bool(torch.isfinite(got[real]).all())
-    assert float((got - full)[real].abs().max()) < 1e-10
+    assert_decode_equals_full_pass(converted, tokens, mask, prefill=6, tolerance=1e-10)
 
 
 def test_left_padded_real_tokens_are_those_of_each_prompt_alone():
