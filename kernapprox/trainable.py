@@ -55,6 +55,7 @@ from .attention import (
     linear_attention_from_log_features,
     softmax_attention,
 )
+from .attention.masks import check_key_padding_mask, check_query_padding_mask
 from .kernel import resolve_scale
 from .rules import NormalizedState, resolve_rule
 from .validation import (
@@ -559,7 +560,7 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
         else:
             out, final = _attention_of_features(q, k, v, feature_map, key_map, lay, causal, mode, chunk_size, rule,
                                                 padding, attn_mask, initial_state, return_state, ct,
-                                                _query_padding(query_padding_mask, q))
+                                                check_query_padding_mask(query_padding_mask, q))
         out = out.reshape(*q.shape[:-1], v.shape[-1])
     check_finite(out, f"feature_attention gave non-finite outputs in {ct}: a query's features have a zero inner "
                       "product with every key's (a T2R map's relu can be zero everywhere: use T2RMap(..., eps=1e-6); "
@@ -570,29 +571,10 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
 
 def _padding(mask, k, lay: _Layout):
     """The key padding mask expanded to the keys ``(..., H_kv, n_k)`` and repeated to the state heads."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError("key_padding_mask must be a bool torch.Tensor (True = padding)")
-    try:
-        mask = mask.expand(k.shape[:-1])
-    except RuntimeError:
-        raise ValueError(f"key_padding_mask of shape {tuple(mask.shape)} does not broadcast to the keys' "
-                         f"(..., H_kv, n_k) = {tuple(k.shape[:-1])} (pass (B, 1, n_k))") from None
-    return mask.repeat_interleave(lay.repeat, dim=-2) if lay.repeat > 1 else mask
-
-
-def _query_padding(mask, q):
-    """The query padding mask expanded to the queries ``(..., H, n)``, or None."""
-    if mask is None:
-        return None
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
-        raise TypeError("query_padding_mask must be a bool torch.Tensor (True = padding)")
-    try:
-        return mask.expand(q.shape[:-1])
-    except RuntimeError:
-        raise ValueError(f"query_padding_mask of shape {tuple(mask.shape)} does not broadcast to the queries' "
-                         f"(..., H, n) = {tuple(q.shape[:-1])} (pass (B, 1, n))") from None
+    mask = check_key_padding_mask(mask, k)
+    if mask is None or lay.repeat == 1:
+        return mask
+    return mask.repeat_interleave(lay.repeat, dim=-2)
 
 
 def _attention_of_features(q, k, v, query_map, key_map, lay, causal, mode, chunk_size, rule, padding, attn_mask,

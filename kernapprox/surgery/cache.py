@@ -36,7 +36,6 @@ is 0 (its logits are not defined by the model either). Beam search reorders the 
 >>> import torch, transformers, kernapprox as ka
 >>> config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
 ...                                   num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
->>> torch.manual_seed(0) and None
 >>> model = transformers.LlamaForCausalLM(config).eval()
 >>> fast = ka.convert(model, "positive", num_features=16, rng=0)
 >>> ids = torch.tensor([[3, 7, 1, 9, 4]])
