@@ -93,6 +93,7 @@ def test_missing_extra_gives_an_install_hint(tmp_path, monkeypatch):
 
 
 def test_a_cache_of_another_text_is_extracted_again(monkeypatch):
+    real.load_qkv(cache_dir=CACHE)            # the cache exists (this test may run first in its worker)
     calls = []
     monkeypatch.setattr(real, "_text_sha256", lambda: "0" * 64)
     monkeypatch.setattr(real, "extract_windows", lambda *args: calls.append(args))
