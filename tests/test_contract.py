@@ -131,8 +131,11 @@ def test_registry_builds_and_fit_returns_self(name):
     assert isinstance(caps.modes, tuple) and caps.modes and set(caps.modes) <= set(ka.MODES)
     assert caps.rules and "sum" in caps.rules
     for attr in ("unbiased", "positive", "data_dependent", "causal_fit", "consistent", "causal", "fixed_dimension",
-                 "rank_limited_by_points"):
+                 "rank_limited_by_points", "query_dependent", "key_padding", "decode_state"):
         assert isinstance(getattr(caps, attr), bool), f"{attr} must be a bool"
+    if caps.kind == "attention" and caps.decode_state:        # the declaration has its method
+        assert type(est).decode_extend is not AttentionEstimator.decode_extend
+        assert caps.causal and not caps.query_dependent
     assert isinstance(caps.reference, str) and caps.reference, "reference must cite the paper"
     # the declared kind is what the object is
     assert isinstance(est, {"features": FeatureMap, "attention": AttentionEstimator, "exact": Estimator}[caps.kind])

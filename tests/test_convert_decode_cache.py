@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kernapprox as ka
-from kernapprox.attention.decode import FeatureStateCache, KVCache, ReplayCache, decode_cache
+from kernapprox.approximate.hybrid import WindowState
+from kernapprox.attention.decode import EstimatorStateCache, FeatureStateCache, KVCache, decode_cache
 
 D, DV, N = 8, 6, 20
 # the estimators with their own attention take a window shorter than the test sequence, so both parts are used
@@ -56,7 +57,8 @@ def test_each_kind_gets_its_cache():
     q, k, _ = _qkv()
     assert isinstance(decode_cache(_fitted("positive", q, k)), FeatureStateCache)
     assert isinstance(decode_cache(_fitted("exact", q, k)), KVCache)
-    assert isinstance(decode_cache(_fitted("window_linear", q, k)), ReplayCache)
+    for name in ("window_linear", "scatterbrain"):
+        assert isinstance(decode_cache(_fitted(name, q, k)), EstimatorStateCache)
 
 
 @pytest.mark.parametrize("name", sorted(set(CAUSAL) - set(DECODABLE)))
@@ -134,6 +136,52 @@ def test_select_reorders_the_batch_as_beam_search_does():
         torch.testing.assert_close(got, full[..., 10:, :], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["window_linear", "scatterbrain"])
+def test_the_hybrid_state_is_a_window_and_a_linear_state_of_fixed_size(name):
+    """The hybrids decode from their own fixed-size state: the last w keys and values plus the linear state of the
+    older keys; its size stops growing once the window is full, and it is what state_bytes accounts for."""
+    q, k, v = _qkv(seed=6)
+    est = _fitted(name, q, k)                                            # window 4
+    cache = decode_cache(est)
+    cache.prefill(q[..., :3, :], k[..., :3, :], v[..., :3, :])
+    assert isinstance(cache.state, WindowState) and cache.state.linear is None     # nothing has left the window
+    assert cache.state_bytes() == 2 * 3 * est.state_bytes(DV, torch.float64, seq_len=3)
+    sizes = []
+    for t in range(3, N):
+        cache.step(q[..., t, :], k[..., t, :], v[..., t, :])
+        assert cache.state.keys.shape[-2] == min(t + 1, 4) and cache.state.linear is not None or t < 4
+        sizes.append((cache.state_bytes(), cache.held_bytes()))
+    assert len(set(sizes[1:])) == 1                                      # fixed once the window is full
+    entries = 2 * 3
+    assert sizes[-1][0] == entries * (4 * (D + DV) * 8 + est.feature_map_.state_bytes(DV, torch.float64))
+    # held: + the window's padding flags (bool) and the linear state's log-scale, which the r (d_v + 1) convention
+    # of the memory axes leaves out (as for a feature map's state)
+    assert sizes[-1][1] == sizes[-1][0] + entries * (4 + 8)
+
+
+@pytest.mark.parametrize("name", ["window_linear", "scatterbrain"])
+@pytest.mark.parametrize("window, chunk", [(5, 3), (2, 7), (16, 4)])
+def test_the_hybrid_state_continues_the_full_pass_over_chunk_boundaries(name, window, chunk):
+    """A long prefill taken in blocks of ``chunk`` new queries (shorter or longer than the window), continuations
+    of several tokens and single steps: the full causal pass in every mode, with a left-padded entry."""
+    q, k, v = _qkv(seed=7, n=37)
+    est = ka.make_estimator(name, num_features=16, rng=1, window=window).fit(q.reshape(-1, D), k.reshape(-1, D))
+    pad = torch.zeros(2, 1, 37, dtype=torch.bool)
+    pad[1, :, :6] = True
+    state, outs = None, []
+    for a, b in ((0, 23), (23, 30), *((t, t + 1) for t in range(30, 37))):
+        out, state = est.decode_extend(state, q[..., a:b, :], k[..., a:b, :], v[..., a:b, :],
+                                       key_padding_mask=pad[..., a:b], query_padding_mask=pad[..., a:b],
+                                       chunk_size=chunk)
+        outs.append(out)
+    got = torch.cat(outs, -2)
+    for mode in ("parallel", "recurrent", "chunked"):
+        full = ka.linear_attention(q, k, v, est, causal=True, mode=mode, chunk_size=chunk, key_padding_mask=pad,
+                                   query_padding_mask=pad)
+        torch.testing.assert_close(got, full, rtol=0, atol=1e-12)
+    assert state.keys.shape[-2] == window and state.linear is not None
+
+
 def test_bad_continuations_are_refused():
     q, k, v = _qkv()
     cache = decode_cache(_fitted("positive", q, k))
@@ -148,14 +196,17 @@ def test_bad_continuations_are_refused():
         cache.extend(q[..., 4:6, :], k[..., 4:7, :], v[..., 4:7, :])
     cache.reset()
     assert cache.state is None and cache.num_tokens == 0
-    replay = decode_cache(_fitted("window_linear", q, k))
+    hybrid = decode_cache(_fitted("window_linear", q, k))
     pad = torch.zeros(2, 3, 4, dtype=torch.bool)
-    pad[0, 0, 0] = True
-    with pytest.raises(ValueError, match="takes no padding masks"):
-        replay.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :], key_padding_mask=pad)
+    pad[0, 0, :2] = True
+    with pytest.raises(ValueError, match="has no key to attend to"):          # a real query after padding only
+        hybrid.prefill(q[..., :4, :], k[..., :4, :], v[..., :4, :], key_padding_mask=pad)
+    with pytest.raises(TypeError, match="state must be a WindowState"):
+        hybrid.estimator.decode_extend((1, 2), q[..., :4, :], k[..., :4, :], v[..., :4, :])
 
 
-@pytest.mark.parametrize("name", ["positive", "hedgehog", "taylor2", "exact", "nystrom_uniform"])
+@pytest.mark.parametrize("name", ["positive", "hedgehog", "taylor2", "exact", "nystrom_uniform", "window_linear",
+                                  "scatterbrain"])
 def test_a_left_padded_batch_decodes_as_each_sequence_alone(name):
     """Entry 0 of the batch is left-padded by 4 tokens: padded keys enter no state, padded queries get rows of 0,
     and its real rows equal the unpadded sequence's, in the full pass and from prefill to decode alike."""

@@ -115,6 +115,11 @@ def test_the_state_does_not_grow_with_the_context():
     # per layer, 2 sequences x 4 heads x r (d_v + 1) float32 numbers; exact: n (d + d_v) per sequence and head
     assert sizes[8][0] == sizes[24][0] == 2 * 2 * 4 * 8 * (8 + 1) * 4
     assert sizes[24][1] == 2 * 2 * 4 * 24 * (8 + 8) * 4
+    # a hybrid: the last w = 3 keys and values plus the linear state, whatever the context
+    hybrid = convert(llama(), "window_linear", num_features=8)
+    with torch.no_grad():
+        held = [decode_steps(hybrid, ids(n=n), prefill=n - 1)[1].state_bytes() for n in (8, 24)]
+    assert held[0] == held[1] == 2 * 2 * 4 * (3 * (8 + 8) + 8 * (8 + 1)) * 4
 
 
 def test_generate_decodes_with_the_state_cache_greedily():
@@ -214,7 +219,8 @@ def left_padded(batch=3, n=10, seed=7):
     return tokens, mask, positions
 
 
-@pytest.mark.parametrize("name", ["positive", "exact", "hedgehog", "taylor2", "trig_orthogonal"])
+@pytest.mark.parametrize("name", ["positive", "exact", "hedgehog", "taylor2", "trig_orthogonal", "window_linear",
+                                  "scatterbrain"])
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_a_left_padded_batch_decodes_to_the_full_pass(name, impl):
     converted = convert(llama(impl).double(), name)

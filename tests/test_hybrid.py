@@ -216,3 +216,34 @@ def test_hybrid_input_checks():
         est.attention(q, q, q, mode="fast")
     with pytest.raises(ValueError, match="fitted with d=4"):
         est.kernel_matrix(randn((9, 5), 27), randn((9, 5), 28))
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+@pytest.mark.parametrize("mode", ["parallel", "recurrent", "chunked"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_padded_batches_give_each_sequence_alone(name, mode, causal):
+    """Key padding leaves a key out of both parts; entry 0 left-padded by 5, entry 1 right-padded by 3: the real
+    rows equal each sequence alone (the band counts positions, and padding sits outside the real tokens' span),
+    padded rows are 0 and pass no gradient, and nothing is NaN."""
+    n, w = 17, 4
+    q, k, v = (randn((2, 2, n, 6), seed, 0.7) for seed in (40, 41, 42))
+    est = ka.make_estimator(name, num_features=8, rng=0, window=w).fit(q.reshape(-1, 6), k.reshape(-1, 6))
+    pad = torch.zeros(2, 1, n, dtype=torch.bool)
+    pad[0, :, :5] = True
+    pad[1, :, -3:] = True
+    qg = q.clone().requires_grad_()
+    got = ka.linear_attention(qg, k, v, est, causal=causal, mode=mode, chunk_size=3, key_padding_mask=pad,
+                              query_padding_mask=pad)
+    for b, real in ((0, slice(5, n)), (1, slice(0, n - 3))):
+        alone = ka.linear_attention(q[b, :, real], k[b, :, real], v[b, :, real], est, causal=causal, mode=mode,
+                                    chunk_size=3)
+        torch.testing.assert_close(got[b, :, real], alone, rtol=0, atol=1e-12)
+    assert bool((got[0, :, :5] == 0).all()) and bool((got[1, :, -3:] == 0).all())
+    got.sum().backward()
+    assert bool(torch.isfinite(qg.grad).all())
+    assert bool((qg.grad[0, :, :5] == 0).all()) and bool((qg.grad[1, :, -3:] == 0).all())
+    with pytest.raises(ValueError, match="has no key"):
+        ka.linear_attention(q, k, v, est, causal=True, key_padding_mask=pad)     # left-padded rows need a mask
+    with pytest.raises(ValueError, match="takes no attn_mask"):
+        ka.linear_attention(q, k, v, est, causal=causal, mode="parallel",
+                            attn_mask=torch.ones(n, n, dtype=torch.bool))

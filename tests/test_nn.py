@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import kernapprox as ka
+from kernapprox.attention.decode import EstimatorStateCache
 from kernapprox.nn import KernelAttention
 
 E, H, N = 12, 3, 7
@@ -284,6 +285,25 @@ def test_prefill_then_decode_equals_one_pass(estimator, rule, mode):
     assert lay.step(x[:, N:N + 1], state).shape == (2, 1, E)
 
 
+@pytest.mark.parametrize("estimator", ["window_linear", "scatterbrain"])
+@pytest.mark.parametrize("mode", ["chunked", "recurrent", "parallel"])
+def test_a_hybrid_layer_decodes_from_its_fixed_size_state(estimator, mode):
+    """The hybrids' forward(prompt, return_state=True) gives their window + linear state, which step() continues
+    to the rows of one forward pass (padded keys included); the state's size stops growing at the window."""
+    lay = layer(estimator, num_features=8, causal=True, chunk_size=3, mode=mode, window=3)
+    x = inputs(22, n=N + 6, std=0.5)
+    pad = torch.zeros(2, N + 6, dtype=torch.bool)
+    pad[1, 2:4] = True
+    full = lay(x, key_padding_mask=pad)
+    out, cache = lay(x[:, :N], key_padding_mask=pad[:, :N], return_state=True)
+    torch.testing.assert_close(out, full[:, :N], rtol=1e-10, atol=1e-10)
+    assert isinstance(cache, EstimatorStateCache)
+    size = cache.state_bytes()
+    for t in range(N, N + 6):
+        torch.testing.assert_close(lay.step(x[:, t], cache), full[:, t], rtol=1e-10, atol=1e-10)
+        assert cache.state_bytes() == size and cache.state.keys.shape[-2] == 3
+
+
 def test_layer_masks_equal_the_functional_calls():
     """key_padding_mask (batch, n_k) and attn_mask (n_q, n_k) / (batch, n_q, n_k) reach linear attention in the
     (batch, heads, n_q, n_k) layout: the layer equals its projections around the functional call."""
@@ -310,7 +330,7 @@ def test_decoding_needs_a_causal_feature_map_or_the_exact_kernel():
     with pytest.raises(ValueError, match="causal"):
         layer(causal=False)(x, return_state=True)
     with pytest.raises(ValueError, match="fixed-size recurrent state"):
-        layer("window_linear", causal=True)(x, return_state=True)
+        layer("eva", causal=True)(x, return_state=True)           # query-dependent: no decoding state
     _, cache = layer("exact", num_features=None, causal=True)(x, return_state=True)     # its KV cache
     assert cache.num_tokens == x.shape[1] and cache.state_bytes() > 0
     with pytest.raises(ValueError, match="self-attention"):

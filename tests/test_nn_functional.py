@@ -54,7 +54,9 @@ def test_grouped_query_heads_equal_the_repeated_heads_reference(name, causal):
     if name != "exact" and causal:                                             # states per query head
         _, state = kernel_attention(q, k, v, est, causal=True, return_state=True)
         assert state.w.shape == (B, H, est.num_features, D)
-        torch.testing.assert_close(state.w[:, 0], state.w[:, 1], rtol=0, atol=0)    # one group, equal copies
+        # one group, equal copies (to the rounding of the batched product, which may differ by an ulp per head)
+        ulps = 8 * torch.finfo(state.w.dtype).eps * float(state.w.abs().max())
+        torch.testing.assert_close(state.w[:, 0], state.w[:, 1], rtol=0, atol=ulps)
 
 
 def test_bad_heads_raise_naming_the_argument():

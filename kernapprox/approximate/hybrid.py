@@ -25,21 +25,31 @@ Modes (all agree to floating-point tolerance):
 ``recurrent``
     token by token: a linear-attention state of the keys that left the window plus the last ``w``
     keys and values (a KV window); non-causal runs a forward and a backward scan.
+
+Padding: ``key_padding_mask`` (True = padding) removes a key from both parts, ``query_padding_mask`` gives a padded
+query the row 0; the band still counts positions, padding included, so a left-padded sequence's real tokens see
+the same keys as the sequence alone (padding sits before all of them).
+
+Decoding: :meth:`WindowLinear.decode_extend` continues causal attention from a fixed-size :class:`WindowState`
+(the last ``w`` keys and values, exact, and the sum-rule linear state of the keys that left the window), the state
+:func:`kernapprox.attention.decode.decode_cache` keeps for these estimators from prefill to decode. Its size is
+``state_bytes``'s: it never grows with the context.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
+from ..attention.masks import check_key_padding_mask, check_query_padding_mask, check_rows, zero_padded_rows
 from ..attention.recurrent import add_keys, read_queries
 from ..estimators.base import AttentionEstimator, AttentionParts, FeatureMap
 from ..estimators.registry import capabilities, make_estimator, register
-from ..rules import NormalizedState
-from ..validation import check_positive_int, check_qk, compute_dtype, itemsize
+from ..rules import SENTINEL, NormalizedState
+from ..validation import check_positive_int, check_qk, check_qkv, compute_dtype, itemsize
 
 
 class WindowLinear(AttentionEstimator):
@@ -55,7 +65,9 @@ class WindowLinear(AttentionEstimator):
     descriptive attributes, which are read from the map). With ``w ≥ n`` it is exact softmax attention.
 
     The recurrent state is a KV window of ``w`` keys and values plus the linear state of the keys that left it:
-    ``state_bytes = (w (d + d_v) + r (d_v + 1)) · itemsize``. Based (Arora et al. 2024) pairs a 64-token
+    ``state_bytes = (w (d + d_v) + r (d_v + 1)) · itemsize``; :meth:`decode_extend` carries exactly that state
+    (:class:`WindowState`) from prefill to decode. Key and query padding masks are taken in every mode (the module
+    docstring says how the band counts them). Based (Arora et al. 2024) pairs a 64-token
     window with a second-order Taylor map; here any registered feature map can be used (default ``"positive"``).
 
     Parameters
@@ -90,6 +102,8 @@ class WindowLinear(AttentionEstimator):
     reference = "Arora et al. 2024 (Based, ICML): exact sliding window + linear attention"
     # how it uses the linear-attention core: the keys beyond the near block are the sum-rule block states
     core: ClassVar[tuple[str, ...]] = ("add_keys", "read_queries")
+    key_padding = True            # attention takes key_padding_mask (and query_padding_mask)
+    decode_state = True           # decode_extend: a KV window plus a linear state, fixed in size
     subtract_support: ClassVar[bool] = False    # Scatterbrain's form: full estimate minus the band's estimate
     normalizer_floor: ClassVar[float] = 0.0     # Scatterbrain clamps the linear normaliser at 1e-24
 
@@ -139,11 +153,19 @@ class WindowLinear(AttentionEstimator):
         return window * (self.dim_ + d_v) * itemsize(dtype) + self.feature_map_.state_bytes(d_v, dtype,
                                                                                              seq_len=seq_len)
 
-    def _features(self, q, k, ct):
-        """Stabilised features of (already checked) queries and keys in the compute dtype."""
+    def _features(self, q, k, ct, padding=None):
+        """Stabilised features of (already checked) queries and keys in the compute dtype; a padded key's
+        features are 0 at the empty state's log-scale (it adds nothing to any sum)."""
         pq, lq = self.feature_map_.features(q, "query", log_scale=True, check_finite=False)
+        pk, lk = self._key_features(k, ct, padding)
+        return pq.to(ct), lq.to(ct), pk, lk
+
+    def _key_features(self, k, ct, padding=None):
         pk, lk = self.feature_map_.features(k, "key", log_scale=True, check_finite=False)
-        return pq.to(ct), lq.to(ct), pk.to(ct), lk.to(ct)
+        pk, lk = pk.to(ct), lk.to(ct)
+        if padding is not None:
+            pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
+        return pk, lk
 
     # ------------------------------------------------------------------------------------ kernel matrix
     def kernel_matrix(self, q, k):
@@ -162,12 +184,18 @@ class WindowLinear(AttentionEstimator):
         return torch.where(band, exact, approx).to(q.dtype)
 
     # ---------------------------------------------------------------------------------------- attention
-    def attention(self, q, k, v, *, causal=False, mode="chunked", chunk_size=64, return_parts=False):
-        """Attention with the hybrid estimate; see the module docstring for the modes."""
+    def attention(self, q, k, v, *, causal=False, mode="chunked", chunk_size=64, return_parts=False,
+                  key_padding_mask=None, query_padding_mask=None):
+        """Attention with the hybrid estimate; see the module docstring for the modes and the padding masks
+        (``(..., n_k)`` and ``(..., n_q)`` bool, True = padding, as :func:`kernapprox.linear_attention`'s)."""
         self._check_call(q, k, v, causal, mode, chunk_size)
+        padding = check_key_padding_mask(key_padding_mask, k)
+        qpad = check_query_padding_mask(query_padding_mask, q)
+        check_rows(causal=causal, key_padding=padding, allowed=None, state_nonempty=None, n_q=q.shape[-2],
+                   exempt=qpad)
         ct = compute_dtype(q.dtype)
-        pq, lq, pk, lk = self._features(q, k, ct)
-        seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk)
+        pq, lq, pk, lk = self._features(q, k, ct, padding)
+        seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk, padding)
         if mode == "parallel":
             num, den, logs = self._block(seq, 0, seq.n_q, 0, seq.n_k, causal, None)
         else:                                       # recurrent: the chunked sweep one token at a time
@@ -175,16 +203,108 @@ class WindowLinear(AttentionEstimator):
             blocks = self._causal_blocks(seq, spans) if causal else self._bidirectional_blocks(seq, spans)
             nums, dens, logs = zip(*blocks)
             num, den, logs = torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+        num, den, logs = zero_padded_rows(num, den, logs, qpad)
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
             return AttentionParts(out, num, den, logs)
         return out
+
+    # ----------------------------------------------------------------------------------------- decoding
+    def decode_extend(self, state: WindowState | None, q, k, v, *, key_padding_mask=None,
+                      query_padding_mask=None, chunk_size: int = 64):
+        """Causal attention of ``n`` new tokens after the tokens a :class:`WindowState` holds: ``(out, state)``.
+
+        New query ``i`` reads the window's keys and the new keys up to itself (exact on its band of the last
+        ``w`` positions, the features' estimate on the rest of them) plus the linear state of every older key;
+        then the keys that fall out of the last ``w`` positions are added to the linear state
+        (:func:`~kernapprox.attention.recurrent.add_keys`, the running-maximum stabiliser) and the window keeps the
+        last ``w``. ``state`` ``None`` is the empty state (the first call is the prefill). The new tokens are taken
+        ``chunk_size`` at a time, so a long prompt costs ``O(n (w + chunk_size))``, never ``n × n``.
+
+        Equal (to rounding) to the rows of the new queries of ``attention(..., causal=True)`` over the whole
+        context, padding masks included (tested for prefill + one-token steps in float64). The state's tensors are
+        in the compute dtype (float32 for half-precision inputs).
+
+        Parameters
+        ----------
+        state : WindowState or None
+        q, k, v : Tensor
+            ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)``: the new tokens.
+        key_padding_mask, query_padding_mask : bool Tensor ``(..., n)``, optional
+            True = the new token is padding: its key enters neither part, its row is 0.
+        chunk_size : int
+            New queries per block.
+        """
+        self._check_fitted()
+        check_qkv(q, k, v, True)
+        self._check_dim(q)
+        check_positive_int(chunk_size, "chunk_size")
+        ct = compute_dtype(q.dtype)
+        padding = check_key_padding_mask(key_padding_mask, k)
+        qpad = check_query_padding_mask(query_padding_mask, q)
+        batch = k.shape[:-2]
+        if padding is None:
+            padding = torch.zeros(*batch, k.shape[-2], dtype=torch.bool, device=k.device)
+        if state is None:
+            state = WindowState(k.new_zeros(*batch, 0, k.shape[-1], dtype=ct),
+                                v.new_zeros(*batch, 0, v.shape[-1], dtype=ct),
+                                torch.zeros(*batch, 0, dtype=torch.bool, device=k.device), None)
+        elif not isinstance(state, WindowState):
+            raise TypeError(f"state must be a WindowState (or None), got {type(state).__name__}")
+        elif (tuple(state.keys.shape[:-2]) != tuple(batch) or state.keys.shape[-1] != k.shape[-1]
+              or state.values.shape[-1] != v.shape[-1] or state.keys.dtype != ct):
+            raise ValueError(f"state of keys {tuple(state.keys.shape)} ({state.keys.dtype}) and values "
+                             f"{tuple(state.values.shape)} does not continue k {tuple(k.shape)} and v "
+                             f"{tuple(v.shape)} in {ct}")
+        outs = []
+        for a in range(0, q.shape[-2], chunk_size):
+            b = min(a + chunk_size, q.shape[-2])
+            out, state = self._decode_block(state, q[..., a:b, :], k[..., a:b, :].to(ct), v[..., a:b, :].to(ct),
+                                            padding[..., a:b], None if qpad is None else qpad[..., a:b], ct)
+            outs.append(out)
+        return torch.cat(outs, -2).to(q.dtype), state
+
+    def _decode_block(self, state, q, k, v, padding, qpad, ct):
+        m, n = state.keys.shape[-2], q.shape[-2]
+        keys, values = torch.cat([state.keys, k], -2), torch.cat([state.values, v], -2)
+        pad = torch.cat([state.padding, padding], -1)
+        pk, lk = self._key_features(keys, ct, pad)
+        pq, lq = self.feature_map_.features(q, "query", log_scale=True, check_finite=False)
+        # the new queries sit after the window: rows [m, m + n) of a sequence whose first m rows are never read
+        lead = (*q.shape[:-2], m)
+        queries = torch.cat([q.new_zeros(*lead, q.shape[-1], dtype=ct), q.to(ct) * self.scale_], -2)
+        pq = torch.cat([pq.new_zeros(*lead, pq.shape[-1], dtype=ct), pq.to(ct)], -2)
+        lq = torch.cat([lq.new_zeros(lead, dtype=ct), lq.to(ct)], -1)
+        seq = _Sequence(queries, keys, values, pq, lq, pk, lk, pad)
+        far, older = None, None
+        if state.linear is not None:
+            num_far, den_far = read_queries(state.linear, pq[..., m:, :])
+            far = num_far, den_far, state.linear.log_scale[..., None].expand(den_far.shape)
+            older = state.linear.log_scale > SENTINEL / 2            # has the linear state absorbed a real key?
+        has_key = (torch.cumsum((~pad).to(torch.int32), -1) > 0)[..., m:]
+        if older is not None:
+            has_key = has_key | older[..., None]
+        if qpad is not None:
+            has_key = has_key | qpad
+        if not bool(has_key.all()):
+            raise ValueError("a query has no key to attend to: every key before it is padding "
+                             "(key_padding_mask and causal order); mark it in query_padding_mask")
+        num, den, logs = self._block(seq, m, m + n, 0, m + n, True, far)
+        num, den, _ = zero_padded_rows(num, den, logs, qpad)
+        drop = max(0, m + n - self.window)                           # keys that leave the last w positions
+        linear = state.linear
+        if drop:
+            linear = add_keys(linear, pk[..., :drop, :], lk[..., :drop], values[..., :drop, :])
+        return num / den[..., None], WindowState(keys[..., drop:, :], values[..., drop:, :], pad[..., drop:], linear)
 
     def _block(self, seq, a, b, lo, hi, causal, far):
         """Queries ``[a, b)`` against the near keys ``[lo, hi)`` (exact on the band, features elsewhere) plus
         ``far = (num, den, c)``: stabilised linear sums over all other keys these queries see, at scale
         ``ℓ(q) + c``. Returns numerator, normaliser and their log-scale ``L`` for the rows."""
         band, allowed = _masks(a, b, lo, hi, self.window, causal, seq.q.device)
+        if seq.pad is not None:                     # a padded key takes part in neither the band nor the rest
+            real = ~seq.pad[..., None, lo:hi]
+            band, allowed = band & real, allowed & real
         logits = seq.q[..., a:b, :] @ seq.k[..., lo:hi, :].transpose(-1, -2)
         masked = logits.masked_fill(~band, -math.inf)
         row_max = masked.amax(-1) if hi > lo else logits.new_full(logits.shape[:-1], -math.inf)
@@ -287,12 +407,44 @@ class Scatterbrain(WindowLinear):
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+class WindowState(NamedTuple):
+    """The fixed-size decoding state of :class:`WindowLinear` and :class:`Scatterbrain` after some tokens.
+
+    Attributes
+    ----------
+    keys, values : Tensor
+        ``(..., m, d)``, ``(..., m, d_v)``, ``m ≤ w``: the last ``m`` tokens' keys and values (compute dtype),
+        the exact part's window.
+    padding : bool Tensor
+        ``(..., m)``: which of them are padding.
+    linear : NormalizedState or None
+        The sum-rule state ``(W̃, z̃, c)`` of every older key (``None`` until a key leaves the window).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    padding: torch.Tensor
+    linear: NormalizedState | None
+
+    def index_select(self, index: torch.Tensor) -> WindowState:
+        """The batch entries ``index`` (on the first batch dimension), as beam search reorders them."""
+        linear = None if self.linear is None else NormalizedState(
+            *(t.index_select(0, index.to(t.device)) for t in self.linear))
+        return WindowState(*(t.index_select(0, index.to(t.device)) for t in (self.keys, self.values, self.padding)),
+                           linear)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds."""
+        return [self.keys, self.values, self.padding, *(() if self.linear is None else self.linear)]
+
+
 class _Sequence:
     """Everything one attention call needs, in the compute dtype: scaled queries ``s·q`` (exact logits), keys,
-    values and the stabilised features ``(φ̃, ℓ)`` of queries and keys."""
+    values, the stabilised features ``(φ̃, ℓ)`` of queries and keys (a padded key's are 0 at the empty
+    log-scale), and the key padding ``(..., n_k)`` (or ``None``)."""
 
-    def __init__(self, q, k, v, pq, lq, pk, lk):
-        self.q, self.k, self.v, self.pq, self.lq, self.pk, self.lk = q, k, v, pq, lq, pk, lk
+    def __init__(self, q, k, v, pq, lq, pk, lk, pad=None):
+        self.q, self.k, self.v, self.pq, self.lq, self.pk, self.lk, self.pad = q, k, v, pq, lq, pk, lk, pad
         self.n_q, self.n_k = q.shape[-2], k.shape[-2]
 
 

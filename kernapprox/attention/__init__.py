@@ -21,7 +21,7 @@ Examples
 True
 """
 
-from .decode import DecodeCache, FeatureStateCache, KVCache, ReplayCache, decode_cache
+from .decode import DecodeCache, EstimatorStateCache, FeatureStateCache, KVCache, decode_cache
 from .exact import softmax_attention
 from .linear import (
     MODES,
@@ -38,4 +38,4 @@ __all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_f
            "linear_attention_from_log_features", "add_keys", "read_queries", "add_log_keys", "RecurrentState",
            "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
            "linear_attention_from_log_features_naive", "decode_cache", "DecodeCache", "FeatureStateCache", "KVCache",
-           "ReplayCache"]
+           "EstimatorStateCache"]

@@ -9,16 +9,15 @@
 :class:`KVCache` (``exact``)
     the keys and values of every token so far (and which of them are padding): softmax attention of the new
     queries over all of them, each new query seeing the cached keys and the new keys up to itself.
-:class:`ReplayCache` (estimators with their own causal attention that reads one query at a time: the hybrids
+:class:`EstimatorStateCache` (estimators with their own attention that declare ``decode_state``: the hybrids
     ``window_linear`` and ``scatterbrain``)
-    every key and value so far; the rows of new queries are recomputed by the estimator's own causal attention over
-    the whole context. Its memory grows with the context: these estimators' fixed-size decoding state (a KV window
-    plus a linear state, what their ``state_bytes`` accounts for) is their own attention's internal, which they do
-    not hand to the core.
+    the estimator's own fixed-size state, carried by its ``decode_extend`` (the hybrids: the last ``w`` keys and
+    values plus the linear state of the keys that left the window, :class:`~kernapprox.approximate.hybrid.WindowState`);
+    its size does not grow with the context either.
 
 Estimators whose output at a token depends on the other queries of the call (declared ``query_dependent``: EVA,
-the kernel SVD reference) or that define no causal attention have no decoding cache: :func:`decode_cache` raises
-``ValueError`` naming them.
+the kernel SVD reference), that define no causal attention, or that bring their own attention without a decoding
+state have no decoding cache: :func:`decode_cache` raises ``ValueError`` naming them.
 
 Every cache has the same calls. With ``q, k, v`` ``(..., n, d)``, ``(..., n, d)``, ``(..., n, d_v)`` the next ``n``
 tokens of every batch entry:
@@ -35,8 +34,8 @@ tokens of every batch entry:
 ``state_bytes()``
     the memory the cache stands for, in the convention of :mod:`kernapprox.memory` and the memory axes: the
     estimator's :meth:`~kernapprox.estimators.base.Estimator.state_bytes` at the state's dtype and the number of
-    tokens seen, times the batch entries (:class:`ReplayCache`: the keys and values it holds).
-    ``held_bytes()`` is what its tensors occupy now.
+    tokens seen, times the batch entries. ``held_bytes()`` is what its tensors occupy now (a hybrid's also holds
+    its window's padding flags, one byte a token, which ``state_bytes`` does not count).
 
 Precision: states are kept in the compute dtype (float32 for half-precision inputs, float64 for float64), and the
 core runs with autocast disabled, so a prefill under ``torch.autocast(dtype=torch.bfloat16)`` keeps float32 states
@@ -73,13 +72,13 @@ from .exact import softmax_attention
 from .linear import linear_attention
 from .masks import mask_kwargs
 
-__all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "ReplayCache"]
+__all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "EstimatorStateCache"]
 
 
 def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -> DecodeCache:
     """The decoding cache of a fitted ``estimator`` (see the module docstring): :class:`FeatureStateCache` for a
-    feature map, :class:`KVCache` for the exact kernel, :class:`ReplayCache` for a causal estimator with its own
-    attention that is not query-dependent.
+    feature map, :class:`KVCache` for the exact kernel, :class:`EstimatorStateCache` for a causal estimator with its
+    own attention that declares ``decode_state``.
 
     Parameters
     ----------
@@ -93,8 +92,9 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -
     Raises
     ------
     ValueError
-        The estimator defines no causal attention, or its output depends on the other queries of a call
-        (``query_dependent``): no prefill + decode reproduces its full pass.
+        The estimator defines no causal attention, its output depends on the other queries of a call
+        (``query_dependent``: no prefill + decode reproduces its full pass), or it brings its own attention and
+        keeps no decoding state (``decode_state`` False).
     """
     if not isinstance(estimator, Estimator):
         raise TypeError(f"estimator must be a kernapprox estimator, got {type(estimator).__name__}")
@@ -117,7 +117,10 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -
         raise ValueError(f"{name} has no decoding cache: its output at a token depends on the other queries of the "
                          "call (it is query_dependent: proposals, landmarks or a fit on the call's queries), so a "
                          "prefill followed by one-token steps cannot reproduce its full causal pass")
-    return ReplayCache(estimator, mode=mode)
+    if not caps.decode_state:
+        raise ValueError(f"{name} brings its own attention and keeps no decoding state (decode_state is False): "
+                         "implement decode_extend and declare decode_state = True to decode with it")
+    return EstimatorStateCache(estimator)
 
 
 def _default_mode(estimator: Estimator, mode: str | None) -> str:
@@ -324,48 +327,43 @@ class KVCache(DecodeCache):
         return self._entries() * self.estimator.state_bytes(self._d_v, self.keys.dtype, seq_len=self.num_tokens)
 
 
-class ReplayCache(DecodeCache):
-    """Every key and value so far, for an estimator that brings its own causal attention (``kind="attention"``,
-    not query-dependent): the rows of the new queries are its causal attention over the whole context, with the
-    earlier queries' rows (which it does not read for these rows) left at zero.
+class EstimatorStateCache(DecodeCache):
+    """The fixed-size decoding state of an estimator with its own attention (declared ``decode_state``).
 
-    Exact to rounding, but its memory grows with the context (``num_tokens · (d + d_v)`` numbers per entry) and
-    each call costs a pass over the context: the fixed-size state these estimators account for in their
-    ``state_bytes`` lives inside their own attention. Such estimators take no padding masks.
+    ``extend`` is ``estimator.decode_extend(state, q, k, v, ...)``: the estimator reads its state and the new keys
+    up to each new query and returns the state after them (the hybrids:
+    :class:`~kernapprox.approximate.hybrid.WindowState`, the last ``w`` keys and values and the linear state of
+    the older keys). ``state`` is ``None`` before the first call; its tensors are in the compute dtype.
     """
 
-    def __init__(self, estimator: Estimator, *, mode: str | None = None):
-        super().__init__(estimator, mode=mode)
-        self.keys = self.values = None
+    def __init__(self, estimator: Estimator, *, chunk_size: int = 64):
+        super().__init__(estimator, mode=None)
+        self.chunk_size = chunk_size
+        self.state = None
 
     def _extend(self, q, k, v, key_padding, query_padding):
-        if key_padding is not None or query_padding is not None:
-            if bool((key_padding if key_padding is not None else query_padding).any()):
-                raise ValueError(f"{type(self.estimator).__name__} brings its own attention, which takes no padding "
-                                 "masks: decode unpadded sequences with it")
-        n_new = k.shape[-2]
-        keys = k if self.keys is None else torch.cat([self.keys, k], -2)
-        values = v if self.values is None else torch.cat([self.values, v], -2)
-        past = keys.shape[-2] - n_new
-        queries = q if not past else torch.cat([q.new_zeros(*q.shape[:-2], past, q.shape[-1]), q], -2)
         with _no_autocast(q):
-            out = linear_attention(queries, keys, values, self.estimator, causal=True, mode=self.mode)
-        self.keys, self.values = keys, values
-        return out[..., past:, :]
+            out, self.state = self.estimator.decode_extend(self.state, q, k, v, chunk_size=self.chunk_size,
+                                                           **mask_kwargs(key_padding,
+                                                                         query_padding_mask=query_padding))
+        return out
 
     def reset(self) -> None:
         super().reset()
-        self.keys = self.values = None
+        self.state = None
 
     def select(self, index: torch.Tensor) -> None:
-        if self.keys is not None:
-            index = index.to(self.keys.device)
-            self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        if self.state is not None:
+            self.state = self.state.index_select(index)
             self._batch = (len(index), *self._batch[1:])
 
     def _tensors(self):
-        return [t for t in (self.keys, self.values) if t is not None]
+        return [] if self.state is None else self.state.tensors()
 
     def state_bytes(self) -> int:
-        """What it holds: batch entries × ``num_tokens · (d + d_v)`` numbers of the keys' dtype."""
-        return self.held_bytes()
+        """Batch entries × the estimator's ``state_bytes(d_v, state dtype, seq_len=num_tokens)`` (the hybrids: the
+        window's ``min(w, n) (d + d_v)`` numbers plus the linear state); 0 before the first call."""
+        if self.state is None:
+            return 0
+        dtype = self.state.tensors()[0].dtype
+        return self._entries() * self.estimator.state_bytes(self._d_v, dtype, seq_len=max(self.num_tokens, 1))

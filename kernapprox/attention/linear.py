@@ -527,7 +527,8 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     key_padding_mask : bool Tensor ``(..., n_k)``, optional
         ``nn.MultiheadAttention``'s convention: True = the key is padding and no query reads it (it adds nothing
         to the state; the decay still counts its position). Broadcast by torch's rules against the batch
-        dimensions, aligned from the right: for ``(B, H, n, d)`` inputs pass ``(B, 1, n_k)``. Every mode.
+        dimensions, aligned from the right: for ``(B, H, n, d)`` inputs pass ``(B, 1, n_k)``. Every mode; an
+        estimator with its own attention takes it where it declares ``key_padding`` (the hybrids), else raises.
     attn_mask : Tensor broadcastable to ``(..., n_q, n_k)``, optional
         SDPA's convention: bool with True = the pair takes part, or float additive (the inputs' dtype; ``−inf``
         removes a pair) — parallel mode only, where query ``i`` reads the state built from the keys its row
@@ -615,11 +616,13 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
                 return out
             one = torch.ones_like(lse)
             return AttentionParts(out, out.to(lse.dtype), one, lse)
-        if padding is not None or mask is not None:
-            raise ValueError(f"{name} brings its own attention, which takes no key_padding_mask or attn_mask")
+        if mask is not None or (padding is not None and not caps.key_padding):
+            raise ValueError(f"{name} brings its own attention, which takes no "
+                             f"{'attn_mask' if caps.key_padding else 'key_padding_mask or attn_mask'}")
+        extra = mask_kwargs(key_padding_mask, query_padding_mask=query_padding_mask) if caps.key_padding else {}
         result = estimator.attention(q, k, v, causal=causal, mode=mode, chunk_size=chunk_size,
-                                     return_parts=return_parts)
-        if qpad is None:
+                                     return_parts=return_parts, **extra)
+        if qpad is None or caps.key_padding:          # an estimator that takes the masks gives padded rows 0 itself
             return result
         if not return_parts:                     # every row saw keys (no key mask): only the padded rows are zeroed
             return result.masked_fill(qpad[..., None], 0.0)

@@ -140,6 +140,14 @@ class Capabilities:
         The output at a query depends on the other queries it is computed with (the estimator is fitted on, or
         builds its proposals or landmarks from, the queries of the call): it reads a batch of queries at once,
         never one query against a state built from the keys alone.
+    key_padding : bool
+        Its attention takes ``key_padding_mask`` (and ``query_padding_mask``): feature maps and the exact kernel
+        always (the core applies them); an estimator with its own attention when it declares so.
+    decode_state : bool
+        Prefill + decode keep a state whose size does not grow with the context
+        (:func:`kernapprox.attention.decode.decode_cache`): feature maps always (the linear state under their rule);
+        an estimator with its own attention when it declares so and implements ``decode_extend`` (the hybrids: a
+        KV window plus a linear state). The exact kernel's cache is its KV cache, which grows.
     modes : tuple of str
         The attention modes it runs in (a subset of ``("parallel", "recurrent", "chunked")``).
     rules : tuple of str
@@ -158,6 +166,8 @@ class Capabilities:
     fixed_dimension: bool
     rank_limited_by_points: bool
     query_dependent: bool
+    key_padding: bool
+    decode_state: bool
     modes: tuple[str, ...]
     rules: tuple[str, ...]
     reference: str
@@ -210,6 +220,8 @@ class Estimator:
     fixed_dimension: ClassVar[bool] = False
     rank_limited_by_points: ClassVar[bool] = False
     query_dependent: ClassVar[bool] = False
+    key_padding: ClassVar[bool | None] = None      # None: as the kind (features and exact: True)
+    decode_state: ClassVar[bool | None] = None     # None: as the kind (features: True)
     modes: ClassVar[tuple[str, ...]] = MODES
     rules: ClassVar[tuple[str, ...]] = (Sum.name,)
     reference: ClassVar[str] = ""
@@ -242,8 +254,10 @@ class Estimator:
             data_dependent=bool(d["data_dependent"]), causal_fit=bool(d["causal_fit"]),
             consistent=bool(d["unbiased"] if d["consistent"] is None else d["consistent"]), causal=bool(d["causal"]),
             fixed_dimension=bool(d["fixed_dimension"]), rank_limited_by_points=bool(d["rank_limited_by_points"]),
-            query_dependent=bool(d["query_dependent"]), modes=tuple(d["modes"]), rules=tuple(d["rules"]),
-            reference=str(d["reference"]))
+            query_dependent=bool(d["query_dependent"]),
+            key_padding=bool(d["kind"] != "attention" if d["key_padding"] is None else d["key_padding"]),
+            decode_state=bool(d["kind"] == "features" if d["decode_state"] is None else d["decode_state"]),
+            modes=tuple(d["modes"]), rules=tuple(d["rules"]), reference=str(d["reference"]))
 
     def capabilities(self) -> Capabilities:
         """The capabilities of this estimator (its class's declarations resolved for its parameters)."""
@@ -682,7 +696,9 @@ class AttentionEstimator(Estimator):
     Nyströmformer, the rank-r references and the hybrids (sliding window + linear, Scatterbrain) approximate
     attention through objects other than ``φ(q)ᵀφ(k)``: softmax blocks, an SVD, an exact band. They implement
     ``attention(q, k, v, *, causal, mode, chunk_size, return_parts)`` and ``kernel_matrix(q, k)``;
-    :func:`kernapprox.linear_attention` dispatches to their ``attention``.
+    :func:`kernapprox.linear_attention` dispatches to their ``attention``. One that declares ``key_padding = True``
+    takes ``key_padding_mask=`` and ``query_padding_mask=`` there too; one that declares ``decode_state = True``
+    implements :meth:`decode_extend`, its fixed-size decoding state.
     """
 
     kind: ClassVar[str] = "attention"
@@ -709,6 +725,13 @@ class AttentionEstimator(Estimator):
                   return_parts: bool = False):
         """Approximate attention ``(..., n, d_v)`` (or :class:`AttentionParts` with ``return_parts=True``)."""
         raise NotImplementedError
+
+    def decode_extend(self, state, q, k, v, *, key_padding_mask=None, query_padding_mask=None,
+                      chunk_size: int = 64):
+        """Causal attention of new tokens ``(..., n, d)`` after those ``state`` holds (``None``: none yet):
+        ``(out, new_state)``, a state whose size does not grow with the context. Declared by ``decode_state``."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no fixed-size decoding state (decode_state is "
+                                  "False)")
 
     def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
         """Estimators that need the whole sequence have no recurrent state; those with one override this."""

@@ -642,7 +642,9 @@ class KernelAttention(nn.Module):
             autocast), to continue token by token with :meth:`step` (prefill, then decode): the state of
             :func:`~kernapprox.nn.functional.kernel_attention` handed to a ``RecurrentState`` with the layer's rule.
             With ``estimator="exact"`` the state is the KV cache (:class:`~kernapprox.attention.decode.KVCache`,
-            the same calls and ``state_bytes``), so the softmax baseline of a decoding comparison is the same code.
+            the same calls and ``state_bytes``), so the softmax baseline of a decoding comparison is the same code;
+            with a hybrid (``window_linear``, ``scatterbrain``) it is its fixed-size window + linear state
+            (:class:`~kernapprox.attention.decode.EstimatorStateCache`).
 
         Data-dependent estimators are fitted or refitted first, as the refit policy says (module docstring).
         Dropout (``dropout > 0``) applies in training mode only.
@@ -667,8 +669,8 @@ class KernelAttention(nn.Module):
             self._apply_refit_policy(q, repeat_kv(k, self.num_heads // self.num_kv_heads))
         self._sync()
         dropout = self.dropout if self.training else 0.0
-        if return_state and caps.kind == "exact":      # the exact kernel's state is its KV cache
-            return self._exact_prefill(q, k, v, masks, dropout)
+        if return_state and caps.kind != "features":   # the exact kernel's KV cache, a hybrid's window + linear state
+            return self._cache_prefill(q, k, v, masks, dropout)
         out = kernel_attention(q, k, v, self.estimator, causal=causal, mode=self.mode, chunk_size=self.chunk_size,
                                rule=self.rule, dropout_p=dropout, training=self.training,
                                rng=self._dropout_rng if dropout else None, return_state=return_state, **masks)
@@ -681,11 +683,13 @@ class KernelAttention(nn.Module):
             return out
         return out, RecurrentState(self.estimator, rule=self.rule, initial_state=state)
 
-    def _exact_prefill(self, q, k, v, masks, dropout):
-        """``forward(..., return_state=True)`` of the exact kernel: the prompt's causal attention through a
-        :class:`~kernapprox.attention.decode.KVCache`, which :meth:`step` then extends."""
+    def _cache_prefill(self, q, k, v, masks, dropout):
+        """``forward(..., return_state=True)`` of an estimator that is not a feature map: the prompt's causal
+        attention through its decoding cache (:func:`~kernapprox.attention.decode.decode_cache`: the exact kernel's
+        :class:`~kernapprox.attention.decode.KVCache`, a hybrid's
+        :class:`~kernapprox.attention.decode.EstimatorStateCache`), which :meth:`step` then extends."""
         if "attn_mask" in masks:
-            raise ValueError("return_state with an attn_mask: a KV cache continues causal attention over every "
+            raise ValueError("return_state with an attn_mask: a decoding cache continues causal attention over every "
                              "earlier key (use key_padding_mask / query_padding_mask)")
         if dropout:
             raise ValueError("return_state in training with dropout > 0: decoding runs without dropout (call "
@@ -723,10 +727,10 @@ class KernelAttention(nn.Module):
         caps = self.estimator.capabilities()
         if caps.kind == "exact":                     # a KV cache (kernapprox.attention.decode.KVCache)
             return
-        if caps.kind != "features" or "recurrent" not in caps.modes:
+        if not caps.decode_state or caps.query_dependent or "recurrent" not in caps.modes:
             raise ValueError(f"estimator {self.estimator_name!r} has no fixed-size recurrent state (kind "
-                             f"{caps.kind!r}); decoding with step() needs a feature map or the exact kernel (a KV "
-                             "cache)")
+                             f"{caps.kind!r}); decoding with step() needs a feature map, an estimator that declares "
+                             "decode_state (the hybrids) or the exact kernel (a KV cache)")
 
     def step(self, x: torch.Tensor, state: RecurrentState, *, position=None) -> torch.Tensor:
         """One decoding step: ``x`` ``(batch, E)`` (or ``(batch, 1, E)``), the next token's layer input, is added
@@ -740,7 +744,7 @@ class KernelAttention(nn.Module):
                 raise TypeError("state must be the MapState returned by this layer's forward(..., return_state=True)")
         elif isinstance(state, DecodeCache):
             if state.estimator is not self.estimator:
-                raise TypeError("state must be the KV cache returned by this layer's forward(..., "
+                raise TypeError("state must be the decoding cache returned by this layer's forward(..., "
                                 "return_state=True)")
         elif not isinstance(state, RecurrentState) or state.estimator is not self.estimator or \
                 state.rule.name != self.rule.name:
@@ -769,7 +773,7 @@ class KernelAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         self._sync()
-        if isinstance(state, DecodeCache):             # the exact kernel: one more token in the KV cache
+        if isinstance(state, DecodeCache):             # the exact kernel's KV cache or a hybrid's state: one token
             y = state.step(q[..., 0, :], k[..., 0, :], v[..., 0, :])
             out = self.out_proj(y.reshape(y.shape[0], self.embed_dim))
             return out[:, None, :] if single else out

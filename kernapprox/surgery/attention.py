@@ -456,7 +456,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             out[:, index] = layer.decoder(tuple(index), entry, attention.mode).extend(
                 q_sel, k_sel, v_sel, **mask_kwargs(padding, query_padding_mask=query_padding))
             continue
-        if isinstance(entry, PerSequence) or (padding is not None and entry.capabilities().kind == "attention"):
+        if isinstance(entry, PerSequence) or (padding is not None and not entry.capabilities().key_padding):
             out[:, index] = _per_sequence(call, index, entry, attention.mode)
             continue
         _check_scale(entry, call.scaling)
