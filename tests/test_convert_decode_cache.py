@@ -182,6 +182,26 @@ def test_the_hybrid_state_continues_the_full_pass_over_chunk_boundaries(name, wi
     assert state.keys.shape[-2] == window and state.linear is not None
 
 
+@pytest.mark.parametrize("name", ["positive", "exact", "window_linear"])
+def test_a_float64_state_serves_float32_inputs(name):
+    """state_dtype=float64: the cache computes in and keeps float64 while the inputs and outputs stay float32, and
+    gives the float64 full pass to float32 rounding of the output."""
+    q, k, v = _qkv(seed=8)
+    est = _fitted(name, q, k)
+    cache = decode_cache(est, state_dtype=torch.float64)
+    got = _decoded(cache, q.float(), k.float(), v.float())
+    assert got.dtype == torch.float32
+    assert all(t.dtype == torch.float64 for t in cache._tensors() if t.is_floating_point())
+    want = ka.linear_attention(q.float().double(), k.float().double(), v.float().double(), est, causal=True,
+                               mode=cache.mode)
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=1e-6)
+    single = decode_cache(est)
+    _decoded(single, q.float(), k.float(), v.float())
+    assert cache.state_bytes() == 2 * single.state_bytes()              # what it keeps, at 8 bytes a number
+    with pytest.raises(TypeError, match="state_dtype"):
+        decode_cache(est, state_dtype=torch.int64)
+
+
 def test_bad_continuations_are_refused():
     q, k, v = _qkv()
     cache = decode_cache(_fitted("positive", q, k))

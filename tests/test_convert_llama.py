@@ -122,6 +122,26 @@ def test_the_state_does_not_grow_with_the_context():
     assert held[0] == held[1] == 2 * 2 * 4 * (3 * (8 + 8) + 8 * (8 + 1)) * 4
 
 
+def test_a_kernel_cache_with_float64_states_decodes_a_float32_model():
+    """KernelCache(model, state_dtype=float64), passed at the prefill: the substituted heads keep float64 states
+    (twice the bytes) and decoding gives the float32 model's full pass to float32 rounding."""
+    converted = convert(llama(), "positive", num_features=8)
+    tokens = ids(n=10)
+    with torch.no_grad():
+        full = converted(input_ids=tokens, use_cache=False).logits
+        cache = KernelCache(converted, state_dtype=torch.float64)
+        out = converted(input_ids=tokens[:, :6], use_cache=True, cache=cache)
+        assert out.cache is cache
+        steps = [converted(input_ids=tokens[:, t:t + 1], use_cache=True, cache=cache).logits for t in range(6, 10)]
+    assert all(t.dtype == torch.float64 for layer in cache.layers for dec in layer.decoders.values()
+               for t in dec.state)
+    torch.testing.assert_close(torch.cat(steps, 1), full[:, 6:], rtol=0, atol=1e-5)
+    float32 = decode_steps(converted, tokens, prefill=6)[1]
+    assert cache.state_bytes() == 2 * float32.state_bytes()
+    with pytest.raises(TypeError, match="state_dtype"):
+        KernelCache(converted, state_dtype="float64")
+
+
 def test_generate_decodes_with_the_state_cache_greedily():
     tokens = ids(n=6)
     for name in ("positive", "exact"):

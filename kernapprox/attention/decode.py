@@ -75,7 +75,8 @@ from .masks import mask_kwargs
 __all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "EstimatorStateCache"]
 
 
-def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -> DecodeCache:
+def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum",
+                 state_dtype: torch.dtype | None = None) -> DecodeCache:
     """The decoding cache of a fitted ``estimator`` (see the module docstring): :class:`FeatureStateCache` for a
     feature map, :class:`KVCache` for the exact kernel, :class:`EstimatorStateCache` for a causal estimator with its
     own attention that declares ``decode_state``.
@@ -88,6 +89,11 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -
         The attention mode of the calls (default: ``"chunked"`` where declared, else the first declared mode).
     rule : str or rule object
         The state rule of a feature map (:mod:`kernapprox.rules`; default the sum). Other kinds take the sum only.
+    state_dtype : torch.dtype, optional
+        The floating dtype the cache computes in and keeps its state (or keys and values) in; the outputs come back
+        in the inputs' dtype. Default: the inputs' compute dtype (float32 for half-precision inputs). ``float64``
+        serves maps whose features span more than float32's range on the model's activations (a float32 call
+        raises naming that cause, and a call that continues a state cannot be recomputed in float64 by itself).
 
     Raises
     ------
@@ -107,12 +113,14 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -
     if mode is not None and mode not in caps.modes:
         raise ValueError(f"mode {mode!r} is not supported by {name}; supported: {', '.join(caps.modes)}")
     rule = resolve_rule(rule)
+    if state_dtype is not None and (not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point):
+        raise TypeError(f"state_dtype must be a floating torch.dtype or None, got {state_dtype!r}")
     if caps.kind == "features":
-        return FeatureStateCache(estimator, mode=mode, rule=rule)
+        return FeatureStateCache(estimator, mode=mode, rule=rule, state_dtype=state_dtype)
     if rule.name != "sum":
         raise ValueError(f"rule {rule.name!r} needs a feature map; {name} takes the sum rule only")
     if caps.kind == "exact":
-        return KVCache(estimator)
+        return KVCache(estimator, state_dtype=state_dtype)
     if caps.query_dependent:
         raise ValueError(f"{name} has no decoding cache: its output at a token depends on the other queries of the "
                          "call (it is query_dependent: proposals, landmarks or a fit on the call's queries), so a "
@@ -120,7 +128,7 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum") -
     if not caps.decode_state:
         raise ValueError(f"{name} brings its own attention and keeps no decoding state (decode_state is False): "
                          "implement decode_extend and declare decode_state = True to decode with it")
-    return EstimatorStateCache(estimator)
+    return EstimatorStateCache(estimator, state_dtype=state_dtype)
 
 
 def _default_mode(estimator: Estimator, mode: str | None) -> str:
@@ -159,9 +167,10 @@ class DecodeCache:
         Tokens seen so far (padding included).
     """
 
-    def __init__(self, estimator: Estimator, *, mode: str | None = None):
+    def __init__(self, estimator: Estimator, *, mode: str | None = None, state_dtype: torch.dtype | None = None):
         self.estimator = estimator
         self.mode = _default_mode(estimator, mode)
+        self.state_dtype = state_dtype
         self.num_tokens = 0
         self._batch = None             # batch shape and d_v, fixed by the first call
         self._d_v = None
@@ -180,7 +189,10 @@ class DecodeCache:
         if self._batch is not None and (tuple(q.shape[:-2]) != self._batch or v.shape[-1] != self._d_v):
             raise ValueError(f"q/v of shapes {tuple(q.shape)}, {tuple(v.shape)} do not continue the cache of batch "
                              f"shape {self._batch} and d_v={self._d_v}")
-        out = self._extend(q, k, v, key_padding_mask, query_padding_mask)
+        dtype = q.dtype
+        if self.state_dtype is not None:
+            q, k, v = q.to(self.state_dtype), k.to(self.state_dtype), v.to(self.state_dtype)
+        out = self._extend(q, k, v, key_padding_mask, query_padding_mask).to(dtype)
         self._batch, self._d_v = tuple(q.shape[:-2]), v.shape[-1]
         self.num_tokens += k.shape[-2]
         return out
@@ -227,8 +239,8 @@ class FeatureStateCache(DecodeCache):
     call; its tensors are in the compute dtype (float32 under half-precision inputs or autocast).
     """
 
-    def __init__(self, estimator: Estimator, *, mode: str | None = None, rule="sum"):
-        super().__init__(estimator, mode=mode)
+    def __init__(self, estimator: Estimator, *, mode: str | None = None, rule="sum", state_dtype=None):
+        super().__init__(estimator, mode=mode, state_dtype=state_dtype)
         self.rule = resolve_rule(rule)
         self.state = None
 
@@ -271,8 +283,8 @@ class KVCache(DecodeCache):
     ``≤ i``; the keys and values are kept in their own dtype.
     """
 
-    def __init__(self, estimator: Estimator):
-        super().__init__(estimator, mode=None)
+    def __init__(self, estimator: Estimator, *, state_dtype=None):
+        super().__init__(estimator, mode=None, state_dtype=state_dtype)
         self.keys = self.values = None
         self.padding = None              # (..., n) bool, True = padding; None while no key was padding
 
@@ -336,8 +348,8 @@ class EstimatorStateCache(DecodeCache):
     the older keys). ``state`` is ``None`` before the first call; its tensors are in the compute dtype.
     """
 
-    def __init__(self, estimator: Estimator, *, chunk_size: int = 64):
-        super().__init__(estimator, mode=None)
+    def __init__(self, estimator: Estimator, *, chunk_size: int = 64, state_dtype=None):
+        super().__init__(estimator, mode=None, state_dtype=state_dtype)
         self.chunk_size = chunk_size
         self.state = None
 

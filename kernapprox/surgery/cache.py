@@ -84,8 +84,9 @@ class StateLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, *, keep_kv: bool = False):
+    def __init__(self, *, keep_kv: bool = False, state_dtype: torch.dtype | None = None):
         super().__init__()
+        self.state_dtype = state_dtype
         self.decoders: dict[tuple[int, ...], DecodeCache] = {}
         self.kv = DynamicLayer() if keep_kv else None
         self.seen = 0
@@ -117,7 +118,7 @@ class StateLayer(CacheLayerMixin):
         """The decoding cache of the head group ``heads`` (created for ``estimator`` at the first call)."""
         found = self.decoders.get(heads)
         if found is None:
-            found = self.decoders[heads] = decode_cache(estimator, mode=mode)
+            found = self.decoders[heads] = decode_cache(estimator, mode=mode, state_dtype=self.state_dtype)
         return found
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -179,7 +180,7 @@ class StateLayer(CacheLayerMixin):
                              "are not supported by a converted model's cache")
 
 
-def _layers_for(stack) -> list:
+def _layers_for(stack, state_dtype=None) -> list:
     layers = []
     for index in range(stack.num_layers):
         attention = sa.get_attention(stack.attention_module(index))
@@ -188,7 +189,7 @@ def _layers_for(stack) -> list:
         elif isinstance(attention, sa.TrainableAttention):     # every head by the map: no kept keys and values
             layers.append(StateLayer())
         else:
-            layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads)))
+            layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads), state_dtype=state_dtype))
     return layers
 
 
@@ -200,13 +201,22 @@ class KernelCache(DynamicCache):
     ----------
     model
         A converted Llama-family model (``LlamaForCausalLM`` or ``LlamaModel``).
+    state_dtype : torch.dtype, optional
+        The dtype the substituted heads' decoding caches compute and keep their states in
+        (:func:`~kernapprox.attention.decode.decode_cache`; default the activations' compute dtype). ``float64``
+        for maps whose float32 features underflow on the model's activations (the float32 cache raises, naming
+        it); the kept heads' keys and values and the trainable maps' states are not affected.
 
     A converted model creates it itself when a call uses a cache (:func:`install`); pass one as ``past_key_values``
-    to keep a handle on it from the start. ``state_bytes()`` is the memory of every layer's cache.
+    (``cache=`` in transformers 5) to keep a handle on it from the start, or to choose ``state_dtype``.
+    ``state_bytes()`` is the memory of every layer's cache.
     """
 
-    def __init__(self, model):
-        Cache.__init__(self, layers=_layers_for(LlamaStack(model)))
+    def __init__(self, model, *, state_dtype: torch.dtype | None = None):
+        if state_dtype is not None and (not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point):
+            raise TypeError(f"state_dtype must be a floating torch.dtype or None, got {state_dtype!r}")
+        self.state_dtype = state_dtype
+        Cache.__init__(self, layers=_layers_for(LlamaStack(model), state_dtype))
 
     def state_bytes(self) -> int:
         """Bytes of the whole cache: states of the substituted layers, keys and values of the others."""
