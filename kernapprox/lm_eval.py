@@ -66,7 +66,8 @@ def token_nll(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> np.ndar
     Entry ``[w, t]`` is ``−log p(x_{t+1} | x_0 … x_t)`` for window ``w`` of ``input_ids`` ``(n_windows, L)``: the
     log-softmax of the model's logits at position ``t`` (computed in float64), read at the next token. Windows run
     ``batch_size`` at a time (the logits of a batch, ``batch_size · L · vocab`` floats, are the memory peak). A
-    non-finite logit raises ``ValueError``.
+    non-finite logit raises ``ValueError``. The passes keep no cache (``use_cache=False``): a converted model runs
+    its parallel attention, not its decoder's.
     """
     input_ids = _check_ids(input_ids)
     batch_size = check_positive_int(batch_size, "batch_size")
@@ -74,7 +75,7 @@ def token_nll(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> np.ndar
     out = np.empty((input_ids.shape[0], input_ids.shape[1] - 1), dtype=np.float64)
     for first in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[first:first + batch_size].to(device)
-        logits = model(input_ids=ids).logits[:, :-1]
+        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]       # a scoring pass keeps no cache
         if not torch.isfinite(logits).all():
             raise ValueError(f"the model gave non-finite logits on windows {first}..{first + ids.shape[0] - 1}")
         logp = torch.log_softmax(logits.double(), dim=-1)
@@ -301,9 +302,9 @@ def score_recall(model, prompts) -> dict:
         a = len(p.answer_ids)
         ids = torch.cat([p.input_ids, p.answer_ids[:-1]])[None].to(device)
         try:
-            logits = model(input_ids=ids, logits_to_keep=a).logits[0, -a:]
+            logits = model(input_ids=ids, logits_to_keep=a, use_cache=False).logits[0, -a:]
         except TypeError:                 # a model without logits_to_keep: all logits, the last a kept
-            logits = model(input_ids=ids).logits[0, -a:]
+            logits = model(input_ids=ids, use_cache=False).logits[0, -a:]
         if not torch.isfinite(logits).all():
             raise ValueError(f"the model gave non-finite logits on a {p.kind} prompt (seed {p.seed})")
         logp = torch.log_softmax(logits.double(), -1)
