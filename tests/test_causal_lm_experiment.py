@@ -1,0 +1,62 @@
+"""experiments.causal_lm: SmolLM2-135M converted layer by layer, paired with the exact model on the same windows and
+prompts; its smoke preset end to end (marker ``lm``), and the placement of the kept softmax layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import causal_lm
+from kernapprox import lm, sweep
+
+
+def test_kept_softmax_layers_are_evenly_spaced():
+    assert causal_lm.substituted_layers(0) == list(range(30))
+    kept = sorted(set(range(30)) - set(causal_lm.substituted_layers(15)))
+    assert kept == list(range(0, 30, 2))
+    assert sorted(set(range(30)) - set(causal_lm.substituted_layers(6))) == [0, 5, 10, 15, 20, 25]
+    assert len(causal_lm.substituted_layers(29)) == 1
+
+
+def test_bad_cells_are_refused_before_any_runs():
+    base = {"estimator": "positive_orthogonal", "num_features": 64, "exact_layers": 0, "context": 512,
+            "map_seed": 0}
+    for change, word in (({"estimator": "elu"}, "estimator"), ({"exact_layers": 30}, "exact_layers"),
+                         ({"context": 64}, "context")):
+        with pytest.raises(ValueError, match=word):
+            causal_lm.check_params({**base, **change})
+    params = {**base, "hybrid_rank": 64}
+    assert causal_lm.applicable(params)
+    assert not causal_lm.applicable({**params, "num_features": 16, "exact_layers": 15})
+    assert not causal_lm.applicable({**params, "num_features": 16, "estimator": "window_linear"})
+    assert causal_lm.applicable({**params, "num_features": 16})                    # FAVOR+'s rank sweep
+
+
+@pytest.mark.lm
+@pytest.mark.xdist_group("smollm2")
+@pytest.mark.skipif(not lm.is_available(), reason=str(lm.unavailable_reason()))
+def test_smoke_preset_pairs_every_cell_with_the_exact_model(tmp_path, monkeypatch, user_cache_root):
+    """The smoke preset on the real model: every cell's decoding equals its parallel pass to float32 rounding, the
+    bytes it keeps are those of its states and kept layers, and the findings and figure come from the dataset."""
+    load = lm.load_smollm2
+    monkeypatch.setattr(lm, "load_smollm2", lambda **kw: load(cache_root=user_cache_root, **kw))
+    ds = sweep.run(causal_lm.EXPERIMENT, preset="smoke", out=tmp_path / "causal_lm.nc", device="cpu",
+                   progress=False)
+    context, r, d = 96, 64, lm.HEAD_DIM
+    kv_layer = 2 * lm.NUM_KV_HEADS * d * context * 4                  # one layer's exact KV cache, float32
+    state = lm.NUM_HEADS * r * (d + 1) * 4                            # one substituted layer's FAVOR+ states
+    window = lm.NUM_HEADS * 64 * (d + d) * 4                          # window_linear's 64 keys and values per head
+    assert float(ds["kv_bytes"]) == lm.NUM_LAYERS * kv_layer == lm.kv_cache_bytes(context)
+    assert ds["exact_kv_bytes"].values.tolist() == [lm.kv_cache_bytes(n) for n in causal_lm.DECODE_CONTEXTS]
+    sel = dict(num_features=r, context=context, map_seed=0)
+    assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=0, **sel)) == 30 * state
+    assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=15, **sel)) == \
+        15 * state + 15 * kv_layer
+    assert float(ds["state_bytes"].sel(estimator="window_linear", exact_layers=0, **sel)) == 30 * (state + window)
+    assert float(ds["decode_rel_diff"].max()) < 1e-4                  # the RNN mode is the parallel pass
+    assert ds["nll"].sizes["window"] == ds["nll_exact"].sizes["window"] == 10
+    # keeping half the layers exact brings the NLL closer to the exact model's on the same windows
+    delta = ds["delta_nll_summary"].sel(estimator="positive_orthogonal", stat="estimate", **sel)
+    assert float(delta.sel(exact_layers=15)) < float(delta.sel(exact_layers=0))
+    written = sweep.draw(causal_lm.EXPERIMENT, ds, tmp_path / "causal_lm.png", source="causal_lm.nc")
+    md = written[-1].read_text(encoding="utf-8")
+    assert md.startswith("- Exact model at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)
