@@ -66,11 +66,13 @@ import math
 import torch
 
 from ..estimators.base import Estimator
-from ..rules import resolve_rule
-from ..validation import check_qkv
+from ..rules import resolve_rule, to_internal, to_public
+from ..validation import check_qkv, compute_dtype
+from . import logdomain
 from .exact import softmax_attention
 from .linear import linear_attention
 from .masks import mask_kwargs
+from .recurrent import normalized_read, normalized_step
 
 __all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "EstimatorStateCache"]
 
@@ -246,10 +248,40 @@ class FeatureStateCache(DecodeCache):
 
     def _extend(self, q, k, v, key_padding, query_padding):
         with _no_autocast(q):
+            if q.shape[-2] == 1 and key_padding is None and query_padding is None:
+                out = self._one_token(q, k, v)
+                if out is not None:
+                    return out
             out, self.state = linear_attention(q, k, v, self.estimator, causal=True, mode=self.mode, rule=self.rule,
                                                initial_state=self.state, return_state=True,
                                                **mask_kwargs(key_padding, query_padding_mask=query_padding))
         return out
+
+    def _one_token(self, q, k, v):
+        """The decoding step of the sum and decay rules without the sequence machinery: the recurrent mode's
+        update and read (:func:`~kernapprox.attention.recurrent.normalized_step`,
+        :func:`~kernapprox.attention.recurrent.normalized_read`, the same arithmetic as ``linear_attention``'s
+        recurrent mode). ``None`` (the general path then runs the step) before the first token, for another rule,
+        a state of another dtype or device, an entry whose state holds no key yet, or a read whose normaliser
+        cannot be trusted (:func:`~kernapprox.attention.logdomain.needs_recompute`: the general path raises or
+        recomputes as it does for every call)."""
+        if self.state is None or not self.rule.normalized:
+            return None
+        state = to_internal(self.state)
+        ct = state.w.dtype
+        if compute_dtype(q.dtype) != ct or q.device != state.w.device:
+            return None
+        if not bool(torch.isfinite(self.state.log_scale).all()):         # an entry with no key yet (padding only)
+            return None
+        pk, lk = self.estimator.features(k, "key", log_scale=True, check_finite=False)
+        pq, _ = self.estimator.features(q, "query", log_scale=True, check_finite=False)
+        new = normalized_step(state, pk[..., 0, :].to(ct), lk[..., 0].to(ct), v[..., 0, :].to(ct),
+                              self.rule.log_decay)
+        num, den = normalized_read(new, pq[..., 0, :].to(ct))
+        if logdomain.needs_recompute(self.estimator, den, new.log_scale):
+            return None
+        self.state = to_public(new)
+        return (num / den[..., None])[..., None, :].to(q.dtype)
 
     def reset(self) -> None:
         super().reset()
