@@ -45,8 +45,9 @@ def test_smoke_preset_pairs_every_cell_with_the_exact_model(tmp_path, monkeypatc
     kv_layer = 2 * lm.NUM_KV_HEADS * d * context * 4                  # one layer's exact KV cache, float32
     state = lm.NUM_HEADS * r * (d + 1) * 4                            # one substituted layer's FAVOR+ states
     window = lm.NUM_HEADS * 64 * (d + d) * 4                          # window_linear's 64 keys and values per head
-    assert float(ds["kv_bytes"]) == lm.NUM_LAYERS * kv_layer == lm.kv_cache_bytes(context)
-    assert ds["exact_kv_bytes"].values.tolist() == [lm.kv_cache_bytes(n) for n in causal_lm.DECODE_CONTEXTS]
+    assert float(ds["kv_bytes"].sel(context=context)) == lm.NUM_LAYERS * kv_layer == lm.kv_cache_bytes(context)
+    assert ds["exact_kv_bytes"].sel(context=context).values.tolist() == [
+        lm.kv_cache_bytes(n) for n in causal_lm.DECODE_CONTEXTS]                # measured = the formula
     sel = dict(num_features=r, context=context, map_seed=0)
     assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=0, **sel)) == 30 * state
     assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=15, **sel)) == \
