@@ -19,8 +19,10 @@ calibration split only. The exact model's NLL and recall, a context-free unigram
 trivial baseline of the NLL: add-one smoothed token frequencies), and the exact model's per-token decode time with
 KV caches of 1k to 32k tokens (random keys and values of the cache's true shape: the step's work does not depend on
 their values) are the study's reference. The unit of replication of the NLL is the text window and of recall the
-prompt (the exact model reads the same ones); the maps are one draw per ``map_seed``. The rank sweep is FAVOR+'s: the
-other estimators, and the cells that keep softmax layers, run at ``hybrid_rank``.
+prompt (the exact model reads the same ones); the maps are one draw per ``map_seed`` (per head, or per layer for
+``positive_orthogonal_shared``: ``kernapprox.convert(..., share_heads=True)``). Every label runs at ``hybrid_rank``
+with every layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers are FAVOR+'s, the window
+hybrid's and Hedgehog's (:data:`RUNS`).
 """
 
 from __future__ import annotations
@@ -53,13 +55,17 @@ LM_REASON = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
 if LM_REASON is not None:
     warnings.warn(f"causal_lm needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
 
-# label -> (kernapprox.convert estimator, options); one table for the study
+# label -> (kernapprox.convert estimator, estimator options, conversion options); one table for the study
 ESTIMATORS = {
-    "positive_orthogonal": ("positive_orthogonal", {}),                      # FAVOR+ (Choromanski et al. 2021)
-    "nystrom_uniform": ("nystrom_uniform", {}),                              # fitted on the calibration windows
-    "window_linear": ("window_linear", {"window": 64}),                      # Based-style: 64 exact + FAVOR+-type
-    "hedgehog_trainable": ("hedgehog_trainable", {"fit_steps": 30}),         # attention transfer on calibration
+    "positive_orthogonal": ("positive_orthogonal", {}, {}),                   # FAVOR+ (Choromanski et al. 2021)
+    "positive_orthogonal_shared": ("positive_orthogonal", {}, {"share_heads": True}),   # one draw per layer
+    "nystrom_uniform": ("nystrom_uniform", {}, {}),                           # fitted on the calibration windows
+    "window_linear": ("window_linear", {"window": 64}, {}),                   # Based-style: 64 exact + positive RF
+    "hedgehog_trainable": ("hedgehog_trainable", {"fit_steps": 30}, {}),      # attention transfer on calibration
 }
+# what each label runs besides r = hybrid_rank with every layer substituted: the rank sweep, the kept softmax layers
+RUNS = {"positive_orthogonal": ("ranks", "placements"), "positive_orthogonal_shared": (),
+        "nystrom_uniform": (), "window_linear": ("placements",), "hedgehog_trainable": ("placements",)}
 NUM_LAYERS = lm.NUM_LAYERS
 DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
 
@@ -67,7 +73,8 @@ GRIDS = {
     "smoke": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [64],
               "exact_layers": [0, 15], "context": [96], "map_seed": [0]},
     # ~6 min of one core with the model cached: 10 windows and 10 prompts of 512 tokens per cell
-    "default": {"estimator": ["positive_orthogonal", "nystrom_uniform", "window_linear"], "num_features": [16, 64],
+    "default": {"estimator": ["positive_orthogonal", "positive_orthogonal_shared", "nystrom_uniform", "window_linear"],
+                "num_features": [16, 64],
                 "exact_layers": [0, 15], "context": [512], "map_seed": [0]},
     "full": {"estimator": list(ESTIMATORS), "num_features": [16, 64, 256], "exact_layers": [0, 6, 15],
              "context": [512], "map_seed": [0, 1]},
@@ -145,11 +152,13 @@ def substituted_layers(exact_layers: int) -> list[int]:
 
 
 def applicable(params) -> bool:
-    """The rank sweep is FAVOR+'s (``positive_orthogonal``); the other estimators, and every cell that keeps
-    softmax layers, run at ``hybrid_rank`` only."""
-    if params["exact_layers"] or params["estimator"] != "positive_orthogonal":
-        return params["num_features"] == params["hybrid_rank"]
-    return True
+    """What :data:`RUNS` says: every label at ``hybrid_rank`` with every layer substituted; the rank sweep for
+    FAVOR+ only; kept softmax layers (at ``hybrid_rank``) for FAVOR+, the window hybrid and Hedgehog."""
+    runs = RUNS[params["estimator"]]
+    at_rank = params["num_features"] == params["hybrid_rank"]
+    if params["exact_layers"]:
+        return at_rank and "placements" in runs
+    return at_rank or "ranks" in runs
 
 
 def check_params(params) -> None:
@@ -236,9 +245,9 @@ def run_reference(params, device, data):
 
 def convert(data: Draw, params):
     """The cell's converted model."""
-    name, options = ESTIMATORS[params["estimator"]]
-    kw = dict(options, num_features=params["num_features"], layers=substituted_layers(params["exact_layers"]),
-              rng=params["map_seed"])
+    name, options, conversion = ESTIMATORS[params["estimator"]]
+    kw = dict(options, **conversion, num_features=params["num_features"],
+              layers=substituted_layers(params["exact_layers"]), rng=params["map_seed"])
     trainable = name in TRAINABLE_MAPS
     if trainable or ka.capabilities(name, **options).data_dependent:
         kw["calibration"] = {"input_ids": data.calibration}
@@ -336,6 +345,16 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         s.attrs.update(long_name=ds[name].attrs["long_name"], units="1",
                        description="pooled over the prompts: " + s.attrs.get("interval", ""))
         ds[f"{name}_summary"] = s
+    if {"positive_orthogonal", "positive_orthogonal_shared"} <= set(ds["estimator"].values.tolist()):
+        pair = (ds["nll"].sel(estimator="positive_orthogonal_shared") - ds["nll"].sel(estimator="positive_orthogonal"))
+        pair = pair.assign_attrs(long_name="NLL with one draw per layer minus one draw per head", units="nats",
+                                 description="per window, the same windows and r", comparison="difference")
+        ds["shared_minus_per_head_nll"] = pair
+        summary = stats.bootstrap_interval(pair, "window", "mean")
+        summary.attrs.update(long_name=pair.attrs["long_name"], units="nats",
+                             description="over the windows: " + summary.attrs.get("interval", ""))
+        ds["shared_minus_per_head_nll_summary"] = summary
+        ds["shared_minus_per_head_nll_p"] = stats.paired_test(pair, "window", test="wilcoxon")
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="bytes kept over the exact model's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
@@ -473,6 +492,18 @@ def findings(ds: xr.Dataset) -> list[str]:
             ratio = float(ds["perplexity_summary"].sel(sel).sel(stat="estimate")) / float(exact.sel(stat="estimate"))
             lines.append(f"Lowest perplexity: {_name(*best[:3])}, {fmt(ratio)} × the exact model's, keeping "
                          f"{fmt(float(ds['memory_fraction'].sel(sel)))} of its KV cache's bytes.")
+        if "shared_minus_per_head_nll_summary" in ds:
+            r = int(ds["hybrid_rank"])
+            one = dict(num_features=r, exact_layers=0, map_seed=ds["map_seed"].values.tolist()[0], **at)
+            diff = ds["shared_minus_per_head_nll_summary"].sel(one)
+            if np.isfinite(float(diff.sel(stat="estimate"))):
+                t_head = float(ds["step_seconds"].sel(estimator="positive_orthogonal", **one))
+                t_shared = float(ds["step_seconds"].sel(estimator="positive_orthogonal_shared", **one))
+                lines.append(f"FAVOR+ at r = {r} with one draw per layer shared by its heads (share_heads) against "
+                             f"one draw per head, on the same windows: NLL difference {fmt_ci(diff)} nats (Wilcoxon "
+                             f"p = {fmt(float(ds['shared_minus_per_head_nll_p'].sel(one)), 2)}); seconds per decoded "
+                             f"token {fmt(t_shared, 2)} against {fmt(t_head, 2)} (the heads of a layer decode as one "
+                             "batch).")
         acc = ds["greedy_correct_exact_summary"].sel(**at)
         lp = ds["answer_logprob_exact_summary"].sel(**at)
         parts = []

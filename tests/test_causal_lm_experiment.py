@@ -29,6 +29,8 @@ def test_bad_cells_are_refused_before_any_runs():
     assert not causal_lm.applicable({**params, "num_features": 16, "exact_layers": 15})
     assert not causal_lm.applicable({**params, "num_features": 16, "estimator": "window_linear"})
     assert causal_lm.applicable({**params, "num_features": 16})                    # FAVOR+'s rank sweep
+    shared = {**params, "estimator": "positive_orthogonal_shared"}
+    assert causal_lm.applicable(shared) and not causal_lm.applicable({**shared, "exact_layers": 15})
 
 
 @pytest.mark.lm

@@ -294,3 +294,28 @@ def test_the_model_trains_through_the_substituted_attention_and_the_original_is_
     grad = converted.model.layers[0].self_attn.q_proj.weight.grad
     assert grad is not None and bool(torch.isfinite(grad).all()) and float(grad.abs().max()) > 0
     assert model.model.layers[0].self_attn.q_proj.weight.grad is None
+
+
+def test_shared_heads_draw_one_map_per_layer_and_decode_it_in_one_batch():
+    """share_heads=True: every substituted head of a layer holds the same estimator (one draw, from head_seed(rng,
+    l, 0)), the decoder keeps one head group per layer, and decoding equals the full pass; data-dependent maps and
+    trainable maps refuse it."""
+    converted = convert(llama().double(), "positive_orthogonal", share_heads=True)
+    for layer in range(2):
+        heads = sa.get_attention(converted.model.layers[layer].self_attn).heads
+        assert all(h is heads[0] for h in heads)
+    independent = convert(llama().double(), "positive_orthogonal")
+    assert sa.get_attention(independent.model.layers[0].self_attn).heads[1] is not \
+        sa.get_attention(independent.model.layers[0].self_attn).heads[0]
+    tokens = ids(n=10)
+    with torch.no_grad():
+        full = converted(input_ids=tokens, use_cache=False).logits
+        got, cache = decode_steps(converted, tokens, prefill=4)
+    assert [len(layer.decoders) for layer in cache.layers] == [1, 1]
+    assert float((got - full).abs().max()) < 1e-10
+    with pytest.raises(ValueError, match="share_heads.*data-dependent"):
+        ka.convert(llama(), "nystrom_uniform", num_features=8, share_heads=True, calibration=CALIBRATION)
+    with pytest.raises(ValueError, match="share_heads"):
+        ka.convert(llama(), "hedgehog_trainable", share_heads=True)
+    with pytest.raises(TypeError, match="share_heads"):
+        ka.convert(llama(), "positive", num_features=8, share_heads=1)

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..estimators.registry import make_estimator
+from ..estimators.registry import capabilities, make_estimator
 from ..trainable import LOSSES, MAP_OPTIONS, MAPS, fit_to_softmax, make_map
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import attention as sa
@@ -124,7 +124,7 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
 
 
 def convert(model, estimator: str, *, num_features: int | None = None, layers=None, heads=None, rng=0,
-            calibration: Mapping | None = None, **options):
+            calibration: Mapping | None = None, share_heads: bool = False, **options):
     """A copy of ``model`` whose chosen layers and heads attend with the registry estimator ``estimator``, or
     with a trainable map of :data:`TRAINABLE_MAPS`.
 
@@ -146,6 +146,13 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     calibration : mapping of model inputs, optional
         The batch data-dependent maps are fitted on (:func:`calibrate`); required for them, and never the text the
         converted model is then evaluated on.
+    share_heads : bool
+        ``False`` (default): every substituted head draws its own map. ``True``: one draw per layer, from
+        :func:`head_seed` ``(rng, l, 0)``, shared by the layer's substituted heads, as the Performer's reference
+        code shares one projection per attention layer (Choromanski et al. 2021). Each head's estimate keeps its
+        distribution (unbiased maps stay unbiased); the heads' errors are then correlated. The heads of a layer
+        then run as one batch in every call, decoding included (one state update per layer and token instead of one
+        per head). Data-dependent maps refuse it: each head is fitted on its own activations.
     **options
         Further constructor options of the estimator.
 
@@ -170,6 +177,9 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     initialisation, for the model's optimiser to train.
     """
     if estimator in TRAINABLE_MAPS:
+        if share_heads:
+            raise ValueError(f"share_heads is for registry estimators; {estimator!r} holds one map per key/value "
+                             "head already")
         return _convert_trainable(model, estimator, num_features=num_features, layers=layers, heads=heads, rng=rng,
                                   calibration=calibration, **options)
     converted = _copy.deepcopy(model)
@@ -181,12 +191,24 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
         _cache.install(converted)
     dtype = next(converted.parameters()).dtype
     device = next(converted.parameters()).device
+    if not isinstance(share_heads, bool):
+        raise TypeError(f"share_heads must be a bool, got {share_heads!r}")
+    if share_heads and capabilities(estimator, **options).data_dependent:
+        raise ValueError(f"share_heads=True with the data-dependent {estimator!r}: each head is fitted on its own "
+                         "activations, so heads cannot share one fit")
     pending = {}                                          # layer -> heads still to be fitted on calibration data
     for layer in chosen:
         per_head = []
+        shared = None
         for head in range(stack.num_heads):
             if head not in head_set:
                 per_head.append(None)
+                continue
+            if share_heads:
+                if shared is None:
+                    shared = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, 0),
+                                            **options).fit(torch.zeros(1, stack.head_dim, dtype=dtype, device=device))
+                per_head.append(shared)
                 continue
             est = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, head), **options)
             if est.capabilities().data_dependent:
