@@ -500,7 +500,8 @@ def findings(ds: xr.Dataset) -> list[str]:
                 t_head = float(ds["step_seconds"].sel(estimator="positive_orthogonal", **one))
                 t_shared = float(ds["step_seconds"].sel(estimator="positive_orthogonal_shared", **one))
                 lines.append(f"FAVOR+ at r = {r} with one draw per layer shared by its heads (share_heads) against "
-                             f"one draw per head, on the same windows: NLL difference {fmt_ci(diff)} nats (Wilcoxon "
+                             f"one draw per head (one draw of each per map_seed), on the same windows: NLL difference "
+                             f"{fmt_ci(diff)} nats (Wilcoxon "
                              f"p = {fmt(float(ds['shared_minus_per_head_nll_p'].sel(one)), 2)}); seconds per decoded "
                              f"token {fmt(t_shared, 2)} against {fmt(t_head, 2)} (the heads of a layer decode as one "
                              "batch).")
