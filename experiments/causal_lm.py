@@ -87,8 +87,8 @@ PARAMETERS = {
     "n_decode": Parameter(8, long_name="tokens decoded one at a time after the prefill", units="token"),
     "decode_len": Parameter(128, long_name="tokens of window 0 in the decoding check", units="token",
                             description="prefill of decode_len − n_decode tokens, then n_decode one at a time"),
-    "hybrid_rank": Parameter(64, long_name="r of the cells that keep softmax layers", units="1",
-                             description="exact_layers > 0 runs only at this num_features"),
+    "hybrid_rank": Parameter(64, long_name="r of every estimator outside FAVOR+'s rank sweep", units="1",
+                             description="and of every cell that keeps softmax layers (RUNS)"),
 }
 AXIS_ATTRS = {
     "num_features": {"long_name": "features per head r", "units": "1"},
