@@ -33,11 +33,12 @@ from experiments._icl import (
     summarise_accuracy,
     summarise_readout,
 )
-from kernapprox import tasks
-from kernapprox.plotting import bullets, fmt_ci, save_figure
+from kernapprox import memory, tasks
+from kernapprox.plotting import bullets, fmt_bytes, fmt_ci, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 ESTIMATORS = SET_CONTEXT_ESTIMATORS
+PIXELS, CLASSES = 64, 10             # the digits task: d = 64 pixels per key, d_v = 10 one-hot labels per value
 
 GRIDS = {
     "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
@@ -101,6 +102,11 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", queries)
     ds = add_proportion(ds, "accuracy_nearest_neighbour", (ds["accuracy_nearest_neighbour"] * queries).round(),
                         queries, REPLICATES)
+    ds["kv_bytes"] = xr.DataArray(
+        [float(memory.probe_state_bytes("exact", None, d=PIXELS, d_v=CLASSES, seq_len=int(n)))
+         for n in ds["num_context"].values], dims="num_context",
+        attrs={"long_name": "exact attention's KV cache", "units": "byte",
+               "description": f"n (d + d_v) float32 numbers, d = {PIXELS} pixels, d_v = {CLASSES} classes"})
     return summarise_readout(ds)
 
 
@@ -129,21 +135,40 @@ def findings(ds: xr.Dataset) -> str:
     exact, nn = ds["accuracy_exact_summary"], ds["accuracy_nearest_neighbour_summary"]
     lines, random_maps = [], labels_with(ESTIMATORS, names, unbiased=True)
 
-    def reaches(m, n, b) -> list[int]:
+    def below_kv(m, r, n) -> bool:
+        """Whether the map's state at ``r`` keeps fewer bytes than exact attention's KV cache at ``n``."""
+        return float(ds["state_bytes"].sel(estimator=m, num_features=r, num_context=n).median()) < float(
+            ds["kv_bytes"].sel(num_context=n))
+
+    def reaches(m, n, b, *, memory_limited: bool = True) -> list[int]:
         """The ranks r ≤ n whose paired accuracy deficit to exact attention is within 0.05 at the lower end of
-        its 95 % interval."""
+        its 95 % interval (``memory_limited``: and whose state is smaller than the KV cache)."""
         return [r for r in ranks if r <= n and float(diff.sel(estimator=m, num_features=r, num_context=n, beta=b,
-                                                              stat="lo")) > -0.05]
+                                                              stat="lo")) > -0.05
+                and (not memory_limited or below_kv(m, r, n))]
     if "nystrom_kmeans" in names:
-        reached = [(reaches("nystrom_kmeans", n, b) or [None])[0] for n in ns for b in betas]
+        settings = [(n, b) for n in ns for b in betas]
+        reached = [(reaches("nystrom_kmeans", n, b) or [None])[0] for n, b in settings]
         smallest = [r for r in reached if r is not None]
         best = diff.sel(num_features=max(ranks), estimator=random_maps).sel(stat="estimate").max("estimator")
+        kv_ratio = ds["state_bytes"].sel(estimator=random_maps, num_features=max(ranks)).median("seed") / ds["kv_bytes"]
         within = (f"from r = {min(smallest)} in {sum(r == min(smallest) for r in reached)} of {len(reached)} (n, β) "
                   "settings" if smallest else f"at no grid rank in any of the {len(reached)} (n, β) settings")
+        beyond = []                # settings where it reaches exact attention only with more bytes than the KV cache
+        for (n, b), r_small in zip(settings, reached):
+            larger = reaches("nystrom_kmeans", n, b, memory_limited=False)
+            if r_small is None and larger:
+                kept = ds["state_bytes"].sel(estimator="nystrom_kmeans", num_features=larger[0], num_context=n)
+                beyond.append(f"n = {n}, β = {b:g}: r = {larger[0]} ({fmt_bytes(kept.median())} against "
+                              f"{fmt_bytes(ds['kv_bytes'].sel(num_context=n))})")
         lines.append(
             "Nyström with k-means landmarks fitted on the context images comes within 0.05 of exact attention's "
-            f"accuracy on the same episodes (lower end of the paired 95 % interval) {within}; the best random map "
-            f"at r = {max(ranks)} differs from exact attention's accuracy by {range_text(best.values)} across them.")
+            "accuracy on the same episodes (lower end of the paired 95 % interval) with a state smaller than exact "
+            f"attention's KV cache {within}" + ("; in other settings it does so only with a state larger than the "
+                                                "KV cache: " + "; ".join(beyond) if beyond else "")
+            + f". The best random map at r = {max(ranks)} differs from exact attention's accuracy by "
+            f"{range_text(best.values)} across them, with states of "
+            f"{range_text(kv_ratio.values)} times the KV cache's bytes.")
     lines.append("Exact attention against 1-NN on the same episodes: " + "; ".join(
         f"n = {n}, β = {b:g}: {fmt_ci(exact.sel(num_context=n, beta=b))} vs {fmt_ci(nn.sel(num_context=n, beta=b))}"
         for n in ns for b in betas) + ".")
@@ -151,7 +176,8 @@ def findings(ds: xr.Dataset) -> str:
         reach = [f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if (ok := reaches(m, n, b)) else "none")
                  for n in ns for b in betas]
         lines.append(f"`{m}` (fitted on the context images): smallest r whose paired accuracy deficit to exact "
-                     "attention is within 0.05 at the lower end of its 95 % interval: " + "; ".join(reach) + ".")
+                     "attention is within 0.05 at the lower end of its 95 % interval, with a state smaller than the "
+                     "KV cache: " + "; ".join(reach) + ".")
     if random_maps:
         r_big = max(ranks)
         parts = []
