@@ -123,6 +123,15 @@ def check_choice(value, name: str, choices: Iterable[str]) -> str:
     return value
 
 
+def check_float_dtype(value, name: str, *, allow_none: bool = False):
+    """``value`` must be a floating ``torch.dtype`` (or ``None`` with ``allow_none``); returned as given."""
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype computations run in: half types are promoted to float32 (exp needs the dynamic range)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -44,7 +44,13 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from ..attention.masks import check_key_padding_mask, check_query_padding_mask, check_rows, zero_padded_rows
+from ..attention.masks import (
+    check_every_row_has_a_key,
+    check_key_padding_mask,
+    check_query_padding_mask,
+    check_rows,
+    zero_padded_rows,
+)
 from ..attention.recurrent import add_keys, read_queries
 from ..estimators.base import AttentionEstimator, AttentionParts, FeatureMap
 from ..estimators.registry import capabilities, make_estimator, register
@@ -286,9 +292,7 @@ class WindowLinear(AttentionEstimator):
             has_key = has_key | older[..., None]
         if qpad is not None:
             has_key = has_key | qpad
-        if not bool(has_key.all()):
-            raise ValueError("a query has no key to attend to: every key before it is padding "
-                             "(key_padding_mask and causal order); mark it in query_padding_mask")
+        check_every_row_has_a_key(has_key, "key_padding_mask and causal order")
         num, den, logs = self._block(seq, m, m + n, 0, m + n, True, far)
         num, den, _ = zero_padded_rows(num, den, logs, qpad)
         drop = max(0, m + n - self.window)                           # keys that leave the last w positions

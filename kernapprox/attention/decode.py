@@ -67,7 +67,7 @@ import torch
 
 from ..estimators.base import Estimator
 from ..rules import resolve_rule, to_internal, to_public
-from ..validation import check_qkv, compute_dtype
+from ..validation import check_float_dtype, check_qkv, compute_dtype
 from . import logdomain
 from .exact import softmax_attention
 from .linear import linear_attention
@@ -115,8 +115,7 @@ def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum",
     if mode is not None and mode not in caps.modes:
         raise ValueError(f"mode {mode!r} is not supported by {name}; supported: {', '.join(caps.modes)}")
     rule = resolve_rule(rule)
-    if state_dtype is not None and (not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point):
-        raise TypeError(f"state_dtype must be a floating torch.dtype or None, got {state_dtype!r}")
+    check_float_dtype(state_dtype, "state_dtype", allow_none=True)
     if caps.kind == "features":
         return FeatureStateCache(estimator, mode=mode, rule=rule, state_dtype=state_dtype)
     if rule.name != "sum":
@@ -228,6 +227,11 @@ class DecodeCache:
     def _entries(self) -> int:
         return math.prod(self._batch) if self._batch is not None else 0
 
+    def _estimator_bytes(self, dtype: torch.dtype) -> int:
+        """Batch entries × the estimator's ``state_bytes(d_v, dtype, seq_len=tokens seen)``: the memory axes'
+        convention for what the cache stands for."""
+        return self._entries() * self.estimator.state_bytes(self._d_v, dtype, seq_len=max(self.num_tokens, 1))
+
     def _extend(self, q, k, v, key_padding, query_padding):
         raise NotImplementedError
 
@@ -261,17 +265,16 @@ class FeatureStateCache(DecodeCache):
         """The decoding step of the sum and decay rules without the sequence machinery: the recurrent mode's
         update and read (:func:`~kernapprox.attention.recurrent.normalized_step`,
         :func:`~kernapprox.attention.recurrent.normalized_read`, the same arithmetic as ``linear_attention``'s
-        recurrent mode). ``None`` (the general path then runs the step) before the first token, for another rule,
-        a state of another dtype or device, an entry whose state holds no key yet, or a read whose normaliser
-        cannot be trusted (:func:`~kernapprox.attention.logdomain.needs_recompute`: the general path raises or
-        recomputes as it does for every call)."""
+        recurrent mode; an entry whose state holds no key yet starts from the empty state's sentinel, as there).
+        ``None`` (the general path then runs the step) before the first token, for another rule, a state of
+        another dtype or device, or a read whose normaliser cannot be trusted
+        (:func:`~kernapprox.attention.logdomain.needs_recompute`: the general path raises or recomputes as it does
+        for every call)."""
         if self.state is None or not self.rule.normalized:
             return None
         state = to_internal(self.state)
         ct = state.w.dtype
         if compute_dtype(q.dtype) != ct or q.device != state.w.device:
-            return None
-        if not bool(torch.isfinite(self.state.log_scale).all()):         # an entry with no key yet (padding only)
             return None
         pk, lk = self.estimator.features(k, "key", log_scale=True, check_finite=False)
         pq, _ = self.estimator.features(q, "query", log_scale=True, check_finite=False)
@@ -300,10 +303,10 @@ class FeatureStateCache(DecodeCache):
         decay rules plus the fitted context state (the memory axes' convention); 0 before the first call."""
         if self.state is None:
             return 0
-        dtype = self.state[0].dtype
-        per_entry = self.estimator.state_bytes(self._d_v, dtype, seq_len=max(self.num_tokens, 1))
-        if self.rule.name != "sum" and self.rule.name != "decay":   # the rule's own state: every tensor it keeps
-            per_entry = sum(t[(0,) * len(self._batch)].numel() for t in self.state) * self.state[0].element_size()
+        if self.rule.name in ("sum", "decay"):
+            return self._estimator_bytes(self.state[0].dtype)
+        # another rule's own state: every tensor it keeps
+        per_entry = sum(t[(0,) * len(self._batch)].numel() for t in self.state) * self.state[0].element_size()
         return self._entries() * per_entry
 
 
@@ -368,7 +371,7 @@ class KVCache(DecodeCache):
         ``state_bytes`` at the context length)."""
         if self.keys is None:
             return 0
-        return self._entries() * self.estimator.state_bytes(self._d_v, self.keys.dtype, seq_len=self.num_tokens)
+        return self._estimator_bytes(self.keys.dtype)
 
 
 class EstimatorStateCache(DecodeCache):
@@ -409,5 +412,4 @@ class EstimatorStateCache(DecodeCache):
         window's ``min(w, n) (d + d_v)`` numbers plus the linear state); 0 before the first call."""
         if self.state is None:
             return 0
-        dtype = self.state.tensors()[0].dtype
-        return self._entries() * self.estimator.state_bytes(self._d_v, dtype, seq_len=max(self.num_tokens, 1))
+        return self._estimator_bytes(self.state.keys.dtype)

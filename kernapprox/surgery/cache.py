@@ -54,6 +54,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
 from ..attention.decode import DecodeCache, decode_cache
+from ..validation import check_float_dtype
 from . import attention as sa
 from .attention import CACHE_KEYWORD
 from .llama import LlamaStack
@@ -213,9 +214,7 @@ class KernelCache(DynamicCache):
     """
 
     def __init__(self, model, *, state_dtype: torch.dtype | None = None):
-        if state_dtype is not None and (not isinstance(state_dtype, torch.dtype) or not state_dtype.is_floating_point):
-            raise TypeError(f"state_dtype must be a floating torch.dtype or None, got {state_dtype!r}")
-        self.state_dtype = state_dtype
+        self.state_dtype = check_float_dtype(state_dtype, "state_dtype", allow_none=True)
         Cache.__init__(self, layers=_layers_for(LlamaStack(model), state_dtype))
 
     def state_bytes(self) -> int:
