@@ -9,7 +9,13 @@ import torch
 
 import kernapprox as ka
 from kernapprox.approximate.hybrid import WindowState
-from kernapprox.attention.decode import EstimatorStateCache, FeatureStateCache, KVCache, decode_cache
+from kernapprox.attention.decode import (
+    EstimatorStateCache,
+    FeatureStateCache,
+    GroupedQueryCache,
+    KVCache,
+    decode_cache,
+)
 
 D, DV, N = 8, 6, 20
 # the estimators with their own attention take a window shorter than the test sequence, so both parts are used
@@ -246,3 +252,56 @@ def test_a_left_padded_batch_decodes_as_each_sequence_alone(name):
     alone = ka.linear_attention(q[0, :, 4:], k[0, :, 4:], v[0, :, 4:], est, causal=True)
     torch.testing.assert_close(got[0, :, 4:], alone, rtol=0, atol=1e-12)
     torch.testing.assert_close(got[1], ka.linear_attention(q[1], k[1], v[1], est, causal=True), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["positive", "taylor2", "exact", "window_linear", "scatterbrain"])
+def test_grouped_query_heads_keep_one_state_per_key_value_head(name):
+    """GroupedQueryCache: G query heads per key/value head read one state each; prefill, a continuation and one-token
+    steps (with key padding) give the repeated heads' full pass, the state holds 1/G of their bytes, and select
+    reorders it."""
+    groups, kv_heads = 3, 2
+    gen = torch.Generator().manual_seed(7)
+    q = 0.6 * torch.randn(2, kv_heads * groups, N, D, generator=gen, dtype=torch.float64)
+    k = 0.6 * torch.randn(2, kv_heads, N, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, N, DV, generator=gen, dtype=torch.float64)
+    pad = torch.zeros(2, 1, N, dtype=torch.bool)
+    pad[1, 0, :2] = True                                               # left padding of the second sequence
+    est = _fitted(name, q, k)
+    rep_k, rep_v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    keyless = pad & (torch.cumsum((~pad).int(), -1) == 0)
+    full = ka.linear_attention(q, rep_k, rep_v, est, causal=True, key_padding_mask=pad, query_padding_mask=keyless)
+    grouped = GroupedQueryCache(decode_cache(est), groups)
+    repeated = decode_cache(est)
+    outs = []
+    for a, b in ((0, 7), (7, 10), *((t, t + 1) for t in range(10, N))):
+        masks = {"key_padding_mask": pad[..., a:b], "query_padding_mask": keyless[..., a:b]}
+        outs.append(grouped.extend(q[..., a:b, :], k[..., a:b, :], v[..., a:b, :], **masks))
+        repeated.extend(q[..., a:b, :], rep_k[..., a:b, :], rep_v[..., a:b, :], **masks)
+    got = torch.cat(outs, -2)
+    assert float((got - full).abs().max()) < 1e-12 * max(1.0, float(full.abs().max()))
+    assert grouped.num_tokens == N and grouped.estimator is est
+    assert groups * grouped.state_bytes() == repeated.state_bytes()
+    assert groups * grouped.held_bytes() <= repeated.held_bytes() + 2 * N * groups * 8   # padding flags aside
+    index = torch.tensor([1, 1])
+    grouped.select(index)
+    q2, k2, v2 = (torch.randn(2, h, 1, dim, generator=gen, dtype=torch.float64)
+                  for h, dim in ((kv_heads * groups, D), (kv_heads, D), (kv_heads, DV)))
+    both = (torch.cat([q[index], q2], -2), torch.cat([rep_k[index], k2.repeat_interleave(groups, 1)], -2),
+            torch.cat([rep_v[index], v2.repeat_interleave(groups, 1)], -2))
+    masks = {"key_padding_mask": torch.cat([pad[index], pad.new_zeros(2, 1, 1)], -1),
+             "query_padding_mask": torch.cat([keyless[index], pad.new_zeros(2, 1, 1)], -1)}
+    want = ka.linear_attention(*both, est, causal=True, **masks)[..., -1:, :]
+    torch.testing.assert_close(grouped.extend(q2, k2, v2), want, rtol=0, atol=1e-12)
+    grouped.reset()
+    assert grouped.num_tokens == 0 and grouped.state_bytes() == 0
+
+
+def test_grouped_query_cache_refuses_mismatched_heads():
+    q, k, v = _qkv(batch=(1, 2))
+    grouped = GroupedQueryCache(decode_cache(_fitted("positive", q, k)), 2)
+    with pytest.raises(ValueError, match="query heads"):
+        grouped.extend(q[:, :1], k, v)
+    with pytest.raises(ValueError, match="groups"):
+        GroupedQueryCache(decode_cache(_fitted("positive", q, k)), 0)
+    with pytest.raises(TypeError, match="inner"):
+        GroupedQueryCache(object(), 2)

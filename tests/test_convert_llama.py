@@ -12,6 +12,7 @@ import transformers
 from helpers import assert_decode_equals_full_pass, decode_steps
 
 import kernapprox as ka
+from kernapprox.attention.decode import GroupedQueryCache
 from kernapprox.surgery import attention as sa
 from kernapprox.surgery.cache import KernelCache, StateLayer
 
@@ -319,3 +320,53 @@ def test_shared_heads_draw_one_map_per_layer_and_decode_it_in_one_batch():
         ka.convert(llama(), "hedgehog_trainable", share_heads=True)
     with pytest.raises(TypeError, match="share_heads"):
         ka.convert(llama(), "positive", num_features=8, share_heads=1)
+    with pytest.raises(ValueError, match="share_heads"):
+        ka.convert(llama(), "positive", num_features=8, share_heads="layer")
+
+
+GROUPED = ["positive_orthogonal", "nystrom_uniform", "window_linear", "exact", "taylor2"]
+
+
+@pytest.mark.parametrize("name", GROUPED)
+def test_group_shared_maps_decode_with_one_state_per_key_value_head(name):
+    """share_heads="group": the query heads of a key/value group hold one estimator (the draw of the group's first
+    head, as with one draw per head; a data-dependent map fitted once on the group's queries); decoding keeps one
+    state per key/value head (GroupedQueryCache), half the bytes of the per-query-head states here (G = 2), and
+    gives the full pass's logits, left padding included."""
+    grouped = convert(llama().double(), name, share_heads="group")
+    per_head = convert(llama().double(), name)
+    for layer in range(2):
+        heads = sa.get_attention(grouped.model.layers[layer].self_attn).heads
+        assert heads[0] is heads[1] and heads[2] is heads[3] and heads[0] is not heads[2]
+    tokens = ids(n=10)
+    mask = torch.ones_like(tokens)
+    mask[1, :3] = 0                                                   # left padding of the second sequence
+    assert_decode_equals_full_pass(grouped, tokens, mask, prefill=4, tolerance=1e-9)
+    with torch.no_grad():
+        full = grouped(input_ids=tokens, use_cache=False).logits
+        got, cache = decode_steps(grouped, tokens, prefill=4)
+        _, cache_per_head = decode_steps(per_head, tokens, prefill=4)
+    assert float((got - full).abs().max()) < 1e-9
+    assert all(isinstance(d, GroupedQueryCache) for layer in cache.layers for d in layer.decoders.values())
+    assert 2 * cache.state_bytes() == cache_per_head.state_bytes()
+    assert 2 * sum(d.held_bytes() for layer in cache.layers for d in layer.decoders.values()) <= sum(
+        d.held_bytes() for layer in cache_per_head.layers for d in layer.decoders.values())
+    caps = ka.capabilities(name, **OPTIONS.get(name, {}))
+    if caps.kind == "features" and not caps.data_dependent:
+        # the group's draw is its first head's draw of share_heads=False
+        first = sa.get_attention(per_head.model.layers[0].self_attn).heads[2]
+        shared = sa.get_attention(grouped.model.layers[0].self_attn).heads[3]
+        x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        assert torch.equal(first.features(x, "key"), shared.features(x, "key"))
+
+
+def test_a_group_shared_map_on_some_heads_of_a_group_keeps_states_per_query_head():
+    """Heads that do not make whole key/value groups keep one state per query head (and still decode exactly)."""
+    converted = convert(llama().double(), "positive", share_heads="group", heads=[0, 2, 3])
+    tokens = ids(n=9)
+    with torch.no_grad():
+        full = converted(input_ids=tokens, use_cache=False).logits
+        got, cache = decode_steps(converted, tokens, prefill=3)
+    assert float((got - full).abs().max()) < 1e-9
+    kinds = {heads: type(d).__name__ for heads, d in cache.layers[0].decoders.items()}
+    assert kinds == {(0,): "FeatureStateCache", (2, 3): "GroupedQueryCache"}

@@ -437,6 +437,12 @@ class WindowState(NamedTuple):
         return WindowState(*(t.index_select(0, index.to(t.device)) for t in (self.keys, self.values, self.padding)),
                            linear)
 
+    def map(self, fn) -> WindowState:
+        """``fn`` applied to every tensor (batch dimensions leading), e.g. to broadcast the state to the query heads
+        of a key/value head (:class:`~kernapprox.attention.decode.GroupedQueryCache`)."""
+        linear = None if self.linear is None else NormalizedState(*(fn(t) for t in self.linear))
+        return WindowState(fn(self.keys), fn(self.values), fn(self.padding), linear)
+
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor it holds."""
         return [self.keys, self.values, self.padding, *(() if self.linear is None else self.linear)]

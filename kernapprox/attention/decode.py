@@ -74,7 +74,7 @@ from .linear import linear_attention
 from .masks import mask_kwargs
 from .recurrent import normalized_read, normalized_step
 
-__all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "EstimatorStateCache"]
+__all__ = ["decode_cache", "DecodeCache", "FeatureStateCache", "KVCache", "EstimatorStateCache", "GroupedQueryCache"]
 
 
 def decode_cache(estimator: Estimator, *, mode: str | None = None, rule="sum",
@@ -224,6 +224,11 @@ class DecodeCache:
     def _tensors(self):
         return []
 
+    def _map_state(self, fn) -> None:
+        """Apply ``fn`` to every tensor of the state (batch dimensions leading); :class:`GroupedQueryCache`
+        broadcasts a state to a key/value head's query heads with it and keeps one copy after the call."""
+        raise NotImplementedError
+
     def _entries(self) -> int:
         return math.prod(self._batch) if self._batch is not None else 0
 
@@ -298,6 +303,10 @@ class FeatureStateCache(DecodeCache):
     def _tensors(self):
         return [] if self.state is None else list(self.state)
 
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = type(self.state)(*(fn(t) for t in self.state))
+
     def state_bytes(self) -> int:
         """Batch entries × the estimator's ``state_bytes(d_v, state dtype)``: ``r (d_v + 1)`` numbers for the sum and
         decay rules plus the fitted context state (the memory axes' convention); 0 before the first call."""
@@ -366,6 +375,12 @@ class KVCache(DecodeCache):
     def _tensors(self):
         return [t for t in (self.keys, self.values, self.padding) if t is not None]
 
+    def _map_state(self, fn) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.padding is not None:
+            self.padding = fn(self.padding)
+
     def state_bytes(self) -> int:
         """Batch entries × ``num_tokens · (d + d_v)`` numbers of the keys' dtype (the exact kernel's
         ``state_bytes`` at the context length)."""
@@ -407,9 +422,109 @@ class EstimatorStateCache(DecodeCache):
     def _tensors(self):
         return [] if self.state is None else self.state.tensors()
 
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = self.state.map(fn)
+
     def state_bytes(self) -> int:
         """Batch entries × the estimator's ``state_bytes(d_v, state dtype, seq_len=num_tokens)`` (the hybrids: the
         window's ``min(w, n) (d + d_v)`` numbers plus the linear state); 0 before the first call."""
         if self.state is None:
             return 0
         return self._estimator_bytes(self.state.keys.dtype)
+
+
+class GroupedQueryCache:
+    """Grouped-query heads (Ainslie et al. 2023, *GQA*, §2) over one decoding cache: ``groups`` query heads share each
+    key/value head, so the cache keeps **one state per key/value head**, not one per query head.
+
+    For a feature map ``φ`` shared by a group's query heads, the state ``(W, z) = (Σ_j v_j φ(k_j)ᵀ, Σ_j φ(k_j))`` is a
+    function of the group's keys and values alone, and query head ``h`` of group ``g`` reads
+    ``y_h = W_g φ(q_h) / ⟨z_g, φ(q_h)⟩``; the same holds for a hybrid's window and for a KV cache. Repeating the
+    keys and values to every query head (Hugging Face's ``repeat_kv``) gives the same outputs with ``groups``
+    copies of every state; this cache gives the outputs of that repetition (to rounding) and holds, between calls,
+    the state of the group's first query head only: ``state_bytes()`` is ``1/groups`` of the repeated heads'.
+
+    ``extend(q, k, v, key_padding_mask=None, query_padding_mask=None)`` takes ``q`` ``(..., H_kv·G, n, d)`` (query
+    head ``h`` in group ``h // G``, the order of ``repeat_kv``), ``k`` ``(..., H_kv, n, d)``, ``v``
+    ``(..., H_kv, n, d_v)`` and masks broadcastable to ``(..., 1, n)``; it returns ``(..., H_kv·G, n, d_v)``. Within a
+    call the state is broadcast to the ``G`` query heads (a view) and the inner cache's ``extend`` runs on them, so
+    the compute is that of the repeated heads; the saving is the memory a decoder holds.
+
+    Parameters
+    ----------
+    inner : DecodeCache
+        An empty cache of the group's estimator (:func:`decode_cache`).
+    groups : int
+        Query heads per key/value head ``G``.
+
+    >>> import torch, kernapprox as ka
+    >>> from kernapprox.attention.decode import GroupedQueryCache, decode_cache
+    >>> gen = torch.Generator().manual_seed(0)
+    >>> q = torch.randn(1, 4, 6, 8, generator=gen, dtype=torch.float64)        # 4 query heads
+    >>> k, v = (torch.randn(1, 2, 6, 8, generator=gen, dtype=torch.float64) for _ in range(2))   # 2 key/value heads
+    >>> est = ka.make_estimator("positive", num_features=16, rng=0).fit(q, k)
+    >>> grouped = GroupedQueryCache(decode_cache(est), groups=2)
+    >>> out = torch.cat([grouped.extend(q[..., :5, :], k[..., :5, :], v[..., :5, :]),
+    ...                  grouped.extend(q[..., 5:, :], k[..., 5:, :], v[..., 5:, :])], -2)
+    >>> full = ka.linear_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), est, causal=True)
+    >>> bool(torch.allclose(out, full, atol=1e-12)), grouped.state_bytes() == est.state_bytes(8, torch.float64) * 2
+    (True, True)
+    """
+
+    def __init__(self, inner: DecodeCache, groups: int):
+        if not isinstance(inner, DecodeCache):
+            raise TypeError(f"inner must be a kernapprox DecodeCache, got {type(inner).__name__}")
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ValueError(f"groups must be a positive int, got {groups!r}")
+        if inner.num_tokens:
+            raise ValueError(f"inner must be an empty cache; it holds {inner.num_tokens} tokens")
+        self.inner = inner
+        self.groups = groups
+
+    @property
+    def estimator(self) -> Estimator:
+        return self.inner.estimator
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inner.num_tokens
+
+    def extend(self, q, k, v, *, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
+        """Causal attention of the ``n`` new tokens of every query head after the cached ones (see the class)."""
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() < 3:
+                raise ValueError(f"{name} must be a tensor (..., heads, n, ·), got "
+                                 f"{tuple(getattr(t, 'shape', ())) or type(t).__name__}")
+        g = self.groups
+        kv_heads = k.shape[-3]
+        if q.shape[-3] != kv_heads * g or v.shape[-3] != kv_heads:
+            raise ValueError(f"q has {q.shape[-3]} heads, k {kv_heads} and v {v.shape[-3]}: a GroupedQueryCache of "
+                             f"groups={g} needs H_kv·{g} query heads for H_kv key/value heads")
+        batch = tuple(k.shape[:-2])
+        nb = len(batch)
+        qg = q.reshape(*batch, g, *q.shape[-2:])
+        kg, vg = (t.unsqueeze(-3).expand(*batch, g, *t.shape[-2:]) for t in (k, v))
+        masks = {name: None if m is None else m.unsqueeze(-2)
+                 for name, m in (("key_padding_mask", key_padding_mask), ("query_padding_mask", query_padding_mask))}
+        inner = self.inner
+        if inner._batch is not None:             # the kept state, one per key/value head, seen by its G query heads
+            inner._map_state(lambda t: t.unsqueeze(nb).expand(*t.shape[:nb], g, *t.shape[nb:]))
+            inner._batch = (*inner._batch, g)
+        out = inner.extend(qg, kg, vg, **masks)
+        inner._map_state(lambda t: t.select(nb, 0).contiguous())     # one copy per key/value head between calls
+        inner._batch = inner._batch[:-1]
+        return out.reshape(*q.shape[:-1], out.shape[-1])
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.inner.select(index)
+
+    def state_bytes(self) -> int:
+        """The inner cache's ``state_bytes``: one state per key/value head and batch entry."""
+        return self.inner.state_bytes()
+
+    def held_bytes(self) -> int:
+        return self.inner.held_bytes()

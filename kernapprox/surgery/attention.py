@@ -423,6 +423,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if isinstance(attention, TrainableAttention):      # the whole layer, grouped heads as the model groups them
         return _trainable_forward(attention, layer, query, key, value, padding, causal), None
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)
+    kv_key, kv_value = key, value                      # one per key/value head: what a grouped decoding state reads
     if layer is not None and layer.kv is not None:
         own_key, own_value = layer.full                # the kept heads attend over the whole context
     if groups > 1:                                    # grouped-query heads: each query head reads its group's keys
@@ -453,8 +454,14 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             if isinstance(entry, PerSequence):
                 raise ValueError("a head fitted on each sequence (PerSequence) has no decoding state")
             _check_scale(entry, call.scaling)
-            out[:, index] = layer.decoder(tuple(index), entry, attention.mode).extend(
-                q_sel, k_sel, v_sel, **mask_kwargs(padding, query_padding_mask=query_padding))
+            kv_heads = _whole_groups(index, groups)
+            extra = mask_kwargs(padding, query_padding_mask=query_padding)
+            decoder = layer.decoder(tuple(index), entry, attention.mode, groups=groups if kv_heads else 1)
+            if kv_heads:             # one state per key/value head, read by its query heads
+                kv_sel = torch.tensor(kv_heads, device=query.device)
+                out[:, index] = decoder.extend(q_sel, kv_key[:, kv_sel], kv_value[:, kv_sel], **extra)
+            else:
+                out[:, index] = decoder.extend(q_sel, k_sel, v_sel, **extra)
             continue
         if isinstance(entry, PerSequence) or (padding is not None and not entry.capabilities().key_padding):
             out[:, index] = _per_sequence(call, index, entry, attention.mode)
@@ -467,6 +474,18 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _whole_groups(index: list[int], groups: int) -> list[int] | None:
+    """The key/value heads whose every query head is in ``index`` (the heads sharing one estimator), in order, when
+    ``index`` is exactly those groups' query heads in order (``groups > 1``); else ``None``: the heads then keep
+    one decoding state per query head."""
+    if groups == 1 or len(index) % groups:
+        return None
+    kv = [index[i] // groups for i in range(0, len(index), groups)]
+    if index != [g * groups + j for g in kv for j in range(groups)]:
+        return None
+    return kv
 
 
 def _trainable_forward(attention: TrainableAttention, layer, query, key, value, padding, causal):

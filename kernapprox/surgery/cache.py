@@ -53,7 +53,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
 
-from ..attention.decode import DecodeCache, decode_cache
+from ..attention.decode import DecodeCache, GroupedQueryCache, decode_cache
 from ..validation import check_float_dtype
 from . import attention as sa
 from .attention import CACHE_KEYWORD
@@ -70,7 +70,9 @@ class StateLayer(CacheLayerMixin):
     Attributes
     ----------
     decoders : dict
-        ``{head group: DecodeCache}`` (the group: the tuple of query heads sharing one estimator), created at the
+        ``{head group: DecodeCache}`` (the group: the tuple of query heads sharing one estimator; a
+        :class:`~kernapprox.attention.decode.GroupedQueryCache`, one state per key/value head, when the group is
+        whole grouped-query groups of the model), created at the
         first call (the prefill).
     kv : DynamicLayer or None
         The keys and values of the layer's key/value heads, for the query heads that keep the model's own attention.
@@ -88,7 +90,7 @@ class StateLayer(CacheLayerMixin):
     def __init__(self, *, keep_kv: bool = False, state_dtype: torch.dtype | None = None):
         super().__init__()
         self.state_dtype = state_dtype
-        self.decoders: dict[tuple[int, ...], DecodeCache] = {}
+        self.decoders: dict[tuple[int, ...], DecodeCache | GroupedQueryCache] = {}
         self.kv = DynamicLayer() if keep_kv else None
         self.seen = 0
         self.full = None                 # (keys, values) of every token, for the kept heads of the current call
@@ -115,11 +117,16 @@ class StateLayer(CacheLayerMixin):
         kwargs[CACHE_KEYWORD] = self
         return key_states, value_states
 
-    def decoder(self, heads: tuple[int, ...], estimator, mode: str | None) -> DecodeCache:
-        """The decoding cache of the head group ``heads`` (created for ``estimator`` at the first call)."""
+    def decoder(self, heads: tuple[int, ...], estimator, mode: str | None, *, groups: int = 1):
+        """The decoding cache of the head group ``heads`` (created for ``estimator`` at the first call): a
+        :class:`~kernapprox.attention.decode.GroupedQueryCache` holding one state per key/value head when
+        ``groups > 1`` (``heads`` are whole groups of query heads sharing the estimator), else one state per head."""
         found = self.decoders.get(heads)
         if found is None:
-            found = self.decoders[heads] = decode_cache(estimator, mode=mode, state_dtype=self.state_dtype)
+            found = decode_cache(estimator, mode=mode, state_dtype=self.state_dtype)
+            if groups > 1:
+                found = GroupedQueryCache(found, groups)
+            self.decoders[heads] = found
         return found
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

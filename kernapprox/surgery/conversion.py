@@ -98,8 +98,10 @@ def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
 def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -> dict[int, list]:
     """Fit ``estimators`` (``{layer: per-head unfitted estimators or None}``) on the calibration batch, layer by
     layer in order: each layer's maps on the real tokens (``attention_mask``) of the batch as the model computes
-    them with the layers below already substituted. ``model`` must be enabled (it is, after :func:`substitute`);
-    the fitted layers are set on it. Returns ``{layer: per-head fitted estimators}``."""
+    them with the layers below already substituted. Heads holding one estimator object (a key/value group,
+    ``convert(..., share_heads="group")``) are fitted once, on their queries together and their shared keys.
+    ``model`` must be enabled (it is, after :func:`substitute`); the fitted layers are set on it. Returns
+    ``{layer: per-head fitted estimators}``."""
     if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
         raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
     stack = stack_for(model)
@@ -113,18 +115,27 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
         call = sa.capture(module, lambda: model(**inputs))
         real = (torch.ones(call.query.shape[0], call.query.shape[-2], dtype=torch.bool, device=call.query.device)
                 if call.key_padding_mask is None else ~call.key_padding_mask[:, 0])
-        out = []
+        out = list(heads)
+        shared: dict[int, list[int]] = {}             # heads holding one estimator object are fitted once, together
         for head, est in enumerate(heads):
             if est is not None:
-                est = est.fit(call.query[:, head][real], call.key[:, head][real])
-            out.append(est)
+                shared.setdefault(id(est), []).append(head)
+        for index in shared.values():
+            queries = torch.cat([call.query[:, head][real] for head in index])
+            keys = call.key[:, index[0]][real]
+            if any(not torch.equal(call.key[:, head], call.key[:, index[0]]) for head in index[1:]):
+                raise ValueError(f"heads {index} of layer {layer} share one estimator but not their keys: heads that "
+                                 "share a data-dependent map must be one key/value group")
+            fitted_est = heads[index[0]].fit(queries, keys)
+            for head in index:
+                out[head] = fitted_est
         sa.set_attention(module, sa.SubstitutedAttention(out))
         fitted[layer] = out
     return fitted
 
 
 def convert(model, estimator: str, *, num_features: int | None = None, layers=None, heads=None, rng=0,
-            calibration: Mapping | None = None, share_heads: bool = False, **options):
+            calibration: Mapping | None = None, share_heads: bool | str = False, **options):
     """A copy of ``model`` whose chosen layers and heads attend with the registry estimator ``estimator``, or
     with a trainable map of :data:`TRAINABLE_MAPS`.
 
@@ -146,13 +157,19 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     calibration : mapping of model inputs, optional
         The batch data-dependent maps are fitted on (:func:`calibrate`); required for them, and never the text the
         converted model is then evaluated on.
-    share_heads : bool
-        ``False`` (default): every substituted head draws its own map. ``True``: one draw per layer, from
-        :func:`head_seed` ``(rng, l, 0)``, shared by the layer's substituted heads, as the Performer's reference
-        code shares one projection per attention layer (Choromanski et al. 2021). Each head's estimate keeps its
-        distribution (unbiased maps stay unbiased); the heads' errors are then correlated. The heads of a layer
-        then run as one batch in every call, decoding included (one state update per layer and token instead of one
-        per head). Data-dependent maps refuse it: each head is fitted on its own activations.
+    share_heads : bool or "group"
+        ``False`` (default): every substituted head draws its own map. ``"group"``: one draw per key/value head
+        (grouped-query attention, Ainslie et al. 2023), from :func:`head_seed` ``(rng, l, h₀)`` with ``h₀`` the
+        group's first query head, shared by the group's query heads; a data-dependent map is fitted once per group,
+        on the group's queries (all its heads) and its keys. ``True``: one draw per layer, from :func:`head_seed`
+        ``(rng, l, 0)``, shared by the layer's substituted heads, as the Performer's reference code shares one
+        projection per attention layer (Choromanski et al. 2021); data-dependent maps refuse it. Each head's
+        estimate keeps its distribution (unbiased maps stay unbiased); the heads' errors are then correlated. Heads
+        sharing a map run as one batch in every call, and when they are whole key/value groups (``"group"``, or
+        ``True`` with every head substituted) a decoder keeps **one state per key/value head**
+        (:class:`~kernapprox.attention.decode.GroupedQueryCache`): ``1/G`` of the per-query-head states' bytes,
+        as the model's own KV cache keeps one key and value per key/value head. With ``False`` every query head
+        keeps its own state (its keys' features differ from its group's other heads').
     **options
         Further constructor options of the estimator.
 
@@ -191,9 +208,13 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
         _cache.install(converted)
     dtype = next(converted.parameters()).dtype
     device = next(converted.parameters()).device
-    if not isinstance(share_heads, bool):
-        raise TypeError(f"share_heads must be a bool, got {share_heads!r}")
-    if share_heads and capabilities(estimator, **options).data_dependent:
+    if isinstance(share_heads, str) and share_heads != "group":
+        raise ValueError(f"share_heads must be False, True or 'group', got {share_heads!r}")
+    if not isinstance(share_heads, bool | str):
+        raise TypeError(f"share_heads must be a bool or 'group', got {share_heads!r}")
+    per_group = share_heads == "group"
+    groups = stack.num_heads // getattr(stack, "num_kv_heads", stack.num_heads)
+    if share_heads is True and capabilities(estimator, **options).data_dependent:
         raise ValueError(f"share_heads=True with the data-dependent {estimator!r}: each head is fitted on its own "
                          "activations, so heads cannot share one fit")
     pending = {}                                          # layer -> heads still to be fitted on calibration data
@@ -204,13 +225,19 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
             if head not in head_set:
                 per_head.append(None)
                 continue
-            if share_heads:
+            if share_heads is True:
                 if shared is None:
                     shared = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, 0),
                                             **options).fit(torch.zeros(1, stack.head_dim, dtype=dtype, device=device))
                 per_head.append(shared)
                 continue
-            est = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, head), **options)
+            first = head - head % groups if per_group else head        # the head whose draw this head uses
+            if first != head and per_head[first] is not None:
+                per_head.append(per_head[first])                         # the group's estimator, one object
+                if head - 1 in pending.get(layer, ()):                   # fitted once, on the group's heads
+                    pending[layer].append(head)
+                continue
+            est = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, first), **options)
             if est.capabilities().data_dependent:
                 pending.setdefault(layer, []).append(head)
             else:                                             # one draw per (layer, head): fit on a shape
