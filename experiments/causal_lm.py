@@ -1,28 +1,34 @@
 """SmolLM2-135M as an RNN: what a fixed-size state keeps of a pretrained causal language model's perplexity and recall,
-against the memory a decoder holds, and how much softmax a hybrid must keep.
+against the memory a decoder holds, and how much softmax a hybrid must keep, and where.
 
 Every cell converts the pretrained model (:func:`kernapprox.convert`, transformers' Llama attention interface: the
 model's own rotary positions and grouped-query heads) so that ``num_features``-dimensional feature maps replace
-softmax attention in every layer except ``exact_layers`` softmax layers kept evenly spaced (layer ``⌊i·30/k⌋`` for
-``i < k``), and measures on the same tokens as the exact model (paired): (a) the next-token NLL of ``n_windows``
-disjoint windows of ``context`` tokens of held-out text (Shakespeare's works of the evaluation split,
-:func:`kernapprox.lm.text_windows`; no map is fitted on them), (b) passkey recall on ``n_prompts`` prompts of
-``context`` tokens of the same split with the key hidden at depths from 0.1 to 0.9
-(:func:`kernapprox.lm_eval.passkey_prompt`, scored by the answer's log-probability and by whether greedy decoding
-gives it), (c) the RNN mode:
-prefill of the first ``decode_len`` tokens of window 0 but the last ``n_decode``, then decoding those one at a time
-through the converted model's fixed-size cache, against the parallel pass's logits, with the seconds per step, and
-the bytes the cache holds after the whole window (all layers, kept softmax layers' KV caches included).
-Data-dependent maps (Nyström) and the
-trainable Hedgehog maps (attention transfer, Zhang et al. 2024) are fitted on ``n_calibration`` windows of the
-calibration split only. The exact model's NLL and recall, a context-free unigram model of the calibration split (the
-trivial baseline of the NLL: add-one smoothed token frequencies), and the exact model's per-token decode time with
-KV caches of 1k to 32k tokens (random keys and values of the cache's true shape: the step's work does not depend on
-their values) are the study's reference. The unit of replication of the NLL is the text window and of recall the
-prompt (the exact model reads the same ones); the maps are one draw per ``map_seed`` (per head, or per layer for
-``positive_orthogonal_shared``: ``kernapprox.convert(..., share_heads=True)``). Every label runs at ``hybrid_rank``
-with every layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers are FAVOR+'s, the window
-hybrid's and Hedgehog's (:data:`RUNS`).
+softmax attention in every layer except ``exact_layers`` softmax layers, placed evenly (layer ``⌊i·30/k⌋`` for
+``i < k``) or where the label's measured per-layer sensitivity is largest (``placement``), and measures on the same
+tokens as the exact model (paired): (a) the next-token NLL of ``n_windows`` disjoint windows of ``context`` tokens
+of held-out text (Shakespeare's works of the evaluation split, :func:`kernapprox.lm.text_windows`; no map is fitted
+on them), (b) recall on ``n_prompts`` prompts of ``context`` tokens per task, the fact at depths 0.1 to 0.9: a
+passkey hidden in the same split's text (:func:`kernapprox.lm_eval.passkey_prompt`) and a key–value lookup in
+natural language (:func:`kernapprox.lm_eval.kv_lookup_prompt`), each scored by the answer's log-probability and by
+whether greedy decoding gives it, against chance (``1 / candidates``), (c) the RNN mode: prefill of the first
+``decode_len`` tokens of window 0 but the last ``n_decode``, then decoding those one at a time through the converted
+model's fixed-size cache, against the parallel pass's logits, with the seconds per step, and the bytes the cache
+holds after the whole window (all layers, kept softmax layers' KV caches included), (d) for the labels with a
+sensitivity placement, each layer substituted alone on the calibration windows: the NLL increase (the sensitivity
+that places the softmax layers) and each head's attention-output error on the exact model's activations.
+
+Data-dependent maps (Nyström) and the trainable Hedgehog maps (attention transfer, Zhang et al. 2024) are fitted on
+``n_calibration`` windows of the calibration split only. Every map is one draw per key/value head
+(``share_heads="group"``), so a decoder keeps one state per key/value head as the model's KV cache keeps one key and
+value per key/value head (``positive_orthogonal_shared``: one draw per layer, ``share_heads=True``). The exact
+model's NLL and recall, a context-free unigram model of the calibration split (the trivial baseline of the NLL:
+add-one smoothed token frequencies), recall's chance, and the exact model's per-token decode time with KV caches of
+1k to 32k tokens (random keys and values of the cache's true shape: the step's work does not depend on their values)
+are the study's reference. The unit of replication of the NLL is the text window and of recall the prompt (the exact
+model reads the same ones); the maps are one draw per ``map_seed``. Every label runs at ``hybrid_rank`` with every
+layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers per label and placement are in
+:data:`RUNS`. Presets: ``default`` (512 tokens), ``full`` (512 and 2048 tokens, every label, two draws) and ``long``
+(2048 and 4096 tokens: FAVOR+ and the window hybrid).
 """
 
 from __future__ import annotations
@@ -56,32 +62,45 @@ if LM_REASON is not None:
     warnings.warn(f"causal_lm needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
 
 # label -> (kernapprox.convert estimator, estimator options, conversion options); one table for the study
+# one map per key/value head (share_heads="group"): the decoder keeps one state per key/value head, as the model's
+# own KV cache keeps one key and value per key/value head (Hedgehog's trainable maps are per key/value head already)
+GROUP = {"share_heads": "group"}
 ESTIMATORS = {
-    "positive_orthogonal": ("positive_orthogonal", {}, {}),                   # FAVOR+ (Choromanski et al. 2021)
+    "positive_orthogonal": ("positive_orthogonal", {}, GROUP),                # FAVOR+ (Choromanski et al. 2021)
     "positive_orthogonal_shared": ("positive_orthogonal", {}, {"share_heads": True}),   # one draw per layer
-    "nystrom_uniform": ("nystrom_uniform", {}, {}),                           # fitted on the calibration windows
-    "window_linear": ("window_linear", {"window": 64}, {}),                   # Based-style: 64 exact + positive RF
+    "nystrom_uniform": ("nystrom_uniform", {}, GROUP),                        # fitted on the calibration windows
+    "window_linear": ("window_linear", {"window": 64}, GROUP),                # Based-style: 64 exact + positive RF
     "hedgehog_trainable": ("hedgehog_trainable", {"fit_steps": 30}, {}),      # attention transfer on calibration
 }
-# what each label runs besides r = hybrid_rank with every layer substituted: the rank sweep, the kept softmax layers
-RUNS = {"positive_orthogonal": ("ranks", "placements"), "positive_orthogonal_shared": (),
-        "nystrom_uniform": (), "window_linear": ("placements",), "hedgehog_trainable": ("placements",)}
+# what each label runs besides r = hybrid_rank with every layer substituted: FAVOR+'s rank sweep ("ranks"), and the
+# numbers of softmax layers kept evenly spaced ("even") or where the label's per-layer sensitivity is largest
+# ("sensitivity"), at hybrid_rank; a preset's exact_layers axis says which of them run
+RUNS = {"positive_orthogonal": {"ranks": True, "even": (15,)},
+        "positive_orthogonal_shared": {}, "nystrom_uniform": {},
+        "window_linear": {"even": (6, 15), "sensitivity": (2, 6, 15)},
+        "hedgehog_trainable": {"even": (15,)}}
 NUM_LAYERS = lm.NUM_LAYERS
+NUM_HEADS = 9
+PLACEMENTS = ("even", "sensitivity")
 DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
 
 GRIDS = {
     "smoke": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [64],
-              "exact_layers": [0, 15], "context": [96], "map_seed": [0]},
+              "exact_layers": [0, 2], "placement": list(PLACEMENTS), "context": [96], "map_seed": [0]},
     # ~6 min of one core with the model cached: 10 windows and 10 prompts of 512 tokens per cell
-    "default": {"estimator": ["positive_orthogonal", "positive_orthogonal_shared", "nystrom_uniform", "window_linear"],
-                "num_features": [16, 64],
-                "exact_layers": [0, 15], "context": [512], "map_seed": [0]},
-    "full": {"estimator": list(ESTIMATORS), "num_features": [16, 64, 256], "exact_layers": [0, 6, 15],
-             "context": [512], "map_seed": [0, 1]},
+    "default": {"estimator": ["positive_orthogonal", "nystrom_uniform", "window_linear"],
+                "num_features": [16, 64], "exact_layers": [0, 2, 6], "placement": list(PLACEMENTS),
+                "context": [512], "map_seed": [0]},
+    "full": {"estimator": list(ESTIMATORS), "num_features": [16, 64, 256], "exact_layers": [0, 2, 6, 15],
+             "placement": list(PLACEMENTS), "context": [512, 2048], "map_seed": [0, 1]},
+    # the long contexts (~40 min of two cores): the 1/8 and 1/64 budgets of the KV cache at 2048 tokens, and recall
+    # at 2048 and 4096 tokens
+    "long": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64], "exact_layers": [0, 2],
+             "placement": list(PLACEMENTS), "context": [2048, 4096], "map_seed": [0]},
 }
 PARAMETERS = {
     "n_windows": Parameter(10, long_name="held-out text windows (the NLL's units)", units="1"),
-    "n_prompts": Parameter(10, long_name="passkey prompts (recall's units), depths 0.1 to 0.9", units="1"),
+    "n_prompts": Parameter(10, long_name="recall prompts per task (recall's units), depths 0.1 to 0.9", units="1"),
     "n_calibration": Parameter(4, long_name="calibration windows the data-dependent maps are fitted on", units="1",
                                description="of the calibration split, min(context, 256) tokens each"),
     "n_decode": Parameter(8, long_name="tokens decoded one at a time after the prefill", units="token"),
@@ -92,27 +111,41 @@ PARAMETERS = {
 }
 AXIS_ATTRS = {
     "num_features": {"long_name": "features per head r", "units": "1"},
-    "exact_layers": {"long_name": "softmax layers kept (evenly spaced; the others substituted)", "units": "1"},
+    "exact_layers": {"long_name": "softmax layers kept (the others substituted)", "units": "1"},
+    "placement": {"long_name": "which layers keep softmax attention",
+                  "description": "even: layers ⌊i·30/k⌋, i < k; sensitivity: the k layers whose substitution alone "
+                                 "raises the calibration windows' NLL most (layer_delta_nll of the label at "
+                                 "hybrid_rank and map_seed)"},
+    "layer": {"long_name": "decoder layer", "units": "1"},
+    "head": {"long_name": "query head", "units": "1"},
     "context": {"long_name": "tokens per text window and per recall prompt", "units": "token"},
     "map_seed": {"long_name": "draw of every substituted head's map (projections, landmarks, initialisation)",
                  "units": "1"},
     "window": {"long_name": "held-out text window", "units": "1"},
-    "prompt": {"long_name": "passkey prompt (depth 0.1 to 0.9)", "units": "1"},
+    "prompt": {"long_name": "recall prompt (the fact at depth 0.1 to 0.9 of the prompt)", "units": "1"},
+    "task": {"long_name": "recall task",
+             "description": "passkey: a 5-digit key hidden in held-out text (kernapprox.lm_eval.passkey_prompt); "
+                            "kv_lookup: a list of people's locker numbers in sentences, one asked for "
+                            "(kernapprox.lm_eval.kv_lookup_prompt)"},
     "decode_context": {"long_name": "tokens in the exact model's KV cache", "units": "token"},
 }
-_W, _P = ("window",), ("prompt",)
+TASKS = ("passkey", "kv_lookup")
+_W, _P = ("window",), ("task", "prompt")
+_TASKS = {"task": list(TASKS)}
 METRICS = {
     "nll": Metric("mean next-token NLL of the window", "nats", "substituted model, mean over the window's "
                   "positions of −log p(x_{t+1} | x_≤t)", dims=_W),
-    "answer_logprob": Metric("log-probability of the passkey", "nats", "teacher-forced, summed over the answer's "
-                             "tokens", dims=_P),
-    "greedy_correct": Metric("greedy decoding gives the passkey", "1", "1 if every answer token is the argmax",
-                             dims=_P),
+    "answer_logprob": Metric("log-probability of the recalled answer", "nats", "teacher-forced, summed over the "
+                             "answer's tokens", dims=_P, coords=_TASKS),
+    "greedy_correct": Metric("greedy decoding gives the recalled answer", "1", "1 if every answer token is the argmax",
+                             dims=_P, coords=_TASKS),
     "state_bytes": Metric("bytes the decoder keeps at the context's length", "byte",
                           "the converted model's cache (KernelCache.state_bytes, states of state_bits) after "
                           "window 0's context tokens: "
-                          "every substituted head's state (one per query head: the key/value heads are repeated to "
-                          "the query heads) and the kept softmax layers' keys and values, all layers"),
+                          "every substituted layer's states (one per key/value head, share_heads='group'; one per "
+                          "layer's key/value head for positive_orthogonal_shared; a window's keys and values per "
+                          "key/value head for window_linear) and the kept softmax layers' keys and values, all "
+                          "layers"),
     "decode_max_abs_diff": Metric("largest |logit difference|, decoding against the parallel pass", "1",
                                   "over the last n_decode of the first decode_len tokens of window 0, decoded one "
                                   "at a time after the prefill of the others, and the vocabulary"),
@@ -123,16 +156,31 @@ METRICS = {
                          "cache raises; the float64 cache is used and its bytes counted)"),
     "step_seconds": Metric("seconds per decoded token", "s", "median over the n_decode steps but the first two"),
     "prefill_seconds": Metric("seconds of the prefill", "s", "decode_len − n_decode tokens of window 0"),
+    "layer_delta_nll": Metric("NLL increase with only this layer substituted, calibration windows", "nats",
+                              "mean over the calibration windows' positions of nll(only layer l substituted) − "
+                              "nll(exact), the label at this r and map_seed (maps fitted on the same windows): the "
+                              "per-layer sensitivity that places the softmax layers; cells with every layer "
+                              "substituted of labels with a sensitivity placement", dims=("layer",),
+                              coords={"layer": list(range(NUM_LAYERS))}),
+    "layer_attention_error": Metric("relative attention-output error of the layer, calibration windows", "1",
+                                    "‖ŷ_h − y_h‖_F / ‖y_h‖_F over the calibration windows' positions, query head h "
+                                    "of layer l substituted alone (its inputs: the exact model's activations); y the "
+                                    "layer's causal softmax attention", dims=("layer", "head"),
+                                    coords={"layer": list(range(NUM_LAYERS)), "head": list(range(NUM_HEADS))}),
 }
 REFERENCE_METRICS = {
     "nll_exact": Metric("mean next-token NLL of the window, exact model", "nats", "the same tokens", dims=_W),
     "nll_unigram": Metric("mean next-token NLL of the window, unigram model", "nats",
                           "add-one smoothed token frequencies of the calibration split (no context): the trivial "
                           "baseline", dims=_W),
-    "answer_logprob_exact": Metric("log-probability of the passkey, exact model", "nats", "the same prompts",
-                                   dims=_P),
-    "greedy_correct_exact": Metric("greedy decoding gives the passkey, exact model", "1", "the same prompts",
-                                   dims=_P),
+    "answer_logprob_exact": Metric("log-probability of the recalled answer, exact model", "nats", "the same prompts",
+                                   dims=_P, coords=_TASKS),
+    "greedy_correct_exact": Metric("greedy decoding gives the recalled answer, exact model", "1", "the same prompts",
+                                   dims=_P, coords=_TASKS),
+    "recall_chance": Metric("chance of a greedy answer without recall", "1",
+                            "1 / the answers the prompt's form leaves open (RecallPrompt.candidates: 90,000 "
+                            "five-digit keys; the listed people's numbers): the trivial baseline of recall",
+                            dims=_P, coords=_TASKS),
     "kv_bytes": Metric("exact model's KV cache at the context's length", "byte",
                        "30 layers × 2 × 3 key/value heads × 64 × context × 4 bytes (kernapprox.lm.kv_cache_bytes)"),
     "exact_step_seconds": Metric("seconds per decoded token, exact model", "s",
@@ -145,20 +193,25 @@ REFERENCE_METRICS = {
 }
 
 
-def substituted_layers(exact_layers: int) -> list[int]:
-    """The layers a cell substitutes: all but ``exact_layers`` softmax layers kept at ``⌊i·30/k⌋``, ``i < k``."""
-    kept = {int(i * NUM_LAYERS // exact_layers) for i in range(exact_layers)} if exact_layers else set()
+def substituted_layers(exact_layers: int, sensitivity=None) -> list[int]:
+    """The layers a cell substitutes: all but ``exact_layers`` softmax layers, kept at ``⌊i·30/k⌋``, ``i < k``
+    (evenly spaced), or, given the per-layer ``sensitivity`` (NLL increase of each layer substituted alone), the
+    ``k`` layers where it is largest."""
+    if sensitivity is not None:
+        kept = set(np.argsort(-np.asarray(sensitivity), kind="stable")[:exact_layers].tolist())
+    else:
+        kept = {int(i * NUM_LAYERS // exact_layers) for i in range(exact_layers)} if exact_layers else set()
     return [layer for layer in range(NUM_LAYERS) if layer not in kept]
 
 
 def applicable(params) -> bool:
-    """What :data:`RUNS` says: every label at ``hybrid_rank`` with every layer substituted; the rank sweep for
-    FAVOR+ only; kept softmax layers (at ``hybrid_rank``) for FAVOR+, the window hybrid and Hedgehog."""
+    """What :data:`RUNS` says: every label at ``hybrid_rank`` with every layer substituted (placement "even", the
+    canonical label of k = 0); FAVOR+'s rank sweep; the kept softmax layers of each placement at ``hybrid_rank``."""
     runs = RUNS[params["estimator"]]
     at_rank = params["num_features"] == params["hybrid_rank"]
     if params["exact_layers"]:
-        return at_rank and "placements" in runs
-    return at_rank or "ranks" in runs
+        return at_rank and params["exact_layers"] in runs.get(params["placement"], ())
+    return params["placement"] == "even" and (at_rank or runs.get("ranks", False))
 
 
 def check_params(params) -> None:
@@ -166,6 +219,8 @@ def check_params(params) -> None:
         raise ValueError(f"estimator {params['estimator']!r} is not one of the study's: {', '.join(ESTIMATORS)}")
     if not 0 <= params["exact_layers"] < NUM_LAYERS:
         raise ValueError(f"exact_layers must be in [0, {NUM_LAYERS}), got {params['exact_layers']}")
+    if params["placement"] not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {params['placement']!r}")
     if params["context"] < 96:
         raise ValueError(f"context must be at least 96 tokens (a passkey prompt's fixed parts), got "
                          f"{params['context']}")
@@ -178,7 +233,7 @@ class Draw(NamedTuple):
     model: object
     tokenizer: object
     windows: lm.TextWindows
-    prompts: list
+    prompts: dict
     calibration: torch.Tensor
     exact: dict
 
@@ -190,10 +245,21 @@ def _unigram_nll(tokenizer, windows: torch.Tensor) -> np.ndarray:
     return -logp[windows[:, 1:].numpy()].mean(axis=1)
 
 
-def _passkeys(tokenizer, context: int, n: int) -> list:
+def _prompts(tokenizer, context: int, n: int) -> dict:
+    """``n`` prompts of each task of :data:`TASKS` at ``context`` tokens, the fact at depths 0.1 to 0.9."""
     filler = lm.text_stream(tokenizer, split="evaluation")
-    return [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(depth), seed=i)
-            for i, depth in enumerate(np.linspace(0.1, 0.9, n))]
+    depths = np.linspace(0.1, 0.9, n)
+    return {"passkey": [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(depth), seed=i)
+                        for i, depth in enumerate(depths)],
+            "kv_lookup": [lm_eval.kv_lookup_prompt(tokenizer, context, depth=float(depth), seed=i)
+                          for i, depth in enumerate(depths)]}
+
+
+def score_recall(model, prompts: dict) -> dict:
+    """``answer_logprob``, ``greedy_correct`` (float) and ``candidates`` ``(task, prompt)`` arrays."""
+    scores = [lm_eval.score_recall(model, prompts[task]) for task in TASKS]
+    return {name: np.stack([np.asarray(sc[name], dtype=float) for sc in scores])
+            for name in ("answer_logprob", "greedy_correct", "candidates")}
 
 
 @torch.no_grad()
@@ -226,13 +292,13 @@ def draw(params, data_rng, device) -> Draw:
     context = params["context"]
     windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation")
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
-    prompts = _passkeys(tokenizer, context, params["n_prompts"])
+    prompts = _prompts(tokenizer, context, params["n_prompts"])
     ids = windows.input_ids.to(device)
     nll_exact = lm_eval.token_nll(model, ids).mean(axis=1)
-    recall = lm_eval.score_recall(model, prompts)
+    recall = score_recall(model, prompts)
     exact = {"nll_exact": nll_exact, "nll_unigram": _unigram_nll(tokenizer, windows.input_ids),
-             "answer_logprob_exact": recall["answer_logprob"],
-             "greedy_correct_exact": recall["greedy_correct"].astype(float),
+             "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
+             "recall_chance": 1.0 / recall["candidates"],
              "kv_bytes": float(lm.kv_cache_bytes(context))}
     return Draw(model, tokenizer, windows, prompts, calibration.input_ids.to(device), exact)
 
@@ -243,15 +309,61 @@ def run_reference(params, device, data):
             "exact_kv_bytes": np.array([float(b) for _, b in timed])}
 
 
-def convert(data: Draw, params):
-    """The cell's converted model."""
+def convert(data: Draw, params, layers=None):
+    """The cell's converted model (``layers``: the substituted layers, default the cell's placement)."""
     name, options, conversion = ESTIMATORS[params["estimator"]]
-    kw = dict(options, **conversion, num_features=params["num_features"],
-              layers=substituted_layers(params["exact_layers"]), rng=params["map_seed"])
+    if layers is None:
+        sensitivity = (layer_sensitivity(data, params)["layer_delta_nll"] if params["placement"] == "sensitivity"
+                       else None)
+        layers = substituted_layers(params["exact_layers"], sensitivity)
+    kw = dict(options, **conversion, num_features=params["num_features"], layers=layers, rng=params["map_seed"])
     trainable = name in TRAINABLE_MAPS
     if trainable or ka.capabilities(name, **options).data_dependent:
         kw["calibration"] = {"input_ids": data.calibration}
     return ka.convert(data.model, name, **kw)
+
+
+_SENSITIVITY: dict = {}       # per process: (label, r, map_seed, calibration digest) -> layer sensitivity
+
+
+@torch.no_grad()
+def layer_sensitivity(data: Draw, params) -> dict:
+    """Per layer ``l``: the calibration windows' NLL increase when only ``l`` is substituted by the cell's label at
+    ``hybrid_rank`` (``layer_delta_nll``), and each query head's relative attention-output error there
+    (``layer_attention_error``, on the exact model's activations: the layers below are exact). Memoised per
+    process; 30 passes over the calibration windows."""
+    from kernapprox.surgery import attention as sa
+
+    calibration = data.calibration
+    key = (params["estimator"], params["hybrid_rank"], params["map_seed"], tuple(calibration.shape),
+           int(calibration.sum()))
+    if key in _SENSITIVITY:
+        return _SENSITIVITY[key]
+    at_rank = dict(params, num_features=params["hybrid_rank"], exact_layers=0, placement="even")
+    base = lm_eval.token_nll(data.model, calibration).mean()
+    delta = np.empty(NUM_LAYERS)
+    error = np.empty((NUM_LAYERS, NUM_HEADS))
+    for layer in range(NUM_LAYERS):
+        model = convert(data, at_rank, layers=[layer])
+        module = ka.surgery.stack_for(model).attention_module(layer)
+        sums = np.zeros((2, NUM_HEADS))
+
+        def observe(call, out, sums=sums):
+            want = ka.softmax_attention(call.query, call.key, call.value, call.causal, call.scaling)
+            sums[0] += (out - want).square().sum(dim=(0, 2, 3)).double().numpy()
+            sums[1] += want.square().sum(dim=(0, 2, 3)).double().numpy()
+
+        attention = sa.get_attention(module)
+        if isinstance(attention, sa.SubstitutedAttention):
+            attention.observer = observe
+            delta[layer] = lm_eval.token_nll(model, calibration).mean() - base
+            error[layer] = np.sqrt(sums[0] / sums[1])
+        else:                       # a trainable map's layer has no observer: its NLL only
+            delta[layer] = lm_eval.token_nll(model, calibration).mean() - base
+            error[layer] = np.nan
+        del model
+    _SENSITIVITY[key] = {"layer_delta_nll": delta, "layer_attention_error": error}
+    return _SENSITIVITY[key]
 
 
 def _cache_keyword(model) -> str:
@@ -310,10 +422,17 @@ def run_cell(params, rng, device, data):
         return not_applicable()
     model = convert(data, params)
     nll = lm_eval.token_nll(model, data.windows.input_ids.to(device)).mean(axis=1)
-    recall = lm_eval.score_recall(model, data.prompts)
-    return {"nll": nll, "answer_logprob": recall["answer_logprob"],
-            "greedy_correct": recall["greedy_correct"].astype(float),
-            **decode(model, data.windows.input_ids[:1].to(device), params)}
+    recall = score_recall(model, data.prompts)
+    out = {"nll": nll, "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"],
+           **decode(model, data.windows.input_ids[:1].to(device), params)}
+    del model
+    runs = RUNS[params["estimator"]]
+    if params["exact_layers"] == 0 and params["num_features"] == params["hybrid_rank"] and runs.get("sensitivity"):
+        out.update(layer_sensitivity(data, params))
+    else:
+        out.update(layer_delta_nll=np.full(NUM_LAYERS, np.nan),
+                   layer_attention_error=np.full((NUM_LAYERS, NUM_HEADS), np.nan))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------- summaries
@@ -340,6 +459,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         ppl.attrs = {**ds[f"{ref}_summary"].attrs, "long_name": "perplexity exp(mean NLL)", "units": "1",
                      "statistic": "exp(mean NLL over windows)"}
         ds[f"{name}_summary"] = ppl
+    ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
+        long_name="chance of a greedy answer without recall, mean over the prompts", units="1")
     for name in ("greedy_correct", "greedy_correct_exact"):
         s = stats.proportion_summary(ds[name], 1, ("prompt",))
         s.attrs.update(long_name=ds[name].attrs["long_name"], units="1",
@@ -358,76 +479,158 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="bytes kept over the exact model's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
+    _placement_pairs(ds)
     return ds
 
 
+def _placement_pairs(ds: xr.Dataset) -> None:
+    """Sensitivity placement minus even placement, per window, where both ran (same label, r, k, draw)."""
+    if not {"even", "sensitivity"} <= set(ds["placement"].values.tolist()):
+        return
+    pair = (ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement="even")).assign_attrs(
+        long_name="NLL with the softmax layers placed by sensitivity minus evenly spaced", units="nats",
+        description="per window, the same label, r, number of softmax layers and draw", comparison="difference")
+    ds["placement_nll_diff"] = pair
+    summary = stats.bootstrap_interval(pair, "window", "mean")
+    summary.attrs.update(long_name=pair.attrs["long_name"], units="nats",
+                         description="over the windows: " + summary.attrs.get("interval", ""))
+    ds["placement_nll_diff_summary"] = summary
+    ds["placement_nll_diff_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+
+
 # ---------------------------------------------------------------------------------------------------- figure
-def _cells(ds: xr.Dataset, context: int):
-    """``(estimator, r, k, seed)`` of the cells that ran at ``context``."""
-    sub = ds["state_bytes"].sel(context=context)
-    for idx in zip(*np.nonzero(np.isfinite(sub.values))):
-        yield tuple(sub[d].values.tolist()[i] for d, i in zip(sub.dims, idx))
+CELL_DIMS = ("estimator", "num_features", "exact_layers", "placement", "map_seed")
+
+
+def _cells(ds: xr.Dataset, context: int) -> list[dict]:
+    """The selections (estimator, r, k, placement, map_seed) of the cells that ran at ``context``."""
+    sub = ds["state_bytes"].sel(context=context).transpose(*CELL_DIMS)
+    return [{d: sub[d].values.tolist()[i] for d, i in zip(CELL_DIMS, idx)}
+            for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
+
+
+def _name(cell: dict) -> str:
+    k = cell["exact_layers"]
+    return f"`{cell['estimator']}` at r = {cell['num_features']}" + (
+        f" with {k} softmax layers ({cell['placement']})" if k else "")
+
+
+def _value(ds, name, cell, context, stat=None, **extra):
+    da = ds[name].sel(**cell, context=context, **extra)
+    return float(da.sel(stat=stat)) if stat else da
+
+
+def _sensitivity_cell(ds: xr.Dataset, context: int):
+    """The cell whose per-layer sensitivity ran at ``context`` (the first), or ``None``."""
+    for cell in _cells(ds, context):
+        if np.isfinite(ds["layer_delta_nll"].sel(**cell, context=context).values).all():
+            return cell
+    return None
 
 
 def plot(ds: xr.Dataset, path) -> None:
-    context = int(ds["context"].values[-1])
-    fig, axes = new_figure(2, 2, width=11, height=8)
-    (ax_ppl, ax_rec), (ax_dec, ax_diff) = axes
-    at = {"context": context}
-    kv = float(ds["kv_bytes"].sel(**at))
-    for label in ds["estimator"].values.tolist():
-        style = estimator_style(label)
-        for k in ds["exact_layers"].values.tolist():
-            sel = dict(estimator=label, exact_layers=k, **at)
-            b = ds["state_bytes"].sel(sel).mean("map_seed")
-            keep = np.isfinite(b.values)
-            if not keep.any():
-                continue
-            for ax, name in ((ax_ppl, "perplexity_summary"), (ax_rec, "answer_logprob_summary")):
-                s = ds[name].sel(sel).mean("map_seed") if "map_seed" in ds[name].dims else ds[name].sel(sel)
-                est, lo, hi = (s.sel(stat=x).values[keep] for x in ("estimate", "lo", "hi"))
-                ax.errorbar(b.values[keep], est, yerr=[est - lo, hi - est], color=style["color"],
-                            linestyle=style["linestyle"] if k == 0 else "none", marker="o" if k == 0 else "s",
-                            markersize=5, capsize=2, label=f"{label}" + (f", {k} softmax layers" if k else ""))
-    for ax, name, what in ((ax_ppl, "perplexity_exact_summary", "exact (KV cache)"),
-                           (ax_rec, "answer_logprob_exact_summary", "exact (KV cache)")):
-        s = ds[name].sel(**at)
-        ax.errorbar([kv], [float(s.sel(stat="estimate"))],
-                    yerr=[[float(s.sel(stat="estimate") - s.sel(stat="lo"))],
-                          [float(s.sel(stat="hi") - s.sel(stat="estimate"))]], marker="*", markersize=11,
-                    color="k", capsize=2, label=what)
-        ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
+    contexts = ds["context"].values.tolist()
+    first = contexts[0]
+    fig, axes = new_figure(2, 4, width=21, height=9)
+    (ax_ppl, ax_rec, ax_kv, ax_acc), (ax_sens, ax_chain, ax_dec, ax_diff) = axes
+    recall_axes = ((ax_rec, "passkey"), (ax_kv, "kv_lookup"))
+    markers = dict(zip(contexts, ("o", "D", "^", "v")))
+    for context in contexts:
+        kv = float(ds["kv_bytes"].sel(context=context))
+        for cell in _cells(ds, context):
+            style = estimator_style(cell["estimator"])
+            b = float(ds["state_bytes"].sel(**cell, context=context))
+            k = cell["exact_layers"]
+            for ax, name, task in ((ax_ppl, "perplexity_summary", None),
+                                   *((ax, "answer_logprob_summary", task) for ax, task in recall_axes)):
+                s = ds[name].sel(**cell, context=context, **({"task": task} if task else {}))
+                est, lo, hi = (float(s.sel(stat=x)) for x in ("estimate", "lo", "hi"))
+                ax.errorbar([b], [est], yerr=[[est - lo], [hi - est]], color=style["color"], marker=markers[context],
+                            markersize=4 + 1.2 * np.sqrt(k), capsize=2,
+                            markerfacecolor="none" if cell["placement"] == "sensitivity" else style["color"],
+                            label=f"{cell['estimator']}" + (f", r = {cell['num_features']}" if not k else
+                                                            f", {k} softmax ({cell['placement']})")
+                            + (f", {context} tokens" if len(contexts) > 1 else ""))
+            for task, marker in zip(TASKS, ("o", "x")):
+                acc = float(ds["greedy_correct_summary"].sel(**cell, context=context, task=task, stat="estimate"))
+                ax_acc.plot([b], [acc], marker=marker, color=style["color"], linestyle="none",
+                            markersize=4 + 1.2 * np.sqrt(k))
+        for ax, name, task in ((ax_ppl, "perplexity_exact_summary", None),
+                               *((ax, "answer_logprob_exact_summary", task) for ax, task in recall_axes)):
+            s = ds[name].sel(context=context, **({"task": task} if task else {}))
+            est = float(s.sel(stat="estimate"))
+            ax.errorbar([kv], [est], yerr=[[est - float(s.sel(stat="lo"))], [float(s.sel(stat="hi")) - est]],
+                        marker="*", markersize=11, color="k", capsize=2,
+                        label="exact (KV cache)" + (f", {context} tokens" if len(contexts) > 1 else ""))
+            ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
+        for task, marker in zip(TASKS, ("o", "x")):
+            acc = float(ds["greedy_correct_exact_summary"].sel(context=context, task=task, stat="estimate"))
+            ax_acc.plot([kv], [acc], marker="*", color="k", markersize=11 if marker == "o" else 8,
+                        markerfacecolor="k" if marker == "o" else "none", linestyle="none")
+        uni = ds["perplexity_unigram_summary"].sel(context=context)
+        ax_ppl.axhline(float(uni.sel(stat="estimate")), color="0.4", linestyle="--", linewidth=1.0,
+                       label="unigram model (no context)" if context == first else None)
+    for ax in (ax_ppl, ax_rec, ax_kv, ax_acc):
         log_axis(ax, "x", label="bytes kept by the decoder at the context's length (all layers)", unit="bytes")
-    uni = ds["perplexity_unigram_summary"].sel(**at)
-    ax_ppl.axhline(float(uni.sel(stat="estimate")), color="0.4", linestyle="--", linewidth=1.0,
-                   label="unigram model (no context)")
     ax_ppl.set_yscale("log")
     ax_ppl.set_ylabel("perplexity on held-out text")
-    ax_ppl.set_title(f"(a) perplexity against memory, {context}-token windows")
+    ax_ppl.set_title("(a) perplexity against memory")
     ax_rec.set_ylabel("passkey log-probability (nats, median)")
-    ax_rec.set_title(f"(b) passkey recall in {context}-token prompts")
-    ax_ppl.legend(fontsize=6.5, loc="upper right")
-    # (c) decode time per token
-    steps = ds["exact_step_seconds"].sel(**at)
+    ax_rec.set_title("(b) passkey recall against memory")
+    ax_kv.set_ylabel("key–value lookup log-probability (nats, median)")
+    ax_kv.set_title("(c) key–value lookup against memory")
+    chance = ds["recall_chance_mean"].max()
+    ax_acc.axhline(float(chance), color="0.4", linestyle="--", linewidth=1.0,
+                   label=f"chance (at most {fmt(float(chance), 2)})")
+    ax_acc.plot([], [], "ko", label="passkey")
+    ax_acc.plot([], [], "kx", label="key–value lookup")
+    ax_acc.set_ylim(-0.05, 1.05)
+    ax_acc.set_ylabel("greedy accuracy (fraction of prompts)")
+    ax_acc.set_title("(d) greedy recall against memory")
+    ax_acc.legend(fontsize=6.5)
+    ax_ppl.legend(fontsize=6, loc="upper right")
+    # (c) per-layer sensitivity
+    cell = _sensitivity_cell(ds, first)
+    if cell is not None:
+        delta = ds["layer_delta_nll"].sel(**cell, context=first)
+        ax_sens.bar(ds["layer"].values, delta.values, color=estimator_style(cell["estimator"])["color"])
+        ax_sens.set_xlabel("decoder layer substituted alone")
+        ax_sens.set_ylabel("calibration NLL increase (nats)")
+        ax_sens.set_title(f"(e) per-layer sensitivity: `{cell['estimator']}`, r = {cell['num_features']}")
+        err = ds["layer_attention_error"].sel(**cell, context=first)
+        ax_chain.errorbar(err.mean("head").values, delta.values,
+                          xerr=[err.mean("head").values - err.min("head").values,
+                                err.max("head").values - err.mean("head").values],
+                          fmt="o", color="0.3", markersize=4, capsize=1.5, elinewidth=0.6)
+        for layer in np.argsort(-delta.values)[:5]:
+            ax_chain.annotate(str(int(layer)), (float(err.mean("head")[layer]), float(delta[layer])), fontsize=7,
+                              xytext=(3, 2), textcoords="offset points")
+        ax_chain.set_xscale("log")
+        ax_chain.set_xlabel("relative attention-output error of the layer (mean over heads; bars: min–max head)")
+        ax_chain.set_ylabel("calibration NLL increase (nats)")
+        ax_chain.set_title("(f) where error enters: attention error → NLL, per layer")
+    # (d) decode time per token
+    steps = ds["exact_step_seconds"].sel(context=first)
     ax_dec.plot(ds["decode_context"].values, steps.values, "k*-", label="exact (KV cache grows)")
-    for label, r, k, seed in _cells(ds, context):
-        if k:
+    for cell in _cells(ds, first):
+        if cell["exact_layers"]:
             continue
-        t = float(ds["step_seconds"].sel(estimator=label, num_features=r, exact_layers=k, map_seed=seed, **at))
-        style = estimator_style(label)
+        t = float(ds["step_seconds"].sel(**cell, context=first))
+        style = estimator_style(cell["estimator"])
         ax_dec.axhline(t, color=style["color"], linestyle=style["linestyle"], linewidth=0.9,
-                       label=f"{label}, r = {r} (fixed state)")
+                       label=f"{cell['estimator']}, r = {cell['num_features']} (fixed state)")
     log_axis(ax_dec, "x", label="context (tokens)")
     ax_dec.set_yscale("log")
     ax_dec.set_ylabel("seconds per decoded token (one thread)")
-    ax_dec.set_title("(c) decoding: per-token time against context")
+    ax_dec.set_title("(g) decoding: per-token time against context")
     ax_dec.legend(fontsize=6.5)
-    # (d) decode against the parallel pass
+    # (e) decode against the parallel pass
     names, diffs = [], []
-    for label, r, k, seed in _cells(ds, context):
-        names.append(f"{label} r={r}" + (f" +{k} sm" if k else ""))
-        diffs.append(float(ds["decode_rel_diff"].sel(estimator=label, num_features=r, exact_layers=k,
-                                                     map_seed=seed, **at)))
+    for cell in _cells(ds, first):
+        k = cell["exact_layers"]
+        names.append(f"{cell['estimator']} r={cell['num_features']}" + (f" +{k} sm ({cell['placement'][:4]})"
+                                                                         if k else ""))
+        diffs.append(float(ds["decode_rel_diff"].sel(**cell, context=first)))
     ax_diff.plot(np.maximum(diffs, 1e-12), range(len(diffs)), "o", color="0.3")
     ax_diff.set_yticks(range(len(diffs)), names, fontsize=6.5)
     ax_diff.axvline(float(np.finfo(np.float32).eps), color="0.6", linestyle=":", linewidth=0.8,
@@ -435,26 +638,33 @@ def plot(ds: xr.Dataset, path) -> None:
     ax_diff.legend(fontsize=6.5)
     ax_diff.set_xscale("log")
     ax_diff.set_xlabel("max |logit difference| / max |logit|, decoding vs parallel pass")
-    ax_diff.set_title("(d) the RNN mode reproduces the parallel pass")
-    kept = ", ".join(str(k) for k in ds["exact_layers"].values.tolist() if k) or "none"
-    fig.suptitle("SmolLM2-135M with fixed-size states: perplexity, recall and decoding against memory")
+    ax_diff.set_title("(h) the RNN mode reproduces the parallel pass")
+    fig.suptitle("SmolLM2-135M with fixed-size states: perplexity, recall, decoding and per-layer sensitivity")
+    ctx = " and ".join(str(c) for c in contexts)
     save_figure(fig, path, (
         f"SmolLM2-135M-Instruct (30 layers, 9 query / 3 key-value heads of dimension 64) with feature maps of r "
-        f"features per head in every layer but the kept softmax layers (squares: {kept} kept, evenly spaced). "
-        f"(a) Perplexity on {ds.sizes['window']} held-out windows of {context} tokens of "
-        f"Shakespeare against the bytes the decoder keeps (every layer's state, kept layers' KV caches); bars: 95 % "
-        f"bootstrap intervals over windows; star: the exact model at its KV cache; dashed: a unigram model. (b) The "
-        f"passkey's log-probability (median over {ds.sizes['prompt']} prompts, bootstrap interval). (c) Seconds per "
-        "decoded token: the exact model with KV caches of 1k–32k tokens against the fixed states (measured "
-        "after a short prefill and drawn flat: their step does the same work at any context). (d) Largest logit "
-        "difference between token-by-token decoding and the parallel pass over the last decoded tokens of "
-        "window 0."),
+        f"features per head, one draw and one decoding state per key/value head, in every layer but the kept softmax "
+        f"layers (larger markers: more kept; filled: evenly spaced, open: the most sensitive layers of panel e). "
+        f"(a) Perplexity on {ds.sizes['window']} held-out windows of {ctx} tokens of Shakespeare against the bytes "
+        "the decoder keeps (every layer's state, kept layers' KV caches); bars: 95 % bootstrap intervals over "
+        f"windows; stars: the exact model at its KV cache (dotted); dashed: a unigram model. (b, c) The recalled "
+        f"answer's log-probability (median over {ds.sizes['prompt']} prompts, bootstrap interval): a passkey in "
+        "text, a locker number in a list of sentences. (d) Greedy accuracy of both (circles: passkey, crosses: "
+        "lookup), chance dashed. (e) The calibration windows' NLL increase with one layer substituted alone. (f) "
+        "Per layer: its attention-output error on the exact model's activations against the NLL increase of (e) "
+        "(the five largest labelled). (g) Seconds per decoded token: the exact model with KV caches of 1k–32k "
+        "tokens against the fixed states (measured after a short prefill and drawn flat: their step does the same "
+        "work at any context). (h) Largest logit difference between token-by-token decoding and the parallel pass "
+        f"over the last decoded tokens of window 0 ({first} tokens)."),
         title="SmolLM2-135M as an RNN")
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def _name(label, r, k):
-    return f"`{label}` at r = {r}" + (f" with {k} softmax layers" if k else "")
+BUDGETS = (1 / 8, 1 / 64)
+
+
+def _ppl(ds, cell, context):
+    return _value(ds, "perplexity_summary", cell, context, "estimate")
 
 
 def findings(ds: xr.Dataset) -> list[str]:
@@ -467,83 +677,176 @@ def findings(ds: xr.Dataset) -> list[str]:
         lines.append(f"Exact model at {context}-token windows of held-out Shakespeare: perplexity {fmt_ci(exact)} "
                      f"over {ds.sizes['window']} windows, KV cache {fmt_bytes(kv)}; the unigram model without context "
                      f"(the trivial baseline): {fmt_ci(uni)}.")
-        cells = list(_cells(ds, context))
+        cells = _cells(ds, context)
         parts, worse_than_unigram = [], []
-        for label, r, k, seed in cells:
-            sel = dict(estimator=label, num_features=r, exact_layers=k, map_seed=seed, **at)
-            ppl = ds["perplexity_summary"].sel(sel)
-            delta = ds["delta_nll_summary"].sel(sel)
-            p = float(ds["delta_nll_p"].sel(sel))
-            frac = float(ds["memory_fraction"].sel(sel))
-            bits = "" if float(ds["state_bits"].sel(sel)) == 32 else ", float64 states: float32 ones underflow"
-            parts.append(f"{_name(label, r, k)}: {fmt_ci(ppl)} ({fmt_bytes(ds['state_bytes'].sel(sel))}{bits}, "
-                         f"{fmt(frac)} of the KV cache; NLL +{fmt_ci(delta)} nats, Wilcoxon p = {fmt(p, 2)})")
+        for cell in cells:
+            ppl = _value(ds, "perplexity_summary", cell, context)
+            delta = _value(ds, "delta_nll_summary", cell, context)
+            p = float(_value(ds, "delta_nll_p", cell, context))
+            frac = float(_value(ds, "memory_fraction", cell, context))
+            bits = "" if float(_value(ds, "state_bits", cell, context)) == 32 else \
+                ", float64 states: float32 ones underflow"
+            parts.append(f"{_name(cell)}: {fmt_ci(ppl)} ({fmt_bytes(_value(ds, 'state_bytes', cell, context))}"
+                         f"{bits}, {fmt(frac)} of the KV cache; NLL +{fmt_ci(delta)} nats, Wilcoxon p = {fmt(p, 2)})")
             if float(ppl.sel(stat="lo")) > float(uni.sel(stat="hi")):
-                worse_than_unigram.append(_name(label, r, k))
-        lines.append("Perplexity of the substituted models on the same windows (paired with the exact model): "
-                     + "; ".join(parts) + ".")
+                worse_than_unigram.append(_name(cell))
+        lines.append(f"Perplexity of the substituted models on the same {context}-token windows (paired with the "
+                     "exact model): " + "; ".join(parts) + ".")
         if worse_than_unigram:
-            lines.append("Worse than the unigram model (intervals apart): " + ", ".join(worse_than_unigram) + ".")
-        best = min(cells, key=lambda c: float(ds["perplexity_summary"].sel(
-            estimator=c[0], num_features=c[1], exact_layers=c[2], map_seed=c[3], context=context,
-            stat="estimate")), default=None)
-        if best is not None:
-            sel = dict(estimator=best[0], num_features=best[1], exact_layers=best[2], map_seed=best[3], **at)
-            ratio = float(ds["perplexity_summary"].sel(sel).sel(stat="estimate")) / float(exact.sel(stat="estimate"))
-            lines.append(f"Lowest perplexity: {_name(*best[:3])}, {fmt(ratio)} × the exact model's, keeping "
-                         f"{fmt(float(ds['memory_fraction'].sel(sel)))} of its KV cache's bytes.")
+            lines.append(f"Worse than the unigram model at {context} tokens (intervals apart): "
+                         + ", ".join(worse_than_unigram) + ".")
+        for budget in BUDGETS:
+            within = [c for c in cells if float(_value(ds, "memory_fraction", c, context)) <= budget]
+            if not within:
+                lines.append(f"No cell at {context} tokens keeps at most 1/{round(1 / budget)} of the KV cache's "
+                             "bytes.")
+                continue
+            best = min(within, key=lambda c: _ppl(ds, c, context))
+            ratio = _ppl(ds, best, context) / float(exact.sel(stat="estimate"))
+            lines.append(f"Best perplexity within 1/{round(1 / budget)} of the KV cache's bytes at {context} tokens "
+                         f"({fmt_bytes(kv * budget)}; {len(within)} of {len(cells)} cells): {_name(best)}, "
+                         f"{fmt_ci(_value(ds, 'perplexity_summary', best, context))}, {fmt(ratio)} × the exact "
+                         f"model's, keeping {fmt(float(_value(ds, 'memory_fraction', best, context)))} of its bytes.")
+        if cells:
+            best = min(cells, key=lambda c: _ppl(ds, c, context))
+            ratio = _ppl(ds, best, context) / float(exact.sel(stat="estimate"))
+            lines.append(f"Lowest perplexity at {context} tokens: {_name(best)}, {fmt(ratio)} × the exact model's, "
+                         f"keeping {fmt(float(_value(ds, 'memory_fraction', best, context)))} of its KV cache's "
+                         "bytes.")
+        lines.extend(_placement_findings(ds, context))
+        lines.extend(_sensitivity_findings(ds, context))
         if "shared_minus_per_head_nll_summary" in ds:
             r = int(ds["hybrid_rank"])
-            one = dict(num_features=r, exact_layers=0, map_seed=ds["map_seed"].values.tolist()[0], **at)
+            one = dict(num_features=r, exact_layers=0, placement="even", map_seed=ds["map_seed"].values.tolist()[0],
+                       **at)
             diff = ds["shared_minus_per_head_nll_summary"].sel(one)
             if np.isfinite(float(diff.sel(stat="estimate"))):
                 t_head = float(ds["step_seconds"].sel(estimator="positive_orthogonal", **one))
                 t_shared = float(ds["step_seconds"].sel(estimator="positive_orthogonal_shared", **one))
-                lines.append(f"FAVOR+ at r = {r} with one draw per layer shared by its heads (share_heads) against "
-                             f"one draw per head (one draw of each per map_seed), on the same windows: NLL difference "
-                             f"{fmt_ci(diff)} nats (Wilcoxon "
+                lines.append(f"FAVOR+ at r = {r}, {context} tokens, one draw per layer shared by its heads against one "
+                             f"draw per key/value head (one draw of each per map_seed), on the same windows: NLL "
+                             f"difference {fmt_ci(diff)} nats (Wilcoxon "
                              f"p = {fmt(float(ds['shared_minus_per_head_nll_p'].sel(one)), 2)}); seconds per decoded "
-                             f"token {fmt(t_shared, 2)} against {fmt(t_head, 2)} (the heads of a layer decode as one "
-                             "batch).")
-        acc = ds["greedy_correct_exact_summary"].sel(**at)
-        lp = ds["answer_logprob_exact_summary"].sel(**at)
-        parts = []
-        for label, r, k, seed in cells:
-            sel = dict(estimator=label, num_features=r, exact_layers=k, map_seed=seed, **at)
-            parts.append(f"{_name(label, r, k)}: {fmt_ci(ds['greedy_correct_summary'].sel(sel), percent=True)} "
-                         f"correct, log-probability {fmt_ci(ds['answer_logprob_summary'].sel(sel))} (change "
-                         f"{fmt_ci(ds['delta_logprob_summary'].sel(sel))}, p = "
-                         f"{fmt(float(ds['delta_logprob_p'].sel(sel)), 2)})")
-        lines.append(f"Passkey recall in {context}-token prompts ({ds.sizes['prompt']} prompts): the exact model "
-                     f"answers {fmt_ci(acc, percent=True)} greedily, median log-probability {fmt_ci(lp)} nats; "
-                     + "; ".join(parts) + ".")
-        diffs = {c: float(ds["decode_rel_diff"].sel(estimator=c[0], num_features=c[1], exact_layers=c[2],
-                                                    map_seed=c[3], **at)) for c in cells}
-        close = [c for c in cells if diffs[c] <= 1e-3]
+                             f"token {fmt(t_shared, 2)} against {fmt(t_head, 2)}.")
+        lines.extend(_recall_findings(ds, context, cells))
+        diffs = {i: float(_value(ds, "decode_rel_diff", c, context)) for i, c in enumerate(cells)}
+        close = [i for i in diffs if diffs[i] <= 1e-3]
         if close:
-            lines.append(f"Token-by-token decoding through the fixed-size cache reproduces the parallel pass: "
-                         f"relative logit difference at most {fmt(max(diffs[c] for c in close), 2)} in "
-                         f"{len(close)} of {len(cells)} cells.")
-        for c in (c for c in cells if diffs[c] > 1e-3):
-            sel = dict(estimator=c[0], num_features=c[1], exact_layers=c[2], map_seed=c[3], **at)
-            wide = float(ds["state_bits"].sel(sel)) == 64
-            worse = _name(*c[:3]) in worse_than_unigram
-            lines.append(f"{_name(*c[:3])}: decoding and the parallel pass differ by {fmt(diffs[c], 2)} of the "
+            lines.append(f"Token-by-token decoding through the fixed-size cache reproduces the parallel pass at "
+                         f"{context} tokens: relative logit difference at most {fmt(max(diffs[i] for i in close), 2)} "
+                         f"in {len(close)} of {len(cells)} cells.")
+        for i in (i for i in diffs if diffs[i] > 1e-3):
+            cell = cells[i]
+            wide = float(_value(ds, "state_bits", cell, context)) == 64
+            worse = _name(cell) in worse_than_unigram
+            lines.append(f"{_name(cell)}: decoding and the parallel pass differ by {fmt(diffs[i], 2)} of the "
                          "largest logit" + (" (its decoding states are float64, its parallel pass float32: the "
                                             "two compute the estimate at different precisions)" if wide else "")
                          + ("; this model is worse than the unigram model" if worse else "") + ".")
         steps = ds["exact_step_seconds"].sel(**at)
-        fixed = [float(ds["step_seconds"].sel(estimator=c[0], num_features=c[1], exact_layers=c[2], map_seed=c[3],
-                                              **at)) for c in cells if c[2] == 0]
+        fixed = [(float(_value(ds, "step_seconds", c, context)), float(_value(ds, "state_bytes", c, context)))
+                 for c in cells if c["exact_layers"] == 0]
         if fixed:
             longest = int(ds["decode_context"].values[-1])
+            fastest = min(t for t, _ in fixed)
             lines.append(f"Decoding, seconds per token on one thread: the exact model {fmt(float(steps[0]), 2)} s "
                          f"at {int(ds['decode_context'].values[0])} tokens of KV cache and "
                          f"{fmt(float(steps[-1]), 2)} s at {longest} "
                          f"({fmt_bytes(ds['exact_kv_bytes'].sel(**at)[-1])}); the fixed states "
-                         f"{fmt(min(fixed), 2)}–{fmt(max(fixed), 2)} s (measured after "
-                         f"{int(ds['decode_len']) - int(ds['n_decode'])} tokens; a fixed state's step does the same "
-                         "work at any context).")
+                         f"{fmt(fastest, 2)}–{fmt(max(t for t, _ in fixed), 2)} s "
+                         f"({fmt_bytes(min(b for _, b in fixed))}–{fmt_bytes(max(b for _, b in fixed))}; measured "
+                         f"after {int(ds['decode_len']) - int(ds['n_decode'])} tokens: a fixed state's step does the "
+                         f"same work at any context), {fmt(float(steps[-1]) / fastest, 2)} × faster than the exact "
+                         f"model at {longest} tokens.")
+    return lines
+
+
+def _placement_findings(ds, context) -> list[str]:
+    if "placement_nll_diff_summary" not in ds:
+        return []
+    out = []
+    diff = ds["placement_nll_diff_summary"].sel(context=context)
+    for cell in _cells(ds, context):
+        if cell["placement"] != "sensitivity":
+            continue
+        sel = {d: cell[d] for d in CELL_DIMS if d != "placement"}
+        s = diff.sel(**sel)
+        if not np.isfinite(float(s.sel(stat="estimate"))):
+            continue
+        even = dict(cell, placement="even")
+        p = float(ds["placement_nll_diff_p"].sel(**sel, context=context))
+        out.append(f"Which {cell['exact_layers']} layers keep softmax ({context} tokens, `{cell['estimator']}` at r = "
+                   f"{cell['num_features']}): the most sensitive ones give perplexity "
+                   f"{fmt_ci(_value(ds, 'perplexity_summary', cell, context))}, evenly spaced ones "
+                   f"{fmt_ci(_value(ds, 'perplexity_summary', even, context))}; NLL difference {fmt_ci(s)} nats "
+                   f"(Wilcoxon p = {fmt(p, 2)}, {ds.sizes['window']} windows).")
+    return out
+
+
+def _sensitivity_findings(ds, context) -> list[str]:
+    cell = _sensitivity_cell(ds, context)
+    if cell is None:
+        return []
+    delta = ds["layer_delta_nll"].sel(**cell, context=context).values
+    err = ds["layer_attention_error"].sel(**cell, context=context).mean("head").values
+    order = np.argsort(-delta, kind="stable")
+    top = ", ".join(f"{int(layer)} (+{fmt(delta[layer], 2)})" for layer in order[:6])
+    rho = float(stats_spearman(err, delta))
+    return [f"Per-layer sensitivity of {_name(cell)} (each layer substituted alone, calibration windows, "
+            f"{context}-token draw): the NLL increase ranges {fmt(delta.min(), 2)} to {fmt(delta.max(), 2)} nats; the "
+            f"most sensitive layers are {top}; the sum over layers is {fmt(delta.sum(), 3)} nats (the increases do "
+            f"not add: every layer substituted costs the NLL increase above). Spearman correlation over the "
+            f"{len(delta)} layers between the layer's relative attention-output error (mean over heads, "
+            f"{fmt(err.min(), 2)}–{fmt(err.max(), 2)}) and its NLL increase: {fmt(rho, 2)} (one draw, calibration "
+            "text: a description, not a test)."]
+
+
+def stats_spearman(x, y) -> float:
+    from scipy.stats import spearmanr
+
+    return spearmanr(x, y).statistic
+
+
+TASK_NAMES = {"passkey": "Passkey", "kv_lookup": "Key–value lookup"}
+
+
+def _best_recall(ds, context, task, cells):
+    """The cell of ``cells`` with the highest greedy accuracy on ``task`` (then answer log-probability)."""
+    def score(cell):
+        return tuple(_value(ds, name, cell, context, "estimate", task=task)
+                     for name in ("greedy_correct_summary", "answer_logprob_summary"))
+    return max(cells, key=score, default=None)
+
+
+def _recall_findings(ds, context, cells) -> list[str]:
+    lines = []
+    for task in TASKS:
+        at = {"task": task}
+        acc = ds["greedy_correct_exact_summary"].sel(context=context, **at)
+        lp = ds["answer_logprob_exact_summary"].sel(context=context, **at)
+        chance = float(ds["recall_chance_mean"].sel(context=context, **at))
+        parts = []
+        for cell in cells:
+            parts.append(f"{_name(cell)}: "
+                         f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} correct, "
+                         f"log-probability {fmt_ci(_value(ds, 'answer_logprob_summary', cell, context, **at))} (change "
+                         f"{fmt_ci(_value(ds, 'delta_logprob_summary', cell, context, **at))}, p = "
+                         f"{fmt(float(_value(ds, 'delta_logprob_p', cell, context, **at)), 2)})")
+        lines.append(f"{TASK_NAMES[task]} recall in {context}-token prompts ({ds.sizes['prompt']} prompts; chance "
+                     f"{fmt(chance, 2)}): the exact model answers {fmt_ci(acc, percent=True)} greedily, median "
+                     f"log-probability {fmt_ci(lp)} nats; " + "; ".join(parts) + ".")
+
+        linear = _best_recall(ds, context, task, [c for c in cells if c["exact_layers"] == 0
+                                                  and c["estimator"] != "window_linear"])
+        hybrid = _best_recall(ds, context, task, [c for c in cells if c["exact_layers"]
+                                                  or c["estimator"] == "window_linear"])
+        summary = [f"exact {fmt_ci(acc, percent=True)}"]
+        for what, cell in (("best fixed state without softmax or window", linear), ("best hybrid", hybrid)):
+            if cell is not None:
+                summary.append(f"{what} {_name(cell)} "
+                               f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} "
+                               f"({fmt(float(_value(ds, 'memory_fraction', cell, context)))} of the KV cache)")
+        lines.append(f"{TASK_NAMES[task]} accuracy at {context} tokens: " + "; ".join(summary) + ".")
     return lines
 
 

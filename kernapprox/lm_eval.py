@@ -120,7 +120,10 @@ def nll_summary(nll, *, level: float = stats.LEVEL) -> xr.Dataset:
 class RecallPrompt:
     """One recall question: ``input_ids`` ``(length,)`` the prompt, ``answer_ids`` ``(a,)`` the answer's tokens
     (``answer`` as text), ``needle_start`` the token index where the recalled fact starts, ``kind``
-    (``"passkey"`` or ``"kv_lookup"``), ``context_len`` the length asked for and ``seed``."""
+    (``"passkey"`` or ``"kv_lookup"``), ``context_len`` the length asked for, ``seed``, and ``candidates``: how
+    many answers the prompt's form leaves open to a reader who does not recall the fact (90,000 five-digit keys for
+    the passkey; the listed people's numbers for the lookup), so ``1 / candidates`` is the chance baseline of
+    greedy accuracy (0: not stated)."""
 
     input_ids: torch.Tensor
     answer_ids: torch.Tensor
@@ -129,6 +132,7 @@ class RecallPrompt:
     kind: str
     context_len: int
     seed: int
+    candidates: int = 0
 
     @property
     def depth(self) -> float:
@@ -221,7 +225,7 @@ def passkey_prompt(tokenizer, context_len: int, filler, *, depth: float = 0.5, s
     at = _line_boundary(tokenizer, text, int(round(depth * n_filler)))
     ids = intro + text[:at] + needle + text[at:] + question
     return RecallPrompt(torch.tensor(ids, dtype=torch.long), torch.tensor(answer, dtype=torch.long), f" {key}",
-                        len(intro) + at, "passkey", context_len, seed)
+                        len(intro) + at, "passkey", context_len, seed, 90_000)
 
 
 _FIRST = ("Ada", "Ben", "Clara", "David", "Elena", "Felix", "Grace", "Hugo", "Iris", "James", "Kate", "Leo", "Maya",
@@ -275,7 +279,7 @@ def kv_lookup_prompt(tokenizer, context_len: int, *, depth: float | None = None,
     ids += _encode(tokenizer, questions[pick])
     answer = f" {numbers[pick]}"
     return RecallPrompt(torch.tensor(ids, dtype=torch.long), torch.tensor(_encode(tokenizer, answer)), answer,
-                        starts[pick], "kv_lookup", context_len, seed)
+                        starts[pick], "kv_lookup", context_len, seed, count)
 
 
 @torch.no_grad()
@@ -290,14 +294,14 @@ def score_recall(model, prompts) -> dict:
     Returns
     -------
     dict of numpy arrays, one entry per prompt: ``answer_logprob``, ``greedy_correct`` (bool), ``first_token_rank``
-    (0 when the answer's first token is the argmax), ``context_len``, ``prompt_len``, ``depth``.
+    (0 when the answer's first token is the argmax), ``context_len``, ``prompt_len``, ``depth``, ``candidates``.
     """
     prompts = list(prompts)
     if not prompts or not all(isinstance(p, RecallPrompt) for p in prompts):
         raise TypeError("prompts must be a non-empty sequence of RecallPrompt")
     device = _device(model)
     out = {k: [] for k in ("answer_logprob", "greedy_correct", "first_token_rank", "context_len", "prompt_len",
-                           "depth")}
+                           "depth", "candidates")}
     for p in prompts:
         a = len(p.answer_ids)
         ids = torch.cat([p.input_ids, p.answer_ids[:-1]])[None].to(device)
@@ -315,6 +319,7 @@ def score_recall(model, prompts) -> dict:
         out["context_len"].append(p.context_len)
         out["prompt_len"].append(len(p.input_ids))
         out["depth"].append(p.depth)
+        out["candidates"].append(p.candidates)
     return {k: np.asarray(v) for k, v in out.items()}
 
 

@@ -3,32 +3,43 @@ prompts; its smoke preset end to end (marker ``lm``), and the placement of the k
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from experiments import causal_lm
 from kernapprox import lm, sweep
 
 
-def test_kept_softmax_layers_are_evenly_spaced():
+def test_kept_softmax_layers_are_evenly_spaced_or_the_most_sensitive():
     assert causal_lm.substituted_layers(0) == list(range(30))
     kept = sorted(set(range(30)) - set(causal_lm.substituted_layers(15)))
     assert kept == list(range(0, 30, 2))
     assert sorted(set(range(30)) - set(causal_lm.substituted_layers(6))) == [0, 5, 10, 15, 20, 25]
     assert len(causal_lm.substituted_layers(29)) == 1
+    sensitivity = [0.1] * 30
+    sensitivity[7], sensitivity[3], sensitivity[21] = 2.0, 1.5, 1.0
+    assert sorted(set(range(30)) - set(causal_lm.substituted_layers(2, sensitivity))) == [3, 7]
+    assert sorted(set(range(30)) - set(causal_lm.substituted_layers(3, sensitivity))) == [3, 7, 21]
+    assert causal_lm.substituted_layers(0, sensitivity) == list(range(30))
 
 
 def test_bad_cells_are_refused_before_any_runs():
-    base = {"estimator": "positive_orthogonal", "num_features": 64, "exact_layers": 0, "context": 512,
-            "map_seed": 0}
+    base = {"estimator": "positive_orthogonal", "num_features": 64, "exact_layers": 0, "placement": "even",
+            "context": 512, "map_seed": 0}
     for change, word in (({"estimator": "elu"}, "estimator"), ({"exact_layers": 30}, "exact_layers"),
-                         ({"context": 64}, "context")):
+                         ({"context": 64}, "context"), ({"placement": "first"}, "placement")):
         with pytest.raises(ValueError, match=word):
             causal_lm.check_params({**base, **change})
     params = {**base, "hybrid_rank": 64}
     assert causal_lm.applicable(params)
+    assert not causal_lm.applicable({**params, "placement": "sensitivity"})        # k = 0 is placement "even"
     assert not causal_lm.applicable({**params, "num_features": 16, "exact_layers": 15})
     assert not causal_lm.applicable({**params, "num_features": 16, "estimator": "window_linear"})
     assert causal_lm.applicable({**params, "num_features": 16})                    # FAVOR+'s rank sweep
+    assert causal_lm.applicable({**params, "exact_layers": 15})
+    window = {**params, "estimator": "window_linear"}
+    assert causal_lm.applicable({**window, "exact_layers": 2, "placement": "sensitivity"})
+    assert not causal_lm.applicable({**window, "exact_layers": 2})                # no even placement at k = 2
     shared = {**params, "estimator": "positive_orthogonal_shared"}
     assert causal_lm.applicable(shared) and not causal_lm.applicable({**shared, "exact_layers": 15})
 
@@ -45,21 +56,28 @@ def test_smoke_preset_pairs_every_cell_with_the_exact_model(tmp_path, monkeypatc
                    progress=False)
     context, r, d = 96, 64, lm.HEAD_DIM
     kv_layer = 2 * lm.NUM_KV_HEADS * d * context * 4                  # one layer's exact KV cache, float32
-    state = lm.NUM_HEADS * r * (d + 1) * 4                            # one substituted layer's FAVOR+ states
-    window = lm.NUM_HEADS * 64 * (d + d) * 4                          # window_linear's 64 keys and values per head
+    state = lm.NUM_KV_HEADS * r * (d + 1) * 4                         # one layer's FAVOR+ states, one per kv head
+    window = lm.NUM_KV_HEADS * 64 * (d + d) * 4                       # window_linear's 64 keys and values per kv head
     assert float(ds["kv_bytes"].sel(context=context)) == lm.NUM_LAYERS * kv_layer == lm.kv_cache_bytes(context)
     assert ds["exact_kv_bytes"].sel(context=context).values.tolist() == [
         lm.kv_cache_bytes(n) for n in causal_lm.DECODE_CONTEXTS]                # measured = the formula
     sel = dict(num_features=r, context=context, map_seed=0)
-    assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=0, **sel)) == 30 * state
-    assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", exact_layers=15, **sel)) == \
-        15 * state + 15 * kv_layer
-    assert float(ds["state_bytes"].sel(estimator="window_linear", exact_layers=0, **sel)) == 30 * (state + window)
+    every = dict(exact_layers=0, placement="even", **sel)
+    sensitive = dict(exact_layers=2, placement="sensitivity", **sel)
+    assert float(ds["state_bytes"].sel(estimator="positive_orthogonal", **every)) == 30 * state
+    assert float(ds["state_bytes"].sel(estimator="window_linear", **every)) == 30 * (state + window)
+    assert float(ds["state_bytes"].sel(estimator="window_linear", **sensitive)) == \
+        28 * (state + window) + 2 * kv_layer
     assert float(ds["decode_rel_diff"].max()) < 1e-4                  # the RNN mode is the parallel pass
     assert ds["nll"].sizes["window"] == ds["nll_exact"].sizes["window"] == 10
-    # keeping half the layers exact brings the NLL closer to the exact model's on the same windows
-    delta = ds["delta_nll_summary"].sel(estimator="positive_orthogonal", stat="estimate", **sel)
-    assert float(delta.sel(exact_layers=15)) < float(delta.sel(exact_layers=0))
+    # the window hybrid's per-layer sensitivity ran with it, and placed its two softmax layers
+    delta = ds["layer_delta_nll"].sel(estimator="window_linear", **every)
+    assert bool(np.isfinite(delta).all()) and float(delta.max()) > 0
+    assert bool(np.isfinite(ds["layer_attention_error"].sel(estimator="window_linear", **every)).all())
+    assert bool(np.isnan(ds["layer_delta_nll"].sel(estimator="positive_orthogonal", **every)).all())
+    # keeping the two most sensitive layers exact brings the NLL closer to the exact model's on the same windows
+    nll = ds["delta_nll_summary"].sel(estimator="window_linear", stat="estimate", **sel)
+    assert float(nll.sel(exact_layers=2, placement="sensitivity")) < float(nll.sel(exact_layers=0, placement="even"))
     written = sweep.draw(causal_lm.EXPERIMENT, ds, tmp_path / "causal_lm.png", source="causal_lm.nc")
     md = written[-1].read_text(encoding="utf-8")
     assert md.startswith("- Exact model at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)

@@ -148,7 +148,7 @@ def test_passkey_prompt(tokenizer, filler, context_len, depth):
     p = lm_eval.passkey_prompt(tokenizer, context_len, filler, depth=depth, seed=3)
     assert len(p.input_ids) == context_len and p.kind == "passkey" and p.context_len == context_len
     key = p.answer.strip()
-    assert len(key) == 5 and key.isdigit()
+    assert len(key) == 5 and key.isdigit() and p.candidates == 90_000
     assert p.answer_ids.tolist() == tokenizer(p.answer, add_special_tokens=False)["input_ids"]
     text = tokenizer.decode(p.input_ids)
     assert text.count(key) == 2 and text.endswith("What is the pass key? The pass key is")
@@ -203,6 +203,7 @@ def test_kv_lookup_prompt(tokenizer, context_len):
     names = [line.split("'s locker")[0] for line in listed]
     numbers = [line.rsplit(" ", 1)[1].rstrip(".") for line in listed]
     assert len(names) == len(set(names)) > 5 and len(numbers) == len(set(numbers))
+    assert p.candidates == len(listed)                               # chance: one of the listed numbers
     asked = lines[-2].removeprefix("Question: What is ").removesuffix("'s locker number?")
     assert asked in names and numbers[names.index(asked)] == p.answer.strip()
     assert tokenizer.decode(p.input_ids[p.needle_start:]).startswith(f"{asked}'s locker number is{p.answer}.")
