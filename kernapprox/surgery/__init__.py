@@ -20,6 +20,10 @@ everything else (projections, positions, masks, the rest of the network) the mod
 :mod:`~kernapprox.surgery.cache`
     :class:`~kernapprox.surgery.cache.KernelCache`: a converted decoder's cache (fixed-size states for substituted
     layers, keys and values for the others), which ``model(..., use_cache=True)`` and ``generate()`` use.
+:mod:`~kernapprox.surgery.finetune`
+    Stage 2 of a linearisation: :func:`~kernapprox.surgery.finetune.add_lora` (low-rank adapters on the attention
+    projections) and :func:`~kernapprox.surgery.finetune.finetune` (next-token or logit-distillation training at a
+    stated token budget).
 :mod:`~kernapprox.surgery.placement`
     Placements of exact layers, the prefix-sharing search over them, their attention memory.
 :mod:`~kernapprox.surgery.retrieval`
@@ -44,9 +48,10 @@ from .attention import (
 from .bert import BertStack
 from .cache import KernelCache, StateLayer
 from .conversion import FAMILIES, TRAINABLE_MAPS, calibrate, convert, fit_records, head_seed, stack_for, substitute
+from .finetune import FinetuneRecord, LoRALinear, add_lora, finetune, merge_lora
 from .llama import LlamaStack
 
 __all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "TrainableAttention", "capture", "disable",
            "enable", "get_attention", "set_attention", "BertStack", "LlamaStack", "KernelCache", "StateLayer",
            "FAMILIES", "TRAINABLE_MAPS", "calibrate", "convert", "fit_records", "head_seed", "stack_for",
-           "substitute"]
+           "substitute", "FinetuneRecord", "LoRALinear", "add_lora", "finetune", "merge_lora"]
