@@ -20,7 +20,15 @@ import xarray as xr
 
 from experiments._common import add_proportion, add_summaries, sized_configuration
 from kernapprox import available_estimators, memory, metrics, readout, stats, tasks
-from kernapprox.plotting import errorbar_summary, estimator_style, figure_legend, new_figure, plot_summary
+from kernapprox.plotting import (
+    errorbar_summary,
+    estimator_style,
+    figure_legend,
+    kv_cache_marker,
+    log_axis,
+    new_figure,
+    plot_summary,
+)
 from kernapprox.sweep import Metric
 
 FIXED_DIMENSION_SLOT = 64  # the num_features column in which fixed-dimension maps run
@@ -81,8 +89,19 @@ def applicable(table: dict, label: str, num_features: int, num_context: int, slo
 
 
 def kv_cache_bytes(num_context: int, d: int, d_v: int) -> int:
-    """What exact attention keeps from a context of ``num_context`` tokens: ``n (d + d_v)`` float32 numbers."""
-    return num_context * (d + d_v) * 4
+    """What exact attention keeps from a context of ``num_context`` tokens, as its estimator accounts for it
+    (:func:`kernapprox.memory.probe_state_bytes`): its KV cache, ``n (d + d_v)`` float32 numbers."""
+    return memory.probe_state_bytes("exact", None, d=int(d), d_v=int(d_v), seq_len=int(num_context))
+
+
+def kv_cache(num_context: xr.DataArray, *, d: int, d_v: int) -> xr.DataArray:
+    """:func:`kv_cache_bytes` at each context length of the coordinate ``num_context`` (keys of width ``d``,
+    values of width ``d_v``): a variable along it, the memory every fixed-size state is measured against."""
+    return xr.DataArray([float(kv_cache_bytes(int(n), d, d_v)) for n in num_context.values], dims=num_context.dims,
+                        coords={num_context.name: num_context.values},
+                        attrs={"long_name": "exact attention's KV cache", "units": "byte",
+                               "description": f"n (d + d_v) float32 numbers, d = {d}, d_v = {d_v} "
+                                              "(kernapprox.memory.probe_state_bytes of exact attention)"})
 
 
 def sized_readout(table: dict, label: str, num_features: int, *, num_context: int, d: int, d_v: int
@@ -230,6 +249,7 @@ def labels_with(table: dict, labels, **declared) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------- figures
+STATE_BYTES_LABEL = "bytes of the state a decoder keeps (float32)"  # the memory axis of the score figures
 STYLE_OVERRIDES = {  # variants of one family that the house style would draw alike
     "nystrom_uniform": {"marker": "o", "linestyle": "-."}, "nystrom_kmeans": {"marker": "D", "linestyle": "-"},
     "nystrom_rls": {"marker": "^", "linestyle": ":"},
@@ -242,22 +262,23 @@ def style(label: str) -> dict:
     return {**estimator_style(label), **STYLE_OVERRIDES.get(label, {})}
 
 
-def rank_panel(ax, ds: xr.Dataset, var: str, labels, **sel) -> None:
-    """``<var>_summary`` against the fitted feature dimension, one line per estimator with its interval band;
-    maps with a single applicable rank are drawn as one marker with a bar."""
+def rank_panel(ax, ds: xr.Dataset, var: str, labels, *, x: str = "feature_dim", **sel) -> None:
+    """``<var>_summary`` against a per-cell size, its median over seeds (``x``: the fitted feature dimension, or
+    ``"state_bytes"``, the memory a decoder keeps), one line per estimator with its interval band; maps with a
+    single applicable rank are drawn as one marker with a bar."""
     summary = ds[f"{var}_summary"]
     for label in labels:
         s = summary.sel(estimator=label, **sel)
-        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed")
-        keep = np.isfinite(x.values) & np.isfinite(s.sel(stat="estimate").values)
+        at = ds[x].sel(estimator=label, **sel).median("seed").values
+        keep = np.isfinite(at) & np.isfinite(s.sel(stat="estimate").values)
         if not keep.any():
             continue
         kw, s = style(label), s.isel(num_features=np.flatnonzero(keep))
         if keep.sum() == 1:
-            errorbar_summary(ax, s, x.values[keep], marker=kw["marker"], markersize=7, color=kw["color"], label=label,
+            errorbar_summary(ax, s, at[keep], marker=kw["marker"], markersize=7, color=kw["color"], label=label,
                              elinewidth=None)
         else:
-            plot_summary(ax, s, None, xvalues=x.values[keep], **kw)
+            plot_summary(ax, s, None, xvalues=at[keep], **kw)
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(lambda v, _: f"{v:g}")
 
@@ -278,18 +299,24 @@ def exact_band(ax, summary: xr.DataArray, label: str = "exact attention (same ep
     return est
 
 
-def score_grid(ds: xr.Dataset, var: str, exact_var: str, *, ylabel: str, decorate, n_axis: str):
-    """A figure of :func:`rank_panel` panels of a task score with exact attention's on the same episodes as a band
-    (:func:`exact_band`), rows ``beta`` and columns ``n_axis``, with one legend.
+def score_grid(ds: xr.Dataset, var: str, exact_var: str, *, ylabel: str, decorate, n_axis: str,
+               kv_bytes: xr.DataArray):
+    """A figure of a task score against the memory a decoder keeps from the context (:func:`rank_panel` on
+    ``state_bytes``), rows ``beta`` and columns ``n_axis``, with one legend. Exact attention's score on the same
+    episodes is drawn across each panel as a band (:func:`exact_band`) and at its KV cache at that context length
+    (``kv_bytes``, along ``n_axis``) as a star on a dotted line (:func:`kernapprox.plotting.kv_cache_marker`).
 
     ``decorate(ax, n, beta, exact)`` adds each panel's reference lines, limits and title. Returns the figure."""
     labels, betas, ns = ([str(v) for v in ds.estimator.values], [float(v) for v in ds.beta.values],
                          [int(v) for v in ds[n_axis].values])
     fig, axes = new_figure(len(betas), len(ns), squeeze=False, sharey=True, width=4.0 * len(ns) + 1.8)
     for (i, beta), (j, n) in itertools.product(enumerate(betas), enumerate(ns)):
-        rank_panel(axes[i, j], ds, var, labels, beta=beta, **{n_axis: n})
-        exact = exact_band(axes[i, j], ds[f"{exact_var}_summary"].sel(beta=beta, **{n_axis: n}))
-        label_panel(axes[i, j], "feature dimension r of the state", ylabel)
-        decorate(axes[i, j], n, beta, exact)
+        ax, at = axes[i, j], {"beta": beta, n_axis: n}
+        rank_panel(ax, ds, var, labels, x="state_bytes", **at)
+        exact = exact_band(ax, ds[f"{exact_var}_summary"].sel(at))
+        kv_cache_marker(ax, float(kv_bytes.sel({n_axis: n})), ds[f"{exact_var}_summary"].sel(at))
+        label_panel(ax, STATE_BYTES_LABEL, ylabel)
+        log_axis(ax, "x", unit="bytes")
+        decorate(ax, n, beta, exact)
     figure_legend(fig, axes.flat)
     return fig

@@ -27,6 +27,7 @@ from experiments._icl import (
     applicable,
     available,
     episode_dims,
+    kv_cache,
     labels_with,
     readout_metric_table,
     readout_metrics,
@@ -38,6 +39,7 @@ from kernapprox.plotting import bullets, fmt, fmt_ci, fmt_pct, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 ESTIMATORS = SET_CONTEXT_ESTIMATORS
+LABELS = 1                           # d_v: one real-valued label per context point
 
 GRIDS = {
     "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "trig_orthogonal", "nystrom_uniform"]),
@@ -70,8 +72,8 @@ REFERENCE_METRICS = {
 def draw(params, data_rng, device) -> EpisodeDraw:
     """The episodes of a ``(num_context, seed)``, which every estimator, rank and bandwidth reads."""
     ep = tasks.smooth_regression(params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
-                                 lengthscale=params["lengthscale"], noise_std=params["noise_std"], batch=EPISODES,
-                                 rng=data_rng, device=device)
+                                 lengthscale=params["lengthscale"], noise_std=params["noise_std"], num_outputs=LABELS,
+                                 batch=EPISODES, rng=data_rng, device=device)
     return EpisodeDraw(ep, ep.x_query, ep.x, ep.y)
 
 
@@ -107,17 +109,21 @@ def plot(ds: xr.Dataset, path) -> None:
         ax.set_ylim(0.01, 30)
         ax.set_title(f"n = {n}, β = {beta:g} (exact: {exact:.3f})")
 
-    fig = score_grid(ds, "nmse", "nmse_exact", ylabel="normalised MSE", decorate=decorate, n_axis="num_context")
+    d = int(ds["dim"])
+    fig = score_grid(ds, "nmse", "nmse_exact", ylabel="normalised MSE", decorate=decorate, n_axis="num_context",
+                     kv_bytes=kv_cache(ds["num_context"], d=d, d_v=LABELS))
     save_figure(fig, path, (
-        f"In-context Nadaraya–Watson regression of Gaussian-process draws on the sphere S^{int(ds['dim']) - 1} "
+        f"In-context Nadaraya–Watson regression of Gaussian-process draws on the sphere S^{d - 1} "
         f"(lengthscale {float(ds['lengthscale']):g}, noise {float(ds['noise_std']):g}): normalised MSE of "
-        f"{int(ds['num_queries'])} fresh queries against the noise-free function, against the feature dimension r of "
-        "the state, for n context points (columns) and inverse bandwidth β (rows). Lines: median over "
-        f"{ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes (the same episodes for every estimator); bands "
-        "and bars: 95 % bootstrap intervals of the median; dashed line and grey band: exact attention on the same "
-        "episodes; dotted: predicting the mean. Values above the top of the axis (including failed read-outs) are "
-        "clipped."),
-        title="In-context regression against rank")
+        f"{int(ds['num_queries'])} fresh queries against the noise-free function, against the bytes of the state a "
+        "decoder keeps from the context (float32, each estimator's own accounting: the linear state r·(d_v+1), "
+        "Nyström also its landmarks and whitening; one point per feature dimension r of the grid), for n context "
+        f"points (columns) and inverse bandwidth β (rows). Lines: median over {ds.sizes['seed']} seeds × "
+        f"{ds.sizes['episode']} episodes (the same episodes for every estimator); bands and bars: 95 % bootstrap "
+        "intervals of the median. Star on the vertical dotted line: exact attention at its KV cache, n (d + d_v) "
+        f"float32 numbers (d = {d}, d_v = {LABELS}); dashed line and grey band: its normalised MSE across the panel; "
+        "dotted: predicting the mean. Values above the top of the axis (including failed read-outs) are clipped."),
+        title="In-context regression against state bytes (KV cache marked)")
 
 
 # -------------------------------------------------------------------------------------------------- findings

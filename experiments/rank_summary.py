@@ -20,10 +20,13 @@ LARA (``lara``) and EVA without its positional window (``eva_w0``), the papers' 
 at equal state bytes: in their rows ``num_features`` is the budget ``r`` (the state of FAVOR+/OPRF at ``r``
 features, in each task's dimensions), each runs its largest configuration within it
 (:func:`experiments._icl.sized_readout`), at budgets below exact attention's KV cache only, and not applicable
-(NaN) where nothing fits; the figure places them at their budget ``r``. They run with the stored keys as queries
-(``query = key``) only: recall with perturbed queries at equal state bytes is ``icl_recall``'s. They build their
-proposals from the batch of test queries of an episode, so their read-outs see the other test queries
-(``fit_on="queries_and_keys"``).
+(NaN) where nothing fits. They run with the stored keys as queries (``query = key``) only: recall with perturbed
+queries at equal state bytes is ``icl_recall``'s. They build their proposals from the batch of test queries of an
+episode, so their read-outs see the other test queries (``fit_on="queries_and_keys"``).
+
+The figure draws every estimator against the bytes of the state a decoder keeps (its ``state_bytes``; the
+oracles, which keep none, at ``budget_bytes``, the state of FAVOR+/OPRF at their rank), with exact attention at
+its KV cache, ``n (d + d_v)`` float32 numbers, on the same axis.
 """
 
 from __future__ import annotations
@@ -37,9 +40,11 @@ from experiments._icl import (
     QUERY_AXIS,
     REPLICATES,
     SET_CONTEXT_EQUAL_BYTES,
+    STATE_BYTES_LABEL,
     applicable,
     available,
     episode_dims,
+    kv_cache_bytes,
     readout_metric_table,
     readout_metrics,
     recall_episodes,
@@ -54,6 +59,7 @@ from kernapprox.plotting import (
     fmt_bytes,
     fmt_ci,
     fmt_cis,
+    kv_cache_marker,
     log_axis,
     new_figure,
     plot_summary,
@@ -68,6 +74,10 @@ TASKS = {  # task -> settings
     "regression": {"num_context": 256, "beta": 16.0, "num_queries": 256},
     "classification": {"num_context": 200, "beta": 16.0, "num_queries": 200},
 }
+# task -> (d, d_v): the widths of its keys and values, which set exact attention's KV cache (recall: values as wide
+# as the keys; regression: points on S³ with one label; classification: 64 pixels and 10 one-hot classes)
+KV_WIDTHS = {"recall": (TASKS["recall"]["dim"], TASKS["recall"]["dim"]), "regression": (4, 1),
+             "classification": (64, 10)}
 SCORE_NAMES = {"recall": "recall accuracy", "regression": "normalised MSE", "classification": "accuracy"}
 ACCURACY_TASKS = ("recall", "classification")
 
@@ -210,15 +220,20 @@ def _label(label: str) -> str:
 ORACLE_STYLES = {KERNEL_SVD: {"color": "black", "linestyle": "-"}, ATTENTION_SVD: {"color": "0.45", "linestyle": "--"}}
 
 
-def _rank_lines(ax, ds, var, labels, **sel):
-    """``<var>_summary`` against the fitted feature dimension (the sized estimators at their budget r)."""
+def _kv_bytes(task: str) -> float:
+    """Exact attention's KV cache at the task's context length (:func:`experiments._icl.kv_cache_bytes`)."""
+    return float(kv_cache_bytes(TASKS[task]["num_context"], *KV_WIDTHS[task]))
+
+
+def _memory_lines(ax, ds, var, labels, **sel):
+    """``<var>_summary`` against the bytes of each estimator's state (median over seeds; the sized estimators at
+    their own state, within the budget), the oracles, which keep no decoder state, at ``budget_bytes``: the larger
+    state of FAVOR+ and OPRF at their rank."""
     for label in labels:
-        x = ds["feature_dim"].sel(estimator=label, **sel).median("seed").values
-        if label in SIZED:                           # at equal state bytes: placed at the budget r
-            x = np.where(np.isfinite(x), ds.num_features.values.astype(float), np.nan)
-        plot_summary(ax, ds[f"{var}_summary"].sel(estimator=label, **sel), xvalues=x,
+        size = ds["budget_bytes" if label in ORACLES else "state_bytes"].sel(estimator=label, **sel).median("seed")
+        plot_summary(ax, ds[f"{var}_summary"].sel(estimator=label, **sel), xvalues=size.values,
                      **{**icl_style(label), "label": _label(label), **ORACLE_STYLES.get(label, {})})
-    log_axis(ax)
+    log_axis(ax, "x", label=STATE_BYTES_LABEL, unit="bytes")
 
 
 def _setting(task):
@@ -227,21 +242,26 @@ def _setting(task):
     return f"{task}: n = {s['num_context']}, {beta}"
 
 
-def _error_panel(ax, ds, labels, **sel):
-    _rank_lines(ax, ds, "output_rel_error", labels, **sel)
-    reference_slope(ax, ds.num_features.values.astype(float), 1.0, slope=-0.5)
-    ax.set(yscale="log", ylim=(1e-3, 1e2), xlabel="feature dimension r of the state",
-           ylabel="attention-output relative error")
+def _error_panel(ax, ds, labels, task):
+    """The output error against state bytes with the slope r^(−1/2) along B(r) (a linear state's bytes grow as r)
+    and exact attention's KV cache as a dotted line (its error is zero)."""
+    _memory_lines(ax, ds, "output_rel_error", labels, task=task, query="key")
+    budget = ds["budget_bytes"].sel(task=task, query="key").max(("estimator", "seed"))
+    reference_slope(ax, budget.values, 1.0, slope=-0.5)
+    ax.axvline(_kv_bytes(task), color="0.6", linewidth=0.8, linestyle=":")
+    ax.set(yscale="log", ylim=(1e-3, 1e2), ylabel="attention-output relative error")
 
 
 def _score_panel(ax, ds, labels, task, query):
-    _rank_lines(ax, ds, "score", labels, task=task, query=query)
-    ex = reference_band(ax, ds["score_exact_summary"].sel(task=task, query=query),
-                        label="exact attention (same episodes)")
+    """The task score against state bytes, exact attention's across the panel (band) and at its KV cache (star)."""
+    _memory_lines(ax, ds, "score", labels, task=task, query=query)
+    exact = ds["score_exact_summary"].sel(task=task, query=query)
+    ex = reference_band(ax, exact, label="exact attention (same episodes)")
+    kv_cache_marker(ax, _kv_bytes(task), exact)
     if task == "regression":
         ax.axhline(1.0, color="0.4", linestyle=":", linewidth=1.0, label="context mean (nMSE = 1)")
     ax.set(**({"yscale": "log", "ylim": (None, 10)} if task == "regression" else {"ylim": (-0.02, 1.02)}),
-           xlabel="feature dimension r of the state", ylabel=SCORE_NAMES.get(task, "score"))
+           ylabel=SCORE_NAMES.get(task, "score"))
     return ex
 
 
@@ -252,7 +272,7 @@ def plot(ds: xr.Dataset, path) -> None:
     rows = 3 if perturbed and "recall" in task_names else 2
     fig, axes = new_figure(rows, len(task_names), squeeze=False, height=3.1 * rows + 0.4, width=4.2 * len(task_names))
     for j, task in enumerate(task_names):
-        _error_panel(axes[0, j], ds, labels, task=task, query="key")
+        _error_panel(axes[0, j], ds, labels, task)
         axes[0, j].set_title(_setting(task))
         ex = _score_panel(axes[1, j], ds, labels, task, "key")
         axes[1, j].set_title(f"{task}: exact {ex:.3f}")
@@ -265,21 +285,26 @@ def plot(ds: xr.Dataset, path) -> None:
             axes[2, j].set_title(f"recall, {query}: exact {ex:.3f}")
     figure_legend(fig, axes)
     save_figure(fig, path, (
-        "One set of episodes per data draw, read by exact attention and by every estimator at rank r. Top: relative "
-        "RMS error of the attention output against exact attention (grey dashed: slope r^(-1/2)). Middle: the task "
-        "score on the same episodes (dashed line and grey band: exact attention). "
+        "One set of episodes per data draw, read by exact attention and by every estimator at each rank r of the "
+        "grid, drawn against the bytes of the state a decoder keeps from the context (float32, each estimator's own "
+        "accounting: the linear state r·(d_v+1), Nyström also its landmarks and whitening, LARA and EVA their "
+        "proposals and group summaries). Vertical dotted line: exact attention's KV cache at the task's n, n (d + "
+        "d_v) float32 numbers; the star on it: exact attention's score. Top: relative RMS error of the attention "
+        "output against exact attention (grey dashed: slope −1/2, r^(−1/2) for a linear state, whose bytes grow as "
+        "r). Middle: the task score on the same episodes (dashed line and grey band: exact attention across the "
+        "panel). "
         + ("Bottom: recall with perturbed queries (cosine 0.9 to the key; a paraphrase of a discrete 8-token key). "
            if rows == 3 else "")
         + "Recall: continuous MQAR, 256 pairs in d = 64, decoded among 4096 candidates; regression: GP draws on S³, "
           "256 points, normalised MSE (lower is better); classification: digits, 200 labelled images. Lines: medians "
           f"(errors, nMSE) or pooled accuracies over {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes; bands "
           "and bars: 95 % bootstrap (medians) or Clopper–Pearson (accuracies) intervals; markers alone are "
-          "fixed-dimension maps; LARA and EVA (without its positional window) at equal state bytes, placed at their "
-          "budget r: the features of FAVOR+ with the same state (their own draws or groups are fewer). Black: the "
-          "kernel-SVD oracle (the best rank-r kernel in Frobenius norm; it bounds no "
-          "output error or score); grey dashed: the attention-SVD oracle where present. Read-outs fit on the context "
-          "keys; the oracles see the queries."),
-        title="Rank, attention error and in-context score")
+          "fixed-dimension maps; LARA and EVA (without its positional window) run their largest configuration within "
+          "the state of FAVOR+ at r and are drawn at the bytes they keep. Black: the kernel-SVD oracle (the best "
+          "rank-r kernel in Frobenius norm; it bounds no output error or score); grey dashed: the attention-SVD "
+          "oracle where present; the oracles keep no decoder state and are drawn at the state of FAVOR+/OPRF at "
+          "their rank. Read-outs fit on the context keys; the oracles see the queries."),
+        title="Attention error and in-context score against state bytes (KV cache marked)")
 
 
 # -------------------------------------------------------------------------------------------------- findings
