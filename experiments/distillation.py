@@ -1,0 +1,487 @@
+"""Distillation: what a fixed-state student keeps of a softmax teacher (SmolLM2-135M), stage by stage, against the
+post-hoc maps at the same state bytes.
+
+The teacher is the pretrained model; a student is its copy converted by :func:`kernapprox.convert`, every layer
+substituted, one map and one state per key/value head. Three kinds of student, all with ``num_features`` features
+per key/value head (so equal state bytes, ``30 · 3 · r (d + 1)`` float32 numbers):
+
+* ``hedgehog`` (Zhang et al. 2024, ICLR, *The Hedgehog & the Porcupine*): trainable maps ``φ(x) = softmax([Wx,
+  −Wx])`` fitted layer by layer to the teacher's attention on ``n_calibration`` calibration windows (stage 1,
+  attention transfer, :func:`kernapprox.trainable.fit_to_softmax` through ``ka.convert(..., calibration=)``) by the
+  cross-entropy of the attention weights (``fit_loss="weights"``, Hedgehog's) or the MSE of the outputs
+  (``"outputs"``, LoLCATs's attention transfer: Zhang et al. 2025, ICLR, §3.1); then, for ``objective`` other than
+  ``"none"``, stage 2: low-rank adapters on every attention projection (:func:`kernapprox.surgery.finetune.add_lora`,
+  rank ``lora_rank``) trained with the maps for ``steps`` steps of one ``train_len``-token window of the calibration
+  split each (:func:`kernapprox.surgery.finetune.finetune`), by next-token cross-entropy (``"next_token"``) or by
+  the KL divergence to the teacher's logits at temperature ``temperature`` (``"distill"``, Hinton et al. 2015): the
+  same windows, in the same order, so the two objectives are compared at an equal token budget;
+* ``positive_orthogonal`` (FAVOR+) and ``nystrom_uniform`` (fitted on the calibration windows): post-hoc maps, no
+  training (``objective="none"``): the reference a distilled student must beat at the same bytes.
+
+Every student is scored on the same held-out tokens as the teacher (paired): the next-token NLL of ``n_windows``
+windows of ``context`` tokens of Shakespeare's evaluation split, and recall on ``n_prompts`` passkey and
+``n_prompts`` key–value lookup prompts of ``context`` tokens (:mod:`kernapprox.lm_eval`), at the budget's
+checkpoints (fractions 0, ½ and 1 of ``steps``; checkpoint 0 is the stage-1 student, measured in its ``"none"``
+cell). The teacher's scores, a unigram model's NLL (the trivial baseline) and recall's chance are the draw's
+reference. The unit of the NLL is the window, of recall the prompt; ``train_seed`` draws the maps' initialisation, the
+adapters and the window order (one trained student per seed: the full preset's seeds are the replicates of a
+verdict on training).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import xarray as xr
+
+import kernapprox as ka
+from kernapprox import lm, lm_eval, stats
+from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
+from kernapprox.surgery.conversion import fit_records
+from kernapprox.surgery.finetune import add_lora, finetune
+from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+
+LM_REASON = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
+if LM_REASON is not None:
+    warnings.warn(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
+
+STUDENTS = ("hedgehog", "positive_orthogonal", "nystrom_uniform")
+OBJECTIVES = ("none", "next_token", "distill")
+FIT_LOSSES = ("weights", "outputs")
+TASKS = ("passkey", "kv_lookup")
+CHECKPOINTS = (0.0, 0.5, 1.0)
+NUM_LAYERS = lm.NUM_LAYERS
+
+GRIDS = {
+    "smoke": {"student": list(STUDENTS), "fit_loss": ["weights"], "objective": list(OBJECTIVES),
+              "num_features": [32], "steps": [2], "context": [96], "train_seed": [0]},
+    # ~6 min of one core with the model cached
+    "default": {"student": list(STUDENTS), "fit_loss": ["weights"], "objective": list(OBJECTIVES),
+                "num_features": [128], "steps": [16], "context": [256], "train_seed": [0]},
+    "full": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
+             "num_features": [64, 128], "steps": [128], "context": [256], "train_seed": [0, 1, 2]},
+}
+PARAMETERS = {
+    "n_windows": Parameter(10, long_name="held-out text windows (the NLL's units)", units="1"),
+    "n_prompts": Parameter(10, long_name="recall prompts per task (recall's units), depths 0.1 to 0.9", units="1"),
+    "n_calibration": Parameter(4, long_name="calibration windows of stage 1 and of the Nyström fit", units="1",
+                               description="of the calibration split, min(context, 256) tokens each"),
+    "fit_steps": Parameter(30, long_name="attention-transfer steps per layer (stage 1)", units="1"),
+    "train_windows": Parameter(64, long_name="calibration windows stage 2 draws from", units="1",
+                               description="train_len tokens each, of the calibration split; one per step, in a "
+                                           "seeded order"),
+    "train_len": Parameter(128, long_name="tokens per training window (stage 2)", units="token"),
+    "lora_rank": Parameter(8, long_name="rank of the adapters on q, k, v and o", units="1"),
+    "lr": Parameter(1e-3, long_name="AdamW learning rate of stage 2", units="1"),
+    "temperature": Parameter(2.0, long_name="distillation temperature T", units="1"),
+}
+AXIS_ATTRS = {
+    "student": {"long_name": "the student's attention",
+                "description": "hedgehog: trainable maps fitted to the teacher (stage 1) and optionally trained "
+                               "(stage 2); positive_orthogonal, nystrom_uniform: post-hoc maps"},
+    "fit_loss": {"long_name": "stage-1 attention-transfer loss",
+                 "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
+                                "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
+    "objective": {"long_name": "stage-2 objective",
+                  "description": "none: no stage 2; next_token: cross-entropy of the next token; distill: KL to the "
+                                 "teacher's logits at temperature T"},
+    "num_features": {"long_name": "features per key/value head r", "units": "1"},
+    "steps": {"long_name": "stage-2 steps (one training window each)", "units": "1"},
+    "context": {"long_name": "tokens per held-out window and per recall prompt", "units": "token"},
+    "train_seed": {"long_name": "training seed (maps' initialisation or draw, adapters, window order)",
+                   "units": "1"},
+    "window": {"long_name": "held-out text window", "units": "1"},
+    "prompt": {"long_name": "recall prompt (the fact at depth 0.1 to 0.9)", "units": "1"},
+    "task": {"long_name": "recall task", "description": "passkey (kernapprox.lm_eval.passkey_prompt); kv_lookup "
+                                                       "(kernapprox.lm_eval.kv_lookup_prompt)"},
+    "checkpoint": {"long_name": "fraction of the stage-2 budget trained", "units": "1"},
+    "step": {"long_name": "stage-2 step", "units": "1"},
+}
+_C = {"checkpoint": list(CHECKPOINTS)}
+_T = {"checkpoint": list(CHECKPOINTS), "task": list(TASKS)}
+METRICS = {
+    "nll": Metric("mean next-token NLL of the window", "nats", "the student after the checkpoint's share of stage 2 "
+                  "(checkpoint 0: the stage-1 or post-hoc student, measured in the 'none' cell)",
+                  dims=("checkpoint", "window"), coords=_C),
+    "answer_logprob": Metric("log-probability of the recalled answer", "nats", "teacher-forced, summed over the "
+                             "answer's tokens", dims=("checkpoint", "task", "prompt"), coords=_T),
+    "greedy_correct": Metric("greedy decoding gives the recalled answer", "1", "1 if every answer token is the "
+                             "argmax", dims=("checkpoint", "task", "prompt"), coords=_T),
+    "train_loss": Metric("stage-2 loss of each step's window", "nats", "before the step's update (next-token "
+                         "cross-entropy, or T²·KL to the teacher)", dims=("step",)),
+    "state_bytes": Metric("bytes of the student's decoding state", "byte",
+                          "30 layers × 3 key/value heads × r (d_v + 1) float32 numbers (one state per key/value "
+                          "head; kernapprox.memory's accounting of a feature map's state)"),
+    "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (0 for "
+                                 "post-hoc maps; Nyström's fit is not counted)"),
+    "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens"),
+    "stage2_cpu_seconds": Metric("CPU seconds of stage 2", "s", "kernapprox.surgery.finetune.FinetuneRecord"),
+    "stage2_tokens": Metric("positions stage 2 trained on", "token", "steps · (train_len − 1)"),
+}
+REFERENCE_METRICS = {
+    "nll_exact": Metric("mean next-token NLL of the window, teacher", "nats", "the same tokens", dims=("window",)),
+    "nll_unigram": Metric("mean next-token NLL of the window, unigram model", "nats",
+                          "add-one smoothed token frequencies of the calibration split (no context): the trivial "
+                          "baseline", dims=("window",)),
+    "answer_logprob_exact": Metric("log-probability of the recalled answer, teacher", "nats", "the same prompts",
+                                   dims=("task", "prompt"), coords={"task": list(TASKS)}),
+    "greedy_correct_exact": Metric("greedy decoding gives the recalled answer, teacher", "1", "the same prompts",
+                                   dims=("task", "prompt"), coords={"task": list(TASKS)}),
+    "recall_chance": Metric("chance of a greedy answer without recall", "1", "1 / RecallPrompt.candidates",
+                            dims=("task", "prompt"), coords={"task": list(TASKS)}),
+    "kv_bytes": Metric("teacher's KV cache at the context's length", "byte", "kernapprox.lm.kv_cache_bytes"),
+}
+
+
+def applicable(params) -> bool:
+    """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2)."""
+    if params["student"] != "hedgehog":
+        return params["objective"] == "none" and params["fit_loss"] == "weights"
+    return True
+
+
+def check_params(params) -> None:
+    for axis, allowed in (("student", STUDENTS), ("objective", OBJECTIVES), ("fit_loss", FIT_LOSSES)):
+        if params[axis] not in allowed:
+            raise ValueError(f"{axis} must be one of {', '.join(allowed)}, got {params[axis]!r}")
+    if params["context"] < 96:
+        raise ValueError(f"context must be at least 96 tokens (a passkey prompt's fixed parts), got "
+                         f"{params['context']}")
+    if params["num_features"] % 2:
+        raise ValueError(f"num_features must be even (Hedgehog's r = 2 · feature_dim), got {params['num_features']}")
+
+
+class Draw(NamedTuple):
+    model: object
+    windows: torch.Tensor
+    prompts: dict
+    calibration: torch.Tensor
+    training: torch.Tensor
+    exact: dict
+
+
+def _unigram_nll(tokenizer, windows: torch.Tensor) -> np.ndarray:
+    counts = np.bincount(lm.text_stream(tokenizer, split="calibration"), minlength=len(tokenizer)).astype(float)
+    logp = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
+    return -logp[windows[:, 1:].numpy()].mean(axis=1)
+
+
+def _prompts(tokenizer, context: int, n: int) -> dict:
+    filler = lm.text_stream(tokenizer, split="evaluation")
+    depths = np.linspace(0.1, 0.9, n)
+    return {"passkey": [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(d), seed=i)
+                        for i, d in enumerate(depths)],
+            "kv_lookup": [lm_eval.kv_lookup_prompt(tokenizer, context, depth=float(d), seed=i)
+                          for i, d in enumerate(depths)]}
+
+
+def _recall(model, prompts: dict) -> dict:
+    scores = [lm_eval.score_recall(model, prompts[task]) for task in TASKS]
+    return {name: np.stack([np.asarray(s[name], dtype=float) for s in scores])
+            for name in ("answer_logprob", "greedy_correct", "candidates")}
+
+
+def draw(params, data_rng, device) -> Draw:
+    if LM_REASON is not None:
+        raise RuntimeError(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}")
+    model, tokenizer = lm.load_smollm2()
+    model = model.to(device)
+    context = params["context"]
+    windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation").input_ids
+    calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
+    training = lm.text_windows(tokenizer, params["train_windows"], params["train_len"], split="calibration")
+    prompts = _prompts(tokenizer, context, params["n_prompts"])
+    recall = _recall(model, prompts)
+    exact = {"nll_exact": lm_eval.token_nll(model, windows.to(device)).mean(axis=1),
+             "nll_unigram": _unigram_nll(tokenizer, windows),
+             "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
+             "recall_chance": 1.0 / recall["candidates"], "kv_bytes": float(lm.kv_cache_bytes(context))}
+    return Draw(model, windows, prompts, calibration.input_ids.to(device), training.input_ids.to(device), exact)
+
+
+def run_reference(params, device, data):
+    return dict(data.exact)
+
+
+_STAGE1: dict = {}          # per process: (fit_loss, r, seed, context, steps) -> (student, its fit's cost)
+
+
+def stage1(data: Draw, params):
+    """The stage-1 student of the cell (memoised per process: the cells of one draw share it) and
+    ``(cpu_seconds, tokens)`` of its attention transfer."""
+    key = (params["student"], params["fit_loss"], params["num_features"], params["train_seed"], params["context"],
+           params["fit_steps"])
+    if key not in _STAGE1:
+        start = time.process_time()
+        calibration = {"input_ids": data.calibration}
+        if params["student"] == "hedgehog":
+            student = ka.convert(data.model, "hedgehog_trainable", num_features=params["num_features"],
+                                 rng=params["train_seed"], calibration=calibration, fit_loss=params["fit_loss"],
+                                 fit_steps=params["fit_steps"])
+            tokens = sum(r.tokens for r in fit_records(student).values())
+            cost = (time.process_time() - start, float(tokens))
+        else:
+            student = ka.convert(data.model, params["student"], num_features=params["num_features"],
+                                 rng=params["train_seed"], share_heads="group", calibration=calibration)
+            cost = (0.0, 0.0)
+        _STAGE1.clear()                  # one student kept: a 135M-parameter copy each
+        _STAGE1[key] = (student, cost)
+    return _STAGE1[key]
+
+
+@torch.no_grad()
+def evaluate(model, data: Draw) -> dict:
+    """NLL of the held-out windows and recall of the prompts."""
+    recall = _recall(model, data.prompts)
+    return {"nll": lm_eval.token_nll(model, data.windows.to(next(model.parameters()).device)).mean(axis=1),
+            "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"]}
+
+
+def run_cell(params, rng, device, data):
+    if not applicable(params):
+        return not_applicable()
+    student, (cpu1, tokens1) = stage1(data, params)
+    n_w, n_p, steps = data.windows.shape[0], params["n_prompts"], params["steps"]
+    out = {"nll": np.full((len(CHECKPOINTS), n_w), np.nan),
+           "answer_logprob": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
+           "greedy_correct": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
+           "train_loss": np.full(steps, np.nan),
+           "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * params["num_features"] * (lm.HEAD_DIM + 1) * 4),
+           "stage1_cpu_seconds": cpu1, "stage1_tokens": tokens1, "stage2_cpu_seconds": 0.0, "stage2_tokens": 0.0}
+
+    def record(index, model):
+        for name, value in evaluate(model, data).items():
+            out[name][index] = value
+
+    if params["objective"] == "none":
+        record(0, student)
+        return out
+    model = copy.deepcopy(student)
+    add_lora(model, rank=params["lora_rank"], rng=params["train_seed"])
+    at = {round(c * steps): i for i, c in enumerate(CHECKPOINTS) if c > 0}
+    result = finetune(model, data.training, objective=params["objective"], teacher=data.model,
+                      temperature=params["temperature"], steps=steps, batch_size=1, lr=params["lr"],
+                      rng=params["train_seed"], on_step=lambda step, m: record(at[step], m) if step in at else None)
+    out["train_loss"][:] = result.losses
+    out["stage2_cpu_seconds"] = result.cpu_seconds
+    out["stage2_tokens"] = float(result.tokens)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- summaries
+def _filled(ds: xr.Dataset, name: str) -> xr.DataArray:
+    """``name`` with checkpoint 0 of every objective taken from the ``"none"`` cell of the same student."""
+    da = ds[name]
+    start = da.sel(objective="none", checkpoint=0.0)
+    return xr.where(da["checkpoint"] == 0.0, start.broadcast_like(da), da).transpose(*da.dims)
+
+
+def gap_closed(student: np.ndarray, posthoc: np.ndarray, exact: np.ndarray, *, seed: int = stats.BOOTSTRAP_SEED,
+               resamples: int = stats.RESAMPLES, level: float = stats.LEVEL) -> tuple[float, float, float]:
+    """``1 − mean(student − exact) / mean(post-hoc − exact)`` over paired units (the fraction of the post-hoc map's
+    NLL gap to the teacher that the student closes) with its percentile-bootstrap interval over the units (the
+    same resampled units in numerator and denominator)."""
+    a, b = np.asarray(student) - np.asarray(exact), np.asarray(posthoc) - np.asarray(exact)
+    if not (np.isfinite(a).all() and np.isfinite(b).all()):
+        return (np.nan, np.nan, np.nan)
+    idx = np.random.default_rng([seed, a.size]).integers(0, a.size, size=(resamples, a.size))
+    boot = 1.0 - a[idx].mean(1) / b[idx].mean(1)
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return float(1.0 - a.mean() / b.mean()), float(lo), float(hi)
+
+
+def summarise(ds: xr.Dataset) -> xr.Dataset:
+    for name in ("nll", "answer_logprob", "greedy_correct"):
+        ds[f"{name}_filled"] = _filled(ds, name).assign_attrs(ds[name].attrs)
+    for name, unit in (("nll_filled", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
+                       ("answer_logprob_filled", "prompt"), ("answer_logprob_exact", "prompt")):
+        s = stats.bootstrap_interval(ds[name], unit, "mean" if "nll" in name else "median")
+        s.attrs.update(long_name=ds[name].attrs["long_name"], units=ds[name].attrs["units"],
+                       description=f"over the {unit}s: " + s.attrs.get("interval", ""))
+        ds[f"{name.removesuffix('_filled')}_summary"] = s
+    for name in ("greedy_correct_filled", "greedy_correct_exact"):
+        s = stats.proportion_summary(ds[name], 1, ("prompt",))
+        s.attrs.update(long_name=ds[name].attrs["long_name"], units="1",
+                       description="pooled over the prompts: " + s.attrs.get("interval", ""))
+        ds[f"{name.removesuffix('_filled')}_summary"] = s
+    for name in ("perplexity", "perplexity_exact", "perplexity_unigram"):
+        ref = {"perplexity": "nll", "perplexity_exact": "nll_exact", "perplexity_unigram": "nll_unigram"}[name]
+        ppl = np.exp(ds[f"{ref}_summary"])
+        ppl.attrs = {**ds[f"{ref}_summary"].attrs, "long_name": "perplexity exp(mean NLL)", "units": "1"}
+        ds[f"{name}_summary"] = ppl
+    ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
+        long_name="chance of a greedy answer without recall, mean over the prompts", units="1",
+        description="mean over the prompts of 1 / candidates")
+    # the objectives against each other at the end of the budget, per window (the same windows and training text)
+    if {"next_token", "distill"} <= set(ds["objective"].values.tolist()):
+        end = ds["nll_filled"].sel(checkpoint=1.0)
+        pair = (end.sel(objective="distill") - end.sel(objective="next_token")).assign_attrs(
+            long_name="NLL after distillation minus after next-token training", units="nats",
+            description="per window, the same stage-1 student, training windows and budget", comparison="difference")
+        ds["distill_minus_next_token"] = pair
+        s = stats.bootstrap_interval(pair, "window", "mean")
+        s.attrs.update(long_name=pair.attrs["long_name"], units="nats", description="over the windows: "
+                       + s.attrs.get("interval", ""))
+        ds["distill_minus_next_token_summary"] = s
+        ds["distill_minus_next_token_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+    ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
+        long_name="student's state over the teacher's KV cache at the context's length", units="1",
+        description="state_bytes / kv_bytes")
+    return ds
+
+
+# ---------------------------------------------------------------------------------------------------- figure
+def _cells(ds: xr.Dataset):
+    """``(student, fit_loss, objective, r, steps, context, train_seed)`` selections of the cells that ran."""
+    dims = ("student", "fit_loss", "objective", "num_features", "steps", "context", "train_seed")
+    sub = ds["state_bytes"].transpose(*dims)
+    return [{d: sub[d].values.tolist()[i] for d, i in zip(dims, idx)}
+            for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
+
+
+def _label(cell) -> str:
+    if cell["student"] != "hedgehog":
+        return f"{cell['student']} (post hoc)"
+    stage = {"none": "stage 1", "next_token": "+ LoRA, next token", "distill": "+ LoRA, distilled"}[cell["objective"]]
+    return f"hedgehog ({cell['fit_loss']}) {stage}"
+
+
+def plot(ds: xr.Dataset, path) -> None:
+    fig, axes = new_figure(1, 4, width=20, height=5)
+    ax_ppl, ax_pk, ax_kv, ax_loss = axes
+    colours = {"next_token": "tab:blue", "distill": "tab:red"}
+    for cell in _cells(ds):
+        if cell["student"] != "hedgehog" or cell["objective"] == "none":
+            continue
+        base = {k: v for k, v in cell.items()}
+        tokens = np.asarray(CHECKPOINTS) * (cell["steps"] * (int(ds["train_len"]) - 1))
+        for ax, name, extra in ((ax_ppl, "perplexity_summary", {}),
+                                (ax_pk, "answer_logprob_summary", {"task": "passkey"}),
+                                (ax_kv, "answer_logprob_summary", {"task": "kv_lookup"})):
+            s = ds[name].sel(**base, **extra)
+            est, lo, hi = (s.sel(stat=x).values for x in ("estimate", "lo", "hi"))
+            ax.errorbar(tokens, est, yerr=[est - lo, hi - est], marker="o", capsize=2, color=colours[cell["objective"]],
+                        label=_label(cell))
+        ax_loss.plot(np.arange(1, cell["steps"] + 1), ds["train_loss"].sel(**base).values, color=colours[
+            cell["objective"]], label=_label(cell))
+    for ax, name, exact, extra in ((ax_ppl, "perplexity_summary", "perplexity_exact_summary", {}),
+                                   (ax_pk, "answer_logprob_summary", "answer_logprob_exact_summary",
+                                    {"task": "passkey"}),
+                                   (ax_kv, "answer_logprob_summary", "answer_logprob_exact_summary",
+                                    {"task": "kv_lookup"})):
+        context = ds["context"].values[0]
+        ax.axhline(float(ds[exact].sel(context=context, stat="estimate", **extra)), color="k", linewidth=1.2,
+                   label="teacher (exact attention)")
+        for cell in _cells(ds):
+            if cell["student"] == "hedgehog":
+                continue
+            style = estimator_style(cell["student"])
+            ax.axhline(float(ds[name].sel(**cell, checkpoint=0.0, stat="estimate", **extra)), color=style["color"],
+                       linestyle=style["linestyle"], linewidth=1.2, label=_label(cell))
+    ax_ppl.axhline(float(ds["perplexity_unigram_summary"].sel(stat="estimate").values.ravel()[0]), color="0.5",
+                   linestyle=":", label="unigram model (no context)")
+    ax_ppl.set_yscale("log")
+    for ax, title, ylabel in ((ax_ppl, "(a) held-out perplexity", "perplexity"),
+                              (ax_pk, "(b) passkey recall", "answer log-probability (nats, median)"),
+                              (ax_kv, "(c) key–value lookup", "answer log-probability (nats, median)")):
+        ax.set_xlabel("stage-2 training tokens (0: the stage-1 student)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+    ax_loss.set_xlabel("stage-2 step")
+    ax_loss.set_ylabel("training loss of the step's window (nats)")
+    ax_loss.set_title("(d) stage-2 loss")
+    ax_ppl.legend(fontsize=6.5)
+    ax_loss.legend(fontsize=6.5)
+    fig.suptitle("Distilling SmolLM2-135M's softmax attention into fixed-state Hedgehog maps")
+    save_figure(fig, path, (
+        f"Students with r = {', '.join(str(r) for r in ds['num_features'].values)} features per key/value head in "
+        "every layer (equal state bytes across students). (a) Perplexity on "
+        f"{ds.sizes['window']} held-out Shakespeare windows of {', '.join(str(c) for c in ds['context'].values)} "
+        "tokens against stage-2 training tokens: at 0 the stage-1 Hedgehog student (attention transfer), then the "
+        "LoRA-adapted student trained by next-token loss or by distillation from the teacher's logits on the same "
+        "windows; black: the teacher; dashed: post-hoc FAVOR+ and Nyström at the same bytes; dotted: a unigram "
+        "model. (b, c) Median log-probability of the recalled answer over the prompts (bootstrap intervals). (d) "
+        "Each step's training loss."),
+        title="Distillation into fixed-state students")
+
+
+# -------------------------------------------------------------------------------------------------- findings
+def findings(ds: xr.Dataset) -> list[str]:
+    lines = []
+    cells = _cells(ds)
+    context = int(ds["context"].values[0])
+    kv = float(ds["kv_bytes"].sel(context=context))
+    lines.append(f"Teacher at {context}-token windows of held-out Shakespeare: perplexity "
+                 f"{fmt_ci(ds['perplexity_exact_summary'].sel(context=context))} over {ds.sizes['window']} windows "
+                 f"(KV cache {fmt_bytes(kv)}); unigram model: "
+                 f"{fmt_ci(ds['perplexity_unigram_summary'].sel(context=context))}.")
+    parts = []
+    for cell in cells:
+        last = 0.0 if cell["objective"] == "none" else 1.0
+        s = ds["perplexity_summary"].sel(**cell, checkpoint=last)
+        parts.append(f"{_label(cell)} at r = {cell['num_features']}: {fmt_ci(s)} "
+                     f"({fmt_bytes(ds['state_bytes'].sel(**cell))}, {fmt(float(ds['memory_fraction'].sel(**cell)))} "
+                     "of the KV cache)")
+    lines.append("Perplexity of the students on the same windows (at the end of their training): " + "; ".join(parts)
+                 + ".")
+    nll, exact = ds["nll_filled"], ds["nll_exact"].sel(context=context)
+    for post in ("positive_orthogonal", "nystrom_uniform"):
+        for cell in (c for c in cells if c["student"] == "hedgehog"):
+            ref = dict(cell, student=post, fit_loss="weights", objective="none")
+            if not any(c == ref for c in cells):
+                continue
+            last = 0.0 if cell["objective"] == "none" else 1.0
+            est, lo, hi = gap_closed(nll.sel(**cell, checkpoint=last).values,
+                                     nll.sel(**ref, checkpoint=0.0).values, exact.values)
+            lines.append(f"{_label(cell)} closes {fmt(est, 2)} ({fmt(lo, 2)} to {fmt(hi, 2)}) of `{post}`'s NLL gap "
+                         f"to the teacher at the same bytes (r = {cell['num_features']}; 1 − mean over windows of "
+                         "the student's NLL increase over the post-hoc map's; bootstrap over windows).")
+    if "distill_minus_next_token_summary" in ds:
+        for cell in (c for c in cells if c["student"] == "hedgehog" and c["objective"] == "distill"):
+            sel = {k: v for k, v in cell.items() if k != "objective"}
+            s = ds["distill_minus_next_token_summary"].sel(**sel)
+            p = float(ds["distill_minus_next_token_p"].sel(**sel))
+            tokens = float(ds["stage2_tokens"].sel(**cell))
+            lines.append(f"At an equal budget of {int(tokens)} training tokens (r = {cell['num_features']}, stage 1 "
+                         f"by {cell['fit_loss']}), distillation minus next-token NLL: {fmt_ci(s)} nats (Wilcoxon "
+                         f"p = {fmt(p, 2)} over {ds.sizes['window']} windows; one training seed: a statement about "
+                         "this student, not about the objectives).")
+    for task, name in (("passkey", "Passkey"), ("kv_lookup", "Key–value lookup")):
+        acc = ds["greedy_correct_exact_summary"].sel(context=context, task=task)
+        chance = float(ds["recall_chance_mean"].sel(context=context, task=task))
+        parts = []
+        for cell in cells:
+            last = 0.0 if cell["objective"] == "none" else 1.0
+            sel = dict(cell, checkpoint=last, task=task)
+            parts.append(f"{_label(cell)}: {fmt_ci(ds['greedy_correct_summary'].sel(**sel), percent=True)}, "
+                         f"log-probability {fmt_ci(ds['answer_logprob_summary'].sel(**sel))}")
+        lines.append(f"{name} recall ({ds.sizes['prompt']} prompts of {context} tokens; chance {fmt(chance, 2)}): "
+                     f"teacher {fmt_ci(acc, percent=True)}, log-probability "
+                     f"{fmt_ci(ds['answer_logprob_exact_summary'].sel(context=context, task=task))}; "
+                     + "; ".join(parts) + ".")
+    costs = []
+    for cell in (c for c in cells if c["student"] == "hedgehog"):
+        c1, c2 = float(ds["stage1_cpu_seconds"].sel(**cell)), float(ds["stage2_cpu_seconds"].sel(**cell))
+        costs.append(f"{_label(cell)}: stage 1 {fmt(c1, 2)} CPU-s on {int(ds['stage1_tokens'].sel(**cell))} query "
+                     f"positions" + (f", stage 2 {fmt(c2, 2)} CPU-s on {int(ds['stage2_tokens'].sel(**cell))} tokens"
+                                     if cell["objective"] != "none" else ""))
+    if costs:
+        lines.append("Cost: " + "; ".join(costs) + ".")
+    return lines
+
+
+EXPERIMENT = Experiment(
+    name="distillation", title="Distilling a pretrained LM's softmax attention into fixed-state students",
+    description=" ".join(__doc__.split()),
+    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("context",), draw=draw,
+    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("context",)),
+    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
+    check_params=check_params, replicates="the text windows (NLL) and the prompts (recall)")
+
+if __name__ == "__main__":
+    run_cli(EXPERIMENT)
