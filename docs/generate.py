@@ -96,12 +96,26 @@ def _demote_headings(markdown: str) -> str:
     return re.sub(r"^#{1,6}[ \t]+(.*?)[ \t]*#*[ \t]*$", r"**\1**", markdown, flags=re.M)
 
 
+_SOURCE = re.compile(r"<!-- findings of (?:.*/)?(results/[\w.-]+\.nc) \(experiments\.(\w+)\)")
+
+
+def _sources(item: Figure) -> tuple[str, str]:
+    """``(experiment file, dataset)`` of a figure: as its findings name them (a preset other than the default writes
+    ``results/<name>_<preset>.nc`` of ``experiments/<name>.py``), else ``experiments/<name>.py`` and
+    ``results/<name>.nc``."""
+    found = _SOURCE.search(item.text)
+    if found:
+        return f"experiments/{found.group(2)}.py", found.group(1)
+    return f"experiments/{item.name}.py", f"results/{item.name}.nc"
+
+
 def gallery_page(items: list[Figure], image_dir: str) -> str:
     """The body of the findings page: one section per figure, its caption, then its text."""
     parts = []
     for item in items:
+        module, dataset = _sources(item)
         section = (f"(fig-{item.name})=\n## {item.title}\n\n"
-                   f"`experiments/{item.name}.py` → `results/{item.name}.nc` → `figures/{item.name}.png`\n\n"
+                   f"`{module}` → `{dataset}` → `figures/{item.name}.png`\n\n"
                    f"```{{figure}} {image_dir}/{item.name}.png\n:alt: {item.name}\n:width: 100%\n\n"
                    f"{_escape(item.caption) or item.name}\n```\n")
         if item.text:
