@@ -48,7 +48,7 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     load = lm.load_smollm2
     monkeypatch.setattr(lm, "load_smollm2", lambda **kw: load(cache_root=user_cache_root, **kw))
     ds = sweep.run(distillation.EXPERIMENT, preset="smoke", out=tmp_path / "distillation.nc", device="cpu",
-                   progress=False)
+                   progress=False, parameters={"n_windows": 4, "n_prompts": 4, "train_windows": 4})
     r, steps = 32, 2
     hedgehog = dict(student="hedgehog", fit_loss="weights", num_features=r, steps=steps, context=96, train_seed=0)
     assert float(ds["state_bytes"].sel(objective="none", **hedgehog)) == 30 * 3 * r * 65 * 4
