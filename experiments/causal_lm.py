@@ -89,7 +89,7 @@ GRIDS = {
               "exact_layers": [0, 2], "placement": list(PLACEMENTS), "context": [96], "map_seed": [0]},
     # ~6 min of one core with the model cached: 10 windows and 10 prompts of 512 tokens per cell
     "default": {"estimator": ["positive_orthogonal", "nystrom_uniform", "window_linear"],
-                "num_features": [16, 64], "exact_layers": [0, 2, 6], "placement": list(PLACEMENTS),
+                "num_features": [64], "exact_layers": [0, 6], "placement": list(PLACEMENTS),
                 "context": [512], "map_seed": [0]},
     "full": {"estimator": list(ESTIMATORS), "num_features": [16, 64, 256], "exact_layers": [0, 2, 6, 15],
              "placement": list(PLACEMENTS), "context": [512, 2048], "map_seed": [0, 1]},
@@ -103,6 +103,8 @@ PARAMETERS = {
     "n_prompts": Parameter(10, long_name="recall prompts per task (recall's units), depths 0.1 to 0.9", units="1"),
     "n_calibration": Parameter(4, long_name="calibration windows the data-dependent maps are fitted on", units="1",
                                description="of the calibration split, min(context, 256) tokens each"),
+    "n_sensitivity": Parameter(4, long_name="calibration windows of the per-layer sensitivity", units="1",
+                               description="the first of the n_calibration windows"),
     "n_decode": Parameter(8, long_name="tokens decoded one at a time after the prefill", units="token"),
     "decode_len": Parameter(128, long_name="tokens of window 0 in the decoding check", units="token",
                             description="prefill of decode_len − n_decode tokens, then n_decode one at a time"),
@@ -331,10 +333,11 @@ def layer_sensitivity(data: Draw, params) -> dict:
     """Per layer ``l``: the calibration windows' NLL increase when only ``l`` is substituted by the cell's label at
     ``hybrid_rank`` (``layer_delta_nll``), and each query head's relative attention-output error there
     (``layer_attention_error``, on the exact model's activations: the layers below are exact). Memoised per
-    process; 30 passes over the calibration windows."""
+    process; 30 passes over the first ``n_sensitivity`` calibration windows (the maps of data-dependent labels are
+    fitted on all ``n_calibration`` of them)."""
     from kernapprox.surgery import attention as sa
 
-    calibration = data.calibration
+    calibration = data.calibration[:params["n_sensitivity"]]
     key = (params["estimator"], params["hybrid_rank"], params["map_seed"], tuple(calibration.shape),
            int(calibration.sum()))
     if key in _SENSITIVITY:
