@@ -850,6 +850,11 @@ def _recall_findings(ds, context, cells) -> list[str]:
                                f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} "
                                f"({fmt(float(_value(ds, 'memory_fraction', cell, context)))} of the KV cache)")
         lines.append(f"{TASK_NAMES[task]} accuracy at {context} tokens: " + "; ".join(summary) + ".")
+        if float(acc.sel(stat="estimate")) < 0.5:
+            lines.append(f"At {context} tokens the exact model itself answers {fmt_ci(acc, percent=True)} of the "
+                         f"{TASK_NAMES[task].lower()} prompts: greedy accuracy cannot show what a fixed state loses "
+                         "there; the paired change of the answer's log-probability against the exact model (above) "
+                         "is the measure.")
     return lines
 
 
