@@ -43,6 +43,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
+from experiments._lm import TASK_NAMES, TASKS, add_window_difference, recall_prompts, score_recall, unigram_nll
 from kernapprox import lm, lm_eval, stats
 from kernapprox.plotting import (
     estimator_style,
@@ -131,7 +132,6 @@ AXIS_ATTRS = {
                             "(kernapprox.lm_eval.kv_lookup_prompt)"},
     "decode_context": {"long_name": "tokens in the exact model's KV cache", "units": "token"},
 }
-TASKS = ("passkey", "kv_lookup")
 _W, _P = ("window",), ("task", "prompt")
 _TASKS = {"task": list(TASKS)}
 METRICS = {
@@ -240,30 +240,6 @@ class Draw(NamedTuple):
     exact: dict
 
 
-def _unigram_nll(tokenizer, windows: torch.Tensor) -> np.ndarray:
-    """Per-window mean NLL of the add-one smoothed unigram model of the calibration split."""
-    counts = np.bincount(lm.text_stream(tokenizer, split="calibration"), minlength=len(tokenizer)).astype(float)
-    logp = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
-    return -logp[windows[:, 1:].numpy()].mean(axis=1)
-
-
-def _prompts(tokenizer, context: int, n: int) -> dict:
-    """``n`` prompts of each task of :data:`TASKS` at ``context`` tokens, the fact at depths 0.1 to 0.9."""
-    filler = lm.text_stream(tokenizer, split="evaluation")
-    depths = np.linspace(0.1, 0.9, n)
-    return {"passkey": [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(depth), seed=i)
-                        for i, depth in enumerate(depths)],
-            "kv_lookup": [lm_eval.kv_lookup_prompt(tokenizer, context, depth=float(depth), seed=i)
-                          for i, depth in enumerate(depths)]}
-
-
-def score_recall(model, prompts: dict) -> dict:
-    """``answer_logprob``, ``greedy_correct`` (float) and ``candidates`` ``(task, prompt)`` arrays."""
-    scores = [lm_eval.score_recall(model, prompts[task]) for task in TASKS]
-    return {name: np.stack([np.asarray(sc[name], dtype=float) for sc in scores])
-            for name in ("answer_logprob", "greedy_correct", "candidates")}
-
-
 @torch.no_grad()
 def _exact_decode(model, context: int) -> tuple[float, int]:
     """Median seconds per token of the exact model with a KV cache of ``context`` tokens, and the cache's bytes."""
@@ -294,11 +270,11 @@ def draw(params, data_rng, device) -> Draw:
     context = params["context"]
     windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation")
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
-    prompts = _prompts(tokenizer, context, params["n_prompts"])
+    prompts = recall_prompts(tokenizer, context, params["n_prompts"])
     ids = windows.input_ids.to(device)
     nll_exact = lm_eval.token_nll(model, ids).mean(axis=1)
     recall = score_recall(model, prompts)
-    exact = {"nll_exact": nll_exact, "nll_unigram": _unigram_nll(tokenizer, windows.input_ids),
+    exact = {"nll_exact": nll_exact, "nll_unigram": unigram_nll(tokenizer, windows.input_ids),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"],
              "kv_bytes": float(lm.kv_cache_bytes(context))}
@@ -470,15 +446,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
                        description="pooled over the prompts: " + s.attrs.get("interval", ""))
         ds[f"{name}_summary"] = s
     if {"positive_orthogonal", "positive_orthogonal_shared"} <= set(ds["estimator"].values.tolist()):
-        pair = (ds["nll"].sel(estimator="positive_orthogonal_shared") - ds["nll"].sel(estimator="positive_orthogonal"))
-        pair = pair.assign_attrs(long_name="NLL with one draw per layer minus one draw per head", units="nats",
-                                 description="per window, the same windows and r", comparison="difference")
-        ds["shared_minus_per_head_nll"] = pair
-        summary = stats.bootstrap_interval(pair, "window", "mean")
-        summary.attrs.update(long_name=pair.attrs["long_name"], units="nats",
-                             description="over the windows: " + summary.attrs.get("interval", ""))
-        ds["shared_minus_per_head_nll_summary"] = summary
-        ds["shared_minus_per_head_nll_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+        add_window_difference(
+            ds, "shared_minus_per_head_nll",
+            ds["nll"].sel(estimator="positive_orthogonal_shared") - ds["nll"].sel(estimator="positive_orthogonal"),
+            "NLL with one draw per layer minus one draw per key/value head", "per window, the same windows and r")
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="bytes kept over the exact model's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
@@ -490,15 +461,10 @@ def _placement_pairs(ds: xr.Dataset) -> None:
     """Sensitivity placement minus even placement, per window, where both ran (same label, r, k, draw)."""
     if not {"even", "sensitivity"} <= set(ds["placement"].values.tolist()):
         return
-    pair = (ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement="even")).assign_attrs(
-        long_name="NLL with the softmax layers placed by sensitivity minus evenly spaced", units="nats",
-        description="per window, the same label, r, number of softmax layers and draw", comparison="difference")
-    ds["placement_nll_diff"] = pair
-    summary = stats.bootstrap_interval(pair, "window", "mean")
-    summary.attrs.update(long_name=pair.attrs["long_name"], units="nats",
-                         description="over the windows: " + summary.attrs.get("interval", ""))
-    ds["placement_nll_diff_summary"] = summary
-    ds["placement_nll_diff_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+    add_window_difference(ds, "placement_nll_diff",
+                          ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement="even"),
+                          "NLL with the softmax layers placed by sensitivity minus evenly spaced",
+                          "per window, the same label, r, number of softmax layers and draw")
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -808,9 +774,6 @@ def stats_spearman(x, y) -> float:
     from scipy.stats import spearmanr
 
     return spearmanr(x, y).statistic
-
-
-TASK_NAMES = {"passkey": "Passkey", "kv_lookup": "Key–value lookup"}
 
 
 def _best_recall(ds, context, task, cells):

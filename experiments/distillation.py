@@ -40,6 +40,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
+from experiments._lm import TASK_NAMES, TASKS, add_window_difference, recall_prompts, score_recall, unigram_nll
 from kernapprox import lm, lm_eval, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
@@ -53,7 +54,6 @@ if LM_REASON is not None:
 STUDENTS = ("hedgehog", "positive_orthogonal", "nystrom_uniform")
 OBJECTIVES = ("none", "next_token", "distill")
 FIT_LOSSES = ("weights", "outputs")
-TASKS = ("passkey", "kv_lookup")
 CHECKPOINTS = (0.0, 0.5, 1.0)
 NUM_LAYERS = lm.NUM_LAYERS
 
@@ -165,27 +165,6 @@ class Draw(NamedTuple):
     exact: dict
 
 
-def _unigram_nll(tokenizer, windows: torch.Tensor) -> np.ndarray:
-    counts = np.bincount(lm.text_stream(tokenizer, split="calibration"), minlength=len(tokenizer)).astype(float)
-    logp = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
-    return -logp[windows[:, 1:].numpy()].mean(axis=1)
-
-
-def _prompts(tokenizer, context: int, n: int) -> dict:
-    filler = lm.text_stream(tokenizer, split="evaluation")
-    depths = np.linspace(0.1, 0.9, n)
-    return {"passkey": [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(d), seed=i)
-                        for i, d in enumerate(depths)],
-            "kv_lookup": [lm_eval.kv_lookup_prompt(tokenizer, context, depth=float(d), seed=i)
-                          for i, d in enumerate(depths)]}
-
-
-def _recall(model, prompts: dict) -> dict:
-    scores = [lm_eval.score_recall(model, prompts[task]) for task in TASKS]
-    return {name: np.stack([np.asarray(s[name], dtype=float) for s in scores])
-            for name in ("answer_logprob", "greedy_correct", "candidates")}
-
-
 def draw(params, data_rng, device) -> Draw:
     if LM_REASON is not None:
         raise RuntimeError(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}")
@@ -195,10 +174,10 @@ def draw(params, data_rng, device) -> Draw:
     windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation").input_ids
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
     training = lm.text_windows(tokenizer, params["train_windows"], params["train_len"], split="calibration")
-    prompts = _prompts(tokenizer, context, params["n_prompts"])
-    recall = _recall(model, prompts)
+    prompts = recall_prompts(tokenizer, context, params["n_prompts"])
+    recall = score_recall(model, prompts)
     exact = {"nll_exact": lm_eval.token_nll(model, windows.to(device)).mean(axis=1),
-             "nll_unigram": _unigram_nll(tokenizer, windows),
+             "nll_unigram": unigram_nll(tokenizer, windows),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"], "kv_bytes": float(lm.kv_cache_bytes(context))}
     return Draw(model, windows, prompts, calibration.input_ids.to(device), training.input_ids.to(device), exact)
@@ -237,7 +216,7 @@ def stage1(data: Draw, params):
 @torch.no_grad()
 def evaluate(model, data: Draw) -> dict:
     """NLL of the held-out windows and recall of the prompts."""
-    recall = _recall(model, data.prompts)
+    recall = score_recall(model, data.prompts)
     return {"nll": lm_eval.token_nll(model, data.windows.to(next(model.parameters()).device)).mean(axis=1),
             "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"]}
 
@@ -320,15 +299,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     # the objectives against each other at the end of the budget, per window (the same windows and training text)
     if {"next_token", "distill"} <= set(ds["objective"].values.tolist()):
         end = ds["nll_filled"].sel(checkpoint=1.0)
-        pair = (end.sel(objective="distill") - end.sel(objective="next_token")).assign_attrs(
-            long_name="NLL after distillation minus after next-token training", units="nats",
-            description="per window, the same stage-1 student, training windows and budget", comparison="difference")
-        ds["distill_minus_next_token"] = pair
-        s = stats.bootstrap_interval(pair, "window", "mean")
-        s.attrs.update(long_name=pair.attrs["long_name"], units="nats", description="over the windows: "
-                       + s.attrs.get("interval", ""))
-        ds["distill_minus_next_token_summary"] = s
-        ds["distill_minus_next_token_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+        add_window_difference(ds, "distill_minus_next_token",
+                              end.sel(objective="distill") - end.sel(objective="next_token"),
+                              "NLL after distillation minus after next-token training",
+                              "per window, the same stage-1 student, training windows and budget")
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="student's state over the teacher's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
@@ -460,7 +434,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                          f"by {cell['fit_loss']}), distillation minus next-token NLL: {fmt_ci(s)} nats (Wilcoxon "
                          f"p = {fmt(p, 2)} over {ds.sizes['window']} windows; one training seed: a statement about "
                          "this student, not about the objectives).")
-    for task, name in (("passkey", "Passkey"), ("kv_lookup", "Key–value lookup")):
+    for task, name in TASK_NAMES.items():
         acc = ds["greedy_correct_exact_summary"].sel(context=context, task=task)
         chance = float(ds["recall_chance_mean"].sel(context=context, task=task))
         parts = []

@@ -1,0 +1,53 @@
+"""What the studies of SmolLM2-135M share (``causal_lm``, ``distillation``): the recall prompts of both tasks, their
+scores, the unigram baseline of the NLL, and the paired per-window difference with its interval and test."""
+
+from __future__ import annotations
+
+import numpy as np
+import xarray as xr
+
+from kernapprox import lm, lm_eval, stats
+
+TASKS = ("passkey", "kv_lookup")
+TASK_NAMES = {"passkey": "Passkey", "kv_lookup": "Key–value lookup"}
+
+
+def unigram_nll(tokenizer, windows) -> np.ndarray:
+    """Per-window mean NLL of the add-one smoothed unigram model of the calibration split (no context): the trivial
+    baseline of the next-token NLL of ``windows`` ``(n, L)``."""
+    counts = np.bincount(lm.text_stream(tokenizer, split="calibration"), minlength=len(tokenizer)).astype(float)
+    logp = np.log(counts + 1.0) - np.log(counts.sum() + counts.size)
+    return -logp[windows[:, 1:].numpy()].mean(axis=1)
+
+
+def recall_prompts(tokenizer, context: int, n: int) -> dict:
+    """``n`` prompts of each task of :data:`TASKS` at ``context`` tokens, the fact at depths 0.1 to 0.9: a passkey
+    in the evaluation split's text (:func:`kernapprox.lm_eval.passkey_prompt`) and a key–value lookup in sentences
+    (:func:`kernapprox.lm_eval.kv_lookup_prompt`), prompt ``i`` drawn with seed ``i``."""
+    filler = lm.text_stream(tokenizer, split="evaluation")
+    depths = np.linspace(0.1, 0.9, n)
+    return {"passkey": [lm_eval.passkey_prompt(tokenizer, context, filler, depth=float(d), seed=i)
+                        for i, d in enumerate(depths)],
+            "kv_lookup": [lm_eval.kv_lookup_prompt(tokenizer, context, depth=float(d), seed=i)
+                          for i, d in enumerate(depths)]}
+
+
+def score_recall(model, prompts: dict) -> dict:
+    """``answer_logprob``, ``greedy_correct`` (float) and ``candidates`` of every prompt, ``(task, prompt)``
+    arrays (:func:`kernapprox.lm_eval.score_recall`)."""
+    scores = [lm_eval.score_recall(model, prompts[task]) for task in TASKS]
+    return {name: np.stack([np.asarray(s[name], dtype=float) for s in scores])
+            for name in ("answer_logprob", "greedy_correct", "candidates")}
+
+
+def add_window_difference(ds: xr.Dataset, name: str, pair: xr.DataArray, long_name: str,
+                          description: str) -> None:
+    """Store a paired per-window difference ``pair`` as ``name``, its mean over windows with the bootstrap interval
+    (``<name>_summary``) and the exact Wilcoxon signed-rank p-value over the windows (``<name>_p``)."""
+    pair = pair.assign_attrs(long_name=long_name, units="nats", description=description, comparison="difference")
+    ds[name] = pair
+    summary = stats.bootstrap_interval(pair, "window", "mean")
+    summary.attrs.update(long_name=long_name, units="nats",
+                         description="over the windows: " + summary.attrs.get("interval", ""))
+    ds[f"{name}_summary"] = summary
+    ds[f"{name}_p"] = stats.paired_test(pair, "window", test="wilcoxon")
