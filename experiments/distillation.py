@@ -10,9 +10,9 @@ per key/value head (so equal state bytes, ``30 · 3 · r (d + 1)`` float32 numbe
   attention transfer, :func:`kernapprox.trainable.fit_to_softmax` through ``ka.convert(..., calibration=)``) by the
   cross-entropy of the attention weights (``fit_loss="weights"``, Hedgehog's) or the MSE of the outputs
   (``"outputs"``, LoLCATs's attention transfer: Zhang et al. 2025, ICLR, §3.1); then, for ``objective`` other than
-  ``"none"``, stage 2: low-rank adapters on every attention projection (:func:`kernapprox.surgery.finetune.add_lora`,
+  ``"none"``, stage 2: low-rank adapters on every attention projection (:func:`kernapprox.surgery.finetuning.add_lora`,
   rank ``lora_rank``) trained with the maps for ``steps`` steps of one ``train_len``-token window of the calibration
-  split each (:func:`kernapprox.surgery.finetune.finetune`), by next-token cross-entropy (``"next_token"``) or by
+  split each (:func:`kernapprox.surgery.finetuning.finetune`), by next-token cross-entropy (``"next_token"``) or by
   the KL divergence to the teacher's logits at temperature ``temperature`` (``"distill"``, Hinton et al. 2015): the
   same windows, in the same order, so the two objectives are compared at an equal token budget;
 * ``positive_orthogonal`` (FAVOR+) and ``nystrom_uniform`` (fitted on the calibration windows): post-hoc maps, no
@@ -44,7 +44,7 @@ from experiments._lm import TASK_NAMES, TASKS, add_window_difference, recall_pro
 from kernapprox import lm, lm_eval, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
-from kernapprox.surgery.finetune import add_lora, finetune
+from kernapprox.surgery.finetuning import add_lora, finetune
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
 
 LM_REASON = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
@@ -120,7 +120,7 @@ METRICS = {
     "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (0 for "
                                  "post-hoc maps; Nyström's fit is not counted)"),
     "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens"),
-    "stage2_cpu_seconds": Metric("CPU seconds of stage 2", "s", "kernapprox.surgery.finetune.FinetuneRecord"),
+    "stage2_cpu_seconds": Metric("CPU seconds of stage 2", "s", "kernapprox.surgery.finetuning.FinetuneRecord"),
     "stage2_tokens": Metric("positions stage 2 trained on", "token", "steps · (train_len − 1)"),
 }
 REFERENCE_METRICS = {

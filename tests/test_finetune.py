@@ -1,4 +1,4 @@
-"""Stage 2 of a linearisation (:mod:`kernapprox.surgery.finetune`): LoRA adapters start at the model itself, merge to
+"""Stage 2 of a linearisation (:mod:`kernapprox.surgery.finetuning`): LoRA adapters start at the model itself, merge to
 the same function, train only what they should; the distillation loss is T²·KL of the tempered distributions; the
 fine-tuning is seeded, sees the token budget it reports, and lowers its objective on small random Llamas."""
 
@@ -10,7 +10,7 @@ import transformers
 
 import kernapprox as ka
 from kernapprox.surgery import attention as sa
-from kernapprox.surgery.finetune import LoRALinear, add_lora, distillation_loss, finetune, lora_parameters, merge_lora
+from kernapprox.surgery.finetuning import LoRALinear, add_lora, distillation_loss, finetune, lora_parameters, merge_lora
 
 VOCAB = 40
 

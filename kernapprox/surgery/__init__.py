@@ -20,9 +20,9 @@ everything else (projections, positions, masks, the rest of the network) the mod
 :mod:`~kernapprox.surgery.cache`
     :class:`~kernapprox.surgery.cache.KernelCache`: a converted decoder's cache (fixed-size states for substituted
     layers, keys and values for the others), which ``model(..., use_cache=True)`` and ``generate()`` use.
-:mod:`~kernapprox.surgery.finetune`
-    Stage 2 of a linearisation: :func:`~kernapprox.surgery.finetune.add_lora` (low-rank adapters on the attention
-    projections) and :func:`~kernapprox.surgery.finetune.finetune` (next-token or logit-distillation training at a
+:mod:`~kernapprox.surgery.finetuning`
+    Stage 2 of a linearisation: :func:`~kernapprox.surgery.finetuning.add_lora` (low-rank adapters on the attention
+    projections) and :func:`~kernapprox.surgery.finetuning.finetune` (next-token or logit-distillation training at a
     stated token budget).
 :mod:`~kernapprox.surgery.placement`
     Placements of exact layers, the prefix-sharing search over them, their attention memory.
@@ -48,7 +48,7 @@ from .attention import (
 from .bert import BertStack
 from .cache import KernelCache, StateLayer
 from .conversion import FAMILIES, TRAINABLE_MAPS, calibrate, convert, fit_records, head_seed, stack_for, substitute
-from .finetune import FinetuneRecord, LoRALinear, add_lora, finetune, merge_lora
+from .finetuning import FinetuneRecord, LoRALinear, add_lora, finetune, merge_lora
 from .llama import LlamaStack
 
 __all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "TrainableAttention", "capture", "disable",

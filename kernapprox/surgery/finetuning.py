@@ -6,7 +6,7 @@ transfer of the maps, :func:`kernapprox.trainable.fit_to_softmax`).
     ``y = W x + b + (α / r) B A x`` with the pretrained ``W, b`` frozen, ``A (r × in)`` drawn from
     ``N(0, 1 / in)`` and ``B (out × r) = 0``, so the adapted model starts as the model itself (§4.1: "random Gaussian
     initialization for A and zero for B").
-:func:`add_lora`
+:func:`~kernapprox.surgery.finetuning.add_lora`
     Wraps the chosen projections (default ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of every attention module, as
     LoLCATs adapts them: Zhang et al. 2025, *LoLCATs*, §3.2) and freezes every other parameter; the trainable maps of
     a converted model's layers (:class:`~kernapprox.surgery.attention.TrainableAttention`) stay trainable with
@@ -24,7 +24,7 @@ already has (peft would wrap the model and hide the attention modules :mod:`kern
 name), and puts the adapters and a converted model's trainable maps in one optimiser.
 
 >>> import torch, transformers
->>> from kernapprox.surgery.finetune import add_lora, finetune
+>>> from kernapprox.surgery.finetuning import add_lora, finetune
 >>> config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
 ...                                   num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
 >>> _ = torch.manual_seed(0); model = transformers.LlamaForCausalLM(config).eval()
@@ -113,6 +113,7 @@ class LoRALinear(torch.nn.Module):
         return self.scaling * (self.lora_b @ self.lora_a)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``W x + b + (α / r) B (A x)`` of ``x`` ``(..., in)``: ``(..., out)``."""
         return self.base(x) + self.scaling * torch.nn.functional.linear(
             torch.nn.functional.linear(x, self.lora_a), self.lora_b)
 
@@ -251,8 +252,9 @@ def finetune(model, input_ids: torch.Tensor, *, objective: str = "next_token", t
              temperature: float = 2.0, steps: int = 100, batch_size: int = 4, lr: float = 1e-3,
              weight_decay: float = 0.0, rng: int = 0,
              on_step: Callable[[int, torch.nn.Module], None] | None = None) -> FinetuneRecord:
-    """Train the parameters of ``model`` that require gradients (after :func:`add_lora`: the adapters, and the
-    trainable maps) on the windows ``input_ids`` ``(N, L)``.
+    """Train the parameters of ``model`` that require gradients (after
+    :func:`~kernapprox.surgery.finetuning.add_lora`: the adapters, and the trainable maps) on the windows ``input_ids``
+    ``(N, L)``.
 
     Parameters
     ----------
