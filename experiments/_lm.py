@@ -51,3 +51,35 @@ def add_window_difference(ds: xr.Dataset, name: str, pair: xr.DataArray, long_na
                          description="over the windows: " + summary.attrs.get("interval", ""))
     ds[f"{name}_summary"] = summary
     ds[f"{name}_p"] = stats.paired_test(pair, "window", test="wilcoxon")
+
+
+def add_summary(ds: xr.Dataset, name: str, var: str, unit: str) -> None:
+    """``name``: the bootstrap interval of ``var`` over its ``unit`` (``"window"``: the mean NLL; ``"prompt"``: the
+    median answer log-probability)."""
+    summary = stats.bootstrap_interval(ds[var], unit, "mean" if unit == "window" else "median")
+    summary.attrs.update(long_name=ds[var].attrs["long_name"], units=ds[var].attrs["units"],
+                         description=f"over the {unit}s: " + summary.attrs.get("interval", ""))
+    ds[name] = summary
+
+
+def add_accuracy(ds: xr.Dataset, name: str, var: str) -> None:
+    """``name``: greedy accuracy ``var`` pooled over the prompts, with its Clopper–Pearson interval."""
+    summary = stats.proportion_summary(ds[var], 1, ("prompt",))
+    summary.attrs.update(long_name=ds[var].attrs["long_name"], units="1",
+                         description="pooled over the prompts: " + summary.attrs.get("interval", ""))
+    ds[name] = summary
+
+
+def add_perplexity(ds: xr.Dataset, name: str, nll_summary: str) -> None:
+    """``name``: ``exp`` of a mean-NLL summary (estimate and bounds)."""
+    ppl = np.exp(ds[nll_summary])
+    ppl.attrs = {**ds[nll_summary].attrs, "long_name": "perplexity exp(mean NLL)", "units": "1",
+                 "statistic": "exp(mean NLL over windows)"}
+    ds[name] = ppl
+
+
+def add_chance(ds: xr.Dataset) -> None:
+    """``recall_chance_mean``: recall's chance (``recall_chance``, 1 / candidates) averaged over the prompts."""
+    ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
+        long_name="chance of a greedy answer without recall, mean over the prompts", units="1",
+        description="mean over the prompts of 1 / candidates")

@@ -43,7 +43,18 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._lm import TASK_NAMES, TASKS, add_window_difference, recall_prompts, score_recall, unigram_nll
+from experiments._lm import (
+    TASK_NAMES,
+    TASKS,
+    add_accuracy,
+    add_chance,
+    add_perplexity,
+    add_summary,
+    add_window_difference,
+    recall_prompts,
+    score_recall,
+    unigram_nll,
+)
 from kernapprox import lm, lm_eval, stats
 from kernapprox.plotting import (
     estimator_style,
@@ -301,7 +312,7 @@ def convert(data: Draw, params, layers=None):
     return ka.convert(data.model, name, **kw)
 
 
-_SENSITIVITY: dict = {}       # per process: (label, r, map_seed, calibration digest) -> layer sensitivity
+_SENSITIVITY: dict = {}       # per process: (label, r, map_seed, calibration windows' shape) -> layer sensitivity
 
 
 @torch.no_grad()
@@ -314,8 +325,7 @@ def layer_sensitivity(data: Draw, params) -> dict:
     from kernapprox.surgery import attention as sa
 
     calibration = data.calibration[:params["n_sensitivity"]]
-    key = (params["estimator"], params["hybrid_rank"], params["map_seed"], tuple(calibration.shape),
-           int(calibration.sum()))
+    key = (params["estimator"], params["hybrid_rank"], params["map_seed"], tuple(calibration.shape))
     if key in _SENSITIVITY:
         return _SENSITIVITY[key]
     at_rank = dict(params, num_features=params["hybrid_rank"], exact_layers=0, placement="even")
@@ -420,31 +430,19 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         long_name="NLL increase over the exact model", units="nats",
         description="per window, nll − nll_exact (the same tokens)", comparison="difference")
     ds["delta_logprob"] = (ds["answer_logprob"] - ds["answer_logprob_exact"]).assign_attrs(
-        long_name="passkey log-probability change against the exact model", units="nats",
+        long_name="recalled answer's log-probability change against the exact model", units="nats",
         description="per prompt, answer_logprob − answer_logprob_exact (the same prompt)", comparison="difference")
     for name, unit in (("nll", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
                        ("delta_nll", "window"), ("answer_logprob", "prompt"), ("answer_logprob_exact", "prompt"),
                        ("delta_logprob", "prompt")):
-        summary = stats.bootstrap_interval(ds[name], unit, "mean" if "nll" in name else "median")
-        summary.attrs.update(long_name=ds[name].attrs["long_name"], units=ds[name].attrs["units"],
-                             description=f"over the {unit}s: " + summary.attrs.get("interval", ""))
-        ds[f"{name}_summary"] = summary
-    for name in ("delta_nll", "delta_logprob"):
-        unit = "window" if name == "delta_nll" else "prompt"
-        p = stats.paired_test(ds[name], unit, test="wilcoxon")
-        ds[f"{name}_p"] = p
+        add_summary(ds, f"{name}_summary", name, unit)
+    for name, unit in (("delta_nll", "window"), ("delta_logprob", "prompt")):
+        ds[f"{name}_p"] = stats.paired_test(ds[name], unit, test="wilcoxon")
     for name, ref in (("perplexity", "nll"), ("perplexity_exact", "nll_exact"), ("perplexity_unigram", "nll_unigram")):
-        ppl = np.exp(ds[f"{ref}_summary"])
-        ppl.attrs = {**ds[f"{ref}_summary"].attrs, "long_name": "perplexity exp(mean NLL)", "units": "1",
-                     "statistic": "exp(mean NLL over windows)"}
-        ds[f"{name}_summary"] = ppl
-    ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
-        long_name="chance of a greedy answer without recall, mean over the prompts", units="1")
+        add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
+    add_chance(ds)
     for name in ("greedy_correct", "greedy_correct_exact"):
-        s = stats.proportion_summary(ds[name], 1, ("prompt",))
-        s.attrs.update(long_name=ds[name].attrs["long_name"], units="1",
-                       description="pooled over the prompts: " + s.attrs.get("interval", ""))
-        ds[f"{name}_summary"] = s
+        add_accuracy(ds, f"{name}_summary", name)
     if {"positive_orthogonal", "positive_orthogonal_shared"} <= set(ds["estimator"].values.tolist()):
         add_window_difference(
             ds, "shared_minus_per_head_nll",

@@ -1,9 +1,10 @@
 """Distillation: what a fixed-state student keeps of a softmax teacher (SmolLM2-135M), stage by stage, against the
-post-hoc maps at the same state bytes.
+post-hoc maps at the same number of features.
 
 The teacher is the pretrained model; a student is its copy converted by :func:`kernapprox.convert`, every layer
 substituted, one map and one state per key/value head. Three kinds of student, all with ``num_features`` features
-per key/value head (so equal state bytes, ``30 · 3 · r (d + 1)`` float32 numbers):
+per key/value head (Hedgehog and FAVOR+ then keep equal state bytes, ``30 · 3 · r (d + 1)`` float32 numbers; Nyström
+keeps its fit besides):
 
 * ``hedgehog`` (Zhang et al. 2024, ICLR, *The Hedgehog & the Porcupine*): trainable maps ``φ(x) = softmax([Wx,
   −Wx])`` fitted layer by layer to the teacher's attention on ``n_calibration`` calibration windows (stage 1,
@@ -16,7 +17,8 @@ per key/value head (so equal state bytes, ``30 · 3 · r (d + 1)`` float32 numbe
   the KL divergence to the teacher's logits at temperature ``temperature`` (``"distill"``, Hinton et al. 2015): the
   same windows, in the same order, so the two objectives are compared at an equal token budget;
 * ``positive_orthogonal`` (FAVOR+) and ``nystrom_uniform`` (fitted on the calibration windows): post-hoc maps, no
-  training (``objective="none"``): the reference a distilled student must beat at the same bytes.
+  training (``objective="none"``): the reference a distilled student must beat (FAVOR+ at the same bytes, Nyström
+  with more).
 
 Every student is scored on the same held-out tokens as the teacher (paired): the next-token NLL of ``n_windows``
 windows of ``context`` tokens of Shakespeare's evaluation split, and recall on ``n_prompts`` passkey and
@@ -40,8 +42,19 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._lm import TASK_NAMES, TASKS, add_window_difference, recall_prompts, score_recall, unigram_nll
-from kernapprox import lm, lm_eval, stats
+from experiments._lm import (
+    TASK_NAMES,
+    TASKS,
+    add_accuracy,
+    add_chance,
+    add_perplexity,
+    add_summary,
+    add_window_difference,
+    recall_prompts,
+    score_recall,
+    unigram_nll,
+)
+from kernapprox import lm, lm_eval, memory, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
 from kernapprox.surgery.finetuning import add_lora, finetune
@@ -52,6 +65,10 @@ if LM_REASON is not None:
     warnings.warn(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
 
 STUDENTS = ("hedgehog", "positive_orthogonal", "nystrom_uniform")
+# whose state accounting each student's decoder follows (kernapprox.memory): a Hedgehog map's state is that of any
+# r-feature map, r (d_v + 1) numbers per key/value head; Nyström's adds what its fit keeps
+STATE_OF = {"hedgehog": "positive_orthogonal", "positive_orthogonal": "positive_orthogonal",
+            "nystrom_uniform": "nystrom_uniform"}
 OBJECTIVES = ("none", "next_token", "distill")
 FIT_LOSSES = ("weights", "outputs")
 CHECKPOINTS = (0.0, 0.5, 1.0)
@@ -115,8 +132,9 @@ METRICS = {
     "train_loss": Metric("stage-2 loss of each step's window", "nats", "before the step's update (next-token "
                          "cross-entropy, or T²·KL to the teacher)", dims=("step",)),
     "state_bytes": Metric("bytes of the student's decoding state", "byte",
-                          "30 layers × 3 key/value heads × r (d_v + 1) float32 numbers (one state per key/value "
-                          "head; kernapprox.memory's accounting of a feature map's state)"),
+                          "30 layers × 3 key/value heads × the state of one head (kernapprox.memory.probe_state_bytes "
+                          "at the context's length: r (d_v + 1) float32 numbers for Hedgehog and FAVOR+, more for "
+                          "Nyström, whose fit is kept too)"),
     "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (0 for "
                                  "post-hoc maps; Nyström's fit is not counted)"),
     "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens"),
@@ -230,7 +248,9 @@ def run_cell(params, rng, device, data):
            "answer_logprob": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
            "greedy_correct": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
            "train_loss": np.full(steps, np.nan),
-           "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * params["num_features"] * (lm.HEAD_DIM + 1) * 4),
+           "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * memory.probe_state_bytes(
+               STATE_OF[params["student"]], params["num_features"], d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
+               seq_len=params["context"])),
            "stage1_cpu_seconds": cpu1, "stage1_tokens": tokens1, "stage2_cpu_seconds": 0.0, "stage2_tokens": 0.0}
 
     def record(index, model):
@@ -279,23 +299,12 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         ds[f"{name}_filled"] = _filled(ds, name).assign_attrs(ds[name].attrs)
     for name, unit in (("nll_filled", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
                        ("answer_logprob_filled", "prompt"), ("answer_logprob_exact", "prompt")):
-        s = stats.bootstrap_interval(ds[name], unit, "mean" if "nll" in name else "median")
-        s.attrs.update(long_name=ds[name].attrs["long_name"], units=ds[name].attrs["units"],
-                       description=f"over the {unit}s: " + s.attrs.get("interval", ""))
-        ds[f"{name.removesuffix('_filled')}_summary"] = s
+        add_summary(ds, f"{name.removesuffix('_filled')}_summary", name, unit)
     for name in ("greedy_correct_filled", "greedy_correct_exact"):
-        s = stats.proportion_summary(ds[name], 1, ("prompt",))
-        s.attrs.update(long_name=ds[name].attrs["long_name"], units="1",
-                       description="pooled over the prompts: " + s.attrs.get("interval", ""))
-        ds[f"{name.removesuffix('_filled')}_summary"] = s
-    for name in ("perplexity", "perplexity_exact", "perplexity_unigram"):
-        ref = {"perplexity": "nll", "perplexity_exact": "nll_exact", "perplexity_unigram": "nll_unigram"}[name]
-        ppl = np.exp(ds[f"{ref}_summary"])
-        ppl.attrs = {**ds[f"{ref}_summary"].attrs, "long_name": "perplexity exp(mean NLL)", "units": "1"}
-        ds[f"{name}_summary"] = ppl
-    ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
-        long_name="chance of a greedy answer without recall, mean over the prompts", units="1",
-        description="mean over the prompts of 1 / candidates")
+        add_accuracy(ds, f"{name.removesuffix('_filled')}_summary", name)
+    for name, ref in (("perplexity", "nll"), ("perplexity_exact", "nll_exact"), ("perplexity_unigram", "nll_unigram")):
+        add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
+    add_chance(ds)
     # the objectives against each other at the end of the budget, per window (the same windows and training text)
     if {"next_token", "distill"} <= set(ds["objective"].values.tolist()):
         end = ds["nll_filled"].sel(checkpoint=1.0)
@@ -383,11 +392,11 @@ def plot(ds: xr.Dataset, path) -> None:
     fig.suptitle("Distilling SmolLM2-135M's softmax attention into fixed-state Hedgehog maps")
     save_figure(fig, path, (
         f"Students with r = {', '.join(str(r) for r in ds['num_features'].values)} features per key/value head in "
-        "every layer (equal state bytes across students). (a) Perplexity on "
+        "every layer (Hedgehog and FAVOR+ keep equal state bytes; Nyström more). (a) Perplexity on "
         f"{ds.sizes['window']} held-out Shakespeare windows of {', '.join(str(c) for c in ds['context'].values)} "
         "tokens against stage-2 training tokens: at 0 the stage-1 Hedgehog student (attention transfer), then the "
         "LoRA-adapted student trained by next-token loss or by distillation from the teacher's logits on the same "
-        "windows; black: the teacher; coloured lines: post-hoc FAVOR+ and Nyström at the same bytes (one far above "
+        "windows; black: the teacher; coloured lines: post-hoc FAVOR+ and Nyström at the same r (one far above "
         "the unigram model is named instead of drawn); dotted: a unigram model. (b, c) Median log-probability of "
         "the recalled answer over the prompts (bootstrap intervals). (d) Each step's training loss."),
         title="Distillation into fixed-state students")
@@ -421,9 +430,11 @@ def findings(ds: xr.Dataset) -> list[str]:
             last = 0.0 if cell["objective"] == "none" else 1.0
             est, lo, hi = gap_closed(nll.sel(**cell, checkpoint=last).values,
                                      nll.sel(**ref, checkpoint=0.0).values, exact.values)
-            lines.append(f"{_label(cell)} closes {fmt(est, 2)} ({fmt(lo, 2)} to {fmt(hi, 2)}) of `{post}`'s NLL gap "
-                         f"to the teacher at the same bytes (r = {cell['num_features']}; 1 − mean over windows of "
-                         "the student's NLL increase over the post-hoc map's; bootstrap over windows).")
+            lines.append(f"{_label(cell)} ({fmt_bytes(ds['state_bytes'].sel(**cell))}) closes {fmt(est, 2)} "
+                         f"({fmt(lo, 2)} to {fmt(hi, 2)}) of `{post}`'s NLL gap to the teacher "
+                         f"({fmt_bytes(ds['state_bytes'].sel(**ref))}; r = {cell['num_features']} for both; 1 − mean "
+                         "over windows of the student's NLL increase over the post-hoc map's; bootstrap over "
+                         "windows).")
     if "distill_minus_next_token_summary" in ds:
         for cell in (c for c in cells if c["student"] == "hedgehog" and c["objective"] == "distill"):
             sel = {k: v for k, v in cell.items() if k != "objective"}

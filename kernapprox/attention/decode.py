@@ -225,9 +225,23 @@ class DecodeCache:
         return []
 
     def _map_state(self, fn) -> None:
-        """Apply ``fn`` to every tensor of the state (batch dimensions leading); :class:`GroupedQueryCache`
-        broadcasts a state to a key/value head's query heads with it and keeps one copy after the call."""
+        """Apply ``fn`` to every tensor of the state (batch dimensions leading)."""
         raise NotImplementedError
+
+    def _broadcast_state(self, groups: int) -> None:
+        """Give the state a new last batch dimension of ``groups`` (a view: every member reads the same state), as
+        :class:`GroupedQueryCache` shows one key/value head's state to its query heads for a call."""
+        if self._batch is not None:
+            nb = len(self._batch)
+            self._map_state(lambda t: t.unsqueeze(nb).expand(*t.shape[:nb], groups, *t.shape[nb:]))
+            self._batch = (*self._batch, groups)
+
+    def _keep_first_member(self) -> None:
+        """Drop the last batch dimension, keeping its first member (the inverse of :meth:`_broadcast_state` after a
+        call in which every member added the same keys)."""
+        nb = len(self._batch) - 1
+        self._map_state(lambda t: t.select(nb, 0).contiguous())
+        self._batch = self._batch[:-1]
 
     def _entries(self) -> int:
         return math.prod(self._batch) if self._batch is not None else 0
@@ -502,18 +516,13 @@ class GroupedQueryCache:
             raise ValueError(f"q has {q.shape[-3]} heads, k {kv_heads} and v {v.shape[-3]}: a GroupedQueryCache of "
                              f"groups={g} needs H_kv·{g} query heads for H_kv key/value heads")
         batch = tuple(k.shape[:-2])
-        nb = len(batch)
         qg = q.reshape(*batch, g, *q.shape[-2:])
         kg, vg = (t.unsqueeze(-3).expand(*batch, g, *t.shape[-2:]) for t in (k, v))
         masks = {name: None if m is None else m.unsqueeze(-2)
                  for name, m in (("key_padding_mask", key_padding_mask), ("query_padding_mask", query_padding_mask))}
-        inner = self.inner
-        if inner._batch is not None:             # the kept state, one per key/value head, seen by its G query heads
-            inner._map_state(lambda t: t.unsqueeze(nb).expand(*t.shape[:nb], g, *t.shape[nb:]))
-            inner._batch = (*inner._batch, g)
-        out = inner.extend(qg, kg, vg, **masks)
-        inner._map_state(lambda t: t.select(nb, 0).contiguous())     # one copy per key/value head between calls
-        inner._batch = inner._batch[:-1]
+        self.inner._broadcast_state(g)           # the kept state, one per key/value head, seen by its G query heads
+        out = self.inner.extend(qg, kg, vg, **masks)
+        self.inner._keep_first_member()          # one copy per key/value head between calls
         return out.reshape(*q.shape[:-1], out.shape[-1])
 
     def reset(self) -> None:

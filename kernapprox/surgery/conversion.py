@@ -234,7 +234,7 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
             first = head - head % groups if per_group else head        # the head whose draw this head uses
             if first != head and per_head[first] is not None:
                 per_head.append(per_head[first])                         # the group's estimator, one object
-                if head - 1 in pending.get(layer, ()):                   # fitted once, on the group's heads
+                if first in pending.get(layer, ()):                      # fitted once, on the group's heads
                     pending[layer].append(head)
                 continue
             est = make_estimator(estimator, num_features=num_features, rng=head_seed(rng, layer, first), **options)
