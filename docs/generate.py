@@ -25,7 +25,8 @@ GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
 # The order of the gallery (the order of the study: kernel, variance, attention, in-context tasks, data, cost);
 # figures not listed follow in alphabetical order.
 ORDER = ("kernel_error", "variance_theory", "attention_error", "icl_recall", "icl_regression", "icl_classification",
-         "in_context_vs_in_weight", "rank_summary", "query_distribution", "spectrum", "modes", "model_substitution",
+         "in_context_vs_in_weight", "rank_summary", "query_distribution", "spectrum", "modality_spectrum", "modes",
+         "model_substitution",
          "causal_lm", "causal_lm_long", "distillation")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(])")
 

@@ -11,6 +11,9 @@ Each task comes in the form its reader needs, side by side in one module:
     regression, :class:`LinearRegression` (trained models).
 :mod:`~kernapprox.tasks.classification`
     few-shot digits, :func:`digits_classification` (training-free).
+:mod:`~kernapprox.tasks.sequence`
+    next-step prediction of a real sequence (text bytes, log-mel audio, video patches), :class:`NextStep`
+    (trained models of the modality spectrum).
 
 Training-free episodes
 ----------------------
@@ -65,6 +68,7 @@ from .regression import (
     ridge_predictions,
     smooth_regression,
 )
+from .sequence import SEQUENCE_SOURCES, NextStep, NextStepBatch, SequenceData, load_sequence
 
 __all__ = [
     "RecallEpisodes", "RegressionEpisodes", "ClassificationEpisodes",
@@ -73,15 +77,16 @@ __all__ = [
     "digits_features", "digits_classification", "classification_accuracy", "nearest_neighbour_predictions",
     "log_n_beta",
     "MQAR", "MQARBatch", "LinearRegression", "RegressionBatch", "least_squares_predictions", "ridge_predictions",
+    "NextStep", "NextStepBatch", "SequenceData", "SEQUENCE_SOURCES", "load_sequence",
     "IGNORE", "TASKS", "make_task",
 ]
 
-TASKS = {cls.name: cls for cls in (MQAR, LinearRegression)}
+TASKS = {cls.name: cls for cls in (MQAR, LinearRegression, NextStep)}
 """The tasks a model can be trained on, by name (``task.to_dict()["name"]``)."""
 
 
 def make_task(name: str, **params):
-    """The trainable task ``name`` (``"mqar"`` or ``"regression"``) with parameters ``params``."""
+    """The trainable task ``name`` (``"mqar"``, ``"regression"`` or ``"next_step"``) with parameters ``params``."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid: {', '.join(TASKS)}")
     return TASKS[name](**params)
