@@ -393,7 +393,7 @@ def _matched_entry(ds, name, n, beta, causal, r) -> str:
 
 def _matched_findings(ds) -> list[str]:
     """The equal-bytes comparison at n = 2048: errors with intervals per budget, β and causality; paired ratios
-    against OPRF; the mean-draw variants against the uniform average."""
+    against OPRF, FAVOR+ and Nyström."""
     names = [m for m in MATCHED if m in ds.estimator.values]
     if len(names) <= 2:
         return []
@@ -434,12 +434,53 @@ def _matched_findings(ds) -> list[str]:
             lines.append(f"Against {title} on the same draws at equal state bytes (n = {n}; per-draw ratio of "
                          "output errors, median with its interval; lower/higher: the interval excludes 1; not "
                          "resolved: it does not; nc = non-causal, c = causal): " + "; ".join(parts) + ".")
-    means = [m for m in names if m.endswith("_mean")]
-    if means:
-        vs = ds["output_rel_rms_vs_uniform_summary"].sel(seq_len=n)
-        cells = [f"`{m}` {c}" for m in means for c in finite_cells(vs, m, False)]
-        lines.append(f"The draws at the proposal means against {UNIFORM} on the same draws (n = {n}; per-draw ratio "
-                     "of output errors; 1 = no better than ignoring the keys): " + ", ".join(cells) + ".")
+    return lines
+
+
+def _uniform_findings(ds) -> list[str]:
+    """Every estimator against the uniform average of the values (attention that ignores the keys) on the same
+    draws: at the equal-bytes length, per causality, β and budget, which estimators lose to it (paired ratio's
+    interval above 1), which are not separated from it and which beat it; then, over every setting of the design,
+    how often each estimator loses."""
+    if "output_rel_rms_vs_uniform_summary" not in ds:
+        return []
+    vs = ds["output_rel_rms_vs_uniform_summary"]
+    n = _matched_length(ds)
+    settings = []
+    for causal in (c for c in (False, True) if c in ds.causal.values):
+        for beta in sorted(float(b) for b in ds.beta.values):
+            groups = []
+            for r in (int(r) for r in ds.num_features.values):
+                at = vs.sel(seq_len=n, beta=beta, causal=causal, num_features=r)
+                ran = finite_values(at, "estimator")
+                if not ran:
+                    continue
+                verdicts = {m: verdict(at.sel(estimator=m), below="beat", above="lose") for m in ran}
+                worse = [f"`{m}` {fmt_ci(at.sel(estimator=m))}" for m in ran if verdicts[m] == "lose"]
+                tied = [f"`{m}`" for m in ran if verdicts[m] == "not resolved"]
+                better = [f"`{m}`" for m in ran if verdicts[m] == "beat"]
+                groups.append(f"r = {r}: lose {', '.join(worse) or 'none'}; not separated {', '.join(tied) or 'none'}"
+                              f"; beat it {', '.join(better) or 'none'}")
+            if groups:
+                settings.append(f"{'causal' if causal else 'non-causal'} β = {beta:g} — " + " — ".join(groups))
+    if not settings:
+        return []
+    lines = [f"Against {UNIFORM} (attention that ignores the keys; per-draw ratio of output errors on the same draws, "
+             f"n = {n}, at each estimator's configuration within the budget of r; lose: the interval lies above 1; "
+             "beat it: below 1): " + "; ".join(settings) + "."]
+    counts, never = [], []
+    for m in (str(e) for e in ds.estimator.values):
+        at = vs.sel(estimator=m).stack(setting=["seq_len", "beta", "causal", "num_features"])
+        cells = [at.isel(setting=i) for i in range(at.sizes["setting"])
+                 if np.isfinite(float(at.isel(setting=i).sel(stat="estimate")))]
+        if cells:
+            lost = sum(verdict(c) == "higher" for c in cells)
+            beat = sum(verdict(c) == "lower" for c in cells)
+            counts.append(f"`{m}` loses in {lost}, beats it in {beat} of {len(cells)}")
+            never += [m] if beat == 0 else []
+    lines.append("Over every setting of the design (n, β, causality, budget r) where it ran: " + "; ".join(counts)
+                 + (f"; never below {UNIFORM} with its whole interval: " + ", ".join(f"`{m}`" for m in never)
+                    if never else "") + ".")
     return lines
 
 
@@ -467,8 +508,10 @@ def findings(ds: xr.Dataset) -> list[str]:
         head += (f"; `{other}` is {ratio_phrase(vs)} than FAVOR+ (`{BASELINE}`, "
                  f"{fmt_ci(top.sel(estimator=BASELINE))}) on the same draws, below it in "
                  f"{fmt_pct(float(vs.sel(stat='below')))} of them")
-    lines.append(head + ".")
+    uni = ds["uniform_rel_rms_summary"].sel(seq_len=n_max)
+    lines.append(head + f"; {UNIFORM}: {fmt_ci(uni)}.")
     lines.extend(_matched_findings(full))
+    lines.extend(_uniform_findings(full))
     positive = [n for n in names if n in POSITIVE]
     if positive:
         split = stats.bootstrap_interval(
