@@ -66,6 +66,9 @@ MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 4, "mlp": True}
 LABELS = {"text": "text (bytes)", "music": "music (log-mel)", "video": "video (patches)",
           "video_cuts": "video with cuts (patches)", "gp_l8": "smooth GP, ℓ = 8 (synthetic)",
           PRETRAINED: "text (SmolLM2 heads, BPE)", ENCODER: "text (MiniLM heads, WordPiece, bidirectional)"}
+TICKS = {"text": "text\n(bytes)", "music": "music\n(log-mel)", "video": "video\n(patches)",
+         "video_cuts": "video, cuts\n(patches)", "gp_l8": "GP, ℓ = 8\n(synthetic)",
+         PRETRAINED: "SmolLM2\n(BPE)", ENCODER: "MiniLM\n(WordPiece)"}
 COLORS = {"text": "#d55e00", PRETRAINED: "#000000", "music": "#0173b2", "video": "#029e73", "video_cuts": "#56b4e9",
           "gp_l8": "#949494",
           ENCODER: "#cc78bc"}
@@ -381,7 +384,7 @@ def plot(ds, path):
                label="attention matrix" if j == 0 else "kernel matrix")
         plotting.errorbar_summary(ax, s, x + off, fmt="none", ecolor="0.2", elinewidth=0.8, capsize=2)
     ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1.0)
-    ax.set_xticks(x, [LABELS[v].replace(" (", "\n(") for v in sources], fontsize=6.5)
+    ax.set_xticks(x, [TICKS[v] for v in sources], fontsize=6.5)
     ax.set(ylabel="exponent of n", title=f"growth of the 1 % rank in n ({ns[0]}–{ns[-1]})")
     ax.legend(fontsize=6.5)
 
@@ -410,7 +413,7 @@ def plot(ds, path):
         ax.bar(x + (j - 1) * 0.27, est, 0.26, color=["#333333", "#de8f05", "#bbbbbb"][j], label=label)
         lo, hi = s.sel(stat="lo").values / ref, s.sel(stat="hi").values / ref
         ax.errorbar(x + (j - 1) * 0.27, est, yerr=[est - lo, hi - est], fmt="none", ecolor="0.2", capsize=2)
-    ax.set_xticks(x, [LABELS[v].replace(" (", "\n(") for v in trained], fontsize=6.5)
+    ax.set_xticks(x, [TICKS[v] for v in trained], fontsize=6.5)
     ax.set(ylabel="held-out loss / trivial predictor's", title="trained from scratch at a fixed state")
     ax.legend(fontsize=6.5)
 
@@ -421,21 +424,22 @@ def plot(ds, path):
     ax.axhline(1.0, color="0.5", linestyle=":", linewidth=1.0, label="r = n (no smaller than the KV cache)")
     plotting.log_axis(ax, "x", label="prefix length n")
     ax.set(yscale="log", ylabel="rank for 1 % / n", title="optimal state relative to the KV cache's keys")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, loc="lower left")
     fig.suptitle("The state-size spectrum by modality: models trained on text, music, video and a smooth reference")
     n_models = ds.sizes["train_seed"]
-    plotting.save_figure(fig, path, (
+    caption = (
         f"One small causal Transformer per source and seed ({n_models} seeds; 2 layers × 4 heads, width 64, "
-        f"{ctx['train_steps']} steps on windows of {context}); SmolLM2-135M heads (8 drawn per seed) as the "
-        "pretrained text reference. Top left: singular values of the attention matrix softmax(s QKᵀ) of the "
-        "evaluation windows (median over heads and windows per model; median and 95 % band over models). Top "
-        "centre: smallest rank whose truncated SVD reaches 1 % (solid) / 10 % (dashed) relative Frobenius error, "
-        "against the prefix length n; an upper bound on what the causal pairs need. Top right: per-model log–log "
-        "slope of that rank in n. Bottom left: share of the softmax model's gain over the best trivial predictor "
-        "(unigram; mean or previous frame) lost when every layer's attention is replaced post hoc. Bottom centre: "
-        "held-out loss of the softmax model, of the same architecture trained from scratch with elu+1 linear "
-        "attention (a fixed state), and of the trivial predictor, each over the trivial predictor's. Bottom right: "
-        "the 1 % rank as a fraction of n. Intervals: 95 % bootstrap over trained models."))
+        f"{ctx['train_steps']} steps on windows of {context}); SmolLM2-135M and all-MiniLM-L6-v2 heads (8 drawn per "
+        "seed) as the pretrained text references. Top left: singular values of the attention matrix softmax(s QKᵀ) "
+        "of the evaluation windows (median over heads and windows per model; median and 95 % band over models). "
+        "Top centre: smallest rank whose truncated SVD reaches 1 % (solid) / 10 % (dashed) relative Frobenius "
+        "error, against the prefix length n; an upper bound on what the causal pairs need. Top right: per-model "
+        "log–log slope of that rank in n. Bottom left: share of the softmax model's gain over the best trivial "
+        "predictor (unigram; mean or previous frame) lost when every layer's attention is replaced post hoc. "
+        "Bottom centre: held-out loss of the softmax model, of the same architecture trained from scratch with "
+        "elu+1 linear attention (a fixed state), and of the trivial predictor, each over the trivial predictor's. "
+        "Bottom right: the 1 % rank as a fraction of n. Intervals: 95 % bootstrap over trained models.")
+    plotting.save_figure(fig, path, caption)
 
 
 # ------------------------------------------------------------------------------------------------ findings
@@ -468,7 +472,8 @@ def findings(ds: xr.Dataset) -> list[str]:
             said = v if v == "not resolved" else f"{v} than text"
             parts.append(f"{LABELS[s]} {fmt_ci(ratio.sel(source=s), 2)} (Holm-adjusted Wilcoxon p = "
                          f"{fmt(float(p.sel(source=s)), 2)}: {said})")
-        lines.append("The same rank over text's (bytes), per seed index: " + "; ".join(parts)
+        lines.append("The same rank over text's (bytes), as a ratio of independently trained models matched only by "
+                     "seed index (not paired inputs): " + "; ".join(parts)
                      + f". {units} models per source; a verdict needs ≥ {stats.MIN_UNITS} and an adjusted p < 0.05.")
     trained = [s for s in sources if s not in (PRETRAINED, ENCODER)]
     parts, weak = [], []
@@ -520,7 +525,7 @@ EXPERIMENT = Experiment(
     title="The state-size spectrum by modality: text, music, video and a smooth reference",
     description=" ".join(__doc__.split("\n\n")[0].split()),
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS,
-    summarise=summarise, findings=findings)
+    summarise=summarise, findings=findings, replicates="the trained models (train_seed)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
