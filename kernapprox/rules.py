@@ -411,14 +411,26 @@ class LeastSquares(Rule):
     def keys_in(self, state: LeastSquaresState) -> float:
         """How many unit keys a state has absorbed (the largest over its batch entries), read off ``P``:
         ``P⁻¹ = λI + Σ φ̄_j φ̄_jᵀ`` has trace ``rλ + n`` for ``n`` unit keys, so ``n = tr(P⁻¹) − rλ`` (computed in
-        float64; an ``r × r`` solve per entry, once per call or per :class:`RecurrentState`). What
-        :meth:`check_precision` counts for a call that starts from an initial state."""
+        float64; an ``r × r`` Cholesky factor per entry, once per call or per :class:`RecurrentState`). What
+        :meth:`check_precision` counts for a call that starts from an initial state.
+
+        ``P`` is positive definite in exact arithmetic (its eigenvalues lie in ``[1/(λ + n), 1/λ]``); one that is
+        not numerically so (its float64 Cholesky factor fails) was kept beyond its precision — more keys than the
+        ridge allows in its dtype, or not a least-squares state — and its count cannot be read: ``ValueError``
+        naming the cause, never a count of zero that would let the guard pass."""
         p = state.p.double()
         r = p.shape[-1]
-        eye = torch.eye(r, dtype=torch.float64, device=p.device).expand_as(p)
-        inverse = torch.linalg.solve(p, eye)
+        if p.numel() == 0:
+            return 0.0
+        factor, info = torch.linalg.cholesky_ex(0.5 * (p + p.transpose(-1, -2)))
+        if bool((info != 0).any()):
+            raise ValueError(f"least squares with ridge λ = {self.ridge:g}: the state's P = (K̄ᵀK̄ + λI)⁻¹ is not "
+                             f"positive definite ({state.p.dtype}), so the keys it carries cannot be counted: it was "
+                             "kept beyond its precision (more keys than eps·(1 + n/λ) < 1 allows) or is not a "
+                             "least-squares state; use a larger ridge or float64")
+        inverse = torch.cholesky_inverse(factor)
         keys = inverse.diagonal(dim1=-2, dim2=-1).sum(-1) - r * self.ridge
-        return max(0.0, float(keys.max())) if keys.numel() else 0.0
+        return max(0.0, float(keys.max()))
 
     def empty_state(self, batch_shape, r, d_v, dtype, device):
         eye = torch.eye(r, dtype=dtype, device=device) / self.ridge

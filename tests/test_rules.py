@@ -540,6 +540,27 @@ def test_the_precision_guard_counts_the_keys_of_an_initial_state():
                         initial_state=state)                 # 700 keys in all: within the bound, runs
 
 
+def test_a_state_whose_p_is_not_positive_definite_is_refused():
+    """The count read off P needs P positive definite (as it is in exact arithmetic); a P that is not — one entry
+    of P⁻¹'s spectrum negative makes tr(P⁻¹) − rλ negative, which a clamp at zero would have counted as no keys —
+    raises, in a call from that state and in the decoder, instead of letting the guard pass."""
+    q, k, v = qkv(8, batch=(1,), n=6, dtype=torch.float32)
+    est = ka.make_estimator("positive", num_features=4, rng=0).fit(q, k)
+    rule = ka.rules.LeastSquares(1e-2)
+    empty = rule.empty_state((1,), 4, v.shape[-1], torch.float32, q.device)
+    assert rule.keys_in(empty) < 1e-9
+    p = empty.p.clone()
+    p[..., 3, 3] = -0.01                                        # tr(P⁻¹) − rλ = 3λ − 100 − 4λ < 0
+    state = ka.rules.LeastSquaresState(empty.w, p)
+    with pytest.raises(ValueError, match="not positive definite"):
+        rule.keys_in(state)
+    for mode in ka.MODES:
+        with pytest.raises(ValueError, match="not positive definite"):
+            ka.linear_attention(q, k, v, est, True, mode, rule=rule, initial_state=state)
+    with pytest.raises(ValueError, match="not positive definite"):
+        ka.RecurrentState(est, rule=rule, initial_state=state)
+
+
 def test_rule_arguments_are_checked():
     for bad in (True, "0.5", None):
         with pytest.raises(TypeError):
