@@ -509,7 +509,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                  f"{fmt_ci(top.sel(estimator=BASELINE))}) on the same draws, below it in "
                  f"{fmt_pct(float(vs.sel(stat='below')))} of them")
     uni = ds["uniform_rel_rms_summary"].sel(seq_len=n_max)
-    lines.append(head + f"; {UNIFORM}: {fmt_ci(uni)}.")
+    lines.append(head + f". There {UNIFORM} (ignoring the keys) has error {fmt_ci(uni)}.")
     lines.extend(_matched_findings(full))
     lines.extend(_uniform_findings(full))
     positive = [n for n in names if n in POSITIVE]
