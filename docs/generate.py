@@ -1,9 +1,16 @@
-"""The generated parts of the documentation: the estimator table, the figure gallery, and the README's gallery block.
+"""The generated parts of the documentation: the estimator table, the figure gallery, the README's gallery block and
+the tables of the "Choosing an estimator" page.
 
 ``conf.py`` calls :func:`write_generated` at every build, so the docs never hold a pasted copy of something the
 code or the figures can say. The README's thumbnail gallery (between ``<!-- gallery:start -->`` and
 ``<!-- gallery:end -->``) is regenerated with ``python docs/generate.py readme``; ``tests/test_docs.py`` checks
 that it is current.
+
+The choosing page's tables (``docs/guide/choosing.md``, between ``<!-- choosing:start -->`` and
+``<!-- choosing:end -->``) are computed from the studies' datasets ``results/*.nc`` by :mod:`choosing`
+(``docs/choosing.py``) and regenerated with ``python docs/generate.py choosing``; the docs build regenerates them
+when every dataset the page reads is present (a checkout without ``results/`` keeps the committed page), and
+``tests/test_choosing.py`` checks that they are current.
 
 Gallery text per figure: the generated findings ``figures/<name>.md`` (when that file exists). The figure's title
 and caption are the ones :func:`kernapprox.plotting.save_figure` stored in the PNG's ``Title`` and ``Description``
@@ -21,6 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
+CHOOSING = DOCS / "guide" / "choosing.md"
 GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
 # The order of the gallery (the order of the study: kernel, variance, attention, in-context tasks, data, cost);
 # figures not listed follow in alphabetical order.
@@ -164,6 +172,22 @@ def write_generated(out: Path = DOCS / "_generated") -> None:
         if not target.exists() or target.read_bytes() != item.image.read_bytes():
             shutil.copyfile(item.image, target)
     _write_if_changed(out / "gallery.md", gallery_page(items, "/_generated/figures"))
+    if out == DOCS / "_generated" and choosing_datasets_present():
+        update_choosing()                            # rewritten only where the tables changed
+
+
+def update_choosing(path: Path = CHOOSING, *, check: bool = False, root: Path = ROOT) -> bool:
+    """Rewrite the choosing page's tables from the datasets; with ``check`` only report whether they are current."""
+    import choosing
+
+    return choosing.update_page(path, check=check, root=root)
+
+
+def choosing_datasets_present(root: Path = ROOT) -> bool:
+    """Whether every dataset the choosing page reads is in ``results/`` (else the page cannot be regenerated here)."""
+    import choosing
+
+    return all((root / "results" / f"{name}.nc").exists() for name in choosing.sources(root))
 
 
 def _write_if_changed(path: Path, text: str) -> None:
@@ -174,12 +198,19 @@ def _write_if_changed(path: Path, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", choices=["readme", "table"], help="readme: rewrite the README gallery block; "
-                        "table: print the estimator table")
-    parser.add_argument("--check", action="store_true", help="only check that the README block is current")
+    parser.add_argument("what", choices=["readme", "table", "choosing"],
+                        help="readme: rewrite the README gallery block; table: print the estimator table; "
+                             "choosing: rewrite the tables of docs/guide/choosing.md from results/*.nc")
+    parser.add_argument("--check", action="store_true", help="only check that the README block (or the choosing "
+                        "page) is current")
     args = parser.parse_args(argv)
     if args.what == "table":
         print(estimator_table())
+        return 0
+    if args.what == "choosing":
+        if not update_choosing(check=args.check) and args.check:
+            print("docs/guide/choosing.md is out of date: run `python docs/generate.py choosing`", file=sys.stderr)
+            return 1
         return 0
     current = update_readme(check=args.check)
     if args.check and not current:
@@ -189,5 +220,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT))
+    sys.path[:0] = [str(ROOT), str(DOCS)]
     raise SystemExit(main())
