@@ -171,11 +171,12 @@ def range_text(values, digits: int = 2) -> str:
 # draw per proposal); EVA on groups (GROUP_SIZED: the most groups, i.e. the smallest group size g, whose state fits,
 # with ``num_features = ⌈n/g⌉`` draws) beside its exact local window (registry default w = 32).
 EQUAL_BYTES = {
-    "lara": ("lara", {}),                    # query-specific MIS weights, sampled draws (the paper's estimator)
+    # all five are training-free variants (no learned landmark maps or group logit), not the papers' estimators
+    "lara": ("lara", {}),                    # query-specific MIS weights, sampled draws (training-time rule)
     "lara_balance": ("lara_balance", {}),    # balance-heuristic weights (an unbiased kernel estimate)
-    "lara_mean": ("lara_mean", {}),          # draws at the proposal means (the reference code at inference)
-    "eva": ("eva", {}),                      # sampled draws, window 32
-    "eva_mean": ("eva_mean", {}),            # draws at the proposal means, window 32
+    "lara_mean": ("lara_mean", {}),          # draws at the proposal means, ω = μ (the paper's inference-time rule)
+    "eva": ("eva", {}),                      # sampled draws, window 32 (training-time rule)
+    "eva_mean": ("eva_mean", {}),            # draws at the proposal means, ω = μ, window 32 (inference-time rule)
 }
 GROUP_SIZED = ("eva", "eva_mean")            # registry names whose budget goes to the number of groups
 

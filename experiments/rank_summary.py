@@ -16,9 +16,10 @@ rank-r approximation of the row-normalised attention matrix, which bounds that m
 neither bounds the output error or the score. Maps whose dimension is fixed by ``d`` (Taylor) run in the
 ``num_features = 64`` column; landmark methods and the oracles need ``r ≤ n`` (NaN otherwise).
 
-LARA (``lara``) and EVA without its positional window (``eva_w0``), the papers' sampled estimators, are compared
-at equal state bytes: in their rows ``num_features`` is the budget ``r`` (the state of FAVOR+/OPRF at ``r``
-features, in each task's dimensions), each runs its largest configuration within it
+LARA (``lara``) and EVA without its positional window (``eva_w0``) — training-free variants of the papers'
+training-time rule (sampled draws; no learned landmark maps or group logit), not the papers' trained estimators —
+are compared at equal state bytes: in their rows ``num_features`` is the budget ``r`` (the state of FAVOR+/OPRF at
+``r`` features, in each task's dimensions), each runs its largest configuration within it
 (:func:`experiments._icl.sized_readout`), at budgets below exact attention's KV cache only, and not applicable
 (NaN) where nothing fits. They run with the stored keys as queries (``query = key``) only: recall with perturbed
 queries at equal state bytes is ``icl_recall``'s. They build their proposals from the batch of test queries of an

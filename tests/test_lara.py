@@ -207,6 +207,7 @@ import torch  # noqa: E402
 
 import kernapprox as ka  # noqa: E402
 from kernapprox.approximate.lara import LinearRandomizedAttention  # noqa: E402
+from kernapprox.estimators.registry import registered_options  # noqa: E402
 
 MODES = ("parallel", "recurrent", "chunked")
 
@@ -300,6 +301,62 @@ def test_declared_properties():
     assert not LinearRandomizedAttention(num_features=4).unbiased
     assert not LinearRandomizedAttention(num_features=4, weighting="balance", sample=False).unbiased
     assert not LinearRandomizedAttention(num_features=4, weighting="balance", sampler="regularized").unbiased
+
+
+def lara_at_the_means(q, k, v, num_proposals, weighting="query", alpha_coeff=1.0, alpha_floor=1e-8):
+    """The inference-time rule ω_c = μ_c in closed form (float64, one head, vectorised, no module code):
+    ``Σ_c α_nc(μ_c) e^{−‖μ_c‖²/2} ξ(x_n, μ_c) Σ_m ξ(y_m, μ_c) v_m / (the same with v_m = 1)``, where
+    ``α_nc(μ_c) = 1/Σ_c' e^{−‖μ_c − μ_c'‖²/2}`` (balance) plus ``λ(r_nc − mean_c' r_nc')`` clamped at the floor
+    (query), ``r_nc`` the softmax over the queries of ``x_nᵀx̃_c``."""
+    x, y = scaled(q, k)
+
+    def means(z):                                      # segment c: [⌊cn/C⌋, max(⌊(c+1)n/C⌋, ⌊cn/C⌋ + 1))
+        n = z.shape[0]
+        return np.stack([z[(c * n) // num_proposals:max(((c + 1) * n) // num_proposals,
+                                                        (c * n) // num_proposals + 1)].mean(0)
+                         for c in range(num_proposals)])
+
+    x_bar = means(x)
+    mu = x_bar + means(y)
+    sq = ((mu[:, None, :] - mu[None, :, :]) ** 2).sum(-1)
+    alpha = np.broadcast_to(1.0 / np.exp(-0.5 * sq).sum(1), (x.shape[0], num_proposals)).copy()
+    if weighting == "query":
+        logits = x @ x_bar.T                                                # (n, C)
+        r = np.exp(logits - logits.max(0)) / np.exp(logits - logits.max(0)).sum(0)
+        alpha = np.maximum(alpha + alpha_coeff * (r - r.mean(1, keepdims=True)), alpha_floor)
+    xi_q = np.exp(x @ mu.T - 0.5 * (x * x).sum(-1, keepdims=True))         # ξ(x_n, μ_c)
+    xi_k = np.exp(y @ mu.T - 0.5 * (y * y).sum(-1, keepdims=True))         # ξ(y_m, μ_c)
+    weight = alpha * np.exp(-0.5 * (mu * mu).sum(-1)) * xi_q              # (n, C)
+    return (weight @ (xi_k.T @ v)) / (weight @ xi_k.sum(0))[:, None]
+
+
+@pytest.mark.parametrize("weighting", ["query", "balance"])
+def test_lara_mean_is_the_inference_time_rule_in_closed_form(weighting):
+    """The registered ``lara_mean`` is LARA with every sample at its proposal mean (the paper's inference-time rule,
+    training-free): equal to the closed form at ω = μ in float64, in every mode, and independent of the seed."""
+    q, k, v = tensors([(11, 5), (9, 5), (9, 3)], 70, std=0.8)          # n_q != n_k, C ∤ n
+    options = {} if weighting == "query" else {"weighting": "balance"}
+    ref = torch.from_numpy(lara_at_the_means(q.numpy(), k.numpy(), v.numpy(), 4, weighting))
+    for seed in (0, 1):
+        est = ka.make_estimator("lara_mean", num_features=4, rng=seed, **options).fit(q, k)
+        for mode in MODES:
+            torch.testing.assert_close(ka.linear_attention(q, k, v, est, mode=mode, chunk_size=3), ref,
+                                       rtol=1e-12, atol=1e-13)
+
+
+def test_lara_and_eva_are_declared_training_free_with_their_rule():
+    """Every LARA/EVA registry name says in its declared reference (the estimator table's column) that it is a
+    training-free variant, and which rule: the training-time rule (sampled ω) or the inference-time rule ω = μ."""
+    names = [n for n in ka.available_estimators() if n.startswith(("lara", "eva"))]
+    assert {"lara", "lara_balance", "lara_mean", "eva", "eva_mean"} <= set(names)
+    for name in names:
+        reference = ka.capabilities(name).reference
+        assert "training-free variant" in reference and "not the paper's trained estimator" in reference, name
+        sample = registered_options(name).get("sample", True)
+        assert ("training-time rule" in reference) == sample, name
+        assert ("inference-time rule" in reference and "ω = μ" in reference) == (not sample), name
+    table = ka.estimator_table()
+    assert table.count("training-free variant") >= len(names)
 
 
 def test_rejects_bad_arguments():

@@ -76,7 +76,9 @@ that read it exist. ``ω_c = μ_c + ε_c`` with ``ε_c ~ N(0, I)`` (``sample=Tru
 ``ω_c = μ_c`` (``sample=False``: its inference-time rule, as the reference code evaluates; deterministic). Both are
 *training-free variants* of EVA: the paper learns the group logit and the landmark projections with the model,
 while here the group's coefficient is its Jensen lower bound and the landmarks are plain group means, so neither
-registered name is the paper's trained estimator.
+registered name is the paper's trained estimator: ``eva`` is the training-free variant of the training-time rule
+(sampled ``ω``), ``eva_mean`` that of the inference-time rule ``ω = μ``. A finding about either is a finding about
+this training-free estimator, not about the paper's models.
 
 Causality: with these sets, every group a causal query reads through a summary is complete and lies before the
 query, and its summary (``ȳ_c``, ``β_c`` with ``ω_c``, which uses only the group's own tokens) is fixed once the
@@ -119,6 +121,7 @@ theory, methods and examples*, 2013, ch. 8 (control variates).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import ClassVar
 
@@ -130,6 +133,16 @@ from ..estimators.base import AttentionEstimator, AttentionParts
 from ..estimators.registry import register
 from ..validation import check_bool, check_positive_int, check_qk, compute_dtype, itemsize
 from .lara import _as_float64, _log_normal, _log_xi
+
+# What the registry's table says of each rule (capabilities().reference): both are training-free variants.
+REFERENCE_SAMPLED = ("Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA): training-free "
+                     "variant of the training-time rule (sampled ω ~ N(μ_c, I); the group's mass by its Jensen lower "
+                     "bound instead of the learned group logit, no learned landmark maps), not the paper's trained "
+                     "estimator")
+REFERENCE_MEAN = ("Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §4 at ω = μ: training-free variant of the inference-time "
+                  "rule (every draw at its proposal mean, as the authors' code evaluates; the group's mass by its "
+                  "Jensen lower bound instead of the learned group logit, no learned landmark maps), not the paper's "
+                  "trained estimator")
 
 
 # --------------------------------------------------------------------------------------------- shared pieces
@@ -487,7 +500,8 @@ def _eva_streaming(x, y, v, noise, num_groups: int, window: int, sample: bool, g
 
 # --------------------------------------------------------------------------------------------- the estimator
 class EfficientAttentionCV(AttentionEstimator):
-    r"""EVA: exact attention on a local set of keys, per-group control-variate estimates for the rest.
+    r"""EVA, training-free: exact attention on a local set of keys, per-group control-variate estimates for the rest
+    (the group's mass by its Jensen lower bound instead of the paper's learned group logit; module docstring).
 
     .. math::
         \mathrm{EVA}(x_i) = \frac{\sum_{m∈E_i} e^{x_i^⊤y_m} v_m + \sum_c Ŝ_c(x_i)\,β_c(ω_c)}
@@ -564,8 +578,7 @@ class EfficientAttentionCV(AttentionEstimator):
     causal_fit = True
     consistent = False
     modes = ("parallel", "recurrent", "chunked")
-    reference = ("Zheng, Yuan, Wang & Kong 2023 (EVA, ICLR) §3 (RFA as control variates), §4 (EVA); a training-free "
-                 "variant (no learned group logit or landmark layers)")
+    reference = REFERENCE_SAMPLED         # resolved per ``sample`` by capabilities_for
     # how it uses the linear-attention core: the decoder's per-group value sums are its per-feature state
     core: ClassVar[tuple[str, ...]] = ("add_log_keys",)
 
@@ -578,6 +591,14 @@ class EfficientAttentionCV(AttentionEstimator):
             raise ValueError(f"window must be a non-negative integer, got {window!r}")
         self.window = int(window)
         self.sample = check_bool(sample, "sample")
+
+    @classmethod
+    def capabilities_for(cls, **options):
+        """The declarations, with the reference naming the rule: the training-time rule (sampled ``ω``) or the
+        inference-time rule ``ω = μ``, both training-free."""
+        caps = super().capabilities_for(**options)
+        sample = options.get("sample", True)
+        return dataclasses.replace(caps, reference=REFERENCE_SAMPLED if sample else REFERENCE_MEAN)
 
     def _fit(self, q, k, rng):
         if self.sample:

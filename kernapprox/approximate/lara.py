@@ -84,11 +84,25 @@ no learned layers): split the queries and the keys into ``C`` contiguous segment
 segment of nearby queries and a segment of keys place a proposal where the mass of their ``p_x`` lies. Segments
 here are ``[⌊cN/C⌋, max(⌊(c+1)N/C⌋, ⌊cN/C⌋ + 1))`` (:func:`segment_bounds`): a partition into near-equal parts when
 ``N ≥ C``, single (repeated) tokens when ``N < C``. Samples ``ω_{cs} = μ_c + ε_{cs}`` with ``ε ~ N(0, I)``
-(``sample=True``, the paper's training-time rule), or ``ω_c = μ_c`` (``sample=False``, its inference-time rule as
-the reference code evaluates, which makes LARA a deterministic, biased estimator). The paper trains the landmark
-projections with the model and samples only in training; both registered rules here are *training-free variants*
-(plain segment means, no learned layers), so ``lara`` is not the paper's trained estimator and ``lara_mean`` is
-the training-free form of what the paper runs at inference.
+(``sample=True``, the paper's training-time rule), or ``ω_c = μ_c`` (``sample=False``, its inference-time rule,
+which makes LARA a deterministic, biased estimator).
+
+*Training-free variants, not the paper's trained estimator.* The paper's LARA is a layer trained with its model:
+the landmarks ``x̃_c, ỹ_c`` pass through learned maps (reference code: a linear layer and LayerNorm after pooling),
+the samples ``ω ~ g_c`` are drawn only in training, and at inference every sample is replaced by its proposal's
+mean, ``ω_c = μ_c`` (the estimator of §4 evaluated at the means; the authors' code sets the samples to ``μ``
+outside training — the paper's own text on this step could not be read here, so the code is the source). Nothing
+here is trained: the landmarks are plain segment means (like the reference code's parameter-free pooling option,
+which it offers for a pretrained softmax model; its segment boundaries differ where ``C`` does not divide ``N``).
+The registered names are therefore training-free variants of the two rules:
+
+``lara``, ``lara_balance``
+    the training-time rule (sampled ``ω``), with the paper's query-specific weights or the balance heuristic;
+``lara_mean``
+    the **inference-time rule** ``ω = μ`` with the query-specific weights — what the paper evaluates, without
+    its learned landmark maps. One draw per proposal (``C = r``), deterministic.
+
+A finding about any of them is a finding about this training-free estimator, not about the paper's models.
 
 *Weights* ``α_{nc}``:
 
@@ -161,6 +175,14 @@ from ..validation import (
 from .lowrank import signed_exp
 
 WEIGHTINGS = ("balance", "query")
+
+# What the registry's table says of each rule (capabilities().reference): both are training-free variants.
+REFERENCE_SAMPLED = ("Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance "
+                     "sampling): training-free variant of the training-time rule (sampled ω ~ N(μ_c, I); segment-mean "
+                     "landmarks, no learned landmark maps), not the paper's trained estimator")
+REFERENCE_MEAN = ("Zheng, Wang & Kong 2022 (LARA, ICML) §4 at ω = μ: training-free variant of the inference-time rule "
+                  "(every sample replaced by its proposal mean, as the authors' code evaluates; segment-mean "
+                  "landmarks, no learned landmark maps), not the paper's trained estimator")
 
 
 # --------------------------------------------------------------------------------------------- shared pieces
@@ -433,7 +455,8 @@ def _lara_log_features(x, y, noise, weighting: str, alpha_coeff: float, alpha_fl
 
 # --------------------------------------------------------------------------------------------- the estimator
 class LinearRandomizedAttention(AttentionEstimator):
-    r"""LARA: self-normalised multiple importance sampling of softmax attention with ``C`` segment-mean proposals.
+    r"""LARA, training-free: self-normalised multiple importance sampling of softmax attention with ``C``
+    segment-mean proposals (no learned landmark maps; module docstring).
 
     .. math::
         \mathrm{LARA}(x_n) = \frac{\sum_{c,s} α_{nc}(ω_{cs})\,\tilde p_n(ω_{cs})/g_c(ω_{cs})\; f(ω_{cs})}
@@ -472,8 +495,8 @@ class LinearRandomizedAttention(AttentionEstimator):
     alpha_floor : float
         Clamp of the query-specific weights (reference 1e-8; must be positive; ``weighting="query"`` only).
     sample : bool
-        Draw ``ω = μ + ε`` (default) or use the proposal means ``ω = μ`` (the reference code at inference;
-        deterministic, needs ``num_proposals = num_features``).
+        Draw ``ω = μ + ε`` (default; the paper's training-time rule) or use the proposal means ``ω = μ`` (its
+        inference-time rule, registered as ``lara_mean``; deterministic, needs ``num_proposals = num_features``).
     sampler : str
         Sampler of the noise ``ε`` (``"iid"`` or ``"orthogonal"``, ...; see :mod:`kernapprox.estimators.samplers`),
         drawn once at ``fit`` as ``(C, S, d)`` and shared by every batch element and head.
@@ -507,8 +530,7 @@ class LinearRandomizedAttention(AttentionEstimator):
     causal = False
     consistent = True
     modes = ("parallel", "recurrent", "chunked")
-    reference = ("Zheng, Wang & Kong 2022 (LARA, ICML) §3 (randomized attention), §4 (multiple importance sampling); "
-                 "a training-free variant (no learned landmark layers)")
+    reference = REFERENCE_SAMPLED         # resolved per ``sample`` by capabilities_for
     # how it uses the linear-attention core: all of it is linear attention on log-features
     core: ClassVar[tuple[str, ...]] = ("linear_attention_from_log_features",)
 
@@ -542,12 +564,14 @@ class LinearRandomizedAttention(AttentionEstimator):
     def capabilities_for(cls, **options):
         """The implied kernel estimate is unbiased with the balance heuristic, ``sample=True`` and an unbiased
         sampler (the query weights' clamp and ``sample=False`` bias it); consistent only when it samples (at the
-        proposal means the error stops falling once the segments are single tokens)."""
+        proposal means the error stops falling once the segments are single tokens). The reference names the rule:
+        the training-time rule (sampled ``ω``) or the inference-time rule ``ω = μ``, both training-free."""
         caps = super().capabilities_for(**options)
         sample = options.get("sample", True)
         unbiased = (options.get("weighting", "query") == "balance" and sample
                     and make_sampler(options.get("sampler", "iid")).unbiased)
-        return dataclasses.replace(caps, unbiased=bool(unbiased), consistent=bool(sample))
+        return dataclasses.replace(caps, unbiased=bool(unbiased), consistent=bool(sample),
+                                   reference=REFERENCE_SAMPLED if sample else REFERENCE_MEAN)
 
     def _fit(self, q, k, rng):
         proposals = self._proposals()
