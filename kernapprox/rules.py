@@ -361,7 +361,10 @@ class LeastSquares(Rule):
     their relative accuracy is about ``eps·(1 + n/λ)`` — ``λ ≳ 10⁻⁵ n`` keeps float32 within ~1e-3; a smaller
     ridge wants float64. Where ``eps·(1 + n/λ) ≥ 1`` (no digit guaranteed) every mode and
     :class:`~kernapprox.attention.recurrent.RecurrentState` raise ``ValueError``, as does a factorisation that
-    fails numerically.
+    fails numerically. ``n`` counts every key the regression holds: those of the call plus those an initial or
+    carried state already absorbed, read off its ``P`` (:meth:`keys_in`: ``n = tr(P⁻¹) − rλ``), so a prefill
+    followed by decoding steps raises where one pass over the same keys does; a state whose ``P`` is not positive
+    definite raises too.
 
     Parameters
     ----------
