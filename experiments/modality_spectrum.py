@@ -69,6 +69,8 @@ LABELS = {"text": "text (bytes)", "music": "music (log-mel)", "video": "video (p
 TICKS = {"text": "text\n(bytes)", "music": "music\n(log-mel)", "video": "video\n(patches)",
          "video_cuts": "video, cuts\n(patches)", "gp_l8": "GP, ℓ = 8\n(synthetic)",
          PRETRAINED: "SmolLM2\n(BPE)", ENCODER: "MiniLM\n(WordPiece)"}
+SHORT = {"text": "text bytes", "music": "music", "video": "video patches", "video_cuts": "video with cuts",
+         "gp_l8": "smooth GP", PRETRAINED: "SmolLM2 heads", ENCODER: "MiniLM heads"}
 COLORS = {"text": "#d55e00", PRETRAINED: "#000000", "music": "#0173b2", "video": "#029e73", "video_cuts": "#56b4e9",
           "gp_l8": "#949494",
           ENCODER: "#cc78bc"}
@@ -339,6 +341,12 @@ def _add_text_ratios(ds: xr.Dataset) -> None:
         description="Holm (1979) over the sources compared with text (family: this table)")
 
 
+def _lengths_in(ds: xr.Dataset) -> list[int]:
+    """The prefix lengths at which some source has a finite rank."""
+    rank = ds["rank_attention"]
+    return [int(n) for n in rank.seq_len.values if bool(np.isfinite(rank.sel(seq_len=n)).any())]
+
+
 def _largest_n(rank: xr.DataArray):
     ok = [int(n) for n in rank.seq_len.values if bool(np.isfinite(rank.sel(seq_len=n)).any())]
     return max(ok) if ok else None
@@ -449,6 +457,16 @@ def findings(ds: xr.Dataset) -> list[str]:
     rank = ds["rank_attention_summary"].sel(target=TARGETS[0], **sel)
     growth = ds["rank_attention_growth_summary"].sel(target=TARGETS[0], **sel)
     lines = []
+    head = []
+    for s in sources:
+        ns = finite_values(rank.sel(source=s), "seq_len")
+        if ns:
+            value = fmt(float(rank.sel(source=s, seq_len=ns[-1], stat="estimate")), 3)
+            head.append(f"{SHORT[s]} {value}"
+                        + ("" if ns[-1] == max(_lengths_in(ds)) else f" (n = {ns[-1]})"))
+    if head:
+        lines.append(f"Optimal rank for {TARGETS[0]:.0%} attention-matrix error at n = {max(_lengths_in(ds))} (median "
+                     "over models): " + ", ".join(head) + ".")
     parts = []
     for s in sources:
         ns = finite_values(rank.sel(source=s), "seq_len")
