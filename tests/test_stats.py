@@ -205,3 +205,14 @@ def test_holm_adjusts_step_down_and_keeps_nan_out_of_the_family():
     np.testing.assert_allclose(stats.holm(p), [0.04, 0.09, np.nan, 0.09, 0.2])
     da = xr.DataArray(p, dims="pair")
     assert isinstance(stats.holm(da), xr.DataArray)
+
+
+def test_range_summary_is_the_median_and_range_of_the_units():
+    values = np.array([[0.3, 0.1, 0.5, np.nan, 0.2], [1.0, 2.0, 3.0, 4.0, 5.0]])
+    da = xr.DataArray(values, dims=("estimator", "seed"), attrs={"long_name": "error", "units": "1"})
+    s = stats.range_summary(da, "seed")
+    assert stats.is_summary(s) and s.attrs["unit"] == "seed" and "not a confidence interval" in s.attrs["interval"]
+    np.testing.assert_allclose(s.sel(stat=["estimate", "lo", "hi", "count"]).values,
+                               [[0.25, 0.1, 0.5, 4], [3.0, 1.0, 5.0, 5]])
+    assert np.isnan(s.sel(stat="q10")).all() and s.attrs["long_name"] == "error"
+    assert np.isnan(stats.range_summary(da * np.nan, "seed").sel(stat="estimate")).all()
