@@ -26,6 +26,14 @@ features. State memory per rule (:meth:`kernapprox.rules.Rule.state_bytes`, floa
 sum and decay, ``r d_v`` for delta, ``r² + r d_v`` for least squares, plus what the map computed from the context
 (Nyström's landmarks and whitening); exact attention keeps the KV cache ``n (d + d_v)``. Fixed-dimension maps
 (Taylor, ELU+1) run in the ``num_features = 64`` column at their own dimension; landmark maps need ``r ≤ n``.
+
+Unit of replication: the episode. Every episode is its own draw of keys, values (or function) and queries and of the
+map (its own map seed), so the ``seed × episode`` episodes are independent; the queries of an episode share its map
+draw and are pooled within it (its accuracy or nMSE). Intervals resample the episodes (each with its queries): the
+mean accuracy, the median nMSE, and the paired per-episode comparisons. The best state within the KV cache's size is
+named by its point estimate, and every pair of candidate states is compared by the Wilcoxon signed-rank test of the
+per-episode differences (log ratios for nMSE), Holm-adjusted over all pairs, so the verdict on the best does not
+depend on having picked it first.
 """
 
 from __future__ import annotations
@@ -35,15 +43,15 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_summaries, resolved
+from experiments._common import add_paired, add_summaries
 from experiments._icl import (
     EPISODES,
     FIXED_DIMENSION_SLOT,
     REPLICATES,
+    add_mean,
     applicable,
     available,
     episode_dims,
-    summarise_accuracy,
 )
 from kernapprox import readout, stats, tasks
 from kernapprox.plotting import (
@@ -216,10 +224,13 @@ def run_reference(params, device, data):
 
 # ------------------------------------------------------------------------------------------------ summaries
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    """Recall: pooled accuracies with Clopper–Pearson intervals, per episode paired differences against the sum
-    rule and against exact attention (bootstrap of the mean). Regression: median nMSE with its interval, 10/90 %
-    quantiles and the share of episodes worse than predicting the mean; the paired ratio against the sum rule."""
-    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
+    """Recall: mean accuracy over episodes (the units: each its own data and map draw, its queries pooled within
+    it) with the bootstrap over episodes, per episode paired differences against the sum rule (bootstrap of the
+    mean). Regression: median nMSE with its interval, 10/90 % quantiles and the share of episodes worse than
+    predicting the mean; the paired ratio against the sum rule."""
+    for name in ("accuracy", "accuracy_exact"):
+        ds = add_mean(ds, name)
+        ds[f"{name}_summary"].attrs["unit"] = "episode (seed × episode: its own data and map draw)"
     ds = add_paired(ds, "accuracy", "sum", REPLICATES, op="difference", dim="rule", statistic="mean")
     ds = add_summaries(ds, ["nmse", "nmse_exact"], REPLICATES)
     ds = add_paired(ds, "nmse", "sum", REPLICATES, op="ratio", dim="rule")
@@ -256,9 +267,10 @@ def findings(ds: xr.Dataset) -> list[str]:
         var = _var(task)
         at = {"task": task, "num_pairs": n}
         exact = ds[f"{var}_exact_summary"].sel(**at)
-        what = ("recall accuracy pooled over" if _recall(task) else "median normalised MSE over")
-        lines.append(f"{task}, n = {n}: {what} {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes; exact "
-                     f"attention {fmt_ci(exact)} with a {fmt_bytes(ds['kv_cache_memory'].sel(**at))} KV cache.")
+        what = ("mean recall accuracy over" if _recall(task) else "median normalised MSE over")
+        lines.append(f"{task}, n = {n}: {what} {ds.sizes['seed']} seeds × {ds.sizes['episode']} episodes (the units: "
+                     "each episode its own data and map draw); exact attention "
+                     f"{fmt_ci(exact)} with a {fmt_bytes(ds['kv_cache_memory'].sel(**at))} KV cache.")
         for name, r, dim in _configs(ds, task, n):
             sel = {**at, "estimator": name, "num_features": r}
             parts = [f"{rule} {fmt_ci(ds[f'{var}_summary'].sel(**sel, rule=rule))} "
@@ -300,10 +312,31 @@ def _headline(ds, n) -> str:
             f"features into the state: " + "; ".join(parts) + f" (exact attention {fmt_ci(exact)}).")
 
 
+def _pairwise(ds, task, rows) -> np.ndarray:
+    """Holm-adjusted two-sided p-values ``(K, K)`` of every pair of candidate states ``rows``: the Wilcoxon
+    signed-rank test of the per-episode differences (recall accuracy) or log ratios (nMSE) on the same episodes,
+    adjusted over all ``K (K − 1) / 2`` pairs (NaN on the diagonal)."""
+    var = _var(task)
+    values = [ds[var].sel(**row[4]) for row in rows]
+    k = len(rows)
+    p = np.full((k, k), np.nan)
+    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
+    raw = []
+    for i, j in pairs:
+        comparison = (values[i] - values[j]).assign_attrs(comparison="difference") if _recall(task) else \
+            (values[i] / values[j]).assign_attrs(comparison="ratio")
+        per_episode = xr.DataArray(comparison.transpose(*REPLICATES).values.ravel(), dims="episode",
+                                   attrs=comparison.attrs)            # the units: every episode of every seed
+        raw.append(float(stats.paired_test(per_episode, "episode", test="wilcoxon")))
+    for (i, j), q in zip(pairs, stats.holm(np.asarray(raw))):
+        p[i, j] = p[j, i] = q
+    return p
+
+
 def _best_per_budget(ds, task, n) -> str:
-    """The best (map, rule) among the states not larger than the KV cache by the point estimate, and whether it is
-    resolved from the runner-up: the paired comparison per episode (same episodes; difference of accuracies, ratio
-    of nMSE) with its bootstrap interval."""
+    """The best (map, rule) among the states not larger than the KV cache by the point estimate, and which of the
+    other candidates it is resolved from: all pairs compared (:func:`_pairwise`, Holm over all pairs, so picking
+    the best first does not bias the verdict), with the paired comparison against the runner-up and its interval."""
     var = _var(task)
     kv = float(ds["kv_cache_memory"].sel(task=task, num_pairs=n))
     rows = []
@@ -319,22 +352,37 @@ def _best_per_budget(ds, task, n) -> str:
         return f"{task}: no map and rule keeps a state smaller than the KV cache ({fmt_bytes(kv)})."
     ranked = sorted(small, key=lambda row: -row[1] if _recall(task) else row[1])
     pick = ranked[0]
-    text = (f"{task}: the best point estimate among the states not larger than the KV cache ({fmt_bytes(kv)}) is "
-            f"{pick[3]}, {fmt_ci(pick[2])} ({fmt_bytes(pick[0])})")
+    statistic = "mean" if _recall(task) else "median"
+    text = (f"{task}: among the {len(ranked)} states not larger than the KV cache ({fmt_bytes(kv)}) the best "
+            f"{statistic} is {pick[3]}, {fmt_ci(pick[2])} ({fmt_bytes(pick[0])})")
     if len(ranked) < 2:
         return text + "."
+    units = ds.sizes["seed"] * ds.sizes["episode"]
+    p = _pairwise(ds, task, ranked)
     second = ranked[1]
     a, b = ds[var].sel(**pick[4]), ds[var].sel(**second[4])
     if _recall(task):
-        comparison = (a - b).assign_attrs(comparison="difference")
-        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="mean"), "−"
+        summary, word = stats.paired_summary((a - b).assign_attrs(comparison="difference"), REPLICATES,
+                                             statistic="mean"), "−"
     else:
-        comparison = (a / b).assign_attrs(comparison="ratio")
-        summary, word = stats.paired_summary(comparison, REPLICATES, statistic="median"), "/"
-    verdict = ("resolved" if resolved(summary) else
-               f"not resolved (the interval contains {fmt(summary.attrs['neutral'])}: either may be the best)")
-    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({fmt_bytes(second[0])}); paired per episode, "
-            f"best {word} runner-up {fmt_ci(summary)}: {verdict}.")
+        summary, word = stats.paired_summary((a / b).assign_attrs(comparison="ratio"), REPLICATES,
+                                             statistic="median"), "/"
+    tied = [i for i in range(1, len(ranked)) if not (units >= stats.MIN_UNITS and p[0, i] < 0.05)]
+    if not tied:
+        verdict_text = (f"the best is resolved, better than each of the {len(ranked) - 1} others (largest "
+                        f"Holm-adjusted p {_p(np.nanmax(p[0, 1:]))})")
+    else:
+        verdict_text = ("the best is not resolved, not separated from " + ", ".join(
+            f"{ranked[i][3]} (p = {_p(p[0, i])})" for i in tied)
+            + (f"; resolved better than the other {len(ranked) - 1 - len(tied)}" if len(tied) < len(ranked) - 1
+               else ""))
+    return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({fmt_bytes(second[0])}), paired per episode "
+            f"best {word} runner-up {fmt_ci(summary)}. All {len(ranked) * (len(ranked) - 1) // 2} pairs compared by "
+            f"the Wilcoxon signed-rank test over {units} episodes, Holm-adjusted: {verdict_text}.")
+
+
+def _p(value: float) -> str:
+    return "n/a" if not np.isfinite(value) else fmt(float(value), 2)
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -375,9 +423,10 @@ def plot(ds: xr.Dataset, path) -> None:
         f"d_v = {int(ds['value_dim'])} values, decoded among {int(ds['num_candidates'])} candidates, queries equal to "
         f"(ρ = 1) or at cosine 0.9 from their key, β = {float(ds['beta_factor']):g} ln n; regression: smooth function "
         f"on S^{int(ds['regression_dim']) - 1}, β = {float(ds['regression_beta']):g}, normalised MSE (dotted: "
-        f"predicting the mean). Points: accuracy pooled over {ds.sizes['seed']} seeds × {ds.sizes['episode']} "
-        "episodes with 95 % Clopper–Pearson intervals, or median nMSE with its 95 % percentile-bootstrap interval; "
-        "every rule reads the same episodes with the same map draw. Memory: the rule's state (float32; least squares "
+        f"predicting the mean). Points: mean accuracy or median nMSE over {ds.sizes['seed']} seeds × "
+        f"{ds.sizes['episode']} episodes with its 95 % percentile-bootstrap interval over the episodes (the units: "
+        "each its own data and map draw); every rule reads the same episodes with the same map draw. Memory: the "
+        "rule's state (float32; least squares "
         "keeps r² + r·d_v numbers) plus Nyström's landmarks and whitening; star: exact attention with its KV cache.")
     save_figure(fig, path, caption, title="State-update rules: recall and regression against state memory")
 
@@ -391,7 +440,8 @@ EXPERIMENT = Experiment(
                 "draw (the reference).",
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
+    replicates="the episodes (seeds × episodes, each its own data and map draw, with its queries)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
