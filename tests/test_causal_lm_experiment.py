@@ -81,3 +81,27 @@ def test_smoke_preset_pairs_every_cell_with_the_exact_model(tmp_path, monkeypatc
     written = sweep.draw(causal_lm.EXPERIMENT, ds, tmp_path / "causal_lm.png", source="causal_lm.nc")
     md = written[-1].read_text(encoding="utf-8")
     assert md.startswith("- Exact model at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)
+
+
+@pytest.mark.lm
+@pytest.mark.xdist_group("smollm2")
+@pytest.mark.skipif(not lm.is_available(), reason=str(lm.unavailable_reason()))
+def test_sensitivity_passes_from_a_layer_equal_whole_passes(user_cache_root):
+    """The per-layer sensitivity's pass for layer l starts at the exact model's input of layer l and runs layer l of
+    the every-layer conversion: the NLL of a whole pass through a conversion of layer l alone, to the last bit."""
+    from kernapprox import lm_eval
+
+    model, tokenizer = lm.load_smollm2(cache_root=user_cache_root)
+    ids = lm.text_windows(tokenizer, 1, 96, split="calibration").input_ids
+    data = causal_lm.Draw(model, tokenizer, None, None, ids, {})
+    params = {"estimator": "window_linear", "num_features": 64, "exact_layers": 0, "placement": "even",
+              "context": 96, "map_seed": 0, "hybrid_rank": 64}
+    inputs, nll = causal_lm.layer_inputs(model, ids)
+    assert len(inputs) == lm.NUM_LAYERS
+    np.testing.assert_array_equal(nll, lm_eval.token_nll(model, ids))
+    every = causal_lm.convert(data, params)
+    exact_layers = list(model.model.layers)
+    for layer in (0, 13, 29):
+        alone = causal_lm.convert(data, params, layers=[layer])
+        suffix = causal_lm.suffix_nll(every, ids, inputs[layer], [every.model.layers[layer], *exact_layers[layer + 1:]])
+        np.testing.assert_array_equal(suffix, lm_eval.token_nll(alone, ids))
