@@ -190,28 +190,37 @@ def test_float32_features_agree_with_float64():
 
 @pytest.mark.parametrize("std", [0.02, 0.1, 0.5, 1.0])
 def test_precision_policy_keeps_float32_features_within_the_tolerance(std):
-    """precision="auto": float32 features are computed in float32 exactly when eps32 · amplification ≤ 1e-5, and
-    are then within 1e-5 (relative, Frobenius) of the float64 features of the same fit; otherwise in float64."""
-    from kernapprox.estimators.nystrom import FLOAT32_FEATURE_TOLERANCE
+    """precision="auto": float32 features are computed in float32 directly when eps32 · amplification ≤ 1e-5, in
+    float32 centred (1ᵀG^{+1/2} + expm1(t) G^{+1/2}) when 1.25 · eps32 · amplification · ρ ≤ 1e-5, and are then
+    within 1e-5 (relative, Frobenius) of the float64 features of the same fit; otherwise in float64."""
+    from kernapprox.estimators.nystrom import CENTRED_ERROR_FACTOR, FLOAT32_FEATURE_TOLERANCE
 
     x = randn((1024, 16), 30, std).float()
     est = NystromFeatures(num_features=64, rng=0).fit(x)
-    amplification = est.amplification()
-    in_float32 = torch.finfo(torch.float32).eps * amplification <= FLOAT32_FEATURE_TOLERANCE
+    bound = torch.finfo(torch.float32).eps * est.amplification()
+    direct = bound <= FLOAT32_FEATURE_TOLERANCE
+    centred = not direct and bound * CENTRED_ERROR_FACTOR * est.centred_spread() <= FLOAT32_FEATURE_TOLERANCE
+    assert est._plan(torch.float32) == ("direct" if direct else "centred" if centred else "float64")
+    in_float32 = direct or centred
     assert est.feature_dtype(torch.float32) == (torch.float32 if in_float32 else torch.float64)
     assert est.feature_dtype(torch.float64) == torch.float64
     reference = NystromFeatures(num_features=64, rng=0, precision="float64").fit(x).features(x, "key", log_scale=True)
     phi, logs = est.features(x, "key", log_scale=True)
     assert phi.dtype == torch.float32
     err = float((phi.double() - reference[0].double()).norm() / reference[0].double().norm())
-    assert err <= (FLOAT32_FEATURE_TOLERANCE if in_float32 else 1e-6), (std, amplification, err)
+    assert err <= (FLOAT32_FEATURE_TOLERANCE if in_float32 else 1e-6), (std, est.amplification(), err)
     torch.testing.assert_close(logs, reference[1], rtol=1e-6, atol=1e-5)
 
 
 def test_precision_options():
     x = randn((400, 8), 31, 0.03).float()                     # near-coincident landmarks: a large amplification
-    auto = NystromFeatures(num_features=32, rng=0).fit(x)
-    assert auto.amplification() > 1e3 and auto.feature_dtype(torch.float32) == torch.float64
+    auto = NystromFeatures(num_features=32, rng=0).fit(x)     # ... but small logits: the centred float32 form
+    assert auto.amplification() > 1e3 and auto._plan(torch.float32) == "centred"
+    assert auto.feature_dtype(torch.float32) == torch.float32
+    gen = np.random.default_rng(33)                           # tight clusters far apart: large amplification and
+    tight = gen.standard_normal((4, 8))[gen.integers(0, 4, 400)] + 0.01 * gen.standard_normal((400, 8))
+    tight = NystromFeatures(num_features=32, rng=0).fit(torch.from_numpy(tight).float())   # large logits
+    assert tight.amplification() > 1e3 and tight.feature_dtype(torch.float32) == torch.float64
     assert NystromFeatures(num_features=32, rng=0, precision="input").fit(x).feature_dtype(torch.float32) == \
         torch.float32
     well = randn((400, 8), 32, 1.0).float()
@@ -220,6 +229,83 @@ def test_precision_options():
         torch.float64
     with pytest.raises(ValueError, match="precision"):
         NystromFeatures(num_features=4, precision="half")
+
+
+def _naive_nystrom_gram(x, landmarks, scale):
+    """Williams & Seeger (2001), eq. (5) with the pseudo-inverse: ``K(X, Z) K(Z, Z)⁺ K(Z, X)`` of the softmax kernel
+    ``exp(s xᵀy)``, straight from the definition in float64 (no scaling, no stabilisation)."""
+    x, z = x.double(), torch.as_tensor(landmarks).double() / math.sqrt(scale)
+    kxz = torch.exp(scale * x @ z.T)
+    return kxz @ torch.linalg.pinv(torch.exp(scale * z @ z.T), hermitian=True) @ kxz.T
+
+
+@pytest.mark.parametrize("std", [0.15, 1.0])
+def test_default_path_equals_the_float64_features_and_the_naive_oracle(std):
+    """The default path (float32, precision="auto", no switch) at the benchmark's input scales, d = 64, m = 256: the
+    features within the float32 tolerance of the float64 features of the same fit (the small-norm case takes the
+    centred form), and ``φφᵀ`` equal to the naive float64 Nyström Gram to the same relative accuracy."""
+    from kernapprox.estimators.nystrom import FLOAT32_FEATURE_TOLERANCE
+
+    x = randn((2048, 64), 40, std).float()
+    est = ka.make_estimator("nystrom_uniform", num_features=256, rng=0).fit(x)
+    assert est._plan(torch.float32) == ("centred" if std < 0.5 else "direct")
+    phi = est.features(x, "key")
+    assert phi.dtype == torch.float32 and bool(torch.isfinite(phi).all()) and float(phi.abs().amax()) > 0
+    exact = ka.make_estimator("nystrom_uniform", num_features=256, rng=0, precision="float64").fit(x)
+    phi64 = exact.features(x.double(), "key")
+    assert float((phi.double() - phi64).norm() / phi64.norm()) <= FLOAT32_FEATURE_TOLERANCE
+    sub = x[:512]
+    naive = _naive_nystrom_gram(sub, est.landmarks_, est.scale_)
+    approx = est.features(sub, "key").double()
+    assert float(relative_frobenius_error(approx @ approx.T, naive)) <= 10 * FLOAT32_FEATURE_TOLERANCE
+
+
+def test_centred_form_falls_back_to_float64_for_inputs_with_large_logits():
+    """A map fitted on small-norm data (centred plan) applied to inputs thirty times larger: the call's own spread ρ
+    is too large for float32, so the call is computed in float64 (equal to the float64 map), never a silent loss."""
+    x = randn((1024, 64), 41, 0.15).float()
+    est = ka.make_estimator("nystrom_uniform", num_features=128, rng=0).fit(x)
+    assert est._plan(torch.float32) == "centred"
+    far = 30 * randn((256, 64), 42, 0.15).float()
+    assert est._centred_log_features(far * math.sqrt(est.scale_), None) is None
+    phi, logs = est.features(far, "query", log_scale=True)
+    ref = ka.make_estimator("nystrom_uniform", num_features=128, rng=0, precision="float64").fit(x)
+    ref_phi, ref_logs = ref.features(far.double(), "query", log_scale=True)
+    assert phi.dtype == torch.float32 and bool(torch.isfinite(phi).all())
+    assert float((phi.double() - ref_phi).norm() / ref_phi.norm()) <= 1e-6
+    torch.testing.assert_close(logs.double(), ref_logs, rtol=1e-6, atol=1e-6)
+
+
+def test_centred_form_with_buffer_gradients_and_batches():
+    """The centred plan: the chunked mode's buffer gets the same ``φ̃``; with a gradient the reference (float64)
+    code runs and the gradient is finite; batch dimensions keep one map."""
+    x = randn((2, 300, 32), 43, 0.15).float()
+    est = ka.make_estimator("nystrom_uniform", num_features=64, rng=0).fit(x)
+    assert est._plan(torch.float32) == "centred"
+    phi, logs = est.features(x, "key", log_scale=True)
+    buffer = torch.empty_like(phi)
+    phi_b, logs_b = est.features(x, "key", log_scale=True, buffer=buffer)
+    assert phi_b.data_ptr() == buffer.data_ptr()
+    torch.testing.assert_close(phi_b, phi, rtol=0, atol=0)
+    torch.testing.assert_close(logs_b, logs, rtol=0, atol=0)
+    torch.testing.assert_close(est.features(x[1], "key"), est.features(x, "key")[1], rtol=1e-6, atol=1e-6)
+    xg = x.clone().requires_grad_(True)
+    out = est.features(xg, "key")
+    out.sum().backward()
+    assert bool(torch.isfinite(xg.grad).all())
+    torch.testing.assert_close(out.detach(), est.features(x, "key"), rtol=1e-5, atol=1e-6)
+
+
+def test_default_path_input_checks():
+    est = ka.make_estimator("nystrom_uniform", num_features=16, rng=0).fit(randn((64, 8), 44, 0.15).float())
+    with pytest.raises(TypeError, match="x"):
+        est.features(torch.zeros(4, 8, dtype=torch.int64), "key")
+    with pytest.raises(ValueError, match="x"):
+        est.features(torch.full((4, 8), float("nan")), "key")
+    with pytest.raises(ValueError, match="d=8"):
+        est.features(torch.zeros(4, 7), "key")
+    with pytest.raises(ValueError, match="overflow"):     # exact-scale features beyond float32: refused, not inf
+        est.features(torch.full((2, 8), 1000.0), "key")
 
 
 def test_one_map_for_the_whole_batch():

@@ -514,6 +514,9 @@ class FeatureMap(Estimator):
 
     kind: ClassVar[str] = "features"
     rules: ClassVar[tuple[str, ...]] = RULES          # every state rule of kernapprox.rules
+    # True when ``_log_features`` returns a new ``φ̃`` that nothing else refers to: ``features`` then scales it in
+    # place instead of allocating the exact-scale copy.
+    _fresh_features: ClassVar[bool] = False
 
     # -------------------------------------------------------------------------------------------- features
     def features(self, x: torch.Tensor, role: str = "query", *, log_scale: bool = False,
@@ -554,8 +557,16 @@ class FeatureMap(Estimator):
                              "or pass a smaller scale")
         if log_scale:
             return phi, logs
-        out = (phi * torch.exp(logs)[..., None]).to(out_dtype)
-        _check_exact_scale(out, phi, logs, type(self).__name__)
+        # The row maxima of |φ̃| (one read, no copy) decide over- and underflow: scaling by exp(ℓ) > 0 and the cast
+        # are monotone, so max_j |φ_j| is exactly that maximum scaled and cast, and φ̃ may then be scaled in place.
+        peak = torch.linalg.vector_norm(phi.detach(), ord=math.inf, dim=-1) if phi.numel() else None
+        scale = torch.exp(logs)[..., None]
+        if self._fresh_features and phi.dtype == out_dtype and not phi.requires_grad:
+            out = phi.mul_(scale)
+        else:
+            out = (phi * scale).to(out_dtype)
+        if peak is not None:
+            _check_exact_scale((peak * scale[..., 0]).to(out_dtype), peak, logs, type(self).__name__)
         return out
 
     def _log_features(self, x: torch.Tensor, role: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -650,24 +661,22 @@ _EXACT_SCALE_FIX = ("use features(x, log_scale=True), the stabilised pair φ = �
                     "log_features(x), or reduce the input norms (a smaller scale, standardised inputs)")
 
 
-def _check_exact_scale(out: torch.Tensor, phi: torch.Tensor, logs: torch.Tensor, name: str) -> None:
-    """Raise when exact-scale features overflow or (whole rows) underflow the output dtype."""
-    if not out.numel():
-        return
-    mag = out.detach().abs().amax(-1)
-    info = torch.finfo(out.dtype)
+def _check_exact_scale(mag: torch.Tensor, peak: torch.Tensor, logs: torch.Tensor, name: str) -> None:
+    """Raise when exact-scale features overflow or (whole rows) underflow the output dtype: ``mag`` is each row's
+    largest ``|φ_j|`` in the output dtype, ``peak`` its largest ``|φ̃_j|`` (the stabilised features)."""
+    info = torch.finfo(mag.dtype)
     overflow = ~torch.isfinite(mag)
     if bool(overflow.any()):
         worst = float(logs.detach()[overflow].max())
-        raise ValueError(f"{name}: the exact-scale features overflow {out.dtype} (log-scale ℓ up to {worst:.4g}, "
+        raise ValueError(f"{name}: the exact-scale features overflow {mag.dtype} (log-scale ℓ up to {worst:.4g}, "
                          f"beyond log(max) = {math.log(info.max):.4g}); {_EXACT_SCALE_FIX}")
     small = mag < info.tiny
     if not bool(small.any()):                      # the usual case: no second pass over phi
         return
-    lost = small & (phi.detach().abs().amax(-1) > 0)
+    lost = small & (peak > 0)
     if bool(lost.any()):
         worst = float(logs.detach()[lost].min())
-        raise ValueError(f"{name}: the exact-scale features underflow {out.dtype}: every feature of some rows is "
+        raise ValueError(f"{name}: the exact-scale features underflow {mag.dtype}: every feature of some rows is "
                          f"below its smallest normal number (log-scale ℓ down to {worst:.4g}, below log(tiny) = "
                          f"{math.log(info.tiny):.4g}), so φ(x) would be returned as zeros; {_EXACT_SCALE_FIX}")
 

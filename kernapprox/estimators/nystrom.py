@@ -53,6 +53,9 @@ PRECISIONS = ("auto", "float64", "input")
 # precision="auto" computes float32 (and half) features in float32 when eps32 · amplification() is at most this
 # (measured: the float32 features are then within about this relative error of the float64 ones), else in float64.
 FLOAT32_FEATURE_TOLERANCE = 1e-5
+# The centred evaluation's error is at most this many times eps32 · amplification() · ρ (ρ: the root mean square of
+# expm1(t), see NystromFeatures.centred_spread), measured 0.83-1.05x where it is used and 1.26x at most below that.
+CENTRED_ERROR_FACTOR = 1.25
 RLS_FALLBACK_LAMBDA = 1e-5   # recursiveNystrom.m's ``10e-6``, which is 1e-5 (not 1e-6)
 
 
@@ -215,9 +218,20 @@ class NystromFeatures(FeatureMap):
     Gaussian data with ``a`` from 1 to 1.2e4, the relative error of float32 features against float64 ones was at
     most ``0.8 ε₃₂ a`` (plus ``ε₃₂`` times the logits' size), and that of the kernel matrix ten times less. So
     ``precision="auto"`` (default) computes float32 features in float32 when ``ε₃₂ a ≤ 1e-5``
-    (:data:`FLOAT32_FEATURE_TOLERANCE`; ``a ≤ 84``, typical of well-spread landmarks, as in the benchmarks) and in
-    float64 otherwise; ``"float64"`` always uses float64; ``"input"`` always the input's compute dtype
-    (scikit-learn's ``Nystroem`` convention). Float64 inputs are always computed in float64.
+    (:data:`FLOAT32_FEATURE_TOLERANCE`; ``a ≤ 84``, typical of well-spread landmarks, as in the benchmarks).
+    Beyond that (landmarks close together: small input norms, e.g. input standard deviation 0.15 at ``d = 64``,
+    where ``a ≈ 200–700`` for ``m = 256–1024``) it uses the centred form of the same map: with ``e = exp(t) =
+    1 + expm1(t)``, ``φ̃ = 1ᵀG^{+1/2} + expm1(t) G^{+1/2}`` (the constant row ``1ᵀG^{+1/2}`` in float64, then
+    rounded). Close landmarks mean small ``t`` (``|expm1(t)|`` about 0.08 there), and the rounding of ``expm1(t)``
+    is relative to its own size, so the error becomes about ``ε₃₂ a ρ`` with ``ρ`` the root mean square of
+    ``expm1(t)`` (measured 0.83–1.05 ``ε₃₂ a ρ`` where it is used; :data:`CENTRED_ERROR_FACTOR`). It is used when
+    :data:`CENTRED_ERROR_FACTOR` ``· ε₃₂ a ρ ≤ 1e-5``, ``ρ`` estimated at the fit from the landmarks
+    (:meth:`centred_spread`) and checked on each call's own ``expm1(t)`` (a call whose inputs lie farther out is
+    computed in float64). Otherwise, and for calls that need a gradient, it computes in float64. The float32
+    computations (direct and centred) run at the speed of scikit-learn's float32 ``Nystroem`` or faster; the
+    float64 one took 2–3× as long (``python -m benchmarks.run --cases nystrom_vs_sklearn``). ``"float64"``
+    always uses float64; ``"input"`` always the input's compute dtype, directly (scikit-learn's ``Nystroem``
+    convention). Float64 inputs are always computed in float64.
 
     Parameters
     ----------
@@ -279,6 +293,7 @@ class NystromFeatures(FeatureMap):
     rank_limited_by_points = True
     context_state = ("landmarks_", "whitening_")
     data_sized_state = ("leverage_scores_",)         # one score per candidate point: sized by the data, not by r
+    _fresh_features = True
     reference = ("Williams & Seeger 2001 (Nyström); Zhang, Tsang & Kwok 2008 (k-means landmarks); "
                  "Musco & Musco 2017, Algorithm 3 (recursive ridge leverage scores)")
 
@@ -348,17 +363,47 @@ class NystromFeatures(FeatureMap):
 
     def feature_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype the features of inputs of compute dtype ``dtype`` are computed in (``precision``)."""
+        return torch.float64 if self._plan(dtype) == "float64" else dtype
+
+    def _plan(self, dtype: torch.dtype) -> str:
+        """How features of compute dtype ``dtype`` are computed: ``"float64"``, ``"direct"`` (``exp(t) G^{+1/2}`` in
+        ``dtype``) or ``"centred"`` (``1ᵀG^{+1/2} + expm1(t) G^{+1/2}`` in ``dtype``); see the class's Precision."""
         if dtype == torch.float64 or self.precision == "float64":
-            return torch.float64
+            return "float64"
         if self.precision == "input":
-            return dtype
-        return dtype if torch.finfo(dtype).eps * self.amplification() <= FLOAT32_FEATURE_TOLERANCE else torch.float64
+            return "direct"
+        bound = torch.finfo(dtype).eps * self.amplification()
+        if bound <= FLOAT32_FEATURE_TOLERANCE:
+            return "direct"
+        centred = bound * CENTRED_ERROR_FACTOR * self.centred_spread() <= FLOAT32_FEATURE_TOLERANCE
+        return "centred" if centred else "float64"
+
+    def centred_spread(self) -> float:
+        """``ρ``: the root mean square of ``expm1(t)``, ``t_j = z_jᵀx − ‖z_j‖²/2 − ℓ(x)``, with each landmark as the
+        input ``x`` against the other landmarks (leave-one-out: the data's proxy, a sample of it for uniform and
+        ridge-leverage landmarks). A rounding of ``expm1(t)`` relative to its own size reaches the centred features
+        amplified by ``a ρ`` instead of ``a`` (see the class's Precision). Cached with the fitted state."""
+        self._check_fitted()
+        cache = self.__dict__.setdefault("_cache", {})
+        if "centred_spread" not in cache:
+            m = self.landmarks_.shape[0]
+            logits = self.landmarks_ @ self.landmarks_.T - self.landmark_half_sq_norms_
+            logits = logits[~np.eye(m, dtype=bool)].reshape(m, m - 1)
+            cache["centred_spread"] = _rms(np.expm1(logits - logits.max(-1, keepdims=True))) if m > 1 else 0.0
+        return cache["centred_spread"]
 
     def _log_features(self, x, role):
         return self._log_features_into(x, role, None)
 
     def _log_features_into(self, x, role, buffer):
-        xc = x.to(self.feature_dtype(x.dtype))
+        plan = self._plan(x.dtype)
+        grad = torch.is_grad_enabled() and x.requires_grad
+        if plan == "centred":
+            out = None if grad else self._centred_log_features(x, buffer)
+            if out is not None:
+                return out
+            plan = "float64"
+        xc = x.to(torch.float64) if plan == "float64" else x
         z = self._param("landmarks_", xc)
         half = self._param("landmark_half_sq_norms_", xc)
         whitening = self._param("whitening_", xc)
@@ -369,10 +414,42 @@ class NystromFeatures(FeatureMap):
             if out is not None:
                 phi, shift = fused.unflat(out, x.shape[:-1])
                 return phi.to(x.dtype), shift.to(x.dtype)
-        logits = xc @ z.T - half                                   # log(D⁻¹K(Z, x)), (..., n, m)
-        shift = logits.amax(-1, keepdim=True)
-        phi = torch.exp(logits - shift) @ whitening                # whitening is symmetric
-        return phi.to(x.dtype), shift.squeeze(-1).to(x.dtype)
+        if grad:                                                   # the reference, differentiable through ℓ
+            logits = xc @ z.T - half                               # log(D⁻¹K(Z, x)), (..., n, m)
+            shift = logits.amax(-1, keepdim=True)
+            phi = torch.exp(logits - shift) @ whitening            # whitening is symmetric
+            return phi.to(x.dtype), shift.squeeze(-1).to(x.dtype)
+        # the same, in place: one (N, m) matrix for the logits and exp(t), then the product
+        e = torch.addmm(-half, fused.flat(xc), z.T)
+        shift = e.amax(-1, keepdim=True)
+        e = e.sub_(shift).exp_()
+        out = None if buffer is None or xc.dtype != x.dtype else fused.flat(buffer)
+        phi = torch.mm(e, whitening) if out is None else torch.mm(e, whitening, out=out)
+        return fused.unflat((phi.to(x.dtype), shift.to(x.dtype)), x.shape[:-1])
+
+    def _centred_log_features(self, x, buffer):
+        """``(φ̃, ℓ)`` in ``x``'s dtype as ``φ̃ = 1ᵀG^{+1/2} + expm1(t) G^{+1/2}`` (``e = 1 + expm1(t)``; Williams &
+        Seeger 2001's map in the stabilised form of the module docstring), or None when the call's own spread
+        ``ρ`` (:meth:`centred_spread` measured on ``x``) exceeds what :data:`FLOAT32_FEATURE_TOLERANCE` allows: the
+        caller then computes in float64."""
+        z = self._param("landmarks_", x)
+        half = self._param("landmark_half_sq_norms_", x)
+        whitening = self._param("whitening_", x)
+        centre = self._derived("nystrom:centre", x, lambda: torch.as_tensor(self.whitening_.sum(0)))
+        u = torch.addmm(-half, fused.flat(x), z.T)                 # logits, then t, then expm1(t): one matrix
+        shift = u.amax(-1, keepdim=True)
+        u = u.sub_(shift).expm1_()
+        spread = float(torch.linalg.vector_norm(u)) / math.sqrt(max(u.numel(), 1))
+        if not torch.finfo(x.dtype).eps * self.amplification() * CENTRED_ERROR_FACTOR * spread <= \
+                FLOAT32_FEATURE_TOLERANCE:
+            return None                                            # (also when spread is NaN)
+        out = None if buffer is None else fused.flat(buffer)
+        phi = torch.addmm(centre, u, whitening) if out is None else torch.addmm(centre, u, whitening, out=out)
+        return fused.unflat((phi, shift), x.shape[:-1])
+
+
+def _rms(a: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(a)))) if a.size else 0.0
 
 
 def _rows(parts, indices) -> torch.Tensor:
