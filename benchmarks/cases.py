@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from kernapprox.timing import (
     measure,
     memory_bandwidth,
     sdpa_flops,
+    synchronize,
 )
 
 INPUT_STD = 0.5
@@ -342,57 +344,131 @@ def favor_vs_performer(cfg: Config) -> list[Row]:
     return rows
 
 
+# Input scales and landmark counts of ``nystrom_vs_sklearn`` (n = 16k; the last row of the case is n = 20k, m = 512).
+NYSTROM_STDS = (0.15, 1.0)
+NYSTROM_LANDMARKS = (256, 512, 1024)
+
+
+def numpy_blas() -> dict:
+    """numpy's BLAS as threadpoolctl reports it (``threadpool_info()``): the library, its kernel (OpenBLAS's
+    ``architecture``, e.g. SkylakeX or Haswell; MKL and others have none) and its thread count."""
+    from threadpoolctl import threadpool_info
+
+    blas = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    mine = [i for i in blas if "numpy" in str(i.get("filepath", ""))] or blas
+    if not mine:
+        return {"internal_api": "none"}
+    info = mine[0]
+    return {"internal_api": info.get("internal_api"), "architecture": info.get("architecture", info.get("corename")),
+            "num_threads": info.get("num_threads"), "version": info.get("version")}
+
+
+def interleaved(fns: dict, rounds: int, per_round: int) -> dict:
+    """Median wall time of each callable of ``fns``, measured in ``rounds`` rounds that alternate between them (the
+    order reversed every other round): in each round each callable runs once untimed (the other's thread pools
+    spinning down, caches refilled) and then ``per_round`` times timed. On a shared machine the load then weighs on
+    every callable alike; the ratio of the medians is the measurement."""
+    names = list(fns)
+    times = {k: [] for k in names}
+    for i in range(rounds):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            fns[k]()
+            for _ in range(per_round):
+                t0 = time.perf_counter()
+                fns[k]()
+                times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in times.items()}
+
+
 def nystrom_vs_sklearn(cfg: Config) -> list[Row]:
-    """Our Nyström features of the softmax kernel (``nystrom_uniform``, default precision: float32 features when
-    the whitening's amplification allows, see :meth:`~kernapprox.estimators.nystrom.NystromFeatures.feature_dtype`)
-    against scikit-learn's ``Nystroem``; ``extra`` records the dtype chosen, the amplification, and the relative
-    difference of our features to the float64 ones and to the eager (unfused) ones.
+    """Our Nyström features of the softmax kernel on the library's default path (``nystrom_uniform``, every switch
+    at its default: precision ``"auto"``, fused mode ``"auto"``) against scikit-learn's ``Nystroem``, at input
+    standard deviations :data:`NYSTROM_STDS` and ``m`` in :data:`NYSTROM_LANDMARKS` (n = 16k), and at n = 20k,
+    m = 512. ``extra`` records the computation :meth:`~kernapprox.estimators.nystrom.NystromFeatures._plan` chose
+    (float32 direct, float32 centred, or float64), the whitening's amplification, the relative difference of our
+    features to the float64 ones, and numpy's BLAS kernel (threadpoolctl).
 
     scikit-learn has no exp-dot-product kernel (a callable kernel is evaluated pair by pair), so the peer uses
     the identity ``exp(s xᵀy) = e^{s‖x‖²/2} e^{s‖y‖²/2} exp(−(s/2)‖x−y‖²)``: ``Nystroem(kernel="rbf",
     gamma=s/2)`` on the same number of uniformly drawn landmarks, its features multiplied by ``e^{s‖x‖²/2}``
     (which is exactly the Nyström map of the softmax kernel with those landmarks). Timed: fit plus the features
-    of all ``n`` points, one head, float32 for both. Error: relative Frobenius error of ``ΦΦᵀ`` against the exact
-    kernel on the first 2048 points.
+    of all ``n`` points, one head, float32 for both, the two measured in alternation (:func:`interleaved`: 5
+    rounds of 2 timed calls each) in one process with numpy on its own BLAS kernel (``python -m benchmarks.run``
+    unsets ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE``). Error: relative Frobenius error of ``ΦΦᵀ`` against the
+    exact kernel on the first 2048 points, ours fitted on the peer's landmarks (``component_indices_``) so that
+    the two differ only by their arithmetic.
+
+    Where the time went (n = 16k, m = 256, 2 threads): at input std 0.15 the landmarks lie close together, the
+    whitening ``G(Z, Z)^{+1/2}`` amplifies float32 rounding ~200× and the default precision computed in float64:
+    the ``n × m × m`` product, the logits and the ``exp`` in float64 took 2–3× their float32 time. At std 1 (float32
+    already) the eager code made five passes over the ``n × m`` logits besides the two products (subtract ``h``,
+    the maximum, subtract it, ``exp``, scale by ``e^ℓ``) and two more in the exact-scale check (``abs``, maximum),
+    each allocating a fresh matrix. Now the small-norm case runs in float32 in the centred form
+    ``1ᵀG^{+1/2} + expm1(t) G^{+1/2}`` whose rounding is relative to ``expm1(t)`` (about 0.08 there), and the
+    eager path works in place.
     """
     if "nystrom_uniform" not in ka.available_estimators():
         return [Row("nystrom_vs_sklearn", "nystrom_uniform", 0, status="skipped: nystrom_uniform not registered")]
     from sklearn.kernel_approximation import Nystroem
 
-    n = 1024 if cfg.quick else 16384
-    m = NUM_FEATURES
-    gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
-    x = torch.randn(n, HEAD_DIM, generator=gen) * INPUT_STD
+    blas = numpy_blas()
+    shapes = ([(1024, m, std) for std in NYSTROM_STDS for m in (64, 128)] if cfg.quick else
+              [(16384, m, std) for std in NYSTROM_STDS for m in NYSTROM_LANDMARKS]
+              + [(20000, 512, std) for std in NYSTROM_STDS])
     s = 1.0 / math.sqrt(HEAD_DIM)
-    x_np = x.numpy()
-    x_dev = x.to(cfg.device)
+    rows = []
+    for n, m, std in shapes:
+        gen = torch.Generator(device="cpu").manual_seed(cfg.seed)
+        x = torch.randn(n, HEAD_DIM, generator=gen) * std
+        x_np = x.numpy()
+        x_dev = x.to(cfg.device)
 
-    def ours():
-        est = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev)
-        return est.features(x_dev, "key")
+        def ours(m=m, x_dev=x_dev):
+            est = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev)
+            return est.features(x_dev, "key")
 
-    def peer():
+        def peer(m=m, x_np=x_np):
+            ny = Nystroem(kernel="rbf", gamma=s / 2, n_components=m, random_state=cfg.seed).fit(x_np)
+            return ny.transform(x_np) * np.exp(0.5 * s * np.einsum("ij,ij->i", x_np, x_np))[:, None]
+
+        def ours_synced(ours=ours):
+            out = ours()
+            synchronize(cfg.device)
+            return out
+
+        with fused.mode("auto"):                                  # the library's default, whatever the run's switch
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            med = interleaved({"ours": ours_synced, "peer": peer}, rounds=1 if cfg.quick else 5,
+                              per_round=1 if cfg.quick else 2)
+            cpu = (time.process_time() - c0) / ((time.perf_counter() - t0) * torch.get_num_threads())
+            phi_ours_all = ours()
+        sub = min(n, 2048)
+        exact = ka.kernel_matrix(x[:sub].double(), x[:sub].double())
+        phi_ours = phi_ours_all[:sub].double().cpu()
         ny = Nystroem(kernel="rbf", gamma=s / 2, n_components=m, random_state=cfg.seed).fit(x_np)
-        return ny.transform(x_np) * np.exp(0.5 * s * np.einsum("ij,ij->i", x_np, x_np))[:, None]
-
-    t_ours = measure(ours, cfg.device, min_reps=cfg.min_reps, budget_s=cfg.budget_s)
-    t_peer = measure(peer, torch.device("cpu"), min_reps=cfg.min_reps, budget_s=cfg.budget_s)
-    sub = min(n, 2048)
-    exact = ka.kernel_matrix(x[:sub].double(), x[:sub].double())
-    phi_ours = ours()[:sub].double().cpu()
-    phi_peer = torch.as_tensor(peer()[:sub], dtype=torch.float64)
-    err = [float(ka.metrics.relative_frobenius_error(p @ p.T, exact)) for p in (phi_ours, phi_peer)]
-    est = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev)
-    with fused.mode("off"):
-        phi_eager = est.features(x_dev[:sub], "key").double().cpu()
-    phi_64 = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed,
-                               precision="float64").fit(x_dev).features(x_dev[:sub], "key").double().cpu()
-    return [Row("nystrom_vs_sklearn", f"n={n} m={m}", n, False, t_ours.median_s, t_peer.median_s, err[0], err[1],
-                reps=t_ours.reps, cpu_utilisation=t_ours.cpu_utilisation,
-                extra={"feature_dtype": str(est.feature_dtype(x_dev.dtype)).removeprefix("torch."),
-                       "amplification": est.amplification(),
-                       "features_vs_float64": float((phi_ours - phi_64).norm() / phi_64.norm()),
-                       "fused_vs_eager": float((phi_ours - phi_eager).norm() / phi_eager.norm())})]
+        phi_peer = torch.as_tensor(ny.transform(x_np[:sub]) * np.exp(
+            0.5 * s * np.einsum("ij,ij->i", x_np[:sub], x_np[:sub]))[:, None], dtype=torch.float64)
+        # the errors on the peer's landmarks (our map fitted on exactly those m points): equal errors up to the
+        # arithmetic, whatever landmarks a random draw gives (at std 1 the error depends much on the draw)
+        same = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev[ny.component_indices_])
+        with fused.mode("auto"):
+            phi_same = same.features(x_dev[:sub], "key").double().cpu()
+        err = [float(ka.metrics.relative_frobenius_error(p @ p.T, exact)) for p in (phi_same, phi_peer)]
+        est = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed).fit(x_dev)
+        phi_64 = ka.make_estimator("nystrom_uniform", num_features=m, rng=cfg.seed,
+                                   precision="float64").fit(x_dev).features(x_dev[:sub], "key").double().cpu()
+        rows.append(Row("nystrom_vs_sklearn", f"n={n} m={m} std={std:g}", n, False, med["ours"], med["peer"],
+                        err[0], err[1], reps=(1 if cfg.quick else 10), cpu_utilisation=cpu,
+                        extra={"std": std, "m": m, "plan": est._plan(x_dev.dtype),
+                               "feature_dtype": str(est.feature_dtype(x_dev.dtype)).removeprefix("torch."),
+                               "amplification": est.amplification(),
+                               "features_vs_float64": float((phi_ours - phi_64).norm() / phi_64.norm()),
+                               "peer_blas": f"{blas.get('internal_api')} {blas.get('architecture')} "
+                                            f"{blas.get('num_threads')} threads"}))
+        print(f"    n={n} m={m} std={std:g}: ours {med['ours']:.4g} s, Nystroem {med['peer']:.4g} s "
+              f"({med['peer'] / med['ours']:.2f}x, {rows[-1].extra['plan']})", flush=True)
+    return rows
 
 
 # The state rules timed by ``rule_scaling``; least squares keeps an r × r matrix and costs O(C r²) per chunk, so it

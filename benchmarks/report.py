@@ -25,6 +25,19 @@ def _native(attrs) -> str:
     return ", chunked kernels (causal, non-causal) " + ("compiled" if status.startswith("loaded") else f"`{status}`")
 
 
+def _blas(attrs) -> str:
+    """numpy's BLAS in the run (threadpoolctl) and the OpenBLAS overrides the command unset (runs before they
+    were recorded say nothing)."""
+    if "numpy_blas" not in attrs:
+        return ""
+    blas = json.loads(attrs["numpy_blas"])
+    unset = json.loads(attrs.get("openblas_env_unset", "{}"))
+    return (f" numpy's BLAS (scikit-learn's): {blas.get('internal_api')}, kernel {blas.get('architecture')}, "
+            f"{blas.get('num_threads')} threads (threadpoolctl); "
+            + (f"unset for the run: {', '.join(f'{k}={v}' for k, v in unset.items())}." if unset else
+               "no OpenBLAS override was set."))
+
+
 def _fmt(value: float) -> str:
     return "–" if not math.isfinite(value) else f"{value:.3g}"
 
@@ -41,7 +54,7 @@ def markdown_table(ds: xr.Dataset) -> str:
         f"GFLOP/s; 1-minute load average {float(a.get('load_average_1min_at_start', math.nan)):.2f} at the start, "
         f"{float(a.get('load_average_1min_at_end', math.nan)):.2f} at the end; CPU utilisation of the timed rows "
         f"{_fmt(float(ds['cpu_utilisation'].min()))}–{_fmt(float(ds['cpu_utilisation'].max()))}; "
-        f"{float(a.get('wall_time_s', math.nan)):.0f} s in all.",
+        f"{float(a.get('wall_time_s', math.nan)):.0f} s in all.{_blas(a)}",
         "",
         "| target | measured | needed | roofline bound (square GEMM / shapes) | verdict |",
         "|---|---|---|---|---|",
@@ -65,7 +78,9 @@ def markdown_table(ds: xr.Dataset) -> str:
     lines += _rows_table(ds, "nystrom_vs_sklearn", "Nyström features against scikit-learn's Nystroem",
                          [("row", None, "s"), ("ours [s]", "time_ours", "g"), ("Nystroem [s]", "time_peer", "g"),
                           ("speed-up", "speedup", "g"), ("error ours", "error_ours", "g"),
-                          ("error Nystroem", "error_peer", "g"), ("feature dtype", "extra:feature_dtype", "s")])
+                          ("error Nystroem", "error_peer", "g"), ("feature dtype", "extra:feature_dtype", "s"),
+                          ("computed as", "extra:plan", "s"), ("features vs float64", "extra:features_vs_float64", "g"),
+                          ("Nystroem's BLAS", "extra:peer_blas", "s")])
     lines += _rows_table(ds, "fusion", "Fused (compiled) against eager feature maps, one call, and the compilation",
                          [("row", None, "s"), ("fused [s]", "time_ours", "g"), ("eager [s]", "time_peer", "g"),
                           ("speed-up", "speedup", "g"), ("compile cold [s]", "extra:compile_cold_s", "g"),

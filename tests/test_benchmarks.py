@@ -95,6 +95,45 @@ def test_targets_from_synthetic_rows():
     assert bench_run._met(float("nan"), 1.0, ">=") == -1
 
 
+def test_nystrom_targets_take_the_worst_row():
+    """The scikit-learn targets: the slowest (std, m) row at n = 16k, the slowest at n = 20k, the worst error
+    ratio; each printed met or MISSED against >= 1 / <= 1.05."""
+    rows = [_row("nystrom_vs_sklearn", 16384, 1.0, time_peer_s=peer, error_ours=0.1, error_peer=0.1)
+            for peer in (1.5, 1.1, 2.0)]
+    rows += [_row("nystrom_vs_sklearn", 20000, 1.0, time_peer_s=0.9, error_ours=0.11, error_peer=0.1),
+             _row("nystrom_vs_sklearn", 20000, 1.0, time_peer_s=1.3, error_ours=0.1, error_peer=0.1)]
+    values = bench_run.evaluate_targets(rows)
+    assert values["speedup_vs_sklearn_nystroem"] == pytest.approx(1.1)
+    assert values["speedup_vs_sklearn_nystroem_20k"] == pytest.approx(0.9)
+    assert values["error_vs_sklearn_nystroem"] == pytest.approx(1.1)
+    table = bench_run.format_table(rows, values)
+    line = next(x for x in table.splitlines() if x.startswith("speedup_vs_sklearn_nystroem "))
+    assert "met" in line and ">=1" in line
+    assert "MISSED" in next(x for x in table.splitlines() if x.startswith("speedup_vs_sklearn_nystroem_20k"))
+
+
+def test_benchmark_command_unsets_the_blas_overrides(monkeypatch):
+    """``python -m benchmarks.run`` restarts itself without OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE (recorded for
+    the dataset); without them it carries on; numpy's BLAS is named through threadpoolctl."""
+    from benchmarks.cases import numpy_blas
+
+    calls = []
+    monkeypatch.setattr(bench_run.os, "execve", lambda *args: calls.append(args))
+    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
+    monkeypatch.delenv("OPENBLAS_L2_SIZE", raising=False)
+    bench_run.restart_without_blas_overrides(["--quick"])
+    assert calls == []
+    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
+    monkeypatch.setenv("OPENBLAS_L2_SIZE", "1048576")
+    bench_run.restart_without_blas_overrides(["--quick"])
+    (executable, argv, env), = calls
+    assert argv[1:] == ["-m", "benchmarks.run", "--quick"]
+    assert "OPENBLAS_CORETYPE" not in env and "OPENBLAS_L2_SIZE" not in env
+    assert json.loads(env[bench_run.UNSET_MARK]) == {"OPENBLAS_CORETYPE": "Haswell", "OPENBLAS_L2_SIZE": "1048576"}
+    info = numpy_blas()
+    assert info["internal_api"] and "num_threads" in info
+
+
 def test_measure_counts_repeats_and_flop_models():
     calls = []
     t = measure(lambda: calls.append(1), torch.device("cpu"), min_reps=4, max_reps=4, budget_s=0.0, warmup=2)
