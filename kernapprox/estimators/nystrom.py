@@ -387,7 +387,8 @@ class NystromFeatures(FeatureMap):
         cache = self.__dict__.setdefault("_cache", {})
         if "centred_spread" not in cache:
             m = self.landmarks_.shape[0]
-            logits = self.landmarks_ @ self.landmarks_.T - self.landmark_half_sq_norms_
+            with one_blas_thread():                     # an m × m problem: see kernapprox.estimators.linalg
+                logits = self.landmarks_ @ self.landmarks_.T - self.landmark_half_sq_norms_
             logits = logits[~np.eye(m, dtype=bool)].reshape(m, m - 1)
             cache["centred_spread"] = _rms(np.expm1(logits - logits.max(-1, keepdims=True))) if m > 1 else 0.0
         return cache["centred_spread"]
@@ -458,7 +459,7 @@ def _rows(parts, indices) -> torch.Tensor:
     for part in parts:
         stop = start + part.shape[0]
         local = indices[(indices >= start) & (indices < stop)] - start
-        rows.append(part[torch.as_tensor(local, device=part.device)].to("cpu", torch.float64))
+        rows.append(part.index_select(0, torch.as_tensor(local, device=part.device)).to("cpu", torch.float64))
         start = stop
     return torch.cat(rows)
 
