@@ -1,9 +1,11 @@
 """The figure, the findings and the rank correlation of ``trained_icl``, read from its dataset only.
 
 Every number comes from the summaries :func:`experiments.trained_icl.summarise` stores (:mod:`kernapprox.stats`):
-means over seeds × prompts with percentile-bootstrap intervals (the prompts are i.i.d.), and Spearman's ρ of the
-proxy against the post-hoc accuracy, whose bootstrap resamples the prompts jointly for every (estimator, r) point,
-which the paired design allows (every point reads the same prompts and the same proxy episodes).
+means over seeds × prompts with cluster-bootstrap intervals over seeds (the unit: the prompts of a seed share its
+feature draw or landmark fit), the layers' errors as the median and range of the seeds, and Spearman's ρ of the
+proxy against the post-hoc accuracy, whose cluster bootstrap resamples the seeds jointly for every (estimator, r)
+point, which the paired design allows (every point reads the same prompts and the same proxy episodes). A verdict
+needs at least :data:`kernapprox.stats.MIN_UNITS` seeds; with fewer the findings say "not resolved (k units)".
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import numpy as np
 import xarray as xr
 from scipy import stats as scipy_stats
 
-from experiments._icl import REPLICATES, label_panel, rank_panel
+from experiments._icl import label_panel, rank_panel
 from experiments._icl import style as icl_style
 from kernapprox import stats
 from kernapprox.plotting import bullets, fmt, fmt_ci, legend_entries, new_figure, save_figure
+
+UNIT = "seed"      # the unit of replication: the prompts of a seed share its feature draw or landmark fit
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -75,25 +79,29 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
 
 def rank_correlation(ds: xr.Dataset, task: str, context: int) -> tuple[xr.DataArray, int]:
     """Spearman's ρ between the proxy's and the post-hoc mean accuracy over the (estimator, r) points, with its
-    percentile-bootstrap interval (:func:`kernapprox.stats.bootstrap_interval` over the prompts, each resample
-    taking the same prompts for every point): ``(summary with a stat dimension, number of points)``."""
+    cluster-bootstrap interval over seeds (:func:`kernapprox.stats.bootstrap_interval` over the seeds, each resample
+    taking the same seeds, with all their prompts, for every point: the prompts of a seed share its feature draw):
+    ``(summary with a stat dimension, number of points)``."""
     labels, x, y = spearman_points(ds, task, context)
-    shape = (ds.sizes["seed"], ds.sizes["episode"])
-    prompts = xr.DataArray(np.arange(np.prod(shape), dtype=float).reshape(shape), dims=REPLICATES)
+    seeds = xr.DataArray(np.arange(ds.sizes[UNIT], dtype=float), dims=UNIT)
     if len(labels) < 3:
-        return stats.bootstrap_interval(prompts * np.nan, REPLICATES, "mean") * np.nan, len(labels)
-    x, y = x.reshape(len(labels), -1), y.reshape(len(labels), -1)
+        return stats.bootstrap_interval(seeds * np.nan, UNIT, "mean") * np.nan, len(labels)
 
     def spearman_rho(index: np.ndarray) -> np.ndarray:
-        """ρ of the points' mean accuracies over each row of prompt indices ``(R, m)``."""
+        """ρ of the points' mean accuracies over each row of seed indices ``(R, m)``, every prompt of a drawn
+        seed included."""
         out = np.empty(index.shape[0])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)        # a point without a finite resampled mean
             for i, row in enumerate(index.astype(int)):
-                out[i] = _spearman(np.nanmean(x[:, row], 1), np.nanmean(y[:, row], 1))
+                out[i] = _spearman(np.nanmean(x[:, row].reshape(len(labels), -1), 1),
+                                   np.nanmean(y[:, row].reshape(len(labels), -1), 1))
         return out
 
-    return stats.bootstrap_interval(prompts, REPLICATES, spearman_rho), len(labels)
+    summary = stats.bootstrap_interval(seeds, UNIT, spearman_rho)
+    summary.attrs["interval"] = summary.attrs["interval"].replace("percentile bootstrap", "cluster bootstrap") \
+        + " (each seed with all its prompts)"
+    return summary, len(labels)
 
 
 def rank_correlations(ds: xr.Dataset) -> xr.DataArray:
@@ -112,13 +120,14 @@ def rank_correlations(ds: xr.Dataset) -> xr.DataArray:
             points.append(f"{task}:{int(context)}={count}")
     out = xr.DataArray(data, dims=("task", "context", "stat"),
                        coords={"task": ds.task.values, "context": ds.context.values, "stat": list(stats.STATS)})
-    interval = attrs.get("interval", "95% percentile bootstrap over seed, episode")
+    interval = attrs.get("interval", "95% cluster bootstrap over seed (each seed with all its prompts)")
     out.attrs = {"long_name": "Spearman's ρ of proxy and post-hoc accuracy", "units": "1",
                  "description": "rank correlation over the approximate (estimator, r) points of substitution = all "
                                 "between the mean proxy_accuracy and the mean score; the bootstrap resamples the "
-                                "prompts jointly for every point: " + interval,
+                                "seeds (the units: the prompts of a seed share its feature draw) jointly for every "
+                                "point: " + interval,
                  "statistic": "spearman_rho", "interval": interval, "level": attrs.get("level", stats.LEVEL),
-                 "over": "seed, episode", "points": ", ".join(points)}
+                 "over": UNIT, "unit": UNIT, "points": ", ".join(points)}
     return out
 
 
@@ -146,14 +155,16 @@ def _post_hoc_range(ds, task, c) -> tuple[str, str] | None:
 
 # ------------------------------------------------------------------------------------------------- findings
 def findings(ds: xr.Dataset) -> str:
-    """Markdown bullets; every number is computed from ``ds`` (means with 95 % bootstrap intervals over prompts)."""
+    """Markdown bullets; every number is computed from ``ds`` (means with 95 % cluster-bootstrap intervals over
+    seeds, each seed with its prompts)."""
     lines = [_headline(ds)]
     for task in _tasks(ds, "mqar"):
         for c in _contexts(ds, task):
             sel = {"task": task, "context": c}
             lines.append(f"{task}: the softmax reference recalls {fmt_ci(ds['score_exact_summary'].sel(**sel))} of "
                          f"the queries with {c} pairs (seq_len {int(ds['seq_len'].sel(**sel).max())}, "
-                         f"{int(ds['score_exact_summary'].sel(**sel, stat='count'))} prompts).")
+                         f"{int(ds['score_exact_summary'].sel(**sel, stat='count'))} seeds × "
+                         f"{ds.sizes['episode']} prompts).")
     for task in _tasks(ds, "regression"):
         for c in _contexts(ds, task):
             sel = {"task": task, "context": c}
@@ -185,12 +196,30 @@ def _headline(ds) -> str:
         text += f"; with every layer's attention replaced post hoc it recalls from {span[0]} to {span[1]}"
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     if np.isfinite(_estimate(rho)):
-        agree = ("ranks them in agreement with the trained model's post-hoc accuracy (interval above 0)"
-                 if float(rho.sel(stat="lo")) > 0 else
-                 "is not resolved from no agreement with the trained model's post-hoc accuracy (interval contains 0)")
-        text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out (icl_recall's) "
-                 f"{agree}: Spearman ρ = {fmt_ci(rho, 2)}")
+        text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out's (icl_recall's) "
+                 f"Spearman ρ with the post-hoc accuracy is {fmt_ci(rho, 2)}: {_agreement(ds, rho)}")
     return text + "."
+
+
+def _units(ds) -> int:
+    return int(ds.sizes[UNIT])
+
+
+def _agreement(ds, rho) -> str:
+    """The rank agreement's verdict: resolved only with at least MIN_UNITS seeds and the cluster interval above 0."""
+    k = _units(ds)
+    if k < stats.MIN_UNITS:
+        return (f"agreement not resolved ({k} units: the seeds, whose prompts share one feature draw; a verdict needs "
+                f"{stats.MIN_UNITS})")
+    return ("agreement resolved (cluster interval above 0)" if float(rho.sel(stat="lo")) > 0 else
+            "agreement not resolved (the cluster interval contains 0)")
+
+
+def _range(summary, digits: int = 2) -> str:
+    """``0.75 [0.72–0.9]``: a median over seeds with the range of the seeds (:func:`kernapprox.stats.range_summary`),
+    in brackets."""
+    lo, hi = (fmt(float(summary.sel(stat=k)), digits) for k in ("lo", "hi"))
+    return f"{fmt(_estimate(summary), digits)} [{lo}–{hi}]"
 
 
 def _post_hoc_lines(ds, task, c) -> list[str]:
@@ -221,11 +250,12 @@ def _post_hoc_lines(ds, task, c) -> list[str]:
         rs = [int(v) for v in one.num_features.values if _ran(one.score.sel(num_features=v))]
         r = rs[len(rs) // 2]
         score = fmt_ci(one["score_summary"].sel(num_features=r), 2)
-        err = fmt_ci(one["layer_error_summary"].sel(num_features=r, layer=layer), 2)
+        err = _range(one["layer_error_summary"].sel(num_features=r, layer=layer))
         errs.append(f"layer {int(layer)} alone: score {score}, output error {err}")
     if errs:
         lines.append(f"{task}, `positive_orthogonal` at r = {r} in one layer ({c} in context; output error: median "
-                     "over seeds of the prompts' median): " + "; ".join(errs) + ".")
+                     f"over the {_units(ds)} seeds of the prompts' median, in brackets the range of the seeds, not a "
+                     "95 % interval): " + "; ".join(errs) + ".")
     return lines
 
 
@@ -241,7 +271,8 @@ def _mqar_lines(ds, task, c) -> list[str]:
             parts.append(f"`{est}` r = {int(r) if str(est) != 'exact' else 'KV'}: {fmt_ci(one['score_summary'], 2)} "
                          f"at {fmt(float(one.state_bytes.max()) / 1024)} KiB")
     if parts:
-        lines.append(f"{task}, trained from scratch ({c} pairs): " + "; ".join(parts) + ".")
+        lines.append(f"{task}, trained from scratch ({c} pairs; one training run per model, so the intervals cover "
+                     "the evaluation prompts' seeds, not training runs): " + "; ".join(parts) + ".")
     beta = ds["reference_beta"].sel(task=task, context=c).mean("seed")
     beta = [fmt(float(v), 2) for v in beta.values if np.isfinite(v)]
     if beta:
@@ -250,11 +281,13 @@ def _mqar_lines(ds, task, c) -> list[str]:
                      f"(layer 0, 1, …; {c} pairs, mean over seeds); the proxy reads at β = {fmt(factor)} ln {c} = "
                      f"{fmt(factor * np.log(c), 2)}.")
     rho = ds["proxy_rank_correlation"].sel(task=task)
-    parts = [f"{int(cc)} pairs: ρ = {fmt_ci(rho.sel(context=cc), 2)} over {_points(ds, task, int(cc))} points"
+    parts = [f"{int(cc)} pairs: ρ = {fmt_ci(rho.sel(context=cc), 2)} over {_points(ds, task, int(cc))} points, "
+             f"{_agreement(ds, rho.sel(context=cc))}"
              for cc in rho.context.values if np.isfinite(_estimate(rho.sel(context=cc)))]
     if parts:
         lines.append(f"{task}: Spearman's ρ of the training-free proxy's and the post-hoc accuracy over the "
-                     "(estimator, r) points, prompts resampled jointly: " + "; ".join(parts) + ".")
+                     f"(estimator, r) points, cluster bootstrap over the {_units(ds)} seeds (each with its prompts, "
+                     "the same seeds for every point): " + "; ".join(parts) + ".")
     elif _points(ds, task, c):
         lines.append(f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the "
                      f"{_points(ds, task, c)} points ({c} pairs): one side does not vary.")
@@ -344,13 +377,15 @@ def plot(ds: xr.Dataset, path) -> None:
     save_figure(fig, path, (
         "Trained causal Transformers with approximate attention. (a, c) Post-hoc substitution of every layer's "
         "softmax attention by an estimator at rank r, nothing retrained: task score (mean over evaluation prompts, "
-        "band: 95 % bootstrap interval); (b) each layer's attention-output error against exact attention on the "
+        "band: 95 % cluster-bootstrap interval over seeds, each with its prompts); (b) each layer's "
+        "attention-output error against exact attention on the "
         "model's own activations (median over seeds). (d) Models trained from scratch with the estimator at feature "
         "dimension r (plus a short convolution): accuracy against the bytes a decoder keeps (star: the softmax "
         "reference's KV cache; markers drawn later are smaller, so coinciding points stay visible). (e) "
         "Training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n) against the trained model's post-hoc "
         "accuracy at the same estimator, r and number of pairs (marker size grows with r), with Spearman's ρ over "
-        "the approximate points and its bootstrap interval. (f) Post-hoc accuracy against the prompt length at "
+        "the approximate points and its cluster-bootstrap interval over seeds. (f) Post-hoc accuracy against the "
+        "prompt length at "
         "r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
         title="In-context learning in trained Transformers")
 
@@ -387,7 +422,7 @@ def _proxy_panel(ax, ds, task, c):
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     ax.set_xlim(-0.03, 1.03)
     label_panel(ax, "training-free read-out accuracy (proxy)", "trained model, post-hoc accuracy",
-                f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points", accuracy=True)
+                f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points, {_units(ds)} seeds", accuracy=True)
 
 
 def _context_panel(ax, ds, task):

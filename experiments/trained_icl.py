@@ -21,17 +21,25 @@ Paired design: ``data_axes = (task, context, seed)``, so every estimator, rank a
 prompts (and the same proxy episodes), and the unmodified reference's score on them (with the least-squares and
 ridge baselines and the heads' effective temperature) is the study's :class:`~kernapprox.sweep.Reference`,
 computed once per data draw. The training seed is fixed (one model per configuration): intervals are over
-evaluation prompts and feature draws, not training runs. ``context`` is the number of pairs in an evaluation
-prompt (MQAR, at ``seq_len = context · L/N`` of the training task; regression, followed by its queries).
+evaluation seeds, not training runs. ``context`` is the number of pairs in an evaluation prompt (MQAR, at
+``seq_len = context · L/N`` of the training task; regression, followed by its queries).
 Substituting one layer at a time is measured at each task's largest evaluation context and at ``r = 64`` (the
 column of the fixed-dimension maps) only; every other substitution at every context.
 
+Unit of replication: the seed. The 16 prompts of a seed share its feature draw or landmark fit (one substituted
+model per cell), so they are not independent draws: every interval is a cluster bootstrap over seeds, each seed
+resampled with its prompts (:func:`kernapprox.stats.cluster_interval`), and a verdict (higher, lower, rank agreement)
+needs at least :data:`kernapprox.stats.MIN_UNITS` seeds and a paired exact test on the per-seed means
+(:func:`kernapprox.stats.paired_test`); with fewer the findings say "not resolved (k units)".
+
 Summaries (:mod:`kernapprox.stats`, read by the figure and the findings of :mod:`experiments._trained_icl_report`):
-mean scores over seeds × prompts with percentile-bootstrap intervals (``score_summary``, ``score_exact_summary``,
-the baselines', ``proxy_accuracy_summary``), the per-prompt paired difference from the reference
-(``score_vs_exact``), each layer's attention-output error (median over seeds, ``layer_error_summary``) and
-Spearman's ρ between the proxy and the post-hoc accuracy over the (estimator, r) points
-(``proxy_rank_correlation``, bootstrap resampling the prompts jointly for every point).
+mean scores over seeds × prompts with cluster-bootstrap intervals over seeds (``score_summary``,
+``score_exact_summary``, the baselines', ``proxy_accuracy_summary``), the per-prompt paired difference from the
+reference (``score_vs_exact``, its cluster interval and the Wilcoxon p-value of the per-seed means,
+``score_vs_exact_p``), each layer's attention-output error (median over seeds with the range of the seeds,
+``layer_error_summary``, :func:`kernapprox.stats.range_summary`: not a confidence interval) and Spearman's ρ between
+the proxy and the post-hoc accuracy over the (estimator, r) points (``proxy_rank_correlation``, cluster bootstrap
+over seeds, the same seeds for every point).
 """
 
 from __future__ import annotations
@@ -48,7 +56,7 @@ import xarray as xr
 
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
-from experiments._icl import EPISODES, add_mean, add_vs_exact, episode_dims
+from experiments._icl import EPISODES, episode_dims
 from kernapprox import metrics, readout, stats, tasks
 from kernapprox.distributions import effective_beta
 from kernapprox.models import (
@@ -355,15 +363,35 @@ def run_reference(params, device, data_rng, data):
 
 
 # ------------------------------------------------------------------------------------------------ summaries
+UNIT, WITHIN = "seed", ("episode",)     # the prompts of a seed share its feature draw / landmark fit
+
+
+def _cluster_mean(ds: xr.Dataset, name: str, var: str | None = None) -> xr.Dataset:
+    """``name``: the mean of ``var`` (default ``name`` without ``_summary``) over seeds × prompts with the
+    cluster-bootstrap interval over seeds (each seed resampled with its prompts)."""
+    var = var or name.removesuffix("_summary")
+    summary = stats.cluster_interval(ds[var], UNIT, WITHIN)
+    summary.attrs.update(long_name=ds[var].attrs.get("long_name", var), units=ds[var].attrs.get("units", "1"),
+                         description=f"mean of {var} over seed, episode: " + summary.attrs["interval"])
+    ds[name] = summary
+    return ds
+
+
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    """Means over prompts with bootstrap intervals, the paired difference from the reference per prompt, the
-    layers' errors over seeds, and Spearman's ρ of proxy and post-hoc accuracy with its interval."""
+    """Means over seeds × prompts with cluster-bootstrap intervals over seeds, the paired difference from the
+    reference per prompt with its cluster interval and the Wilcoxon p-value of its per-seed means, the layers'
+    errors (median and range over seeds), and Spearman's ρ of proxy and post-hoc accuracy with its cluster
+    interval."""
     for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy"):
-        ds = add_mean(ds, name)
-    ds = add_vs_exact(ds, "score", "score_exact", reference="the reference's", unit="prompt", baseline="reference")
-    layer = stats.summarise(ds["layer_error"], "seed")
-    layer.attrs["description"] = "summary of layer_error over seed: " + layer.attrs["interval"]
-    ds["layer_error_summary"] = layer
+        ds = _cluster_mean(ds, f"{name}_summary")
+    ds["score_vs_exact"] = (ds["score"] - ds["score_exact"]).assign_attrs(
+        long_name=f"{ds['score'].attrs['long_name']}: − the reference's on the same prompt", units="1",
+        description="per prompt, score − score_exact (identical prompts)", comparison="difference",
+        baseline="reference")
+    ds = _cluster_mean(ds, "score_vs_exact_summary")
+    ds["score_vs_exact_summary"].attrs["neutral"] = 0.0
+    ds["score_vs_exact_p"] = stats.paired_test(ds["score_vs_exact"], UNIT, WITHIN, test="wilcoxon")
+    ds["layer_error_summary"] = stats.range_summary(ds["layer_error"], UNIT)     # 5 seeds: the range, named so
     ds["proxy_rank_correlation"] = report.rank_correlations(ds)
     return ds
 
@@ -377,7 +405,9 @@ EXPERIMENT = Experiment(
                 "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).",
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=report.plot, data_axes=("task", "context", "seed"),
     draw=draw, reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=report.findings)
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=report.findings,
+    replicates="the seeds (cluster bootstrap: each seed with its prompts, which share its feature draw or landmark "
+               "fit)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
