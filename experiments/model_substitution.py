@@ -25,11 +25,19 @@ closed-form maps are fitted per ``(layer, head)`` on the running input (all text
 initialisations, k-means seeds): cells sharing ``paragraphs`` and ``seed`` share the root seed, so the
 ``search = False`` and ``search = True`` cells of one family draw the same maps.
 
-Summaries (:mod:`kernapprox.stats`): retrieval agreement as the mean over queries of each query's mean over seeds,
-with a percentile-bootstrap interval over the queries (the corpus is the sample; every seed reads the same
-queries); final-state, embedding and per-layer errors as medians over seeds; held-out head errors as medians over
-layers × heads × seeds, with paired ratios against each baseline map on the same heads and seeds
-(``heldout_error_vs_<baseline>``, and the share of heads where the map is below it).
+Units of replication. ``seed`` is the independent draw of every map (projections, initialisations, k-means); the
+36 (layer, head) pairs of one seed share it, so they are not independent: the held-out head errors are summarised
+per seed (the mean of the log error over its heads) and their intervals are cluster bootstraps over seeds, each seed
+resampled with all its heads (:func:`kernapprox.stats.cluster_interval`); a verdict against a baseline map needs
+at least :data:`kernapprox.stats.MIN_UNITS` seeds and the exact paired test of the per-seed means
+(:func:`kernapprox.stats.paired_test`), else it is "not resolved (k units)". Retrieval is measured on one corpus
+whose queries every seed reads (queries crossed with seeds): agreement is the mean over queries of each query's
+mean over the seeds, with a bootstrap over the queries (the unit: the query), conditional on the seeds' draws;
+placements are compared by the Wilcoxon signed-rank test over queries, Holm-adjusted over every comparison of the
+family (all pairs of placements with the same number of exact layers, or every placement against none exact), so
+naming the best first does not bias its verdict. Per-seed model quantities (embedding cosine, final-state and
+per-layer errors) are the median over seeds with the range of the seeds (:func:`kernapprox.stats.range_summary`),
+not a 95 % interval. The exact model's accuracy: a Clopper–Pearson proportion over its queries (deterministic).
 """
 
 
@@ -42,7 +50,7 @@ import numpy as np
 import xarray as xr
 
 import kernapprox as ka
-from experiments._common import add_paired, add_proportion, add_summaries, resolved
+from experiments._common import add_proportion
 from kernapprox import real, stats
 from kernapprox.plotting import bullets, fmt, fmt_ci
 from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
@@ -232,28 +240,59 @@ def run_reference(params, device, data_rng, data):
 
 
 # ------------------------------------------------------------------------------------------------ summaries
-HEAD_DRAWS = ("layer", "head", "seed")
+UNIT, HEADS = "seed", ("layer", "head")     # a seed's draw of the maps is shared by its heads
+
+
+def _geometric(ds: xr.Dataset, name: str, log: xr.DataArray, description: str, **attrs) -> None:
+    """``name``: exp of the mean of ``log`` over seeds × heads with its cluster-bootstrap interval over seeds (each
+    seed with all its heads): a geometric mean (of errors or of paired ratios)."""
+    summary = stats.cluster_interval(log, UNIT, HEADS)
+    summary.loc[{"stat": ["estimate", "lo", "hi"]}] = np.exp(summary.sel(stat=["estimate", "lo", "hi"]))
+    summary.attrs.update(statistic="geometric mean", units="1", description=description + ": "
+                         + summary.attrs["interval"], **attrs)
+    ds[name] = summary
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     """Agreement: per query the mean over seeds, then the mean over queries with its bootstrap interval over
-    queries. Errors and cosines: medians over seeds. Held-out head errors: medians over layers × heads × seeds and
-    paired ratios against each baseline map. The exact model's accuracy: a Clopper–Pearson proportion."""
+    queries. Errors and cosines per seed: the median and range of the seeds. Held-out head errors: geometric means
+    over seeds × heads with cluster-bootstrap intervals over seeds, and the paired ratios against each baseline map
+    (geometric mean, the share of heads below 1, the Wilcoxon and sign p-values of the per-seed means of the log
+    ratio). The exact model's accuracy: a Clopper–Pearson proportion."""
     for name in ("top1_agreement", "top10_agreement", "self_hit"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)              # cells that do not run: all NaN
             per_query = ds[name].mean("seed")
         summary = stats.bootstrap_interval(per_query, QUERIES, "mean")
-        summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": "1",
+        summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": "1", "unit": QUERIES,
                               "description": f"{name}: mean over seeds per query, then over queries: "
-                                             + summary.attrs["interval"] + " (of the per-query means)"})
+                                             + summary.attrs["interval"] + " (of the per-query means; the unit is "
+                                             "the query, conditional on the seeds' map draws)"})
         ds[f"{name}_summary"] = summary
-    ds = add_summaries(ds, ["final_state_error", "layer_attention_error"], "seed")
-    ds = add_summaries(ds, ["embedding_cosine"], "seed", tail_threshold=None)
-    ds = add_summaries(ds, ["heldout_error"], HEAD_DRAWS)
-    for baseline in HELDOUT_BASELINES:
-        if baseline in ds.estimator.values:
-            ds = add_paired(ds, "heldout_error", baseline, HEAD_DRAWS, op="ratio")
+    for name in ("final_state_error", "layer_attention_error", "embedding_cosine"):
+        summary = stats.range_summary(ds[name], UNIT)
+        summary.attrs["description"] = f"{name}: median over seeds; lo, hi: " + summary.attrs["interval"]
+        ds[f"{name}_summary"] = summary
+    with np.errstate(divide="ignore", invalid="ignore"):
+        _geometric(ds, "heldout_error_summary", np.log(ds["heldout_error"]),
+                   "geometric mean of heldout_error over seeds × heads", long_name=ds["heldout_error"].attrs[
+                       "long_name"])
+        for baseline in [b for b in HELDOUT_BASELINES if b in ds.estimator.values]:
+            ratio = stats.paired(ds["heldout_error"], "estimator", baseline, op="ratio")
+            ratio.attrs.update(long_name=f"held-out error / {baseline}'s on the same head and seed", units="1",
+                               description=f"per (layer, head, seed): heldout_error / heldout_error of {baseline}")
+            ds[f"heldout_error_vs_{baseline}"] = ratio
+            _geometric(ds, f"heldout_error_vs_{baseline}_summary", np.log(ratio),
+                       f"geometric mean of the ratio to {baseline} over seeds × heads", neutral=1.0,
+                       long_name=ratio.attrs["long_name"], comparison="ratio")
+            below = stats.cluster_interval((ratio < 1).where(ratio.notnull()).astype(float), UNIT, HEADS)
+            ds[f"heldout_error_vs_{baseline}_summary"].loc[{"stat": ["below", "below_lo", "below_hi"]}] = \
+                below.sel(stat=["estimate", "lo", "hi"]).values
+            ds[f"heldout_error_vs_{baseline}_summary"].attrs["interval"] += (
+                "; below, below_lo, below_hi: the share of (layer, head) entries with ratio < 1 and its cluster "
+                "interval over seeds")
+            for test in ("wilcoxon", "sign"):
+                ds[f"heldout_error_vs_{baseline}_p_{test}"] = stats.paired_test(ratio, UNIT, HEADS, test=test)
     ds = add_proportion(ds, "exact_self_hit", ds["exact_self_hit"].isel(seed=0, drop=True), 1.0, (QUERIES,))
     return ds
 
@@ -299,21 +338,54 @@ def _ranked(table, count) -> list:
 def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
     """Paired top-10 agreement of placement ``a`` − placement ``b`` (same maps, same queries): per query the mean
     over seeds of the difference, then the mean over queries with its bootstrap interval over queries."""
+    return stats.paired_summary(_per_query_difference(ds, est, r, a, b), QUERIES, statistic="mean")
+
+
+def _per_query_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
     v = ds["top10_agreement"].sel(estimator=est, num_features=r, search=True).squeeze(drop=True)
     diff = v.sel(placement=a) - v.sel(placement=b)
-    diff = (diff.mean("seed") if "seed" in diff.dims else diff).assign_attrs(comparison="difference")
-    return stats.paired_summary(diff, QUERIES, statistic="mean")
+    return (diff.mean("seed") if "seed" in diff.dims else diff).assign_attrs(comparison="difference")
 
 
-def _difference_text(ds, est: str, r: int, a: str, b: str) -> str:
+def _holm_family(ds, est: str, r: int, pairs) -> dict:
+    """``(a, b) -> Holm-adjusted p``: the Wilcoxon signed-rank test over queries of the per-query differences of
+    top-10 agreement (each the mean over seeds) for every pair of placements in ``pairs``, adjusted over the family."""
+    raw = [float(stats.paired_test(_per_query_difference(ds, est, r, a, b), QUERIES, test="wilcoxon"))
+           for a, b in pairs]
+    return dict(zip(pairs, stats.holm(np.asarray(raw)))) if pairs else {}
+
+
+def _verdict_text(ds, est, r, a, b, p: float, family: str) -> str:
+    """``paired per query a − b 0.012 (−0.005 to 0.029), Holm-adjusted p = 0.9 over <family>: not resolved``."""
     d = _placement_difference(ds, est, r, a, b)
-    return f"paired per query {a} − {b} {fmt_ci(d, 2)}, " + ("resolved" if resolved(d) else "not resolved")
+    word = stats.verdict(float(d.sel(stat="estimate")), p, int(d.sel(stat="count")))
+    word = {"higher": "resolved higher", "lower": "resolved lower"}.get(word, word)
+    return f"paired per query {a} − {b} {fmt_ci(d, 2)}, Holm-adjusted p = {_p(p)} over {family}: {word}"
+
+
+def _range(summary, digits: int = 2) -> str:
+    """``0.56 [0.55–0.6]``: a median over seeds with the range of the seeds
+    (:func:`kernapprox.stats.range_summary`), in brackets."""
+    lo, hi = (fmt(float(summary.sel(stat=k)), digits) for k in ("lo", "hi"))
+    return f"{fmt(float(summary.sel(stat='estimate')), digits)} [{lo}–{hi}]"
+
+
+def _p(value: float) -> str:
+    return "n/a" if not np.isfinite(value) else fmt(float(value), 2)
+
+
+def _all_pairs(labels) -> list[tuple[str, str]]:
+    return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
+
+
+def _family_p(family: dict, a: str, b: str) -> float:
+    return family.get((a, b), family.get((b, a), np.nan))
 
 
 def findings(ds) -> str:
     """Markdown bullets; every number is computed from ``ds`` (95 % intervals: bootstrap over queries of the
-    per-query means over seeds; Clopper–Pearson for the exact model's accuracy; bootstrap over heads and seeds for
-    held-out errors)."""
+    per-query means over seeds; Clopper–Pearson for the exact model's accuracy; cluster bootstrap over seeds, each
+    with its heads, for held-out errors; in brackets the range of the seeds of a per-seed median)."""
     estimators = [str(e) for e in ds.estimator.values]
     ranks = [int(r) for r in ds.num_features.values]
     lines = [_headline(ds, estimators, ranks)]
@@ -330,9 +402,12 @@ def findings(ds) -> str:
             parts.append(f"`{est}` (r = {_dim(ds, est, r)}): top-1 "
                          f"{fmt_ci(_all_layers(ds, 'top1_agreement_summary', est, r), 2)}, top-10 "
                          f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}, embedding cosine "
-                         f"{fmt_ci(_all_layers(ds, 'embedding_cosine_summary', est, r), 3)}")
+                         f"{_range(_all_layers(ds, 'embedding_cosine_summary', est, r), 3)}")
         if parts:
-            lines.append(f"All six layers substituted, r = {r} per head: " + "; ".join(parts) + ".")
+            lines.append(f"All six layers substituted, r = {r} per head (agreement: mean over the {n} queries, each "
+                         f"the mean over the {ds.sizes[UNIT]} seeds, interval over the queries; embedding cosine: "
+                         "median over the seeds, in brackets their range, not a 95 % interval): " + "; ".join(parts)
+                         + ".")
     lines.append(_memory_line(ds, estimators, ranks))
     for est, r in _searches(ds):
         table = hybrid_table(ds, est, r)
@@ -345,8 +420,10 @@ def findings(ds) -> str:
             naive = [f"{which} {count}: {fmt_ci(table[label], 2)}" for which, label in (
                 ("first", sub.placement_label(sub.first_layers(count))),
                 ("last", sub.placement_label(sub.last_layers(count)))) if label in table]
+            family = _holm_family(ds, est, r, _all_pairs([label for label, _ in ranked]))
             versus = (f"; runner-up {second[0]} {fmt_ci(second[1], 2)}, "
-                      + _difference_text(ds, est, r, best[0], second[0]) if second is not None else "")
+                      + _verdict_text(ds, est, r, best[0], second[0], _family_p(family, best[0], second[0]),
+                                      f"all {len(family)} pairs") if second is not None else "")
             lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {len(ranked)} "
                          f"placements is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} ("
                          + "; ".join(naive) + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
@@ -354,9 +431,12 @@ def findings(ds) -> str:
         alone = {layer: table[label] for layer, label in labels.items() if label in table}
         if alone:
             worst, top = (pick(alone, key=lambda i: float(alone[i].sel(stat="estimate"))) for pick in (min, max))
+            family = _holm_family(ds, est, r, _all_pairs([labels[i] for i in alone]))
             lines.append(f"`{est}`, r = {r}, one layer substituted at a time: top-10 agreement from "
                          f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
-                         + _difference_text(ds, est, r, labels[top], labels[worst]) + ".")
+                         + _verdict_text(ds, est, r, labels[top], labels[worst],
+                                         _family_p(family, labels[top], labels[worst]), f"all {len(family)} pairs")
+                         + ".")
     lines += _heldout_lines(ds, estimators, ranks)
     return bullets(lines)
 
@@ -370,13 +450,18 @@ def _headline(ds, estimators, ranks) -> str:
             "share of each query's top-10 documents that the exact model also retrieves is " + ", ".join(parts))
     for est, rs in _searches(ds):
         table = hybrid_table(ds, est, rs)
-        best = (_ranked(table, 2) or [None])[0]
-        if best is not None and NONE_EXACT in table:
+        two = _ranked(table, 2)
+        if two and NONE_EXACT in table:
+            best = two[0]
+            family = _holm_family(ds, est, rs, [(label, NONE_EXACT) for label, _ in two])
             d = _placement_difference(ds, est, rs, best[0], NONE_EXACT)
-            verb = "raises" if resolved(d) and float(d.sel(stat="estimate")) > 0 else "does not resolvably change"
-            text += (f"; keeping two layers exact ({best[0]}, the best of {sum(_num_exact(k) == 2 for k in table)} "
-                     f"such placements) {verb} `{est}` at r = {rs}: {fmt_ci(table[NONE_EXACT], 2)} → "
-                     f"{fmt_ci(best[1], 2)}, paired per query {fmt_ci(d, 2)}")
+            p = family[(best[0], NONE_EXACT)]
+            verb = {"higher": "raises", "lower": "lowers"}.get(
+                stats.verdict(float(d.sel(stat="estimate")), p, int(d.sel(stat="count"))), "does not resolvably change")
+            text += (f"; keeping two layers exact ({best[0]}, the best of {len(two)} such placements) {verb} `{est}` "
+                     f"at r = {rs}: {fmt_ci(table[NONE_EXACT], 2)} → {fmt_ci(best[1], 2)}, paired per query "
+                     f"{fmt_ci(d, 2)} (Wilcoxon over {int(d.sel(stat='count'))} queries, Holm-adjusted over the "
+                     f"{len(two)} placements against none exact: p = {_p(p)})")
             break
     return text + "."
 
@@ -414,24 +499,38 @@ def _heldout_lines(ds, estimators, ranks) -> list[str]:
             parts.append(f"`{est}` (r = {_dim(ds, est, r)}) {fmt_ci(one, 2)}")
     lines = []
     if parts:
-        lines.append(f"Held-out attention-output error per head at r = {r} (median over layers × heads × seeds, "
-                     "maps fitted on extraction windows 0–1 and tested on windows 2–3): " + "; ".join(parts) + ".")
+        lines.append(f"Held-out attention-output error per head at r = {r} (geometric mean over layers × heads × "
+                     f"{ds.sizes[UNIT]} seeds with a cluster-bootstrap interval over the seeds, maps fitted on "
+                     "extraction windows 0–1 and tested on windows 2–3): " + "; ".join(parts) + ".")
     for est in [e for e in LEARNED if e in estimators]:
         wins = []
+        k = ds.sizes[UNIT]
         for base in HELDOUT_BASELINES:
             var = f"heldout_error_vs_{base}_summary"
             if var not in ds:
                 continue
-            p = ds[var].sel(estimator=est, num_features=r, search=False).squeeze(drop=True)
-            if not _ran(p):
+            at = {"estimator": est, "num_features": r, "search": False}
+            g = ds[var].sel(at).squeeze(drop=True)
+            if not _ran(g):
                 continue
-            share = xr.DataArray(p.sel(stat=["below", "below_lo", "below_hi"]).values, dims="stat",
+            share = xr.DataArray(g.sel(stat=["below", "below_lo", "below_hi"]).values, dims="stat",
                                  coords={"stat": ["estimate", "lo", "hi"]})
-            wins.append(f"`{base}` on {fmt_ci(share, 2)} of {int(p.sel(stat='count'))} (median ratio "
-                        f"{fmt_ci(p, 2)}{'' if resolved(p) else ', not resolved from 1'})")
+            per_seed = np.log(ds[f"heldout_error_vs_{base}"].sel(at).squeeze(drop=True)).mean(HEADS)
+            lower = int((per_seed < 0).sum())
+            p_w = float(ds[f"heldout_error_vs_{base}_p_wilcoxon"].sel(at).squeeze(drop=True))
+            p_s = float(ds[f"heldout_error_vs_{base}_p_sign"].sel(at).squeeze(drop=True))
+            word = stats.verdict(float(np.log(g.sel(stat="estimate"))), p_w, int(g.sel(stat="count")))
+            word = {"lower": "resolved lower", "higher": "resolved higher"}.get(word, word)
+            if word == "not resolved" and k < stats.MIN_UNITS:
+                word = f"not resolved ({k} units)"
+            wins.append(f"`{base}`: geometric-mean ratio {fmt_ci(g, 2)}, below 1 on a share {fmt_ci(share, 2)} of "
+                        f"the heads, lower in {lower} of {k} seeds (Wilcoxon p = {_p(p_w)}, sign test p = "
+                        f"{_p(p_s)}): {word}")
         if wins:
-            lines.append(f"Paired by head and seed at r = {r}, `{est}`'s held-out error is below " + "; ".join(wins)
-                         + " (layer, head, seed) triples.")
+            lines.append(f"`{est}`'s held-out error against each baseline map at r = {r}, paired by head within seed "
+                         f"(the unit is the seed, the maps' draw, which its {ds.sizes['layer'] * ds.sizes['head']} "
+                         f"heads share: cluster intervals over the {k} seeds, exact tests on the per-seed mean log "
+                         "ratio; a verdict needs " + f"{stats.MIN_UNITS} seeds): " + "; ".join(wins) + ".")
     return lines
 
 
@@ -573,7 +672,7 @@ def plot(ds, path):
         "and compared with the exact model on the same tokens. Top row: top-1 / top-10 agreement of each query's "
         f"nearest documents with the exact model's (mean over queries of the mean over {ds.sizes['seed']} seeds; "
         "band: 95 % bootstrap interval over queries); median relative error of the final hidden states over seeds "
-        "(band: bootstrap interval of the median). Bottom left: top-10 agreement against attention memory per "
+        "(band: the range of the seeds). Bottom left: top-10 agreement against attention memory per "
         "text (estimators' state_bytes; exact layers hold their KV cache at the text's length); dotted: all layers "
         "substituted at each r; solid: the best searched placement of k exact layers (k written beside it; every "
         f"placement is searched for k ≤ {int(params['search_max_exact'])} and k ≥ 5, only the naive ones between), "
@@ -581,7 +680,7 @@ def plot(ds, path):
         f"middle: held-out attention-output error per head at r = {r_head} (maps fitted on windows 0–1 of the "
         "extraction, tested on windows 2–3; boxes over 72 heads and the seeds, whiskers 1.5 IQR). Bottom right: "
         "each layer's attention-output error on the activations it sees with all layers substituted (median over "
-        "seeds and its 95 % bootstrap interval)."))
+        "seeds and the range of the seeds)."))
 
 
 EXPERIMENT = Experiment(
@@ -595,7 +694,9 @@ EXPERIMENT = Experiment(
                  "training steps × seed."),
     grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"), draw=draw,
     reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
+    replicates="the queries (agreement: each query the mean over the seeds) or the seeds (held-out errors: cluster "
+               "bootstrap, each seed with all its heads)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
