@@ -341,12 +341,6 @@ def _add_text_ratios(ds: xr.Dataset) -> None:
         description="Holm (1979) over the sources compared with text (family: this table)")
 
 
-def _lengths_in(ds: xr.Dataset) -> list[int]:
-    """The prefix lengths at which some source has a finite rank."""
-    rank = ds["rank_attention"]
-    return [int(n) for n in rank.seq_len.values if bool(np.isfinite(rank.sel(seq_len=n)).any())]
-
-
 def _largest_n(rank: xr.DataArray):
     ok = [int(n) for n in rank.seq_len.values if bool(np.isfinite(rank.sel(seq_len=n)).any())]
     return max(ok) if ok else None
@@ -458,14 +452,15 @@ def findings(ds: xr.Dataset) -> list[str]:
     growth = ds["rank_attention_growth_summary"].sel(target=TARGETS[0], **sel)
     lines = []
     head = []
+    n_top = _largest_n(ds["rank_attention"])
     for s in sources:
         ns = finite_values(rank.sel(source=s), "seq_len")
         if ns:
             value = fmt(float(rank.sel(source=s, seq_len=ns[-1], stat="estimate")), 3)
             head.append(f"{SHORT[s]} {value}"
-                        + ("" if ns[-1] == max(_lengths_in(ds)) else f" (n = {ns[-1]})"))
+                        + ("" if ns[-1] == n_top else f" (n = {ns[-1]})"))
     if head:
-        lines.append(f"Optimal rank for {TARGETS[0]:.0%} attention-matrix error at n = {max(_lengths_in(ds))} (median "
+        lines.append(f"Optimal rank for {TARGETS[0]:.0%} attention-matrix error at n = {n_top} (median "
                      "over models): " + ", ".join(head) + ".")
     parts = []
     for s in sources:
