@@ -216,3 +216,40 @@ def test_range_summary_is_the_median_and_range_of_the_units():
                                [[0.25, 0.1, 0.5, 4], [3.0, 1.0, 5.0, 5]])
     assert np.isnan(s.sel(stat="q10")).all() and s.attrs["long_name"] == "error"
     assert np.isnan(stats.range_summary(da * np.nan, "seed").sel(stat="estimate")).all()
+
+
+def _residual_rank_correlation(x, y, z):
+    """Independent route to the partial Spearman ρ: Pearson's r of the residuals of rank(x), rank(y) after a
+    least-squares line on rank(z)."""
+    rx, ry, rz = (scipy_stats.rankdata(v) for v in (x, y, z))
+    design = np.stack([np.ones_like(rz), rz], 1)
+    res = [v - design @ np.linalg.lstsq(design, v, rcond=None)[0] for v in (rx, ry)]
+    return float(np.corrcoef(*res)[0, 1])
+
+
+def test_partial_spearman_is_the_correlation_of_rank_residuals():
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        z = rng.normal(size=15)
+        x, y = z + rng.normal(size=15), 0.5 * z + rng.normal(size=15)
+        np.testing.assert_allclose(stats.partial_spearman(x, y, z), _residual_rank_correlation(x, y, z), atol=1e-12)
+    # ties (mid-ranks) and NaN pairs left out
+    x, y, z = np.array([1, 2, 2, 3, 5, 4, np.nan]), np.array([2, 1, 3, 3, 6, 5, 0]), np.array([1, 1, 2, 2, 3, 3, 4])
+    np.testing.assert_allclose(stats.partial_spearman(x, y, z), _residual_rank_correlation(x[:6], y[:6], z[:6]))
+
+
+def test_partial_spearman_removes_what_the_control_explains():
+    rng = np.random.default_rng(0)
+    z = np.log2(np.repeat([16, 32, 64, 128, 256], 40))     # tied levels, as log r over estimators: mid-ranks
+    x, y = z + 0.3 * rng.normal(size=200), z + 0.3 * rng.normal(size=200)   # related only through z
+    assert stats.partial_spearman(x, y, z) == pytest.approx(0.0, abs=0.15)
+    assert float(scipy_stats.spearmanr(x, y).statistic) > 0.8               # the plain ρ is mostly z
+    e = rng.normal(size=200)
+    x, y = z + 0.3 * e, z - 0.3 * e                                         # residuals opposite
+    assert stats.partial_spearman(x, y, z) < -0.8
+    assert stats.partial_spearman(z + 0.3 * e, z + 0.3 * e, z) == pytest.approx(1.0)
+    # the control orders y perfectly: nothing left to correlate; fewer than 4 pairs: undefined
+    assert np.isnan(stats.partial_spearman(rng.normal(size=10), np.arange(10.0) ** 2, np.arange(10.0)))
+    assert np.isnan(stats.partial_spearman([1.0, 2.0, 3.0], [3.0, 1.0, 2.0], [1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="same length"):
+        stats.partial_spearman([1.0, 2.0], [1.0], [1.0, 2.0])
