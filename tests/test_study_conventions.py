@@ -153,6 +153,7 @@ def test_findings_are_computed_from_the_dataset_and_tied_to_the_figure(name, smo
     digest = sweep.read_digest(md)
     assert digest == sweep.dataset_digest(ds)
     assert digest in Image.open(tmp_path / f"{name}.png").info["Source"]
+    assert sweep.read_code_digest(md) == ds.attrs["code_digest"] == sweep.study_code_digest(f"experiments.{name}")
 
 
 def test_findings_of_two_runs_are_identical(smoke_run, tmp_path):

@@ -449,3 +449,61 @@ def test_a_draw_needs_data_axes_and_cells_that_take_it():
     with pytest.raises(TypeError, match="run_cell\\(params, rng, device, data\\)"):
         _experiment(grids={"smoke": {"a": [1], "seed": [0]}}, data_axes=("seed",), draw=toy_draw.draw,
                     run_cell=lambda params, rng, device, data_rng: {"m": 0.0})
+
+
+def _study_package(root, name, body):
+    pkg = root / name
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_helper.py").write_text("def helper():\n    return 1\n")
+    (pkg / "study.py").write_text(body)
+
+
+def test_the_study_code_digest_follows_statements_not_prose(tmp_path, monkeypatch):
+    """The code digest of a study: its module, the helpers of its own package it imports, and the library; a
+    docstring or a comment leaves it, a changed statement in the study or in a helper it imports moves it."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    body = '"""A study."""\nfrom studypkg import _helper\nimport kernapprox\n\n\ndef cell():\n    return 2\n'
+    _study_package(tmp_path, "studypkg", body)
+    importlib.invalidate_caches()
+    first = sweep.study_code_digest("studypkg.study")
+    assert first is not None and len(first) == 16 and int(first, 16) >= 0
+    (tmp_path / "studypkg" / "study.py").write_text(body.replace('"""A study."""', '"""Prose."""  # a comment'))
+    assert sweep.study_code_digest("studypkg.study") == first
+    (tmp_path / "studypkg" / "study.py").write_text(body.replace("return 2", "return 3"))
+    changed = sweep.study_code_digest("studypkg.study")
+    assert changed != first
+    (tmp_path / "studypkg" / "_helper.py").write_text("def helper():\n    return 4\n")
+    assert sweep.study_code_digest("studypkg.study") not in (first, changed)
+    assert sweep.study_code_digest("no_such_module_anywhere.study") is None
+
+
+def test_a_findings_file_names_the_code_of_its_data_and_stale_ones_are_reported(tmp_path):
+    """The findings' last line carries the dataset's code digest; figure_status compares it with today's code:
+    current, stale (other code) or unknown (no digest); the command exits 1 with --strict when any is not current."""
+    import toy_paired
+
+    from kernapprox.sweep.__main__ import main
+
+    ds = sweep.run(toy_paired.EXPERIMENT, out=tmp_path / "p.nc", device="cpu", progress=False)
+    now = sweep.study_code_digest("experiments.spectrum")
+    ds.attrs["code_digest"] = now
+    text = sweep.findings_text(toy_paired.EXPERIMENT, ds, "results/p.nc")
+    assert sweep.read_code_digest(text) == now and sweep.read_digest(text) == sweep.dataset_digest(ds)
+    folder = tmp_path / "figures"
+    folder.mkdir()
+    line = "- x\n\n<!-- findings of results/{0}.nc (experiments.spectrum); data digest 0123456789abcdef{1} -->\n"
+    (folder / "a.md").write_text(line.format("a", f"; code {now}"))
+    (folder / "b.md").write_text(line.format("b", "; code 00000000000000ff"))
+    (folder / "c.md").write_text(line.format("c", ""))
+    (folder / "notes.md").write_text("no findings line\n")
+    status = {row.path.name: row.status for row in sweep.figure_status(folder)}
+    assert status == {"a.md": "current", "b.md": "stale", "c.md": "unknown"}
+    assert main(["status", str(folder)]) == 0 and main(["status", str(folder), "--strict"]) == 1
+    (folder / "b.md").unlink()
+    (folder / "c.md").unlink()
+    assert main(["status", str(folder), "--strict"]) == 0
+    with pytest.raises(ValueError, match="folder"):
+        sweep.figure_status(tmp_path / "missing")

@@ -33,7 +33,17 @@ from ._experiment import (
     data_seed_sequence,
     iter_cells,
 )
-from ._figures import dataset_digest, draw, findings_body, findings_text, read_digest
+from ._figures import (
+    FigureStatus,
+    dataset_digest,
+    draw,
+    figure_status,
+    findings_body,
+    findings_text,
+    read_code_digest,
+    read_digest,
+)
+from ._provenance import study_code_digest
 from ._run import SweepError, default_output, resolve_device, resolve_grid, run, summarise_dataset
 from ._store import MARKER, OutputPathError, load
 from ._worker import CellError, not_applicable
@@ -41,5 +51,6 @@ from ._worker import CellError, not_applicable
 __all__ = ["Experiment", "Metric", "Parameter", "Reference", "AXIS_ATTRS", "run", "run_cli", "load",
            "cell_seed_sequence", "data_seed_sequence", "cell_key", "iter_cells", "resolve_grid",
            "summarise_dataset", "draw", "findings_body", "findings_text", "dataset_digest", "read_digest",
+           "read_code_digest", "figure_status", "FigureStatus", "study_code_digest",
            "build_parser", "default_output", "resolve_device", "SweepError", "CellError", "OutputPathError",
            "MARKER", "not_applicable"]

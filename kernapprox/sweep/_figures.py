@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import xarray as xr
@@ -20,7 +21,7 @@ from ..io import atomic_write
 
 TIMING_VARIABLES = ("cell_seconds", "reference_seconds")
 _DIGEST_LINE = re.compile(r"<!-- findings of (?P<source>\S+) \((?P<module>[^)]*)\); "
-                          r"data digest (?P<digest>[0-9a-f]+) -->")
+                          r"data digest (?P<digest>[0-9a-f]+)(?:; code (?P<code>[0-9a-f]+))? -->")
 
 
 def dataset_digest(ds: xr.Dataset) -> str:
@@ -67,14 +68,58 @@ def findings_text(experiment, ds: xr.Dataset, source: str) -> str:
     note = bullets([interval_note(ds, experiment.replicates)])
     if "Numbers in parentheses are" not in body:          # the engine's closing line, unless the study wrote one
         body = f"{body}\n{note}"
+    code = ds.attrs.get("code_digest") or ""
     return (body + f"\n\n<!-- findings of {source} ({experiment.module}); data digest "
-            f"{dataset_digest(ds)} -->\n")
+            f"{dataset_digest(ds)}{f'; code {code}' if code else ''} -->\n")
 
 
 def read_digest(markdown: str) -> str | None:
     """The data digest named by a findings file's last line (``None`` if it has none)."""
     match = _DIGEST_LINE.search(markdown)
     return match["digest"] if match else None
+
+
+def read_code_digest(markdown: str) -> str | None:
+    """The code digest (:func:`kernapprox.sweep.study_code_digest` of the code that made the data) named by a
+    findings file's last line (``None`` if it names none)."""
+    match = _DIGEST_LINE.search(markdown)
+    return match["code"] if match else None
+
+
+class FigureStatus(NamedTuple):
+    """One committed findings file against the code now: ``status`` is ``"current"`` (its data was made by code
+    with today's digest), ``"stale"`` (by other code), or ``"unknown"`` (the file names no code digest, or its
+    module's digest cannot be computed)."""
+
+    path: Path
+    module: str
+    recorded: str | None
+    current: str | None
+    status: str
+
+
+def figure_status(folder="figures") -> list[FigureStatus]:
+    """Whether each findings file in ``folder`` (``*.md`` with the engine's last line) was made by today's code:
+    its recorded code digest against :func:`~kernapprox.sweep.study_code_digest` of its module now. A figure made
+    by other code may still show the same numbers (a change elsewhere in the library); rerunning it settles it
+    (``make figures`` reruns what is stale and the data digest says whether the numbers moved)."""
+    from ._provenance import study_code_digest
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ValueError(f"folder {str(folder)!r} is not a directory")
+    rows, current = [], {}
+    for path in sorted(folder.glob("*.md")):
+        match = _DIGEST_LINE.search(path.read_text(encoding="utf-8"))
+        if match is None:
+            continue
+        module = match["module"]
+        if module not in current:
+            current[module] = study_code_digest(module)
+        now, recorded = current[module], match["code"]
+        status = "unknown" if recorded is None or now is None else ("current" if recorded == now else "stale")
+        rows.append(FigureStatus(path, module, recorded, now, status))
+    return rows
 
 
 def draw(experiment, ds: xr.Dataset, figure, *, source: str = "the dataset") -> list[Path]:

@@ -13,7 +13,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from ..provenance import git_revision
+from ..provenance import code_digest, git_revision
 
 PACKAGES = {"numpy": "numpy", "scipy": "scipy", "torch": "torch", "xarray": "xarray", "sklearn": "scikit-learn",
             "h5netcdf": "h5netcdf", "dask": "dask", "distributed": "distributed", "matplotlib": "matplotlib",
@@ -53,6 +53,22 @@ def code_fingerprint(experiment_module: str) -> str:
         digest.update(str(path.name).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def study_code_digest(experiment_module: str) -> str | None:
+    """A digest of the code that computes a study's numbers, for telling whether a committed figure is current:
+    SHA-256 (16 hex digits) of :func:`kernapprox.provenance.code_digest` of the experiment module with every module
+    of its own package that it imports (``experiments._icl``, ...), and of the whole ``kernapprox`` package (every
+    module of the library, as ``make``'s rule for a dataset depends on the whole library). Docstrings, comments,
+    formatting and file moves do not enter; any change of a statement does. ``None`` for a module that is not a
+    file of an importable package (an experiment defined in ``__main__`` or a notebook): nothing to compare."""
+    package = experiment_module.split(".")[0]
+    try:
+        own = code_digest(experiment_module, package=package)
+        library = own if package == "kernapprox" else code_digest("kernapprox")
+    except ValueError:
+        return None
+    return hashlib.sha256(f"{own}\n{library}".encode()).hexdigest()[:16]
 
 
 def package_versions() -> dict[str, str]:
@@ -114,6 +130,7 @@ def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device
         "root_seed": int(root_seed),
         "git_revision": git_revision(where),
         "code_fingerprint": fingerprint,
+        "code_digest": study_code_digest(experiment.module) or "",
         "package_versions": json.dumps(package_versions()),
         "device": device_description(device),
         "executor": executor,
