@@ -270,10 +270,10 @@ def _not_applicable(ds, name, **sel) -> list[int]:
     return [int(r) for r in ds.num_features.values if not bool(used.sel(num_features=r).notnull().any())]
 
 
-def _matched_panel(ax, ds, n, beta, causal):
+def _matched_panel(ax, ds, n, beta, causal) -> list[str]:
     """Output error against the budget B(r) at one length, β and causality, every estimator at equal state bytes
-    (markers with their intervals, side by side), with the uniform average of the values (dotted) and the
-    estimators that fit no budget named."""
+    (markers with their intervals, side by side), with the uniform average of the values (dotted); returns the
+    estimators that fit no budget, as ``"name: r, r"`` (the caption names them)."""
     names = [m for m in MATCHED if m in ds.estimator.values]
     out = ds["output_rel_rms_summary"].sel(seq_len=n, beta=beta, causal=causal)
     budget = ds["budget_bytes"].sel(seq_len=n, beta=beta, causal=causal).max(["estimator", "seed"]).values
@@ -283,17 +283,28 @@ def _matched_panel(ax, ds, n, beta, causal):
                          **{**estimator_style(name), "linewidth": 1.0})          # side by side at each budget
         gaps = _not_applicable(ds, name, seq_len=n, beta=beta, causal=causal)
         if gaps:
-            missing.append(f"{name}: {'all' if len(gaps) == ds.sizes['num_features'] else ', '.join(map(str, gaps))}")
+            where = "every r" if len(gaps) == ds.sizes["num_features"] else "r = " + ", ".join(map(str, gaps))
+            missing.append(f"{name} ({where})")
     uni = ds[f"uniform_rel_rms{'_causal' if causal else ''}_summary"].sel(seq_len=n, beta=beta)
     ax.axhline(float(uni.sel(stat="estimate")), color="0.35", linestyle=":", linewidth=1.2, label=f"{UNIFORM}")
     log_axis(ax, unit="bytes", label="state budget B(r) (float32)")
     ax.set_yscale("log")
     floor_ylim(ax, 1e-3)                        # exact reproductions (EVA with one key per group) sit on the axis
     ax.set_ylabel("‖Ŷ−Y‖_F / ‖Y‖_F")
-    ax.set_title(f"equal state bytes, n = {n}, β = {beta:g}, {'causal' if causal else 'non-causal'}", fontsize=8.5)
-    if missing:
-        ax.text(0.02, 0.02, "not applicable at r =\n" + "\n".join(missing), transform=ax.transAxes, fontsize=5.5,
-                va="bottom", ha="left", color="0.3")
+    ax.set_title(f"equal state bytes, n = {n}\nβ = {beta:g}, {'causal' if causal else 'non-causal'}", fontsize=9)
+    return missing
+
+
+def _not_applicable_note(missing: dict[str, list[str]]) -> str:
+    """The caption's sentence naming the estimators that fit no budget, per equal-bytes panel (merged when every
+    panel has the same list)."""
+    lists = {", ".join(names) for names in missing.values()}
+    if not any(lists):
+        return ""
+    if len(lists) == 1:
+        return f" Not applicable in every equal-bytes panel: {lists.pop()}."
+    return " Not applicable: " + "; ".join(f"{panel}: {', '.join(names)}" for panel, names in missing.items()
+                                           if names) + "."
 
 
 def plot(ds, path):
@@ -305,16 +316,17 @@ def plot(ds, path):
     n_match = _matched_length(full)
     r_mid = int(ds.num_features.values[len(ds.num_features) // 2])
     out, num, den = (ds[f"{m}_summary"] for m in ("output_rel_rms", "numerator_rel_rms", "normalizer_rel_rms"))
-    ncols = 4 + len(betas)
-    fig, axes = new_figure(ds.sizes["causal"], ncols, width=3.9 * ncols, height=3.4 * ds.sizes["causal"] + 0.9,
-                           squeeze=False)
+    # four columns: a row of random-feature panels per causality, then the equal-bytes panels (β × causality)
+    matched = [(beta, bool(causal)) for causal in ds.causal.values for beta in betas]
+    ncols, nrows = 4, ds.sizes["causal"] + -(-len(matched) // 4)
+    fig, axes = new_figure(nrows, ncols, width=3.9 * ncols, height=3.3 * nrows + 1.2, squeeze=False)
     for row, causal in enumerate(ds.causal.values):
         kind = "causal" if causal else "non-causal"
         ax = axes[row, 0]
         estimator_lines(ax, out.sel(seq_len=n_max, causal=causal), names, slope=-0.5)
         loglog_rank_axes(ax, ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
-        ax.set_title(f"output error, n = {n_max}, {kind}", fontsize=9)
-        ax.legend(fontsize=6.5, loc="upper right")
+        ax.set_title(f"output error, n = {n_max}\n{kind}", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right")
 
         ax = axes[row, 1]
         for name in [n for n in names if n in POSITIVE] or names:
@@ -324,12 +336,12 @@ def plot(ds, path):
             plot_summary(ax, den.sel(estimator=name, seq_len=n_max, causal=causal), "num_features",
                          **{**style, "linestyle": ":", "marker": "x", "label": f"{name}: normaliser"})
         loglog_rank_axes(ax, ylabel="relative RMS error")
-        ax.set_title(f"numerator (solid), normaliser (dotted), n = {n_max}", fontsize=8)
+        ax.set_title(f"numerator (solid), normaliser (dotted)\nn = {n_max}, {kind}", fontsize=9)
 
         ax = axes[row, 2]
         estimator_lines(ax, out.sel(num_features=r_mid, causal=causal), names, "seq_len")
         loglog_rank_axes(ax, xlabel="sequence length n", ylabel="‖Ŷ−Y‖_F / ‖Y‖_F")
-        ax.set_title(f"output error against n, r = {r_mid}, {kind}", fontsize=9)
+        ax.set_title(f"output error against n, r = {r_mid}\n{kind}", fontsize=9)
 
         ax = axes[row, 3]
         rate = ds["nonpositive_rate_summary"].sel(causal=causal)
@@ -341,34 +353,41 @@ def plot(ds, path):
                              **{**style, "alpha": alpha, "label": f"{name}, n = {n}"})
         log_axis(ax, label="number of features r")
         ax.set_ylabel("fraction of queries with Ẑ ≤ 0")
-        ax.set_title(f"non-positive normalisers, {kind}", fontsize=9)
+        ax.set_title(f"non-positive normalisers\n{kind}", fontsize=9)
         if signed:
-            ax.legend(fontsize=6.5)
+            ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "no estimator produced Ẑ ≤ 0", ha="center", transform=ax.transAxes)
-        for j, beta in enumerate(betas):
-            _matched_panel(axes[row, 4 + j], full, n_match, beta, bool(causal))
-    figure_legend(fig, axes[0, 4:], title="equal state bytes", title_fontsize=7.5)
+    missing, matched_axes = {}, []
+    for j, (beta, causal) in enumerate(matched):
+        ax = axes[ds.sizes["causal"] + j // ncols, j % ncols]
+        matched_axes.append(ax)
+        missing[f"β = {beta:g}, {'causal' if causal else 'non-causal'}"] = _matched_panel(ax, full, n_match, beta,
+                                                                                          causal)
+    for ax in axes.ravel()[ds.sizes["causal"] * ncols + len(matched):]:
+        ax.axis("off")
+    figure_legend(fig, matched_axes, title="equal state bytes (bottom row)", title_fontsize=8,
+                  loc="outside right lower", fontsize=7.5)
     beta = betas[0]
     beta_eff = float(ds["beta_eff_summary"].sel(seq_len=n_max, stat="estimate"))
     fig.suptitle("Attention-output error of linear attention against exact softmax attention", fontsize=11,
                  fontweight="bold")
     save_figure(fig, path, (
-        f"Isotropic Gaussian q, k in d = {int(ds['dim'])} at β = {beta:g} (measured {beta_eff:.2f}) in the first four "
-        f"columns, standard Gaussian values, {int(ds['heads'])} heads per draw, float64, chunked mode; exact "
+        f"Isotropic Gaussian q, k in d = {int(ds['dim'])} at β = {beta:g} (measured {beta_eff:.2f}) in the top "
+        f"rows, standard Gaussian values, {int(ds['heads'])} heads per draw, float64, chunked mode; exact "
         f"attention computed in query blocks. Lines: median over {ds.sizes['seed']} seeds of the per-draw median "
-        "over heads; bands: 95 % bootstrap interval of that median. Columns 1–4, random-feature maps: relative RMS "
+        "over heads; bands: 95 % bootstrap interval of that median. Top rows, random-feature maps: relative RMS "
         "output error against the number of features r (grey dashed: r^(-1/2)); numerator Σ κ v and normaliser "
         "Z = Σ κ of the positive maps, both relative to the exact normaliser; output error against sequence length n "
         "at fixed r; fraction of queries whose estimated normaliser is ≤ 0 (signed trigonometric features only), "
-        f"darker = longer sequences. Last columns, equal state bytes at n = {n_match}: every estimator at its "
+        f"darker = longer sequences. Bottom row, equal state bytes at n = {n_match}: every estimator at its "
         "largest configuration whose state (estimator.state_bytes, float32: for LARA its draws, key sums and "
         "proposal landmarks; for EVA its window of 32 keys and group summaries; for Nyström its landmarks and "
         "whitening; for the hybrids their window of 64 keys) fits the budget B(r) of FAVOR+/OPRF at r = "
         f"{', '.join(str(int(v)) for v in ds.num_features.values)} features, against that budget; dotted: the "
         "output error of the uniform average of the values (attention that ignores the keys). Estimators with no "
         "configuration within a budget, and LARA in causal attention (defined non-causally), are not applicable "
-        "there and named in the panel."))
+        "there." + _not_applicable_note(missing)))
 
 
 # -------------------------------------------------------------------------------------------------- findings
