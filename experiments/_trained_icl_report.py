@@ -1,11 +1,19 @@
-"""The figure, the findings and the rank correlation of ``trained_icl``, read from its dataset only.
+"""The figure, the findings and the proxy-validity statistics of ``trained_icl``, read from its dataset only.
 
 Every number comes from the summaries :func:`experiments.trained_icl.summarise` stores (:mod:`kernapprox.stats`):
 means over seeds × prompts with cluster-bootstrap intervals over seeds (the unit: the prompts of a seed share its
-feature draw or landmark fit), the layers' errors as the median and range of the seeds, and Spearman's ρ of the
-proxy against the post-hoc accuracy, whose cluster bootstrap resamples the seeds jointly for every (estimator, r)
-point, which the paired design allows (every point reads the same prompts and the same proxy episodes). A verdict
-needs at least :data:`kernapprox.stats.MIN_UNITS` seeds; with fewer the findings say "not resolved (k units)".
+feature draw or landmark fit), the layers' errors as the median and range of the seeds, and the proxy's validity
+against the post-hoc accuracy:
+
+- rank correlations over the (estimator, r) points (:data:`CORRELATIONS`): Spearman's ρ, log₂ r's own ρ with the
+  post-hoc accuracy, and the partial ρ controlling for log₂ r (:func:`kernapprox.stats.partial_spearman`), each with
+  a cluster bootstrap that resamples the seeds jointly for every point, which the paired design allows (every point
+  reads the same prompts and the same proxy episodes);
+- the order at equal r (:func:`pair_agreement`): per estimator pair the post-hoc difference per seed, the exact
+  sign test, Holm over all pairs of a (task, context), and whether the proxy prefers the post-hoc winner;
+- the calibration gap, proxy − post-hoc accuracy per point (``proxy_gap_summary``).
+
+A verdict needs at least :data:`kernapprox.stats.MIN_UNITS` seeds; with fewer the findings say "not resolved".
 """
 
 from __future__ import annotations
@@ -77,35 +85,66 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(scipy_stats.spearmanr(a, b).statistic)
 
 
-def rank_correlation(ds: xr.Dataset, task: str, context: int) -> tuple[xr.DataArray, int]:
-    """Spearman's ρ between the proxy's and the post-hoc mean accuracy over the (estimator, r) points, with its
-    cluster-bootstrap interval over seeds (:func:`kernapprox.stats.bootstrap_interval` over the seeds, each resample
-    taking the same seeds, with all their prompts, for every point: the prompts of a seed share its feature draw):
-    ``(summary with a stat dimension, number of points)``."""
+def _log_r(ds: xr.Dataset, task: str, context: int, labels) -> np.ndarray:
+    """log₂ of the realised feature dimension of each (estimator, r) point (the maps of fixed dimension at their own
+    r: Taylor's 1 + d + d², ELU+1's d), the largest over seeds."""
+    sel = ds["feature_dim"].sel(task=task, context=context, substitution="all")
+    return np.log2([float(sel.sel(estimator=est, num_features=r).max()) for est, r in labels])
+
+
+CORRELATIONS = {
+    # name: (long name, what is correlated, minimum points)
+    "proxy_rank_correlation": ("Spearman's ρ of proxy and post-hoc accuracy", "Spearman's ρ between the mean "
+                               "proxy_accuracy and the mean score", 3),
+    "proxy_partial_rank_correlation": ("partial Spearman ρ of proxy and post-hoc accuracy, controlling for log₂ r",
+                                       "Spearman's partial rank correlation (kernapprox.stats.partial_spearman: "
+                                       "(ρ_xy − ρ_xz ρ_yz)/√((1 − ρ_xz²)(1 − ρ_yz²)) on ranks, Kendall & Stuart "
+                                       "1979 §27.4) between the mean proxy_accuracy and the mean score, z = log₂ of "
+                                       "the realised feature dimension: the agreement that the rank r does not "
+                                       "explain", 4),
+    "proxy_log_r_rank_correlation": ("Spearman's ρ of log₂ r and post-hoc accuracy", "Spearman's ρ between log₂ "
+                                     "of the realised feature dimension and the mean score: how much of the "
+                                     "ranking r alone gives", 3),
+}
+
+
+def rank_correlation(ds: xr.Dataset, task: str, context: int,
+                     name: str = "proxy_rank_correlation") -> tuple[xr.DataArray, int]:
+    """A rank correlation over the approximate (estimator, r) points (:data:`CORRELATIONS`: the proxy's Spearman ρ
+    with the post-hoc accuracy, its partial ρ controlling for log₂ r, or log₂ r's ρ with the post-hoc accuracy),
+    with its cluster-bootstrap interval over seeds (:func:`kernapprox.stats.bootstrap_interval` over the seeds,
+    each resample taking the same seeds, with all their prompts, for every point: the prompts of a seed share its
+    feature draw): ``(summary with a stat dimension, number of points)``."""
     labels, x, y = spearman_points(ds, task, context)
     seeds = xr.DataArray(np.arange(ds.sizes[UNIT], dtype=float), dims=UNIT)
-    if len(labels) < 3:
+    if len(labels) < CORRELATIONS[name][2]:
         return stats.bootstrap_interval(seeds * np.nan, UNIT, "mean") * np.nan, len(labels)
+    log_r = _log_r(ds, task, context, labels)
 
-    def spearman_rho(index: np.ndarray) -> np.ndarray:
-        """ρ of the points' mean accuracies over each row of seed indices ``(R, m)``, every prompt of a drawn
-        seed included."""
+    def statistic(a: np.ndarray, b: np.ndarray) -> float:
+        if name == "proxy_partial_rank_correlation":
+            return stats.partial_spearman(a, b, log_r)
+        return _spearman(log_r, b) if name == "proxy_log_r_rank_correlation" else _spearman(a, b)
+
+    def resampled(index: np.ndarray) -> np.ndarray:
+        """The statistic of the points' mean accuracies over each row of seed indices ``(R, m)``, every prompt of
+        a drawn seed included."""
         out = np.empty(index.shape[0])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)        # a point without a finite resampled mean
             for i, row in enumerate(index.astype(int)):
-                out[i] = _spearman(np.nanmean(x[:, row].reshape(len(labels), -1), 1),
+                out[i] = statistic(np.nanmean(x[:, row].reshape(len(labels), -1), 1),
                                    np.nanmean(y[:, row].reshape(len(labels), -1), 1))
         return out
 
-    summary = stats.bootstrap_interval(seeds, UNIT, spearman_rho)
+    summary = stats.bootstrap_interval(seeds, UNIT, resampled)
     summary.attrs["interval"] = summary.attrs["interval"].replace("percentile bootstrap", "cluster bootstrap") \
         + " (each seed with all its prompts)"
     return summary, len(labels)
 
 
-def rank_correlations(ds: xr.Dataset) -> xr.DataArray:
-    """``proxy_rank_correlation``: :func:`rank_correlation` for every MQAR task and context with proxy values
+def rank_correlations(ds: xr.Dataset, name: str = "proxy_rank_correlation") -> xr.DataArray:
+    """``name`` (:data:`CORRELATIONS`): :func:`rank_correlation` for every MQAR task and context with proxy values
     (NaN elsewhere), dims ``(task, context, stat)``; attribute ``points``: the number of (estimator, r) points of
     each, as a JSON-free ``task:context=points`` list."""
     data = np.full((ds.sizes["task"], ds.sizes["context"], len(stats.STATS)), np.nan)
@@ -114,21 +153,123 @@ def rank_correlations(ds: xr.Dataset) -> xr.DataArray:
         for j, context in enumerate(ds.context.values):
             if not _ran(ds["proxy_accuracy"].sel(task=task, context=context)):
                 continue
-            summary, count = rank_correlation(ds, str(task), int(context))
+            summary, count = rank_correlation(ds, str(task), int(context), name)
             data[i, j] = summary.values
             attrs = summary.attrs
             points.append(f"{task}:{int(context)}={count}")
     out = xr.DataArray(data, dims=("task", "context", "stat"),
                        coords={"task": ds.task.values, "context": ds.context.values, "stat": list(stats.STATS)})
     interval = attrs.get("interval", "95% cluster bootstrap over seed (each seed with all its prompts)")
-    out.attrs = {"long_name": "Spearman's ρ of proxy and post-hoc accuracy", "units": "1",
-                 "description": "rank correlation over the approximate (estimator, r) points of substitution = all "
-                                "between the mean proxy_accuracy and the mean score; the bootstrap resamples the "
-                                "seeds (the units: the prompts of a seed share its feature draw) jointly for every "
-                                "point: " + interval,
-                 "statistic": "spearman_rho", "interval": interval, "level": attrs.get("level", stats.LEVEL),
-                 "over": UNIT, "unit": UNIT, "points": ", ".join(points)}
+    long_name, what, _ = CORRELATIONS[name]
+    out.attrs = {"long_name": long_name, "units": "1",
+                 "description": f"{what}, over the approximate (estimator, r) points of substitution = all; the "
+                                "bootstrap resamples the seeds (the units: the prompts of a seed share its feature "
+                                "draw) jointly for every point: " + interval,
+                 "statistic": name.removesuffix("_correlation").removeprefix("proxy_"), "interval": interval,
+                 "level": attrs.get("level", stats.LEVEL), "over": UNIT, "unit": UNIT, "points": ", ".join(points)}
     return out
+
+
+# ------------------------------------------------------------------------------------ within-r agreement
+def within_r_pairs(ds: xr.Dataset, task: str, context: int) -> list[tuple[int, str, str]]:
+    """``(r, a, b)`` for every pair of estimators with a proxy and a post-hoc value at the same realised feature
+    dimension ``r`` (the grid's r; a map of fixed dimension joins only where its own dimension is that r), in the
+    dataset's estimator order."""
+    labels = spearman_points(ds, task, context)[0]
+    at = {}
+    for (est, r), log_r in zip(labels, _log_r(ds, task, context, labels)):
+        if np.isclose(2.0 ** log_r, r):
+            at.setdefault(r, []).append(est)
+    return [(r, a, b) for r, ests in at.items() for a, b in itertools.combinations(ests, 2)]
+
+
+AGREE, DISAGREE, UNRESOLVED = 1.0, -1.0, 0.0
+PAIR_TEST = "sign"          # exact with tied unit values (see pair_agreement)
+
+
+def pair_agreement(ds: xr.Dataset) -> dict[str, xr.DataArray]:
+    """Within-r agreement of the proxy with the trained models, dims ``(task, context, num_features, pair)``:
+
+    ``proxy_pair_post_hoc``
+        per pair ``a vs b``, the post-hoc score difference a − b per prompt (the same prompts), mean with its
+        cluster-bootstrap interval over seeds (:func:`kernapprox.stats.cluster_interval`);
+    ``proxy_pair_proxy``
+        the same for the proxy's accuracy (the same episodes);
+    ``proxy_pair_p``, ``proxy_pair_p_holm``
+        the two-sided exact sign test's p-value of the per-seed mean post-hoc differences
+        (:func:`kernapprox.stats.paired_test`; the sign test because per-seed mean accuracies tie, which sends
+        Wilcoxon's test to its normal approximation, whose smallest p-value with 12 seeds, 0.002, can never pass
+        Holm over 30 pairs; the sign test's, 2·2⁻¹², can), and Holm's adjustment over every within-r pair of the
+        (task, context) (:func:`kernapprox.stats.holm`: the family is declared as all pairs at equal r of one
+        context);
+    ``proxy_pair_agreement``
+        +1 where the proxy's preferred estimator (the sign of its mean difference) is the post-hoc winner, −1
+        where it prefers the loser, 0 where the post-hoc order is not resolved (:func:`kernapprox.stats.verdict`
+        on the Holm p-value: at least MIN_UNITS seeds and p < 0.05) or the proxy ties; NaN where the pair does not
+        exist.
+    """
+    ests = [str(e) for e in ds.estimator.values]
+    found = {}
+    for task in ds.task.values:
+        for c in ds.context.values:
+            if _ran(ds["proxy_accuracy"].sel(task=task, context=c)):
+                found[(str(task), int(c))] = within_r_pairs(ds, str(task), int(c))
+    pairs = sorted({(a, b) for items in found.values() for _, a, b in items},
+                   key=lambda p: (ests.index(p[0]), ests.index(p[1])))
+    names = [f"{a} vs {b}" for a, b in pairs]
+    shape = (ds.sizes["task"], ds.sizes["context"], ds.sizes["num_features"], len(pairs))
+    post, proxy = np.full(shape + (len(stats.STATS),), np.nan), np.full(shape + (len(stats.STATS),), np.nan)
+    p, holm, agreement = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
+    tasks, contexts, ranks = list(ds.task.values), list(ds.context.values), list(ds.num_features.values)
+    interval = test = ""
+    for (task, c), items in found.items():
+        i, j = tasks.index(task), contexts.index(c)
+        sel = ds.sel(task=task, context=c, substitution="all")
+        for r, a, b in items:
+            k, m = ranks.index(r), pairs.index((a, b))
+            for out, var in ((post, "score"), (proxy, "proxy_accuracy")):
+                diff = (sel[var].sel(estimator=a, num_features=r, drop=True)
+                        - sel[var].sel(estimator=b, num_features=r, drop=True))
+                summary = stats.cluster_interval(diff, UNIT, ("episode",))
+                out[i, j, k, m], interval = summary.values, summary.attrs["interval"]
+                if var == "score":
+                    pv = stats.paired_test(diff, UNIT, ("episode",), test=PAIR_TEST)
+                    p[i, j, k, m], test = float(pv), pv.attrs["description"]
+        holm[i, j] = stats.holm(p[i, j])
+        for k, m in zip(*np.nonzero(np.isfinite(p[i, j]))):
+            est, units = post[i, j, k, m, 0], int(post[i, j, k, m, list(stats.STATS).index("count")])
+            side = stats.verdict(est, holm[i, j, k, m], units)
+            pref = np.sign(proxy[i, j, k, m, 0])
+            agreement[i, j, k, m] = (UNRESOLVED if side == "not resolved" or pref == 0 else
+                                     AGREE if pref == np.sign(est) else DISAGREE)
+    coords = {"task": ds.task.values, "context": ds.context.values, "num_features": ds.num_features.values,
+              "pair": names}
+    dims = ("task", "context", "num_features", "pair")
+    family = ("Holm over all pairs at equal r of one (task, context), declared before looking; "
+              f"a verdict needs {stats.MIN_UNITS} seeds")
+
+    def summary(data, long_name, var):
+        return xr.DataArray(data, dims=(*dims, "stat"), coords={**coords, "stat": list(stats.STATS)}, attrs={
+            "long_name": long_name, "units": "1", "statistic": "mean", "interval": interval, "over": UNIT,
+            "unit": UNIT, "within": "episode", "level": stats.LEVEL,
+            "description": f"per pair 'a vs b' at equal r, {var} of a − {var} of b per prompt (the same prompts "
+                           f"and proxy episodes), mean over seed, episode: {interval}"})
+
+    return {
+        "proxy_pair_post_hoc": summary(post, "post-hoc accuracy difference a − b at equal r", "score"),
+        "proxy_pair_proxy": summary(proxy, "proxy accuracy difference a − b at equal r", "proxy_accuracy"),
+        "proxy_pair_p": xr.DataArray(p, dims=dims, coords=coords, attrs={
+            "long_name": "p-value of the post-hoc difference a − b", "units": "1", "test": PAIR_TEST,
+            "unit": UNIT, "description": test or "two-sided exact sign test, one value per seed"}),
+        "proxy_pair_p_holm": xr.DataArray(holm, dims=dims, coords=coords, attrs={
+            "long_name": "Holm-adjusted p-value of the post-hoc difference a − b", "units": "1", "unit": UNIT,
+            "description": f"proxy_pair_p adjusted by Holm's step-down method: {family}"}),
+        "proxy_pair_agreement": xr.DataArray(agreement, dims=dims, coords=coords, attrs={
+            "long_name": "within-r agreement of the proxy's order with the post-hoc order", "units": "1",
+            "unit": UNIT, "description": "+1: the proxy prefers the post-hoc winner; −1: it prefers the loser; 0: the "
+                                        "post-hoc order is not resolved (Holm p ≥ 0.05 or fewer than "
+                                        f"{stats.MIN_UNITS} seeds) or the proxy ties; NaN: no such pair ({family})"}),
+    }
 
 
 def _points(ds, task, context) -> int:
@@ -181,6 +322,10 @@ def findings(ds: xr.Dataset) -> str:
         lines += _post_hoc_lines(ds, task, c)
     for task, c in _evaluated(ds, "mqar"):
         lines += _mqar_lines(ds, task, c)
+    for task in _tasks(ds, "mqar"):
+        for c in _contexts(ds, task):
+            lines += _validity_lines(ds, task, c)
+    lines.append(PROXY_NOT_DEFINED)
     lines.append(_training_line(ds))
     return bullets(lines)
 
@@ -198,6 +343,13 @@ def _headline(ds) -> str:
     if np.isfinite(_estimate(rho)):
         text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out's (icl_recall's) "
                  f"Spearman ρ with the post-hoc accuracy is {fmt_ci(rho, 2)}: {_agreement(ds, rho)}")
+        partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
+        if np.isfinite(_estimate(partial)):
+            text += f"; controlling for log₂ r it is {fmt_ci(partial, 2)} ({_partial_verdict(ds, partial)})"
+        counts = _agreement_counts(ds, task, c)
+        if counts["pairs"]:
+            text += (f"; at equal r the proxy prefers the trained model's loser in {counts['disagree']} of the "
+                     f"{counts['resolved']} pairs whose post-hoc order is resolved")
     return text + "."
 
 
@@ -280,17 +432,120 @@ def _mqar_lines(ds, task, c) -> list[str]:
         lines.append(f"{task}: the reference's layers attend at effective β = s·mean‖q‖·mean‖k‖ = {', '.join(beta)} "
                      f"(layer 0, 1, …; {c} pairs, mean over seeds); the proxy reads at β = {fmt(factor)} ln {c} = "
                      f"{fmt(factor * np.log(c), 2)}.")
-    rho = ds["proxy_rank_correlation"].sel(task=task)
-    parts = [f"{int(cc)} pairs: ρ = {fmt_ci(rho.sel(context=cc), 2)} over {_points(ds, task, int(cc))} points, "
-             f"{_agreement(ds, rho.sel(context=cc))}"
-             for cc in rho.context.values if np.isfinite(_estimate(rho.sel(context=cc)))]
-    if parts:
-        lines.append(f"{task}: Spearman's ρ of the training-free proxy's and the post-hoc accuracy over the "
-                     f"(estimator, r) points, cluster bootstrap over the {_units(ds)} seeds (each with its prompts, "
-                     "the same seeds for every point): " + "; ".join(parts) + ".")
-    elif _points(ds, task, c):
-        lines.append(f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the "
-                     f"{_points(ds, task, c)} points ({c} pairs): one side does not vary.")
+    return lines
+
+
+PROXY_NOT_DEFINED = (
+    "Not among the proxy's points: `window_linear` (the trained model's window is the last tokens before each query, "
+    "the proxy's episode is a set of pairs read by queries without positions, so which pairs a window holds is not "
+    "defined there), LARA (not causal: it cannot replace a decoder's attention), EVA (its proxy is sized by a state "
+    "budget, not by r, so it has no point at equal r).")
+
+
+def _worst_error(ds, task, c, point) -> str:
+    """The substituted layers' attention-output error at the point of the largest calibration gap (median over
+    seeds): what the proxy, which reads one clean episode, does not see."""
+    err = ds["layer_error_summary"].sel(task=task, context=c, substitution="all", estimator=point[0],
+                                        num_features=point[1], stat="estimate").values
+    err = [fmt(float(e), 2) for e in err if np.isfinite(e) and e > 0]
+    if not err:
+        return ""
+    return (f" At that point the trained model's substituted attention-output error is {', '.join(err)} (layer 0, "
+            "1, …; relative RMS against exact attention on its own activations, median over seeds).")
+
+
+def _span(values) -> str:
+    """``a`` or ``a to b``: the smallest and largest of ``values`` (two significant digits)."""
+    values = np.asarray(values, dtype=float)
+    lo, hi = fmt(float(np.nanmin(values)), 2), fmt(float(np.nanmax(values)), 2)
+    return lo if lo == hi else f"{lo} to {hi}"
+
+
+def _partial_verdict(ds, summary) -> str:
+    """Whether the partial ρ is resolved: at least MIN_UNITS seeds and the cluster interval off 0."""
+    k = _units(ds)
+    if k < stats.MIN_UNITS:
+        return f"not resolved: {k} units, a verdict needs {stats.MIN_UNITS}"
+    lo, hi = float(summary.sel(stat="lo")), float(summary.sel(stat="hi"))
+    if lo > 0:
+        return "resolved above 0: the proxy adds ranking information beyond r"
+    if hi < 0:
+        return "resolved below 0: beyond r, the proxy ranks the points against the trained models"
+    return "not resolved: the interval contains 0, no ranking information beyond r is shown"
+
+
+def _agreement_counts(ds, task, c) -> dict:
+    """Counts of ``proxy_pair_agreement`` at ``(task, c)``: pairs, resolved post-hoc orders, agree, disagree, and
+    proxy ties among the resolved."""
+    a = ds["proxy_pair_agreement"].sel(task=task, context=c).values
+    proxy = ds["proxy_pair_proxy"].sel(task=task, context=c, stat="estimate").values
+    pairs = np.isfinite(a)
+    agree, disagree = int((a == AGREE).sum()), int((a == DISAGREE).sum())
+    resolved = (ds["proxy_pair_p_holm"].sel(task=task, context=c).values < 0.05) & (_units(ds) >= stats.MIN_UNITS)
+    ties = int((pairs & (a == UNRESOLVED) & (proxy == 0) & resolved).sum())
+    return {"pairs": int(pairs.sum()), "agree": agree, "disagree": disagree, "ties": ties,
+            "resolved": agree + disagree + ties}
+
+
+def _validity_lines(ds, task, c) -> list[str]:
+    """Proxy validity at ``(task, c)``: the rank correlations with the partial one, the within-r pairs where the
+    proxy prefers the post-hoc loser, and the calibration gap."""
+    rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
+    if not np.isfinite(_estimate(rho)):
+        return [f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the "
+                f"{_points(ds, task, c)} points ({c} pairs): too few points, or one side does not vary."] \
+            if _points(ds, task, c) else []
+    k = _units(ds)
+    labels = spearman_points(ds, task, c)[0]
+    names = ", ".join(f"`{e}`" for e in dict.fromkeys(est for est, _ in labels))
+    partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
+    log_r = ds["proxy_log_r_rank_correlation"].sel(task=task, context=c)
+    lines = [f"{task}, proxy validity with {c} pairs over {_points(ds, task, c)} (estimator, r) points ({names}; "
+             f"cluster bootstrap over {k} seeds): Spearman ρ of proxy and post-hoc accuracy {fmt_ci(rho, 2)}; log₂ r "
+             f"alone gives ρ = {fmt_ci(log_r, 2)} with the post-hoc accuracy; the partial ρ controlling for log₂ r "
+             f"is {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial)}."]
+    counts = _agreement_counts(ds, task, c)
+    if counts["pairs"]:
+        agreement = ds["proxy_pair_agreement"].sel(task=task, context=c)
+        wrong = []
+        for pair in agreement.pair.values:
+            rs = [int(r) for r in agreement.num_features.values
+                  if float(agreement.sel(pair=pair, num_features=r)) == DISAGREE]
+            if not rs:
+                continue
+            a, b = str(pair).split(" vs ")
+            one = {"task": task, "context": c, "pair": pair, "num_features": rs}
+            proxy = ds["proxy_pair_proxy"].sel(**one, stat="estimate").values
+            post = ds["proxy_pair_post_hoc"].sel(**one)
+            p = ds["proxy_pair_p_holm"].sel(**one).values
+            wrong.append(f"`{a}` − `{b}` at r = {', '.join(map(str, rs))}: proxy {_span(proxy)}, post hoc "
+                         f"{_span(post.sel(stat='estimate').values)}, Holm p ≤ {fmt(float(np.max(p)), 2)}")
+        unresolved = counts["pairs"] - counts["resolved"]
+        text = (f"{task}, {c} pairs, at equal r ({counts['pairs']} estimator pairs; per pair the sign test on the "
+                f"{k} per-seed mean post-hoc differences, Holm over the {counts['pairs']}): the post-hoc order is "
+                f"resolved for {counts['resolved']}; the proxy prefers the winner in {counts['agree']}, the loser in "
+                f"{counts['disagree']}, ties in {counts['ties']}; {unresolved} not resolved")
+        lines.append(text + (". Where the proxy orders wrongly (accuracy differences a − b): " + " | ".join(wrong)
+                             + "." if wrong else "."))
+    gap = ds["proxy_gap_summary"].sel(task=task, context=c, substitution="all")
+    est = [(e, r, _estimate(gap.sel(estimator=e, num_features=r))) for e, r in labels]
+    est = [item for item in est if np.isfinite(item[2])]
+    if est:
+        proxy = ds["proxy_accuracy_summary"].sel(task=task, context=c, substitution="all", stat="estimate")
+        post = ds["score_summary"].sel(task=task, context=c, substitution="all", stat="estimate")
+        ratios = [float(proxy.sel(estimator=e, num_features=r) / post.sel(estimator=e, num_features=r))
+                  for e, r, _ in est]
+        lo, hi = min(est, key=lambda t: t[2]), max(est, key=lambda t: t[2])
+        r_of = dict(zip(labels, (fmt(v) for v in 2.0 ** _log_r(ds, task, c, labels))))   # realised r
+        above = sum(1 for e, r, _ in est if float(gap.sel(estimator=e, num_features=r, stat="lo")) > 0)
+        lines.append(
+            f"{task}, {c} pairs, calibration: the proxy's accuracy minus the post-hoc accuracy (mean over seeds × "
+            f"prompts, cluster interval over seeds) runs from {fmt_ci(gap.sel(estimator=lo[0], num_features=lo[1]), 2)}"
+            f" (`{lo[0]}`, r = {r_of[lo[:2]]}) to {fmt_ci(gap.sel(estimator=hi[0], num_features=hi[1]), 2)} "
+            f"(`{hi[0]}`, r = {r_of[hi[:2]]}); its interval lies above 0 at {above} of {len(est)} points; the "
+            f"proxy's accuracy is {fmt(float(np.median(ratios)), 2)} times the post-hoc one at the median point (from "
+            f"{fmt(min(ratios), 2)} to {fmt(max(ratios), 2)}×): the proxy's absolute accuracy does not predict a "
+            f"trained model's.{_worst_error(ds, task, c, hi[:2])}")
     return lines
 
 
@@ -382,9 +637,12 @@ def plot(ds: xr.Dataset, path) -> None:
         "model's own activations (median over seeds). (d) Models trained from scratch with the estimator at feature "
         "dimension r (plus a short convolution): accuracy against the bytes a decoder keeps (star: the softmax "
         "reference's KV cache; markers drawn later are smaller, so coinciding points stay visible). (e) "
-        "Training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n) against the trained model's post-hoc "
-        "accuracy at the same estimator, r and number of pairs (marker size grows with r), with Spearman's ρ over "
-        "the approximate points and its cluster-bootstrap interval over seeds. (f) Post-hoc accuracy against the "
+        "Proxy validity: the training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n; dashed, open "
+        "markers) and the trained model's post-hoc accuracy (solid, filled) of each estimator against r on one "
+        "axis, so the vertical distance is the calibration gap and the order at one r the within-r ranking; "
+        "title: Spearman's ρ over the approximate points, the partial ρ controlling for log₂ r (cluster bootstrap "
+        "over seeds), and the pairs at equal r whose resolved post-hoc order the proxy gets right or wrong (sign "
+        "test over seeds, Holm). (f) Post-hoc accuracy against the "
         "prompt length at "
         "r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
         title="In-context learning in trained Transformers")
@@ -411,18 +669,30 @@ def _frontier(ax, ds, task, c):
 
 
 def _proxy_panel(ax, ds, task, c):
+    """Proxy (dashed, open markers) and post-hoc accuracy (solid, filled) of each estimator against its realised
+    r, on one accuracy axis: the calibration gap is the vertical distance, the within-r order the vertical order
+    at one r; the rank correlations and the within-r counts in the title."""
     sel = ds.sel(task=task, context=c, substitution="all")
-    for est, r in spearman_points(ds, task, c)[0]:
+    labels = spearman_points(ds, task, c)[0]
+    for est in dict.fromkeys(e for e, _ in labels):
+        rs = [r for e, r in labels if e == est]
+        x = _log_r(ds, task, c, [(est, r) for r in rs])
         st = icl_style(est)
-        x = _estimate(sel["proxy_accuracy_summary"].sel(estimator=est, num_features=r))
-        y = _estimate(sel["score_summary"].sel(estimator=est, num_features=r))
-        ax.plot(x, y, marker=st["marker"], color=st["color"], linestyle="none",
-                markersize=3 + 1.5 * np.log2(max(r, 2)) / 2)
-    ax.plot([0, 1], [0, 1], color="0.5", linewidth=0.8)
+        for var, ls, fill in (("proxy_accuracy", "--", "none"), ("score", "-", st["color"])):
+            y = [_estimate(sel[f"{var}_summary"].sel(estimator=est, num_features=r)) for r in rs]
+            ax.plot(2.0 ** x, y, marker=st["marker"], color=st["color"], linestyle=ls, markerfacecolor=fill,
+                    markersize=5)
+    ax.plot([], [], color="0.3", linestyle="--", marker="o", markerfacecolor="none", label="proxy (training-free)")
+    ax.plot([], [], color="0.3", linestyle="-", marker="o", label="post hoc (trained model)")
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
-    ax.set_xlim(-0.03, 1.03)
-    label_panel(ax, "training-free read-out accuracy (proxy)", "trained model, post-hoc accuracy",
-                f"(e) Spearman ρ = {fmt_ci(rho, 2)}, {_points(ds, task, c)} points, {_units(ds)} seeds", accuracy=True)
+    partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
+    counts = _agreement_counts(ds, task, c)
+    label_panel(ax, R_PER_HEAD, "MQAR accuracy",
+                f"(e) proxy (dashed) vs post hoc (solid), {c} pairs\nρ = {fmt_ci(rho, 2)}, partial ρ | log₂ r = "
+                f"{fmt_ci(partial, 2)}\nequal r: {counts['agree']} agree, {counts['disagree']} disagree, "
+                f"{counts['pairs'] - counts['agree'] - counts['disagree']} unresolved or tied "
+                f"({_units(ds)} seeds)", accuracy=True, log2_x=True)
+    ax.title.set_fontsize(8)
 
 
 def _context_panel(ax, ds, task):

@@ -14,8 +14,17 @@ on multi-query associative recall (MQAR, Zoology) and in-context linear regressi
     at feature dimension ``r`` in every layer (plus a short convolution, as Zoology's and Based's fixed-state
     models; :func:`kernapprox.models.presets.fixed_state`), placed on ``icl_recall``'s axes: accuracy against
     state bytes. ``(trained, exact)`` is the reference itself;
-(d) **proxy**: the training-free read-out of ``icl_recall`` (continuous MQAR, d = 64, 4096 candidates,
-    β = 2 ln n, exact queries) at the same estimator, ``r`` and number of pairs, against the post-hoc accuracy.
+(d) **proxy validity**: the training-free read-out of ``icl_recall`` (continuous MQAR, d = 64, 4096 candidates,
+    β = 2 ln n, exact queries) at the same estimator, ``r`` and number of pairs, against the post-hoc accuracy,
+    for every estimator the proxy ranks that can replace a causal decoder's attention: the random maps
+    (``positive_orthogonal``, ``oprf_orthogonal``, ``trig_orthogonal`` -- the map the proxy ranks first at the
+    stored key, run post hoc only where the proxy reads it, :data:`PROXY_ONLY`), ``nystrom_uniform`` (the proxy's
+    episode has ``n`` keys, so it reads ``min(r, n)`` landmarks, which span them all: at ``r ≥ n`` its proxy is the
+    read-out at ``r = n``), ``taylor2`` and ``elu1``. Not among the points: ``window_linear``
+    (:data:`PROXY_LEFT_OUT`: the trained model's window is the last tokens before a query, while the proxy's
+    queries read a set of pairs without positions, so which pairs a window would hold is not defined there),
+    LARA (not causal: it cannot replace a decoder's attention) and EVA (``icl_recall`` sizes it by a state budget,
+    not by ``r``, so it has no point at equal ``r``).
 
 Paired design: ``data_axes = (task, context, seed)``, so every estimator, rank and substitution reads the same
 prompts (and the same proxy episodes), and the unmodified reference's score on them (with the least-squares and
@@ -30,16 +39,24 @@ Unit of replication: the seed. The 16 prompts of a seed share its feature draw o
 model per cell), so they are not independent draws: every interval is a cluster bootstrap over seeds, each seed
 resampled with its prompts (:func:`kernapprox.stats.cluster_interval`), and a verdict (higher, lower, rank agreement)
 needs at least :data:`kernapprox.stats.MIN_UNITS` seeds and a paired exact test on the per-seed means
-(:func:`kernapprox.stats.paired_test`); with fewer the findings say "not resolved (k units)".
+(:func:`kernapprox.stats.paired_test`); with fewer the findings say "not resolved (k units)". The default preset
+has 12 seeds: the within-r pairs below are 30 per context, and only a sign test of 12 of 12 seeds (p = 2·2⁻¹²)
+passes Holm over 30 (with 10, no p-value can).
 
 Summaries (:mod:`kernapprox.stats`, read by the figure and the findings of :mod:`experiments._trained_icl_report`):
 mean scores over seeds × prompts with cluster-bootstrap intervals over seeds (``score_summary``,
 ``score_exact_summary``, the baselines', ``proxy_accuracy_summary``), the per-prompt paired difference from the
 reference (``score_vs_exact``, its cluster interval and the Wilcoxon p-value of the per-seed means,
 ``score_vs_exact_p``), each layer's attention-output error (median over seeds with the range of the seeds,
-``layer_error_summary``, :func:`kernapprox.stats.range_summary`: not a confidence interval) and Spearman's ρ between
-the proxy and the post-hoc accuracy over the (estimator, r) points (``proxy_rank_correlation``, cluster bootstrap
-over seeds, the same seeds for every point).
+``layer_error_summary``, :func:`kernapprox.stats.range_summary`: not a confidence interval) and the proxy's validity
+(:mod:`experiments._trained_icl_report`), each with a cluster bootstrap over seeds that takes the same seeds for
+every point: Spearman's ρ between the proxy and the post-hoc accuracy over the (estimator, r) points
+(``proxy_rank_correlation``), log₂ r's own ρ with the post-hoc accuracy (``proxy_log_r_rank_correlation``), the
+partial ρ controlling for log₂ r (``proxy_partial_rank_correlation``, :func:`kernapprox.stats.partial_spearman`:
+the ranking the proxy adds beyond r), the order of every estimator pair at equal r (``proxy_pair_*``: the post-hoc
+and proxy differences with cluster intervals, the exact sign test of the per-seed post-hoc differences, Holm over
+the pairs of a context, and agree / disagree / not resolved) and the calibration gap, proxy − post-hoc accuracy
+per point (``proxy_gap_summary``).
 """
 
 from __future__ import annotations
@@ -117,8 +134,13 @@ ESTIMATORS = {
     "elu1": ("elu1", {}),
     "window_linear": ("window_linear", {"window": presets.WINDOW}),
     "nystrom_uniform": ("nystrom_uniform", {}),
+    "trig_orthogonal": ("trig_orthogonal", {}),
 }
-PROXY_LEFT_OUT = ("window_linear",)   # position-based: the proxy's context is a set (as in icl_recall)
+# position-based: the proxy's context is a set read by queries without positions (as in icl_recall), so the window
+# a query would read is undefined there (see the module notes)
+PROXY_LEFT_OUT = ("window_linear",)
+# run post hoc only where the proxy reads them (MQAR, every layer substituted): they are there to test the proxy
+PROXY_ONLY = ("trig_orthogonal",)
 SUBSTITUTIONS = ("all", *(f"layer{i}" for i in range(8)), "trained")   # the regression reference has 8 layers
 
 GRIDS = {
@@ -126,10 +148,10 @@ GRIDS = {
               "estimator": ["exact", "positive_orthogonal", "elu1", "window_linear"], "num_features": [16, 64],
               "context": [2, 4], "seed": [0]},
     "default": {"task": ["mqar", "regression"], "substitution": list(SUBSTITUTIONS), "estimator": list(ESTIMATORS),
-                "num_features": [16, 32, 64, 128, 256], "context": [4, 8, 11], "seed": [0, 1, 2, 3, 4]},
+                "num_features": [16, 32, 64, 128, 256], "context": [4, 8, 11], "seed": list(range(12))},
     # the default's models (cached), more ranks and seeds: sized for make figures PRESET=full on a 2-core CPU
     "full": {"task": ["mqar", "regression"], "substitution": list(SUBSTITUTIONS), "estimator": list(ESTIMATORS),
-             "num_features": [16, 32, 64, 128, 256, 512, 1024], "context": [4, 8, 11], "seed": list(range(8))},
+             "num_features": [16, 32, 64, 128, 256, 512, 1024], "context": [4, 8, 11], "seed": list(range(12))},
     # Zoology-like widths and lengths: 2 + 2 x 3 x 4 models of 4,000-8,000 steps, for a GPU
     # (benchmarks/gpu_check.sh); hours on the 2-core CPU
     "gpu": {"task": ["mqar", "regression", "mqar_d128_L128", "mqar_d256_L256"], "substitution": list(SUBSTITUTIONS),
@@ -224,6 +246,8 @@ def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_lay
     at the largest context and r = FIXED_SLOT only; fixed-dimension maps in the FIXED_SLOT column."""
     if context not in setup.contexts:
         return False
+    if label in PROXY_ONLY and (sub != "all" or setup.task != "mqar"):
+        return False
     if sub == "trained":
         return (label == "exact" and r == FIXED_SLOT) or setup.trains(label, r)
     if sub.startswith("layer") and (int(sub[5:]) >= num_layers or context != max(setup.contexts)
@@ -300,14 +324,17 @@ def draw(params, data_rng, device) -> Draw | None:
 
 
 def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> dict:
-    """``proxy_accuracy`` of the cell's estimator, or nothing where the proxy does not apply (left NaN)."""
+    """``proxy_accuracy`` of the cell's estimator, or nothing where the proxy does not apply (left NaN). A map whose
+    rank is limited by its points (Nyström, landmarks among the context keys) reads the proxy at ``min(r, n)``
+    landmarks: an episode has ``n`` keys, and ``n`` landmarks already span all of them."""
     name, options = ESTIMATORS[label]
     caps = readout.estimator_capabilities(name, **options)
-    if label in PROXY_LEFT_OUT or (caps.rank_limited_by_points and r > params["context"]):
+    if label in PROXY_LEFT_OUT:
         return {}
+    rank = min(r, params["context"]) if caps.rank_limited_by_points else r
     read = readout.attention_readout(name, episodes.queries, episodes.keys, episodes.values, rng=rng, options=options,
                                      beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
-                                     num_features=None if caps.fixed_dimension else r)
+                                     num_features=None if caps.fixed_dimension else rank)
     return {"proxy_accuracy": tasks.recall_accuracy(read.output, episodes).cpu().numpy()}
 
 
@@ -392,7 +419,15 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["score_vs_exact_summary"].attrs["neutral"] = 0.0
     ds["score_vs_exact_p"] = stats.paired_test(ds["score_vs_exact"], UNIT, WITHIN, test="wilcoxon")
     ds["layer_error_summary"] = stats.range_summary(ds["layer_error"], UNIT)     # 5 seeds: the range, named so
-    ds["proxy_rank_correlation"] = report.rank_correlations(ds)
+    for name in report.CORRELATIONS:
+        ds[name] = report.rank_correlations(ds, name)
+    ds.update(report.pair_agreement(ds))
+    ds["proxy_gap_summary"] = stats.cluster_interval(ds["proxy_accuracy"] - ds["score"], UNIT, WITHIN)
+    ds["proxy_gap_summary"].attrs.update(
+        long_name="calibration gap: proxy − post-hoc accuracy", units="1",
+        description="per (estimator, r) point, the mean proxy_accuracy − the mean score (the same seeds: the "
+                    "proxy's episodes and the prompts of a seed share its draw), over seed, episode: "
+                    + ds["proxy_gap_summary"].attrs["interval"])
     return ds
 
 
