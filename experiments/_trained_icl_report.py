@@ -338,18 +338,18 @@ def _headline(ds) -> str:
     text = f"A trained MQAR Transformer ({task}, {c} pairs) recalls {ref} with softmax attention"
     span = _post_hoc_range(ds, task, c)
     if span:
-        text += f"; with every layer's attention replaced post hoc it recalls from {span[0]} to {span[1]}"
+        text += f" and, with every layer replaced post hoc, {span[0]} to {span[1]}"
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     if np.isfinite(_estimate(rho)):
-        text += (f"; over the {_points(ds, task, c)} (estimator, r) points the training-free read-out's (icl_recall's) "
-                 f"Spearman ρ with the post-hoc accuracy is {fmt_ci(rho, 2)}: {_agreement(ds, rho)}")
+        text += (f"; the training-free proxy's Spearman ρ with it over {_points(ds, task, c)} (estimator, r) points "
+                 f"is {fmt_ci(rho, 2)}")
         partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
         if np.isfinite(_estimate(partial)):
-            text += f"; controlling for log₂ r it is {fmt_ci(partial, 2)} ({_partial_verdict(ds, partial)})"
+            text += f", controlling for log₂ r {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial).split(':')[0]}"
         counts = _agreement_counts(ds, task, c)
         if counts["pairs"]:
-            text += (f"; at equal r the proxy prefers the trained model's loser in {counts['disagree']} of the "
-                     f"{counts['resolved']} pairs whose post-hoc order is resolved")
+            text += (f"; at equal r the proxy prefers the loser in {counts['disagree']} of {counts['resolved']} "
+                     "resolved pairs")
     return text + "."
 
 
@@ -501,7 +501,8 @@ def _validity_lines(ds, task, c) -> list[str]:
     partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
     log_r = ds["proxy_log_r_rank_correlation"].sel(task=task, context=c)
     lines = [f"{task}, proxy validity with {c} pairs over {_points(ds, task, c)} (estimator, r) points ({names}; "
-             f"cluster bootstrap over {k} seeds): Spearman ρ of proxy and post-hoc accuracy {fmt_ci(rho, 2)}; log₂ r "
+             f"cluster bootstrap over {k} seeds): Spearman ρ of proxy and post-hoc accuracy {fmt_ci(rho, 2)}, "
+             f"{_agreement(ds, rho)}; log₂ r "
              f"alone gives ρ = {fmt_ci(log_r, 2)} with the post-hoc accuracy; the partial ρ controlling for log₂ r "
              f"is {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial)}."]
     counts = _agreement_counts(ds, task, c)
