@@ -156,7 +156,7 @@ GRIDS = {
     # (benchmarks/gpu_check.sh); hours on the 2-core CPU
     "gpu": {"task": ["mqar", "regression", "mqar_d128_L128", "mqar_d256_L256"], "substitution": list(SUBSTITUTIONS),
             "estimator": list(ESTIMATORS), "num_features": [16, 32, 64, 128, 256, 512, 1024],
-            "context": [4, 8, 11, 16, 32], "seed": list(range(8))},
+            "context": [4, 8, 11, 16, 32], "seed": list(range(12))},
 }
 PARAMETERS = {
     "proxy_beta_factor": Parameter(2.0, long_name="proxy: β / ln n of the training-free read-out", units="1"),
