@@ -299,6 +299,17 @@ def smallest_enough(ds: xr.Dataset, setup, num_pairs, family, target: float):
     return float(size[i]), float(med[i])
 
 
+def _span(ds: xr.Dataset, at: dict, family: str) -> str:
+    """``family a (bytes) → b (bytes)``: the median test accuracy at the smallest and at the largest state."""
+    med = ds["test_accuracy_summary"].sel(**at, estimator=family, stat="estimate").values
+    size = ds["state_bytes_config"].sel(**at, estimator=family).values
+    keep = np.flatnonzero(np.isfinite(med) & np.isfinite(size))
+    if not keep.size:
+        return f"{family} not run"
+    lo, hi = keep[np.argmin(size[keep])], keep[np.argmax(size[keep])]
+    return f"{family} {fmt(med[lo])} ({fmt_bytes(size[lo])}) → {fmt(med[hi])} ({fmt_bytes(size[hi])})"
+
+
 # ------------------------------------------------------------------------------------------------ figure
 def _families(ds) -> list[str]:
     return [str(f) for f in ds["estimator"].values]
@@ -373,6 +384,8 @@ def findings(ds: xr.Dataset) -> list[str]:
                 f" Softmax (KV cache {fmt_bytes(kv)} + convolution): median "
                 f"{fmt(float(soft.sel(stat='estimate').max()))}"
                 f" (range {fmt(float(soft.sel(stat='lo').max()))}–{fmt(float(soft.sel(stat='hi').max()))}).")
+            lines.append(f"N = {int(n)} pairs, median test accuracy from the smallest to the largest state: "
+                         + "; ".join(_span(ds, at, f) for f in _families(ds) if f != "exact") + ".")
             lines.append(f"N = {int(n)} pairs, L = {int(ds['seq_len'].sel(**at).max())}: the smallest state whose "
                          f"median test accuracy over {units} seeds reaches {fmt(target)}: " + "; ".join(parts) + "."
                          + soft_text + f" Chance: 1/N = {fmt(float(ds['chance_pairs'].sel(num_pairs=n)))}, "
