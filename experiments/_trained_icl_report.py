@@ -404,9 +404,10 @@ def _post_hoc_lines(ds, task, c) -> list[str]:
         score = fmt_ci(one["score_summary"].sel(num_features=r), 2)
         err = _range(one["layer_error_summary"].sel(num_features=r, layer=layer))
         errs.append(f"layer {int(layer)} alone: score {score}, output error {err}")
+        ran = int(one["layer_error_summary"].sel(num_features=r, layer=layer, stat="count"))
     if errs:
         lines.append(f"{task}, `positive_orthogonal` at r = {r} in one layer ({c} in context; output error: median "
-                     f"over the {_units(ds)} seeds of the prompts' median, in brackets the range of the seeds, not a "
+                     f"over the {ran} seeds of the prompts' median, in brackets the range of the seeds, not a "
                      "95 % interval): " + "; ".join(errs) + ".")
     return lines
 

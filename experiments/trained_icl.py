@@ -41,7 +41,7 @@ resampled with its prompts (:func:`kernapprox.stats.cluster_interval`), and a ve
 needs at least :data:`kernapprox.stats.MIN_UNITS` seeds and a paired exact test on the per-seed means
 (:func:`kernapprox.stats.paired_test`); with fewer the findings say "not resolved (k units)". The default preset
 has 12 seeds: the within-r pairs below are 30 per context, and only a sign test of 12 of 12 seeds (p = 2·2⁻¹²)
-passes Holm over 30 (with 10, no p-value can).
+passes Holm over 30 (with 10, no p-value can). The regression setup, which has no proxy and no verdict, runs its post-hoc cells (the costliest: 8 layers) on the first 5 seeds only (``Setup.post_hoc_seeds``); its references and intervals count the seeds that ran.
 
 Summaries (:mod:`kernapprox.stats`, read by the figure and the findings of :mod:`experiments._trained_icl_report`):
 mean scores over seeds × prompts with cluster-bootstrap intervals over seeds (``score_summary``,
@@ -100,6 +100,7 @@ class Setup:
     contexts: tuple
     trained_ranks: tuple = ()
     trained_extra: tuple = ()
+    post_hoc_seeds: int | None = None    # post-hoc cells on seeds 0..k-1 only (None: every seed of the grid)
 
     def trains(self, label: str, r: int) -> bool:
         """Whether the fixed-state model of ``label`` at feature dimension ``r`` is trained from scratch."""
@@ -112,7 +113,8 @@ SETUPS = {
     # the deterministic maps are at 1 already at r = 16): with the softmax references, 7 models trained when the
     # checkpoint cache is cold, about 170 of the default preset's CPU seconds
     "mqar": Setup("mqar", presets.mqar, (4, 8), (16,), (("positive_orthogonal", 64),)),
-    "regression": Setup("regression", presets.regression, (4, 8, 11)),
+    # no proxy and no verdict on regression: its post-hoc cells (the study's costliest, 8 layers) on 5 seeds
+    "regression": Setup("regression", presets.regression, (4, 8, 11), post_hoc_seeds=5),
     "mqar_smoke": Setup("mqar", functools.partial(presets.mqar, d_model=32, seq_len=32, num_pairs=4, steps=12),
                         (2, 4), (16,)),
     "regression_smoke": Setup("regression", functools.partial(presets.regression, dim=3, num_points=6, steps=12),
@@ -241,10 +243,13 @@ def _fixed_dimension(label: str) -> bool:
     return readout.estimator_capabilities(name, **options).fixed_dimension
 
 
-def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_layers: int) -> bool:
+def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_layers: int, seed: int = 0) -> bool:
     """Whether a cell runs: the setup's contexts; trained models where the setup trains them; one layer at a time
-    at the largest context and r = FIXED_SLOT only; fixed-dimension maps in the FIXED_SLOT column."""
+    at the largest context and r = FIXED_SLOT only; fixed-dimension maps in the FIXED_SLOT column; post-hoc cells
+    on the setup's first ``post_hoc_seeds`` seeds when it sets them."""
     if context not in setup.contexts:
+        return False
+    if sub != "trained" and setup.post_hoc_seeds is not None and seed >= setup.post_hoc_seeds:
         return False
     if label in PROXY_ONLY and (sub != "all" or setup.task != "mqar"):
         return False
@@ -343,7 +348,7 @@ def run_cell(params, rng, device, data_rng, data):
     setup = SETUPS[params["task"]]
     sub, label, r, context = params["substitution"], params["estimator"], params["num_features"], params["context"]
     model_config = setup.build(device=str(device))[0]
-    if not applicable(setup, sub, label, r, context, model_config.num_layers):
+    if not applicable(setup, sub, label, r, context, model_config.num_layers, params["seed"]):
         return not_applicable()
     task, reference, ev, prompts = data.config[1], data.reference, data.eval_task, data.prompts
     result = {}

@@ -125,3 +125,16 @@ def test_nystrom_proxy_reads_at_most_n_landmarks():
     at_n = trained_icl._proxy("nystrom_uniform", 4, params, episodes, np.random.default_rng(0))
     np.testing.assert_array_equal(wide["proxy_accuracy"], at_n["proxy_accuracy"])
     assert trained_icl._proxy("window_linear", 64, params, episodes, np.random.default_rng(0)) == {}
+
+
+def test_post_hoc_seeds_limit_the_post_hoc_cells_of_a_setup_only():
+    """regression's post-hoc cells run on its first post_hoc_seeds seeds; its trained models and MQAR on every
+    seed of the grid."""
+    from experiments import trained_icl
+
+    reg, mqar = trained_icl.SETUPS["regression"], trained_icl.SETUPS["mqar"]
+    assert reg.post_hoc_seeds == 5 and mqar.post_hoc_seeds is None
+    args = ("all", "positive_orthogonal", 64, 11, 8)
+    assert trained_icl.applicable(reg, *args, seed=4) and not trained_icl.applicable(reg, *args, seed=5)
+    assert trained_icl.applicable(mqar, "all", "positive_orthogonal", 64, 8, 2, seed=11)
+    assert trained_icl.applicable(reg, "trained", "exact", trained_icl.FIXED_SLOT, 11, 8, seed=11)
