@@ -514,7 +514,8 @@ def partial_spearman(x, y, z) -> float:
     Statistics* vol. 2, §27.4; Conover 1999, *Practical Nonparametric Statistics*, §5.4). It equals Pearson's r
     of the residuals of rank(x) and rank(y) after a least-squares line on rank(z): the rank association of x and
     y that the ordering by z does not explain. Pairs with a non-finite entry are left out. NaN when fewer than 4
-    pairs remain, when x or y is constant, or when z orders x or y perfectly (|ρ| = 1: no residual to correlate).
+    pairs remain, when x or y is constant, or when z orders x or y perfectly (:math:`|\rho| = 1`: no residual to
+    correlate).
     """
     x, y, z = (np.asarray(v, dtype=np.float64).ravel() for v in (x, y, z))
     if not x.size == y.size == z.size:
