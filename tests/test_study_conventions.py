@@ -25,10 +25,10 @@ import toy_paired  # noqa: E402
 
 STUDIES = sorted(p.stem for p in (ROOT / "experiments").glob("*.py") if not p.stem.startswith("_"))
 OWN = ["attention_error", "icl_classification", "icl_recall", "icl_regression", "in_context_vs_in_weight",
-       "kernel_error", "modality_spectrum", "modes", "query_distribution", "rank_summary", "spectrum",
-       "variance_theory"]
+       "kernel_error", "modality_spectrum", "modes", "query_distribution", "rank_summary", "recall_frontier",
+       "spectrum", "variance_theory"]
 # Studies whose unit is a trained model (train_seed), not a data draw (seed): fewer units per default preset.
-TRAINED = ("modality_spectrum",)
+TRAINED = ("modality_spectrum", "recall_frontier")
 
 
 def _experiment(**overrides):
