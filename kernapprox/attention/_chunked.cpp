@@ -368,6 +368,133 @@ void causal_exp_sequences(const Problem& g, const ExpInputs& in, int b0, int b1)
     }
 }
 
+// ------------------------------------------------------------------------------------------ causal backward
+// 3. kernapprox::chunked_causal_backward: the gradient of the causal sum rule's chunked mode (decay 0), the
+// written-out backward of kernapprox/attention/chunk_grad.py run chunk by chunk with each state in cache. For
+// y_i = n_i / d_i, [n_i d_i] = sum_{j<=i} A_ij [v_j 1], A_ij = phi~(q_i)^T phi~(k_j) e^{l(k_j) - c_i} (c_i the
+// forward's row shift, the running maximum of l(k)), with h_i = [g_i / d_i, -g_i^T y_i / d_i] and vt_j = [v_j 1]:
+//   dphi~(q_i) = sum_{j<=i} (h_i^T vt_j) e^{l_j - c_i} phi~(k_j)      (forward in time, state S_J)
+//   dphi~(k_j) = sum_{i>=j} (h_i^T vt_j) e^{l_j - c_i} phi~(q_i)      (backward in time, reverse state R_J)
+//   dvt_j      = sum_{i>=j} A_ij h_i,   dl(k_j) = phi~(k_j)^T dphi~(k_j).
+// Chunk J of rows t0..t0+cl-1, s_J = c at its last row, s_{J-1} at the row before it (the sentinel for J = 0):
+//   S_J = sum_{j before J} e^{l_j - s_{J-1}} vt_j phi~(k_j)^T         ((dv+1) x r; every factor <= 1)
+//   R_J = sum_{i after J} e^{s_J - c_i} h_i phi~(q_i)^T
+//   dphi~(Q_J) = [e^{s_{J-1} - c} h | G] [S_J ; phi~(K_J)],   G_ij = (h_i^T vt_j) e^{l_j - c_i} (j <= i)
+//   dphi~(K_J) = [e^{l - s_J} vt | G^T] [R_J ; phi~(Q_J)],   dvt_J = e^{l - s_J} phi~(K_J) R_J^T + P^T h,
+//   P_ij = phi~(q_i)^T phi~(k_j) e^{l_j - c_i} (j <= i); phi~(K_J) [R_J ; phi~(Q_J)]^T gives both products at once.
+struct Backward {
+    int B, L, r, dv, C;
+    const float *pq, *pk, *lk, *v, *y, *den, *c, *gy;   // (B, L, r) x 2; (B, L); (B, L, dv) x 2; (B, L) x 2; (B, L, dv)
+    float *gpq, *gpk, *glk, *gv;                         // (B, L, r) x 2; (B, L); (B, L, dv): all contiguous
+};
+
+struct BackwardWork {
+    std::vector<float> h, vt, hw, A, T, M, P, aug, gvt;
+    BackwardWork(int C, int r, int dv1)
+        : h(C * dv1), vt(C * dv1), hw(C * dv1), A(C * (dv1 + C)), T(C * (dv1 + C)), M(C * C), P(C * C),
+          aug((int64_t)(dv1 + C) * r), gvt(C * dv1) {}
+};
+
+// h and vt of rows t0..t0+cl-1 of sequence b.
+inline void backward_rows(const Backward& g, BackwardWork& w, int b, int t0, int cl) {
+    const int dv = g.dv, dv1 = dv + 1;
+    for (int p = 0; p < cl; ++p) {
+        const int64_t row = (int64_t)b * g.L + t0 + p;
+        const float *vr = g.v + row * dv, *yr = g.y + row * dv, *gr = g.gy + row * dv;
+        const float inv = 1.0f / g.den[row];
+        float dot = 0.0f;
+        for (int e = 0; e < dv; ++e) {
+            dot += gr[e] * yr[e];
+            w.h[p * dv1 + e] = gr[e] * inv;
+            w.vt[p * dv1 + e] = vr[e];
+        }
+        w.h[p * dv1 + dv] = -dot * inv;
+        w.vt[p * dv1 + dv] = 1.0f;
+    }
+}
+
+void backward_sequence(const Backward& g, BackwardWork& w, int b) {
+    const int r = g.r, dv = g.dv, dv1 = dv + 1, C = g.C, L = g.L;
+    const int64_t base = (int64_t)b * L;
+    const float *c = g.c + base, *lk = g.lk + base;
+    float* S = w.aug.data();                             // [S_J ; phi~(K_J)], then [R_J ; phi~(Q_J)]
+    // forward in time: dphi~(Q)
+    std::memset(S, 0, sizeof(float) * dv1 * r);
+    float sprev = SENTINEL;
+    for (int t0 = 0; t0 < L; t0 += C) {
+        const int cl = std::min(C, L - t0), W = dv1 + cl;
+        const float* pk = g.pk + (base + t0) * r;
+        const float s = c[t0 + cl - 1];
+        backward_rows(g, w, b, t0, cl);
+        gemm(false, true, cl, cl, dv1, 1.0f, w.h.data(), dv1, w.vt.data(), dv1, 0.0f, w.M.data(), cl);
+        for (int p = 0; p < cl; ++p) {
+            const float ci = c[t0 + p];
+            const float f = exp_nonpos(std::min(sprev - ci, 0.0f));
+            for (int e = 0; e < dv1; ++e) w.A[p * W + e] = w.h[p * dv1 + e] * f;
+            for (int l = 0; l < cl; ++l)
+                w.A[p * W + dv1 + l] = l <= p ? w.M[p * cl + l] * exp_nonpos(std::min(lk[t0 + l] - ci, 0.0f)) : 0.0f;
+        }
+        std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
+        gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, g.gpq + (base + t0) * r, r);
+        for (int p = 0; p < cl; ++p) {
+            const float kw = exp_nonpos(std::min(lk[t0 + p] - s, 0.0f));
+            for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.vt[p * dv1 + e] * kw;
+        }
+        gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pk, r, exp_nonpos(std::min(sprev - s, 0.0f)), S, r);
+        sprev = s;
+    }
+    // backward in time: dphi~(K), dv, dl(K)
+    float* R = S;
+    std::memset(R, 0, sizeof(float) * dv1 * r);
+    for (int t0 = (L - 1) / C * C; t0 >= 0; t0 -= C) {
+        const int cl = std::min(C, L - t0), W = dv1 + cl;
+        const float* pq = g.pq + (base + t0) * r;
+        const float* pk = g.pk + (base + t0) * r;
+        const float s = c[t0 + cl - 1];
+        const float sprev_j = t0 > 0 ? c[t0 - 1] : SENTINEL;
+        backward_rows(g, w, b, t0, cl);
+        std::memcpy(R + (int64_t)dv1 * r, pq, sizeof(float) * cl * r);
+        gemm(false, true, cl, W, r, 1.0f, pk, r, R, r, 0.0f, w.T.data(), W);                 // [pk R^T | pk pq^T]
+        gemm(false, true, cl, cl, dv1, 1.0f, w.vt.data(), dv1, w.h.data(), dv1, 0.0f, w.M.data(), cl);  // vt h^T
+        for (int j = 0; j < cl; ++j) {
+            const float kw = exp_nonpos(std::min(lk[t0 + j] - s, 0.0f));
+            for (int e = 0; e < dv1; ++e) {
+                w.A[j * W + e] = w.vt[j * dv1 + e] * kw;
+                w.gvt[j * dv1 + e] = w.T[j * W + e] * kw;
+            }
+            for (int i = 0; i < cl; ++i) {
+                const float wt = i >= j ? exp_nonpos(std::min(lk[t0 + j] - c[t0 + i], 0.0f)) : 0.0f;
+                w.A[j * W + dv1 + i] = w.M[j * cl + i] * wt;
+                w.P[j * cl + i] = w.T[j * W + dv1 + i] * wt;
+            }
+        }
+        gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
+        float* gpk = g.gpk + (base + t0) * r;
+        gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, R, r, 0.0f, gpk, r);
+        for (int j = 0; j < cl; ++j) {
+            float* gvr = g.gv + (base + t0 + j) * dv;
+            for (int e = 0; e < dv; ++e) gvr[e] = w.gvt[j * dv1 + e];
+            float lanes[LANES] = {};
+            const float *a = gpk + (int64_t)j * r, *x = pk + (int64_t)j * r;
+            int u0 = 0;
+            for (; u0 + LANES <= r; u0 += LANES)
+                for (int u = 0; u < LANES; ++u) lanes[u] += a[u0 + u] * x[u0 + u];
+            for (; u0 < r; ++u0) lanes[0] += a[u0] * x[u0];
+            g.glk[base + t0 + j] = lane_sum(lanes);
+        }
+        for (int p = 0; p < cl; ++p) {
+            const float rw = exp_nonpos(std::min(sprev_j - c[t0 + p], 0.0f));
+            for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.h[p * dv1 + e] * rw;
+        }
+        gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pq, r, exp_nonpos(std::min(sprev_j - s, 0.0f)), R, r);
+    }
+}
+
+void backward_sequences(const Backward& g, int b0, int b1) {
+    BackwardWork w(g.C, g.r, g.dv + 1);
+    for (int b = b0; b < b1; ++b) backward_sequence(g, w, b);
+}
+
 // Sequences b0..b1-1 of B per thread of torch's pool (at::parallel_for: one range of sequences per thread).
 template <class Fn>
 void over_sequences(int B, Fn run) {
@@ -428,6 +555,27 @@ void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor
                     v.stride(1), f32_out(state, "state"), f32_out(c, "c"), f32_out(out, "out"), f32_out(den, "den"),
                     f32_out(logs, "logs"), out.stride(0), out.stride(1), den.stride(0), want_num ? 1 : 0};
     over_sequences((int)B, [&](int b0, int b1) { run_sequences(g, b0, b1); });
+}
+
+void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const at::Tensor& lk, const at::Tensor& v,
+                             const at::Tensor& y, const at::Tensor& den, const at::Tensor& c, const at::Tensor& gy,
+                             const at::Tensor& gpq, const at::Tensor& gpk, const at::Tensor& glk,
+                             const at::Tensor& gv, int64_t chunk_size) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
+    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    for (const at::Tensor* t : {&lk, &den, &c, &glk})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == L, "lk, den, c and glk must be (B, L)");
+    for (const at::Tensor* t : {&v, &y, &gy, &gv})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == dv,
+                    "v, y, gy and gv must be (B, L, d_v)");
+    TORCH_CHECK(gpq.sizes() == pq.sizes() && gpk.sizes() == pq.sizes(), "gpq and gpk must be (B, L, r)");
+    const Backward g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, f32_dense(pq, "pq"), f32_dense(pk, "pk"),
+                     f32_dense(lk, "lk"), f32_dense(v, "v"), f32_dense(y, "y"), f32_dense(den, "den"),
+                     f32_dense(c, "c"), f32_dense(gy, "gy"), const_cast<float*>(f32_dense(gpq, "gpq")),
+                     const_cast<float*>(f32_dense(gpk, "gpk")), const_cast<float*>(f32_dense(glk, "glk")),
+                     const_cast<float*>(f32_dense(gv, "gv"))};
+    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(g, b0, b1); });
 }
 
 ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::ArrayRef<double> scalars, int64_t d,
@@ -499,10 +647,13 @@ TORCH_LIBRARY(kernapprox, m) {
           "float[] mapk, Tensor? padding, Tensor v, Tensor(a!) state, Tensor(b!) c, Tensor(c!) out, Tensor(d!) den, "
           "Tensor(e!) logs, int chunk_size, int block, float log_decay, bool want_num) -> ()");
     m.def("exp_nonpos(Tensor src, Tensor(a!) out) -> ()");
+    m.def("chunked_causal_backward(Tensor pq, Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, "
+          "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
     m.impl("chunked_causal", &chunked_causal);
     m.impl("exp_attention", &exp_attention);
     m.impl("exp_nonpos", &exp_nonpos_op);
+    m.impl("chunked_causal_backward", &chunked_causal_backward);
 }

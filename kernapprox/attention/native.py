@@ -209,6 +209,34 @@ def _check_causal(*, device, dtype, needs_grad, rule_ok, batch, entries, causal,
     return _common_check(device, dtype, needs_grad, rule_ok, batch, entries)
 
 
+def _check_backward(*, causal, device=None, dtype=None, batch=0, entries=0, padding=False, **_):
+    """Whether ``kernapprox::chunked_causal_backward`` computes a gradient call's backward (``native-backward`` of
+    ``"linear_attention.gradient"``; the caller already restricted it to the sum rule's chunked mode without an
+    initial or returned state, asking for the output only)."""
+    switch = backends.get_mode("native")
+    if switch == "off":
+        return False, "KERNAPPROX_NATIVE=off"
+    if not causal:
+        return False, "non-causal (the compiled backward runs the causal chunk loop)"
+    if padding:
+        return False, "padded keys (the compiled backward takes none)"
+    if device is None or device.type != "cpu":
+        return False, f"on {getattr(device, 'type', device)} (CPU operators)"
+    if dtype != torch.float32:
+        return False, f"dtype {dtype} (float32 operators)"
+    threads = _threads()
+    if batch < threads:
+        return False, f"{batch} sequences < {threads} torch threads (one sequence per thread)"
+    if switch != "on" and entries < MIN_ENTRIES:
+        return False, f"{entries} feature entries < MIN_ENTRIES = {MIN_ENTRIES} (KERNAPPROX_NATIVE=auto)"
+    if not available():
+        return False, f"not available: {_State.failed}"
+    return True, f"KERNAPPROX_NATIVE={switch}, eligible"
+
+
+backends.register(backends.Backend("native-backward", "linear_attention.gradient", 20, _check_backward, "native",
+                                   "kernapprox::chunked_causal (forward) and kernapprox::chunked_causal_backward: "
+                                   "the causal sum rule's chunk loop and its gradient, features given"))
 backends.register(backends.Backend("native-exp", "linear_attention.chunked", 30, _check_exp, "native",
                                    "kernapprox::exp_attention: the chunked mode with the features inside"))
 backends.register(backends.Backend("native", "linear_attention.chunked", 20, _check_causal, "native",
@@ -218,7 +246,7 @@ backends.register(backends.Backend("native", "linear_attention.chunked", 20, _ch
 # ------------------------------------------------------------------------------------------------ operators
 def _register_fakes() -> None:
     """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
-    for name in ("chunked_causal", "exp_attention", "exp_nonpos"):
+    for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward"):
         torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
@@ -234,6 +262,59 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
     """
     torch.ops.kernapprox.chunked_causal(pq, lq, pk, lk, v, state, c, out, den, logs, int(chunk_size),
                                         float(log_decay), bool(want_num))
+
+
+def chunk_backward(pq, pk, lk, v, y, den, c, gy, chunk_size: int):
+    """The gradients ``(dφ̃_q, dφ̃_k, dℓ_k, dv)`` of the causal sum rule's output ``y = num/den`` from its gradient
+    ``gy`` (``kernapprox::chunked_causal_backward``; the formulas of :mod:`.chunk_grad`, chunk by chunk with the
+    forward state ``S_J`` and the reverse state ``R_J`` in cache).
+
+    ``pq, pk`` ``(B, n, r)``, ``lk, den, c`` ``(B, n)`` (``c`` the forward's row shift, the running maximum of
+    ``lk``; ``den`` the normalisers at that shift, none zero), ``v, y, gy`` ``(B, n, d_v)``: float32 CPU tensors
+    (made contiguous here).
+    """
+    pq, pk, lk, v, y, den, c, gy = (t.contiguous() for t in (pq, pk, lk, v, y, den, c, gy))
+    gpq, gpk, glk, gv = torch.empty_like(pq), torch.empty_like(pk), torch.empty_like(lk), torch.empty_like(v)
+    torch.ops.kernapprox.chunked_causal_backward(pq, pk, lk, v, y, den, c, gy, gpq, gpk, glk, gv, int(chunk_size))
+    return gpq, gpk, glk, gv
+
+
+class CausalSum(torch.autograd.Function):
+    r"""``(y, den, c) = CausalSum.apply(pq, pk, lk, v, chunk_size)``: the causal sum rule's output on stabilised
+    features (``pq, pk`` ``(B, n, r)``, ``lk`` ``(B, n)``, ``v`` ``(B, n, d_v)``, float32 on a CPU),
+
+    .. math::
+        y_i = \frac{\sum_{j≤i} φ̃_{q,i}^⊤φ̃_{k,j} e^{ℓ_{k,j} − c_i} v_j}{\sum_{j≤i} φ̃_{q,i}^⊤φ̃_{k,j}
+        e^{ℓ_{k,j} − c_i}},
+
+    forward by ``kernapprox::chunked_causal`` (Yang et al. 2024, sec. 3.2), backward by
+    ``kernapprox::chunked_causal_backward`` (:func:`chunk_backward`; the sums of :mod:`.chunk_grad`, Katharopoulos
+    et al. 2020, sec. 3.3.1). ``den`` (the normalisers) and ``c`` (the row shifts, the running maximum of ``lk``)
+    are not differentiable; the output does not depend on the query log-scales, which are not an input."""
+
+    @staticmethod
+    def forward(ctx, pq, pk, lk, v, chunk_size):
+        batch, n, r = pq.shape
+        d_v = v.shape[-1]
+        pq, pk, lk = pq.contiguous(), pk.contiguous(), lk.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        state = torch.zeros(batch, d_v + 1, r)
+        carry = torch.full((batch,), SENTINEL)
+        y, den, c = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+        torch.ops.kernapprox.chunked_causal(pq, torch.zeros(batch, n), pk, lk, v, state, carry, y, den, c,
+                                            int(chunk_size), 0.0, False)
+        safe = torch.where(den == 0, torch.ones(()), den)
+        ctx.save_for_backward(pq, pk, lk, v, y, safe, c)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(den, c)
+        return y, den, c
+
+    @staticmethod
+    def backward(ctx, gy, _gden, _gc):
+        pq, pk, lk, v, y, den, c = ctx.saved_tensors
+        gy = torch.zeros_like(y) if gy is None else gy
+        gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size)
+        return gpq, gpk, glk, gv, None
 
 
 def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
@@ -311,6 +392,7 @@ def _self_check() -> None:
     _self_check_causal()
     _self_check_exp(causal=False)
     _self_check_exp(causal=True)
+    _self_check_backward()
 
 
 def _reference(pq, lq, pk, lk, v, causal, a, state0):
@@ -420,3 +502,31 @@ def _self_check_exp(causal: bool) -> None:
 
     _agrees("the causal operator's (features inside)" if causal else "the non-causal operator's", run,
             (pq, lq, pk, lk), v, state0, causal, a)
+
+
+def _self_check_backward() -> None:
+    """The compiled backward (through :class:`CausalSum`) against float64 autograd through the definition, on a
+    small problem: a partial last chunk, key log-scales spread over ±6 (rows whose shift changes inside a chunk)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, n, r, d_v, size = 3, 23, 12, 5, 4
+    pq, pk = torch.rand(batch, n, r, generator=gen) + 0.05, torch.rand(batch, n, r, generator=gen) + 0.05
+    lk = 3 * torch.randn(batch, n, generator=gen)
+    v, gy = torch.randn(batch, n, d_v, generator=gen), torch.randn(batch, n, d_v, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (pq, pk, lk, v)]
+    y, _, _ = CausalSum.apply(*leaves, size)
+    torch.autograd.backward(y, gy)
+    ref = [t.double().requires_grad_() for t in (pq, pk, lk, v)]
+    q64, k64, l64, v64 = ref
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    shift = torch.cummax(l64.detach(), -1).values
+    weights = (q64 @ k64.transpose(-1, -2) * torch.exp(l64[:, None, :] - shift[..., None])).masked_fill(~causal, 0)
+    want_y = (weights @ v64) / weights.sum(-1, keepdim=True)
+    torch.autograd.backward(want_y, gy.double())
+    checks = {"outputs": (y.detach(), want_y.detach())}
+    checks.update({f"gradients of {name}": (got.grad, want.grad)
+                   for name, got, want in zip(("pq", "pk", "lk", "v"), leaves, ref)})
+    for name, (got, want) in checks.items():
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the causal backward's {name} differ from the float64 reference by "
+                               f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
