@@ -38,8 +38,20 @@ def _inputs(shape, n, d_v=5, seed=0, std=0.7, dtype=torch.float32):
     return q, k, v
 
 
-def _fitted(name, q, k, r):
-    return ka.make_estimator(name, num_features=r, rng=0).fit(q.reshape(-1, D).double(), k.reshape(-1, D).double())
+def _fitted(name, q, k, r, **options):
+    return ka.make_estimator(name, num_features=r, rng=0, **options).fit(q.reshape(-1, D).double(),
+                                                                         k.reshape(-1, D).double())
+
+
+# (map, options, the backend that takes it): maps of the exponential form with eps = 0 have their features
+# computed and differentiated by the compiled operators too; others (eps > 0) by torch, around the compiled core
+MAPS = [("positive", {}, "native-backward-exp"), ("positive_orthogonal", {}, "native-backward-exp"),
+        ("oprf", {}, "native-backward-exp"), ("positive", {"eps": 1e-3}, "native-backward")]
+
+
+def _map_id(spec):
+    name, options, _ = spec
+    return name + "".join(f"-{key}{value}" for key, value in options.items())
 
 
 def _grads(switch, q, k, v, est, **kw):
@@ -67,11 +79,12 @@ CASES = [((2, 3), 37, 20, 8, 1), ((1, 3), 100, 33, 16, 2), ((2, 2), 64, 16, 64, 
 
 
 @pytest.mark.parametrize("case", CASES, ids=_id)
-@pytest.mark.parametrize("name", ["positive", "positive_orthogonal"])
-def test_gradients_equal_eager_autograd_to_rounding(case, name):
+@pytest.mark.parametrize("spec", MAPS, ids=_map_id)
+def test_gradients_equal_eager_autograd_to_rounding(case, spec):
     shape, n, r, chunk, threads = case
+    name, options, backend = spec
     q, k, v = _inputs(shape, n, seed=n)
-    est = _fitted(name, q, k, r)
+    est = _fitted(name, q, k, r, **options)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -80,37 +93,38 @@ def test_gradients_equal_eager_autograd_to_rounding(case, name):
     finally:
         torch.set_num_threads(previous)
     ref64, _ = _grads("off", q.double(), k.double(), v.double(), est, chunk_size=chunk)
-    assert ran == ["native-backward"] and ran_ref == ["autograd"]
+    assert ran == [backend] and ran_ref == ["autograd"]
     for part, a, b, c in zip(("y", "dq", "dk", "dv"), got, ref, ref64):
-        _rounding_close(a, b, c, f"{name} {_id(case)} {part}")
+        _rounding_close(a, b, c, f"{_map_id(spec)} {_id(case)} {part}")
 
 
-def test_one_token():
+@pytest.mark.parametrize("eps, backend", [(0.0, "native-backward-exp"), (1e-3, "native-backward")])
+def test_one_token(eps, backend):
     """``y = v``: the gradients of ``q`` and ``k`` are 0 (eager: exactly; the kernel: to rounding of ``dv``), that
     of ``v`` the loss's."""
     q, k, v = _inputs((2, 2), 1)
-    est = _fitted("positive", q, k, 9)
+    est = _fitted("positive", q, k, 9, eps=eps)
     got, ran = _grads("on", q, k, v, est)
     ref, _ = _grads("off", q, k, v, est)
-    assert ran == ["native-backward"]
+    assert ran == [backend]
     torch.testing.assert_close(got[0], ref[0])
     torch.testing.assert_close(got[3], ref[3])
     for a in got[1:3]:
         assert float(a.abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(ref[3].abs().max())
 
 
-def test_extreme_logits_where_the_stabiliser_matters():
+@pytest.mark.parametrize("eps, backend", [(0.0, "native-backward-exp"), (1e-3, "native-backward")])
+def test_extreme_logits_where_the_stabiliser_matters(eps, backend):
     """Large inputs: key log-scales spread over more than float32's exponent range, so every row's shift (the
-    running maximum) changes
-    within chunks and most weights underflow without it."""
+    running maximum) changes within chunks and most weights underflow without it."""
     q, k, v = _inputs((2, 2), 90, seed=7, std=7.0)
-    est = _fitted("positive", q, k, 24)
+    est = _fitted("positive", q, k, 24, eps=eps)
     lk = est.features(k.double(), "key", log_scale=True)[1]
     assert float(lk.max() - lk.min()) > 100                   # the case is extreme
     got, ran = _grads("on", q, k, v, est, chunk_size=16)
     ref, _ = _grads("off", q, k, v, est, chunk_size=16)
     ref64, _ = _grads("off", q.double(), k.double(), v.double(), est, chunk_size=16)
-    assert ran == ["native-backward"]
+    assert ran == [backend]
     for part, a, b, c in zip(("y", "dq", "dk", "dv"), got, ref, ref64):
         assert torch.isfinite(a).all()
         _rounding_close(a, b, c, f"extreme logits {part}")
@@ -129,11 +143,12 @@ def _oracle(q, k, v, est):
     return (weights @ v) / weights.sum(-1, keepdim=True)
 
 
-def test_gradients_equal_a_float64_oracle():
+@pytest.mark.parametrize("eps, backend", [(0.0, "native-backward-exp"), (1e-3, "native-backward")])
+def test_gradients_equal_a_float64_oracle(eps, backend):
     q, k, v = _inputs((1, 3), 75, seed=3)
-    est = _fitted("positive_orthogonal", q, k, 40)
+    est = _fitted("positive_orthogonal", q, k, 40, eps=eps)
     got, ran = _grads("on", q, k, v, est, chunk_size=16)
-    assert ran == ["native-backward"]
+    assert ran == [backend]
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     y = _oracle(q64, k64, v64, est)
     (y * torch.linspace(-1, 1, y.shape[-1], dtype=y.dtype)).sin().sum().backward()
@@ -223,9 +238,10 @@ def test_calls_it_does_not_compute_take_autograd(what, kw, data):
             ka.linear_attention(q1, k1, v1, est, **{"causal": True, **kw})
     finally:
         torch.set_num_threads(previous)
-    assert not any(c.backend == "native-backward" for c in calls), what
-    declined = [dict(c.declined).get("native-backward") for c in calls if c.op == "linear_attention.gradient"]
-    assert all(reason is not None for reason in declined), what
+    assert not any(c.backend.startswith("native-backward") for c in calls), what
+    for c in calls:
+        if c.op == "linear_attention.gradient":
+            assert {"native-backward", "native-backward-exp"} <= set(dict(c.declined)), what
 
 
 def test_switch_off_and_auto():
@@ -248,6 +264,30 @@ def test_the_nn_layer_trains_through_the_compiled_backward():
             y = layer(x)
         y.square().mean().backward()
         grads[switch] = [p.grad.clone() for p in layer.parameters() if p.grad is not None]
-        assert ("native-backward" if switch == "on" else "autograd") in [c.backend for c in calls]
+        assert ("native-backward-exp" if switch == "on" else "autograd") in [c.backend for c in calls]
     for a, b in zip(grads["on"], grads["off"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_the_features_self_check_catches_a_wrong_backward(monkeypatch):
+    real = native.ExpFeatures.backward
+
+    def wrong(ctx, gphi, gell):
+        gx, *rest = real(ctx, gphi, gell)
+        return (gx * (1 + 1e-3), *rest)
+
+    monkeypatch.setattr(native.ExpFeatures, "backward", staticmethod(wrong))
+    with pytest.raises(RuntimeError, match="compiled features' gradients"):
+        native._self_check_features()
+
+
+def test_a_map_whose_weights_need_gradients_keeps_its_features_in_torch():
+    from kernapprox.estimators.base import ExponentialForm
+
+    weight = torch.randn(8, D, requires_grad=True)
+    form = ExponentialForm(torch.randn(3, 10, D), 1.0, weight, None, 0.0, 0.0, 1.0)
+    call = {"causal": True, "device": torch.device("cpu"), "dtype": torch.float32, "batch": 3, "entries": 1 << 20}
+    with backends.mode("native", "on"):
+        accepted, reason = native._check_backward_exp(form=form, **call)
+        assert not accepted and "gradient" in reason
+        assert native._check_backward_exp(form=form._replace(weight=weight.detach()), **call)[0]

@@ -495,6 +495,48 @@ void backward_sequences(const Backward& g, int b0, int b1) {
     for (int b = b0; b < b1; ++b) backward_sequence(g, w, b);
 }
 
+// ------------------------------------------------------------------------------------------ features and backward
+// 4. kernapprox::exp_features / exp_features_backward: the stabilised features of a map of the exponential form
+// (as in 2.: phi~ = exp(p - max p) + eps, l = max p + c - k alpha^2 |x|^2 / 2, p = alpha x W^T + o) for N rows, and
+// their backward with the row shift held constant (exact when eps = 0: phi~ e^l = exp(p + c - k alpha^2 |x|^2 / 2)
+// does not depend on it; the eager maps detach it then):
+//   dp = dphi~ (phi~ - eps),   dx = alpha dp W - k alpha^2 dl x.
+// Blocks of FEATURE_ROWS rows per task of torch's threads, each block's projections and exponentials in cache.
+constexpr int FEATURE_ROWS = 256;
+
+void features_rows(const ExpMap& m, int N, int d, int r, const float* x, float* phi, float* ell) {
+    at::parallel_for(0, (N + FEATURE_ROWS - 1) / FEATURE_ROWS, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> shift(FEATURE_ROWS);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
+            stabilised_rows(m, len, d, r, x + (int64_t)t0 * d, d, nullptr, phi + (int64_t)t0 * r, shift.data(),
+                            ell + t0);
+        }
+    });
+}
+
+void features_backward_rows(const ExpMap& m, int N, int d, int r, const float* x, const float* phi,
+                            const float* gphi, const float* gell, float* gx) {
+    at::parallel_for(0, (N + FEATURE_ROWS - 1) / FEATURE_ROWS, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> gp((int64_t)FEATURE_ROWS * r);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
+            const float *ph = phi + (int64_t)t0 * r, *gph = gphi + (int64_t)t0 * r;
+            for (int64_t u = 0; u < (int64_t)len * r; ++u) gp[u] = gph[u] * (ph[u] - m.eps);
+            float* gxr = gx + (int64_t)t0 * d;
+            gemm(false, false, len, d, r, m.alpha, gp.data(), r, m.W, d, 0.0f, gxr, d);
+            if (gell && m.k != 0.0f) {
+                const float f = -m.k * m.alpha * m.alpha;
+                for (int t = 0; t < len; ++t) {
+                    const float* xr = x + (int64_t)(t0 + t) * d;
+                    const float gl = gell[t0 + t] * f;
+                    for (int e = 0; e < d; ++e) gxr[(int64_t)t * d + e] += gl * xr[e];
+                }
+            }
+        }
+    });
+}
+
 // Sequences b0..b1-1 of B per thread of torch's pool (at::parallel_for: one range of sequences per thread).
 template <class Fn>
 void over_sequences(int B, Fn run) {
@@ -591,6 +633,33 @@ ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::Arra
                   (float)scalars[3]};
 }
 
+void exp_features(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& o,
+                  at::ArrayRef<double> map, const at::Tensor& phi, const at::Tensor& ell) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
+    const int64_t N = x.size(0), d = x.size(1), r = w.size(0);
+    const ExpMap m = exp_map(w, o, map, d, "map");
+    TORCH_CHECK(phi.dim() == 2 && phi.size(0) == N && phi.size(1) == r && ell.dim() == 1 && ell.size(0) == N,
+                "phi must be (N, r) and ell (N,)");
+    features_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), const_cast<float*>(f32_dense(phi, "phi")),
+                  const_cast<float*>(f32_dense(ell, "ell")));
+}
+
+void exp_features_backward(const at::Tensor& x, const at::Tensor& w, at::ArrayRef<double> map, const at::Tensor& phi,
+                           const at::Tensor& gphi, const std::optional<at::Tensor>& gell, const at::Tensor& gx) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
+    const int64_t N = x.size(0), d = x.size(1), r = w.size(0);
+    const ExpMap m = exp_map(w, std::nullopt, map, d, "map");
+    TORCH_CHECK(phi.dim() == 2 && phi.size(0) == N && phi.size(1) == r && gphi.sizes() == phi.sizes() &&
+                gx.sizes() == x.sizes(), "phi and gphi must be (N, r), gx like x");
+    const float* gl = nullptr;
+    if (gell.has_value()) {
+        TORCH_CHECK(gell->dim() == 1 && gell->size(0) == N, "gell must be (N,)");
+        gl = f32_dense(*gell, "gell");
+    }
+    features_backward_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), f32_dense(phi, "phi"),
+                           f32_dense(gphi, "gphi"), gl, const_cast<float*>(f32_dense(gx, "gx")));
+}
+
 void exp_attention(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq,
                    const std::optional<at::Tensor>& oq, at::ArrayRef<double> mapq, const at::Tensor& wk,
                    const std::optional<at::Tensor>& ok, at::ArrayRef<double> mapk,
@@ -649,6 +718,9 @@ TORCH_LIBRARY(kernapprox, m) {
     m.def("exp_nonpos(Tensor src, Tensor(a!) out) -> ()");
     m.def("chunked_causal_backward(Tensor pq, Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, "
           "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size) -> ()");
+    m.def("exp_features(Tensor x, Tensor w, Tensor? o, float[] map, Tensor(a!) phi, Tensor(b!) ell) -> ()");
+    m.def("exp_features_backward(Tensor x, Tensor w, float[] map, Tensor phi, Tensor gphi, Tensor? gell, "
+          "Tensor(a!) gx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
@@ -656,4 +728,6 @@ TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
     m.impl("exp_attention", &exp_attention);
     m.impl("exp_nonpos", &exp_nonpos_op);
     m.impl("chunked_causal_backward", &chunked_causal_backward);
+    m.impl("exp_features", &exp_features);
+    m.impl("exp_features_backward", &exp_features_backward);
 }

@@ -651,10 +651,11 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
         n_rows = q.shape[:-2].numel()
         choice = backends.choose("linear_attention.gradient", causal=causal, device=q.device, dtype=ct,
                                  batch=n_rows, entries=n_rows * max(q.shape[-2], k.shape[-2]) * r,
-                                 padding=padding is not None).backend
-        if choice in ("chunk-backward", "native-backward"):
+                                 padding=padding is not None,
+                                 form=estimator.exponential_form(q[..., :0, :].to(ct), "query")).backend
+        if choice in ("chunk-backward", "native-backward", "native-backward-exp"):
             out, den, logs = _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding,
-                                                    native=choice == "native-backward")
+                                                    native=_NATIVE_FEATURES.get(choice))
             if qpad is not None:
                 out = out.masked_fill(qpad[..., None], 0.0)
                 den, logs = den.masked_fill(qpad, 1.0), logs.masked_fill(qpad, 0.0)
@@ -706,12 +707,23 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     return result
 
 
-def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding, native=False):
+# how the compiled backends of "linear_attention.gradient" compute the features (_chunked_with_gradient's native)
+_NATIVE_FEATURES = {"native-backward": "torch", "native-backward-exp": "exp"}
+
+
+def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding, native=None):
     """The sum rule's chunked output with the written-out backward: the features of the whole sequence (autograd
     takes their gradient to ``q`` and ``k``), then :class:`.chunk_grad.ChunkedSum` (eager chunks) or, with
     ``native`` (causal, float32, no padded keys), :class:`.native.CausalSum` (the compiled forward and backward).
-    Returns ``(output, normaliser, log-scale)`` in the compute dtype."""
-    pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
+    ``native="torch"``: the map's features by torch (any map); ``"exp"``: by :func:`.native.exp_features`
+    (maps of the exponential form with ``eps = 0``), compiled too. Returns ``(output, normaliser, log-scale)`` in
+    the compute dtype."""
+    if native == "exp":
+        ct = compute_dtype(q.dtype)
+        pq, lq = _native.exp_features(estimator.exponential_form(q.to(ct), "query"))
+        pk, lk = _native.exp_features(estimator.exponential_form(k.to(ct), "key"))
+    else:
+        pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
     batch_shape, n, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     r, d_v = pq.shape[-1], v.shape[-1]
     rows = (*batch_shape, n)

@@ -67,6 +67,8 @@ NONCAUSAL_BLOCK = 256
 # Auto mode runs the operators for calls of at least this many feature entries (batch × tokens × r): a token
 # block's worth; below it a call takes well under a millisecond either way.
 MIN_ENTRIES = 1 << 18
+# Rows per task of the compiled feature map (FEATURE_ROWS in _chunked.cpp): for the self-check's partial block.
+FEATURE_ROWS = 256
 DIR_ENV = "KERNAPPROX_NATIVE_DIR"
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
           "AVX2": ["-mavx2", "-mfma"]}
@@ -234,6 +236,22 @@ def _check_backward(*, causal, device=None, dtype=None, batch=0, entries=0, padd
     return True, f"KERNAPPROX_NATIVE={switch}, eligible"
 
 
+def _check_backward_exp(*, form=None, **call):
+    """``native-backward-exp``: :func:`_check_backward`, and a map whose features the operators compute and
+    differentiate themselves (:class:`ExpFeatures`): of the exponential form, ``eps = 0`` (the row shift then
+    carries no gradient), fixed weight and offset (no gradient asked for them)."""
+    if form is None:
+        return False, "the map has no exponential form (FeatureMap.exponential_form is None)"
+    if form.eps != 0:
+        return False, f"the map's eps = {form.eps:g} (its row shift carries gradient; the features run in torch)"
+    if any(t is not None and t.requires_grad for t in (form.weight, form.offset)):
+        return False, "the map's weight or offset needs a gradient (the features run in torch)"
+    return _check_backward(**call)
+
+
+backends.register(backends.Backend("native-backward-exp", "linear_attention.gradient", 30, _check_backward_exp,
+                                   "native", "kernapprox::exp_features, chunked_causal and their backward "
+                                   "operators: features, attention and gradient compiled (exponential maps)"))
 backends.register(backends.Backend("native-backward", "linear_attention.gradient", 20, _check_backward, "native",
                                    "kernapprox::chunked_causal (forward) and kernapprox::chunked_causal_backward: "
                                    "the causal sum rule's chunk loop and its gradient, features given"))
@@ -246,7 +264,8 @@ backends.register(backends.Backend("native", "linear_attention.chunked", 20, _ch
 # ------------------------------------------------------------------------------------------------ operators
 def _register_fakes() -> None:
     """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
-    for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward"):
+    for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward", "exp_features",
+                 "exp_features_backward"):
         torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
@@ -315,6 +334,51 @@ class CausalSum(torch.autograd.Function):
         gy = torch.zeros_like(y) if gy is None else gy
         gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size)
         return gpq, gpk, glk, gv, None
+
+
+class ExpFeatures(torch.autograd.Function):
+    r"""``(φ̃, ℓ) = ExpFeatures.apply(rows, weight, offset, scalars)``: the stabilised features of a map of the
+    exponential form (:class:`~kernapprox.estimators.base.ExponentialForm`; ``rows`` ``(N, d)`` float32 on a CPU,
+    ``scalars = [α, c, eps, k]``) by ``kernapprox::exp_features``,
+
+    .. math::
+        p = α\,x W^⊤ + o,\qquad φ̃ = e^{p − \max_j p_j} + \mathrm{eps},\qquad
+        ℓ = \max_j p_j + c − k α^2 \|x\|^2 / 2
+
+    (Choromanski et al. 2021, Lemma 1), and their backward by ``kernapprox::exp_features_backward`` with the row
+    shift held constant: ``∂p = ∂φ̃ ⊙ (φ̃ − eps)``, ``∂x = α ∂p W − k α^2 ∂ℓ\, x``, exact for ``eps = 0``, where
+    ``φ̃ e^ℓ`` does not depend on the shift (the eager maps detach it then). No gradient for ``weight`` or
+    ``offset`` (the caller declines maps that need one)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offset, scalars):
+        rows = rows.contiguous()
+        phi = torch.empty(rows.shape[0], weight.shape[0])
+        ell = torch.empty(rows.shape[0])
+        torch.ops.kernapprox.exp_features(rows, weight, offset, scalars, phi, ell)
+        ctx.save_for_backward(rows, weight, phi)
+        ctx.scalars = scalars
+        return phi, ell
+
+    @staticmethod
+    def backward(ctx, gphi, gell):
+        rows, weight, phi = ctx.saved_tensors
+        gx = torch.empty_like(rows)
+        gphi = torch.zeros_like(phi) if gphi is None else gphi.contiguous()
+        torch.ops.kernapprox.exp_features_backward(rows, weight, ctx.scalars, phi, gphi,
+                                                   None if gell is None else gell.contiguous(), gx)
+        return gx, None, None, None
+
+
+def exp_features(form):
+    """``(φ̃, ℓ)`` ``(..., n, r)``, ``(..., n)`` of an :class:`~kernapprox.estimators.base.ExponentialForm` by
+    :class:`ExpFeatures` (differentiable in ``form.rows``)."""
+    rows = form.rows
+    weight = form.weight.to(torch.float32).contiguous()
+    offset = None if form.offset is None else form.offset.to(torch.float32).contiguous()
+    scalars = [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)]
+    phi, ell = ExpFeatures.apply(rows.reshape(-1, rows.shape[-1]), weight, offset, scalars)
+    return phi.reshape(*rows.shape[:-1], -1), ell.reshape(rows.shape[:-1])
 
 
 def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
@@ -393,6 +457,7 @@ def _self_check() -> None:
     _self_check_exp(causal=False)
     _self_check_exp(causal=True)
     _self_check_backward()
+    _self_check_features()
 
 
 def _reference(pq, lq, pk, lk, v, causal, a, state0):
@@ -529,4 +594,30 @@ def _self_check_backward() -> None:
         scale = float(want.abs().max())
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
             raise RuntimeError(f"self-check: the causal backward's {name} differ from the float64 reference by "
+                               f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
+
+
+def _self_check_features() -> None:
+    """The compiled features and their backward (:class:`ExpFeatures`) against float64 autograd through the form's
+    definition (shift detached), on rows of a map with an offset and the norm term, a partial block of rows."""
+    gen = torch.Generator().manual_seed(6)
+    n, d, r = FEATURE_ROWS + 9, 6, 10
+    x = torch.randn(n, d, generator=gen)
+    weight, offset = torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen)
+    scalars = [0.7, -1.5, 0.0, 1.0]
+    gphi, gell = torch.randn(n, r, generator=gen), torch.randn(n, generator=gen)
+    leaf = x.clone().requires_grad_()
+    phi, ell = ExpFeatures.apply(leaf, weight, offset, scalars)
+    torch.autograd.backward((phi, ell), (gphi, gell))
+    x64 = x.double().requires_grad_()
+    p = scalars[0] * x64 @ weight.double().T + offset.double()
+    shift = p.detach().amax(-1)
+    want_phi = torch.exp(p - shift[:, None])
+    want_ell = shift + scalars[1] - scalars[3] * 0.5 * scalars[0] ** 2 * (x64 ** 2).sum(-1)
+    torch.autograd.backward((want_phi, want_ell), (gphi.double(), gell.double()))
+    for name, got, want in (("features", phi.detach(), want_phi.detach()), ("log-scales", ell.detach(),
+                            want_ell.detach()), ("gradients", leaf.grad, x64.grad)):
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the compiled features' {name} differ from the float64 reference by "
                                f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
