@@ -148,6 +148,12 @@ def target_bounds(rows: list[Row], cfg_chunk: int, heads: int) -> dict[str, tupl
             phys, shapes = times(r.n, r.causal)
             bounds[f"speedup_vs_sdpa_16k_{'causal' if r.causal else 'noncausal'}"] = (r.time_peer_s / phys,
                                                                                        r.time_peer_s / shapes)
+    for r in _rows(rows, "training_vs_sdpa"):
+        if r.n in (4096, 16384):
+            lb = roofline.lower_bounds(roofline.training_work(r.n, r.extra["heads"], HEAD_DIM, NUM_FEATURES, HEAD_DIM,
+                                                              cfg_chunk), rates)
+            bounds[f"training_speedup_vs_sdpa_{r.n // 1024}k"] = (r.time_peer_s / lb["physical"],
+                                                                  r.time_peer_s / lb["shapes"])
     flop = _rows(rows, "flop_rate")
     if flop:
         n_max = max(r.n for r in flop)

@@ -1,7 +1,9 @@
-"""Compiled CPU operators for the chunked mode of the sum and decay rules (float32, no gradient).
+"""Compiled CPU operators for the chunked mode of the sum and decay rules (float32), and for the causal sum rule's
+gradient.
 
-Two kernels, in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace,
-each equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
+Kernels in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace, each
+equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py,
+tests/test_native_backward.py):
 
 ``torch.ops.kernapprox.chunked_causal`` (:func:`chunk_block`)
     The eager causal chunked mode batches each token block's chunks into a few large products, which makes it
@@ -16,6 +18,14 @@ each equal to the eager chunked code of :mod:`kernapprox.attention.linear` to fl
     not None: FAVOR+, hyperbolic, the GERF family): the projection GEMM, the row shift and ``exp``, then the
     summary or read GEMM. Non-causal: ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6), key weights and
     the normaliser's sums folded into the same pass; causal: the chunk loop above, per feature block.
+``torch.ops.kernapprox.chunked_causal_backward`` (:func:`chunk_backward`)
+    The gradient of the causal sum rule's output with respect to the stabilised features, the key log-scales and
+    the values: the sums of :mod:`.chunk_grad` (Katharopoulos et al. 2020, sec. 3.3.1) run chunk by chunk, a
+    forward pass with the state ``S_J`` in cache for ``∂φ̃_q`` and a backward pass with the reverse state ``R_J``
+    for ``∂φ̃_k``, ``∂v`` and ``∂ℓ_k``, from the forward's normalisers and row shifts.
+``torch.ops.kernapprox.exp_features``, ``exp_features_backward`` (:class:`ExpFeatures`)
+    The stabilised features of a map of the exponential form, :data:`FEATURE_ROWS` rows at a time on torch's
+    threads, and their backward with the row shift held constant (exact for ``eps = 0``).
 
 The sequences (batch × heads) are spread over torch's threads (``at::parallel_for``), each running its products
 (``at::cpu::addmm_out`` on views of the kernel's buffers: torch's BLAS through its public API) on its own thread.
@@ -31,6 +41,14 @@ many sequences as torch threads, the operators built and checked in this process
 exponential form. Inside :func:`torch.compile` the operators are traced as themselves (their fake versions give
 the shapes), so a compiled model runs the same kernel.
 
+A call that needs gradients (a training step) asks ``"linear_attention.gradient"`` instead, under the same switch:
+``native-backward-exp`` (features, attention and gradient compiled: :func:`exp_features`, then :class:`CausalSum`)
+or ``native-backward`` (the map's features and their gradient by torch, any map; then :class:`CausalSum`) take
+float32 CPU calls of the causal sum rule's chunked mode that ask for the output only (no initial or returned
+state, no parts), without padded keys, with at least as many sequences as torch threads; ``native-backward-exp``
+also needs a map of the exponential form with ``eps = 0`` whose weights need no gradient. Every other gradient
+call runs autograd through the eager code.
+
 Building and loading
 --------------------
 The first eligible call builds the source with :func:`torch.utils.cpp_extension.load` (ninja; its file lock makes
@@ -40,7 +58,9 @@ the flags and torch's version, below :func:`build_root`: ``$KERNAPPROX_NATIVE_DI
 ``0700``, no symbolic link; :func:`kernapprox.cache.private_dir` creates them so): a folder another user could
 write is refused and nothing in it is ever loaded — there is no fallback to a shared temporary directory. The
 loaded operators are checked once per process against a float64 evaluation of the same attention on small
-problems (decay, partial chunks, a carried state, padded keys, an offset and ``eps``, more queries than keys).
+problems (decay, partial chunks, a carried state, padded keys, an offset and ``eps``, more queries than keys), and
+the backward operators against float64 autograd through the definitions (partial chunks, key log-scales spread
+over ±6; features with an offset and the norm term, a partial block of rows).
 Never a crash, never a wrong result: a refused folder, a failed build, load or check disables the operators for
 the process with one ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
 """
