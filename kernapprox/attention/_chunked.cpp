@@ -93,6 +93,8 @@ struct Problem {
     float *out, *den, *logs;               // rows: strides o_sb, o_st; den and logs: stride d_sb
     int64_t o_sb, o_st, d_sb;
     int want_num;                          // 1: write numerators; 0: numerator / normaliser
+    float* states = nullptr;               // or (B, chunks, dv+1, r): the state before each chunk (for a backward)
+    float* scores = nullptr;               // or (B, chunks, C, C): each chunk's weighted scores, rows of cl entries
 };
 
 // Per-thread buffers of the causal chunk loop; aug = [S^T ; phi(K_j)]: one product gives the state read and the
@@ -147,6 +149,11 @@ void causal_span(const Problem& g, CausalWork& w, int b, float& cb, int t_begin,
             }
         }
         gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.vb.data(), dv1, 1.0f, w.R.data(), dv1);
+        if (g.states) {                       // saved for the backward (kernapprox::chunked_causal_backward)
+            const int64_t chunk = (int64_t)b * ((g.L + C - 1) / C) + t0 / C;
+            std::memcpy(g.states + chunk * dv1 * r, S, sizeof(float) * dv1 * r);
+            std::memcpy(g.scores + chunk * C * C, w.P.data(), sizeof(float) * cl * cl);
+        }
         gemm(true, false, dv1, r, cl, 1.0f, w.wv.data(), dv1, pk, r, exp_nonpos(cb + cl * g.a - ce), S, r);
         cb = ce;
         for (int p = 0; p < cl; ++p) {
@@ -386,6 +393,7 @@ struct Backward {
     int B, L, r, dv, C;
     const float *pq, *pk, *lk, *v, *y, *den, *c, *gy;   // (B, L, r) x 2; (B, L); (B, L, dv) x 2; (B, L) x 2; (B, L, dv)
     float *gpq, *gpk, *glk, *gv;                         // (B, L, r) x 2; (B, L); (B, L, dv): all contiguous
+    const float *states, *scores;                        // the forward's S_J and P_J (Problem), or null
 };
 
 struct BackwardWork {
@@ -416,6 +424,7 @@ inline void backward_rows(const Backward& g, BackwardWork& w, int b, int t0, int
 void backward_sequence(const Backward& g, BackwardWork& w, int b) {
     const int r = g.r, dv = g.dv, dv1 = dv + 1, C = g.C, L = g.L;
     const int64_t base = (int64_t)b * L;
+    const int chunks = (L + C - 1) / C;
     const float *c = g.c + base, *lk = g.lk + base;
     float* S = w.aug.data();                             // [S_J ; phi~(K_J)], then [R_J ; phi~(Q_J)]
     // forward in time: dphi~(Q)
@@ -434,13 +443,18 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
             for (int l = 0; l < cl; ++l)
                 w.A[p * W + dv1 + l] = l <= p ? w.M[p * cl + l] * exp_nonpos(std::min(lk[t0 + l] - ci, 0.0f)) : 0.0f;
         }
+        if (g.states)
+            std::memcpy(S, g.states + (int64_t)(b * chunks + t0 / C) * dv1 * r, sizeof(float) * dv1 * r);
         std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
         gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, g.gpq + (base + t0) * r, r);
-        for (int p = 0; p < cl; ++p) {
-            const float kw = exp_nonpos(std::min(lk[t0 + p] - s, 0.0f));
-            for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.vt[p * dv1 + e] * kw;
+        if (!g.states) {                                 // the state after chunk J, unless the forward saved it
+            for (int p = 0; p < cl; ++p) {
+                const float kw = exp_nonpos(std::min(lk[t0 + p] - s, 0.0f));
+                for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.vt[p * dv1 + e] * kw;
+            }
+            gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pk, r, exp_nonpos(std::min(sprev - s, 0.0f)), S,
+                 r);
         }
-        gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pk, r, exp_nonpos(std::min(sprev - s, 0.0f)), S, r);
         sprev = s;
     }
     // backward in time: dphi~(K), dv, dl(K)
@@ -454,21 +468,26 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
         const float sprev_j = t0 > 0 ? c[t0 - 1] : SENTINEL;
         backward_rows(g, w, b, t0, cl);
         std::memcpy(R + (int64_t)dv1 * r, pq, sizeof(float) * cl * r);
-        gemm(false, true, cl, W, r, 1.0f, pk, r, R, r, 0.0f, w.T.data(), W);                 // [pk R^T | pk pq^T]
+        const float* saved = g.scores ? g.scores + (int64_t)(b * chunks + t0 / C) * C * C : nullptr;
+        const int TW = saved ? dv1 : W;                  // [pk R^T], or [pk R^T | pk pq^T] without saved scores
+        gemm(false, true, cl, TW, r, 1.0f, pk, r, R, r, 0.0f, w.T.data(), TW);
         gemm(false, true, cl, cl, dv1, 1.0f, w.vt.data(), dv1, w.h.data(), dv1, 0.0f, w.M.data(), cl);  // vt h^T
         for (int j = 0; j < cl; ++j) {
             const float kw = exp_nonpos(std::min(lk[t0 + j] - s, 0.0f));
             for (int e = 0; e < dv1; ++e) {
                 w.A[j * W + e] = w.vt[j * dv1 + e] * kw;
-                w.gvt[j * dv1 + e] = w.T[j * W + e] * kw;
+                w.gvt[j * dv1 + e] = w.T[j * TW + e] * kw;
             }
             for (int i = 0; i < cl; ++i) {
                 const float wt = i >= j ? exp_nonpos(std::min(lk[t0 + j] - c[t0 + i], 0.0f)) : 0.0f;
                 w.A[j * W + dv1 + i] = w.M[j * cl + i] * wt;
-                w.P[j * cl + i] = w.T[j * W + dv1 + i] * wt;
+                if (!saved) w.P[j * cl + i] = w.T[j * W + dv1 + i] * wt;
             }
         }
-        gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
+        if (saved)                                       // P^T h with P_ij (row i, cl entries) as the forward kept it
+            gemm(true, false, cl, dv1, cl, 1.0f, saved, cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
+        else
+            gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
         float* gpk = g.gpk + (base + t0) * r;
         gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, R, r, 0.0f, gpk, r);
         for (int j = 0; j < cl; ++j) {
@@ -584,7 +603,7 @@ void check_outputs(const at::Tensor& state, const at::Tensor& c, const at::Tenso
 void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor& pk, const at::Tensor& lk,
                     const at::Tensor& v, const at::Tensor& state, const at::Tensor& c, const at::Tensor& out,
                     const at::Tensor& den, const at::Tensor& logs, int64_t chunk_size, double log_decay,
-                    bool want_num) {
+                    bool want_num, const std::optional<at::Tensor>& states, const std::optional<at::Tensor>& scores) {
     TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
     const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
     TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
@@ -596,13 +615,26 @@ void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor
                     f32_dense(lq, "lq"), f32_dense(pk, "pk"), f32_dense(lk, "lk"), f32_rows(v, "v"), v.stride(0),
                     v.stride(1), f32_out(state, "state"), f32_out(c, "c"), f32_out(out, "out"), f32_out(den, "den"),
                     f32_out(logs, "logs"), out.stride(0), out.stride(1), den.stride(0), want_num ? 1 : 0};
-    over_sequences((int)B, [&](int b0, int b1) { run_sequences(g, b0, b1); });
+    Problem gs = g;
+    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
+    if (states.has_value()) {
+        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
+                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
+        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
+                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+        gs.states = f32_out(*states, "states");
+        gs.scores = f32_out(*scores, "scores");
+        TORCH_CHECK(states->is_contiguous() && scores->is_contiguous(), "states and scores must be contiguous");
+    }
+    over_sequences((int)B, [&](int b0, int b1) { run_sequences(gs, b0, b1); });
 }
 
 void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const at::Tensor& lk, const at::Tensor& v,
                              const at::Tensor& y, const at::Tensor& den, const at::Tensor& c, const at::Tensor& gy,
                              const at::Tensor& gpq, const at::Tensor& gpk, const at::Tensor& glk,
-                             const at::Tensor& gv, int64_t chunk_size) {
+                             const at::Tensor& gv, int64_t chunk_size, const std::optional<at::Tensor>& states,
+                             const std::optional<at::Tensor>& scores) {
     TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
     const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
     TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
@@ -616,8 +648,19 @@ void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const a
                      f32_dense(lk, "lk"), f32_dense(v, "v"), f32_dense(y, "y"), f32_dense(den, "den"),
                      f32_dense(c, "c"), f32_dense(gy, "gy"), const_cast<float*>(f32_dense(gpq, "gpq")),
                      const_cast<float*>(f32_dense(gpk, "gpk")), const_cast<float*>(f32_dense(glk, "glk")),
-                     const_cast<float*>(f32_dense(gv, "gv"))};
-    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(g, b0, b1); });
+                     const_cast<float*>(f32_dense(gv, "gv")), nullptr, nullptr};
+    Backward gs = g;
+    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
+    if (states.has_value()) {
+        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
+                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
+        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
+                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+        gs.states = f32_dense(*states, "states");
+        gs.scores = f32_dense(*scores, "scores");
+    }
+    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(gs, b0, b1); });
 }
 
 ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::ArrayRef<double> scalars, int64_t d,
@@ -711,13 +754,15 @@ void exp_nonpos_op(const at::Tensor& src, const at::Tensor& out) {
 
 TORCH_LIBRARY(kernapprox, m) {
     m.def("chunked_causal(Tensor pq, Tensor lq, Tensor pk, Tensor lk, Tensor v, Tensor(a!) state, Tensor(b!) c, "
-          "Tensor(c!) out, Tensor(d!) den, Tensor(e!) logs, int chunk_size, float log_decay, bool want_num) -> ()");
+          "Tensor(c!) out, Tensor(d!) den, Tensor(e!) logs, int chunk_size, float log_decay, bool want_num, "
+          "Tensor(f!)? states=None, Tensor(g!)? scores=None) -> ()");
     m.def("exp_attention(Tensor xq, Tensor xk, Tensor wq, Tensor? oq, float[] mapq, Tensor wk, Tensor? ok, "
           "float[] mapk, Tensor? padding, Tensor v, Tensor(a!) state, Tensor(b!) c, Tensor(c!) out, Tensor(d!) den, "
           "Tensor(e!) logs, int chunk_size, int block, float log_decay, bool want_num) -> ()");
     m.def("exp_nonpos(Tensor src, Tensor(a!) out) -> ()");
     m.def("chunked_causal_backward(Tensor pq, Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, "
-          "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size) -> ()");
+          "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size, "
+          "Tensor? states=None, Tensor? scores=None) -> ()");
     m.def("exp_features(Tensor x, Tensor w, Tensor? o, float[] map, Tensor(a!) phi, Tensor(b!) ell) -> ()");
     m.def("exp_features_backward(Tensor x, Tensor w, float[] map, Tensor phi, Tensor gphi, Tensor? gell, "
           "Tensor(a!) gx) -> ()");

@@ -303,18 +303,21 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
                                         float(log_decay), bool(want_num))
 
 
-def chunk_backward(pq, pk, lk, v, y, den, c, gy, chunk_size: int):
+def chunk_backward(pq, pk, lk, v, y, den, c, gy, chunk_size: int, states=None, scores=None):
     """The gradients ``(dφ̃_q, dφ̃_k, dℓ_k, dv)`` of the causal sum rule's output ``y = num/den`` from its gradient
     ``gy`` (``kernapprox::chunked_causal_backward``; the formulas of :mod:`.chunk_grad`, chunk by chunk with the
     forward state ``S_J`` and the reverse state ``R_J`` in cache).
 
     ``pq, pk`` ``(B, n, r)``, ``lk, den, c`` ``(B, n)`` (``c`` the forward's row shift, the running maximum of
     ``lk``; ``den`` the normalisers at that shift, none zero), ``v, y, gy`` ``(B, n, d_v)``: float32 CPU tensors
-    (made contiguous here).
+    (made contiguous here). ``states`` ``(B, chunks, d_v+1, r)`` and ``scores`` ``(B, chunks, C, C)``: what the
+    forward saved (:class:`CausalSum`: each chunk's state ``S_J`` and weighted intra-chunk scores), or None (the
+    backward rebuilds them: one state update and one ``C × C`` score product more per chunk).
     """
     pq, pk, lk, v, y, den, c, gy = (t.contiguous() for t in (pq, pk, lk, v, y, den, c, gy))
     gpq, gpk, glk, gv = torch.empty_like(pq), torch.empty_like(pk), torch.empty_like(lk), torch.empty_like(v)
-    torch.ops.kernapprox.chunked_causal_backward(pq, pk, lk, v, y, den, c, gy, gpq, gpk, glk, gv, int(chunk_size))
+    torch.ops.kernapprox.chunked_causal_backward(pq, pk, lk, v, y, den, c, gy, gpq, gpk, glk, gv, int(chunk_size),
+                                                 states, scores)
     return gpq, gpk, glk, gv
 
 
@@ -329,7 +332,9 @@ class CausalSum(torch.autograd.Function):
     forward by ``kernapprox::chunked_causal`` (Yang et al. 2024, sec. 3.2), backward by
     ``kernapprox::chunked_causal_backward`` (:func:`chunk_backward`; the sums of :mod:`.chunk_grad`, Katharopoulos
     et al. 2020, sec. 3.3.1). ``den`` (the normalisers) and ``c`` (the row shifts, the running maximum of ``lk``)
-    are not differentiable; the output does not depend on the query log-scales, which are not an input."""
+    are not differentiable; the output does not depend on the query log-scales, which are not an input. The
+    forward keeps each chunk's state and weighted scores for the backward (``(d_v+1)·r + C²`` floats per chunk:
+    about one more feature tensor), which then skips rebuilding them."""
 
     @staticmethod
     def forward(ctx, pq, pk, lk, v, chunk_size):
@@ -340,19 +345,22 @@ class CausalSum(torch.autograd.Function):
         state = torch.zeros(batch, d_v + 1, r)
         carry = torch.full((batch,), SENTINEL)
         y, den, c = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+        chunks = -(-n // chunk_size)
+        states = torch.empty(batch, chunks, d_v + 1, r)
+        scores = torch.empty(batch, chunks, chunk_size, chunk_size)
         torch.ops.kernapprox.chunked_causal(pq, torch.zeros(batch, n), pk, lk, v, state, carry, y, den, c,
-                                            int(chunk_size), 0.0, False)
+                                            int(chunk_size), 0.0, False, states, scores)
         safe = torch.where(den == 0, torch.ones(()), den)
-        ctx.save_for_backward(pq, pk, lk, v, y, safe, c)
+        ctx.save_for_backward(pq, pk, lk, v, y, safe, c, states, scores)
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(den, c)
         return y, den, c
 
     @staticmethod
     def backward(ctx, gy, _gden, _gc):
-        pq, pk, lk, v, y, den, c = ctx.saved_tensors
+        pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
         gy = torch.zeros_like(y) if gy is None else gy
-        gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size)
+        gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size, states, scores)
         return gpq, gpk, glk, gv, None
 
 
@@ -610,6 +618,11 @@ def _self_check_backward() -> None:
     checks = {"outputs": (y.detach(), want_y.detach())}
     checks.update({f"gradients of {name}": (got.grad, want.grad)
                    for name, got, want in zip(("pq", "pk", "lk", "v"), leaves, ref)})
+    # the backward without the forward's saved states and scores (it rebuilds them), from the float64 normalisers
+    den = (weights.sum(-1) * torch.exp(shift - torch.cummax(lk.double(), -1).values)).detach().float()
+    rebuilt = chunk_backward(pq, pk, lk, v, want_y.detach().float(), den, torch.cummax(lk, -1).values, gy, size)
+    checks.update({f"gradients of {name} (states rebuilt)": (got, want.grad)
+                   for name, got, want in zip(("pq", "pk", "lk", "v"), rebuilt, ref)})
     for name, (got, want) in checks.items():
         scale = float(want.abs().max())
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
