@@ -1,8 +1,9 @@
-// Chunked linear attention (sum and decay rules) for the CPU: two kernels, registered as torch operators (the end
+// Chunked linear attention (sum and decay rules) for the CPU: two forward kernels (1. and 2.) and the causal sum
+// rule's training path (3. its backward, 4. features and their backward), registered as torch operators (the end
 // of this file), built by torch.utils.cpp_extension and loaded by kernapprox/attention/native.py; the eager code of
-// kernapprox/attention/linear.py (_normalized_chunked) is the reference they are tested against, with the same
-// stabilisers. Every product is ATen's CPU matrix product on the calling thread; the sequences of a batch are
-// spread over torch's threads (at::parallel_for).
+// kernapprox/attention/linear.py (_normalized_chunked, and autograd through it) is the reference they are tested
+// against, with the same stabilisers. Every product is ATen's CPU matrix product on the calling thread; the
+// sequences of a batch are spread over torch's threads (at::parallel_for).
 //
 // 1. kernapprox::chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
