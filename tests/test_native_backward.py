@@ -339,3 +339,15 @@ def test_bfloat16_inputs_compute_in_float32():
     for a, b in zip(got, ref):
         assert a.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=1e-2 * float(b.float().abs().max()))
+
+
+def test_the_fused_self_check_catches_a_wrong_backward(monkeypatch):
+    real = native.ExpCausalSum.backward
+
+    def wrong(ctx, *grads):
+        gxq, gxk, gv, *rest = real(ctx, *grads)
+        return (gxq, gxk * (1 + 1e-3), gv, *rest)
+
+    monkeypatch.setattr(native.ExpCausalSum, "backward", staticmethod(wrong))
+    with pytest.raises(RuntimeError, match="fused features and causal backward's gradients of k"):
+        native._self_check_fused()

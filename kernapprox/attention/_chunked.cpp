@@ -390,18 +390,40 @@ void causal_exp_sequences(const Problem& g, const ExpInputs& in, int b0, int b1)
 //   dphi~(Q_J) = [e^{s_{J-1} - c} h | G] [S_J ; phi~(K_J)],   G_ij = (h_i^T vt_j) e^{l_j - c_i} (j <= i)
 //   dphi~(K_J) = [e^{l - s_J} vt | G^T] [R_J ; phi~(Q_J)],   dvt_J = e^{l - s_J} phi~(K_J) R_J^T + P^T h,
 //   P_ij = phi~(q_i)^T phi~(k_j) e^{l_j - c_i} (j <= i); phi~(K_J) [R_J ; phi~(Q_J)]^T gives both products at once.
+// dx of len rows from dphi~ (and dl, or null), the row shift held constant (4. below): dp = dphi~ (phi~ - eps)
+// into gp (len x r), dx = alpha dp W - k alpha^2 dl x into gx (row stride d).
+void feature_grad_rows(const ExpMap& m, int len, int d, int r, const float* x, const float* phi, const float* gphi,
+                       const float* gell, float* gp, float* gx) {
+    for (int64_t u = 0; u < (int64_t)len * r; ++u) gp[u] = gphi[u] * (phi[u] - m.eps);
+    gemm(false, false, len, d, r, m.alpha, gp, r, m.W, d, 0.0f, gx, d);
+    if (gell && m.k != 0.0f) {
+        const float f = -m.k * m.alpha * m.alpha;
+        for (int t = 0; t < len; ++t) {
+            const float gl = gell[t] * f;
+            for (int e = 0; e < d; ++e) gx[(int64_t)t * d + e] += gl * x[(int64_t)t * d + e];
+        }
+    }
+}
+
 struct Backward {
     int B, L, r, dv, C;
     const float *pq, *pk, *lk, *v, *y, *den, *c, *gy;   // (B, L, r) x 2; (B, L); (B, L, dv) x 2; (B, L) x 2; (B, L, dv)
     float *gpq, *gpk, *glk, *gv;                         // (B, L, r) x 2; (B, L); (B, L, dv): all contiguous
     const float *states, *scores;                        // the forward's S_J and P_J (Problem), or null
+    // fused with the features' backward (kernapprox::exp_causal_backward): the maps, their rows (B, L, d), and
+    // dx of the rows in place of dphi~ (gpq, gpk and glk then unused)
+    const ExpMap *mq = nullptr, *mk = nullptr;
+    const float *xq = nullptr, *xk = nullptr;
+    float *gxq = nullptr, *gxk = nullptr;
+    int d = 0;
 };
 
 struct BackwardWork {
-    std::vector<float> h, vt, hw, A, T, M, P, aug, gvt;
-    BackwardWork(int C, int r, int dv1)
+    std::vector<float> h, vt, hw, A, T, M, P, aug, gvt, gf, gp, gl;
+    BackwardWork(int C, int r, int dv1, bool fused)
         : h(C * dv1), vt(C * dv1), hw(C * dv1), A(C * (dv1 + C)), T(C * (dv1 + C)), M(C * C), P(C * C),
-          aug((int64_t)(dv1 + C) * r), gvt(C * dv1) {}
+          aug((int64_t)(dv1 + C) * r), gvt(C * dv1), gf(fused ? (int64_t)C * r : 0), gp(fused ? (int64_t)C * r : 0),
+          gl(C) {}
 };
 
 // h and vt of rows t0..t0+cl-1 of sequence b.
@@ -447,7 +469,13 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
         if (g.states)
             std::memcpy(S, g.states + (int64_t)(b * chunks + t0 / C) * dv1 * r, sizeof(float) * dv1 * r);
         std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
-        gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, g.gpq + (base + t0) * r, r);
+        if (g.mq) {                                      // dphi~(Q_J) in cache, then dx of the query rows
+            gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, w.gf.data(), r);
+            feature_grad_rows(*g.mq, cl, g.d, r, g.xq + (base + t0) * g.d, g.pq + (base + t0) * r, w.gf.data(),
+                              nullptr, w.gp.data(), g.gxq + (base + t0) * g.d);
+        } else {
+            gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, g.gpq + (base + t0) * r, r);
+        }
         if (!g.states) {                                 // the state after chunk J, unless the forward saved it
             for (int p = 0; p < cl; ++p) {
                 const float kw = exp_nonpos(std::min(lk[t0 + p] - s, 0.0f));
@@ -489,7 +517,8 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
             gemm(true, false, cl, dv1, cl, 1.0f, saved, cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
         else
             gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
-        float* gpk = g.gpk + (base + t0) * r;
+        float* gpk = g.mk ? w.gf.data() : g.gpk + (base + t0) * r;
+        float* glk = g.mk ? w.gl.data() : g.glk + base + t0;
         gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, R, r, 0.0f, gpk, r);
         for (int j = 0; j < cl; ++j) {
             float* gvr = g.gv + (base + t0 + j) * dv;
@@ -500,8 +529,11 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
             for (; u0 + LANES <= r; u0 += LANES)
                 for (int u = 0; u < LANES; ++u) lanes[u] += a[u0 + u] * x[u0 + u];
             for (; u0 < r; ++u0) lanes[0] += a[u0] * x[u0];
-            g.glk[base + t0 + j] = lane_sum(lanes);
+            glk[j] = lane_sum(lanes);
         }
+        if (g.mk)                                        // dx of the key rows, dl(K_J) through the norm term
+            feature_grad_rows(*g.mk, cl, g.d, r, g.xk + (base + t0) * g.d, pk, gpk, glk, w.gp.data(),
+                              g.gxk + (base + t0) * g.d);
         for (int p = 0; p < cl; ++p) {
             const float rw = exp_nonpos(std::min(sprev_j - c[t0 + p], 0.0f));
             for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.h[p * dv1 + e] * rw;
@@ -511,7 +543,7 @@ void backward_sequence(const Backward& g, BackwardWork& w, int b) {
 }
 
 void backward_sequences(const Backward& g, int b0, int b1) {
-    BackwardWork w(g.C, g.r, g.dv + 1);
+    BackwardWork w(g.C, g.r, g.dv + 1, g.mq != nullptr);
     for (int b = b0; b < b1; ++b) backward_sequence(g, w, b);
 }
 
@@ -522,6 +554,8 @@ void backward_sequences(const Backward& g, int b0, int b1) {
 // does not depend on it; the eager maps detach it then):
 //   dp = dphi~ (phi~ - eps),   dx = alpha dp W - k alpha^2 dl x.
 // Blocks of FEATURE_ROWS rows per task of torch's threads, each block's projections and exponentials in cache.
+// kernapprox::exp_causal_backward runs 3. with this backward fused into its chunk loop (feature_grad_rows on each
+// chunk's dphi~ while it is in cache): dx of the query and key rows, no (n, r) gradient stored.
 constexpr int FEATURE_ROWS = 256;
 
 void features_rows(const ExpMap& m, int N, int d, int r, const float* x, float* phi, float* ell) {
@@ -541,18 +575,8 @@ void features_backward_rows(const ExpMap& m, int N, int d, int r, const float* x
         std::vector<float> gp((int64_t)FEATURE_ROWS * r);
         for (int64_t i = i0; i < i1; ++i) {
             const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
-            const float *ph = phi + (int64_t)t0 * r, *gph = gphi + (int64_t)t0 * r;
-            for (int64_t u = 0; u < (int64_t)len * r; ++u) gp[u] = gph[u] * (ph[u] - m.eps);
-            float* gxr = gx + (int64_t)t0 * d;
-            gemm(false, false, len, d, r, m.alpha, gp.data(), r, m.W, d, 0.0f, gxr, d);
-            if (gell && m.k != 0.0f) {
-                const float f = -m.k * m.alpha * m.alpha;
-                for (int t = 0; t < len; ++t) {
-                    const float* xr = x + (int64_t)(t0 + t) * d;
-                    const float gl = gell[t0 + t] * f;
-                    for (int e = 0; e < d; ++e) gxr[(int64_t)t * d + e] += gl * xr[e];
-                }
-            }
+            feature_grad_rows(m, len, d, r, x + (int64_t)t0 * d, phi + (int64_t)t0 * r, gphi + (int64_t)t0 * r,
+                              gell ? gell + t0 : nullptr, gp.data(), gx + (int64_t)t0 * d);
         }
     });
 }
@@ -677,6 +701,44 @@ ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::Arra
                   (float)scalars[3]};
 }
 
+void exp_causal_backward(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq, at::ArrayRef<double> mapq,
+                         const at::Tensor& wk, at::ArrayRef<double> mapk, const at::Tensor& pq, const at::Tensor& pk,
+                         const at::Tensor& lk, const at::Tensor& v, const at::Tensor& y, const at::Tensor& den,
+                         const at::Tensor& c, const at::Tensor& gy, const at::Tensor& states, const at::Tensor& scores,
+                         const at::Tensor& gxq, const at::Tensor& gxk, const at::Tensor& gv, int64_t chunk_size) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1), d = xq.size(-1);
+    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && d >= 1 && chunk_size >= 1, "empty problem or chunk < 1");
+    for (const at::Tensor* t : {&xq, &xk, &gxq, &gxk})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == d,
+                    "xq, xk, gxq and gxk must be (B, L, d)");
+    for (const at::Tensor* t : {&lk, &den, &c})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == L, "lk, den and c must be (B, L)");
+    for (const at::Tensor* t : {&v, &y, &gy, &gv})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == dv,
+                    "v, y, gy and gv must be (B, L, d_v)");
+    TORCH_CHECK(wq.size(0) == r && wk.size(0) == r, "the maps' weights must be (r, d)");
+    const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+    TORCH_CHECK(states.dim() == 4 && states.size(0) == B && states.size(1) == chunks && states.size(2) == dv + 1 &&
+                states.size(3) == r, "states must be (B, chunks, d_v+1, r)");
+    TORCH_CHECK(scores.dim() == 4 && scores.size(0) == B && scores.size(1) == chunks &&
+                scores.size(2) == chunk_size && scores.size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    const ExpMap mq = exp_map(wq, std::nullopt, mapq, d, "query map");
+    const ExpMap mk = exp_map(wk, std::nullopt, mapk, d, "key map");
+    Backward g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, f32_dense(pq, "pq"), f32_dense(pk, "pk"),
+               f32_dense(lk, "lk"), f32_dense(v, "v"), f32_dense(y, "y"), f32_dense(den, "den"), f32_dense(c, "c"),
+               f32_dense(gy, "gy"), nullptr, nullptr, nullptr, const_cast<float*>(f32_dense(gv, "gv")),
+               f32_dense(states, "states"), f32_dense(scores, "scores")};
+    g.mq = &mq;
+    g.mk = &mk;
+    g.xq = f32_dense(xq, "xq");
+    g.xk = f32_dense(xk, "xk");
+    g.gxq = const_cast<float*>(f32_dense(gxq, "gxq"));
+    g.gxk = const_cast<float*>(f32_dense(gxk, "gxk"));
+    g.d = (int)d;
+    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(g, b0, b1); });
+}
+
 void exp_features(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& o,
                   at::ArrayRef<double> map, const at::Tensor& phi, const at::Tensor& ell) {
     TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
@@ -765,6 +827,9 @@ TORCH_LIBRARY(kernapprox, m) {
           "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size, "
           "Tensor? states=None, Tensor? scores=None) -> ()");
     m.def("exp_features(Tensor x, Tensor w, Tensor? o, float[] map, Tensor(a!) phi, Tensor(b!) ell) -> ()");
+    m.def("exp_causal_backward(Tensor xq, Tensor xk, Tensor wq, float[] mapq, Tensor wk, float[] mapk, Tensor pq, "
+          "Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, Tensor gy, Tensor states, Tensor scores, "
+          "Tensor(a!) gxq, Tensor(b!) gxk, Tensor(c!) gv, int chunk_size) -> ()");
     m.def("exp_features_backward(Tensor x, Tensor w, float[] map, Tensor phi, Tensor gphi, Tensor? gell, "
           "Tensor(a!) gx) -> ()");
 }
@@ -775,5 +840,6 @@ TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
     m.impl("exp_nonpos", &exp_nonpos_op);
     m.impl("chunked_causal_backward", &chunked_causal_backward);
     m.impl("exp_features", &exp_features);
+    m.impl("exp_causal_backward", &exp_causal_backward);
     m.impl("exp_features_backward", &exp_features_backward);
 }

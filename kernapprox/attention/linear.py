@@ -715,15 +715,15 @@ def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding, nati
     """The sum rule's chunked output with the written-out backward: the features of the whole sequence (autograd
     takes their gradient to ``q`` and ``k``), then :class:`.chunk_grad.ChunkedSum` (eager chunks) or, with
     ``native`` (causal, float32, no padded keys), :class:`.native.CausalSum` (the compiled forward and backward).
-    ``native="torch"``: the map's features by torch (any map); ``"exp"``: by :func:`.native.exp_features`
-    (maps of the exponential form with ``eps = 0``), compiled too. Returns ``(output, normaliser, log-scale)`` in
-    the compute dtype."""
+    ``native="torch"``: the map's features by torch (any map); ``"exp"``: features, attention and the whole
+    backward by the compiled operators (:func:`.native.exp_causal`; maps of the exponential form with
+    ``eps = 0``). Returns ``(output, normaliser, log-scale)`` in the compute dtype."""
     if native == "exp":
         ct = compute_dtype(q.dtype)
-        pq, lq = _native.exp_features(estimator.exponential_form(q.to(ct), "query"))
-        pk, lk = _native.exp_features(estimator.exponential_form(k.to(ct), "key"))
-    else:
-        pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
+        forms = (estimator.exponential_form(q.to(ct), "query"), estimator.exponential_form(k.to(ct), "key"))
+        y, den, c, lq = _native.exp_causal(forms, v.to(ct), chunk_size)
+        return y, den, lq + c
+    pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
     batch_shape, n, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     r, d_v = pq.shape[-1], v.shape[-1]
     rows = (*batch_shape, n)

@@ -26,6 +26,9 @@ tests/test_native_backward.py):
 ``torch.ops.kernapprox.exp_features``, ``exp_features_backward`` (:class:`ExpFeatures`)
     The stabilised features of a map of the exponential form, :data:`FEATURE_ROWS` rows at a time on torch's
     threads, and their backward with the row shift held constant (exact for ``eps = 0``).
+``torch.ops.kernapprox.exp_causal_backward`` (:class:`ExpCausalSum`, :func:`exp_causal`)
+    The two fused: the backward's chunk loop turns each chunk's feature gradients into gradients of the rows while
+    they are in cache (a training step of an exponential map stores no ``(n, r)`` gradient).
 
 The sequences (batch × heads) are spread over torch's threads (``at::parallel_for``), each running its products
 (``at::cpu::addmm_out`` on views of the kernel's buffers: torch's BLAS through its public API) on its own thread.
@@ -42,7 +45,7 @@ exponential form. Inside :func:`torch.compile` the operators are traced as thems
 the shapes), so a compiled model runs the same kernel.
 
 A call that needs gradients (a training step) asks ``"linear_attention.gradient"`` instead, under the same switch:
-``native-backward-exp`` (features, attention and gradient compiled: :func:`exp_features`, then :class:`CausalSum`)
+``native-backward-exp`` (features, attention and gradient compiled, the features' backward fused: :func:`exp_causal`)
 or ``native-backward`` (the map's features and their gradient by torch, any map; then :class:`CausalSum`) take
 float32 CPU calls of the causal sum rule's chunked mode that ask for the output only (no initial or returned
 state, no parts), without padded keys, with at least as many sequences as torch threads; ``native-backward-exp``
@@ -285,7 +288,7 @@ backends.register(backends.Backend("native", "linear_attention.chunked", 20, _ch
 def _register_fakes() -> None:
     """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
     for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward", "exp_features",
-                 "exp_features_backward"):
+                 "exp_features_backward", "exp_causal_backward"):
         torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
@@ -338,18 +341,9 @@ class CausalSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pq, pk, lk, v, chunk_size):
-        batch, n, r = pq.shape
-        d_v = v.shape[-1]
         pq, pk, lk = pq.contiguous(), pk.contiguous(), lk.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        state = torch.zeros(batch, d_v + 1, r)
-        carry = torch.full((batch,), SENTINEL)
-        y, den, c = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
-        chunks = -(-n // chunk_size)
-        states = torch.empty(batch, chunks, d_v + 1, r)
-        scores = torch.empty(batch, chunks, chunk_size, chunk_size)
-        torch.ops.kernapprox.chunked_causal(pq, torch.zeros(batch, n), pk, lk, v, state, carry, y, den, c,
-                                            int(chunk_size), 0.0, False, states, scores)
+        y, den, c, states, scores = _causal_forward(pq, pk, lk, v, chunk_size)
         safe = torch.where(den == 0, torch.ones(()), den)
         ctx.save_for_backward(pq, pk, lk, v, y, safe, c, states, scores)
         ctx.chunk_size = chunk_size
@@ -407,6 +401,77 @@ def exp_features(form):
     scalars = [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)]
     phi, ell = ExpFeatures.apply(rows.reshape(-1, rows.shape[-1]), weight, offset, scalars)
     return phi.reshape(*rows.shape[:-1], -1), ell.reshape(rows.shape[:-1])
+
+
+def _causal_forward(pq, pk, lk, v, chunk_size):
+    """``kernapprox::chunked_causal`` from an empty state (``ℓ_q = 0``: the rows' log-scales are the shifts ``c``),
+    keeping each chunk's state and weighted scores: ``(y, den, c, states, scores)``."""
+    batch, n, r = pq.shape
+    d_v = v.shape[-1]
+    y, den, c = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+    chunks = -(-n // chunk_size)
+    states = torch.empty(batch, chunks, d_v + 1, r)
+    scores = torch.empty(batch, chunks, chunk_size, chunk_size)
+    torch.ops.kernapprox.chunked_causal(pq, torch.zeros(batch, n), pk, lk, v, torch.zeros(batch, d_v + 1, r),
+                                        torch.full((batch,), SENTINEL), y, den, c, int(chunk_size), 0.0, False,
+                                        states, scores)
+    return y, den, c, states, scores
+
+
+class ExpCausalSum(torch.autograd.Function):
+    """``(y, den, c, ℓ_q) = ExpCausalSum.apply(xq, xk, v, maps, chunk_size)``: :class:`ExpFeatures` of both maps
+    and :class:`CausalSum` in one function (``xq, xk`` ``(B, n, d)`` rows of the forms, ``v`` ``(B, n, d_v)``,
+    ``maps = ((W_q, o_q, scalars_q), (W_k, o_k, scalars_k))``), whose backward is one operator,
+    ``kernapprox::exp_causal_backward``: :func:`chunk_backward`'s chunk loop turning each chunk's ``∂φ̃`` into
+    ``∂x`` (:class:`ExpFeatures`'s backward) while it is in cache, so no ``(n, r)`` gradient is ever stored.
+    ``den``, ``c`` and ``ℓ_q`` are not differentiable (the output depends on neither shift)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, maps, chunk_size):
+        (wq, oq, mq), (wk, ok, mk) = maps
+        xq, xk = xq.contiguous(), xk.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        batch, n, d = xq.shape
+        r = wq.shape[0]
+        pq, lq, pk, lk = torch.empty(batch * n, r), torch.empty(batch * n), torch.empty(batch * n, r), \
+            torch.empty(batch * n)
+        torch.ops.kernapprox.exp_features(xq.view(-1, d), wq, oq, mq, pq, lq)
+        torch.ops.kernapprox.exp_features(xk.view(-1, d), wk, ok, mk, pk, lk)
+        pq, pk, lk = pq.view(batch, n, r), pk.view(batch, n, r), lk.view(batch, n)
+        y, den, c, states, scores = _causal_forward(pq, pk, lk, v, chunk_size)
+        safe = torch.where(den == 0, torch.ones(()), den)
+        ctx.save_for_backward(xq, xk, pq, pk, lk, v, y, safe, c, states, scores)
+        ctx.maps, ctx.chunk_size = ((wq, mq), (wk, mk)), chunk_size
+        lq = lq.view(batch, n)
+        ctx.mark_non_differentiable(den, c, lq)
+        return y, den, c, lq
+
+    @staticmethod
+    def backward(ctx, gy, _gden, _gc, _glq):
+        xq, xk, pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
+        (wq, mq), (wk, mk) = ctx.maps
+        gy = torch.zeros_like(y) if gy is None else gy.contiguous()
+        gxq, gxk, gv = torch.empty_like(xq), torch.empty_like(xk), torch.empty_like(y)
+        torch.ops.kernapprox.exp_causal_backward(xq, xk, wq, mq, wk, mk, pq, pk, lk, v.contiguous(), y, den, c, gy,
+                                                 states, scores, gxq, gxk, gv, int(ctx.chunk_size))
+        return gxq, gxk, gv, None, None
+
+
+def _map_tensors(form):
+    return (form.weight.to(torch.float32).contiguous(),
+            None if form.offset is None else form.offset.to(torch.float32).contiguous(),
+            [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)])
+
+
+def exp_causal(forms, v, chunk_size: int):
+    """The causal sum rule's output of the exponential forms ``(query, key)`` (rows ``(..., n, d)``) and values
+    ``v`` ``(..., n, d_v)`` by :class:`ExpCausalSum` (differentiable in the rows and ``v``): ``(y, den, c, ℓ_q)``
+    shaped like the rows' leading dimensions."""
+    rq, rk = forms[0].rows, forms[1].rows
+    lead, n, d = rq.shape[:-2], rq.shape[-2], rq.shape[-1]
+    y, den, c, lq = ExpCausalSum.apply(rq.reshape(-1, n, d), rk.reshape(-1, n, d), v.reshape(-1, n, v.shape[-1]),
+                                       (_map_tensors(forms[0]), _map_tensors(forms[1])), chunk_size)
+    return y.reshape(*lead, n, -1), den.reshape(*lead, n), c.reshape(*lead, n), lq.reshape(*lead, n)
 
 
 def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
@@ -486,6 +551,7 @@ def _self_check() -> None:
     _self_check_exp(causal=True)
     _self_check_backward()
     _self_check_features()
+    _self_check_fused()
 
 
 def _reference(pq, lq, pk, lk, v, causal, a, state0):
@@ -654,3 +720,39 @@ def _self_check_features() -> None:
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
             raise RuntimeError(f"self-check: the compiled features' {name} differ from the float64 reference by "
                                f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
+
+
+def _self_check_fused() -> None:
+    """Features, attention and the fused backward (:class:`ExpCausalSum`) against float64 autograd through the
+    definitions (each map's features with its shift detached, then causal attention): two maps with offsets and the
+    norm term, a partial last chunk."""
+    gen = torch.Generator().manual_seed(7)
+    batch, n, d, r, d_v, size = 3, 19, 5, 9, 4, 4
+    xq, xk = torch.randn(batch, n, d, generator=gen), torch.randn(batch, n, d, generator=gen)
+    v, gy = torch.randn(batch, n, d_v, generator=gen), torch.randn(batch, n, d_v, generator=gen)
+    maps = tuple((torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen), [0.6, -1.0, 0.0, 1.0])
+                 for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (xq, xk, v)]
+    y, *_ = ExpCausalSum.apply(*leaves, maps, size)
+    torch.autograd.backward(y, gy)
+    ref = [t.double().requires_grad_() for t in (xq, xk, v)]
+
+    def features(x, weight, offset, scalars):
+        alpha, const, _, norm = scalars
+        p = alpha * x @ weight.double().T + offset.double()
+        shift = p.detach().amax(-1)
+        return torch.exp(p - shift[..., None]), shift + const - norm * 0.5 * alpha ** 2 * (x ** 2).sum(-1)
+
+    (pq, _), (pk, lk) = features(ref[0], *maps[0]), features(ref[1], *maps[1])
+    past = torch.ones(n, n, dtype=torch.bool).tril()
+    shift = torch.cummax(lk.detach(), -1).values
+    weights = (pq @ pk.transpose(-1, -2) * torch.exp(lk[:, None, :] - shift[..., None])).masked_fill(~past, 0)
+    want_y = (weights @ ref[2]) / weights.sum(-1, keepdim=True)
+    torch.autograd.backward(want_y, gy.double())
+    checks = {"outputs": (y.detach(), want_y.detach())}
+    checks.update({f"gradients of {name}": (got.grad, want.grad) for name, got, want in zip("qkv", leaves, ref)})
+    for name, (got, want) in checks.items():
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the fused features and causal backward's {name} differ from the float64 "
+                               f"reference by {float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
