@@ -694,6 +694,90 @@ def fusion(cfg: Config) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------- training step
+TRAINING_HEADS = 4
+
+
+def _saved_bytes(fn) -> int:
+    """Bytes of the distinct storages that autograd keeps for the backward of ``fn()`` (the inputs excluded): the
+    memory a training step holds between its forward and its backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def _call_with_leaves(forward, inputs):
+    return forward(*(t.detach().requires_grad_() for t in inputs))
+
+
+def _train_step(forward, inputs):
+    """One step: ``y = forward(*leaves)``, ``y.square().mean().backward()``; returns (forward s, backward s)."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    t0 = time.perf_counter()
+    y = forward(*leaves)
+    t1 = time.perf_counter()
+    y.square().mean().backward()
+    return t1 - t0, time.perf_counter() - t1
+
+
+def training_vs_sdpa(cfg: Config) -> list[Row]:
+    """A training step (forward + backward of ``y.square().mean()``) of causal chunked linear attention through the
+    public API (FAVOR+ ``positive_orthogonal`` fitted, features included, r = 256, 4 heads) against SDPA with
+    ``is_causal=True``: ours as dispatched (``native-backward`` where eligible), and the eager autograd path
+    (``KERNAPPROX_NATIVE=off``: what every gradient call ran before the compiled backward). Steps of the three are
+    interleaved round by round (a shared machine's load hits them alike); medians of the rounds. Memory: the bytes
+    autograd saves for the backward (:func:`_saved_bytes`)."""
+    rows = []
+    sizes = (256, 512) if cfg.quick else (4096, 16384)
+    for n in sizes:
+        gen = torch.Generator(device="cpu").manual_seed(cfg.seed * 1_000_003 + n)
+        shape = (1, TRAINING_HEADS, n, HEAD_DIM)
+        q, k = (torch.randn(shape, generator=gen) * INPUT_STD for _ in range(2))
+        v = torch.randn(shape, generator=gen)
+        est = favor_estimator(cfg, q)
+
+        def ours(q, k, v, est=est):
+            return ka.linear_attention(q, k, v, est, causal=True, chunk_size=cfg.chunk_size)
+
+        def eager(q, k, v, ours=ours):
+            with backends.mode("native", "off"):
+                return ours(q, k, v)
+
+        def sdpa(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        variants = {"ours": ours, "eager": eager, "sdpa": sdpa}
+        with backends.record() as calls:
+            _train_step(ours, (q, k, v))                               # warm-up (and the backend it takes)
+        backend = next((c.backend for c in calls if c.op == "linear_attention.gradient"), "none")
+        _train_step(eager, (q, k, v))
+        _train_step(sdpa, (q, k, v))
+        times = {name: [] for name in variants}
+        rounds = 1 if cfg.quick else max(cfg.min_reps, 5)
+        for _ in range(rounds):
+            for name, fn in variants.items():
+                times[name].append(_train_step(fn, (q, k, v)))
+        med = {name: (float(np.median([f for f, _ in ts])), float(np.median([b for _, b in ts])),
+                      float(np.median([f + b for f, b in ts]))) for name, ts in times.items()}
+        saved = {name: _saved_bytes(functools.partial(_call_with_leaves, fn, (q, k, v)))
+                 for name, fn in variants.items()}
+        rows.append(Row("training_vs_sdpa", f"n={n} causal fwd+bwd", n, True, med["ours"][2], med["sdpa"][2],
+                        reps=rounds, extra={"backend": backend, "heads": TRAINING_HEADS,
+                                            **{f"{name}_{part}_s": med[name][i] for name in variants
+                                               for i, part in enumerate(("forward", "backward", "total"))},
+                                            **{f"{name}_saved_bytes": saved[name] for name in variants},
+                                            "eager_speedup_vs_sdpa": med["sdpa"][2] / med["eager"][2]}))
+        del q, k, v
+    return rows
+
+
 CASES = {
     "exact_vs_sdpa": exact_vs_sdpa,
     "precision_check": precision_check,
@@ -707,4 +791,5 @@ CASES = {
     "rule_scaling": rule_scaling,
     "machine": machine,
     "fusion": fusion,
+    "training_vs_sdpa": training_vs_sdpa,
 }

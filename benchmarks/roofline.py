@@ -61,6 +61,24 @@ def chunked_work(n: int, heads: int, d: int, r: int, d_v: int, chunk: int, causa
     return {"flops": {k: v * heads for k, v in flops.items()}, "exps": exps * heads, "bytes": bytes_moved * heads}
 
 
+def training_work(n: int, heads: int, d: int, r: int, d_v: int, chunk: int) -> dict:
+    """:func:`chunked_work` for a causal training step as the compiled operators execute it: the forward, then the
+    backward (``kernapprox::chunked_causal_backward`` and the features' backward), per product kind.
+
+    The backward runs two passes over the chunks. Forward in time: ``[e^{s−c} h | G] [S; φ̃_K]`` (a state read and
+    an intra-chunk score product, ``G = h ṽᵀ`` an intra-chunk value product) and the state ``S`` rebuilt (a
+    summary). Backward in time: ``φ̃_K [R; φ̃_Q]ᵀ`` and ``[e^{ℓ−s} ṽ | Gᵀ] [R; φ̃_Q]`` (two reads and two score
+    products), ``Gᵀ`` and ``Pᵀh`` (two value products) and the reverse state ``R`` (a summary). The features'
+    backward is one ``(L × r)(r × d)`` product per map, counted with the projections. So the step counts the
+    forward's projections twice, its summaries three times, its reads, scores and value products four times, and
+    ``exp`` ``2nr + 3nC`` times (features once, intra-chunk weights once per pass)."""
+    fwd = chunked_work(n, heads, d, r, d_v, chunk, True)
+    times = {"projection": 2, "summaries": 3, "reads": 4, "scores": 4, "values": 4}
+    flops = {k: v * times[k] for k, v in fwd["flops"].items() if k in times}
+    exps = (2.0 * n * r + 3.0 * n * chunk) * heads
+    return {"flops": flops, "exps": exps, "bytes": 3 * fwd["bytes"]}
+
+
 def lower_bounds(work: dict, rates: dict) -> dict:
     """``{"physical": s, "shapes": s}`` (NaN where a rate is missing) from :func:`chunked_work` and the machine
     rates (keys: the labels of :func:`benchmarks.cases.machine`)."""

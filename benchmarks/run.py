@@ -10,7 +10,9 @@ Prints a table and stores it, with the targets and the run's provenance, as ``re
 - FAVOR+ vs performer-pytorch's ``FastAttention`` (same projection, same inputs; time and error);
 - Nyström features vs scikit-learn's ``Nystroem`` (the default path; input std 0.15 and 1, m = 256 .. 1024; numpy's
   BLAS kernel named through threadpoolctl, ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` unset for the command);
-- achieved FLOP/s of features + linear attention as a fraction of the GEMM rate measured in the same run.
+- achieved FLOP/s of features + linear attention as a fraction of the GEMM rate measured in the same run;
+- a causal training step (forward + backward) of chunked linear attention vs SDPA (n = 4k, 16k, 4 heads), with
+  the eager autograd path beside it and the bytes each saves for its backward.
 
 A missing peer is reported as ``skipped``. ``--quick`` shrinks every size (seconds; used by the smoke test).
 Timings on a shared machine are only as good as its load: the dataset records the load average and each row's
@@ -62,6 +64,10 @@ TARGETS = (
      "input std 0.15 and 1)", 1.0, ">="),
     ("error_vs_sklearn_nystroem", "our kernel error / scikit-learn Nystroem's (same data and m, worst row; <= 1.05: "
      "equal)", 1.05, "<="),
+    ("training_speedup_vs_sdpa_16k", "SDPA time / ours for a causal training step (forward + backward), n = 16k, "
+     "4 heads, r = 256", 10.0, ">="),
+    ("training_speedup_vs_sdpa_4k", "SDPA time / ours for a causal training step (forward + backward), n = 4k, "
+     "4 heads, r = 256", 2.5, ">="),
     ("gemm_fraction_noncausal", "features + non-causal linear attention FLOP/s / GEMM FLOP/s, largest n", 0.5,
      ">="),
     ("gemm_fraction_causal", "features + causal chunked linear attention FLOP/s / GEMM FLOP/s, largest n", 0.5,
@@ -111,6 +117,9 @@ def evaluate_targets(rows: list[Row]) -> dict[str, float]:
         values["speedup_vs_sklearn_nystroem_20k"] = min(r.speedup for r in ny if r.n == 20000)
     if any(r.n >= 16384 for r in ny):
         values["error_vs_sklearn_nystroem"] = max(r.error_ours / r.error_peer for r in ny if r.n >= 16384)
+    for r in _rows(rows, "training_vs_sdpa"):
+        if r.n in (4096, 16384):
+            values[f"training_speedup_vs_sdpa_{r.n // 1024}k"] = r.speedup
     flop = _rows(rows, "flop_rate")
     if flop:
         n_max = max(r.n for r in flop)
@@ -139,6 +148,12 @@ def target_bounds(rows: list[Row], cfg_chunk: int, heads: int) -> dict[str, tupl
             phys, shapes = times(r.n, r.causal)
             bounds[f"speedup_vs_sdpa_16k_{'causal' if r.causal else 'noncausal'}"] = (r.time_peer_s / phys,
                                                                                        r.time_peer_s / shapes)
+    for r in _rows(rows, "training_vs_sdpa"):
+        if r.n in (4096, 16384):
+            lb = roofline.lower_bounds(roofline.training_work(r.n, r.extra["heads"], HEAD_DIM, NUM_FEATURES, HEAD_DIM,
+                                                              cfg_chunk), rates)
+            bounds[f"training_speedup_vs_sdpa_{r.n // 1024}k"] = (r.time_peer_s / lb["physical"],
+                                                                  r.time_peer_s / lb["shapes"])
     flop = _rows(rows, "flop_rate")
     if flop:
         n_max = max(r.n for r in flop)

@@ -16,10 +16,20 @@ Three computations of kernapprox have more than one implementation:
     ============== ======== =================================================================================
 
 ``"linear_attention.gradient"``
-    how the chunked mode's gradient is computed when a call needs one: ``chunk-backward`` (10, when switched on; the
-    sum rule's backward written out in chunks, :mod:`kernapprox.attention.chunk_grad`, for calls that ask for the
-    output only, without an initial or returned state) or ``autograd`` (0, the default; autograd through the eager
-    chunked code, any rule).
+    how the chunked mode's gradient is computed when a call needs one (the sum rule, calls that ask for the output
+    only, without an initial or returned state; other calls take ``autograd``):
+
+    ======================= ======== ==========================================================================
+    backend                 priority runs
+    ======================= ======== ==========================================================================
+    ``native-backward-exp`` 30       compiled features, forward and backward (:mod:`kernapprox.attention.native`:
+                                     causal, float32 CPU, no padded keys, maps of the exponential form with
+                                     ``eps = 0`` and fixed weights; ``KERNAPPROX_NATIVE``)
+    ``native-backward``     20       the same with the map's features (and their gradient) by torch (any map)
+    ``chunk-backward``      10       when switched on: the backward written out in eager chunks
+                                     (:mod:`kernapprox.attention.chunk_grad`, the reference of the compiled one)
+    ``autograd``            0        autograd through the eager chunked code (any rule)
+    ======================= ======== ==========================================================================
 
 ``"features.exponential"``, ``"features.trigonometric"``
     the epilogue of a feature map (row shift and ``exp``, or ``sin``/``cos``): ``fused`` (10, a

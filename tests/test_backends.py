@@ -86,25 +86,50 @@ def test_status_reports_each_calls_backend_and_why():
             ka.linear_attention(q, k, v, est, causal=True)
         with backends.mode("native", "on"):
             ka.linear_attention(q.double(), k.double(), v.double(), est, causal=True)
-            with backends.mode("backward", "on"):
-                ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
-            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
             ka.linear_attention(q, k, v, trig, causal=False)
-    off, float64, written, grad, signed = _chunked_choices(calls)
-    # with the written-out backward the forward needs no gradient: features given, the causal operator
-    assert written.backend == ("native" if native.available() else "eager")
-    assert "no exponential form" in dict(written.declined)["native-exp"]
-    gradients = [c for c in calls if c.op == "linear_attention.gradient"]
-    assert [c.backend for c in gradients] == ["chunk-backward", "autograd"]
-    assert dict(gradients[1].declined)["chunk-backward"] == "KERNAPPROX_BACKWARD=off"
+    off, float64, signed = _chunked_choices(calls)
     assert off.backend == "eager" and dict(off.declined)["native-exp"] == "KERNAPPROX_NATIVE=off"
     assert float64.backend == "eager" and "dtype torch.float64" in dict(float64.declined)["native-exp"]
-    assert grad.backend == "eager" and "gradients needed" in dict(grad.declined)["native-exp"]
     assert signed.backend == "eager"
     assert "no exponential form" in dict(signed.declined)["native-exp"]
     assert "non-causal" in dict(signed.declined)["native"]
     assert backends.status()["last"][CHUNKED] == signed
     assert any(c.op == "features.trigonometric" for c in calls)   # the feature maps' epilogues are recorded too
+
+
+def test_gradient_calls_report_their_backend_and_why():
+    q, k, v = _data()
+    est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
+    compiled = native.available()
+    with backends.mode("native", "on"):
+        with backends.mode("backward", "on"), backends.record() as written:
+            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+        with backends.record() as grad:
+            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+    with backends.mode("native", "off"):
+        with backends.mode("backward", "on"), backends.record() as written_eager:
+            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+        with backends.record() as grad_eager:
+            ka.linear_attention(q.clone().requires_grad_(), k, v, est, causal=True)
+
+    def gradient(calls):
+        (choice,) = [c for c in calls if c.op == "linear_attention.gradient"]
+        return choice
+
+    # the compiled backward (features, attention and gradient) takes both calls where the operators are built
+    for calls in (written, grad):
+        assert gradient(calls).backend == ("native-backward-exp" if compiled else
+                                           ("chunk-backward" if calls is written else "autograd"))
+    # without it: the written-out backward, whose forward needs no gradient (features given, the causal operator
+    # when switched on), or autograd through the eager code
+    assert gradient(written_eager).backend == "chunk-backward"
+    assert dict(gradient(written_eager).declined)["native-backward"] == "KERNAPPROX_NATIVE=off"
+    (forward,) = _chunked_choices(written_eager)
+    assert forward.backend == "eager" and "no exponential form" in dict(forward.declined)["native-exp"]
+    assert gradient(grad_eager).backend == "autograd"
+    assert dict(gradient(grad_eager).declined)["chunk-backward"] == "KERNAPPROX_BACKWARD=off"
+    (forward,) = _chunked_choices(grad_eager)
+    assert forward.backend == "eager" and dict(forward.declined)["native-exp"] == "KERNAPPROX_NATIVE=off"
 
 
 def test_status_names_the_native_operators_when_they_run():

@@ -129,7 +129,7 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     est = ka.make_estimator("positive", num_features=8, rng=0).fit(q, k)
     run = dict(causal=True, mode="chunked", chunk_size=8)
     ka.linear_attention(q.double(), k.double(), v.double(), est, **run)      # float64: eager
-    with backends.mode("backward", "off"):                                   # a gradient through autograd: eager
+    with backends.mode("backward", "off"):             # a gradient: the compiled backward (test_native_backward)
         ka.linear_attention(q.requires_grad_(), k, v, est, **run)
     ka.linear_attention(q.detach(), k, v, est, rule=ka.rules.Delta(), **run)  # another rule: eager
     with backends.mode("native", "off"):
@@ -147,8 +147,11 @@ def test_used_exactly_when_eligible(kernel_only, monkeypatch):
     with backends.mode("native", "auto"):                                    # auto at the threshold: the kernel
         ka.linear_attention(q.detach(), k, v, est, **run)
     assert len(kernel_only) == 3
-    with backends.mode("native", "auto"), backends.mode("backward", "on"):   # its forward needs no gradient
-        ka.linear_attention(q.detach().requires_grad_(), k, v, est, **run)
+    # the written-out backward (padded keys: the compiled backward declines them): its forward needs no gradient
+    padded = torch.arange(40).expand(2, 40) >= 37
+    with backends.mode("native", "auto"), backends.mode("backward", "on"), backends.record() as calls:
+        ka.linear_attention(q.detach().requires_grad_(), k, v, est, key_padding_mask=padded, **run)
+    assert [c.backend for c in calls if c.op == "linear_attention.gradient"] == ["chunk-backward"]
     assert kernel_only[-1] == (2, 40, 8)
 
 

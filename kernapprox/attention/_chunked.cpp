@@ -1,8 +1,9 @@
-// Chunked linear attention (sum and decay rules) for the CPU: two kernels, registered as torch operators (the end
+// Chunked linear attention (sum and decay rules) for the CPU: two forward kernels (1. and 2.) and the causal sum
+// rule's training path (3. its backward, 4. features and their backward), registered as torch operators (the end
 // of this file), built by torch.utils.cpp_extension and loaded by kernapprox/attention/native.py; the eager code of
-// kernapprox/attention/linear.py (_normalized_chunked) is the reference they are tested against, with the same
-// stabilisers. Every product is ATen's CPU matrix product on the calling thread; the sequences of a batch are
-// spread over torch's threads (at::parallel_for).
+// kernapprox/attention/linear.py (_normalized_chunked, and autograd through it) is the reference they are tested
+// against, with the same stabilisers. Every product is ATen's CPU matrix product on the calling thread; the
+// sequences of a batch are spread over torch's threads (at::parallel_for).
 //
 // 1. kernapprox::chunked_causal: the causal mode, one pass over the chunks of each sequence with the state kept in
 // cache (Katharopoulos et al. 2020, eq. 9-11 for the causal sums; the chunked form of Yang et al. 2024, "Gated
@@ -93,6 +94,8 @@ struct Problem {
     float *out, *den, *logs;               // rows: strides o_sb, o_st; den and logs: stride d_sb
     int64_t o_sb, o_st, d_sb;
     int want_num;                          // 1: write numerators; 0: numerator / normaliser
+    float* states = nullptr;               // or (B, chunks, dv+1, r): the state before each chunk (for a backward)
+    float* scores = nullptr;               // or (B, chunks, C, C): each chunk's weighted scores, rows of cl entries
 };
 
 // Per-thread buffers of the causal chunk loop; aug = [S^T ; phi(K_j)]: one product gives the state read and the
@@ -147,6 +150,11 @@ void causal_span(const Problem& g, CausalWork& w, int b, float& cb, int t_begin,
             }
         }
         gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.vb.data(), dv1, 1.0f, w.R.data(), dv1);
+        if (g.states) {                       // saved for the backward (kernapprox::chunked_causal_backward)
+            const int64_t chunk = (int64_t)b * ((g.L + C - 1) / C) + t0 / C;
+            std::memcpy(g.states + chunk * dv1 * r, S, sizeof(float) * dv1 * r);
+            std::memcpy(g.scores + chunk * C * C, w.P.data(), sizeof(float) * cl * cl);
+        }
         gemm(true, false, dv1, r, cl, 1.0f, w.wv.data(), dv1, pk, r, exp_nonpos(cb + cl * g.a - ce), S, r);
         cb = ce;
         for (int p = 0; p < cl; ++p) {
@@ -368,6 +376,211 @@ void causal_exp_sequences(const Problem& g, const ExpInputs& in, int b0, int b1)
     }
 }
 
+// ------------------------------------------------------------------------------------------ causal backward
+// 3. kernapprox::chunked_causal_backward: the gradient of the causal sum rule's chunked mode (decay 0), the
+// written-out backward of kernapprox/attention/chunk_grad.py run chunk by chunk with each state in cache. For
+// y_i = n_i / d_i, [n_i d_i] = sum_{j<=i} A_ij [v_j 1], A_ij = phi~(q_i)^T phi~(k_j) e^{l(k_j) - c_i} (c_i the
+// forward's row shift, the running maximum of l(k)), with h_i = [g_i / d_i, -g_i^T y_i / d_i] and vt_j = [v_j 1]:
+//   dphi~(q_i) = sum_{j<=i} (h_i^T vt_j) e^{l_j - c_i} phi~(k_j)      (forward in time, state S_J)
+//   dphi~(k_j) = sum_{i>=j} (h_i^T vt_j) e^{l_j - c_i} phi~(q_i)      (backward in time, reverse state R_J)
+//   dvt_j      = sum_{i>=j} A_ij h_i,   dl(k_j) = phi~(k_j)^T dphi~(k_j).
+// Chunk J of rows t0..t0+cl-1, s_J = c at its last row, s_{J-1} at the row before it (the sentinel for J = 0):
+//   S_J = sum_{j before J} e^{l_j - s_{J-1}} vt_j phi~(k_j)^T         ((dv+1) x r; every factor <= 1)
+//   R_J = sum_{i after J} e^{s_J - c_i} h_i phi~(q_i)^T
+//   dphi~(Q_J) = [e^{s_{J-1} - c} h | G] [S_J ; phi~(K_J)],   G_ij = (h_i^T vt_j) e^{l_j - c_i} (j <= i)
+//   dphi~(K_J) = [e^{l - s_J} vt | G^T] [R_J ; phi~(Q_J)],   dvt_J = e^{l - s_J} phi~(K_J) R_J^T + P^T h,
+//   P_ij = phi~(q_i)^T phi~(k_j) e^{l_j - c_i} (j <= i); phi~(K_J) [R_J ; phi~(Q_J)]^T gives both products at once.
+// dx of len rows from dphi~ (and dl, or null), the row shift held constant (4. below): dp = dphi~ (phi~ - eps)
+// into gp (len x r), dx = alpha dp W - k alpha^2 dl x into gx (row stride d).
+void feature_grad_rows(const ExpMap& m, int len, int d, int r, const float* x, const float* phi, const float* gphi,
+                       const float* gell, float* gp, float* gx) {
+    for (int64_t u = 0; u < (int64_t)len * r; ++u) gp[u] = gphi[u] * (phi[u] - m.eps);
+    gemm(false, false, len, d, r, m.alpha, gp, r, m.W, d, 0.0f, gx, d);
+    if (gell && m.k != 0.0f) {
+        const float f = -m.k * m.alpha * m.alpha;
+        for (int t = 0; t < len; ++t) {
+            const float gl = gell[t] * f;
+            for (int e = 0; e < d; ++e) gx[(int64_t)t * d + e] += gl * x[(int64_t)t * d + e];
+        }
+    }
+}
+
+struct Backward {
+    int B, L, r, dv, C;
+    const float *pq, *pk, *lk, *v, *y, *den, *c, *gy;   // (B, L, r) x 2; (B, L); (B, L, dv) x 2; (B, L) x 2; (B, L, dv)
+    float *gpq, *gpk, *glk, *gv;                         // (B, L, r) x 2; (B, L); (B, L, dv): all contiguous
+    const float *states, *scores;                        // the forward's S_J and P_J (Problem), or null
+    // fused with the features' backward (kernapprox::exp_causal_backward): the maps, their rows (B, L, d), and
+    // dx of the rows in place of dphi~ (gpq, gpk and glk then unused)
+    const ExpMap *mq = nullptr, *mk = nullptr;
+    const float *xq = nullptr, *xk = nullptr;
+    float *gxq = nullptr, *gxk = nullptr;
+    int d = 0;
+};
+
+struct BackwardWork {
+    std::vector<float> h, vt, hw, A, T, M, P, aug, gvt, gf, gp, gl;
+    BackwardWork(int C, int r, int dv1, bool fused)
+        : h(C * dv1), vt(C * dv1), hw(C * dv1), A(C * (dv1 + C)), T(C * (dv1 + C)), M(C * C), P(C * C),
+          aug((int64_t)(dv1 + C) * r), gvt(C * dv1), gf(fused ? (int64_t)C * r : 0), gp(fused ? (int64_t)C * r : 0),
+          gl(C) {}
+};
+
+// h and vt of rows t0..t0+cl-1 of sequence b.
+inline void backward_rows(const Backward& g, BackwardWork& w, int b, int t0, int cl) {
+    const int dv = g.dv, dv1 = dv + 1;
+    for (int p = 0; p < cl; ++p) {
+        const int64_t row = (int64_t)b * g.L + t0 + p;
+        const float *vr = g.v + row * dv, *yr = g.y + row * dv, *gr = g.gy + row * dv;
+        const float inv = 1.0f / g.den[row];
+        float dot = 0.0f;
+        for (int e = 0; e < dv; ++e) {
+            dot += gr[e] * yr[e];
+            w.h[p * dv1 + e] = gr[e] * inv;
+            w.vt[p * dv1 + e] = vr[e];
+        }
+        w.h[p * dv1 + dv] = -dot * inv;
+        w.vt[p * dv1 + dv] = 1.0f;
+    }
+}
+
+void backward_sequence(const Backward& g, BackwardWork& w, int b) {
+    const int r = g.r, dv = g.dv, dv1 = dv + 1, C = g.C, L = g.L;
+    const int64_t base = (int64_t)b * L;
+    const int chunks = (L + C - 1) / C;
+    const float *c = g.c + base, *lk = g.lk + base;
+    float* S = w.aug.data();                             // [S_J ; phi~(K_J)], then [R_J ; phi~(Q_J)]
+    // forward in time: dphi~(Q)
+    std::memset(S, 0, sizeof(float) * dv1 * r);
+    float sprev = SENTINEL;
+    for (int t0 = 0; t0 < L; t0 += C) {
+        const int cl = std::min(C, L - t0), W = dv1 + cl;
+        const float* pk = g.pk + (base + t0) * r;
+        const float s = c[t0 + cl - 1];
+        backward_rows(g, w, b, t0, cl);
+        gemm(false, true, cl, cl, dv1, 1.0f, w.h.data(), dv1, w.vt.data(), dv1, 0.0f, w.M.data(), cl);
+        for (int p = 0; p < cl; ++p) {
+            const float ci = c[t0 + p];
+            const float f = exp_nonpos(std::min(sprev - ci, 0.0f));
+            for (int e = 0; e < dv1; ++e) w.A[p * W + e] = w.h[p * dv1 + e] * f;
+            for (int l = 0; l < cl; ++l)
+                w.A[p * W + dv1 + l] = l <= p ? w.M[p * cl + l] * exp_nonpos(std::min(lk[t0 + l] - ci, 0.0f)) : 0.0f;
+        }
+        if (g.states)
+            std::memcpy(S, g.states + (int64_t)(b * chunks + t0 / C) * dv1 * r, sizeof(float) * dv1 * r);
+        std::memcpy(S + (int64_t)dv1 * r, pk, sizeof(float) * cl * r);
+        if (g.mq) {                                      // dphi~(Q_J) in cache, then dx of the query rows
+            gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, w.gf.data(), r);
+            feature_grad_rows(*g.mq, cl, g.d, r, g.xq + (base + t0) * g.d, g.pq + (base + t0) * r, w.gf.data(),
+                              nullptr, w.gp.data(), g.gxq + (base + t0) * g.d);
+        } else {
+            gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, S, r, 0.0f, g.gpq + (base + t0) * r, r);
+        }
+        if (!g.states) {                                 // the state after chunk J, unless the forward saved it
+            for (int p = 0; p < cl; ++p) {
+                const float kw = exp_nonpos(std::min(lk[t0 + p] - s, 0.0f));
+                for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.vt[p * dv1 + e] * kw;
+            }
+            gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pk, r, exp_nonpos(std::min(sprev - s, 0.0f)), S,
+                 r);
+        }
+        sprev = s;
+    }
+    // backward in time: dphi~(K), dv, dl(K)
+    float* R = S;
+    std::memset(R, 0, sizeof(float) * dv1 * r);
+    for (int t0 = (L - 1) / C * C; t0 >= 0; t0 -= C) {
+        const int cl = std::min(C, L - t0), W = dv1 + cl;
+        const float* pq = g.pq + (base + t0) * r;
+        const float* pk = g.pk + (base + t0) * r;
+        const float s = c[t0 + cl - 1];
+        const float sprev_j = t0 > 0 ? c[t0 - 1] : SENTINEL;
+        backward_rows(g, w, b, t0, cl);
+        std::memcpy(R + (int64_t)dv1 * r, pq, sizeof(float) * cl * r);
+        const float* saved = g.scores ? g.scores + (int64_t)(b * chunks + t0 / C) * C * C : nullptr;
+        const int TW = saved ? dv1 : W;                  // [pk R^T], or [pk R^T | pk pq^T] without saved scores
+        gemm(false, true, cl, TW, r, 1.0f, pk, r, R, r, 0.0f, w.T.data(), TW);
+        gemm(false, true, cl, cl, dv1, 1.0f, w.vt.data(), dv1, w.h.data(), dv1, 0.0f, w.M.data(), cl);  // vt h^T
+        for (int j = 0; j < cl; ++j) {
+            const float kw = exp_nonpos(std::min(lk[t0 + j] - s, 0.0f));
+            for (int e = 0; e < dv1; ++e) {
+                w.A[j * W + e] = w.vt[j * dv1 + e] * kw;
+                w.gvt[j * dv1 + e] = w.T[j * TW + e] * kw;
+            }
+            for (int i = 0; i < cl; ++i) {
+                const float wt = i >= j ? exp_nonpos(std::min(lk[t0 + j] - c[t0 + i], 0.0f)) : 0.0f;
+                w.A[j * W + dv1 + i] = w.M[j * cl + i] * wt;
+                if (!saved) w.P[j * cl + i] = w.T[j * W + dv1 + i] * wt;
+            }
+        }
+        if (saved)                                       // P^T h with P_ij (row i, cl entries) as the forward kept it
+            gemm(true, false, cl, dv1, cl, 1.0f, saved, cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
+        else
+            gemm(false, false, cl, dv1, cl, 1.0f, w.P.data(), cl, w.h.data(), dv1, 1.0f, w.gvt.data(), dv1);
+        float* gpk = g.mk ? w.gf.data() : g.gpk + (base + t0) * r;
+        float* glk = g.mk ? w.gl.data() : g.glk + base + t0;
+        gemm(false, false, cl, r, W, 1.0f, w.A.data(), W, R, r, 0.0f, gpk, r);
+        for (int j = 0; j < cl; ++j) {
+            float* gvr = g.gv + (base + t0 + j) * dv;
+            for (int e = 0; e < dv; ++e) gvr[e] = w.gvt[j * dv1 + e];
+            float lanes[LANES] = {};
+            const float *a = gpk + (int64_t)j * r, *x = pk + (int64_t)j * r;
+            int u0 = 0;
+            for (; u0 + LANES <= r; u0 += LANES)
+                for (int u = 0; u < LANES; ++u) lanes[u] += a[u0 + u] * x[u0 + u];
+            for (; u0 < r; ++u0) lanes[0] += a[u0] * x[u0];
+            glk[j] = lane_sum(lanes);
+        }
+        if (g.mk)                                        // dx of the key rows, dl(K_J) through the norm term
+            feature_grad_rows(*g.mk, cl, g.d, r, g.xk + (base + t0) * g.d, pk, gpk, glk, w.gp.data(),
+                              g.gxk + (base + t0) * g.d);
+        for (int p = 0; p < cl; ++p) {
+            const float rw = exp_nonpos(std::min(sprev_j - c[t0 + p], 0.0f));
+            for (int e = 0; e < dv1; ++e) w.hw[p * dv1 + e] = w.h[p * dv1 + e] * rw;
+        }
+        gemm(true, false, dv1, r, cl, 1.0f, w.hw.data(), dv1, pq, r, exp_nonpos(std::min(sprev_j - s, 0.0f)), R, r);
+    }
+}
+
+void backward_sequences(const Backward& g, int b0, int b1) {
+    BackwardWork w(g.C, g.r, g.dv + 1, g.mq != nullptr);
+    for (int b = b0; b < b1; ++b) backward_sequence(g, w, b);
+}
+
+// ------------------------------------------------------------------------------------------ features and backward
+// 4. kernapprox::exp_features / exp_features_backward: the stabilised features of a map of the exponential form
+// (as in 2.: phi~ = exp(p - max p) + eps, l = max p + c - k alpha^2 |x|^2 / 2, p = alpha x W^T + o) for N rows, and
+// their backward with the row shift held constant (exact when eps = 0: phi~ e^l = exp(p + c - k alpha^2 |x|^2 / 2)
+// does not depend on it; the eager maps detach it then):
+//   dp = dphi~ (phi~ - eps),   dx = alpha dp W - k alpha^2 dl x.
+// Blocks of FEATURE_ROWS rows per task of torch's threads, each block's projections and exponentials in cache.
+// kernapprox::exp_causal_backward runs 3. with this backward fused into its chunk loop (feature_grad_rows on each
+// chunk's dphi~ while it is in cache): dx of the query and key rows, no (n, r) gradient stored.
+constexpr int FEATURE_ROWS = 256;
+
+void features_rows(const ExpMap& m, int N, int d, int r, const float* x, float* phi, float* ell) {
+    at::parallel_for(0, (N + FEATURE_ROWS - 1) / FEATURE_ROWS, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> shift(FEATURE_ROWS);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
+            stabilised_rows(m, len, d, r, x + (int64_t)t0 * d, d, nullptr, phi + (int64_t)t0 * r, shift.data(),
+                            ell + t0);
+        }
+    });
+}
+
+void features_backward_rows(const ExpMap& m, int N, int d, int r, const float* x, const float* phi,
+                            const float* gphi, const float* gell, float* gx) {
+    at::parallel_for(0, (N + FEATURE_ROWS - 1) / FEATURE_ROWS, 1, [&](int64_t i0, int64_t i1) {
+        std::vector<float> gp((int64_t)FEATURE_ROWS * r);
+        for (int64_t i = i0; i < i1; ++i) {
+            const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
+            feature_grad_rows(m, len, d, r, x + (int64_t)t0 * d, phi + (int64_t)t0 * r, gphi + (int64_t)t0 * r,
+                              gell ? gell + t0 : nullptr, gp.data(), gx + (int64_t)t0 * d);
+        }
+    });
+}
+
 // Sequences b0..b1-1 of B per thread of torch's pool (at::parallel_for: one range of sequences per thread).
 template <class Fn>
 void over_sequences(int B, Fn run) {
@@ -415,7 +628,7 @@ void check_outputs(const at::Tensor& state, const at::Tensor& c, const at::Tenso
 void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor& pk, const at::Tensor& lk,
                     const at::Tensor& v, const at::Tensor& state, const at::Tensor& c, const at::Tensor& out,
                     const at::Tensor& den, const at::Tensor& logs, int64_t chunk_size, double log_decay,
-                    bool want_num) {
+                    bool want_num, const std::optional<at::Tensor>& states, const std::optional<at::Tensor>& scores) {
     TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
     const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
     TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
@@ -427,7 +640,52 @@ void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor
                     f32_dense(lq, "lq"), f32_dense(pk, "pk"), f32_dense(lk, "lk"), f32_rows(v, "v"), v.stride(0),
                     v.stride(1), f32_out(state, "state"), f32_out(c, "c"), f32_out(out, "out"), f32_out(den, "den"),
                     f32_out(logs, "logs"), out.stride(0), out.stride(1), den.stride(0), want_num ? 1 : 0};
-    over_sequences((int)B, [&](int b0, int b1) { run_sequences(g, b0, b1); });
+    Problem gs = g;
+    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
+    if (states.has_value()) {
+        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
+                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
+        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
+                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+        gs.states = f32_out(*states, "states");
+        gs.scores = f32_out(*scores, "scores");
+        TORCH_CHECK(states->is_contiguous() && scores->is_contiguous(), "states and scores must be contiguous");
+    }
+    over_sequences((int)B, [&](int b0, int b1) { run_sequences(gs, b0, b1); });
+}
+
+void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const at::Tensor& lk, const at::Tensor& v,
+                             const at::Tensor& y, const at::Tensor& den, const at::Tensor& c, const at::Tensor& gy,
+                             const at::Tensor& gpq, const at::Tensor& gpk, const at::Tensor& glk,
+                             const at::Tensor& gv, int64_t chunk_size, const std::optional<at::Tensor>& states,
+                             const std::optional<at::Tensor>& scores) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
+    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    for (const at::Tensor* t : {&lk, &den, &c, &glk})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == L, "lk, den, c and glk must be (B, L)");
+    for (const at::Tensor* t : {&v, &y, &gy, &gv})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == dv,
+                    "v, y, gy and gv must be (B, L, d_v)");
+    TORCH_CHECK(gpq.sizes() == pq.sizes() && gpk.sizes() == pq.sizes(), "gpq and gpk must be (B, L, r)");
+    const Backward g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, f32_dense(pq, "pq"), f32_dense(pk, "pk"),
+                     f32_dense(lk, "lk"), f32_dense(v, "v"), f32_dense(y, "y"), f32_dense(den, "den"),
+                     f32_dense(c, "c"), f32_dense(gy, "gy"), const_cast<float*>(f32_dense(gpq, "gpq")),
+                     const_cast<float*>(f32_dense(gpk, "gpk")), const_cast<float*>(f32_dense(glk, "glk")),
+                     const_cast<float*>(f32_dense(gv, "gv")), nullptr, nullptr};
+    Backward gs = g;
+    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
+    if (states.has_value()) {
+        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
+                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
+        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
+                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+        gs.states = f32_dense(*states, "states");
+        gs.scores = f32_dense(*scores, "scores");
+    }
+    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(gs, b0, b1); });
 }
 
 ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::ArrayRef<double> scalars, int64_t d,
@@ -441,6 +699,71 @@ ExpMap exp_map(const at::Tensor& W, const std::optional<at::Tensor>& o, at::Arra
     }
     return ExpMap{f32_dense(W, "weight"), offset, (float)scalars[0], (float)scalars[1], (float)scalars[2],
                   (float)scalars[3]};
+}
+
+void exp_causal_backward(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq, at::ArrayRef<double> mapq,
+                         const at::Tensor& wk, at::ArrayRef<double> mapk, const at::Tensor& pq, const at::Tensor& pk,
+                         const at::Tensor& lk, const at::Tensor& v, const at::Tensor& y, const at::Tensor& den,
+                         const at::Tensor& c, const at::Tensor& gy, const at::Tensor& states, const at::Tensor& scores,
+                         const at::Tensor& gxq, const at::Tensor& gxk, const at::Tensor& gv, int64_t chunk_size) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1), d = xq.size(-1);
+    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && d >= 1 && chunk_size >= 1, "empty problem or chunk < 1");
+    for (const at::Tensor* t : {&xq, &xk, &gxq, &gxk})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == d,
+                    "xq, xk, gxq and gxk must be (B, L, d)");
+    for (const at::Tensor* t : {&lk, &den, &c})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == L, "lk, den and c must be (B, L)");
+    for (const at::Tensor* t : {&v, &y, &gy, &gv})
+        TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == dv,
+                    "v, y, gy and gv must be (B, L, d_v)");
+    TORCH_CHECK(wq.size(0) == r && wk.size(0) == r, "the maps' weights must be (r, d)");
+    const int64_t chunks = (L + chunk_size - 1) / chunk_size;
+    TORCH_CHECK(states.dim() == 4 && states.size(0) == B && states.size(1) == chunks && states.size(2) == dv + 1 &&
+                states.size(3) == r, "states must be (B, chunks, d_v+1, r)");
+    TORCH_CHECK(scores.dim() == 4 && scores.size(0) == B && scores.size(1) == chunks &&
+                scores.size(2) == chunk_size && scores.size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    const ExpMap mq = exp_map(wq, std::nullopt, mapq, d, "query map");
+    const ExpMap mk = exp_map(wk, std::nullopt, mapk, d, "key map");
+    Backward g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, f32_dense(pq, "pq"), f32_dense(pk, "pk"),
+               f32_dense(lk, "lk"), f32_dense(v, "v"), f32_dense(y, "y"), f32_dense(den, "den"), f32_dense(c, "c"),
+               f32_dense(gy, "gy"), nullptr, nullptr, nullptr, const_cast<float*>(f32_dense(gv, "gv")),
+               f32_dense(states, "states"), f32_dense(scores, "scores")};
+    g.mq = &mq;
+    g.mk = &mk;
+    g.xq = f32_dense(xq, "xq");
+    g.xk = f32_dense(xk, "xk");
+    g.gxq = const_cast<float*>(f32_dense(gxq, "gxq"));
+    g.gxk = const_cast<float*>(f32_dense(gxk, "gxk"));
+    g.d = (int)d;
+    over_sequences((int)B, [&](int b0, int b1) { backward_sequences(g, b0, b1); });
+}
+
+void exp_features(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& o,
+                  at::ArrayRef<double> map, const at::Tensor& phi, const at::Tensor& ell) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
+    const int64_t N = x.size(0), d = x.size(1), r = w.size(0);
+    const ExpMap m = exp_map(w, o, map, d, "map");
+    TORCH_CHECK(phi.dim() == 2 && phi.size(0) == N && phi.size(1) == r && ell.dim() == 1 && ell.size(0) == N,
+                "phi must be (N, r) and ell (N,)");
+    features_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), const_cast<float*>(f32_dense(phi, "phi")),
+                  const_cast<float*>(f32_dense(ell, "ell")));
+}
+
+void exp_features_backward(const at::Tensor& x, const at::Tensor& w, at::ArrayRef<double> map, const at::Tensor& phi,
+                           const at::Tensor& gphi, const std::optional<at::Tensor>& gell, const at::Tensor& gx) {
+    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
+    const int64_t N = x.size(0), d = x.size(1), r = w.size(0);
+    const ExpMap m = exp_map(w, std::nullopt, map, d, "map");
+    TORCH_CHECK(phi.dim() == 2 && phi.size(0) == N && phi.size(1) == r && gphi.sizes() == phi.sizes() &&
+                gx.sizes() == x.sizes(), "phi and gphi must be (N, r), gx like x");
+    const float* gl = nullptr;
+    if (gell.has_value()) {
+        TORCH_CHECK(gell->dim() == 1 && gell->size(0) == N, "gell must be (N,)");
+        gl = f32_dense(*gell, "gell");
+    }
+    features_backward_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), f32_dense(phi, "phi"),
+                           f32_dense(gphi, "gphi"), gl, const_cast<float*>(f32_dense(gx, "gx")));
 }
 
 void exp_attention(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq,
@@ -494,15 +817,29 @@ void exp_nonpos_op(const at::Tensor& src, const at::Tensor& out) {
 
 TORCH_LIBRARY(kernapprox, m) {
     m.def("chunked_causal(Tensor pq, Tensor lq, Tensor pk, Tensor lk, Tensor v, Tensor(a!) state, Tensor(b!) c, "
-          "Tensor(c!) out, Tensor(d!) den, Tensor(e!) logs, int chunk_size, float log_decay, bool want_num) -> ()");
+          "Tensor(c!) out, Tensor(d!) den, Tensor(e!) logs, int chunk_size, float log_decay, bool want_num, "
+          "Tensor(f!)? states=None, Tensor(g!)? scores=None) -> ()");
     m.def("exp_attention(Tensor xq, Tensor xk, Tensor wq, Tensor? oq, float[] mapq, Tensor wk, Tensor? ok, "
           "float[] mapk, Tensor? padding, Tensor v, Tensor(a!) state, Tensor(b!) c, Tensor(c!) out, Tensor(d!) den, "
           "Tensor(e!) logs, int chunk_size, int block, float log_decay, bool want_num) -> ()");
     m.def("exp_nonpos(Tensor src, Tensor(a!) out) -> ()");
+    m.def("chunked_causal_backward(Tensor pq, Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, "
+          "Tensor gy, Tensor(a!) gpq, Tensor(b!) gpk, Tensor(c!) glk, Tensor(d!) gv, int chunk_size, "
+          "Tensor? states=None, Tensor? scores=None) -> ()");
+    m.def("exp_features(Tensor x, Tensor w, Tensor? o, float[] map, Tensor(a!) phi, Tensor(b!) ell) -> ()");
+    m.def("exp_causal_backward(Tensor xq, Tensor xk, Tensor wq, float[] mapq, Tensor wk, float[] mapk, Tensor pq, "
+          "Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, Tensor gy, Tensor states, Tensor scores, "
+          "Tensor(a!) gxq, Tensor(b!) gxk, Tensor(c!) gv, int chunk_size) -> ()");
+    m.def("exp_features_backward(Tensor x, Tensor w, float[] map, Tensor phi, Tensor gphi, Tensor? gell, "
+          "Tensor(a!) gx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
     m.impl("chunked_causal", &chunked_causal);
     m.impl("exp_attention", &exp_attention);
     m.impl("exp_nonpos", &exp_nonpos_op);
+    m.impl("chunked_causal_backward", &chunked_causal_backward);
+    m.impl("exp_features", &exp_features);
+    m.impl("exp_causal_backward", &exp_causal_backward);
+    m.impl("exp_features_backward", &exp_features_backward);
 }

@@ -648,9 +648,14 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
 
     if rule.normalized and mode == "chunked" and not rule.log_decay and state0 is None and not return_state \
             and not return_parts and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        choice = backends.choose("linear_attention.gradient", causal=causal).backend
-        if choice == "chunk-backward":
-            out, den, logs = _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding)
+        n_rows = q.shape[:-2].numel()
+        choice = backends.choose("linear_attention.gradient", causal=causal, device=q.device, dtype=ct,
+                                 batch=n_rows, entries=n_rows * max(q.shape[-2], k.shape[-2]) * r,
+                                 padding=padding is not None,
+                                 form=estimator.exponential_form(q[..., :0, :].to(ct), "query")).backend
+        if choice in ("chunk-backward", "native-backward", "native-backward-exp"):
+            out, den, logs = _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding,
+                                                    native=_NATIVE_FEATURES.get(choice))
             if qpad is not None:
                 out = out.masked_fill(qpad[..., None], 0.0)
                 den, logs = den.masked_fill(qpad, 1.0), logs.masked_fill(qpad, 0.0)
@@ -702,13 +707,30 @@ def linear_attention(q, k, v, estimator: Estimator, causal: bool = False, mode: 
     return result
 
 
-def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding):
-    """The sum rule's chunked output with the written-out backward (:mod:`.chunk_grad`): the features of the
-    whole sequence (autograd takes their gradient to ``q`` and ``k``), then :class:`.chunk_grad.ChunkedSum`.
-    Returns ``(output, normaliser, log-scale)`` in the compute dtype."""
+# how the compiled backends of "linear_attention.gradient" compute the features (_chunked_with_gradient's native)
+_NATIVE_FEATURES = {"native-backward": "torch", "native-backward-exp": "exp"}
+
+
+def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding, native=None):
+    """The sum rule's chunked output with the written-out backward: the features of the whole sequence (autograd
+    takes their gradient to ``q`` and ``k``), then :class:`.chunk_grad.ChunkedSum` (eager chunks) or, with
+    ``native`` (causal, float32, no padded keys), :class:`.native.CausalSum` (the compiled forward and backward).
+    ``native="torch"``: the map's features by torch (any map); ``"exp"``: features, attention and the whole
+    backward by the compiled operators (:func:`.native.exp_causal`; maps of the exponential form with
+    ``eps = 0``). Returns ``(output, normaliser, log-scale)`` in the compute dtype."""
+    if native == "exp":
+        ct = compute_dtype(q.dtype)
+        forms = (estimator.exponential_form(q.to(ct), "query"), estimator.exponential_form(k.to(ct), "key"))
+        y, den, c, lq = _native.exp_causal(forms, v.to(ct), chunk_size)
+        return y, den, lq + c
     pq, lq, pk, lk = _stabilised_features(q, k, estimator, padding)
     batch_shape, n, n_k = q.shape[:-2], q.shape[-2], k.shape[-2]
     r, d_v = pq.shape[-1], v.shape[-1]
+    rows = (*batch_shape, n)
+    if native:
+        y, den, c = _native.CausalSum.apply(pq.reshape(-1, n, r), pk.reshape(-1, n_k, r), lk.reshape(-1, n_k),
+                                            v.to(pq.dtype).reshape(-1, n_k, d_v), chunk_size)
+        return y.reshape(*rows, d_v), den.reshape(rows), lq + c.reshape(rows)
 
     def forward(pq, pk, lk, v):
         zeros = torch.zeros(pq.shape[:-1], dtype=pq.dtype, device=pq.device)      # ℓ_q = 0: the log-scale is c
@@ -717,7 +739,6 @@ def _chunked_with_gradient(q, k, v, estimator, causal, chunk_size, padding):
 
     y, den, c = chunk_grad.ChunkedSum.apply(pq.reshape(-1, n, r), pk.reshape(-1, n_k, r), lk.reshape(-1, n_k),
                                             v.to(pq.dtype).reshape(-1, n_k, d_v), causal, chunk_size, forward)
-    rows = (*batch_shape, n)
     return y.reshape(*rows, d_v), den.reshape(rows), lq + c.reshape(rows)
 
 

@@ -1,7 +1,9 @@
-"""Compiled CPU operators for the chunked mode of the sum and decay rules (float32, no gradient).
+"""Compiled CPU operators for the chunked mode of the sum and decay rules (float32), and for the causal sum rule's
+gradient.
 
-Two kernels, in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace,
-each equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py):
+Kernels in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace, each
+equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py,
+tests/test_native_backward.py):
 
 ``torch.ops.kernapprox.chunked_causal`` (:func:`chunk_block`)
     The eager causal chunked mode batches each token block's chunks into a few large products, which makes it
@@ -16,6 +18,17 @@ each equal to the eager chunked code of :mod:`kernapprox.attention.linear` to fl
     not None: FAVOR+, hyperbolic, the GERF family): the projection GEMM, the row shift and ``exp``, then the
     summary or read GEMM. Non-causal: ``Y = φ(Q)(φ(K)ᵀ[V 1])`` (Katharopoulos et al. 2020, eq. 4–6), key weights and
     the normaliser's sums folded into the same pass; causal: the chunk loop above, per feature block.
+``torch.ops.kernapprox.chunked_causal_backward`` (:func:`chunk_backward`)
+    The gradient of the causal sum rule's output with respect to the stabilised features, the key log-scales and
+    the values: the sums of :mod:`.chunk_grad` (Katharopoulos et al. 2020, sec. 3.3.1) run chunk by chunk, a
+    forward pass with the state ``S_J`` in cache for ``∂φ̃_q`` and a backward pass with the reverse state ``R_J``
+    for ``∂φ̃_k``, ``∂v`` and ``∂ℓ_k``, from the forward's normalisers and row shifts.
+``torch.ops.kernapprox.exp_features``, ``exp_features_backward`` (:class:`ExpFeatures`)
+    The stabilised features of a map of the exponential form, :data:`FEATURE_ROWS` rows at a time on torch's
+    threads, and their backward with the row shift held constant (exact for ``eps = 0``).
+``torch.ops.kernapprox.exp_causal_backward`` (:class:`ExpCausalSum`, :func:`exp_causal`)
+    The two fused: the backward's chunk loop turns each chunk's feature gradients into gradients of the rows while
+    they are in cache (a training step of an exponential map stores no ``(n, r)`` gradient).
 
 The sequences (batch × heads) are spread over torch's threads (``at::parallel_for``), each running its products
 (``at::cpu::addmm_out`` on views of the kernel's buffers: torch's BLAS through its public API) on its own thread.
@@ -31,6 +44,14 @@ many sequences as torch threads, the operators built and checked in this process
 exponential form. Inside :func:`torch.compile` the operators are traced as themselves (their fake versions give
 the shapes), so a compiled model runs the same kernel.
 
+A call that needs gradients (a training step) asks ``"linear_attention.gradient"`` instead, under the same switch:
+``native-backward-exp`` (features, attention and gradient compiled, the features' backward fused: :func:`exp_causal`)
+or ``native-backward`` (the map's features and their gradient by torch, any map; then :class:`CausalSum`) take
+float32 CPU calls of the causal sum rule's chunked mode that ask for the output only (no initial or returned
+state, no parts), without padded keys, with at least as many sequences as torch threads; ``native-backward-exp``
+also needs a map of the exponential form with ``eps = 0`` whose weights need no gradient. Every other gradient
+call runs autograd through the eager code.
+
 Building and loading
 --------------------
 The first eligible call builds the source with :func:`torch.utils.cpp_extension.load` (ninja; its file lock makes
@@ -40,7 +61,9 @@ the flags and torch's version, below :func:`build_root`: ``$KERNAPPROX_NATIVE_DI
 ``0700``, no symbolic link; :func:`kernapprox.cache.private_dir` creates them so): a folder another user could
 write is refused and nothing in it is ever loaded — there is no fallback to a shared temporary directory. The
 loaded operators are checked once per process against a float64 evaluation of the same attention on small
-problems (decay, partial chunks, a carried state, padded keys, an offset and ``eps``, more queries than keys).
+problems (decay, partial chunks, a carried state, padded keys, an offset and ``eps``, more queries than keys), and
+the backward operators against float64 autograd through the definitions (partial chunks, key log-scales spread
+over ±6; features with an offset and the norm term, a partial block of rows).
 Never a crash, never a wrong result: a refused folder, a failed build, load or check disables the operators for
 the process with one ``RuntimeWarning`` naming the cause, and the eager code runs. :func:`status` says which.
 """
@@ -67,6 +90,8 @@ NONCAUSAL_BLOCK = 256
 # Auto mode runs the operators for calls of at least this many feature entries (batch × tokens × r): a token
 # block's worth; below it a call takes well under a millisecond either way.
 MIN_ENTRIES = 1 << 18
+# Rows per task of the compiled feature map (FEATURE_ROWS in _chunked.cpp): for the self-check's partial block.
+FEATURE_ROWS = 256
 DIR_ENV = "KERNAPPROX_NATIVE_DIR"
 _FLAGS = {"AVX512": ["-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl", "-mavx2", "-mfma"],
           "AVX2": ["-mavx2", "-mfma"]}
@@ -209,6 +234,50 @@ def _check_causal(*, device, dtype, needs_grad, rule_ok, batch, entries, causal,
     return _common_check(device, dtype, needs_grad, rule_ok, batch, entries)
 
 
+def _check_backward(*, causal, device=None, dtype=None, batch=0, entries=0, padding=False, **_):
+    """Whether ``kernapprox::chunked_causal_backward`` computes a gradient call's backward (``native-backward`` of
+    ``"linear_attention.gradient"``; the caller already restricted it to the sum rule's chunked mode without an
+    initial or returned state, asking for the output only)."""
+    switch = backends.get_mode("native")
+    if switch == "off":
+        return False, "KERNAPPROX_NATIVE=off"
+    if not causal:
+        return False, "non-causal (the compiled backward runs the causal chunk loop)"
+    if padding:
+        return False, "padded keys (the compiled backward takes none)"
+    if device is None or device.type != "cpu":
+        return False, f"on {getattr(device, 'type', device)} (CPU operators)"
+    if dtype != torch.float32:
+        return False, f"dtype {dtype} (float32 operators)"
+    threads = _threads()
+    if batch < threads:
+        return False, f"{batch} sequences < {threads} torch threads (one sequence per thread)"
+    if switch != "on" and entries < MIN_ENTRIES:
+        return False, f"{entries} feature entries < MIN_ENTRIES = {MIN_ENTRIES} (KERNAPPROX_NATIVE=auto)"
+    if not available():
+        return False, f"not available: {_State.failed}"
+    return True, f"KERNAPPROX_NATIVE={switch}, eligible"
+
+
+def _check_backward_exp(*, form=None, **call):
+    """``native-backward-exp``: :func:`_check_backward`, and a map whose features the operators compute and
+    differentiate themselves (:class:`ExpFeatures`): of the exponential form, ``eps = 0`` (the row shift then
+    carries no gradient), fixed weight and offset (no gradient asked for them)."""
+    if form is None:
+        return False, "the map has no exponential form (FeatureMap.exponential_form is None)"
+    if form.eps != 0:
+        return False, f"the map's eps = {form.eps:g} (its row shift carries gradient; the features run in torch)"
+    if any(t is not None and t.requires_grad for t in (form.weight, form.offset)):
+        return False, "the map's weight or offset needs a gradient (the features run in torch)"
+    return _check_backward(**call)
+
+
+backends.register(backends.Backend("native-backward-exp", "linear_attention.gradient", 30, _check_backward_exp,
+                                   "native", "kernapprox::exp_features, chunked_causal and their backward "
+                                   "operators: features, attention and gradient compiled (exponential maps)"))
+backends.register(backends.Backend("native-backward", "linear_attention.gradient", 20, _check_backward, "native",
+                                   "kernapprox::chunked_causal (forward) and kernapprox::chunked_causal_backward: "
+                                   "the causal sum rule's chunk loop and its gradient, features given"))
 backends.register(backends.Backend("native-exp", "linear_attention.chunked", 30, _check_exp, "native",
                                    "kernapprox::exp_attention: the chunked mode with the features inside"))
 backends.register(backends.Backend("native", "linear_attention.chunked", 20, _check_causal, "native",
@@ -218,7 +287,8 @@ backends.register(backends.Backend("native", "linear_attention.chunked", 20, _ch
 # ------------------------------------------------------------------------------------------------ operators
 def _register_fakes() -> None:
     """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
-    for name in ("chunked_causal", "exp_attention", "exp_nonpos"):
+    for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward", "exp_features",
+                 "exp_features_backward", "exp_causal_backward"):
         torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
@@ -234,6 +304,174 @@ def chunk_block(pq, lq, pk, lk, v, state, c, out, den, logs, chunk_size: int, lo
     """
     torch.ops.kernapprox.chunked_causal(pq, lq, pk, lk, v, state, c, out, den, logs, int(chunk_size),
                                         float(log_decay), bool(want_num))
+
+
+def chunk_backward(pq, pk, lk, v, y, den, c, gy, chunk_size: int, states=None, scores=None):
+    """The gradients ``(dφ̃_q, dφ̃_k, dℓ_k, dv)`` of the causal sum rule's output ``y = num/den`` from its gradient
+    ``gy`` (``kernapprox::chunked_causal_backward``; the formulas of :mod:`.chunk_grad`, chunk by chunk with the
+    forward state ``S_J`` and the reverse state ``R_J`` in cache).
+
+    ``pq, pk`` ``(B, n, r)``, ``lk, den, c`` ``(B, n)`` (``c`` the forward's row shift, the running maximum of
+    ``lk``; ``den`` the normalisers at that shift, none zero), ``v, y, gy`` ``(B, n, d_v)``: float32 CPU tensors
+    (made contiguous here). ``states`` ``(B, chunks, d_v+1, r)`` and ``scores`` ``(B, chunks, C, C)``: what the
+    forward saved (:class:`CausalSum`: each chunk's state ``S_J`` and weighted intra-chunk scores), or None (the
+    backward rebuilds them: one state update and one ``C × C`` score product more per chunk).
+    """
+    pq, pk, lk, v, y, den, c, gy = (t.contiguous() for t in (pq, pk, lk, v, y, den, c, gy))
+    gpq, gpk, glk, gv = torch.empty_like(pq), torch.empty_like(pk), torch.empty_like(lk), torch.empty_like(v)
+    torch.ops.kernapprox.chunked_causal_backward(pq, pk, lk, v, y, den, c, gy, gpq, gpk, glk, gv, int(chunk_size),
+                                                 states, scores)
+    return gpq, gpk, glk, gv
+
+
+class CausalSum(torch.autograd.Function):
+    r"""``(y, den, c) = CausalSum.apply(pq, pk, lk, v, chunk_size)``: the causal sum rule's output on stabilised
+    features (``pq, pk`` ``(B, n, r)``, ``lk`` ``(B, n)``, ``v`` ``(B, n, d_v)``, float32 on a CPU),
+
+    .. math::
+        y_i = \frac{\sum_{j≤i} φ̃_{q,i}^⊤φ̃_{k,j} e^{ℓ_{k,j} − c_i} v_j}{\sum_{j≤i} φ̃_{q,i}^⊤φ̃_{k,j}
+        e^{ℓ_{k,j} − c_i}},
+
+    forward by ``kernapprox::chunked_causal`` (Yang et al. 2024, sec. 3.2), backward by
+    ``kernapprox::chunked_causal_backward`` (:func:`chunk_backward`; the sums of :mod:`.chunk_grad`, Katharopoulos
+    et al. 2020, sec. 3.3.1). ``den`` (the normalisers) and ``c`` (the row shifts, the running maximum of ``lk``)
+    are not differentiable; the output does not depend on the query log-scales, which are not an input. The
+    forward keeps each chunk's state and weighted scores for the backward (``(d_v+1)·r + C²`` floats per chunk:
+    about one more feature tensor), which then skips rebuilding them."""
+
+    @staticmethod
+    def forward(ctx, pq, pk, lk, v, chunk_size):
+        pq, pk, lk = pq.contiguous(), pk.contiguous(), lk.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        y, den, c, states, scores = _causal_forward(pq, pk, lk, v, chunk_size)
+        safe = torch.where(den == 0, torch.ones(()), den)
+        ctx.save_for_backward(pq, pk, lk, v, y, safe, c, states, scores)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(den, c)
+        return y, den, c
+
+    @staticmethod
+    def backward(ctx, gy, _gden, _gc):
+        pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
+        gy = torch.zeros_like(y) if gy is None else gy
+        gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size, states, scores)
+        return gpq, gpk, glk, gv, None
+
+
+class ExpFeatures(torch.autograd.Function):
+    r"""``(φ̃, ℓ) = ExpFeatures.apply(rows, weight, offset, scalars)``: the stabilised features of a map of the
+    exponential form (:class:`~kernapprox.estimators.base.ExponentialForm`; ``rows`` ``(N, d)`` float32 on a CPU,
+    ``scalars = [α, c, eps, k]``) by ``kernapprox::exp_features``,
+
+    .. math::
+        p = α\,x W^⊤ + o,\qquad φ̃ = e^{p − \max_j p_j} + \mathrm{eps},\qquad
+        ℓ = \max_j p_j + c − k α^2 \|x\|^2 / 2
+
+    (Choromanski et al. 2021, Lemma 1), and their backward by ``kernapprox::exp_features_backward`` with the row
+    shift held constant: ``∂p = ∂φ̃ ⊙ (φ̃ − eps)``, ``∂x = α ∂p W − k α^2 ∂ℓ\, x``, exact for ``eps = 0``, where
+    ``φ̃ e^ℓ`` does not depend on the shift (the eager maps detach it then). No gradient for ``weight`` or
+    ``offset`` (the caller declines maps that need one)."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, offset, scalars):
+        rows = rows.contiguous()
+        phi = torch.empty(rows.shape[0], weight.shape[0])
+        ell = torch.empty(rows.shape[0])
+        torch.ops.kernapprox.exp_features(rows, weight, offset, scalars, phi, ell)
+        ctx.save_for_backward(rows, weight, phi)
+        ctx.scalars = scalars
+        return phi, ell
+
+    @staticmethod
+    def backward(ctx, gphi, gell):
+        rows, weight, phi = ctx.saved_tensors
+        gx = torch.empty_like(rows)
+        gphi = torch.zeros_like(phi) if gphi is None else gphi.contiguous()
+        torch.ops.kernapprox.exp_features_backward(rows, weight, ctx.scalars, phi, gphi,
+                                                   None if gell is None else gell.contiguous(), gx)
+        return gx, None, None, None
+
+
+def exp_features(form):
+    """``(φ̃, ℓ)`` ``(..., n, r)``, ``(..., n)`` of an :class:`~kernapprox.estimators.base.ExponentialForm` by
+    :class:`ExpFeatures` (differentiable in ``form.rows``)."""
+    rows = form.rows
+    weight = form.weight.to(torch.float32).contiguous()
+    offset = None if form.offset is None else form.offset.to(torch.float32).contiguous()
+    scalars = [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)]
+    phi, ell = ExpFeatures.apply(rows.reshape(-1, rows.shape[-1]), weight, offset, scalars)
+    return phi.reshape(*rows.shape[:-1], -1), ell.reshape(rows.shape[:-1])
+
+
+def _causal_forward(pq, pk, lk, v, chunk_size):
+    """``kernapprox::chunked_causal`` from an empty state (``ℓ_q = 0``: the rows' log-scales are the shifts ``c``),
+    keeping each chunk's state and weighted scores: ``(y, den, c, states, scores)``."""
+    batch, n, r = pq.shape
+    d_v = v.shape[-1]
+    y, den, c = torch.empty(batch, n, d_v), torch.empty(batch, n), torch.empty(batch, n)
+    chunks = -(-n // chunk_size)
+    states = torch.empty(batch, chunks, d_v + 1, r)
+    scores = torch.empty(batch, chunks, chunk_size, chunk_size)
+    torch.ops.kernapprox.chunked_causal(pq, torch.zeros(batch, n), pk, lk, v, torch.zeros(batch, d_v + 1, r),
+                                        torch.full((batch,), SENTINEL), y, den, c, int(chunk_size), 0.0, False,
+                                        states, scores)
+    return y, den, c, states, scores
+
+
+class ExpCausalSum(torch.autograd.Function):
+    """``(y, den, c, ℓ_q) = ExpCausalSum.apply(xq, xk, v, maps, chunk_size)``: :class:`ExpFeatures` of both maps
+    and :class:`CausalSum` in one function (``xq, xk`` ``(B, n, d)`` rows of the forms, ``v`` ``(B, n, d_v)``,
+    ``maps = ((W_q, o_q, scalars_q), (W_k, o_k, scalars_k))``), whose backward is one operator,
+    ``kernapprox::exp_causal_backward``: :func:`chunk_backward`'s chunk loop turning each chunk's ``∂φ̃`` into
+    ``∂x`` (:class:`ExpFeatures`'s backward) while it is in cache, so no ``(n, r)`` gradient is ever stored.
+    ``den``, ``c`` and ``ℓ_q`` are not differentiable (the output depends on neither shift)."""
+
+    @staticmethod
+    def forward(ctx, xq, xk, v, maps, chunk_size):
+        (wq, oq, mq), (wk, ok, mk) = maps
+        xq, xk = xq.contiguous(), xk.contiguous()
+        v = v if v.stride(-1) == 1 else v.contiguous()
+        batch, n, d = xq.shape
+        r = wq.shape[0]
+        pq, lq, pk, lk = torch.empty(batch * n, r), torch.empty(batch * n), torch.empty(batch * n, r), \
+            torch.empty(batch * n)
+        torch.ops.kernapprox.exp_features(xq.view(-1, d), wq, oq, mq, pq, lq)
+        torch.ops.kernapprox.exp_features(xk.view(-1, d), wk, ok, mk, pk, lk)
+        pq, pk, lk = pq.view(batch, n, r), pk.view(batch, n, r), lk.view(batch, n)
+        y, den, c, states, scores = _causal_forward(pq, pk, lk, v, chunk_size)
+        safe = torch.where(den == 0, torch.ones(()), den)
+        ctx.save_for_backward(xq, xk, pq, pk, lk, v, y, safe, c, states, scores)
+        ctx.maps, ctx.chunk_size = ((wq, mq), (wk, mk)), chunk_size
+        lq = lq.view(batch, n)
+        ctx.mark_non_differentiable(den, c, lq)
+        return y, den, c, lq
+
+    @staticmethod
+    def backward(ctx, gy, _gden, _gc, _glq):
+        xq, xk, pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
+        (wq, mq), (wk, mk) = ctx.maps
+        gy = torch.zeros_like(y) if gy is None else gy.contiguous()
+        gxq, gxk, gv = torch.empty_like(xq), torch.empty_like(xk), torch.empty_like(y)
+        torch.ops.kernapprox.exp_causal_backward(xq, xk, wq, mq, wk, mk, pq, pk, lk, v.contiguous(), y, den, c, gy,
+                                                 states, scores, gxq, gxk, gv, int(ctx.chunk_size))
+        return gxq, gxk, gv, None, None
+
+
+def _map_tensors(form):
+    return (form.weight.to(torch.float32).contiguous(),
+            None if form.offset is None else form.offset.to(torch.float32).contiguous(),
+            [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)])
+
+
+def exp_causal(forms, v, chunk_size: int):
+    """The causal sum rule's output of the exponential forms ``(query, key)`` (rows ``(..., n, d)``) and values
+    ``v`` ``(..., n, d_v)`` by :class:`ExpCausalSum` (differentiable in the rows and ``v``): ``(y, den, c, ℓ_q)``
+    shaped like the rows' leading dimensions."""
+    rq, rk = forms[0].rows, forms[1].rows
+    lead, n, d = rq.shape[:-2], rq.shape[-2], rq.shape[-1]
+    y, den, c, lq = ExpCausalSum.apply(rq.reshape(-1, n, d), rk.reshape(-1, n, d), v.reshape(-1, n, v.shape[-1]),
+                                       (_map_tensors(forms[0]), _map_tensors(forms[1])), chunk_size)
+    return y.reshape(*lead, n, -1), den.reshape(*lead, n), c.reshape(*lead, n), lq.reshape(*lead, n)
 
 
 def _gemm_rows(t: torch.Tensor) -> torch.Tensor:
@@ -311,6 +549,9 @@ def _self_check() -> None:
     _self_check_causal()
     _self_check_exp(causal=False)
     _self_check_exp(causal=True)
+    _self_check_backward()
+    _self_check_features()
+    _self_check_fused()
 
 
 def _reference(pq, lq, pk, lk, v, causal, a, state0):
@@ -420,3 +661,98 @@ def _self_check_exp(causal: bool) -> None:
 
     _agrees("the causal operator's (features inside)" if causal else "the non-causal operator's", run,
             (pq, lq, pk, lk), v, state0, causal, a)
+
+
+def _self_check_backward() -> None:
+    """The compiled backward (through :class:`CausalSum`) against float64 autograd through the definition, on a
+    small problem: a partial last chunk, key log-scales spread over ±6 (rows whose shift changes inside a chunk)."""
+    gen = torch.Generator().manual_seed(5)
+    batch, n, r, d_v, size = 3, 23, 12, 5, 4
+    pq, pk = torch.rand(batch, n, r, generator=gen) + 0.05, torch.rand(batch, n, r, generator=gen) + 0.05
+    lk = 3 * torch.randn(batch, n, generator=gen)
+    v, gy = torch.randn(batch, n, d_v, generator=gen), torch.randn(batch, n, d_v, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (pq, pk, lk, v)]
+    y, _, _ = CausalSum.apply(*leaves, size)
+    torch.autograd.backward(y, gy)
+    ref = [t.double().requires_grad_() for t in (pq, pk, lk, v)]
+    q64, k64, l64, v64 = ref
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    shift = torch.cummax(l64.detach(), -1).values
+    weights = (q64 @ k64.transpose(-1, -2) * torch.exp(l64[:, None, :] - shift[..., None])).masked_fill(~causal, 0)
+    want_y = (weights @ v64) / weights.sum(-1, keepdim=True)
+    torch.autograd.backward(want_y, gy.double())
+    checks = {"outputs": (y.detach(), want_y.detach())}
+    checks.update({f"gradients of {name}": (got.grad, want.grad)
+                   for name, got, want in zip(("pq", "pk", "lk", "v"), leaves, ref)})
+    # the backward without the forward's saved states and scores (it rebuilds them), from the float64 normalisers
+    den = (weights.sum(-1) * torch.exp(shift - torch.cummax(lk.double(), -1).values)).detach().float()
+    rebuilt = chunk_backward(pq, pk, lk, v, want_y.detach().float(), den, torch.cummax(lk, -1).values, gy, size)
+    checks.update({f"gradients of {name} (states rebuilt)": (got, want.grad)
+                   for name, got, want in zip(("pq", "pk", "lk", "v"), rebuilt, ref)})
+    for name, (got, want) in checks.items():
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the causal backward's {name} differ from the float64 reference by "
+                               f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
+
+
+def _self_check_features() -> None:
+    """The compiled features and their backward (:class:`ExpFeatures`) against float64 autograd through the form's
+    definition (shift detached), on rows of a map with an offset and the norm term, a partial block of rows."""
+    gen = torch.Generator().manual_seed(6)
+    n, d, r = FEATURE_ROWS + 9, 6, 10
+    x = torch.randn(n, d, generator=gen)
+    weight, offset = torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen)
+    scalars = [0.7, -1.5, 0.0, 1.0]
+    gphi, gell = torch.randn(n, r, generator=gen), torch.randn(n, generator=gen)
+    leaf = x.clone().requires_grad_()
+    phi, ell = ExpFeatures.apply(leaf, weight, offset, scalars)
+    torch.autograd.backward((phi, ell), (gphi, gell))
+    x64 = x.double().requires_grad_()
+    p = scalars[0] * x64 @ weight.double().T + offset.double()
+    shift = p.detach().amax(-1)
+    want_phi = torch.exp(p - shift[:, None])
+    want_ell = shift + scalars[1] - scalars[3] * 0.5 * scalars[0] ** 2 * (x64 ** 2).sum(-1)
+    torch.autograd.backward((want_phi, want_ell), (gphi.double(), gell.double()))
+    for name, got, want in (("features", phi.detach(), want_phi.detach()), ("log-scales", ell.detach(),
+                            want_ell.detach()), ("gradients", leaf.grad, x64.grad)):
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the compiled features' {name} differ from the float64 reference by "
+                               f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
+
+
+def _self_check_fused() -> None:
+    """Features, attention and the fused backward (:class:`ExpCausalSum`) against float64 autograd through the
+    definitions (each map's features with its shift detached, then causal attention): two maps with offsets and the
+    norm term, a partial last chunk."""
+    gen = torch.Generator().manual_seed(7)
+    batch, n, d, r, d_v, size = 3, 19, 5, 9, 4, 4
+    xq, xk = torch.randn(batch, n, d, generator=gen), torch.randn(batch, n, d, generator=gen)
+    v, gy = torch.randn(batch, n, d_v, generator=gen), torch.randn(batch, n, d_v, generator=gen)
+    maps = tuple((torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen), [0.6, -1.0, 0.0, 1.0])
+                 for _ in range(2))
+    leaves = [t.clone().requires_grad_() for t in (xq, xk, v)]
+    y, *_ = ExpCausalSum.apply(*leaves, maps, size)
+    torch.autograd.backward(y, gy)
+    ref = [t.double().requires_grad_() for t in (xq, xk, v)]
+
+    def features(x, weight, offset, scalars):
+        alpha, const, _, norm = scalars
+        p = alpha * x @ weight.double().T + offset.double()
+        shift = p.detach().amax(-1)
+        return torch.exp(p - shift[..., None]), shift + const - norm * 0.5 * alpha ** 2 * (x ** 2).sum(-1)
+
+    (pq, _), (pk, lk) = features(ref[0], *maps[0]), features(ref[1], *maps[1])
+    past = torch.ones(n, n, dtype=torch.bool).tril()
+    shift = torch.cummax(lk.detach(), -1).values
+    weights = (pq @ pk.transpose(-1, -2) * torch.exp(lk[:, None, :] - shift[..., None])).masked_fill(~past, 0)
+    want_y = (weights @ ref[2]) / weights.sum(-1, keepdim=True)
+    torch.autograd.backward(want_y, gy.double())
+    checks = {"outputs": (y.detach(), want_y.detach())}
+    checks.update({f"gradients of {name}": (got.grad, want.grad) for name, got, want in zip("qkv", leaves, ref)})
+    for name, (got, want) in checks.items():
+        scale = float(want.abs().max())
+        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
+            raise RuntimeError(f"self-check: the fused features and causal backward's {name} differ from the float64 "
+                               f"reference by {float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
