@@ -41,7 +41,9 @@ resampled with its prompts (:func:`kernapprox.stats.cluster_interval`), and a ve
 needs at least :data:`kernapprox.stats.MIN_UNITS` seeds and a paired exact test on the per-seed means
 (:func:`kernapprox.stats.paired_test`); with fewer the findings say "not resolved (k units)". The default preset
 has 12 seeds: the within-r pairs below are 30 per context, and only a sign test of 12 of 12 seeds (p = 2·2⁻¹²)
-passes Holm over 30 (with 10, no p-value can). The regression setup, which has no proxy and no verdict, runs its post-hoc cells (the costliest: 8 layers) on the first 5 seeds only (``Setup.post_hoc_seeds``); its references and intervals count the seeds that ran.
+passes Holm over 30 (with 10, no p-value can). The regression setup, which has no proxy and no verdict,
+runs its post-hoc cells (the costliest: 8 layers) on the first 5 seeds only (``Setup.post_hoc_seeds``); its
+references and intervals count the seeds that ran.
 
 Summaries (:mod:`kernapprox.stats`, read by the figure and the findings of :mod:`experiments._trained_icl_report`):
 mean scores over seeds × prompts with cluster-bootstrap intervals over seeds (``score_summary``,
