@@ -351,3 +351,24 @@ def test_the_fused_self_check_catches_a_wrong_backward(monkeypatch):
     monkeypatch.setattr(native.ExpCausalSum, "backward", staticmethod(wrong))
     with pytest.raises(RuntimeError, match="fused features and causal backward's gradients of k"):
         native._self_check_fused()
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_a_first_call_under_no_grad_or_inference_mode_passes_the_self_check(context, recwarn):
+    """Inference calls are the common first eligible call (an evaluation loop): the self-check, which
+    differentiates, must run and pass there too, not disable the operators for the process."""
+    q, k, v = _inputs((2, 2), 40)
+    est = _fitted("positive", q, k, 16)
+    native.reset()
+    try:
+        with backends.mode("native", "on"), getattr(torch, context)():
+            with backends.record() as calls:
+                out = ka.linear_attention(q, k, v, est, causal=True)
+        assert native.status().startswith("loaded"), native.status()
+        assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+        assert any(c.backend.startswith("native") for c in calls if c.op == "linear_attention.chunked")
+        with backends.mode("native", "off"):
+            ref = ka.linear_attention(q, k, v, est, causal=True)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    finally:
+        native.reset()

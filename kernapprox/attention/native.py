@@ -546,6 +546,13 @@ SENTINEL = -1e30     # the empty state's log-scale (kernapprox.rules.SENTINEL; c
 
 
 def _self_check() -> None:
+    # the first eligible call may come under torch.no_grad() or torch.inference_mode() (inference): the backward's
+    # check needs autograd, so every check runs with gradients enabled, outside inference mode
+    with torch.inference_mode(False), torch.enable_grad():
+        _self_checks()
+
+
+def _self_checks() -> None:
     _self_check_causal()
     _self_check_exp(causal=False)
     _self_check_exp(causal=True)
