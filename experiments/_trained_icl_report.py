@@ -412,11 +412,17 @@ def _post_hoc_lines(ds, task, c) -> list[str]:
     return lines
 
 
+def _trains(ds) -> bool:
+    """Whether the dataset has models trained from scratch (the ``trained`` substitution: full and gpu presets; the
+    default leaves them to ``recall_frontier``, the study of trained fixed-state models against their memory)."""
+    return "trained" in ds.substitution.values
+
+
 def _mqar_lines(ds, task, c) -> list[str]:
     lines = []
-    sel = ds.sel(task=task, context=c, substitution="trained")
+    sel = ds.sel(task=task, context=c, substitution="trained") if _trains(ds) else None
     parts = []
-    for est in sel.estimator.values:
+    for est in [] if sel is None else sel.estimator.values:
         for r in sel.num_features.values:
             one = sel.sel(estimator=est, num_features=r)
             if not _ran(one.score):
@@ -611,7 +617,13 @@ def plot(ds: xr.Dataset, path) -> None:
         ax.set_yscale("log")
         label_panel(ax, R_PER_HEAD, "attention-output rel. RMS error",
                     "(b) per-layer error, own activations (— layer 0, - - layer 1)", log2_x=True)
-        _frontier(axes[1, 0], ds, task, c)
+        if _trains(ds):
+            _frontier(axes[1, 0], ds, task, c)
+        else:
+            axes[1, 0].axis("off")
+            axes[1, 0].text(0.5, 0.5, "(d) trained from scratch:\nnot in this preset\n(recall_frontier: trained "
+                            "fixed-state\nmodels against their memory)", ha="center", va="center", fontsize=8,
+                            transform=axes[1, 0].transAxes)
         _proxy_panel(axes[1, 1], ds, task, c)
         _context_panel(axes[1, 2], ds, task)
         notes.insert(0, f"MQAR panels: task {task}, {c} pairs in context")
@@ -637,7 +649,8 @@ def plot(ds: xr.Dataset, path) -> None:
         "band: 95 % cluster-bootstrap interval over seeds, each with its prompts); (b) each layer's "
         "attention-output error against exact attention on the "
         "model's own activations (median over seeds). (d) Models trained from scratch with the estimator at feature "
-        "dimension r (plus a short convolution): accuracy against the bytes a decoder keeps (star: the softmax "
+        "dimension r (plus a short convolution; full and gpu presets, the default leaves them to recall_frontier): "
+        "accuracy against the bytes a decoder keeps (star: the softmax "
         "reference's KV cache; markers drawn later are smaller, so coinciding points stay visible). (e) "
         "Proxy validity: the training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n; dashed, open "
         "markers) and the trained model's post-hoc accuracy (solid, filled) of each estimator against r on one "

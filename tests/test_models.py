@@ -270,6 +270,14 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
 
     closing = sweep.findings_text(trained_icl.EXPERIMENT, ds, "x").split("\n\n")[0].splitlines()[-1]
     assert text.startswith("- ") and "95 % intervals" in closing       # the engine's closing line
+    # the default preset has no models trained from scratch (recall_frontier's question): findings and figure
+    # without that substitution
+    post_hoc = ds.drop_sel(substitution="trained")
+    text = trained_icl.EXPERIMENT.findings(post_hoc)
+    assert "changes no score" in text and "trained from scratch (" not in text
+    trained_icl.EXPERIMENT.plot(post_hoc, tmp_path / "post_hoc.png")
+    assert (tmp_path / "post_hoc.png").stat().st_size > 10_000
+    assert "trained" not in trained_icl.GRIDS["default"]["substitution"]
 
 
 def test_trained_icl_cells_read_their_data_draw(tmp_path, monkeypatch):
