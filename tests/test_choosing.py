@@ -56,11 +56,11 @@ def test_page_is_reachable_from_the_index_and_getting_started():
     assert "{doc}`choosing`" in (DOCS / "guide" / "getting_started.md").read_text(encoding="utf-8")
 
 
-def _setting(choosing, best, other, baseline, *, lower_better=True):
+def _setting(choosing, best, other, baseline, *, lower_better=True, seeds=12):
     rng = np.random.default_rng(0)
 
     def draws(mean):
-        return xr.DataArray(mean + 0.01 * rng.standard_normal((6, 4)), dims=("seed", "episode"))
+        return xr.DataArray(mean + 0.01 * rng.standard_normal((seeds, 4)), dims=("seed", "episode"))
 
     return choosing.Setting("toy", [choosing.Candidate("`a`", 1 / 100, draws(best)),
                                     choosing.Candidate("`b`", 1 / 4, draws(other))],
@@ -77,6 +77,11 @@ def test_table_picks_the_best_within_each_budget_and_judges_it_against_the_basel
     assert "`a`" in lines[1]                                              # ≤ 1/8: b does not fit
     assert "`b`" in lines[2] and "**beats it**" in lines[2]             # ≤ 1×: b (0.2)
     assert nothing == ["toy, ≤ 1/64 KV", "toy, ≤ 1/8 KV"]
+    # fewer units than a verdict needs (kernapprox.stats.MIN_UNITS): neither beats nor loses, whatever the gap
+    few = choosing.Family("toy", "Toy", "error", "baseline", [_setting(choosing, 0.5, 0.2, 0.4, seeds=5)])
+    rows, nothing = choosing.table(few)
+    assert rows.count("not resolved (5 seeds)") == 3 and "beats" not in rows and "loses" not in rows
+    assert nothing == []
     higher = choosing.Family("toy", "Toy", "accuracy", "chance", [_setting(choosing, 0.9, 0.1, None,
                                                                           lower_better=False)])
     rows, nothing = choosing.table(higher)
