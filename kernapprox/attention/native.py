@@ -341,6 +341,7 @@ class CausalSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, pq, pk, lk, v, chunk_size):
+        """The compiled forward (``kernapprox::chunked_causal``), keeping what the backward reads."""
         pq, pk, lk = pq.contiguous(), pk.contiguous(), lk.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
         y, den, c, states, scores = _causal_forward(pq, pk, lk, v, chunk_size)
@@ -352,6 +353,7 @@ class CausalSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, _gden, _gc):
+        """The compiled backward (``kernapprox::chunked_causal_backward``): gradients of the features and values."""
         pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
         gy = torch.zeros_like(y) if gy is None else gy
         gpq, gpk, glk, gv = chunk_backward(pq, pk, lk, v, y, den, c, gy, ctx.chunk_size, states, scores)
@@ -374,6 +376,7 @@ class ExpFeatures(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, rows, weight, offset, scalars):
+        """The stabilised features and their log-scales (``kernapprox::exp_features``)."""
         rows = rows.contiguous()
         phi = torch.empty(rows.shape[0], weight.shape[0])
         ell = torch.empty(rows.shape[0])
@@ -384,6 +387,7 @@ class ExpFeatures(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gphi, gell):
+        """The gradient of the rows (``kernapprox::exp_features_backward``)."""
         rows, weight, phi = ctx.saved_tensors
         gx = torch.empty_like(rows)
         gphi = torch.zeros_like(phi) if gphi is None else gphi.contiguous()
@@ -428,6 +432,7 @@ class ExpCausalSum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, xq, xk, v, maps, chunk_size):
+        """Features and the compiled causal forward, keeping what the fused backward reads."""
         (wq, oq, mq), (wk, ok, mk) = maps
         xq, xk = xq.contiguous(), xk.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
@@ -448,6 +453,7 @@ class ExpCausalSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gy, _gden, _gc, _glq):
+        """The fused backward (``kernapprox::exp_causal_backward``): gradients of the query and key rows and values."""
         xq, xk, pq, pk, lk, v, y, den, c, states, scores = ctx.saved_tensors
         (wq, mq), (wk, mk) = ctx.maps
         gy = torch.zeros_like(y) if gy is None else gy.contiguous()
