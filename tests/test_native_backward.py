@@ -269,18 +269,6 @@ def test_the_nn_layer_trains_through_the_compiled_backward():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_the_features_self_check_catches_a_wrong_backward(monkeypatch):
-    real = native.ExpFeatures.backward
-
-    def wrong(ctx, gphi, gell):
-        gx, *rest = real(ctx, gphi, gell)
-        return (gx * (1 + 1e-3), *rest)
-
-    monkeypatch.setattr(native.ExpFeatures, "backward", staticmethod(wrong))
-    with pytest.raises(RuntimeError, match="compiled features' gradients"):
-        native._self_check_features()
-
-
 def test_a_map_whose_weights_need_gradients_keeps_its_features_in_torch():
     from kernapprox.estimators.base import ExponentialForm
 

@@ -548,14 +548,14 @@ void backward_sequences(const Backward& g, int b0, int b1) {
 }
 
 // ------------------------------------------------------------------------------------------ features and backward
-// 4. kernapprox::exp_features / exp_features_backward: the stabilised features of a map of the exponential form
-// (as in 2.: phi~ = exp(p - max p) + eps, l = max p + c - k alpha^2 |x|^2 / 2, p = alpha x W^T + o) for N rows, and
-// their backward with the row shift held constant (exact when eps = 0: phi~ e^l = exp(p + c - k alpha^2 |x|^2 / 2)
-// does not depend on it; the eager maps detach it then):
-//   dp = dphi~ (phi~ - eps),   dx = alpha dp W - k alpha^2 dl x.
-// Blocks of FEATURE_ROWS rows per task of torch's threads, each block's projections and exponentials in cache.
-// kernapprox::exp_causal_backward runs 3. with this backward fused into its chunk loop (feature_grad_rows on each
-// chunk's dphi~ while it is in cache): dx of the query and key rows, no (n, r) gradient stored.
+// 4. kernapprox::exp_features: the stabilised features of a map of the exponential form (as in 2.:
+// phi~ = exp(p - max p) + eps, l = max p + c - k alpha^2 |x|^2 / 2, p = alpha x W^T + o) for N rows, in blocks of
+// FEATURE_ROWS rows per task of torch's threads, each block's projections and exponentials in cache.
+// kernapprox::exp_causal_backward runs 3. with the features' backward fused into its chunk loop (feature_grad_rows
+// on each chunk's dphi~ while it is in cache), the row shift held constant (exact when eps = 0:
+// phi~ e^l = exp(p + c - k alpha^2 |x|^2 / 2) does not depend on it; the eager maps detach it then):
+//   dp = dphi~ (phi~ - eps),   dx = alpha dp W - k alpha^2 dl x,
+// so dx of the query and key rows comes out with no (n, r) gradient stored.
 constexpr int FEATURE_ROWS = 256;
 
 void features_rows(const ExpMap& m, int N, int d, int r, const float* x, float* phi, float* ell) {
@@ -565,18 +565,6 @@ void features_rows(const ExpMap& m, int N, int d, int r, const float* x, float* 
             const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
             stabilised_rows(m, len, d, r, x + (int64_t)t0 * d, d, nullptr, phi + (int64_t)t0 * r, shift.data(),
                             ell + t0);
-        }
-    });
-}
-
-void features_backward_rows(const ExpMap& m, int N, int d, int r, const float* x, const float* phi,
-                            const float* gphi, const float* gell, float* gx) {
-    at::parallel_for(0, (N + FEATURE_ROWS - 1) / FEATURE_ROWS, 1, [&](int64_t i0, int64_t i1) {
-        std::vector<float> gp((int64_t)FEATURE_ROWS * r);
-        for (int64_t i = i0; i < i1; ++i) {
-            const int t0 = (int)i * FEATURE_ROWS, len = std::min(FEATURE_ROWS, N - t0);
-            feature_grad_rows(m, len, d, r, x + (int64_t)t0 * d, phi + (int64_t)t0 * r, gphi + (int64_t)t0 * r,
-                              gell ? gell + t0 : nullptr, gp.data(), gx + (int64_t)t0 * d);
         }
     });
 }
@@ -625,32 +613,55 @@ void check_outputs(const at::Tensor& state, const at::Tensor& c, const at::Tenso
                 "den and logs must be (B, n) with one layout and unit stride");
 }
 
+// The dimensions (B, L, r, d_v) every causal chunk-loop operator checks the same way.
+struct Dims {
+    int64_t B, L, r, dv;
+};
+
+Dims chunk_dims(const at::Tensor& pq, const at::Tensor& pk, const at::Tensor& v, int64_t chunk_size) {
+    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
+    TORCH_CHECK(v.dim() == 3, "v must be (B, L, d_v)");
+    const Dims n{pq.size(0), pq.size(1), pq.size(2), v.size(2)};
+    TORCH_CHECK(n.B >= 1 && n.L >= 1 && n.r >= 1 && n.dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    TORCH_CHECK(v.size(0) == n.B && v.size(1) == n.L, "v must be (B, L, d_v)");
+    return n;
+}
+
+// The forward's saved per-chunk states (B, chunks, d_v+1, r) and intra-chunk scores (B, chunks, C, C).
+void check_saved(const at::Tensor& states, const at::Tensor& scores, const Dims& n, int64_t chunk_size) {
+    const int64_t chunks = (n.L + chunk_size - 1) / chunk_size;
+    TORCH_CHECK(states.dim() == 4 && states.size(0) == n.B && states.size(1) == chunks &&
+                states.size(2) == n.dv + 1 && states.size(3) == n.r, "states must be (B, chunks, d_v+1, r)");
+    TORCH_CHECK(scores.dim() == 4 && scores.size(0) == n.B && scores.size(1) == chunks &&
+                scores.size(2) == chunk_size && scores.size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    TORCH_CHECK(states.is_contiguous() && scores.is_contiguous(), "states and scores must be contiguous");
+}
+
+// Whether the optional pair is given (both or neither), checked when it is.
+bool saved_pair(const std::optional<at::Tensor>& states, const std::optional<at::Tensor>& scores, const Dims& n,
+                int64_t chunk_size) {
+    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
+    if (states.has_value()) check_saved(*states, *scores, n, chunk_size);
+    return states.has_value();
+}
+
 void chunked_causal(const at::Tensor& pq, const at::Tensor& lq, const at::Tensor& pk, const at::Tensor& lk,
                     const at::Tensor& v, const at::Tensor& state, const at::Tensor& c, const at::Tensor& out,
                     const at::Tensor& den, const at::Tensor& logs, int64_t chunk_size, double log_decay,
                     bool want_num, const std::optional<at::Tensor>& states, const std::optional<at::Tensor>& scores) {
-    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
-    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
-    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    const Dims n = chunk_dims(pq, pk, v, chunk_size);
+    const int64_t B = n.B, L = n.L, r = n.r, dv = n.dv;
     TORCH_CHECK(lq.dim() == 2 && lq.size(0) == B && lq.size(1) == L && lk.sizes() == lq.sizes(),
                 "lq and lk must be (B, L)");
-    TORCH_CHECK(v.size(0) == B && v.size(1) == L, "v must be (B, L, d_v)");
     check_outputs(state, c, out, den, logs, B, L, dv, r);
     const Problem g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, (float)log_decay, f32_dense(pq, "pq"),
                     f32_dense(lq, "lq"), f32_dense(pk, "pk"), f32_dense(lk, "lk"), f32_rows(v, "v"), v.stride(0),
                     v.stride(1), f32_out(state, "state"), f32_out(c, "c"), f32_out(out, "out"), f32_out(den, "den"),
                     f32_out(logs, "logs"), out.stride(0), out.stride(1), den.stride(0), want_num ? 1 : 0};
     Problem gs = g;
-    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
-    if (states.has_value()) {
-        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
-        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
-                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
-        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
-                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    if (saved_pair(states, scores, n, chunk_size)) {
         gs.states = f32_out(*states, "states");
         gs.scores = f32_out(*scores, "scores");
-        TORCH_CHECK(states->is_contiguous() && scores->is_contiguous(), "states and scores must be contiguous");
     }
     over_sequences((int)B, [&](int b0, int b1) { run_sequences(gs, b0, b1); });
 }
@@ -660,9 +671,8 @@ void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const a
                              const at::Tensor& gpq, const at::Tensor& gpk, const at::Tensor& glk,
                              const at::Tensor& gv, int64_t chunk_size, const std::optional<at::Tensor>& states,
                              const std::optional<at::Tensor>& scores) {
-    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
-    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1);
-    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && chunk_size >= 1, "empty problem or chunk size < 1");
+    const Dims n = chunk_dims(pq, pk, v, chunk_size);
+    const int64_t B = n.B, L = n.L, r = n.r, dv = n.dv;
     for (const at::Tensor* t : {&lk, &den, &c, &glk})
         TORCH_CHECK(t->dim() == 2 && t->size(0) == B && t->size(1) == L, "lk, den, c and glk must be (B, L)");
     for (const at::Tensor* t : {&v, &y, &gy, &gv})
@@ -675,13 +685,7 @@ void chunked_causal_backward(const at::Tensor& pq, const at::Tensor& pk, const a
                      const_cast<float*>(f32_dense(gpk, "gpk")), const_cast<float*>(f32_dense(glk, "glk")),
                      const_cast<float*>(f32_dense(gv, "gv")), nullptr, nullptr};
     Backward gs = g;
-    TORCH_CHECK(states.has_value() == scores.has_value(), "states and scores are saved together");
-    if (states.has_value()) {
-        const int64_t chunks = (L + chunk_size - 1) / chunk_size;
-        TORCH_CHECK(states->dim() == 4 && states->size(0) == B && states->size(1) == chunks &&
-                    states->size(2) == dv + 1 && states->size(3) == r, "states must be (B, chunks, d_v+1, r)");
-        TORCH_CHECK(scores->dim() == 4 && scores->size(0) == B && scores->size(1) == chunks &&
-                    scores->size(2) == chunk_size && scores->size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    if (saved_pair(states, scores, n, chunk_size)) {
         gs.states = f32_dense(*states, "states");
         gs.scores = f32_dense(*scores, "scores");
     }
@@ -706,9 +710,9 @@ void exp_causal_backward(const at::Tensor& xq, const at::Tensor& xk, const at::T
                          const at::Tensor& lk, const at::Tensor& v, const at::Tensor& y, const at::Tensor& den,
                          const at::Tensor& c, const at::Tensor& gy, const at::Tensor& states, const at::Tensor& scores,
                          const at::Tensor& gxq, const at::Tensor& gxk, const at::Tensor& gv, int64_t chunk_size) {
-    TORCH_CHECK(pq.dim() == 3 && pq.sizes() == pk.sizes(), "pq and pk must be (B, L, r) of one shape");
-    const int64_t B = pq.size(0), L = pq.size(1), r = pq.size(2), dv = v.size(-1), d = xq.size(-1);
-    TORCH_CHECK(B >= 1 && L >= 1 && r >= 1 && dv >= 1 && d >= 1 && chunk_size >= 1, "empty problem or chunk < 1");
+    const Dims n = chunk_dims(pq, pk, v, chunk_size);
+    const int64_t B = n.B, L = n.L, r = n.r, dv = n.dv, d = xq.size(-1);
+    TORCH_CHECK(d >= 1, "xq must be (B, L, d) with d >= 1");
     for (const at::Tensor* t : {&xq, &xk, &gxq, &gxk})
         TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == d,
                     "xq, xk, gxq and gxk must be (B, L, d)");
@@ -718,11 +722,7 @@ void exp_causal_backward(const at::Tensor& xq, const at::Tensor& xk, const at::T
         TORCH_CHECK(t->dim() == 3 && t->size(0) == B && t->size(1) == L && t->size(2) == dv,
                     "v, y, gy and gv must be (B, L, d_v)");
     TORCH_CHECK(wq.size(0) == r && wk.size(0) == r, "the maps' weights must be (r, d)");
-    const int64_t chunks = (L + chunk_size - 1) / chunk_size;
-    TORCH_CHECK(states.dim() == 4 && states.size(0) == B && states.size(1) == chunks && states.size(2) == dv + 1 &&
-                states.size(3) == r, "states must be (B, chunks, d_v+1, r)");
-    TORCH_CHECK(scores.dim() == 4 && scores.size(0) == B && scores.size(1) == chunks &&
-                scores.size(2) == chunk_size && scores.size(3) == chunk_size, "scores must be (B, chunks, C, C)");
+    check_saved(states, scores, n, chunk_size);
     const ExpMap mq = exp_map(wq, std::nullopt, mapq, d, "query map");
     const ExpMap mk = exp_map(wk, std::nullopt, mapk, d, "key map");
     Backward g{(int)B, (int)L, (int)r, (int)dv, (int)chunk_size, f32_dense(pq, "pq"), f32_dense(pk, "pk"),
@@ -748,22 +748,6 @@ void exp_features(const at::Tensor& x, const at::Tensor& w, const std::optional<
                 "phi must be (N, r) and ell (N,)");
     features_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), const_cast<float*>(f32_dense(phi, "phi")),
                   const_cast<float*>(f32_dense(ell, "ell")));
-}
-
-void exp_features_backward(const at::Tensor& x, const at::Tensor& w, at::ArrayRef<double> map, const at::Tensor& phi,
-                           const at::Tensor& gphi, const std::optional<at::Tensor>& gell, const at::Tensor& gx) {
-    TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be (N, d)");
-    const int64_t N = x.size(0), d = x.size(1), r = w.size(0);
-    const ExpMap m = exp_map(w, std::nullopt, map, d, "map");
-    TORCH_CHECK(phi.dim() == 2 && phi.size(0) == N && phi.size(1) == r && gphi.sizes() == phi.sizes() &&
-                gx.sizes() == x.sizes(), "phi and gphi must be (N, r), gx like x");
-    const float* gl = nullptr;
-    if (gell.has_value()) {
-        TORCH_CHECK(gell->dim() == 1 && gell->size(0) == N, "gell must be (N,)");
-        gl = f32_dense(*gell, "gell");
-    }
-    features_backward_rows(m, (int)N, (int)d, (int)r, f32_dense(x, "x"), f32_dense(phi, "phi"),
-                           f32_dense(gphi, "gphi"), gl, const_cast<float*>(f32_dense(gx, "gx")));
 }
 
 void exp_attention(const at::Tensor& xq, const at::Tensor& xk, const at::Tensor& wq,
@@ -830,8 +814,6 @@ TORCH_LIBRARY(kernapprox, m) {
     m.def("exp_causal_backward(Tensor xq, Tensor xk, Tensor wq, float[] mapq, Tensor wk, float[] mapk, Tensor pq, "
           "Tensor pk, Tensor lk, Tensor v, Tensor y, Tensor den, Tensor c, Tensor gy, Tensor states, Tensor scores, "
           "Tensor(a!) gxq, Tensor(b!) gxk, Tensor(c!) gv, int chunk_size) -> ()");
-    m.def("exp_features_backward(Tensor x, Tensor w, float[] map, Tensor phi, Tensor gphi, Tensor? gell, "
-          "Tensor(a!) gx) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
@@ -841,5 +823,4 @@ TORCH_LIBRARY_IMPL(kernapprox, CPU, m) {
     m.impl("chunked_causal_backward", &chunked_causal_backward);
     m.impl("exp_features", &exp_features);
     m.impl("exp_causal_backward", &exp_causal_backward);
-    m.impl("exp_features_backward", &exp_features_backward);
 }

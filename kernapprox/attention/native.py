@@ -23,12 +23,13 @@ tests/test_native_backward.py):
     the values: the sums of :mod:`.chunk_grad` (Katharopoulos et al. 2020, sec. 3.3.1) run chunk by chunk, a
     forward pass with the state ``S_J`` in cache for ``∂φ̃_q`` and a backward pass with the reverse state ``R_J``
     for ``∂φ̃_k``, ``∂v`` and ``∂ℓ_k``, from the forward's normalisers and row shifts.
-``torch.ops.kernapprox.exp_features``, ``exp_features_backward`` (:class:`ExpFeatures`)
+``torch.ops.kernapprox.exp_features`` (:class:`ExpCausalSum`'s forward)
     The stabilised features of a map of the exponential form, :data:`FEATURE_ROWS` rows at a time on torch's
-    threads, and their backward with the row shift held constant (exact for ``eps = 0``).
+    threads.
 ``torch.ops.kernapprox.exp_causal_backward`` (:class:`ExpCausalSum`, :func:`exp_causal`)
-    The two fused: the backward's chunk loop turns each chunk's feature gradients into gradients of the rows while
-    they are in cache (a training step of an exponential map stores no ``(n, r)`` gradient).
+    The causal backward with the features' backward fused: the chunk loop turns each chunk's feature gradients
+    into gradients of the rows while they are in cache, the row shift held constant (exact for ``eps = 0``), so a
+    training step of an exponential map stores no ``(n, r)`` gradient.
 
 The sequences (batch × heads) are spread over torch's threads (``at::parallel_for``), each running its products
 (``at::cpu::addmm_out`` on views of the kernel's buffers: torch's BLAS through its public API) on its own thread.
@@ -200,14 +201,21 @@ def status() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ dispatch
-def _common_check(device, dtype, needs_grad, rule_ok, batch, entries) -> tuple[bool, str]:
+def _common_check(device, dtype, needs_grad, rule_ok, batch, entries, refused: str | None = None
+                  ) -> tuple[bool, str]:
+    """Whether a native backend takes a call: the switch, then the caller's refusal (``refused``, the gradient
+    backends' reasons; the forward operators name theirs before the switch, as their status lines do), then what
+    every operator needs (no autograd through it unless it is a gradient backend, a CPU, float32, the sum or decay
+    rule, one sequence per thread, enough entries under ``auto``, the operators built and checked)."""
     switch = backends.get_mode("native")
     if switch == "off":
         return False, "KERNAPPROX_NATIVE=off"
+    if refused is not None:
+        return False, refused
     if needs_grad:
         return False, "gradients needed (the compiled operators have no backward; the eager code's autograd runs)"
-    if device.type != "cpu":
-        return False, f"on {device.type} (CPU operators)"
+    if device is None or device.type != "cpu":
+        return False, f"on {getattr(device, 'type', device)} (CPU operators)"
     if dtype != torch.float32:
         return False, f"dtype {dtype} (float32 operators)"
     if not rule_ok:
@@ -238,30 +246,14 @@ def _check_backward(*, causal, device=None, dtype=None, batch=0, entries=0, padd
     """Whether ``kernapprox::chunked_causal_backward`` computes a gradient call's backward (``native-backward`` of
     ``"linear_attention.gradient"``; the caller already restricted it to the sum rule's chunked mode without an
     initial or returned state, asking for the output only)."""
-    switch = backends.get_mode("native")
-    if switch == "off":
-        return False, "KERNAPPROX_NATIVE=off"
-    if not causal:
-        return False, "non-causal (the compiled backward runs the causal chunk loop)"
-    if padding:
-        return False, "padded keys (the compiled backward takes none)"
-    if device is None or device.type != "cpu":
-        return False, f"on {getattr(device, 'type', device)} (CPU operators)"
-    if dtype != torch.float32:
-        return False, f"dtype {dtype} (float32 operators)"
-    threads = _threads()
-    if batch < threads:
-        return False, f"{batch} sequences < {threads} torch threads (one sequence per thread)"
-    if switch != "on" and entries < MIN_ENTRIES:
-        return False, f"{entries} feature entries < MIN_ENTRIES = {MIN_ENTRIES} (KERNAPPROX_NATIVE=auto)"
-    if not available():
-        return False, f"not available: {_State.failed}"
-    return True, f"KERNAPPROX_NATIVE={switch}, eligible"
+    refused = ("non-causal (the compiled backward runs the causal chunk loop)" if not causal
+               else "padded keys (the compiled backward takes none)" if padding else None)
+    return _common_check(device, dtype, False, True, batch, entries, refused)
 
 
 def _check_backward_exp(*, form=None, **call):
     """``native-backward-exp``: :func:`_check_backward`, and a map whose features the operators compute and
-    differentiate themselves (:class:`ExpFeatures`): of the exponential form, ``eps = 0`` (the row shift then
+    differentiate themselves (:class:`ExpCausalSum`): of the exponential form, ``eps = 0`` (the row shift then
     carries no gradient), fixed weight and offset (no gradient asked for them)."""
     if form is None:
         return False, "the map has no exponential form (FeatureMap.exponential_form is None)"
@@ -288,7 +280,7 @@ backends.register(backends.Backend("native", "linear_attention.chunked", 20, _ch
 def _register_fakes() -> None:
     """Shape-only versions of the operators, for torch.compile (they write into their arguments only)."""
     for name in ("chunked_causal", "exp_attention", "exp_nonpos", "chunked_causal_backward", "exp_features",
-                 "exp_features_backward", "exp_causal_backward"):
+                 "exp_causal_backward"):
         torch.library.register_fake(f"kernapprox::{name}", lambda *args, **kwargs: None)
 
 
@@ -360,53 +352,6 @@ class CausalSum(torch.autograd.Function):
         return gpq, gpk, glk, gv, None
 
 
-class ExpFeatures(torch.autograd.Function):
-    r"""``(φ̃, ℓ) = ExpFeatures.apply(rows, weight, offset, scalars)``: the stabilised features of a map of the
-    exponential form (:class:`~kernapprox.estimators.base.ExponentialForm`; ``rows`` ``(N, d)`` float32 on a CPU,
-    ``scalars = [α, c, eps, k]``) by ``kernapprox::exp_features``,
-
-    .. math::
-        p = α\,x W^⊤ + o,\qquad φ̃ = e^{p − \max_j p_j} + \mathrm{eps},\qquad
-        ℓ = \max_j p_j + c − k α^2 \|x\|^2 / 2
-
-    (Choromanski et al. 2021, Lemma 1), and their backward by ``kernapprox::exp_features_backward`` with the row
-    shift held constant: ``∂p = ∂φ̃ ⊙ (φ̃ − eps)``, ``∂x = α ∂p W − k α^2 ∂ℓ\, x``, exact for ``eps = 0``, where
-    ``φ̃ e^ℓ`` does not depend on the shift (the eager maps detach it then). No gradient for ``weight`` or
-    ``offset`` (the caller declines maps that need one)."""
-
-    @staticmethod
-    def forward(ctx, rows, weight, offset, scalars):
-        """The stabilised features and their log-scales (``kernapprox::exp_features``)."""
-        rows = rows.contiguous()
-        phi = torch.empty(rows.shape[0], weight.shape[0])
-        ell = torch.empty(rows.shape[0])
-        torch.ops.kernapprox.exp_features(rows, weight, offset, scalars, phi, ell)
-        ctx.save_for_backward(rows, weight, phi)
-        ctx.scalars = scalars
-        return phi, ell
-
-    @staticmethod
-    def backward(ctx, gphi, gell):
-        """The gradient of the rows (``kernapprox::exp_features_backward``)."""
-        rows, weight, phi = ctx.saved_tensors
-        gx = torch.empty_like(rows)
-        gphi = torch.zeros_like(phi) if gphi is None else gphi.contiguous()
-        torch.ops.kernapprox.exp_features_backward(rows, weight, ctx.scalars, phi, gphi,
-                                                   None if gell is None else gell.contiguous(), gx)
-        return gx, None, None, None
-
-
-def exp_features(form):
-    """``(φ̃, ℓ)`` ``(..., n, r)``, ``(..., n)`` of an :class:`~kernapprox.estimators.base.ExponentialForm` by
-    :class:`ExpFeatures` (differentiable in ``form.rows``)."""
-    rows = form.rows
-    weight = form.weight.to(torch.float32).contiguous()
-    offset = None if form.offset is None else form.offset.to(torch.float32).contiguous()
-    scalars = [float(form.alpha), float(form.log_constant), float(form.eps), float(form.norm)]
-    phi, ell = ExpFeatures.apply(rows.reshape(-1, rows.shape[-1]), weight, offset, scalars)
-    return phi.reshape(*rows.shape[:-1], -1), ell.reshape(rows.shape[:-1])
-
-
 def _causal_forward(pq, pk, lk, v, chunk_size):
     """``kernapprox::chunked_causal`` from an empty state (``ℓ_q = 0``: the rows' log-scales are the shifts ``c``),
     keeping each chunk's state and weighted scores: ``(y, den, c, states, scores)``."""
@@ -423,11 +368,19 @@ def _causal_forward(pq, pk, lk, v, chunk_size):
 
 
 class ExpCausalSum(torch.autograd.Function):
-    """``(y, den, c, ℓ_q) = ExpCausalSum.apply(xq, xk, v, maps, chunk_size)``: :class:`ExpFeatures` of both maps
-    and :class:`CausalSum` in one function (``xq, xk`` ``(B, n, d)`` rows of the forms, ``v`` ``(B, n, d_v)``,
-    ``maps = ((W_q, o_q, scalars_q), (W_k, o_k, scalars_k))``), whose backward is one operator,
+    r"""``(y, den, c, ℓ_q) = ExpCausalSum.apply(xq, xk, v, maps, chunk_size)``: the stabilised features of both
+    maps (``kernapprox::exp_features``),
+
+    .. math::
+        p = α\,x W^⊤ + o,\qquad φ̃ = e^{p − \max_j p_j} + \mathrm{eps},\qquad
+        ℓ = \max_j p_j + c − k α^2 \|x\|^2 / 2
+
+    (Choromanski et al. 2021, Lemma 1), and :class:`CausalSum` in one function (``xq, xk`` ``(B, n, d)`` rows of
+    the forms, ``v`` ``(B, n, d_v)``, ``maps = ((W_q, o_q, scalars_q), (W_k, o_k, scalars_k))``, ``scalars =
+    [α, c, eps, k]``), whose backward is one operator,
     ``kernapprox::exp_causal_backward``: :func:`chunk_backward`'s chunk loop turning each chunk's ``∂φ̃`` into
-    ``∂x`` (:class:`ExpFeatures`'s backward) while it is in cache, so no ``(n, r)`` gradient is ever stored.
+    ``∂x`` while it is in cache (``∂p = ∂φ̃ ⊙ (φ̃ − eps)``, ``∂x = α ∂p W − k α^2 ∂ℓ\, x``, the row shift held
+    constant: exact for ``eps = 0``, where ``φ̃ e^ℓ`` does not depend on it), so no ``(n, r)`` gradient is stored.
     ``den``, ``c`` and ``ℓ_q`` are not differentiable (the output depends on neither shift)."""
 
     @staticmethod
@@ -563,7 +516,6 @@ def _self_checks() -> None:
     _self_check_exp(causal=False)
     _self_check_exp(causal=True)
     _self_check_backward()
-    _self_check_features()
     _self_check_fused()
 
 
@@ -706,32 +658,6 @@ def _self_check_backward() -> None:
         scale = float(want.abs().max())
         if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
             raise RuntimeError(f"self-check: the causal backward's {name} differ from the float64 reference by "
-                               f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
-
-
-def _self_check_features() -> None:
-    """The compiled features and their backward (:class:`ExpFeatures`) against float64 autograd through the form's
-    definition (shift detached), on rows of a map with an offset and the norm term, a partial block of rows."""
-    gen = torch.Generator().manual_seed(6)
-    n, d, r = FEATURE_ROWS + 9, 6, 10
-    x = torch.randn(n, d, generator=gen)
-    weight, offset = torch.randn(r, d, generator=gen), 0.3 * torch.randn(r, generator=gen)
-    scalars = [0.7, -1.5, 0.0, 1.0]
-    gphi, gell = torch.randn(n, r, generator=gen), torch.randn(n, generator=gen)
-    leaf = x.clone().requires_grad_()
-    phi, ell = ExpFeatures.apply(leaf, weight, offset, scalars)
-    torch.autograd.backward((phi, ell), (gphi, gell))
-    x64 = x.double().requires_grad_()
-    p = scalars[0] * x64 @ weight.double().T + offset.double()
-    shift = p.detach().amax(-1)
-    want_phi = torch.exp(p - shift[:, None])
-    want_ell = shift + scalars[1] - scalars[3] * 0.5 * scalars[0] ** 2 * (x64 ** 2).sum(-1)
-    torch.autograd.backward((want_phi, want_ell), (gphi.double(), gell.double()))
-    for name, got, want in (("features", phi.detach(), want_phi.detach()), ("log-scales", ell.detach(),
-                            want_ell.detach()), ("gradients", leaf.grad, x64.grad)):
-        scale = float(want.abs().max())
-        if not torch.allclose(got.double(), want, rtol=1e-4, atol=1e-5 * scale):
-            raise RuntimeError(f"self-check: the compiled features' {name} differ from the float64 reference by "
                                f"{float((got.double() - want).abs().max()):.3g} (largest {scale:.3g})")
 
 
