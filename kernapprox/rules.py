@@ -529,3 +529,12 @@ def unit_features(phi: torch.Tensor, role: str, estimator_name: str, padding: to
         out = out.masked_fill(padding[..., None], 0.0)
     return out
 
+
+def unit_directions(estimator, x: torch.Tensor, role: str, dtype: torch.dtype, padding: torch.Tensor | None = None):
+    """``φ̄(x) = φ̃(x)/‖φ̃(x)‖₂`` of ``estimator``'s map at the rows ``x`` in ``dtype``: :func:`unit_features` of
+    its stabilised features (the log-scale cancels in the direction, so it is not applied). What the delta and
+    least-squares rules write and read in every mode (:class:`Delta` says why unit 2-norm: with ``‖φ̄(k)‖ = 1``
+    each step is a contraction for ``β ∈ (0, 2]``, Schlag et al. 2021, sec. 4.2)."""
+    phi, _ = estimator.features(x, role, log_scale=True, check_finite=False)
+    return unit_features(phi.to(dtype), role, type(estimator).__name__, padding)
+

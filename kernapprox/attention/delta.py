@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rules import DeltaState, unit_features
+from ..rules import DeltaState, unit_directions
 from ..validation import compute_dtype
 from .blocks import chunked_block_length
 from .recurrent import delta_step
@@ -46,11 +46,6 @@ def _betas(rule, k: torch.Tensor, ct) -> torch.Tensor:
                          f"batch shape and length {tuple(shape)}") from None
 
 
-def _unit(estimator, x, role, ct, padding=None):
-    phi, _ = estimator.features(x, role, log_scale=True, check_finite=False)
-    return unit_features(phi.to(ct), role, type(estimator).__name__, padding)
-
-
 def attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allowed, state0, want_state):
     """Delta-rule attention ``(y, final state or None)`` (inputs checked by the caller)."""
     ct = compute_dtype(q.dtype)
@@ -62,7 +57,7 @@ def attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allow
     if mode == "chunked":
         y, w = _chunked(q, k, vc, estimator, beta, causal, chunk_size, padding, w0, ct)
         return y, DeltaState(w) if want_state else None
-    qu, ku = _unit(estimator, q, "query", ct), _unit(estimator, k, "key", ct, padding)
+    qu, ku = unit_directions(estimator, q, "query", ct), unit_directions(estimator, k, "key", ct, padding)
     if mode == "recurrent":
         w = torch.zeros(*ku.shape[:-2], ku.shape[-1], vc.shape[-1], dtype=ct, device=q.device) if w0 is None else w0
         outs = []
@@ -123,9 +118,9 @@ def _chunked(q, k, v, estimator, beta, causal, chunk_size, padding, w0, ct):
     eye = torch.eye(size, dtype=ct, device=q.device)
     for start in range(0, n_k, block):
         stop = min(start + block, n_k)
-        ku = _unit(estimator, kf[:, start:stop], "key", ct, None if padf is None else padf[:, start:stop])
+        ku = unit_directions(estimator, kf[:, start:stop], "key", ct, None if padf is None else padf[:, start:stop])
         vb, bb = vf[:, start:stop], bf[:, start:stop]
-        qu = _unit(estimator, qf[:, start:stop], "query", ct) if causal else None
+        qu = unit_directions(estimator, qf[:, start:stop], "query", ct) if causal else None
         length, pad = stop - start, -(stop - start) % size
         if pad:                                  # a last partial chunk: zero keys with β = 0 are identity steps
             ku, vb = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (ku, vb))
@@ -154,5 +149,5 @@ def _chunked(q, k, v, estimator, beta, causal, chunk_size, padding, w0, ct):
     if not causal:
         out = torch.empty(nb, n, d_v, dtype=ct, device=q.device)
         for start in range(0, n, block):
-            out[:, start:start + block] = _unit(estimator, qf[:, start:start + block], "query", ct) @ state
+            out[:, start:start + block] = unit_directions(estimator, qf[:, start:start + block], "query", ct) @ state
     return out.reshape(*batch_shape, n, d_v), state.reshape(*batch_shape, r, d_v)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rules import LeastSquaresState, unit_features
+from ..rules import LeastSquaresState, unit_directions
 from ..validation import compute_dtype
 from .blocks import chunked_block_length
 from .recurrent import least_squares_step
@@ -44,11 +44,6 @@ def _cholesky(matrix: torch.Tensor, what: str) -> torch.Tensor:
                          "larger ridge or float64") from None
 
 
-def _unit(estimator, x, role, ct, padding=None):
-    phi, _ = estimator.features(x, role, log_scale=True, check_finite=False)
-    return unit_features(phi.to(ct), role, type(estimator).__name__, padding)
-
-
 def attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allowed, state0, want_state):
     """Least-squares attention ``(y, final state or None)`` (inputs checked by the caller)."""
     ct = compute_dtype(q.dtype)
@@ -60,7 +55,7 @@ def attention(q, k, v, estimator, rule, causal, mode, chunk_size, padding, allow
 
     if mode == "chunked":
         return _chunked(q, k, vc, estimator, causal, chunk_size, padding, start(), ct)
-    qu, ku = _unit(estimator, q, "query", ct), _unit(estimator, k, "key", ct, padding)
+    qu, ku = unit_directions(estimator, q, "query", ct), unit_directions(estimator, k, "key", ct, padding)
     if mode == "recurrent":
         state, outs = start(), []
         for t in range(ku.shape[-2]):
@@ -132,8 +127,8 @@ def _chunked(q, k, v, estimator, causal, chunk_size, padding, state0, ct):
     eye = torch.eye(size, dtype=ct, device=q.device)
     for start in range(0, n_k, block):
         stop = min(start + block, n_k)
-        ku = _unit(estimator, kf[:, start:stop], "key", ct, None if padf is None else padf[:, start:stop])
-        qu = _unit(estimator, qf[:, start:stop], "query", ct) if causal else None
+        ku = unit_directions(estimator, kf[:, start:stop], "key", ct, None if padf is None else padf[:, start:stop])
+        qu = unit_directions(estimator, qf[:, start:stop], "query", ct) if causal else None
         for c0 in range(0, stop - start, size):
             c1 = min(c0 + size, stop - start)
             kc, vc = ku[:, c0:c1], vf[:, start + c0:start + c1]
@@ -150,6 +145,6 @@ def _chunked(q, k, v, estimator, causal, chunk_size, padding, state0, ct):
             p = 0.5 * (p + p.transpose(1, 2))                                 # symmetric under rounding
     if not causal:
         for start in range(0, n, block):
-            out[:, start:start + block] = _unit(estimator, qf[:, start:start + block], "query", ct) @ w
+            out[:, start:start + block] = unit_directions(estimator, qf[:, start:start + block], "query", ct) @ w
     final = LeastSquaresState(w.reshape(*batch_shape, r, d_v), p.reshape(*batch_shape, r, r))
     return out.reshape(*batch_shape, n, d_v), final
