@@ -296,6 +296,44 @@ def test_grouped_query_heads_keep_one_state_per_key_value_head(name):
     assert grouped.num_tokens == 0 and grouped.state_bytes() == 0
 
 
+@pytest.mark.parametrize("rule", ["sum", ka.rules.Decay(0.9)], ids=["sum", "decay"])
+@pytest.mark.parametrize("state_dtype", [None, torch.float64], ids=["own-dtype", "float64-state"])
+def test_grouped_decoding_steps_update_one_state_per_key_value_head(rule, state_dtype, monkeypatch):
+    """The one-token step of a grouped feature state (FeatureStateCache.grouped_step: the key/value head's state
+    updated once, read by its G query heads) gives the general path's outputs and states (the state broadcast to
+    the G heads, each updated, the first kept) to float rounding, and it is the path that runs."""
+    groups, kv_heads, prefill = 3, 2, 6
+    gen = torch.Generator().manual_seed(11)
+    q = 0.6 * torch.randn(2, kv_heads * groups, N, D, generator=gen)
+    k = 0.6 * torch.randn(2, kv_heads, N, D, generator=gen)
+    v = torch.randn(2, kv_heads, N, DV, generator=gen)
+    est = _fitted("positive", q.double(), k.double())
+    caches = {}
+    for path in ("grouped", "general"):
+        if path == "general":
+            monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a: None)
+        cache = GroupedQueryCache(decode_cache(est, rule=rule, state_dtype=state_dtype), groups)
+        outs = [cache.extend(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :])]
+        outs += [cache.extend(q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :]) for t in range(prefill, N)]
+        caches[path] = (torch.cat(outs, -2), cache.inner.state)
+    monkeypatch.undo()
+    (got, got_state), (want, want_state) = caches["grouped"], caches["general"]
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip(got_state, want_state):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    repeated = ka.linear_attention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), est,
+                                   causal=True, rule=rule)
+    torch.testing.assert_close(got, repeated, rtol=1e-4, atol=1e-5)
+    ran = []
+    cache = GroupedQueryCache(decode_cache(est, rule=rule, state_dtype=state_dtype), groups)
+    cache.extend(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :])
+    real = FeatureStateCache.grouped_step
+    monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a: ran.append(1) or real(self, *a))
+    cache.extend(q[..., prefill:prefill + 1, :], k[..., prefill:prefill + 1, :], v[..., prefill:prefill + 1, :])
+    assert ran == [1] and cache.num_tokens == prefill + 1
+
+
 def test_grouped_query_cache_refuses_mismatched_heads():
     q, k, v = _qkv(batch=(1, 2))
     grouped = GroupedQueryCache(decode_cache(_fitted("positive", q, k)), 2)

@@ -66,7 +66,7 @@ import math
 import torch
 
 from ..estimators.base import Estimator
-from ..rules import resolve_rule, to_internal, to_public
+from ..rules import NormalizedState, resolve_rule, to_internal, to_public
 from ..validation import check_float_dtype, check_qkv, compute_dtype
 from . import logdomain
 from .exact import softmax_attention
@@ -305,6 +305,44 @@ class FeatureStateCache(DecodeCache):
         self.state = to_public(new)
         return (num / den[..., None])[..., None, :].to(q.dtype)
 
+    def grouped_step(self, qg, k, v):
+        """One new token of every key/value head, read by its ``G`` query heads (the decoding step of
+        :class:`GroupedQueryCache`): ``qg`` ``(..., H_kv, G, 1, d)``, ``k`` ``(..., H_kv, 1, d)``, ``v``
+        ``(..., H_kv, 1, d_v)``; returns ``(..., H_kv, G, 1, d_v)``, or ``None`` where :meth:`_one_token` would
+        decline (the caller then runs the general path).
+
+        The same numbers as :meth:`extend` on the state broadcast to the ``G`` query heads (every member then holds
+        the same state, and the cache keeps the first): the key's features are those of the broadcast call's first
+        member, the state ``(W̃, z̃, c)`` is updated once (:func:`~kernapprox.attention.recurrent.normalized_step`)
+        and read by the ``G`` queries (:func:`~kernapprox.attention.recurrent.normalized_read` with the state
+        broadcast over ``G``: ``y_h = W̃ φ̃(q_h) / ⟨z̃, φ̃(q_h)⟩``, Katharopoulos et al. 2020, eq. 18–20). It does not
+        update ``G`` copies of the state and copy one back, which the general path does."""
+        if (self.state is None or not self.rule.normalized or self._batch != tuple(k.shape[:-2])
+                or v.shape[-1] != self._d_v or k.shape[-2] != 1):
+            return None
+        g = qg.shape[-3]
+        kg, vg = (t.unsqueeze(-3).expand(*t.shape[:-2], g, *t.shape[-2:]) for t in (k, v))
+        check_qkv(qg, kg, vg, True)
+        dtype = qg.dtype
+        if self.state_dtype is not None:
+            qg, kg, v = qg.to(self.state_dtype), kg.to(self.state_dtype), v.to(self.state_dtype)
+        state = to_internal(self.state)
+        ct = state.w.dtype
+        if compute_dtype(qg.dtype) != ct or qg.device != state.w.device:
+            return None
+        with _no_autocast(qg):
+            pk, lk = self.estimator.features(kg, "key", log_scale=True, check_finite=False)
+            pq, _ = self.estimator.features(qg, "query", log_scale=True, check_finite=False)
+            new = normalized_step(state, pk[..., 0, 0, :].to(ct), lk[..., 0, 0].to(ct), v[..., 0, :].to(ct),
+                                  self.rule.log_decay)
+            shared = NormalizedState(new.w.unsqueeze(-3), new.z.unsqueeze(-2), new.log_scale.unsqueeze(-1))
+            num, den = normalized_read(shared, pq[..., 0, :].to(ct))
+            if logdomain.needs_recompute(self.estimator, den, new.log_scale):
+                return None
+        self.state = to_public(new)
+        self.num_tokens += 1
+        return (num / den[..., None])[..., None, :].to(dtype)
+
     def reset(self) -> None:
         super().reset()
         self.state = None
@@ -517,6 +555,11 @@ class GroupedQueryCache:
                              f"groups={g} needs H_kv·{g} query heads for H_kv key/value heads")
         batch = tuple(k.shape[:-2])
         qg = q.reshape(*batch, g, *q.shape[-2:])
+        if (k.shape[-2] == 1 and key_padding_mask is None and query_padding_mask is None
+                and isinstance(self.inner, FeatureStateCache)):
+            out = self.inner.grouped_step(qg, k, v)            # a decoding step: the state updated once, read G times
+            if out is not None:
+                return out.reshape(*q.shape[:-1], out.shape[-1])
         kg, vg = (t.unsqueeze(-3).expand(*batch, g, *t.shape[-2:]) for t in (k, v))
         masks = {name: None if m is None else m.unsqueeze(-2)
                  for name, m in (("key_padding_mask", key_padding_mask), ("query_padding_mask", query_padding_mask))}

@@ -426,13 +426,22 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     kv_key, kv_value = key, value                      # one per key/value head: what a grouped decoding state reads
     if layer is not None and layer.kv is not None:
         own_key, own_value = layer.full                # the kept heads attend over the whole context
-    if groups > 1:                                    # grouped-query heads: each query head reads its group's keys
-        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    call = AttentionCall(query, key, value, padding, causal, float(scaling))
-    if isinstance(attention, _Capture):
-        raise _Captured(call)
-    if len(attention.heads) != heads:
+    if isinstance(attention, _Capture) or len(attention.heads) != heads:
+        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
+        if isinstance(attention, _Capture):
+            raise _Captured(call)
         raise ValueError(f"the substitution has {len(attention.heads)} heads, the module {heads}")
+    groups_of: dict[int, list[int]] = {}
+    for h, entry in enumerate(attention.heads):
+        if entry is not None:
+            groups_of.setdefault(id(entry), []).append(h)
+    grouped = {id(attention.heads[index[0]]): _whole_groups(index, groups) for index in groups_of.values()}
+    if layer is not None and attention.observer is None and all(grouped.values()):
+        # a decoder whose every estimator reads one state per key/value head: the repeated keys are never read
+        call = AttentionCall(query, key, value, padding, causal, float(scaling))
+    else:                                             # grouped-query heads: each query head reads its group's keys
+        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
+    key, value = call.key, call.value
     query_padding = _keyless_queries(padding) if causal else None
 
     kept = [h for h, entry in enumerate(attention.heads) if entry is None]
@@ -442,27 +451,24 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         out = own.transpose(1, 2).clone()
     else:
         out = query.new_empty(*query.shape[:-1], value.shape[-1])
-    groups_of: dict[int, list[int]] = {}
-    for h, entry in enumerate(attention.heads):
-        if entry is not None:
-            groups_of.setdefault(id(entry), []).append(h)
     for index in groups_of.values():
         entry = attention.heads[index[0]]
-        select = torch.tensor(index, device=query.device)
-        q_sel, k_sel, v_sel = call.query[:, select], call.key[:, select], call.value[:, select]
         if layer is not None:
             if isinstance(entry, PerSequence):
                 raise ValueError("a head fitted on each sequence (PerSequence) has no decoding state")
             _check_scale(entry, call.scaling)
-            kv_heads = _whole_groups(index, groups)
+            kv_heads = grouped[id(entry)]
             extra = mask_kwargs(padding, query_padding_mask=query_padding)
             decoder = layer.decoder(tuple(index), entry, attention.mode, groups=groups if kv_heads else 1)
             if kv_heads:             # one state per key/value head, read by its query heads
-                kv_sel = torch.tensor(kv_heads, device=query.device)
-                out[:, index] = decoder.extend(q_sel, kv_key[:, kv_sel], kv_value[:, kv_sel], **extra)
+                out[:, _heads(index)] = decoder.extend(call.query[:, _heads(index)], kv_key[:, _heads(kv_heads)],
+                                                       kv_value[:, _heads(kv_heads)], **extra)
             else:
-                out[:, index] = decoder.extend(q_sel, k_sel, v_sel, **extra)
+                out[:, _heads(index)] = decoder.extend(*(t[:, _heads(index)] for t in (call.query, key, value)),
+                                                       **extra)
             continue
+        select = _heads(index)
+        q_sel, k_sel, v_sel = call.query[:, select], key[:, select], value[:, select]
         if isinstance(entry, PerSequence) or (padding is not None and not entry.capabilities().key_padding):
             out[:, index] = _per_sequence(call, index, entry, attention.mode)
             continue
@@ -474,6 +480,20 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _repeated(key: torch.Tensor, value: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped key/value heads ``(B, H_kv, n, d)`` repeated to the query heads (``repeat_kv``'s order)."""
+    if groups == 1:
+        return key, value
+    return key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+
+
+def _heads(index: list[int]) -> slice | list[int]:
+    """The heads ``index`` as a slice where they are consecutive (a view, not a gather), else the list."""
+    if index == list(range(index[0], index[-1] + 1)):
+        return slice(index[0], index[-1] + 1)
+    return index
 
 
 def _whole_groups(index: list[int], groups: int) -> list[int] | None:
