@@ -411,3 +411,62 @@ def test_the_layers_left_padded_rows_are_each_prompt_alone(mode):
         for b in range(3):
             alone = att(x[b:b + 1, 2 * b:])
             assert float((batch[b, 2 * b:] - alone[0]).abs().max()) < 1e-12
+
+
+# ------------------------------------------------------------------------------------------------ one-pass fitting
+def _fit_layer_by_layer(model, name, **kw):
+    """The oracle of the one-pass fit: each layer's maps fitted on :func:`capture` of a pass up to that layer, with
+    the layers below already fitted (a pass per layer, as conversion did before it fitted in one pass)."""
+    from kernapprox.surgery import attention as sa
+    from kernapprox.surgery import conversion
+
+    calls = []
+    real_pass = sa.fit_in_one_pass
+
+    def layer_by_layer(modules, fit, run):
+        for position, module in enumerate(modules):
+            call = sa.capture(module, run)
+            calls.append(call)
+            sa.set_attention(module, fit(position, call))
+
+    conversion.sa.fit_in_one_pass = layer_by_layer
+    try:
+        return ka.convert(model, name, **kw), calls
+    finally:
+        conversion.sa.fit_in_one_pass = real_pass
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("hedgehog_trainable", {"fit_steps": 6, "fit_lr": 0.05}),
+    ("nystrom_uniform", {"num_features": 8, "share_heads": "group"}),
+    ("nystrom_kmeans", {"num_features": 8}),
+])
+def test_one_forward_pass_fits_every_layer_as_a_pass_per_layer_does(name, kw):
+    """convert fits each layer's maps when one calibration pass reaches it (surgery.attention.fit_in_one_pass):
+    bit for bit the maps of a pass per layer (capture of each layer with the layers below fitted), for a trainable
+    map's attention transfer and for data-dependent estimators; the converted models' logits are equal."""
+    model = llama(init=0.2)
+    one = ka.convert(model, name, calibration=CALIBRATION, rng=3, **kw)
+    oracle, calls = _fit_layer_by_layer(model, name, calibration=CALIBRATION, rng=3, **kw)
+    assert len(calls) == model.config.num_hidden_layers
+    x = ids()
+    with torch.no_grad():
+        torch.testing.assert_close(one(input_ids=x).logits, oracle(input_ids=x).logits, rtol=0, atol=0)
+    if name == "hedgehog_trainable":
+        a, b = map_parameters(one), map_parameters(oracle)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert {k: (r.initial_loss, r.final_loss) for k, r in fit_records(one).items()} == \
+            {k: (r.initial_loss, r.final_loss) for k, r in fit_records(oracle).items()}
+
+
+def test_a_pass_that_misses_a_layer_names_it_and_restores_the_others():
+    from kernapprox.surgery import attention as sa
+
+    model = ka.convert(llama(), "positive", num_features=8, rng=0)
+    modules = [layer.self_attn for layer in model.model.layers]
+    before = [get_attention(m) for m in modules]
+    with pytest.raises(ValueError, match=r"did not reach the attention of modules \[1\]"):
+        sa.fit_in_one_pass(modules, lambda i, call: before[i], lambda: model.model.layers[0](
+            torch.zeros(1, 3, 32), position_embeddings=model.model.rotary_emb(torch.zeros(1, 3, 32),
+                                                                              torch.arange(3)[None])))
+    assert [get_attention(m) for m in modules] == before

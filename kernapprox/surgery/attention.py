@@ -209,7 +209,12 @@ class _Captured(Exception):
 
 
 class _Capture:
-    pass
+    """What :func:`capture` and :func:`fit_in_one_pass` put in a module's place: with no ``on_call`` the attention
+    function stops the forward pass at the module (:class:`_Captured`); with one, it hands the call to
+    ``on_call``, which returns the module's substitution, and the pass goes on through it."""
+
+    def __init__(self, on_call: Callable[[AttentionCall], object] | None = None):
+        self.on_call = on_call
 
 
 def implementation_name(base: str) -> str:
@@ -303,6 +308,47 @@ def capture(module: torch.nn.Module, run: Callable[[], object]) -> AttentionCall
             module.__dict__[_ATTRIBUTE] = previous
     raise ValueError("run() did not reach the module's attention (is the model enabled, and the module one of its "
                      "attention modules?)")
+
+
+def fit_in_one_pass(modules: Sequence[torch.nn.Module], fit: Callable[[int, AttentionCall], object],
+                    run: Callable[[], object]) -> None:
+    """Fit the substitution of each module of ``modules`` (in the order the model calls them) in one forward pass
+    ``run()``: when the pass reaches module ``i``, ``fit(i, call)`` receives the call's inputs as the model computes
+    them with the modules before it already substituted, returns the module's substitution, and the pass goes on
+    through it; it stops after the last. The same fits as :func:`capture` of each module in turn (one pass up to
+    each module, ``O(L²)`` layers for ``L`` modules), in one pass of ``O(L)`` layers. Raises ``ValueError`` naming
+    the modules the pass did not reach (their previous substitutions restored)."""
+    modules = list(modules)
+    done: set[int] = set()
+    previous = [module.__dict__.get(_ATTRIBUTE) for module in modules]
+
+    def on_call(index: int):
+        def handler(call: AttentionCall):
+            attention = fit(index, call)
+            done.add(index)
+            if len(done) == len(modules):
+                set_attention(modules[index], attention)
+                raise _Captured(call)                   # every module fitted: nothing after it is needed
+            return attention
+        return handler
+
+    for index, module in enumerate(modules):
+        module.__dict__[_ATTRIBUTE] = _Capture(on_call(index))
+    try:
+        run()
+    except _Captured:
+        pass
+    finally:
+        for index, module in enumerate(modules):
+            if index not in done:
+                if previous[index] is None:
+                    module.__dict__.pop(_ATTRIBUTE, None)
+                else:
+                    module.__dict__[_ATTRIBUTE] = previous[index]
+    missing = [index for index in range(len(modules)) if index not in done]
+    if missing:
+        raise ValueError(f"run() did not reach the attention of modules {missing} (is the model enabled, and each "
+                         "module one of its attention modules?)")
 
 
 def _base_function(module, base: str):
@@ -420,16 +466,19 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if heads % key.shape[1]:
         raise ValueError(f"{heads} query heads do not share {key.shape[1]} key/value heads evenly")
     groups = heads // key.shape[1]
+    if isinstance(attention, _Capture):
+        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
+        if attention.on_call is None:
+            raise _Captured(call)
+        attention = attention.on_call(call)             # the layer's maps fitted on this call, then used in it
+        set_attention(module, attention)
     if isinstance(attention, TrainableAttention):      # the whole layer, grouped heads as the model groups them
         return _trainable_forward(attention, layer, query, key, value, padding, causal), None
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)
     kv_key, kv_value = key, value                      # one per key/value head: what a grouped decoding state reads
     if layer is not None and layer.kv is not None:
         own_key, own_value = layer.full                # the kept heads attend over the whole context
-    if isinstance(attention, _Capture) or len(attention.heads) != heads:
-        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
-        if isinstance(attention, _Capture):
-            raise _Captured(call)
+    if len(attention.heads) != heads:
         raise ValueError(f"the substitution has {len(attention.heads)} heads, the module {heads}")
     groups_of: dict[int, list[int]] = {}
     for h, entry in enumerate(attention.heads):

@@ -109,10 +109,11 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
     if stack.decodes:
         inputs.setdefault("use_cache", False)            # a calibration pass keeps no decoder cache
     fitted = {}
-    for layer in sorted(estimators):
+    order = sorted(estimators)
+
+    def fit(position: int, call) -> sa.SubstitutedAttention:
+        layer = order[position]
         heads = list(estimators[layer])
-        module = stack.attention_module(layer)
-        call = sa.capture(module, lambda: model(**inputs))
         real = (torch.ones(call.query.shape[0], call.query.shape[-2], dtype=torch.bool, device=call.query.device)
                 if call.key_padding_mask is None else ~call.key_padding_mask[:, 0])
         out = list(heads)
@@ -129,8 +130,11 @@ def calibrate(model, estimators: Mapping[int, Sequence], calibration: Mapping) -
             fitted_est = heads[index[0]].fit(queries, keys)
             for head in index:
                 out[head] = fitted_est
-        sa.set_attention(module, sa.SubstitutedAttention(out))
         fitted[layer] = out
+        return sa.SubstitutedAttention(out)
+
+    # one forward pass: each layer fitted when the pass reaches it, on what the layers below (fitted) produce
+    sa.fit_in_one_pass([stack.attention_module(layer) for layer in order], fit, lambda: model(**inputs))
     return fitted
 
 
@@ -330,11 +334,10 @@ def _transfer(model, stack, chosen, calibration, *, loss, steps, lr, batch_size,
     inputs = dict(calibration)
     if stack.decodes:
         inputs.setdefault("use_cache", False)
-    for layer in chosen:
-        module = stack.attention_module(layer)
-        attention = sa.get_attention(module)
-        with torch.no_grad():
-            call = sa.capture(module, lambda: model(**inputs))
+    attentions = [sa.get_attention(stack.attention_module(layer)) for layer in chosen]
+
+    def fit(position: int, call):
+        attention = attentions[position]
         if call.key_padding_mask is not None and bool(call.key_padding_mask.any()):
             raise ValueError("the attention transfer of a trainable map takes an unpadded calibration batch (every "
                              "sequence of the same length, no padding in attention_mask)")
@@ -342,6 +345,14 @@ def _transfer(model, stack, chosen, calibration, *, loss, steps, lr, batch_size,
         groups = call.query.shape[1] // fmap.num_heads
         # the call's keys and values are repeated to the query heads; the map's heads are one per group
         key, value = call.key[:, ::groups], call.value[:, ::groups]
-        attention.fit_record = fit_to_softmax(fmap, call.query, key, value, key_map=attention.key_map, loss=loss,
-                                              steps=steps, lr=lr, batch_size=batch_size,
-                                              rng=head_seed(rng, layer, 0), causal=call.causal, scale=call.scaling)
+        with torch.enable_grad():
+            attention.fit_record = fit_to_softmax(fmap, call.query, key, value, key_map=attention.key_map,
+                                                  loss=loss, steps=steps, lr=lr, batch_size=batch_size,
+                                                  rng=head_seed(rng, chosen[position], 0), causal=call.causal,
+                                                  scale=call.scaling)
+        return attention
+
+    # one forward pass (no gradient through the model): each layer's map fitted when the pass reaches it, on the
+    # queries, keys and values the layers below (their maps fitted) produce
+    with torch.no_grad():
+        sa.fit_in_one_pass([stack.attention_module(layer) for layer in chosen], fit, lambda: model(**inputs))
