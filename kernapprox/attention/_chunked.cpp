@@ -45,7 +45,7 @@ namespace {
 
 // Row-major C (M x N) = alpha op(A) op(B) + beta C (C is not read when beta = 0), by ATen's CPU matrix product
 // on views of the buffers: torch's BLAS through its public API. Called inside at::parallel_for, where torch's BLAS
-// runs on the calling thread only (tests/test_native.py measures it).
+// runs on the calling thread only (tests/attention/test_native.py measures it).
 inline void gemm(bool ta, bool tb, int M, int N, int K, float alpha, const float* A, int lda, const float* B,
                  int ldb, float beta, float* C, int ldc) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
