@@ -68,6 +68,33 @@ def test_kernel_attention_in_model_modes_agree(estimator, extra):
     torch.testing.assert_close(outs["recurrent"], outs["parallel"], rtol=1e-10, atol=1e-10)
 
 
+def test_a_trainable_map_is_an_attention_spec_and_trains_with_the_model():
+    """AttentionSpec("hedgehog_trainable"): the layer's map is a submodule whose parameters the model's optimiser
+    trains (their gradients are non-zero); an unknown name still raises, naming the trainable maps too."""
+    config = dataclasses.replace(TINY_MODEL, attention=AttentionSpec("hedgehog_trainable", num_features=8))
+    model = CausalTransformer(config, vocab_size=16, output_dim=16, rng=2)
+    maps = [name for name, _ in model.named_parameters() if "feature_map" in name]
+    assert maps
+    x = torch.randint(0, 16, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(x).square().mean().backward()
+    grads = dict(model.named_parameters())
+    assert all(float(grads[name].grad.abs().max()) > 0 for name in maps)
+    with pytest.raises(ValueError, match="hedgehog_trainable"):
+        CausalTransformer(dataclasses.replace(TINY_MODEL, attention=AttentionSpec("no_such_map")), vocab_size=16,
+                          output_dim=16, rng=2)
+
+
+def test_a_projected_fixed_map_runs_the_chunked_mode_on_one_sequence_without_gradients():
+    """elu1 behind a q/k projection, causal chunked, one sequence under no_grad (the workspace path, whose
+    features come as a strided view of heads) equals the same call with gradients."""
+    config = dataclasses.replace(TINY_MODEL, max_len=64, attention=AttentionSpec("elu1", qk_dim=8), chunk_size=16)
+    model = CausalTransformer(config, vocab_size=16, output_dim=16, rng=4)
+    x = torch.randint(0, 16, (1, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        fast = model(x)
+    torch.testing.assert_close(fast, model(x).detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_exact_substitution_equals_the_reference_bitwise():
     model = build_model(TINY_MODEL, TINY_MQAR, 0)
     b = TINY_MQAR.sample(np.random.default_rng(4), 6)

@@ -404,13 +404,14 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
             summary = (vb * key_w).transpose(-1, -2) @ pk                    # (B, g, d_v+1, r)
         else:
             weights = torch.clamp_max(exponent, 0.0, out=ws.get("weights", exponent.shape)).exp_()
-            scores = torch.bmm(pq.view(bg, size, r), pk.view(bg, size, r).transpose(-1, -2),
+            # reshape, not view: the features of a map behind a projection may come as a strided view of heads
+            scores = torch.bmm(pq.reshape(bg, size, r), pk.reshape(bg, size, r).transpose(-1, -2),
                                out=ws.get("scores", (bg, size, size))).view(weights.shape)
             scores.mul_(weights).masked_fill_(future, 0.0)
-            out = torch.bmm(scores.view(bg, size, size), vb.view(bg, size, dv1),
+            out = torch.bmm(scores.view(bg, size, size), vb.reshape(bg, size, dv1),
                             out=ws.get("out", (bg, size, dv1))).view(batch, g, size, dv1)
             weighted = torch.mul(vb, key_w, out=ws.get("weighted", vb.shape))
-            summary = torch.bmm(weighted.view(bg, size, dv1).transpose(-1, -2), pk.view(bg, size, r),
+            summary = torch.bmm(weighted.view(bg, size, dv1).transpose(-1, -2), pk.reshape(bg, size, r),
                                 out=ws.get("summary", (bg, dv1, r))).view(batch, g, dv1, r)
         if g > 1 or state is not None:
             one = (batch, dv1, r)                     # the carried state: two buffers, alternately written
@@ -421,7 +422,7 @@ def _chunked_causal(qf, values, features, key_features, chunk_size, block, a, si
             if ws is None:
                 out = torch.addcmul(out, pq @ states.transpose(-1, -2), factor)
             else:
-                read = torch.bmm(pq.view(bg, size, r), states.view(bg, dv1, r).transpose(-1, -2),
+                read = torch.bmm(pq.reshape(bg, size, r), states.view(bg, dv1, r).transpose(-1, -2),
                                  out=ws.get("read", (bg, size, dv1))).view(out.shape)
                 out.addcmul_(read, factor)
         else:

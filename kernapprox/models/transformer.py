@@ -40,6 +40,7 @@ from torch import nn
 
 from ..estimators.registry import available_estimators
 from ..nn import KernelAttention
+from ..trainable import MAPS as TRAINABLE_MAPS
 from ..validation import as_generator, check_bool, check_positive_float, check_positive_int
 
 __all__ = ["AttentionSpec", "ModelConfig", "CausalTransformer", "register_attention", "attention_kinds",
@@ -202,8 +203,11 @@ def attention_kinds() -> list[str]:
 
 
 def _kernel_attention(spec: AttentionSpec, *, d_model: int, num_heads: int, chunk_size: int, rng) -> nn.Module:
-    if spec.estimator not in available_estimators():
-        raise ValueError(f"unknown estimator {spec.estimator!r}; available: {', '.join(available_estimators())}")
+    """:class:`KernelAttention` of a registry estimator or of a trainable map (:data:`kernapprox.trainable.MAPS`:
+    its parameters are the layer's, trained with the model)."""
+    known = [*available_estimators(), *TRAINABLE_MAPS]
+    if spec.estimator not in known:
+        raise ValueError(f"unknown estimator {spec.estimator!r}; available: {', '.join(known)}")
     return KernelAttention(d_model, num_heads, spec.estimator, num_features=spec.num_features, mode=spec.mode,
                            causal=True, rng=rng, chunk_size=chunk_size, qk_dim=spec.qk_dim, rule=spec.rule,
                            **dict(spec.options))
