@@ -8,6 +8,10 @@ A dataset is read only when its values are those of the committed findings (``fi
 names the data's digest): the page then describes the same data as the figures. A dataset that is absent, or
 whose digest differs from its findings', is named with the reason instead of being tabulated.
 
+One section is not a family of this kind: training from scratch against wall-clock seconds
+(``benchmarks/training_curve.py``, :func:`training_curve_section`), a benchmark of the machine it ran on, read from
+``results/training_curve.nc`` under the same digest rule, and "not measured on this machine" without it.
+
 Statistics: one value per unit of replication (the feature draw or landmark fit and its data, i.e. the seed; the
 text window for the language model, whose maps are drawn once), the mean over units with a 95 % cluster bootstrap
 interval (:func:`kernapprox.stats.cluster_interval`: units resampled with their episodes). "Beats the baseline"
@@ -420,9 +424,13 @@ def _status(name: str, root: Path) -> tuple[xr.Dataset | None, str, str]:
     return ds, digest, ""
 
 
+TRAINING_CURVE = "training_curve"     # benchmarks/training_curve.py: read by its own section, not a Family
+
+
 def sources(root: Path = ROOT) -> list[str]:
-    """The studies the page reads."""
-    return list(FAMILIES)
+    """The datasets the page reads: the studies', then the training-curve benchmark's (so that the page is
+    regenerated, and checked, only where every one of them is present: without it the section would differ)."""
+    return [*FAMILIES, TRAINING_CURVE]
 
 
 def generated_block(root: Path = ROOT) -> str:
@@ -455,11 +463,51 @@ def generated_block(root: Path = ROOT) -> str:
         else:
             parts += [f"In every setting and budget some fixed-state estimator beats the {family.baseline_name}.", ""]
             summary.append(f"{family.heading}: 0 of {total}")
+    section, read = training_curve_section(root)
+    parts += section
+    used += read
     parts += ["## Other studies", ""]
     parts += [f"- `{name}` is not tabulated: it {why}" for name, why in NOT_TABULATED.items()]
     parts += ["", "## In short", "", "Settings × budgets where nothing within the budget beats the trivial baseline, "
               "per family: " + "; ".join(summary) + ".", "", "Datasets read: " + ", ".join(used) + ".", "", END]
     return "\n".join(parts)
+
+
+def training_curve_section(root: Path = ROOT) -> tuple[list[str], list[str]]:
+    """``(lines, datasets read)`` of the section on training from scratch against wall-clock seconds
+    (``benchmarks/training_curve.py``, a benchmark of this machine, not a study of ``make figures``): per sequence
+    length, softmax attention's steps, training seconds and final held-out loss, and the map with the lowest
+    median loss at softmax's seconds. Without ``results/training_curve.nc`` (or when it is not the data of
+    ``figures/training_curve.md``) the section says it was not measured on this machine."""
+    lines = [f"## Training from scratch against wall-clock (`{TRAINING_CURVE}`)", ""]
+    if not (root / "results" / f"{TRAINING_CURVE}.nc").exists():
+        return lines + [f"Not tabulated: not measured on this machine (`results/{TRAINING_CURVE}.nc` is absent; "
+                        "`make training-curve` measures it: it times the machine, so `make figures` does not run "
+                        "it).", ""], []
+    ds, digest, reason = _status(TRAINING_CURVE, root)
+    if ds is None:
+        return lines + [f"Not tabulated: not measured on this machine ({reason}).", ""], []
+    from benchmarks.training_curve import summary
+
+    rows = ["| n | softmax: steps, seconds, final loss | lowest loss at softmax's seconds | unigram |",
+            "|---|---|---|---|"]
+    for n, row in summary(ds).items():
+        soft = row["models"]["softmax"]
+        maps = {label: np.nanmedian(m["at_softmax_time"]) if np.isfinite(m["at_softmax_time"]).any() else np.inf
+                for label, m in row["models"].items() if label != "softmax"}
+        best = min(maps, key=maps.get) if maps else None
+        best_text = "—" if best is None or not np.isfinite(maps[best]) else (
+            f"{best}: {_fmt(maps[best])} (seeds {_fmt(np.nanmin(row['models'][best]['at_softmax_time']))}–"
+            f"{_fmt(np.nanmax(row['models'][best]['at_softmax_time']))})")
+        rows.append(f"| {n} | {_fmt(np.median(soft['steps']))}, {_fmt(np.median(row['softmax_seconds']))} s, "
+                    f"{_fmt(np.median(row['softmax_loss']))} | {best_text} | {_fmt(np.median(row['unigram']))} |")
+    text = (f"From `results/training_curve.nc` ({{doc}}`training_curve`): held-out next-byte loss (nats) of the same "
+            "small Transformer trained from scratch with each attention for a budget of "
+            f"{_fmt(ds.attrs['budget_s'])} s of training (forward, backward, optimiser), medians over the seeds "
+            f"({ds.sizes['seed']}); measured on one machine under its load at the time "
+            f"(load average {ds.attrs['load_average_1min_at_start']:.1f} on {ds.attrs['cpu_count']} CPUs): the "
+            "times are that machine's, and the ranking can change with the machine and the budget.")
+    return lines + [text, "", *rows, ""], [f"`results/training_curve.nc` (digest {digest})"]
 
 
 def update_page(path: Path, *, check: bool = False, root: Path = ROOT) -> bool:
