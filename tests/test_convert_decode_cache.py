@@ -311,7 +311,7 @@ def test_grouped_decoding_steps_update_one_state_per_key_value_head(rule, state_
     caches = {}
     for path in ("grouped", "general"):
         if path == "general":
-            monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a: None)
+            monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a, **kw: None)
         cache = GroupedQueryCache(decode_cache(est, rule=rule, state_dtype=state_dtype), groups)
         outs = [cache.extend(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :])]
         outs += [cache.extend(q[..., t:t + 1, :], k[..., t:t + 1, :], v[..., t:t + 1, :]) for t in range(prefill, N)]
@@ -329,7 +329,7 @@ def test_grouped_decoding_steps_update_one_state_per_key_value_head(rule, state_
     cache = GroupedQueryCache(decode_cache(est, rule=rule, state_dtype=state_dtype), groups)
     cache.extend(q[..., :prefill, :], k[..., :prefill, :], v[..., :prefill, :])
     real = FeatureStateCache.grouped_step
-    monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a: ran.append(1) or real(self, *a))
+    monkeypatch.setattr(FeatureStateCache, "grouped_step", lambda self, *a, **kw: ran.append(1) or real(self, *a, **kw))
     cache.extend(q[..., prefill:prefill + 1, :], k[..., prefill:prefill + 1, :], v[..., prefill:prefill + 1, :])
     assert ran == [1] and cache.num_tokens == prefill + 1
 

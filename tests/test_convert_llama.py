@@ -370,3 +370,18 @@ def test_a_group_shared_map_on_some_heads_of_a_group_keeps_states_per_query_head
     assert float((got - full).abs().max()) < 1e-9
     kinds = {heads: type(d).__name__ for heads, d in cache.layers[0].decoders.items()}
     assert kinds == {(0,): "FeatureStateCache", (2, 3): "GroupedQueryCache"}
+
+
+def test_a_non_finite_query_in_a_decoding_step_raises_naming_it():
+    """A decoding step checks each converted layer's query, key and value once (not per key/value group): a NaN
+    query of one step raises ValueError naming it, before that layer's states absorb the token."""
+    model = convert(llama(), "positive", num_features=8, share_heads="group")
+    x = ids(batch=1, n=6)
+    out = model(input_ids=x[:, :5], use_cache=True)
+    attention = model.model.layers[1].self_attn
+    handle = attention.q_proj.register_forward_hook(lambda module, args, y: torch.full_like(y, float("nan")))
+    try:
+        with pytest.raises(ValueError, match="query contains NaN or Inf"):
+            model(input_ids=x[:, 5:], cache=out.cache, use_cache=True)
+    finally:
+        handle.remove()

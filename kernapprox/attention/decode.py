@@ -305,7 +305,7 @@ class FeatureStateCache(DecodeCache):
         self.state = to_public(new)
         return (num / den[..., None])[..., None, :].to(q.dtype)
 
-    def grouped_step(self, qg, k, v):
+    def grouped_step(self, qg, k, v, *, validated: bool = False):
         """One new token of every key/value head, read by its ``G`` query heads (the decoding step of
         :class:`GroupedQueryCache`): ``qg`` ``(..., H_kv, G, 1, d)``, ``k`` ``(..., H_kv, 1, d)``, ``v``
         ``(..., H_kv, 1, d_v)``; returns ``(..., H_kv, G, 1, d_v)``, or ``None`` where :meth:`_one_token` would
@@ -316,13 +316,20 @@ class FeatureStateCache(DecodeCache):
         member, the state ``(W̃, z̃, c)`` is updated once (:func:`~kernapprox.attention.recurrent.normalized_step`)
         and read by the ``G`` queries (:func:`~kernapprox.attention.recurrent.normalized_read` with the state
         broadcast over ``G``: ``y_h = W̃ φ̃(q_h) / ⟨z̃, φ̃(q_h)⟩``, Katharopoulos et al. 2020, eq. 18–20). It does not
-        update ``G`` copies of the state and copy one back, which the general path does."""
+        update ``G`` copies of the state and copy one back, which the general path does. ``validated``: the caller
+        has checked that the three tensors are floating point, of one dtype and device, and finite (a model's
+        decoding step checks its whole layer once); the shapes are checked here either way."""
         if (self.state is None or not self.rule.normalized or self._batch != tuple(k.shape[:-2])
                 or v.shape[-1] != self._d_v or k.shape[-2] != 1):
             return None
         g = qg.shape[-3]
         kg, vg = (t.unsqueeze(-3).expand(*t.shape[:-2], g, *t.shape[-2:]) for t in (k, v))
-        check_qkv(qg, kg, vg, True)
+        if not validated:
+            check_qkv(qg, kg, vg, True)
+        elif not (qg.shape[:-2] == kg.shape[:-2] == vg.shape[:-2] and qg.shape[-1] == kg.shape[-1]
+                  and qg.shape[-2] == 1):
+            raise ValueError(f"grouped step: q {tuple(qg.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} do not "
+                             "make one token of G query heads per key/value head")
         dtype = qg.dtype
         if self.state_dtype is not None:
             qg, kg, v = qg.to(self.state_dtype), kg.to(self.state_dtype), v.to(self.state_dtype)
@@ -542,8 +549,12 @@ class GroupedQueryCache:
     def num_tokens(self) -> int:
         return self.inner.num_tokens
 
-    def extend(self, q, k, v, *, key_padding_mask=None, query_padding_mask=None) -> torch.Tensor:
-        """Causal attention of the ``n`` new tokens of every query head after the cached ones (see the class)."""
+    def extend(self, q, k, v, *, key_padding_mask=None, query_padding_mask=None, validated: bool = False
+               ) -> torch.Tensor:
+        """Causal attention of the ``n`` new tokens of every query head after the cached ones (see the class).
+        ``validated``: the caller has checked that ``q, k, v`` are floating point, of one dtype and device, and
+        finite (:func:`~kernapprox.validation.check_tensor`); a one-token step of a feature state then skips the
+        check (the general path checks either way)."""
         for name, t in (("q", q), ("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() < 3:
                 raise ValueError(f"{name} must be a tensor (..., heads, n, ·), got "
@@ -557,7 +568,7 @@ class GroupedQueryCache:
         qg = q.reshape(*batch, g, *q.shape[-2:])
         if (k.shape[-2] == 1 and key_padding_mask is None and query_padding_mask is None
                 and isinstance(self.inner, FeatureStateCache)):
-            out = self.inner.grouped_step(qg, k, v)            # a decoding step: the state updated once, read G times
+            out = self.inner.grouped_step(qg, k, v, validated=validated)   # the state updated once, read G times
             if out is not None:
                 return out.reshape(*q.shape[:-1], out.shape[-1])
         kg, vg = (t.unsqueeze(-3).expand(*batch, g, *t.shape[-2:]) for t in (k, v))

@@ -61,7 +61,7 @@ from ..attention import MODES, linear_attention
 from ..attention.masks import mask_kwargs
 from ..estimators import Estimator
 from ..trainable import TrainableFeatureMap, feature_attention
-from ..validation import check_choice, check_positive_int
+from ..validation import check_choice, check_positive_int, check_same_kind, check_tensor
 
 CACHE_KEYWORD = "kernapprox_cache_layer"   # how a decoder cache layer reaches this function (surgery.cache)
 
@@ -500,6 +500,12 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         out = own.transpose(1, 2).clone()
     else:
         out = query.new_empty(*query.shape[:-1], value.shape[-1])
+    validated = False
+    if layer is not None and all(grouped.values()):     # decoding: the layer's inputs checked once, not per group
+        for name, t in (("query", query), ("key", kv_key), ("value", kv_value)):
+            check_tensor(t, name)
+        check_same_kind(query=query, key=kv_key, value=kv_value)
+        validated = True
     for index in groups_of.values():
         entry = attention.heads[index[0]]
         if layer is not None:
@@ -511,7 +517,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             decoder = layer.decoder(tuple(index), entry, attention.mode, groups=groups if kv_heads else 1)
             if kv_heads:             # one state per key/value head, read by its query heads
                 out[:, _heads(index)] = decoder.extend(call.query[:, _heads(index)], kv_key[:, _heads(kv_heads)],
-                                                       kv_value[:, _heads(kv_heads)], **extra)
+                                                       kv_value[:, _heads(kv_heads)], validated=validated, **extra)
             else:
                 out[:, _heads(index)] = decoder.extend(*(t[:, _heads(index)] for t in (call.query, key, value)),
                                                        **extra)
