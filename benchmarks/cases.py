@@ -98,6 +98,26 @@ class Config:
     def chunk_sizes(self):
         return (32, 64) if self.quick else (16, 32, 64, 128, 256)
 
+    @property
+    def lm_contexts(self):
+        """Contexts at which ``lm_decode`` times the decode step (tokens the state and the KV cache hold)."""
+        return (128, 512) if self.quick else (1024, 4096, 32768)
+
+    @property
+    def lm_prefill_lengths(self):
+        """Lengths at which ``lm_decode`` times the exact model's prefill (one call, SDPA) beside the converted one."""
+        return (128, 256) if self.quick else (1024, 4096)
+
+    @property
+    def lm_chunk(self):
+        """Most tokens per prefill call of the converted model (memory stays bounded over 32k tokens)."""
+        return 128 if self.quick else 4096
+
+    @property
+    def lm_steps(self):
+        """Timed decode steps per context (after one untimed warm-up step)."""
+        return 2 if self.quick else 7
+
 
 @dataclass
 class Row:
@@ -778,6 +798,233 @@ def training_vs_sdpa(cfg: Config) -> list[Row]:
     return rows
 
 
+# ------------------------------------------------------------------------------------------- a real model
+# The converted models of ``lm_decode``: FAVOR+ (``positive_orthogonal``, Choromanski et al. 2021) at r = 64 in
+# every layer with float32 states, drawn once per layer (``share_heads=True``: causal_lm's label
+# "positive_orthogonal_shared", whose every layer decodes all its key/value heads in one batch) and once per
+# key/value head (``share_heads="group"``: causal_lm's "positive_orthogonal" at its hybrid_rank; each layer then
+# steps one state per key/value head, three decoders a layer). The targets read the first, the table shows both.
+LM_ESTIMATOR = "positive_orthogonal"
+LM_NUM_FEATURES = 64
+LM_CONVERSIONS = {"one draw per layer": True, "one draw per key/value head": "group"}
+LM_TARGET_CONVERSION = "one draw per layer"
+
+
+def _cache_keyword(model) -> str:
+    """The keyword a transformers causal LM takes its cache by: ``cache`` (transformers 5) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def _lm_stream(stream, tokens: int) -> tuple[torch.Tensor, int]:
+    """``(1, tokens)`` int64 ids: ``stream`` from its start, repeated end to end when it is shorter (the number of
+    passes over it is returned)."""
+    stream = np.asarray(stream, dtype=np.int64)
+    repeats = -(-tokens // len(stream))
+    ids = np.tile(stream, repeats)[:tokens] if repeats > 1 else stream[:tokens]
+    return torch.from_numpy(np.ascontiguousarray(ids))[None], repeats
+
+
+def _timed(fn, device: torch.device) -> tuple[float, float]:
+    """Wall and process CPU seconds of one call of ``fn`` (the device synchronised before and after)."""
+    synchronize(device)
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _interleaved_steps(runs: dict, ids: torch.Tensor, steps: int, device) -> dict:
+    """Decode steps of several ``(model, cache, first)`` runs, interleaved round by round: in round ``i`` every run
+    steps once, feeding the stream's token ``first + i`` (teacher forcing: a step's work does not depend on which
+    token it reads), the order reversed every other round, so that a shared machine's load weighs on every run
+    alike (their ratios are the measurement). Round 0 is untimed (warm-up), rounds 1..``steps`` are timed.
+    Returns ``{run: (wall seconds of the timed steps, CPU utilisation = process CPU time / wall / threads)}``."""
+    names = list(runs)
+    walls = {k: [] for k in names}
+    cpu = dict.fromkeys(names, 0.0)
+    for i in range(steps + 1):
+        for k in (names if i % 2 == 0 else names[::-1]):
+            model, cache, first = runs[k]
+            token = ids[:, first + i:first + i + 1]
+            wall, c = _timed(lambda model=model, cache=cache, token=token: model(
+                input_ids=token, use_cache=True, **{_cache_keyword(model): cache}), device)
+            if i:
+                walls[k].append(wall)
+                cpu[k] += c
+    return {k: (walls[k], cpu[k] / (sum(walls[k]) * torch.get_num_threads())) for k in names}
+
+
+def _random_kv_cache(config, tokens: int, device, seed: int):
+    """A transformers ``DynamicCache`` holding ``tokens`` random keys and values in every layer, of the shape the
+    model's own prefill leaves, ``(1, kv heads, tokens, head dim)``: a decode step's work does not depend on their
+    values, and filling it costs a ``randn`` instead of a prefill (the method of causal_lm's exact decode)."""
+    from transformers import DynamicCache
+
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    shape = (1, config.num_key_value_heads, tokens, head_dim)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    cache = DynamicCache()
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device), layer)
+    return cache
+
+
+def _converted_pass(converted, ids: torch.Tensor, found: dict, contexts, chunk: int, device) -> dict:
+    """The converted model's part of :func:`lm_decode_rows`: one :class:`~kernapprox.surgery.cache.KernelCache`
+    (float32 states) advanced over ``ids`` in calls of at most ``chunk`` tokens, stopping at every length of
+    ``found``, where it records the prefill so far and the state, and at each of ``contexts`` keeps a copy of the
+    cache (``copy.deepcopy``: the decode steps run on it later, and the state goes on from exactly that length).
+    Returns ``{context: the cache's copy}``."""
+    import copy
+
+    from kernapprox.surgery.cache import KernelCache
+
+    key = _cache_keyword(converted)
+    cache = KernelCache(converted, state_dtype=torch.float32)
+    n_max = max(found)
+    stops = sorted(set(found) | set(range(chunk, n_max, chunk)))
+    position, seconds, calls, copies = 0, 0.0, 0, {}
+    for stop in stops:
+        piece = ids[:, position:stop]
+        seconds += _timed(lambda piece=piece: converted(input_ids=piece, use_cache=True, logits_to_keep=1,
+                                                        **{key: cache}), device)[0]
+        position, calls = stop, calls + 1
+        if stop not in found:
+            continue
+        found[stop].update(prefill_s=seconds, prefill_calls=calls, prefill_s_per_token=seconds / stop,
+                           state_tokens=int(cache.get_seq_length()), state_bytes=int(cache.state_bytes()))
+        if stop in contexts:
+            copies[stop] = copy.deepcopy(cache)
+    return copies
+
+
+@torch.no_grad()
+def lm_decode_rows(model, stream, *, device: torch.device, contexts, prefill_lengths, chunk: int, steps: int,
+                   num_features: int = LM_NUM_FEATURES, seed: int = 0) -> list[Row]:
+    """The measurements of :func:`lm_decode` on any Llama-family causal LM ``model`` (exact, eval mode) and a
+    token ``stream`` (one row per length of ``contexts`` ∪ ``prefill_lengths``; see :func:`lm_decode`).
+
+    ``time_ours_s``: the converted model's decode step, ``time_peer_s``: the exact model's (NaN at a length where
+    no step is timed); ``extra``: ``state_tokens`` (tokens the converted state has absorbed when its step is
+    timed), ``state_bytes`` (:meth:`KernelCache.state_bytes <kernapprox.surgery.cache.KernelCache.state_bytes>`),
+    ``kv_cache_bytes`` (the exact model's cache at that length, measured from its tensors:
+    :func:`kernapprox.lm_eval.cache_bytes`), ``prefill_s`` / ``prefill_calls`` / ``prefill_s_per_token`` (the
+    converted model's calls that took its state from 0 to that length), ``exact_prefill_s`` (one call of the exact
+    model over the same tokens, NaN where not measured), the step times, and what was converted."""
+    from kernapprox import lm_eval
+
+    contexts, prefill_lengths = sorted(set(contexts)), sorted(set(prefill_lengths))
+    lengths = sorted(set(contexts) | set(prefill_lengths))
+    n_max = lengths[-1]
+    ids, repeats = _lm_stream(stream, n_max + steps + 1)
+    ids = ids.to(device)
+    model = model.to(device).eval()
+    key = _cache_keyword(model)
+    found: dict[tuple[str, int], dict] = {}
+    converted, states = {}, {}
+    for label, share in LM_CONVERSIONS.items():
+        converted[label] = ka.convert(model, LM_ESTIMATOR, num_features=num_features, share_heads=share, rng=seed)
+        common = {"conversion": label, "estimator": LM_ESTIMATOR, "num_features": num_features,
+                  "share_heads": str(share), "layers_converted": int(model.config.num_hidden_layers),
+                  "state_dtype": "float32", "prefill_chunk": chunk, "stream_repeats": repeats}
+        found.update({(label, n): dict(common) for n in lengths})
+
+    # Untimed warm-up calls of every model, short and long: the compiled paths the benchmark's switches allow are
+    # built or loaded here (fused feature maps; the native chunked kernels, which take calls from ~1.4k tokens on).
+    for m in (model, *converted.values()):
+        for n in (min(512, n_max), min(2048, chunk, n_max)):
+            m(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1)
+    for label, m in converted.items():
+        mine = {n: found[(label, n)] for n in lengths}
+        states[label] = _converted_pass(m, ids, mine, contexts, chunk, device)
+
+    # The decode steps: each converted model on its state's copy and the exact model over a KV cache of the same
+    # length, at every context, interleaved round by round (:func:`_interleaved_steps`).
+    runs = {}
+    for n in contexts:
+        kv = _random_kv_cache(model.config, n, device, seed * 1_000_003 + n)
+        for label, m in converted.items():
+            found[(label, n)]["kv_cache_bytes"] = int(lm_eval.cache_bytes(kv))
+            runs[(label, n)] = (m, states[label][n], n)
+        runs[("exact", n)] = (model, kv, n)
+    timed = _interleaved_steps(runs, ids, steps, device)
+    del runs, states, converted
+
+    # The exact model's prefill of the first tokens, one call each.
+    for n in prefill_lengths:
+        from transformers import DynamicCache
+
+        kv = DynamicCache()
+        seconds = _timed(lambda n=n, kv=kv: model(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1,
+                                                  **{key: kv}), device)[0]
+        for label in LM_CONVERSIONS:
+            found[(label, n)].update(exact_prefill_s=seconds, exact_prefill_s_per_token=seconds / n)
+            found[(label, n)].setdefault("kv_cache_bytes", int(lm_eval.cache_bytes(kv)))
+        del kv
+
+    rows = []
+    for label in LM_CONVERSIONS:
+        for n in lengths:
+            extra = found[(label, n)]
+            ours, cpu = timed.get((label, n), ([], float("nan")))
+            peer, cpu_peer = timed.get(("exact", n), ([], float("nan")))
+            extra.update(step_s=ours, exact_step_s=peer, exact_cpu_utilisation=cpu_peer)
+            rows.append(Row("lm_decode", f"{label}, context={n}", n, True,
+                            float(np.median(ours)) if ours else float("nan"),
+                            float(np.median(peer)) if peer else float("nan"), reps=len(ours), cpu_utilisation=cpu,
+                            extra={"exact_prefill_s": float("nan"), **extra}))
+    return rows
+
+
+def lm_decode(cfg: Config) -> list[Row]:
+    """SmolLM2-135M (:func:`kernapprox.lm.load_smollm2`, float32, SDPA) decoding with a fixed-size state against
+    its own KV-cache decoding (issue "[7/7] Performance", target "Decoding a real model").
+
+    The converted models: every one of the 30 layers attends with FAVOR+ (:data:`LM_ESTIMATOR` at
+    r = :data:`LM_NUM_FEATURES`), drawn once per layer or once per key/value head (:data:`LM_CONVERSIONS`: the
+    targets read the first, :data:`LM_TARGET_CONVERSION`), decoded through a
+    :class:`~kernapprox.surgery.cache.KernelCache` with float32 states.
+    Its state at each context is the real thing: the Shakespeare stream of the calibration split
+    (:func:`kernapprox.lm.text_stream`; repeated end to end only if it is shorter than the longest context, which
+    ``extra.stream_repeats`` records) is prefilled through the model in calls of at most :attr:`Config.lm_chunk`
+    tokens (4096: memory stays bounded) up to 1k, 4k and 32k tokens, the logits of the last position only
+    (``logits_to_keep=1``), after two untimed calls of both models on the first 512 and 2048 tokens (where the
+    fused feature maps and compiled kernels of the benchmark's switches are built or loaded); at each context a
+    copy of the cache is kept. The exact model's cache at each context is a transformers ``DynamicCache`` filled
+    with random keys and values of its true shape (the step's work does not depend on them; as causal_lm's exact
+    decode). Then both
+    models decode the stream's next tokens at every context, all of these runs interleaved round by round (one
+    untimed round, :attr:`Config.lm_steps` timed ones; :func:`_interleaved_steps`), so that the machine's load
+    weighs on the 1k and 32k steps and on both models alike: ``time_ours_s`` is the converted model's median step,
+    ``time_peer_s`` the exact model's (SDPA over the cache, and the ``torch.cat`` that appends the new key and
+    value to every layer's cache: transformers' own KV-cache decoding). Bytes: both caches measured from their
+    tensors. Prefill: the exact model's one call over the first 1k and 4k tokens (SDPA) beside the converted calls
+    that took the state over the same tokens (``extra.prefill_s``, and at 32k the whole chunked prefill).
+
+    Without the model or the text (:func:`kernapprox.lm.unavailable_reason`,
+    :func:`~kernapprox.lm.text_unavailable_reason`) the case returns one ``skipped`` row naming what is missing,
+    and its targets are "not measured" with that reason (likewise a ``failed`` row if the float32 states
+    underflow: the case measures float32 states and does not fall back to float64). ``--quick``: 128 and 512
+    tokens."""
+    from kernapprox import lm
+
+    reason = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
+    if reason is not None:
+        return [Row("lm_decode", "SmolLM2-135M", 0, status=f"skipped: {reason}")]
+    model, tokenizer = lm.load_smollm2()
+    stream = lm.text_stream(tokenizer, split="calibration")
+    try:
+        return lm_decode_rows(model, stream, device=cfg.device, contexts=cfg.lm_contexts,
+                              prefill_lengths=cfg.lm_prefill_lengths, chunk=cfg.lm_chunk, steps=cfg.lm_steps,
+                              seed=cfg.seed)
+    except ValueError as err:          # float32 states that underflow (KernelCache raises, naming it): no fallback
+        if "underflow" not in str(err):
+            raise
+        return [Row("lm_decode", "SmolLM2-135M", 0, status=f"failed: float32 states: {err}")]
+
+
 CASES = {
     "exact_vs_sdpa": exact_vs_sdpa,
     "precision_check": precision_check,
@@ -792,4 +1039,5 @@ CASES = {
     "machine": machine,
     "fusion": fusion,
     "training_vs_sdpa": training_vs_sdpa,
+    "lm_decode": lm_decode,
 }

@@ -13,6 +13,9 @@ Prints a table and stores it, with the targets and the run's provenance, as ``re
 - achieved FLOP/s of features + linear attention as a fraction of the GEMM rate measured in the same run;
 - a causal training step (forward + backward) of chunked linear attention vs SDPA (n = 4k, 16k, 4 heads), with
   the eager autograd path beside it and the bytes each saves for its backward.
+- decoding a real model: SmolLM2-135M converted to FAVOR+ (r = 64, all 30 layers) with its fixed-size state
+  prefilled over 1k, 4k and 32k tokens of Shakespeare, against the same model's KV-cache decoding; the bytes of both
+  caches and the prefill times (``lm_decode``; "not measured" with the reason when SmolLM2 is not installed).
 
 A missing peer is reported as ``skipped``. ``--quick`` shrinks every size (seconds; used by the smoke test).
 Timings on a shared machine are only as good as its load: the dataset records the load average and each row's
@@ -40,7 +43,7 @@ from kernapprox.io import atomic_write
 from kernapprox.timing import gemm_rate, provenance
 
 from . import roofline
-from .cases import CASES, HEAD_DIM, NUM_FEATURES, Config, Row, numpy_blas
+from .cases import CASES, HEAD_DIM, LM_TARGET_CONVERSION, NUM_FEATURES, Config, Row, numpy_blas
 
 TARGETS = (
     # name, description, threshold, sense ("<=" or ">=")
@@ -72,7 +75,26 @@ TARGETS = (
      ">="),
     ("gemm_fraction_causal", "features + causal chunked linear attention FLOP/s / GEMM FLOP/s, largest n", 0.5,
      ">="),
+    ("lm_decode_growth", "SmolLM2-135M converted to FAVOR+ (r = 64, all layers, one draw per layer): decode step with "
+     "the state prefilled over 32k tokens / over 1k tokens", 1.1, "<="),
+    ("lm_decode_speedup_vs_kv_32k", "SmolLM2-135M: the exact model's KV-cache decode step at 32k / the converted "
+     "model's step at 32k (one draw per layer; the table shows one draw per key/value head too)", 4.0, ">="),
 )
+
+# The case each target is read from: where it is not measured, the reason comes from that case's rows.
+TARGET_CASES = {
+    "exact_time_ratio_4k_causal": "exact_vs_sdpa", "exact_time_ratio_4k_noncausal": "exact_vs_sdpa",
+    "chunked_exponent_causal": "chunked_scaling", "chunked_exponent_noncausal": "chunked_scaling",
+    "delta_chunked_exponent": "rule_scaling",
+    "speedup_vs_sdpa_16k_causal": "chunked_vs_sdpa", "speedup_vs_sdpa_16k_noncausal": "chunked_vs_sdpa",
+    "decode_step_growth": "decode_step",
+    "speedup_vs_performer": "favor_vs_performer", "error_vs_performer": "favor_vs_performer",
+    "speedup_vs_sklearn_nystroem": "nystrom_vs_sklearn", "speedup_vs_sklearn_nystroem_20k": "nystrom_vs_sklearn",
+    "error_vs_sklearn_nystroem": "nystrom_vs_sklearn",
+    "training_speedup_vs_sdpa_16k": "training_vs_sdpa", "training_speedup_vs_sdpa_4k": "training_vs_sdpa",
+    "gemm_fraction_noncausal": "flop_rate", "gemm_fraction_causal": "flop_rate",
+    "lm_decode_growth": "lm_decode", "lm_decode_speedup_vs_kv_32k": "lm_decode",
+}
 
 
 def _rows(rows: list[Row], case: str, status_ok: bool = True) -> list[Row]:
@@ -126,7 +148,35 @@ def evaluate_targets(rows: list[Row]) -> dict[str, float]:
         for r in flop:
             if r.n == n_max and "features only" not in r.label:
                 values[f"gemm_fraction_{'causal' if r.causal else 'noncausal'}"] = r.extra["fraction_of_gemm"]
+    lm_steps = {r.n: r for r in _rows(rows, "lm_decode")
+                if math.isfinite(r.time_ours_s) and r.extra.get("conversion") == LM_TARGET_CONVERSION}
+    if 1024 in lm_steps and 32768 in lm_steps:
+        values["lm_decode_growth"] = lm_steps[32768].time_ours_s / lm_steps[1024].time_ours_s
+    if 32768 in lm_steps:
+        values["lm_decode_speedup_vs_kv_32k"] = lm_steps[32768].speedup
     return values
+
+
+def not_measured_reasons(rows: list[Row], values: dict[str, float]) -> dict[str, str]:
+    """Why each target without a value (NaN in ``values``) was not measured: its case (:data:`TARGET_CASES`) did
+    not run, or every row of it was skipped (the first row's status, e.g. ``skipped: SmolLM2-135M needs ...``), or
+    it ran but not at the size the target reads (a ``--quick`` run). Measured targets map to ``""``."""
+    reasons = {}
+    for name, *_ in TARGETS:
+        if math.isfinite(values.get(name, math.nan)):
+            reasons[name] = ""
+            continue
+        case = TARGET_CASES.get(name)
+        mine = _rows(rows, case, status_ok=False) if case else []
+        if case is None:
+            reasons[name] = ""
+        elif not mine:
+            reasons[name] = f"case {case} not run"
+        elif all(r.status != "ok" for r in mine):
+            reasons[name] = mine[0].status
+        else:
+            reasons[name] = f"no row of {case} at the sizes this target reads"
+    return reasons
 
 
 def target_bounds(rows: list[Row], cfg_chunk: int, heads: int) -> dict[str, tuple[float, float]]:
@@ -201,6 +251,7 @@ def to_dataset(rows: list[Row], targets: dict[str, float], attrs: dict,
         "extra": var([json.dumps(r.extra) for r in rows], "extra measurements", "", "JSON"),
     }
     names = [t[0] for t in TARGETS]
+    notes = not_measured_reasons(rows, targets)
     tvar = {
         "target_value": ("target", [targets[n] for n in names], {"long_name": "measured value", "units": "1"}),
         "target_threshold": ("target", [t[2] for t in TARGETS], {"long_name": "threshold", "units": "1"}),
@@ -208,6 +259,8 @@ def to_dataset(rows: list[Row], targets: dict[str, float], attrs: dict,
         "target_met": ("target", [_met(targets[t[0]], t[2], t[3]) for t in TARGETS],
                        {"long_name": "target met", "units": "1", "description": "1 met, 0 missed, -1 not measured"}),
         "target_description": ("target", [t[1] for t in TARGETS], {"long_name": "what is measured"}),
+        "target_note": ("target", [notes[t[0]] for t in TARGETS],
+                        {"long_name": "why the target was not measured", "description": "'' when measured"}),
         "target_bound_physical": ("target", [(bounds or {}).get(t[0], (np.nan, np.nan))[0] for t in TARGETS],
                                   {"long_name": "roofline: best value at the square-GEMM rate", "units": "1",
                                    "description": "benchmarks.roofline, rates measured in this run (machine case)"}),
@@ -238,9 +291,12 @@ def format_table(rows: list[Row], targets: dict[str, float], bounds: dict | None
                      f"{r.cpu_utilisation:>5.2f}  {note}")
     lines.append("")
     lines.append(f"{'target':<32} {'value':>9} {'need':>9} {'bound':>15}  result")
+    notes = not_measured_reasons(rows, targets)
     for name, desc, thr, sense in TARGETS:
         val = targets[name]
         verdict = {1: "met", 0: "MISSED", -1: "not measured"}[_met(val, thr, sense)]
+        if notes[name]:
+            verdict += f" ({notes[name]})"
         phys, shapes = (bounds or {}).get(name, (math.nan, math.nan))
         bound = f"{phys:.3g}/{shapes:.3g}" if math.isfinite(phys) else ""
         lines.append(f"{name:<32} {val:>9.3g} {sense + format(thr, 'g'):>9} {bound:>15}  {verdict}  ({desc})")

