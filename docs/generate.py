@@ -3,14 +3,14 @@ the tables of the "Choosing an estimator" page.
 
 ``conf.py`` calls :func:`write_generated` at every build, so the docs never hold a pasted copy of something the
 code or the figures can say. The README's thumbnail gallery (between ``<!-- gallery:start -->`` and
-``<!-- gallery:end -->``) is regenerated with ``python docs/generate.py readme``; ``tests/test_docs.py`` checks
+``<!-- gallery:end -->``) is regenerated with ``python docs/generate.py readme``; ``tests/docs/test_docs.py`` checks
 that it is current.
 
 The choosing page's tables (``docs/guide/choosing.md``, between ``<!-- choosing:start -->`` and
 ``<!-- choosing:end -->``) are computed from the studies' datasets ``results/*.nc`` by :mod:`choosing`
 (``docs/choosing.py``) and regenerated with ``python docs/generate.py choosing``; the docs build regenerates them
 when every dataset the page reads is present (a checkout without ``results/`` keeps the committed page), and
-``tests/test_choosing.py`` checks that they are current.
+``tests/docs/test_choosing.py`` checks that they are current.
 
 Gallery text per figure: the generated findings ``figures/<name>.md`` (when that file exists). The figure's title
 and caption are the ones :func:`kernapprox.plotting.save_figure` stored in the PNG's ``Title`` and ``Description``

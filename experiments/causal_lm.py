@@ -362,10 +362,10 @@ def layer_sensitivity(data: Draw, params) -> dict:
 
     With only ``l`` substituted, the layers below it compute what the exact model does: one exact pass records
     every layer's input, and layer ``l``'s pass starts there, running the label's layer ``l`` and the exact layers
-    above it: about half the work of 30 whole passes, the same numbers (``tests/test_causal_lm_experiment.py``
-    checks them against whole passes). A label whose maps are drawn, not fitted, is converted once with every
-    layer substituted (each layer's map comes from its own seed: the map a conversion of ``l`` alone draws); a
-    fitted or trainable one once per layer, fitted with the layers below exact."""
+    above it: about half the work of 30 whole passes, the same numbers
+    (``tests/experiments/test_causal_lm_experiment.py`` checks them against whole passes). A label whose maps are drawn,
+    not fitted, is converted once with every layer substituted (each layer's map comes from its own seed: the map a
+    conversion of ``l`` alone draws); a fitted or trainable one once per layer, fitted with the layers below exact."""
     from kernapprox.surgery import attention as sa
 
     calibration = data.calibration[:params["n_sensitivity"]]

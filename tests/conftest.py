@@ -11,12 +11,21 @@ checked by its hash, and a minute's work that every test process would otherwise
 import atexit
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernapprox.cache import CACHE_ENV, cache_root
+
+# The shared helpers (helpers.py, toy_*.py) live in this folder and every test imports them by bare name, from the
+# subfolders too (`from helpers import gaussian`, `import toy_experiment`): this folder is on sys.path. Pytest's
+# default (prepend) import mode puts it there for this conftest already; said here so that it holds in any mode.
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 # The user's root, read before the tests' own root replaces it, and handed to the xdist workers and subprocesses
 # (which inherit the replaced KERNAPPROX_CACHE_DIR) through a variable of its own: the tests marked lm load

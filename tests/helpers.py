@@ -1,4 +1,5 @@
-"""Small helpers that several test modules share (importable because pytest puts this folder on sys.path)."""
+"""Small helpers that several test modules share (importable by bare name from every test folder: conftest.py
+puts this folder on sys.path)."""
 
 import numpy as np
 import torch
@@ -31,3 +32,20 @@ def assert_decode_equals_full_pass(model, tokens, attention_mask, *, prefill: in
         got, _ = decode_steps(model, tokens, prefill=prefill, attention_mask=attention_mask)
     assert bool(torch.isfinite(got[real]).all())
     assert float((got - full)[real].abs().max()) < tolerance
+
+
+def data(shape=(2, 3, 150, 8), seed=0, dtype=torch.float32, std=0.7):
+    """Three tensors (q, k, v) of ``shape``: float64 normal draws times ``std`` from a seeded generator, cast to
+    ``dtype`` (the fused and native kernels' tests share them)."""
+    gen = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype) for _ in range(3))
+
+
+def _rounding_close(got, ref, ref64, what):
+    """``got`` (a fused or compiled result) equals the eager ``ref`` to rounding: at most four times the eager result's
+    own error against the float64 ``ref64`` plus ``64 ε`` of its largest value."""
+    eps = torch.finfo(ref.dtype).eps
+    own = float((ref.double() - ref64).abs().max())
+    diff = float((got.double() - ref.double()).abs().max())
+    bound = 4 * own + 64 * eps * float(ref64.abs().max())
+    assert diff <= bound, f"{what}: fused differs from eager by {diff:.3g} > {bound:.3g} (eager's own error {own:.3g})"

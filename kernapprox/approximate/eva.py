@@ -96,7 +96,7 @@ size), and ``Ŝ_c`` with "mean" underestimates every group's mass by the Jensen 
 
 What was re-derived and what was checked
 ----------------------------------------
-Re-derived here and verified numerically (``tests/test_eva.py``): the control-variate decomposition (shared
+Re-derived here and verified numerically (``tests/approximate/test_eva.py``): the control-variate decomposition (shared
 coefficient = RFA, per-key optimal coefficients = softmax attention, per-group coefficients), the query-free form
 of ``β_c``, the exactness limits. Read in the authors' reference code (HKUNLP/efficient-attention,
 ``efficient_attention/eva.py`` and ``causal_eva.py``): ``β_c`` as a softmax over ``ωᵀy_m − ‖y_m‖²/2`` within the

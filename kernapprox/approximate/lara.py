@@ -129,8 +129,8 @@ non-causal attention only ("Supported pattern of the code: Noncausal Self").
 
 What was re-derived and what was checked
 ----------------------------------------
-Re-derived here and verified numerically (``tests/test_lara.py``): identities (1)–(3), RA's unbiasedness, RFA as
-SNIS with ``N(0, I)``, the linear-attention form of LARA, unbiasedness of the implied kernel estimate, the
+Re-derived here and verified numerically (``tests/approximate/test_lara.py``): identities (1)–(3), RA's unbiasedness,
+RFA as SNIS with ``N(0, I)``, the linear-attention form of LARA, unbiasedness of the implied kernel estimate, the
 delta-method moments of positive-feature attention and their closed form. Read in the authors' reference code
 (HKUNLP/efficient-attention, ``efficient_attention/lara.py`` and ``randomized_attention.py``): segment-mean
 proposals ``μ_c = x̃_c + ỹ_c``, the balance heuristic and the query-specific weights with their clamp, one sample

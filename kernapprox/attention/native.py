@@ -2,8 +2,8 @@
 gradient.
 
 Kernels in ``_chunked.cpp``, registered with torch's dispatcher as operators of the ``kernapprox`` namespace, each
-equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/test_native.py,
-tests/test_native_backward.py):
+equal to the eager chunked code of :mod:`kernapprox.attention.linear` to float rounding (tests/attention/test_native.py,
+tests/attention/test_native_backward.py):
 
 ``torch.ops.kernapprox.chunked_causal`` (:func:`chunk_block`)
     The eager causal chunked mode batches each token block's chunks into a few large products, which makes it

@@ -33,7 +33,7 @@ ADERF      ``A*(ρ_A)``                   ``P_1, P_2`` dense   ``M1, M2`` and an
 ``A*(ρ) = (1/16)(1 − 2ρ − sqrt((2ρ+1)² + 8ρ))`` (:func:`kernapprox.theory.oprf_optimal_A`). Each data-dependent
 map minimises the mean over all within-batch query–key pairs of the log second moment of one feature product
 over its family (derivations in each class docstring; all verified numerically in
-``tests/test_exponential_features.py``).
+``tests/estimators/test_exponential_features.py``).
 
 Causality. The fitted maps use statistics of the data passed to ``fit``. Fitting on the very sequence that is
 then attended causally lets every token's features depend on future tokens (``causal_fit = False``); the

@@ -42,8 +42,8 @@ At ``‖x+y‖² = 4`` SORF gives 0.837, 0.902, 0.945, 0.971 of the kernel at d 
 same to 3 digits). SORF's interval contains the sphere closed form in every measured cell (4 levels of
 ``‖x+y‖²`` × 4 d × positive and OPRF maps): its bias is SMREG's. OPRF (FAVOR++) is biased as well, less at this
 level: 0.769 [0.756, 0.784] with SORF at d = 128. ``sorf_chi`` contains 1 in every cell (largest deviation
-1.006 [0.995, 1.017]); the unbiasedness test (``tests/test_unbiasedness.py``) bounds its bias at d = 4 too. It is
-still declared biased: its directions are not uniform, only its norms are exact.
+1.006 [0.995, 1.017]); the unbiasedness test (``tests/estimators/test_unbiasedness.py``) bounds its bias at d = 4 too.
+It is still declared biased: its directions are not uniform, only its norms are exact.
 
 References
 ----------

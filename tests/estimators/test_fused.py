@@ -24,6 +24,7 @@ import warnings
 
 import pytest
 import torch
+from helpers import _rounding_close, data
 
 import kernapprox as ka
 from kernapprox.estimators import fused
@@ -39,11 +40,6 @@ def fresh(monkeypatch):
     fused.reset()
     yield
     fused.reset()
-
-
-def data(shape=(2, 3, 150, 8), seed=0, dtype=torch.float32, std=0.7):
-    gen = torch.Generator().manual_seed(seed)
-    return tuple((torch.randn(shape, generator=gen, dtype=torch.float64) * std).to(dtype) for _ in range(3))
 
 
 def fitted(name, q, k, r=32):
@@ -185,14 +181,6 @@ def test_subnormal_features_are_flushed_to_zero(monkeypatch, fresh):
 
 
 # ---------------------------------------------------------------------------------- generated code (inductor)
-def _rounding_close(got, ref, ref64, what):
-    eps = torch.finfo(ref.dtype).eps
-    own = float((ref.double() - ref64).abs().max())
-    diff = float((got.double() - ref.double()).abs().max())
-    bound = 4 * own + 64 * eps * float(ref64.abs().max())
-    assert diff <= bound, f"{what}: fused differs from eager by {diff:.3g} > {bound:.3g} (eager's own error {own:.3g})"
-
-
 RULES = ("sum", ka.rules.Decay(0.9))
 
 

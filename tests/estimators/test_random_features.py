@@ -1,6 +1,6 @@
 """Random-feature maps: sampler marginals, reproducibility, contract.
 
-Unbiasedness (every map × sampler, with stated power) is tested in ``tests/test_unbiasedness.py``.
+Unbiasedness (every map × sampler, with stated power) is tested in ``tests/estimators/test_unbiasedness.py``.
 """
 
 import math

@@ -23,7 +23,7 @@ from kernapprox.sweep import Experiment, Metric
 from kernapprox.sweep._experiment import cell_spawn_key, check_values
 from kernapprox.sweep._store import ProgressStore
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 import toy_experiment  # noqa: E402
 

@@ -226,8 +226,8 @@ def _unbiased_hybrids():
 
 # Declared-unbiased estimators whose unbiasedness is tested elsewhere, with the reason (see the coverage test).
 COVERED_ELSEWHERE = {
-    "lara_balance": "tests/test_lara.py: the implied kernel of multiple importance sampling with data-dependent "
-                    "proposals has no closed-form variance here",
+    "lara_balance": "tests/approximate/test_lara.py: the implied kernel of multiple importance sampling with "
+                    "data-dependent proposals has no closed-form variance here",
     "exact": "the exact kernel",
 }
 

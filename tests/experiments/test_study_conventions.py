@@ -18,8 +18,8 @@ import kernapprox.sweep as sweep
 from kernapprox import stats
 from kernapprox.sweep import Experiment, Metric, Reference
 
-ROOT = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
 import toy_paired  # noqa: E402
 

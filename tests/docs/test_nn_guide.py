@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "guide" / "getting_started.md").read_text(encoding="utf-8")
 SECTION = PAGE[PAGE.index("## A model with pluggable attention"):PAGE.index("## Where to read on")]
 BLOCKS = re.findall(r"```python\n(.*?)```\s*\n(?:[^`]*?)```text\n(.*?)```", SECTION, re.S)

@@ -1,4 +1,4 @@
-"""Crash safety of the experiment engine beyond ``tests/test_sweep.py`` (which kills a run at a fixed cell).
+"""Crash safety of the experiment engine beyond ``tests/sweep/test_sweep.py`` (which kills a run at a fixed cell).
 
 * SIGKILL at random moments, several times in a row on one output path: at every moment the final path is
   either absent or a complete, valid dataset, and the run that finally completes gives exactly the dataset of
@@ -32,7 +32,7 @@ import pytest
 
 import kernapprox.sweep as sweep
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 import toy_experiment  # noqa: E402

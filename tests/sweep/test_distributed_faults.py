@@ -18,7 +18,7 @@ import pytest
 
 import kernapprox.sweep as sweep
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 import toy_experiment  # noqa: E402

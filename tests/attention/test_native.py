@@ -7,8 +7,8 @@ runs in two forms, features given (any map) and features computed inside (the ex
 
 "Equal to rounding": the largest difference from the eager float32 result is at most four times the eager
 result's own float32 error (against the float64 computation) plus ``64 ε`` of the largest value (as for the fused
-feature maps, tests/test_fused.py). Feature maps run eagerly here (``fused.use_fused`` patched to False), so that
-only the kernel differs between the two runs.
+feature maps, tests/estimators/test_fused.py). Feature maps run eagerly here (``fused.use_fused`` patched to False), so
+that only the kernel differs between the two runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_fused import _rounding_close, data
+from helpers import _rounding_close, data
 
 import kernapprox as ka
 from kernapprox import backends

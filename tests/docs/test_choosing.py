@@ -10,7 +10,7 @@ import xarray as xr
 
 from kernapprox.sweep import read_digest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 PAGE = DOCS / "guide" / "choosing.md"
 

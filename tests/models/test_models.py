@@ -255,7 +255,7 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
 
     from experiments import trained_icl
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "KERNAPPROX_CACHE_DIR": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
     out, fig = tmp_path / "trained_icl.nc", tmp_path / "trained_icl.png"
     proc = subprocess.run([sys.executable, "-m", "experiments.trained_icl", "--preset", "smoke", "--threads", "1",

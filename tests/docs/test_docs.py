@@ -8,7 +8,7 @@ import pytest
 
 import kernapprox as ka
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 
 

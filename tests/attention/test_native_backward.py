@@ -4,16 +4,16 @@ gradients of ``q``, ``k``, ``v`` (through the feature map) equal autograd throug
 rounding, and a float64 oracle to float32 accuracy; the dispatch takes it exactly for the calls it computes; a
 wrong kernel is caught by the self-check and by the tolerance used here.
 
-"Equal to rounding" is the bound of tests/test_native.py: the largest difference from the eager float32 gradient
-is at most four times the eager gradient's own float32 error (against the float64 eager run) plus ``64 ε`` of the
-largest gradient entry.
+"Equal to rounding" is the bound of tests/attention/test_native.py: the largest difference from the eager float32
+gradient is at most four times the eager gradient's own float32 error (against the float64 eager run) plus ``64 ε`` of
+the largest gradient entry.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fused import _rounding_close
+from helpers import _rounding_close
 
 import kernapprox as ka
 from kernapprox import backends
