@@ -953,15 +953,16 @@ def lm_decode_rows(model, stream, *, device: torch.device, contexts, prefill_len
     del runs, states, converted
 
     # The exact model's prefill of the first tokens, one call each.
-    for n in prefill_lengths:
-        from transformers import DynamicCache
+    from transformers import DynamicCache
 
+    for n in prefill_lengths:
         kv = DynamicCache()
         seconds = _timed(lambda n=n, kv=kv: model(input_ids=ids[:, :n], use_cache=True, logits_to_keep=1,
                                                   **{key: kv}), device)[0]
+        held = int(lm_eval.cache_bytes(kv))
         for label in LM_CONVERSIONS:
             found[(label, n)].update(exact_prefill_s=seconds, exact_prefill_s_per_token=seconds / n)
-            found[(label, n)].setdefault("kv_cache_bytes", int(lm_eval.cache_bytes(kv)))
+            found[(label, n)].setdefault("kv_cache_bytes", held)
         del kv
 
     rows = []

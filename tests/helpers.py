@@ -1,8 +1,15 @@
 """Small helpers that several test modules share (importable by bare name from every test folder: conftest.py
 puts this folder on sys.path)."""
 
+import contextlib
+import importlib
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 
 def gaussian(shape, seed, std=1.0):
@@ -49,3 +56,14 @@ def _rounding_close(got, ref, ref64, what):
     diff = float((got.double() - ref.double()).abs().max())
     bound = 4 * own + 64 * eps * float(ref64.abs().max())
     assert diff <= bound, f"{what}: fused differs from eager by {diff:.3g} > {bound:.3g} (eager's own error {own:.3g})"
+
+
+@contextlib.contextmanager
+def docs_module(name: str):
+    """The module ``docs/<name>.py`` (the docs' generators are scripts, not a package), imported with ``docs/`` on
+    ``sys.path`` for the duration."""
+    sys.path.insert(0, str(DOCS))
+    try:
+        yield importlib.import_module(name)
+    finally:
+        sys.path.remove(str(DOCS))

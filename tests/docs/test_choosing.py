@@ -1,12 +1,12 @@
 """The "Choosing an estimator" page: its tables are generated from the studies' datasets and are current."""
 
 import re
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xarray as xr
+from helpers import docs_module
 
 from kernapprox.sweep import read_digest
 
@@ -17,13 +17,8 @@ PAGE = DOCS / "guide" / "choosing.md"
 
 @pytest.fixture
 def choosing():
-    sys.path.insert(0, str(DOCS))
-    try:
-        import choosing
-
-        yield choosing
-    finally:
-        sys.path.remove(str(DOCS))
+    with docs_module("choosing") as module:
+        yield module
 
 
 def test_page_reads_the_data_of_the_committed_findings(choosing):

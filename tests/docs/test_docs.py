@@ -1,10 +1,10 @@
 """The documentation's generated parts come from the code and the figures, and every page is reachable."""
 
 import re
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import docs_module
 
 import kernapprox as ka
 
@@ -14,13 +14,8 @@ DOCS = ROOT / "docs"
 
 @pytest.fixture
 def generate():
-    sys.path.insert(0, str(DOCS))
-    try:
-        import generate
-
-        yield generate
-    finally:
-        sys.path.remove(str(DOCS))
+    with docs_module("generate") as module:
+        yield module
 
 
 def test_estimator_page_includes_the_generated_registry_table(generate, tmp_path):
