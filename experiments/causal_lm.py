@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import inspect
 import time
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -43,18 +42,7 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._lm import (
-    TASK_NAMES,
-    TASKS,
-    add_accuracy,
-    add_chance,
-    add_perplexity,
-    add_summary,
-    add_window_difference,
-    recall_prompts,
-    score_recall,
-    unigram_nll,
-)
+from experiments import _lm
 from kernapprox import lm, lm_eval, stats
 from kernapprox.plotting import (
     estimator_style,
@@ -67,11 +55,9 @@ from kernapprox.plotting import (
 )
 from kernapprox.surgery.cache import KernelCache
 from kernapprox.surgery.conversion import TRAINABLE_MAPS
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
-LM_REASON = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
-if LM_REASON is not None:
-    warnings.warn(f"causal_lm needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
+LM_REASON = _lm.unavailable("causal_lm")
 
 # label -> (kernapprox.convert estimator, estimator options, conversion options); one table for the study
 # one map per key/value head (share_heads="group"): the decoder keeps one state per key/value head, as the model's
@@ -111,6 +97,7 @@ GRIDS = {
     "long": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64], "exact_layers": [0, 2],
              "placement": list(PLACEMENTS), "context": [2048, 4096], "map_seed": [0]},
 }
+DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the model, its held-out windows and prompts
 PARAMETERS = {
     "n_windows": Parameter(10, long_name="held-out text windows (the NLL's units)", units="1"),
     "n_prompts": Parameter(10, long_name="recall prompts per task (recall's units), depths 0.1 to 0.9", units="1"),
@@ -145,7 +132,7 @@ AXIS_ATTRS = {
     "decode_context": {"long_name": "tokens in the exact model's KV cache", "units": "token"},
 }
 _W, _P = ("window",), ("task", "prompt")
-_TASKS = {"task": list(TASKS)}
+_TASKS = {"task": list(_lm.TASKS)}
 METRICS = {
     "nll": Metric("mean next-token NLL of the window", "nats", "substituted model, mean over the window's "
                   "positions of −log p(x_{t+1} | x_≤t)", dims=_W),
@@ -275,18 +262,15 @@ def _exact_decode(model, context: int) -> tuple[float, int]:
 
 
 def draw(params, data_rng, device) -> Draw:
-    if LM_REASON is not None:
-        raise RuntimeError(f"causal_lm needs SmolLM2-135M and the Shakespeare text: {LM_REASON}")
-    model, tokenizer = lm.load_smollm2()
-    model = model.to(device)
+    model, tokenizer = _lm.load_model("causal_lm", LM_REASON, device)
     context = params["context"]
     windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation")
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
-    prompts = recall_prompts(tokenizer, context, params["n_prompts"])
+    prompts = _lm.recall_prompts(tokenizer, context, params["n_prompts"])
     ids = windows.input_ids.to(device)
     nll_exact = lm_eval.token_nll(model, ids).mean(axis=1)
-    recall = score_recall(model, prompts)
-    exact = {"nll_exact": nll_exact, "nll_unigram": unigram_nll(tokenizer, windows.input_ids),
+    recall = _lm.score_recall(model, prompts)
+    exact = {"nll_exact": nll_exact, "nll_unigram": _lm.unigram_nll(tokenizer, windows.input_ids),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"],
              "kv_bytes": float(lm.kv_cache_bytes(context))}
@@ -466,7 +450,7 @@ def run_cell(params, rng, device, data):
         return not_applicable()
     model = convert(data, params)
     nll = lm_eval.token_nll(model, data.windows.input_ids.to(device)).mean(axis=1)
-    recall = score_recall(model, data.prompts)
+    recall = _lm.score_recall(model, data.prompts)
     out = {"nll": nll, "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"],
            **decode(model, data.windows.input_ids[:1].to(device), params)}
     del model
@@ -490,16 +474,16 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     for name, unit in (("nll", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
                        ("delta_nll", "window"), ("answer_logprob", "prompt"), ("answer_logprob_exact", "prompt"),
                        ("delta_logprob", "prompt")):
-        add_summary(ds, f"{name}_summary", name, unit)
+        _lm.add_summary(ds, f"{name}_summary", name, unit)
     for name, unit in (("delta_nll", "window"), ("delta_logprob", "prompt")):
         ds[f"{name}_p"] = stats.paired_test(ds[name], unit, test="wilcoxon")
     for name, ref in (("perplexity", "nll"), ("perplexity_exact", "nll_exact"), ("perplexity_unigram", "nll_unigram")):
-        add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
-    add_chance(ds)
+        _lm.add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
+    _lm.add_chance(ds)
     for name in ("greedy_correct", "greedy_correct_exact"):
-        add_accuracy(ds, f"{name}_summary", name)
+        _lm.add_accuracy(ds, f"{name}_summary", name)
     if {"positive_orthogonal", "positive_orthogonal_shared"} <= set(ds["estimator"].values.tolist()):
-        add_window_difference(
+        _lm.add_window_difference(
             ds, "shared_minus_per_head_nll",
             ds["nll"].sel(estimator="positive_orthogonal_shared") - ds["nll"].sel(estimator="positive_orthogonal"),
             "NLL with one draw per layer minus one draw per key/value head", "per window, the same windows and r")
@@ -514,7 +498,7 @@ def _placement_pairs(ds: xr.Dataset) -> None:
     """Sensitivity placement minus even placement, per window, where both ran (same label, r, k, draw)."""
     if not {"even", "sensitivity"} <= set(ds["placement"].values.tolist()):
         return
-    add_window_difference(ds, "placement_nll_diff",
+    _lm.add_window_difference(ds, "placement_nll_diff",
                           ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement="even"),
                           "NLL with the softmax layers placed by sensitivity minus evenly spaced",
                           "per window, the same label, r, number of softmax layers and draw")
@@ -573,7 +557,7 @@ def plot(ds: xr.Dataset, path) -> None:
                             label=f"{cell['estimator']}" + (f", r = {cell['num_features']}" if not k else
                                                             f", {k} softmax ({cell['placement']})")
                             + (f", {context} tokens" if len(contexts) > 1 else ""))
-            for task, marker in zip(TASKS, ("o", "x")):
+            for task, marker in zip(_lm.TASKS, ("o", "x")):
                 acc = float(ds["greedy_correct_summary"].sel(**cell, context=context, task=task, stat="estimate"))
                 ax_acc.plot([b], [acc], marker=marker, color=style["color"], linestyle="none",
                             markersize=4 + 1.2 * np.sqrt(k))
@@ -585,7 +569,7 @@ def plot(ds: xr.Dataset, path) -> None:
                         marker="*", markersize=11, color="k", capsize=2,
                         label="exact (KV cache)" + (f", {context} tokens" if len(contexts) > 1 else ""))
             ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
-        for task, marker in zip(TASKS, ("o", "x")):
+        for task, marker in zip(_lm.TASKS, ("o", "x")):
             acc = float(ds["greedy_correct_exact_summary"].sel(context=context, task=task, stat="estimate"))
             ax_acc.plot([kv], [acc], marker="*", color="k", markersize=11 if marker == "o" else 8,
                         markerfacecolor="k" if marker == "o" else "none", linestyle="none")
@@ -839,7 +823,7 @@ def _best_recall(ds, context, task, cells):
 
 def _recall_findings(ds, context, cells) -> list[str]:
     lines = []
-    for task in TASKS:
+    for task in _lm.TASKS:
         at = {"task": task}
         acc = ds["greedy_correct_exact_summary"].sel(context=context, **at)
         lp = ds["answer_logprob_exact_summary"].sel(context=context, **at)
@@ -851,7 +835,7 @@ def _recall_findings(ds, context, cells) -> list[str]:
                          f"log-probability {fmt_ci(_value(ds, 'answer_logprob_summary', cell, context, **at))} (change "
                          f"{fmt_ci(_value(ds, 'delta_logprob_summary', cell, context, **at))}, p = "
                          f"{fmt(float(_value(ds, 'delta_logprob_p', cell, context, **at)), 2)})")
-        lines.append(f"{TASK_NAMES[task]} recall in {context}-token prompts ({ds.sizes['prompt']} prompts; chance "
+        lines.append(f"{_lm.TASK_NAMES[task]} recall in {context}-token prompts ({ds.sizes['prompt']} prompts; chance "
                      f"{fmt(chance, 2)}): the exact model answers {fmt_ci(acc, percent=True)} greedily, median "
                      f"log-probability {fmt_ci(lp)} nats; " + "; ".join(parts) + ".")
 
@@ -865,22 +849,18 @@ def _recall_findings(ds, context, cells) -> list[str]:
                 summary.append(f"{what} {_name(cell)} "
                                f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} "
                                f"({fmt(float(_value(ds, 'memory_fraction', cell, context)))} of the KV cache)")
-        lines.append(f"{TASK_NAMES[task]} accuracy at {context} tokens: " + "; ".join(summary) + ".")
+        lines.append(f"{_lm.TASK_NAMES[task]} accuracy at {context} tokens: " + "; ".join(summary) + ".")
         if float(acc.sel(stat="estimate")) < 0.5:
             lines.append(f"At {context} tokens the exact model itself answers {fmt_ci(acc, percent=True)} of the "
-                         f"{TASK_NAMES[task].lower()} prompts: greedy accuracy cannot show what a fixed state loses "
-                         "there; the paired change of the answer's log-probability against the exact model (above) "
-                         "is the measure.")
+                         f"{_lm.TASK_NAMES[task].lower()} prompts: greedy accuracy cannot show what a fixed state "
+                         "loses there; the paired change of the answer's log-probability against the exact model "
+                         "(above) is the measure.")
     return lines
 
 
-EXPERIMENT = Experiment(
-    name="causal_lm", title="A pretrained causal LM as an RNN: perplexity, recall and decoding against memory",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("context",), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("context",)),
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
-    check_params=check_params, replicates="the text windows (NLL) and the prompts (recall)")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="A pretrained causal LM as an RNN: perplexity, recall and decoding against memory",
+    replicates=_lm.REPLICATES)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import time
-import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -42,27 +41,14 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
-from experiments._lm import (
-    TASK_NAMES,
-    TASKS,
-    add_accuracy,
-    add_chance,
-    add_perplexity,
-    add_summary,
-    add_window_difference,
-    recall_prompts,
-    score_recall,
-    unigram_nll,
-)
+from experiments import _lm
 from kernapprox import lm, lm_eval, memory, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
 from kernapprox.surgery.finetuning import add_lora, finetune
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
-LM_REASON = lm.unavailable_reason() or lm.text_unavailable_reason("shakespeare")
-if LM_REASON is not None:
-    warnings.warn(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}", stacklevel=1)
+LM_REASON = _lm.unavailable("distillation")
 
 STUDENTS = ("hedgehog", "positive_orthogonal", "nystrom_uniform")
 # whose state accounting each student's decoder follows (kernapprox.memory): a Hedgehog map's state is that of any
@@ -85,6 +71,7 @@ GRIDS = {
     "full": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
              "num_features": [64, 128], "steps": [128], "context": [256], "train_seed": [0, 1, 2]},
 }
+DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the model, its held-out windows and prompts
 PARAMETERS = {
     "n_windows": Parameter(10, long_name="held-out text windows (the NLL's units)", units="1"),
     "n_prompts": Parameter(10, long_name="recall prompts per task (recall's units), depths 0.1 to 0.9", units="1"),
@@ -122,7 +109,7 @@ AXIS_ATTRS = {
     "step": {"long_name": "stage-2 step", "units": "1"},
 }
 _C = {"checkpoint": list(CHECKPOINTS)}
-_T = {"checkpoint": list(CHECKPOINTS), "task": list(TASKS)}
+_T = {"checkpoint": list(CHECKPOINTS), "task": list(_lm.TASKS)}
 METRICS = {
     "nll": Metric("mean next-token NLL of the window", "nats", "the student after the checkpoint's share of stage 2 "
                   "(checkpoint 0: the stage-1 or post-hoc student, measured in the 'none' cell)",
@@ -150,11 +137,11 @@ REFERENCE_METRICS = {
                           "add-one smoothed token frequencies of the calibration split (no context): the trivial "
                           "baseline", dims=("window",)),
     "answer_logprob_exact": Metric("log-probability of the recalled answer, teacher", "nats", "the same prompts",
-                                   dims=("task", "prompt"), coords={"task": list(TASKS)}),
+                                   dims=("task", "prompt"), coords={"task": list(_lm.TASKS)}),
     "greedy_correct_exact": Metric("greedy decoding gives the recalled answer, teacher", "1", "the same prompts",
-                                   dims=("task", "prompt"), coords={"task": list(TASKS)}),
+                                   dims=("task", "prompt"), coords={"task": list(_lm.TASKS)}),
     "recall_chance": Metric("chance of a greedy answer without recall", "1", "1 / RecallPrompt.candidates",
-                            dims=("task", "prompt"), coords={"task": list(TASKS)}),
+                            dims=("task", "prompt"), coords={"task": list(_lm.TASKS)}),
     "kv_bytes": Metric("teacher's KV cache at the context's length", "byte", "kernapprox.lm.kv_cache_bytes"),
 }
 
@@ -187,18 +174,15 @@ class Draw(NamedTuple):
 
 
 def draw(params, data_rng, device) -> Draw:
-    if LM_REASON is not None:
-        raise RuntimeError(f"distillation needs SmolLM2-135M and the Shakespeare text: {LM_REASON}")
-    model, tokenizer = lm.load_smollm2()
-    model = model.to(device)
+    model, tokenizer = _lm.load_model("distillation", LM_REASON, device)
     context = params["context"]
     windows = lm.text_windows(tokenizer, params["n_windows"], context, split="evaluation").input_ids
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
     training = lm.text_windows(tokenizer, params["train_windows"], params["train_len"], split="calibration")
-    prompts = recall_prompts(tokenizer, context, params["n_prompts"])
-    recall = score_recall(model, prompts)
+    prompts = _lm.recall_prompts(tokenizer, context, params["n_prompts"])
+    recall = _lm.score_recall(model, prompts)
     exact = {"nll_exact": lm_eval.token_nll(model, windows.to(device)).mean(axis=1),
-             "nll_unigram": unigram_nll(tokenizer, windows),
+             "nll_unigram": _lm.unigram_nll(tokenizer, windows),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"], "kv_bytes": float(lm.kv_cache_bytes(context))}
     return Draw(model, windows, prompts, calibration.input_ids.to(device), training.input_ids.to(device), exact)
@@ -237,7 +221,7 @@ def stage1(data: Draw, params):
 @torch.no_grad()
 def evaluate(model, data: Draw) -> dict:
     """NLL of the held-out windows and recall of the prompts."""
-    recall = score_recall(model, data.prompts)
+    recall = _lm.score_recall(model, data.prompts)
     return {"nll": lm_eval.token_nll(model, data.windows.to(next(model.parameters()).device)).mean(axis=1),
             "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"]}
 
@@ -248,8 +232,8 @@ def run_cell(params, rng, device, data):
     student, (cpu1, tokens1) = stage1(data, params)
     n_w, n_p, steps = data.windows.shape[0], params["n_prompts"], params["steps"]
     out = {"nll": np.full((len(CHECKPOINTS), n_w), np.nan),
-           "answer_logprob": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
-           "greedy_correct": np.full((len(CHECKPOINTS), len(TASKS), n_p), np.nan),
+           "answer_logprob": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
+           "greedy_correct": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
            "train_loss": np.full(steps, np.nan),
            "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * memory.probe_state_bytes(
                STATE_OF[params["student"]], params["num_features"], d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
@@ -306,16 +290,16 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         ds[f"{name}_filled"] = _filled(ds, name).assign_attrs(ds[name].attrs)
     for name, unit in (("nll_filled", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
                        ("answer_logprob_filled", "prompt"), ("answer_logprob_exact", "prompt")):
-        add_summary(ds, f"{name.removesuffix('_filled')}_summary", name, unit)
+        _lm.add_summary(ds, f"{name.removesuffix('_filled')}_summary", name, unit)
     for name in ("greedy_correct_filled", "greedy_correct_exact"):
-        add_accuracy(ds, f"{name.removesuffix('_filled')}_summary", name)
+        _lm.add_accuracy(ds, f"{name.removesuffix('_filled')}_summary", name)
     for name, ref in (("perplexity", "nll"), ("perplexity_exact", "nll_exact"), ("perplexity_unigram", "nll_unigram")):
-        add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
-    add_chance(ds)
+        _lm.add_perplexity(ds, f"{name}_summary", f"{ref}_summary")
+    _lm.add_chance(ds)
     # the objectives against each other at the end of the budget, per window (the same windows and training text)
     if {"next_token", "distill"} <= set(ds["objective"].values.tolist()):
         end = ds["nll_filled"].sel(checkpoint=1.0)
-        add_window_difference(ds, "distill_minus_next_token",
+        _lm.add_window_difference(ds, "distill_minus_next_token",
                               end.sel(objective="distill") - end.sel(objective="next_token"),
                               "NLL after distillation minus after next-token training",
                               "per window, the same stage-1 student, training windows and budget")
@@ -455,7 +439,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                          f"by {cell['fit_loss']}), distillation minus next-token NLL: {fmt_ci(s)} nats (Wilcoxon "
                          f"p = {fmt(p, 2)} over {ds.sizes['window']} windows; one training seed: a statement about "
                          "this student, not about the objectives).")
-    for task, name in TASK_NAMES.items():
+    for task, name in _lm.TASK_NAMES.items():
         acc = ds["greedy_correct_exact_summary"].sel(context=context, task=task)
         chance = float(ds["recall_chance_mean"].sel(context=context, task=task))
         parts = []
@@ -479,13 +463,9 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(
-    name="distillation", title="Distilling a pretrained LM's softmax attention into fixed-state students",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("context",), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("context",)),
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
-    check_params=check_params, replicates="the text windows (NLL) and the prompts (recall)")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Distilling a pretrained LM's softmax attention into fixed-state students",
+    replicates=_lm.REPLICATES)
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -16,37 +16,21 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from experiments import _icl
 from experiments._common import add_proportion, range_text
-from experiments._icl import (
-    EPISODES,
-    FIXED_DIMENSION_SLOT,
-    REPLICATES,
-    SET_CONTEXT_ESTIMATORS,
-    EpisodeDraw,
-    applicable,
-    available,
-    episode_dims,
-    kv_cache,
-    labels_with,
-    readout_metric_table,
-    readout_metrics,
-    score_grid,
-    summarise_accuracy,
-    summarise_readout,
-)
 from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt_bytes, fmt_ci, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
-ESTIMATORS = SET_CONTEXT_ESTIMATORS
+ESTIMATORS = _icl.SET_CONTEXT_ESTIMATORS
 PIXELS, CLASSES = 64, 10             # the digits task: d = 64 pixels per key, d_v = 10 one-hot labels per value
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
+    "smoke": {"estimator": _icl.available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform"]),
               "num_features": [16, 64], "num_context": [64], "beta": [8.0], "seed": [0, 1]},
-    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
+    "default": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
                 "num_context": [100, 500], "beta": [4.0, 16.0], "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+    "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
              "num_context": [50, 200, 1000], "beta": [4.0, 16.0], "seed": list(range(6))},
 }
 PARAMETERS = {"num_queries": Parameter(32, long_name="query images per episode", units="1")}
@@ -56,38 +40,38 @@ AXIS_ATTRS = {"num_context": {"long_name": "labelled context images n", "units":
 METRICS = {
     "accuracy": Metric(long_name="classification accuracy", units="1",
                        description="per episode, fraction of queries whose argmax attention-weighted label is right "
-                                   "(a non-finite output counts as wrong)", **episode_dims()),
+                                   "(a non-finite output counts as wrong)", **_icl.episode_dims()),
     "accuracy_numerator": Metric(long_name="accuracy of the unnormalised read-out", units="1",
                                  description="as accuracy, from the numerator Σ κ̂ onehot alone (immune to "
-                                             "normaliser sign flips)", **episode_dims()),
-    **readout_metric_table(state_bytes="estimator.state_bytes(d_v = 10 classes, float32, seq_len=n): the linear "
-                                       "state r·(d_v+1) plus what the map keeps from the context"),
+                                             "normaliser sign flips)", **_icl.episode_dims()),
+    **_icl.readout_metric_table(state_bytes="estimator.state_bytes(d_v = 10 classes, float32, seq_len=n): the "
+                                            "linear state r·(d_v+1) plus what the map keeps from the context"),
 }
 REFERENCE_METRICS = {
     "accuracy_exact": Metric(long_name="exact-attention accuracy", units="1",
-                             description="exact softmax attention on the same episodes", **episode_dims()),
+                             description="exact softmax attention on the same episodes", **_icl.episode_dims()),
     "accuracy_nearest_neighbour": Metric(long_name="1-NN accuracy", units="1",
                                          description="nearest context image by cosine, on the same episodes",
-                                         **episode_dims()),
+                                         **_icl.episode_dims()),
 }
 
 
-def draw(params, data_rng, device) -> EpisodeDraw:
+def draw(params, data_rng, device) -> _icl.EpisodeDraw:
     """The episodes of a ``(num_context, seed)``, which every estimator, rank and temperature reads."""
-    ep = tasks.digits_classification(params["num_context"], num_queries=params["num_queries"], batch=EPISODES,
+    ep = tasks.digits_classification(params["num_context"], num_queries=params["num_queries"], batch=_icl.EPISODES,
                                      rng=data_rng, device=device)
-    return EpisodeDraw(ep, ep.x_query, ep.x, ep.onehot)
+    return _icl.EpisodeDraw(ep, ep.x_query, ep.x, ep.onehot)
 
 
 def run_cell(params, rng, device, data_rng, data):
     label, r, n = params["estimator"], params["num_features"], params["num_context"]
-    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
+    if not _icl.applicable(ESTIMATORS, label, r, n):
         return not_applicable()
     name, options = ESTIMATORS[label]
     read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
     return {"accuracy": tasks.classification_accuracy(read.output, data.episodes).cpu().numpy(),
             "accuracy_numerator": tasks.classification_accuracy(read.numerator, data.episodes).cpu().numpy(),
-            **readout_metrics(read, exact)}
+            **_icl.readout_metrics(read, exact)}
 
 
 def run_reference(params, device, data_rng, data):
@@ -99,12 +83,12 @@ def run_reference(params, device, data_rng, data):
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
     queries = int(ds["num_queries"])
-    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", queries)
-    ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", queries)
+    ds = _icl.summarise_accuracy(ds, "accuracy", "accuracy_exact", queries)
+    ds = _icl.summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", queries)
     ds = add_proportion(ds, "accuracy_nearest_neighbour", (ds["accuracy_nearest_neighbour"] * queries).round(),
-                        queries, REPLICATES)
-    ds["kv_bytes"] = kv_cache(ds["num_context"], d=PIXELS, d_v=CLASSES)
-    return summarise_readout(ds)
+                        queries, _icl.REPLICATES)
+    ds["kv_bytes"] = _icl.kv_cache(ds["num_context"], d=PIXELS, d_v=CLASSES)
+    return _icl.summarise_readout(ds)
 
 
 def plot(ds: xr.Dataset, path) -> None:
@@ -115,8 +99,8 @@ def plot(ds: xr.Dataset, path) -> None:
         ax.set_ylim(0.0, 1.0)
         ax.set_title(f"n = {n}, β = {beta:g}: exact {exact:.2f}, 1-NN {float(nn.sel(stat='estimate')):.2f}")
 
-    fig = score_grid(ds, "accuracy", "accuracy_exact", ylabel="accuracy", decorate=decorate, n_axis="num_context",
-                     kv_bytes=ds["kv_bytes"])
+    fig = _icl.score_grid(ds, "accuracy", "accuracy_exact", ylabel="accuracy", decorate=decorate,
+                          n_axis="num_context", kv_bytes=ds["kv_bytes"])
     save_figure(fig, path, (
         "Few-shot classification of scikit-learn's digits (10 classes; pixels standardised, images L2-normalised) "
         "by an attention read-out over n labelled context images (columns) with inverse temperature β (rows): "
@@ -134,7 +118,7 @@ def findings(ds: xr.Dataset) -> str:
     names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
     acc, diff = ds["accuracy_summary"], ds["accuracy_vs_exact_summary"]
     exact, nn = ds["accuracy_exact_summary"], ds["accuracy_nearest_neighbour_summary"]
-    lines, random_maps = [], labels_with(ESTIMATORS, names, unbiased=True)
+    lines, random_maps = [], _icl.labels_with(ESTIMATORS, names, unbiased=True)
 
     def below_kv(m, r, n) -> bool:
         """Whether the map's state at ``r`` keeps fewer bytes than exact attention's KV cache at ``n``."""
@@ -173,7 +157,7 @@ def findings(ds: xr.Dataset) -> str:
     lines.append("Exact attention against 1-NN on the same episodes: " + "; ".join(
         f"n = {n}, β = {b:g}: {fmt_ci(exact.sel(num_context=n, beta=b))} vs {fmt_ci(nn.sel(num_context=n, beta=b))}"
         for n in ns for b in betas) + ".")
-    for m in labels_with(ESTIMATORS, names, rank_limited_by_points=True):
+    for m in _icl.labels_with(ESTIMATORS, names, rank_limited_by_points=True):
         reach = [f"n = {n}, β = {b:g}: " + (f"r = {ok[0]}" if (ok := reaches(m, n, b)) else "none")
                  for n in ns for b in betas]
         lines.append(f"`{m}` (fitted on the context images): smallest r whose paired accuracy deficit to exact "
@@ -196,20 +180,16 @@ def findings(ds: xr.Dataset) -> str:
             f"β = {b:g}: accuracy {range_text(a.sel(beta=b, stat='estimate').values)}, normalisers ≤ 0 "
             f"{range_text(100 * rate.sel(beta=b, stat='estimate').values)} %" for b in betas)
             + f" (over n = {', '.join(map(str, ns))}).")
-    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
+    if fixed := _icl.labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps, accuracy minus exact attention's on the same episodes: " + "; ".join(
-            f"`{m}` {range_text(diff.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
+            f"`{m}` {range_text(diff.sel(estimator=m, num_features=_icl.FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (over the n and β of the grid).")
     return bullets(lines)
 
 
-EXPERIMENT = Experiment(
-    name="icl_classification",
-    title="Training-free few-shot classification of digits: accuracy against rank and context length",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Training-free few-shot classification of digits: accuracy against rank and context length")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -27,31 +27,13 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from experiments import _icl
 from experiments._common import add_paired, range_text, verdict
-from experiments._icl import (
-    FIXED_DIMENSION_SLOT,
-    QUERY_AXIS,
-    QUERY_COSINES,
-    REPLICATES,
-    SET_CONTEXT_EQUAL_BYTES,
-    EpisodeDraw,
-    applicable,
-    available,
-    episode_dims,
-    label_panel,
-    labels_with,
-    readout_metric_table,
-    readout_metrics,
-    recall_episodes,
-    sized_readout_arguments,
-    summarise_accuracy,
-    summarise_readout,
-)
 from experiments._icl import style as icl_style
 from kernapprox import memory, stats, tasks
 from kernapprox.estimators import DPFPFeatures
 from kernapprox.plotting import bullets, fmt, fmt_ci, legend_entries, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 # label -> (registry name or estimator class, constructor options); unregistered names are left out
 ESTIMATORS = {
@@ -63,24 +45,24 @@ ESTIMATORS = {
     "dpfp_nu1": (DPFPFeatures, {"nu": 1}),   # not registered (its normaliser can be exactly zero)
     "nystrom_uniform": ("nystrom_uniform", {}),
     "nystrom_rls": ("nystrom_rls", {}),
-    **{label: SET_CONTEXT_EQUAL_BYTES[label]  # sized by the state budget of FAVOR+ at r (see the module notes)
+    **{label: _icl.SET_CONTEXT_EQUAL_BYTES[label]  # sized by the state budget of FAVOR+ at r (see the module notes)
        for label in ("lara", "lara_mean", "eva_w0", "eva_mean_w0")},
 }
-SIZED = [label for label in SET_CONTEXT_EQUAL_BYTES if label in ESTIMATORS]
+SIZED = [label for label in _icl.SET_CONTEXT_EQUAL_BYTES if label in ESTIMATORS]
 OPRF = "oprf_orthogonal"
 FAVOR = "positive_orthogonal"
 RANDOM_MAPS = ("positive_orthogonal", "oprf_orthogonal", "trig_orthogonal")
 MATCHED_BUDGETS = (64, 256)    # the budgets (FAVOR+ features) at which the LARA/EVA rows run and are compared
-QUERIES = list(QUERY_COSINES)
+QUERIES = list(_icl.QUERY_COSINES)
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform", "lara",
+    "smoke": {"estimator": _icl.available(ESTIMATORS, ["positive_orthogonal", "taylor2", "nystrom_uniform", "lara",
                                                   "eva_w0"]),
               "num_features": [16, 64], "num_pairs": [64], "beta_factor": [2.0], "query": ["key", "paraphrase"],
               "seed": [0, 1]},
-    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+    "default": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
                 "num_pairs": [256], "beta_factor": [2.0], "query": QUERIES, "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
+    "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
              "num_pairs": [64, 256], "beta_factor": [1.0, 2.0], "query": QUERIES, "seed": list(range(6))},
 }
 PARAMETERS = {
@@ -90,25 +72,25 @@ PARAMETERS = {
                              description="min(n, max_queries) distinct stored pairs are asked for"),
 }
 AXIS_ATTRS = {"num_pairs": {"long_name": "stored key–value pairs n", "units": "1"},
-              "beta_factor": {"long_name": "β / ln n", "units": "1"}, "query": QUERY_AXIS}
+              "beta_factor": {"long_name": "β / ln n", "units": "1"}, "query": _icl.QUERY_AXIS}
 
 METRICS = {
     "accuracy": Metric(long_name="recall accuracy", units="1",
                        description="per episode, fraction of queries whose normalised attention output is nearest to "
-                                   "their own value among the candidates", **episode_dims()),
+                                   "their own value among the candidates", **_icl.episode_dims()),
     "accuracy_numerator": Metric(long_name="recall accuracy of the unnormalised read-out", units="1",
                                  description="as accuracy, decoding the numerator W φ(q) alone (fast-weight "
-                                             "read-out, immune to normaliser sign flips)", **episode_dims()),
-    **readout_metric_table(),
+                                             "read-out, immune to normaliser sign flips)", **_icl.episode_dims()),
+    **_icl.readout_metric_table(),
     "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
                            description="the larger state of FAVOR+ and OPRF at r features (float32); the LARA and "
                                        "EVA rows run their largest configuration within it"),
 }
 REFERENCE_METRICS = {
-    "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1",
-                             description="accuracy of exact softmax attention on the same episodes", **episode_dims()),
-    "query_cosine": Metric(long_name="mean cosine of a query to its stored key", units="1",
-                           description="per episode (1 for query = key)", **episode_dims()),
+    "accuracy_exact": Metric("exact-attention recall accuracy", "1",
+                             "accuracy of exact softmax attention on the same episodes", **_icl.episode_dims()),
+    "query_cosine": Metric("mean cosine of a query to its stored key", "1", "per episode (1 for query = key)",
+                           **_icl.episode_dims()),
     "state_bytes_exact": Metric(long_name="KV cache of exact attention", units="byte",
                                 description="n·(d + d_v) float32 numbers: what exact attention keeps from the context"),
     "num_queries": Metric(long_name="queries per episode", units="1", description="min(n, max_queries)"),
@@ -122,31 +104,32 @@ def query_key_cosine(ep: tasks.RecallEpisodes) -> np.ndarray:
     return (ep.queries * keys).sum(-1).mean(-1).double().cpu().numpy()
 
 
-def draw(params, data_rng, device) -> EpisodeDraw:
+def draw(params, data_rng, device) -> _icl.EpisodeDraw:
     """The episodes of a ``(num_pairs, query, seed)``, which every estimator, rank and temperature reads."""
     n = params["num_pairs"]
-    ep = recall_episodes(n, params["query"], rng=data_rng, device=device, num_queries=min(n, params["max_queries"]),
-                         dim=params["dim"], num_candidates=params["num_candidates"])
-    return EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
+    ep = _icl.recall_episodes(n, params["query"], rng=data_rng, device=device,
+                              num_queries=min(n, params["max_queries"]), dim=params["dim"],
+                              num_candidates=params["num_candidates"])
+    return _icl.EpisodeDraw(ep, ep.queries, ep.keys, ep.values)
 
 
 def run_cell(params, rng, device, data_rng, data):
     label, r, n, d = params["estimator"], params["num_features"], params["num_pairs"], params["dim"]
     budget = {"budget_bytes": np.float64(memory.budget_bytes(r, d=d, d_v=d, seq_len=n))}
-    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
+    if not _icl.applicable(ESTIMATORS, label, r, n):
         return not_applicable()
     name, options = ESTIMATORS[label]
     fit_on = "keys"
     if label in SIZED:       # equal state bytes, at the comparison's budgets only: the largest configuration in B(r)
-        if r not in MATCHED_BUDGETS or (sized := sized_readout_arguments(ESTIMATORS, label, r, num_context=n, d=d,
-                                                                         d_v=d)) is None:
+        if r not in MATCHED_BUDGETS or (sized := _icl.sized_readout_arguments(ESTIMATORS, label, r, num_context=n,
+                                                                              d=d, d_v=d)) is None:
             return not_applicable(**budget)
         name, options, r, fit_on = sized
     read, exact = data.readouts(name, beta=tasks.log_n_beta(n, params["beta_factor"]), num_features=r, rng=rng,
                                 options=options, fit_on=fit_on)
     return {"accuracy": tasks.recall_accuracy(read.output, data.episodes).cpu().numpy(),
             "accuracy_numerator": tasks.recall_accuracy(read.numerator, data.episodes).cpu().numpy(),
-            **readout_metrics(read, exact), **budget}
+            **_icl.readout_metrics(read, exact), **budget}
 
 
 def run_reference(params, device, data_rng, data):
@@ -158,13 +141,13 @@ def run_reference(params, device, data_rng, data):
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    ds = summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
-    ds = summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", ds["num_queries"])
-    ds = summarise_readout(ds)
+    ds = _icl.summarise_accuracy(ds, "accuracy", "accuracy_exact", ds["num_queries"])
+    ds = _icl.summarise_accuracy(ds, "accuracy_numerator", "accuracy_exact", ds["num_queries"])
+    ds = _icl.summarise_readout(ds)
     for label, baseline in (("oprf", OPRF), ("favor", FAVOR)):
         if baseline in ds.estimator.values:
-            ds = add_paired(ds, "accuracy", baseline, REPLICATES, op="difference", statistic="mean", label=label)
-    cos = ds["query_cosine"].mean(REPLICATES).assign_attrs(
+            ds = add_paired(ds, "accuracy", baseline, _icl.REPLICATES, op="difference", statistic="mean", label=label)
+    cos = ds["query_cosine"].mean(_icl.REPLICATES).assign_attrs(
         long_name="mean cosine of a query to its stored key", units="1", description="mean over seed, episode")
     ds["query_cosine_mean"] = cos
     return ds
@@ -197,8 +180,8 @@ def _tradeoff_panel(ax, ds, labels, n, factor):
     ax.errorbar([kv], [float(exact.sel(stat="estimate"))], marker="*", markersize=12, color="0.3", linestyle="none",
                 label="exact (KV cache)")
     ax.axvline(kv, color="0.6", linewidth=0.8, linestyle=":")
-    label_panel(ax, "memory kept from the context (float32; Nyström: state + landmarks + whitening)", ACCURACY,
-                f"query = stored key, n = {n} pairs, β = {factor:g}·ln n", accuracy=True, log2_x=True)
+    _icl.label_panel(ax, "memory kept from the context (float32; Nyström: state + landmarks + whitening)", ACCURACY,
+                     f"query = stored key, n = {n} pairs, β = {factor:g}·ln n", accuracy=True, log2_x=True)
     ax.xaxis.set_major_formatter(lambda v, _: f"{v / 1024:g} kB" if v >= 1024 else f"{v:g} B")   # after the scale
 
 
@@ -220,8 +203,8 @@ def _load_panel(ax, ds, labels, factor, query="key"):
     ax.plot(load, np.minimum(1.0, 1.0 / load), color="0.3", linestyle=(0, (4, 3)), linewidth=1.0,
             label="min(1, r/n)")
     ax.axvline(1.0, color="0.5", linewidth=0.8)
-    label_panel(ax, "load n / r (stored pairs per state feature)", ACCURACY,
-                f"capacity, query = stored key, β = {factor:g}·ln n", accuracy=True, log2_x=True)
+    _icl.label_panel(ax, "load n / r (stored pairs per state feature)", ACCURACY,
+                     f"capacity, query = stored key, β = {factor:g}·ln n", accuracy=True, log2_x=True)
 
 
 def _query_panel(ax, ds, labels, n, factor, r):
@@ -245,7 +228,7 @@ def _query_panel(ax, ds, labels, n, factor, r):
     cos = ds["query_cosine_mean"].sel(num_pairs=n, beta_factor=factor).values
     ax.set_xticks(xs, [f"{q}\n(cos {c:.2f})" if q == "paraphrase" else q for q, c in zip(queries, cos)],
                   fontsize=7)
-    label_panel(ax, "query", ACCURACY, f"query perturbation, n = {n}, random maps at r = {r}", accuracy=True)
+    _icl.label_panel(ax, "query", ACCURACY, f"query perturbation, n = {n}, random maps at r = {r}", accuracy=True)
 
 
 def matched_cells(ds, n, factor, r) -> dict:
@@ -283,7 +266,7 @@ def _matched_panel(ax, ds, n, factor, r):
     ax.plot(xs, exact.sel(stat="estimate").values, color="0.3", marker="*", markersize=9, linestyle="--",
             label="exact attention")
     ax.set_xticks(xs, queries, fontsize=7)
-    label_panel(ax, "query", ACCURACY, accuracy=True)
+    _icl.label_panel(ax, "query", ACCURACY, accuracy=True)
     ax.set_title(f"equal state bytes: budget of FAVOR+ at r = {r} ({budget / 1024:.3g} KiB)", fontsize=9)
     ax.legend(fontsize=5.5, loc="center right", ncol=2)
 
@@ -354,7 +337,7 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"Recall of the orthogonal random maps at n = {n}, r = {r_q}, β = {factor:g}·ln n, by query: "
                      + "; ".join(per_query) + ". " + _trig_verdict(ds, r_q, at, random_maps, queries))
     lines.extend(_matched_findings(ds, n, factor))
-    if nystrom := labels_with(ESTIMATORS, names, rank_limited_by_points=True):
+    if nystrom := _icl.labels_with(ESTIMATORS, names, rank_limited_by_points=True):
         est = acc.sel(estimator=nystrom, stat="estimate")
         law = [f"{q}: " + ", ".join(f"r/n = {fmt(r / n, 2)}: {range_text(est.sel(num_features=r, query=q).values)}"
                                     for r in ranks if r <= n) for q in queries]
@@ -370,8 +353,8 @@ def findings(ds: xr.Dataset) -> str:
         lines.append(f"At r = n = {n}, `{m}` keeps {fmt(mem / 1024, 3)} kB from the context (state, {n} landmarks and "
                      f"the {n}×{n} whitening, float32) against {fmt(kv / 1024, 3)} kB for exact attention's KV cache "
                      f"({fmt(mem / kv, 2)}×).")
-    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
-        cell = {"num_features": FIXED_DIMENSION_SLOT, "query": "key"}
+    if fixed := _icl.labels_with(ESTIMATORS, names, fixed_dimension=True):
+        cell = {"num_features": _icl.FIXED_DIMENSION_SLOT, "query": "key"}
         lines.append("Fixed maps, query = stored key: " + "; ".join(
             f"`{m}` (r = {fmt(float(ds['feature_dim'].sel(estimator=m, **cell, **at).median()))}) "
             f"{fmt_ci(acc.sel(estimator=m, **cell))}" for m in fixed) + ".")
@@ -414,7 +397,7 @@ def _matched_findings(ds, n, factor) -> list[str]:
         missing = [f"`{label}`" for label in labels if label in SIZED and label not in cells]
         lines.append(f"Equal state bytes, n = {n}, β = {factor:g}·ln n, budget of FAVOR+ at r = {r} "
                      f"({fmt(budget / 1024)} KiB), recall by query [configuration, state kept]: " + "; ".join(parts)
-                     + (f"; not applicable (no configuration within the budget): {', '.join(missing)}"
+                     + (f"; not _icl.applicable (no configuration within the budget): {', '.join(missing)}"
                         if missing else "")
                      + ". LARA and EVA read each episode's test queries as a batch (their proposals use them).")
     for label, name, title in (("oprf", OPRF, "OPRF"), ("favor", FAVOR, "FAVOR+")):
@@ -443,7 +426,7 @@ def _trig_minus_best_positive(ds, r, at, random_maps, query):
     acc = ds["accuracy"].sel(num_features=r, query=query, **at)
     others = [m for m in random_maps if m != "trig_orthogonal"]
     d = acc.sel(estimator="trig_orthogonal") - acc.sel(estimator=others).max("estimator")
-    return stats.bootstrap_interval(d, REPLICATES, "mean")
+    return stats.bootstrap_interval(d, _icl.REPLICATES, "mean")
 
 
 def _flip_text(ds, r, at, random_maps, near, far) -> str:
@@ -470,13 +453,9 @@ def _trig_verdict(ds, r, at, random_maps, queries) -> str:
     return "Trigonometric minus the better positive map, paired per episode: " + "; ".join(words) + "."
 
 
-EXPERIMENT = Experiment(
-    name="icl_recall", title="Training-free associative recall: accuracy against state size and query perturbation",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_pairs", "query", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS,
-                        axes=("num_pairs", "beta_factor", "query", "seed")),
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES, REFERENCE_AXES = ("num_pairs", "query", "seed"), ("num_pairs", "beta_factor", "query", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Training-free associative recall: accuracy against state size and query perturbation")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -17,36 +17,21 @@ from __future__ import annotations
 import numpy as np
 import xarray as xr
 
+from experiments import _icl
 from experiments._common import add_summaries, range_text
-from experiments._icl import (
-    EPISODES,
-    FIXED_DIMENSION_SLOT,
-    REPLICATES,
-    SET_CONTEXT_ESTIMATORS,
-    EpisodeDraw,
-    applicable,
-    available,
-    episode_dims,
-    kv_cache,
-    labels_with,
-    readout_metric_table,
-    readout_metrics,
-    score_grid,
-    summarise_readout,
-)
 from kernapprox import tasks
 from kernapprox.plotting import bullets, fmt, fmt_ci, fmt_pct, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
-ESTIMATORS = SET_CONTEXT_ESTIMATORS
+ESTIMATORS = _icl.SET_CONTEXT_ESTIMATORS
 LABELS = 1                           # d_v: one real-valued label per context point
 
 GRIDS = {
-    "smoke": {"estimator": available(ESTIMATORS, ["positive_orthogonal", "trig_orthogonal", "nystrom_uniform"]),
+    "smoke": {"estimator": _icl.available(ESTIMATORS, ["positive_orthogonal", "trig_orthogonal", "nystrom_uniform"]),
               "num_features": [16, 32], "num_context": [32], "beta": [8.0], "seed": [0, 1]},
-    "default": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
+    "default": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
                 "num_context": [64, 512], "beta": [8.0, 32.0], "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
+    "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
              "num_context": [64, 256, 512], "beta": [8.0, 16.0, 32.0], "seed": list(range(6))},
 }
 PARAMETERS = {
@@ -60,30 +45,30 @@ AXIS_ATTRS = {"num_context": {"long_name": "context points n", "units": "1"},
 
 METRICS = {
     "nmse": Metric(long_name="normalised MSE", units="1",
-                   description="per episode, Σ(ŷ−f)²/Σ(f−f̄)² over its queries", **episode_dims()),
-    **readout_metric_table(),
+                   description="per episode, Σ(ŷ−f)²/Σ(f−f̄)² over its queries", **_icl.episode_dims()),
+    **_icl.readout_metric_table(),
 }
 REFERENCE_METRICS = {
-    "nmse_exact": Metric(long_name="normalised MSE of exact attention", units="1",
-                         description="the same for exact softmax attention on the same episodes", **episode_dims()),
+    "nmse_exact": Metric("normalised MSE of exact attention", "1",
+                         "the same for exact softmax attention on the same episodes", **_icl.episode_dims()),
 }
 
 
-def draw(params, data_rng, device) -> EpisodeDraw:
+def draw(params, data_rng, device) -> _icl.EpisodeDraw:
     """The episodes of a ``(num_context, seed)``, which every estimator, rank and bandwidth reads."""
     ep = tasks.smooth_regression(params["num_context"], dim=params["dim"], num_queries=params["num_queries"],
                                  lengthscale=params["lengthscale"], noise_std=params["noise_std"], num_outputs=LABELS,
-                                 batch=EPISODES, rng=data_rng, device=device)
-    return EpisodeDraw(ep, ep.x_query, ep.x, ep.y)
+                                 batch=_icl.EPISODES, rng=data_rng, device=device)
+    return _icl.EpisodeDraw(ep, ep.x_query, ep.x, ep.y)
 
 
 def run_cell(params, rng, device, data_rng, data):
     label, r, n = params["estimator"], params["num_features"], params["num_context"]
-    if not applicable(ESTIMATORS, label, r, n, slot=FIXED_DIMENSION_SLOT):
+    if not _icl.applicable(ESTIMATORS, label, r, n):
         return not_applicable()
     name, options = ESTIMATORS[label]
     read, exact = data.readouts(name, beta=params["beta"], num_features=r, rng=rng, options=options)
-    return {"nmse": tasks.normalized_mse(read.output, data.episodes).cpu().numpy(), **readout_metrics(read, exact)}
+    return {"nmse": tasks.normalized_mse(read.output, data.episodes).cpu().numpy(), **_icl.readout_metrics(read, exact)}
 
 
 def run_reference(params, device, data_rng, data):
@@ -91,14 +76,14 @@ def run_reference(params, device, data_rng, data):
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    ds = add_summaries(ds, ["nmse", "nmse_exact"], REPLICATES)
+    ds = add_summaries(ds, ["nmse", "nmse_exact"], _icl.REPLICATES)
     ratio = (ds["nmse"] / ds["nmse_exact"]).assign_attrs(
         long_name="normalised MSE over exact attention's on the same episode", units="1",
         description="per episode, nmse / nmse_exact (identical episodes)", comparison="ratio")
     ds["nmse_vs_exact"] = ratio
-    ds = add_summaries(ds, ["nmse_vs_exact"], REPLICATES, tail_threshold=None)
+    ds = add_summaries(ds, ["nmse_vs_exact"], _icl.REPLICATES, tail_threshold=None)
     ds["nmse_vs_exact_summary"].attrs["neutral"] = 1.0
-    return summarise_readout(ds)
+    return _icl.summarise_readout(ds)
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -110,8 +95,8 @@ def plot(ds: xr.Dataset, path) -> None:
         ax.set_title(f"n = {n}, β = {beta:g} (exact: {exact:.3f})")
 
     d = int(ds["dim"])
-    fig = score_grid(ds, "nmse", "nmse_exact", ylabel="normalised MSE", decorate=decorate, n_axis="num_context",
-                     kv_bytes=kv_cache(ds["num_context"], d=d, d_v=LABELS))
+    fig = _icl.score_grid(ds, "nmse", "nmse_exact", ylabel="normalised MSE", decorate=decorate,
+                          n_axis="num_context", kv_bytes=_icl.kv_cache(ds["num_context"], d=d, d_v=LABELS))
     save_figure(fig, path, (
         f"In-context Nadaraya–Watson regression of Gaussian-process draws on the sphere S^{d - 1} "
         f"(lengthscale {float(ds['lengthscale']):g}, noise {float(ds['noise_std']):g}): normalised MSE of "
@@ -130,7 +115,7 @@ def plot(ds: xr.Dataset, path) -> None:
 def findings(ds: xr.Dataset) -> str:
     names, ns, betas, ranks = (ds[a].values.tolist() for a in ("estimator", "num_context", "beta", "num_features"))
     ratio, nmse, lines = ds["nmse_vs_exact_summary"], ds["nmse_summary"], []
-    nystrom, n_small = labels_with(ESTIMATORS, names, rank_limited_by_points=True), min(ns)
+    nystrom, n_small = _icl.labels_with(ESTIMATORS, names, rank_limited_by_points=True), min(ns)
     if nystrom and n_small in ranks:
         gap = float(abs(ds["nmse"].sel(estimator=nystrom, num_features=n_small, num_context=n_small)
                         - ds["nmse_exact"].sel(num_context=n_small)).max())
@@ -147,7 +132,7 @@ def findings(ds: xr.Dataset) -> str:
                  for m in nystrom for b in betas]
         lines.append(f"Nyström at n = {n_big}, per-episode nMSE over exact attention's (median, 95 % interval): "
                      + "; ".join(parts) + ".")
-    if random_maps := labels_with(ESTIMATORS, names, unbiased=True):
+    if random_maps := _icl.labels_with(ESTIMATORS, names, unbiased=True):
         parts = []
         for b in betas:
             s = ratio.sel(num_features=r_big, num_context=n_big, beta=b, estimator=random_maps)
@@ -166,19 +151,16 @@ def findings(ds: xr.Dataset) -> str:
                          f"{fmt_pct(float(s.sel(stat='tail').isel(num_features=-1)))} at r = {ranks[-1]}; normalisers "
                          f"≤ 0 {fmt_ci(rate.isel(num_features=0), percent=True)} at r = {ranks[0]}")
         lines.append(f"`{m}` at n = {n_big}: " + "; ".join(parts) + ".")
-    if fixed := labels_with(ESTIMATORS, names, fixed_dimension=True):
+    if fixed := _icl.labels_with(ESTIMATORS, names, fixed_dimension=True):
         lines.append("Fixed maps (their own dimension): " + "; ".join(
-            f"`{m}` {range_text(nmse.sel(estimator=m, num_features=FIXED_DIMENSION_SLOT, stat='estimate').values)}"
+            f"`{m}` {range_text(nmse.sel(estimator=m, num_features=_icl.FIXED_DIMENSION_SLOT, stat='estimate').values)}"
             for m in fixed) + " (median nMSE over the n and β of the grid).")
     return bullets(lines)
 
 
-EXPERIMENT = Experiment(
-    name="icl_regression", title="Training-free in-context regression: error against rank and context length",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("num_context", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS, axes=("num_context", "beta", "seed")),
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Training-free in-context regression: error against rank and context length")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -56,7 +56,7 @@ from kernapprox.plotting import (
     split_estimator_name,
 )
 from kernapprox.spectrum import eckart_young_errors, kernel_singular_values
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 CLASSIC = ("trig", "positive", "hyperbolic", "maclaurin")       # data-independent, Performer-era maps
 DATA_DEPENDENT = ("nystrom", "scatterbrain", "window", "lara", "eva")
@@ -370,13 +370,9 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(name="kernel_error", title="Kernel-matrix error against the number of features",
-                        description=" ".join((__doc__.strip().split("\n\n")[0] + " "
-                                              + __doc__.strip().split("\n\n")[1]).split()),
-                        grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot,
-                        data_axes=("beta", "seq_len", "seed"), draw=draw,
-                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
-                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES = ("beta", "seq_len", "seed")
+EXPERIMENT = Experiment.from_module(__name__, title="Kernel-matrix error against the number of features",
+                                    description=" ".join(" ".join(__doc__.strip().split("\n\n")[:2]).split()))
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

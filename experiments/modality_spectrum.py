@@ -533,12 +533,9 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(
-    name="modality_spectrum",
-    title="The state-size spectrum by modality: text, music, video and a smooth reference",
-    description=" ".join(__doc__.split("\n\n")[0].split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS,
-    summarise=summarise, findings=findings, replicates="the trained models (train_seed)")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="The state-size spectrum by modality: text, music, video and a smooth reference",
+    description=" ".join(__doc__.split("\n\n")[0].split()), replicates="the trained models (train_seed)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -403,17 +403,14 @@ def plot(ds, path) -> None:
     plotting.save_figure(fig, path, caption, title="The cost of the two modes: time and memory against sequence length")
 
 
-EXPERIMENT = Experiment(
-    name="modes",
-    title="Transformer mode vs RNN mode: time and memory against sequence length",
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Transformer mode vs RNN mode: time and memory against sequence length",
     description="Times exact attention (SDPA, full sequence and KV-cache decode) and linear attention (parallel, "
                 "chunked, recurrent modes and the RecurrentState decode step) against n, with the memory "
                 "carried between tokens and the peak memory of each call. Grid: computation x seq_len (x the timing "
                 "budget per cell); the replicates are the timed calls of each cell (at least min_reps). Answers: "
                 "where does linear attention overtake exact attention, and is a decode step O(1) in RNN mode and "
-                "O(n) with a KV cache?",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, allow_tf32=False, parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings, replicates="the timed calls")
+                "O(n) with a KV cache?", replicates="the timed calls")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

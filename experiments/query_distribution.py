@@ -487,16 +487,13 @@ def _sized_findings(ds, names, values, betas) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(
-    name="query_distribution",
-    title="Estimator error against the query/key distribution and its effective temperature",
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Estimator error against the query/key distribution and its effective temperature",
     description=("How the kernel and attention errors of random-feature and Nyström estimators (and the rank-r SVD "
                  "oracles) depend on the distribution of queries and keys (isotropic, anisotropic, clustered, "
                  "heavy-tailed, text-like, continuous; real all-MiniLM-L6-v2 heads per layer), read against the "
                  "measured effective temperature β_eff. Grid: distribution × nominal beta × n × seed; each cell "
-                 "evaluates every estimator at every rank on one shared sample."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS,
-    summarise=summarise, findings=findings)
+                 "evaluates every estimator at every rank on one shared sample."))
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -388,17 +388,13 @@ def _needed(summary) -> str:
     return fmt_ci(summary, 3)
 
 
-EXPERIMENT = Experiment(
-    name="spectrum",
-    title="The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences",
+EXPERIMENT = Experiment.from_module(
+    __name__, title="The state-dimension spectrum: rank needed by text-like, real-text and continuous sequences",
     description=("Singular-value decay of one head's exact kernel and attention matrices and the rank needed for a "
                  "1% / 10% relative Frobenius error (Eckart–Young), against sequence length, for Zipf-token text, "
                  "real MiniLM heads on English text (up to one 512-token window) and smooth continuous signals of "
-                 "three correlation lengths; "
-                 "compared with the feature counts random-feature and Nyström estimators need for the same "
-                 "targets. Grid: data × n × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS,
-    summarise=summarise, findings=findings)
+                 "three correlation lengths; compared with the feature counts random-feature and Nyström "
+                 "estimators need for the same targets. Grid: data × n × seed."))
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -20,6 +20,7 @@ from .attention import (
     linear_attention_naive,
     softmax_attention,
     softmax_attention_naive,
+    uniform_attention,
 )
 from .estimators import AttentionParts, Capabilities, Estimator, FeatureMap
 from .estimators.registry import (
@@ -41,8 +42,8 @@ __version__ = "0.1.0"
 __all__ = [
     "backends", "estimators", "approximate", "metrics", "real", "rules", "available_rules", "theory",
     "NotFittedError", "MODES", "AttentionParts", "Capabilities", "Estimator", "FeatureMap", "RecurrentState",
-    "linear_attention", "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "kernel_matrix",
-    "log_kernel_matrix", "resolve_scale", "available_estimators", "capabilities", "estimator_class",
+    "linear_attention", "linear_attention_naive", "softmax_attention", "softmax_attention_naive", "uniform_attention",
+    "kernel_matrix", "log_kernel_matrix", "resolve_scale", "available_estimators", "capabilities", "estimator_class",
     "estimator_table", "make_estimator", "register", "convert", "trainable", "HedgehogMap", "T2RMap",
     "feature_attention", "fit_to_softmax", "__version__",
 ]

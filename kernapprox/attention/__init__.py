@@ -22,7 +22,7 @@ True
 """
 
 from .decode import DecodeCache, EstimatorStateCache, FeatureStateCache, KVCache, decode_cache
-from .exact import softmax_attention
+from .exact import softmax_attention, uniform_attention
 from .linear import (
     MODES,
     add_log_keys,
@@ -34,7 +34,7 @@ from .linear import (
 from .naive import linear_attention_from_log_features_naive, linear_attention_naive, softmax_attention_naive
 from .recurrent import RecurrentState, add_keys, read_queries
 
-__all__ = ["MODES", "softmax_attention", "linear_attention", "linear_attention_from_features",
+__all__ = ["MODES", "softmax_attention", "uniform_attention", "linear_attention", "linear_attention_from_features",
            "linear_attention_from_log_features", "add_keys", "read_queries", "add_log_keys", "RecurrentState",
            "chunked_block_length", "softmax_attention_naive", "linear_attention_naive",
            "linear_attention_from_log_features_naive", "decode_cache", "DecodeCache", "FeatureStateCache", "KVCache",

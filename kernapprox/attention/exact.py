@@ -35,6 +35,7 @@ from ..validation import (
     check_finite,
     check_positive_int,
     check_qkv,
+    check_tensor,
     compute_dtype,
     itemsize,
     max_row_norm,
@@ -186,3 +187,18 @@ def _check_rows(mask, start):
         raise ValueError(f"query {row} (batch index {batch}) has no key to attend to: key_padding_mask, attn_mask "
                          "and causal order leave it none; softmax attention over no key is undefined (0/0). Unmask a "
                          "key for it, or drop the row")
+
+
+def uniform_attention(v: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """The trivial baseline of every attention comparison: attention that ignores the keys, ``y_i = (1/n) Σ_j
+    v_j`` (non-causal) or the prefix mean ``y_i = (1/i) Σ_{j ≤ i} v_j`` (causal).
+
+    It is softmax attention at inverse temperature 0 (every score equal), the limit ``β → 0`` of
+    :func:`softmax_attention`; an estimator whose output error is not below this one's has learnt nothing from the
+    keys. ``v`` is ``(..., n, d_v)``; the result has its shape and dtype.
+    """
+    check_tensor(v, "v")
+    check_bool(causal, "causal")
+    if not causal:
+        return v.mean(-2, keepdim=True).expand_as(v)
+    return v.cumsum(-2) / torch.arange(1, v.shape[-2] + 1, dtype=v.dtype, device=v.device)[:, None]

@@ -245,7 +245,17 @@ class OptimalPositiveFeatures(_ExponentialFamilyFeatures):
         return self.A_, None, None
 
 
-class SymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
+class _DenseExponentialFeatures(_ExponentialFamilyFeatures):
+    """The dense-exponential maps (SDERF, SADERF, ADERF; Likhosherstov et al. 2023, arXiv 2302.00787): fitted to
+    the queries and keys of the call as a whole (data dependent, not causal as a whole-sequence fit), so a
+    decoder keeps their per-coordinate parameters and the two input transforms as context state."""
+
+    data_dependent = True
+    causal_fit = False
+    context_state = ("alpha_", "query_transform_", "key_transform_")
+
+
+class SymmetricDenseExponentialFeatures(_DenseExponentialFeatures):
     r"""Symmetric dense-exponential random features (SDERF): one dense ``A`` and ``B⁽¹⁾ = B⁽²⁾ = B``.
 
     With the validity condition ``Bᵀ(I−4A)⁻¹B = I`` we have ``C = −½ I`` and ``B = (I−4A)^{1/2} O`` (``O``
@@ -277,9 +287,6 @@ class SymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
     was not available to us) and verified numerically.
     """
 
-    data_dependent = True
-    causal_fit = False
-    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), SDERF (closed form re-derived)"
 
     def _fit_parameters(self, q, k):
@@ -294,7 +301,7 @@ class SymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
         return alpha, basis.T.copy(), basis.T.copy()
 
 
-class SimplifiedAsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
+class SimplifiedAsymmetricDenseExponentialFeatures(_DenseExponentialFeatures):
     r"""Simplified asymmetric dense-exponential random features (SADERF): a diagonal rescaling, then OPRF.
 
     ``f⁽¹⁾(ω, x) = f_GERF(ω, Ψx)``, ``f⁽²⁾(ω, y) = f_GERF(ω, Ψ⁻¹y)`` with ``Ψ = diag(ψ)``; the kernel is preserved
@@ -323,9 +330,6 @@ class SimplifiedAsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
     ``ψ*`` re-derived here as stated above.
     """
 
-    data_dependent = True
-    causal_fit = False
-    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), SADERF"
 
     def _fit_parameters(self, q, k):
@@ -347,7 +351,7 @@ class SimplifiedAsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
         return self.A_, np.diag(psi), np.diag(1.0 / psi)
 
 
-class AsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
+class AsymmetricDenseExponentialFeatures(_DenseExponentialFeatures):
     r"""Asymmetric dense-exponential random features (ADERF): ``A = aI``, dense ``B⁽¹⁾ ≠ B⁽²⁾``.
 
     Write ``B⁽ᵏ⁾ = sqrt(1−4a) P_k`` with ``P_1ᵀP_2 = I`` (validity). Then ``C⁽ᵏ⁾ = −½ P_kᵀP_k`` and, with
@@ -387,9 +391,6 @@ class AsymmetricDenseExponentialFeatures(_ExponentialFamilyFeatures):
     closed form is re-derived as above (with ``Σ^{+1/2}``; a secondary summary's ``Σ^{−1/2}`` is not optimal).
     """
 
-    data_dependent = True
-    causal_fit = False
-    context_state = ("alpha_", "query_transform_", "key_transform_")
     reference = "Likhosherstov et al. 2023 (Dense-Exponential RFs, arXiv 2302.00787), ADERF (closed form re-derived)"
 
     def __init__(self, *, num_features: int, sampler="iid", rng=None, scale: float | None = None, eps: float = 0.0,

@@ -20,6 +20,7 @@ import json
 import numbers
 import re
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -196,6 +197,12 @@ def _default_module(fn) -> str:
     return module
 
 
+# What Experiment.from_module reads from a study module: constants (module name -> field) and functions.
+_MODULE_CONSTANTS = {"GRIDS": "grids", "METRICS": "metrics", "PARAMETERS": "parameters", "AXIS_ATTRS": "axis_attrs",
+                     "DATA_AXES": "data_axes"}
+_MODULE_FUNCTIONS = ("run_cell", "plot", "draw", "summarise", "findings", "check_params")
+
+
 @dataclass(frozen=True)
 class Experiment:
     """One experiment: its grids (presets), metrics, cell function and plot.
@@ -337,6 +344,53 @@ class Experiment:
         object.__setattr__(self, "metrics", dict(self.metrics))
         if self.module is None:
             object.__setattr__(self, "module", _default_module(self.run_cell))
+
+    @classmethod
+    def from_module(cls, module: str | types.ModuleType, *, title: str, **fields) -> Experiment:
+        """The experiment a study module declares under the conventional names, so that the study holds
+        declarations and functions and the engine gathers them (zoology's experiments as configuration).
+
+        ``module`` is the module or its name (a study ends with ``EXPERIMENT = Experiment.from_module(__name__,
+        title=...)``; under ``python -m`` its ``__name__`` is ``"__main__"`` and the importable name is the
+        spec's). The fields read, where the module defines them: ``GRIDS``, ``METRICS``, ``PARAMETERS``,
+        ``AXIS_ATTRS`` and ``DATA_AXES`` (constants); ``run_cell``, ``plot``, ``draw``, ``summarise``,
+        ``findings`` and ``check_params`` (functions, which must be defined in the module itself: a function of
+        another module is passed by keyword, so that no imported name is taken by accident); and a
+        :class:`Reference` of ``run_reference`` with ``REFERENCE_METRICS`` (and ``REFERENCE_AXES`` when it is
+        not the data axes). ``name`` defaults to the module's last dotted part, ``description`` to its docstring
+        with the whitespace collapsed. Keyword ``fields`` (any :class:`Experiment` field) override what is read.
+        """
+        if isinstance(module, str):
+            if module not in sys.modules:
+                raise ValueError(f"module {module!r} is not imported (pass the module object or its __name__)")
+            module = sys.modules[module]
+        if not isinstance(module, types.ModuleType):
+            raise TypeError(f"module must be a module or its name, got {type(module).__name__}")
+        spec = getattr(module, "__spec__", None)
+        qualified = spec.name if spec is not None and spec.name else module.__name__
+        found = {"name": qualified.rsplit(".", 1)[-1], "description": " ".join((module.__doc__ or "").split()),
+                 "module": qualified}
+        for attr, name in _MODULE_CONSTANTS.items():
+            if hasattr(module, attr):
+                found[name] = getattr(module, attr)
+        for name in (*_MODULE_FUNCTIONS, "run_reference"):
+            fn = getattr(module, name, None)
+            if fn is None or name in fields:
+                continue
+            if getattr(fn, "__module__", None) != module.__name__:
+                raise TypeError(f"{qualified}.{name} is defined in {getattr(fn, '__module__', None)!r}, not in the "
+                                f"study: pass it by keyword ({name}=...) if it is meant")
+            if name != "run_reference":
+                found[name] = fn
+        if hasattr(module, "run_reference") and "reference" not in fields:
+            if not hasattr(module, "REFERENCE_METRICS"):
+                raise ValueError(f"{qualified} defines run_reference but no REFERENCE_METRICS")
+            found["reference"] = Reference(run_cell=module.run_reference, metrics=module.REFERENCE_METRICS,
+                                           axes=getattr(module, "REFERENCE_AXES", None))
+        unknown = set(fields) - {f.name for f in cls.__dataclass_fields__.values()} - {"title"}
+        if unknown:
+            raise TypeError(f"unknown Experiment fields {sorted(unknown)}")
+        return cls(title=title, **{**found, **fields})
 
     def _check_comparative(self, axes: list[str]) -> None:
         """A study with an estimator axis compares estimators: refuse it unless the data are paired."""
@@ -532,6 +586,18 @@ def check_values(experiment: Experiment, grid: Mapping[str, Sequence], parameter
             experiment.check_params({**params, **(parameters or {})})
 
 
+def _axis_values(option: str, takes: str, grid: dict[str, list], mapping, note: str = ""):
+    """Each ``(axis, values as a list, the axis's type)`` of ``mapping`` (``only``, ``--set``), refusing anything
+    but a mapping and an axis the grid does not have (``note`` completes that message)."""
+    if not isinstance(mapping, Mapping):
+        name = "only" if option == "only" else "set_values"
+        raise TypeError(f"{name} must be a mapping axis -> {takes}, got {type(mapping).__name__}")
+    for axis, values in mapping.items():
+        if axis not in grid:
+            raise ValueError(f"{option}: unknown axis {axis!r}; axes: {', '.join(grid)}{note}")
+        yield axis, list(values) if isinstance(values, list | tuple) else [values], axis_type(grid[axis])
+
+
 def select(experiment: Experiment, grid: dict[str, list], only: Mapping | None) -> dict[str, list]:
     """Restrict ``grid`` to the values in ``only`` (``axis -> value or list of values``).
 
@@ -540,14 +606,8 @@ def select(experiment: Experiment, grid: dict[str, list], only: Mapping | None) 
     """
     if not only:
         return grid
-    if not isinstance(only, Mapping):
-        raise TypeError(f"only must be a mapping axis -> value(s), got {type(only).__name__}")
     out = dict(grid)
-    for axis, wanted in only.items():
-        if axis not in grid:
-            raise ValueError(f"only: unknown axis {axis!r}; axes: {', '.join(grid)}")
-        wanted = list(wanted) if isinstance(wanted, list | tuple) else [wanted]
-        kind = axis_type(grid[axis])
+    for axis, wanted, kind in _axis_values("only", "value(s)", grid, only):
         allowed = grid[axis] + [v for v in experiment.known_values(axis) if v not in grid[axis]]
         chosen = []
         for value in wanted:
@@ -567,15 +627,9 @@ def replace_values(experiment: Experiment, grid: dict[str, list], new: Mapping |
     """Replace the values of axes by any values of the axis's type (``--set axis=v1,v2``)."""
     if not new:
         return grid
-    if not isinstance(new, Mapping):
-        raise TypeError(f"set_values must be a mapping axis -> list of values, got {type(new).__name__}")
     out = dict(grid)
-    for axis, values in new.items():
-        if axis not in grid:
-            raise ValueError(f"set: unknown axis {axis!r}; axes: {', '.join(grid)} (fixed parameters: "
-                             f"{', '.join(experiment.parameters) or 'none'})")
-        values = list(values) if isinstance(values, list | tuple) else [values]
-        kind = axis_type(grid[axis])
+    note = f" (fixed parameters: {', '.join(experiment.parameters) or 'none'})"
+    for axis, values, kind in _axis_values("set", "list of values", grid, new, note):
         if kind is float:
             values = [float(v) if type(v) is int else v for v in values]
         checked = _check_axis_values("--set", axis, values)

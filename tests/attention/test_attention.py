@@ -591,3 +591,21 @@ def test_attention_estimator_parts_are_the_kernel_row_sums(name, options, shapes
         scale = torch.exp(parts.log_scale)
         torch.testing.assert_close(parts.normalizer * scale, a.sum(-1), rtol=1e-12, atol=0)
         torch.testing.assert_close(parts.numerator * scale[:, None], a @ v, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_uniform_attention_is_softmax_attention_at_zero_temperature(causal):
+    """The trivial baseline equals its oracle, the float64 loop of softmax attention with every score zero (zero
+    queries), and refuses what it cannot average."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 17, 5, generator=gen, dtype=torch.float64) for _ in range(3))
+    y = ka.uniform_attention(v, causal=causal)
+    assert y.shape == v.shape and y.dtype == v.dtype
+    torch.testing.assert_close(y, ka.softmax_attention_naive(torch.zeros_like(q), k, v, causal), rtol=1e-13,
+                               atol=1e-14)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ka.uniform_attention(torch.full((4, 2), float("nan")))
+    with pytest.raises(ValueError, match="rank >= 2"):
+        ka.uniform_attention(torch.ones(4))
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        ka.uniform_attention(v, causal=1)

@@ -507,3 +507,59 @@ def test_a_findings_file_names_the_code_of_its_data_and_stale_ones_are_reported(
     assert main(["status", str(folder), "--strict"]) == 0
     with pytest.raises(ValueError, match="folder"):
         sweep.figure_status(tmp_path / "missing")
+
+
+def _study_module(name="my_study", **attrs):
+    """A study module built in memory: the toy's declarations under the conventional names, plus ``attrs``."""
+    import types
+
+    mod = types.ModuleType(f"studies.{name}", doc="What the toy measures,\n   in two lines.")
+
+    def run_cell(params, rng, device):
+        return {"m": 0.0}
+
+    def plot(ds, path):
+        return None
+
+    for fn in (run_cell, plot):
+        fn.__module__ = mod.__name__
+    mod.__dict__.update({"GRIDS": {"smoke": {"n": [1, 2], "seed": [0, 1]}},
+                         "METRICS": {"m": Metric("a metric", "1", "its description")}, "run_cell": run_cell,
+                         "plot": plot, **attrs})
+    return mod
+
+
+def test_from_module_gathers_the_conventional_names_and_keywords_override_them():
+    mod = _study_module()
+    exp = Experiment.from_module(mod, title="T")
+    assert (exp.name, exp.module, exp.title) == ("my_study", "studies.my_study", "T")
+    assert exp.description == "What the toy measures, in two lines."
+    assert exp.run_cell is mod.run_cell and exp.plot is mod.plot and exp.reference is None
+    assert dict(exp.grids["smoke"]) == {"n": [1, 2], "seed": [0, 1]} and list(exp.metrics) == ["m"]
+    assert Experiment.from_module(mod, title="T", name="other", description="D.").name == "other"
+
+    def run_reference(params, device, data_rng):
+        return {"r": 1.0}
+
+    def run_cell(params, rng, device, data_rng):
+        return {"m": 0.0}
+
+    run_reference.__module__ = run_cell.__module__ = "studies.my_study"
+    ref = _study_module(run_reference=run_reference, run_cell=run_cell, DATA_AXES=("seed",),
+                        REFERENCE_METRICS={"r": Metric("ref", "1", "d")}, REFERENCE_AXES=("n", "seed"))
+    exp = Experiment.from_module(ref, title="T")
+    assert exp.data_axes == ("seed",) and exp.reference.axes == ("n", "seed")
+    assert exp.reference.run_cell is run_reference and list(exp.reference.metrics) == ["r"]
+
+
+def test_from_module_refuses_an_imported_function_and_unknown_fields():
+    mod = _study_module(findings=json.dumps)                  # a conventional name bound to another module's function
+    with pytest.raises(TypeError, match="findings is defined in 'json.*pass it by keyword"):
+        Experiment.from_module(mod, title="T")
+    assert Experiment.from_module(mod, title="T", findings=json.dumps).findings is json.dumps
+    with pytest.raises(TypeError, match="unknown Experiment fields"):
+        Experiment.from_module(_study_module(), title="T", grid={})
+    with pytest.raises(ValueError, match="no REFERENCE_METRICS"):
+        Experiment.from_module(_study_module(run_reference=_study_module().run_cell), title="T")
+    with pytest.raises(ValueError, match="not imported"):
+        Experiment.from_module("no.such.study", title="T")
