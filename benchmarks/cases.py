@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import kernapprox as ka
-from kernapprox import backends
+from kernapprox import backends, lm_eval
 from kernapprox.attention import native
 from kernapprox.estimators import fused
 from kernapprox.metrics import relative_rms_error
@@ -810,13 +810,6 @@ LM_CONVERSIONS = {"one draw per layer": True, "one draw per key/value head": "gr
 LM_TARGET_CONVERSION = "one draw per layer"
 
 
-def _cache_keyword(model) -> str:
-    """The keyword a transformers causal LM takes its cache by: ``cache`` (transformers 5) or ``past_key_values``."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _lm_stream(stream, tokens: int) -> tuple[torch.Tensor, int]:
     """``(1, tokens)`` int64 ids: ``stream`` from its start, repeated end to end when it is shorter (the number of
     passes over it is returned)."""
@@ -849,7 +842,7 @@ def _interleaved_steps(runs: dict, ids: torch.Tensor, steps: int, device) -> dic
             model, cache, first = runs[k]
             token = ids[:, first + i:first + i + 1]
             wall, c = _timed(lambda model=model, cache=cache, token=token: model(
-                input_ids=token, use_cache=True, **{_cache_keyword(model): cache}), device)
+                input_ids=token, use_cache=True, **{lm_eval.cache_keyword(model): cache}), device)
             if i:
                 walls[k].append(wall)
                 cpu[k] += c
@@ -881,7 +874,7 @@ def _converted_pass(converted, ids: torch.Tensor, found: dict, contexts, chunk: 
 
     from kernapprox.surgery.cache import KernelCache
 
-    key = _cache_keyword(converted)
+    key = lm_eval.cache_keyword(converted)
     cache = KernelCache(converted, state_dtype=torch.float32)
     n_max = max(found)
     stops = sorted(set(found) | set(range(chunk, n_max, chunk)))
@@ -913,15 +906,13 @@ def lm_decode_rows(model, stream, *, device: torch.device, contexts, prefill_len
     :func:`kernapprox.lm_eval.cache_bytes`), ``prefill_s`` / ``prefill_calls`` / ``prefill_s_per_token`` (the
     converted model's calls that took its state from 0 to that length), ``exact_prefill_s`` (one call of the exact
     model over the same tokens, NaN where not measured), the step times, and what was converted."""
-    from kernapprox import lm_eval
-
     contexts, prefill_lengths = sorted(set(contexts)), sorted(set(prefill_lengths))
     lengths = sorted(set(contexts) | set(prefill_lengths))
     n_max = lengths[-1]
     ids, repeats = _lm_stream(stream, n_max + steps + 1)
     ids = ids.to(device)
     model = model.to(device).eval()
-    key = _cache_keyword(model)
+    key = lm_eval.cache_keyword(model)
     found: dict[tuple[str, int], dict] = {}
     converted, states = {}, {}
     for label, share in LM_CONVERSIONS.items():

@@ -33,7 +33,6 @@ label, two draws) and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybr
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import NamedTuple
 
@@ -394,18 +393,12 @@ def layer_sensitivity(data: Draw, params) -> dict:
     return _SENSITIVITY[key]
 
 
-def _cache_keyword(model) -> str:
-    """The keyword a transformers model takes its cache by (``cache`` in transformers 5, else
-    ``past_key_values``)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 @torch.no_grad()
 def _decode_check(model, ids: torch.Tensor, n_decode: int, state_dtype) -> dict:
     """Prefill all but the last ``n_decode`` tokens of ``ids`` ``(1, n)`` into a :class:`KernelCache` with
     ``state_dtype``, decode those one at a time; the logits against the parallel pass, and the seconds."""
     full = model(input_ids=ids, use_cache=False).logits[0, -n_decode:].double()
-    key = _cache_keyword(model)
+    key = lm_eval.cache_keyword(model)
     cache = KernelCache(model, state_dtype=state_dtype)
     start = time.perf_counter()
     model(input_ids=ids[:, :-n_decode], use_cache=True, **{key: cache})
@@ -426,7 +419,7 @@ def _decode_check(model, ids: torch.Tensor, n_decode: int, state_dtype) -> dict:
 def _decoder_bytes(model, ids: torch.Tensor, state_dtype) -> float:
     """The bytes a :class:`KernelCache` with ``state_dtype`` holds after prefilling ``ids`` ``(1, n)``."""
     cache = KernelCache(model, state_dtype=state_dtype)
-    model(input_ids=ids, use_cache=True, **{_cache_keyword(model): cache})
+    model(input_ids=ids, use_cache=True, **{lm_eval.cache_keyword(model): cache})
     return float(cache.state_bytes())
 
 

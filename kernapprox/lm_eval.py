@@ -27,6 +27,7 @@ the returned cache, timing each step, and measures the cache's bytes from its te
 
 from __future__ import annotations
 
+import inspect
 import time
 from dataclasses import dataclass
 
@@ -38,7 +39,8 @@ from . import stats
 from .validation import check_positive_int
 
 __all__ = ["token_nll", "nll_summary", "RecallPrompt", "CLASSIC_FILLER", "classic_filler", "passkey_prompt",
-           "kv_lookup_prompt", "score_recall", "recall_summary", "decode_timing", "cache_bytes", "greedy_reply"]
+           "kv_lookup_prompt", "score_recall", "recall_summary", "decode_timing", "cache_bytes", "cache_keyword",
+           "greedy_reply"]
 
 
 def _check_ids(input_ids, name: str = "input_ids", *, min_len: int = 2) -> torch.Tensor:
@@ -336,6 +338,12 @@ def recall_summary(scores: dict, *, level: float = stats.LEVEL) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------- decoding
+def cache_keyword(model) -> str:
+    """The keyword a transformers model's forward takes its cache by: ``cache`` (transformers 5) or
+    ``past_key_values`` (earlier versions), read from the signature of ``model.forward``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def _cache_of(output):
     """The cache a forward pass with ``use_cache=True`` returned, and the keyword that passes it back
     (transformers 5 names it ``cache``; earlier versions ``past_key_values``)."""

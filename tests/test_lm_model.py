@@ -80,6 +80,9 @@ def test_the_kv_cache_is_what_kv_cache_bytes_says(smollm2):
     r = lm_eval.decode_timing(model, ids, n_decode=2, warmup=0)
     assert r["cache_bytes_after_prefill"] == lm.kv_cache_bytes(64) == 64 * 46_080
     assert r["cache_bytes"] == lm.kv_cache_bytes(66)
+    # the keyword the installed transformers takes the cache by (cache in transformers 5, else past_key_values)
+    keyword = lm_eval.cache_keyword(model)
+    assert keyword in ("cache", "past_key_values") and keyword in inspect.signature(model.forward).parameters
 
 
 @pytest.mark.skipif(lm.text_unavailable_reason("shakespeare") is not None,

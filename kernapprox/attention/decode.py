@@ -274,13 +274,13 @@ class FeatureStateCache(DecodeCache):
             if q.shape[-2] == 1 and key_padding is None and query_padding is None:
                 out = self._one_token(q, k, v)
                 if out is not None:
-                    return out
+                    return out.to(q.dtype)
             out, self.state = linear_attention(q, k, v, self.estimator, causal=True, mode=self.mode, rule=self.rule,
                                                initial_state=self.state, return_state=True,
                                                **mask_kwargs(key_padding, query_padding_mask=query_padding))
         return out
 
-    def _one_token(self, q, k, v):
+    def _one_token(self, q, k, v, *, grouped: bool = False):
         """The decoding step of the sum and decay rules without the sequence machinery: the recurrent mode's
         update and read (:func:`~kernapprox.attention.recurrent.normalized_step`,
         :func:`~kernapprox.attention.recurrent.normalized_read`, the same arithmetic as ``linear_attention``'s
@@ -288,7 +288,9 @@ class FeatureStateCache(DecodeCache):
         ``None`` (the general path then runs the step) before the first token, for another rule, a state of
         another dtype or device, or a read whose normaliser cannot be trusted
         (:func:`~kernapprox.attention.logdomain.needs_recompute`: the general path raises or recomputes as it does
-        for every call)."""
+        for every call). ``grouped`` (:meth:`grouped_step`): ``q`` and ``k`` carry a group axis before the token,
+        ``(..., H_kv, G, 1, d)`` (``k`` broadcast over it); the state takes the first member's key features and is
+        read by every member. Returns the output in the compute dtype."""
         if self.state is None or not self.rule.normalized:
             return None
         state = to_internal(self.state)
@@ -297,13 +299,17 @@ class FeatureStateCache(DecodeCache):
             return None
         pk, lk = self.estimator.features(k, "key", log_scale=True, check_finite=False)
         pq, _ = self.estimator.features(q, "query", log_scale=True, check_finite=False)
+        if grouped:                                       # the key's features: the broadcast call's first member
+            pk, lk = pk[..., 0, :, :], lk[..., 0, :]
         new = normalized_step(state, pk[..., 0, :].to(ct), lk[..., 0].to(ct), v[..., 0, :].to(ct),
                               self.rule.log_decay)
-        num, den = normalized_read(new, pq[..., 0, :].to(ct))
+        read = NormalizedState(new.w.unsqueeze(-3), new.z.unsqueeze(-2), new.log_scale.unsqueeze(-1)) if grouped \
+            else new                                      # the state broadcast over the G readers
+        num, den = normalized_read(read, pq[..., 0, :].to(ct))
         if logdomain.needs_recompute(self.estimator, den, new.log_scale):
             return None
         self.state = to_public(new)
-        return (num / den[..., None])[..., None, :].to(q.dtype)
+        return (num / den[..., None])[..., None, :]
 
     def grouped_step(self, qg, k, v, *, validated: bool = False):
         """One new token of every key/value head, read by its ``G`` query heads (the decoding step of
@@ -333,22 +339,12 @@ class FeatureStateCache(DecodeCache):
         dtype = qg.dtype
         if self.state_dtype is not None:
             qg, kg, v = qg.to(self.state_dtype), kg.to(self.state_dtype), v.to(self.state_dtype)
-        state = to_internal(self.state)
-        ct = state.w.dtype
-        if compute_dtype(qg.dtype) != ct or qg.device != state.w.device:
-            return None
         with _no_autocast(qg):
-            pk, lk = self.estimator.features(kg, "key", log_scale=True, check_finite=False)
-            pq, _ = self.estimator.features(qg, "query", log_scale=True, check_finite=False)
-            new = normalized_step(state, pk[..., 0, 0, :].to(ct), lk[..., 0, 0].to(ct), v[..., 0, :].to(ct),
-                                  self.rule.log_decay)
-            shared = NormalizedState(new.w.unsqueeze(-3), new.z.unsqueeze(-2), new.log_scale.unsqueeze(-1))
-            num, den = normalized_read(shared, pq[..., 0, :].to(ct))
-            if logdomain.needs_recompute(self.estimator, den, new.log_scale):
-                return None
-        self.state = to_public(new)
+            out = self._one_token(qg, kg, v, grouped=True)
+        if out is None:
+            return None
         self.num_tokens += 1
-        return (num / den[..., None])[..., None, :].to(dtype)
+        return out.to(dtype)
 
     def reset(self) -> None:
         super().reset()

@@ -60,6 +60,7 @@ import torch
 from ..attention import MODES, linear_attention
 from ..attention.masks import mask_kwargs
 from ..estimators import Estimator
+from ..nn.functional import repeat_kv
 from ..trainable import TrainableFeatureMap, feature_attention
 from ..validation import check_choice, check_positive_int, check_same_kind, check_tensor
 
@@ -467,7 +468,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(f"{heads} query heads do not share {key.shape[1]} key/value heads evenly")
     groups = heads // key.shape[1]
     if isinstance(attention, _Capture):
-        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
+        call = AttentionCall(query, repeat_kv(key, groups), repeat_kv(value, groups), padding, causal, float(scaling))
         if attention.on_call is None:
             raise _Captured(call)
         attention = attention.on_call(call)             # the layer's maps fitted on this call, then used in it
@@ -489,7 +490,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         # a decoder whose every estimator reads one state per key/value head: the repeated keys are never read
         call = AttentionCall(query, key, value, padding, causal, float(scaling))
     else:                                             # grouped-query heads: each query head reads its group's keys
-        call = AttentionCall(query, *_repeated(key, value, groups), padding, causal, float(scaling))
+        call = AttentionCall(query, repeat_kv(key, groups), repeat_kv(value, groups), padding, causal, float(scaling))
     key, value = call.key, call.value
     query_padding = _keyless_queries(padding) if causal else None
 
@@ -535,13 +536,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     if attention.observer is not None:
         attention.observer(call, out)
     return out.transpose(1, 2).contiguous(), None
-
-
-def _repeated(key: torch.Tensor, value: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Grouped key/value heads ``(B, H_kv, n, d)`` repeated to the query heads (``repeat_kv``'s order)."""
-    if groups == 1:
-        return key, value
-    return key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
 
 
 def _heads(index: list[int]) -> slice | list[int]:
