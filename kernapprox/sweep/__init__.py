@@ -1,7 +1,8 @@
 """The experiment engine: grids × seeds → executor → resumable store → one xarray dataset per experiment.
 
 An experiment module defines ``GRIDS`` (presets), ``METRICS``, ``run_cell(params, rng, device)`` and
-``plot(ds, path)``, wraps them in :class:`Experiment` and calls :func:`run_cli`. A comparative study (an
+``plot(ds, path)``, gathers them into an :class:`Experiment` (:meth:`Experiment.from_module` reads these
+conventional names) and calls :func:`run_cli`. A comparative study (an
 ``estimator`` axis) also declares ``data_axes`` (refused otherwise), usually a ``draw`` (the data of one draw and
 its exact references, made once by the engine and handed to every cell of the draw as ``data``), a
 :class:`Reference` computed once per data draw, fixed :class:`Parameter` values, a ``summarise`` that adds paired
