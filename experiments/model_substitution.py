@@ -44,16 +44,15 @@ not a 95 % interval. The exact model's accuracy: a Clopper–Pearson proportion 
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import numpy as np
 import xarray as xr
+from matplotlib import ticker
 
-import kernapprox as ka
-from experiments._common import add_proportion
-from kernapprox import real, stats
+from experiments._common import add_proportion, registered
+from kernapprox import plotting, real, stats
 from kernapprox.plotting import bullets, fmt, fmt_ci
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 REAL_REASON = real.unavailable_reason()
 if REAL_REASON is not None:
@@ -64,16 +63,17 @@ else:
 # The study's estimators, one table: registry name -> family (unregistered names are left out).
 FAMILIES = {"positive_orthogonal": "random", "oprf_orthogonal": "data-dependent random",
             "nystrom_kmeans": "Nyström", "taylor2": "Taylor", "hedgehog": "learned"}
-ESTIMATORS = [name for name in FAMILIES if name in ka.available_estimators()]
+ESTIMATORS = registered(*FAMILIES)
 LEARNED = ("hedgehog",)                   # trained on the extraction windows, never on the input
 FIXED_DIMENSION = {"taylor2": 32}          # estimator -> the num_features cell it runs in
 HELDOUT_BASELINES = ("positive_orthogonal", "oprf_orthogonal", "nystrom_kmeans")   # paired against the others
 # learned-map training / calibration data: every 4th query of each 64-token segment (its softmax over all 64 keys)
 TRAIN = dict(windows=(0, 1), segment=64, query_stride=4)
 NUM_LAYERS, NUM_HEADS = real.NUM_LAYERS, real.NUM_HEADS
-PLACEMENTS = ([sub.placement_label(p) for p in sub.all_placements()] if REAL_REASON is None
-              else ["E:-"])
-NONE_EXACT, ALL_EXACT = "E:-", "E:" + ",".join(map(str, range(NUM_LAYERS)))
+NONE_EXACT = "E:-"
+# placement label -> number of exact layers, for every placement
+EXACT_LAYERS = {sub.placement_label(p): len(p) for p in sub.all_placements()} if REAL_REASON is None else {"E:-": 0}
+PLACEMENTS = list(EXACT_LAYERS)
 QUERIES = "query"
 
 GRIDS = {
@@ -88,55 +88,45 @@ GRIDS = {
              "paragraphs": [64], "train_steps": [100], "seed": list(range(5))},
 }
 PARAMETERS = {
-    "fit_points": Parameter(1024, long_name="tokens per head a data-dependent map is fitted on at most", units="1",
-                            description="every ceil(N / fit_points)-th of the N real tokens of the input"),
-    "learning_rate": Parameter(0.05, long_name="learning rate of the learned maps' training (Adam)", units="1"),
-    "heldout_rank": Parameter(64, long_name="r at which each head's held-out attention error is measured",
-                              units="1", description="fixed-dimension maps: in their own cell"),
-    "search_rank": Parameter(32, long_name="r of the hybrid placement search", units="1"),
-    "search_estimators": Parameter("hedgehog", long_name="estimators whose hybrid placements are searched",
-                                   units="1", description="comma-separated registry names"),
-    "search_max_exact": Parameter(2, long_name="exact layers per searched placement at most", units="1",
-                                  description="besides single substituted layers and the naive first/last k "
-                                              "(kernapprox.substitution.hybrid_placements)"),
+    "fit_points": Parameter(1024, "tokens per head a data-dependent map is fitted on at most", "1",
+                            "every ceil(N / fit_points)-th of the N real tokens of the input"),
+    "learning_rate": Parameter(0.05, "learning rate of the learned maps' training (Adam)", "1"),
+    "heldout_rank": Parameter(64, "r at which each head's held-out attention error is measured", "1",
+                              "fixed-dimension maps: in their own cell"),
+    "search_rank": Parameter(32, "r of the hybrid placement search", "1"),
+    "search_estimators": Parameter("hedgehog", "estimators whose hybrid placements are searched", "1",
+                                   "comma-separated registry names"),
+    "search_max_exact": Parameter(2, "exact layers per searched placement at most", "1", "besides single substituted "
+                                  "layers and the naive first/last k (kernapprox.substitution.hybrid_placements)"),
 }
-AXIS_ATTRS = {
-    "num_features": {"long_name": "features per head r", "units": "1"},
-    "search": {"long_name": "hybrid placements searched (else every layer substituted)", "units": "1"},
-    "paragraphs": {"long_name": "held-out paragraphs of the retrieval corpus", "units": "1"},
-    "train_steps": {"long_name": "training steps of the learned maps", "units": "1"},
-    "seed": {"long_name": "replicate (independent draw of every map: projections, initialisations, k-means)",
-             "units": "1"},
-}
+AXIS_ATTRS = {axis: {"long_name": long_name, "units": "1"} for axis, long_name in {
+    "num_features": "features per head r", "search": "hybrid placements searched (else every layer substituted)",
+    "paragraphs": "held-out paragraphs of the retrieval corpus", "train_steps": "training steps of the learned maps",
+    "seed": "replicate (independent draw of every map: projections, initialisations, k-means)"}.items()}
 
-_PL = ("placement",)
-_PL_COORDS = {"placement": PLACEMENTS}
+_PL = {"dims": ("placement",), "coords": {"placement": PLACEMENTS}}              # one value per placement
+_PQ = {**_PL, "dims": ("placement", QUERIES)}                                      # ... and per query
 _LAYERS = {"layer": list(range(NUM_LAYERS))}
+_PLL = {"dims": ("placement", "layer"), "coords": {**_PL["coords"], **_LAYERS}}  # ... and per layer
 METRICS = {
-    "top1_agreement": Metric("top-1 agreement with the exact model", "1",
-                             "per query: 1 if the nearest document under the substituted model is the exact model's",
-                             dims=("placement", QUERIES), coords=_PL_COORDS),
+    "top1_agreement": Metric("top-1 agreement with the exact model", "1", "per query: 1 if the nearest document "
+                             "under the substituted model is the exact model's", **_PQ),
     "top10_agreement": Metric("top-10 agreement with the exact model", "1",
-                              "per query: |top-10 documents (substituted) ∩ top-10 (exact)| / 10",
-                              dims=("placement", QUERIES), coords=_PL_COORDS),
-    "self_hit": Metric("retrieval accuracy", "1",
-                       "per query: 1 if the nearest document is the query's own paragraph (substituted model)",
-                       dims=("placement", QUERIES), coords=_PL_COORDS),
+                              "per query: |top-10 documents (substituted) ∩ top-10 (exact)| / 10", **_PQ),
+    "self_hit": Metric("retrieval accuracy", "1", "per query: 1 if the nearest document is the query's own paragraph "
+                       "(substituted model)", **_PQ),
     "embedding_cosine": Metric("embedding cosine to the exact model", "1",
-                               "mean over queries and documents of cos(e, e_exact)", dims=_PL, coords=_PL_COORDS),
+                               "mean over queries and documents of cos(e, e_exact)", **_PL),
     "final_state_error": Metric("relative error of the final hidden states", "1",
-                                "sqrt(Σ‖h − h_exact‖² / Σ‖h_exact‖²) over the real tokens of all texts",
-                                dims=_PL, coords=_PL_COORDS),
+                                "sqrt(Σ‖h − h_exact‖² / Σ‖h_exact‖²) over the real tokens of all texts", **_PL),
     "hidden_error": Metric("relative error of each layer's output states", "1",
-                           "as final_state_error, after each layer", dims=("placement", "layer"),
-                           coords={**_PL_COORDS, **_LAYERS}),
+                           "as final_state_error, after each layer", **_PLL),
     "layer_attention_error": Metric("relative error of a substituted layer's attention output", "1",
                                     "sqrt(Σ‖ŷ−y‖²/Σ‖y‖²) against exact attention on the same q, k, v (the layer's "
-                                    "own error on the activations it sees); NaN for exact layers",
-                                    dims=("placement", "layer"), coords={**_PL_COORDS, **_LAYERS}),
+                                    "own error on the activations it sees); NaN for exact layers", **_PLL),
     "attention_bytes": Metric("attention memory per text", "byte",
                               "mean over texts of Σ_layers Σ_heads (state_bytes, or the KV cache n·(d+d_v)·4 of "
-                              "an exact layer at the text's n)", dims=_PL, coords=_PL_COORDS),
+                              "an exact layer at the text's n)", **_PL),
     "heldout_error": Metric("held-out attention-output error per head", "1",
                             "maps fitted on extraction windows 0–1, evaluated on windows 2–3 (non-causal, 512 "
                             "tokens): sqrt(Σ‖ŷ−y‖²/Σ‖y‖²); cells at r = heldout_rank and fixed-dimension maps",
@@ -144,64 +134,44 @@ METRICS = {
     "feature_dimension": Metric("feature dimension per head", "1", "the estimator's r (its own for fixed maps)"),
 }
 REFERENCE_METRICS = {
-    "exact_self_hit": Metric("retrieval accuracy of the exact model", "1",
-                             "per query: 1 if the exact model's nearest document is the query's own paragraph",
-                             dims=(QUERIES,)),
+    "exact_self_hit": Metric("retrieval accuracy of the exact model", "1", "per query: 1 if the exact model's "
+                             "nearest document is the query's own paragraph", dims=(QUERIES,)),
     "exact_attention_bytes": Metric("attention memory per text of the exact model", "byte",
                                     "mean over texts of the six layers' KV caches, n·(d+d_v)·4 bytes per head"),
 }
 
 
 def _nan_result(num_queries: int) -> dict:
-    out = {}
-    for name, metric in METRICS.items():
-        shape = [len(metric.coords[d]) if metric.coords and d in metric.coords else num_queries
-                 for d in metric.dims]
-        out[name] = np.full(shape, np.nan) if shape else np.nan
-    return out
-
-
-def searched(params) -> list[str]:
-    """The estimators whose hybrid placements are searched (``search_estimators``)."""
-    return [name.strip() for name in params["search_estimators"].split(",") if name.strip()]
+    return {name: np.full([len(metric.coords[d]) if metric.coords and d in metric.coords else num_queries
+                           for d in metric.dims], np.nan) for name, metric in METRICS.items()}
 
 
 def applicable(name: str, num_features: int, search: bool, params) -> bool:
     """Whether a cell runs: fixed-dimension maps only in their rank cell, the search only for the searched
-    estimators at ``search_rank``."""
+    estimators (``search_estimators``) at ``search_rank``."""
     if name in FIXED_DIMENSION and num_features != FIXED_DIMENSION[name]:
         return False
-    return not search or (name in searched(params) and num_features == params["search_rank"])
+    searched = [estimator.strip() for estimator in params["search_estimators"].split(",")]
+    return not search or (name in searched and num_features == params["search_rank"])
 
 
-class Draw(NamedTuple):
-    """The data draw of a ``(paragraphs, seed)``: the corpus, its tokenised input and the exact model's run on it,
-    and the root seed of the seed's random draws (projections, initialisations, k-means seeds)."""
-
-    setup: object
-    root: int
-
-
-def draw(params, data_rng, device) -> Draw:
-    _check_real()
+def draw(params, data_rng, device) -> tuple:
+    """The data draw of a ``(paragraphs, seed)``: ``(setup, root)``, the corpus, its tokenised input and the exact
+    model's run on it, and the root seed of the seed's random draws (projections, initialisations, k-means seeds)."""
+    if REAL_REASON is not None:
+        raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
     setup = sub.retrieval_setup(params["paragraphs"], min_document_tokens=16, max_document_tokens=64,
                                 bucket_tokens=1024, device=str(device))
-    return Draw(setup, int(data_rng.integers(2**63)))
+    return setup, int(data_rng.integers(2**63))
 
 
-def substitution_for(name: str, num_features: int, root: int, params, *, cache: bool = True):
+def substitution_for(name: str, num_features: int, root: int, params):
     """The :class:`~kernapprox.substitution.Substitution` a cell runs (learned maps trained and cached first)."""
     r = None if name in FIXED_DIMENSION else num_features
     if name in LEARNED:
         options = {"num_steps": params["train_steps"], "learning_rate": params["learning_rate"]}
-        return sub.Substitution(name, num_features=r, rng=root, options=options).fitted_on(sub.Windows(**TRAIN),
-                                                                                          cache=cache)
+        return sub.Substitution(name, num_features=r, rng=root, options=options).fitted_on(sub.Windows(**TRAIN))
     return sub.Substitution(name, num_features=r, rng=root, fit="input", fit_points=params["fit_points"])
-
-
-def _check_real():
-    if REAL_REASON is not None:
-        raise RuntimeError(f"model_substitution needs the real-model extra: {REAL_REASON}")
 
 
 def run_cell(params, rng, device, data_rng, data):
@@ -233,24 +203,22 @@ def run_cell(params, rng, device, data_rng, data):
 
 def run_reference(params, device, data_rng, data):
     """The exact model on the corpus: its own retrieval accuracy and its KV caches (deterministic)."""
-    setup = data.setup
-    kv = sub.placement_bytes(None, range(NUM_LAYERS), setup.inputs.lengths)
+    setup = data[0]
     return {"exact_self_hit": np.asarray(setup.exact_hits, dtype=np.float64),
-            "exact_attention_bytes": float(np.mean(kv))}
+            "exact_attention_bytes": float(np.mean(sub.placement_bytes(None, range(NUM_LAYERS), setup.inputs.lengths)))}
 
 
 # ------------------------------------------------------------------------------------------------ summaries
 UNIT, HEADS = "seed", ("layer", "head")     # a seed's draw of the maps is shared by its heads
 
 
-def _geometric(ds: xr.Dataset, name: str, log: xr.DataArray, description: str, **attrs) -> None:
-    """``name``: exp of the mean of ``log`` over seeds × heads with its cluster-bootstrap interval over seeds (each
-    seed with all its heads): a geometric mean (of errors or of paired ratios)."""
+def _geometric(log: xr.DataArray, description: str, **attrs) -> xr.DataArray:
+    """exp of the mean of ``log`` over seeds × heads with its cluster-bootstrap interval over seeds (each seed with
+    all its heads): a geometric mean (of errors or of paired ratios)."""
     summary = stats.cluster_interval(log, UNIT, HEADS)
     summary.loc[{"stat": ["estimate", "lo", "hi"]}] = np.exp(summary.sel(stat=["estimate", "lo", "hi"]))
-    summary.attrs.update(statistic="geometric mean", units="1", description=description + ": "
-                         + summary.attrs["interval"], **attrs)
-    ds[name] = summary
+    return summary.assign_attrs(statistic="geometric mean", units="1", description=description + ": "
+                                + summary.attrs["interval"], **attrs)
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
@@ -264,48 +232,51 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
             warnings.simplefilter("ignore", RuntimeWarning)              # cells that do not run: all NaN
             per_query = ds[name].mean("seed")
         summary = stats.bootstrap_interval(per_query, QUERIES, "mean")
-        summary.attrs.update({"long_name": ds[name].attrs["long_name"], "units": "1", "unit": QUERIES,
-                              "description": f"{name}: mean over seeds per query, then over queries: "
-                                             + summary.attrs["interval"] + " (of the per-query means; the unit is "
-                                             "the query, conditional on the seeds' map draws)"})
-        ds[f"{name}_summary"] = summary
+        ds[f"{name}_summary"] = summary.assign_attrs({
+            "long_name": ds[name].attrs["long_name"], "units": "1", "unit": QUERIES,
+            "description": f"{name}: mean over seeds per query, then over queries: " + summary.attrs["interval"]
+                           + " (of the per-query means; the unit is the query, conditional on the seeds' map draws)"})
     for name in ("final_state_error", "layer_attention_error", "embedding_cosine"):
         summary = stats.range_summary(ds[name], UNIT)
         summary.attrs["description"] = f"{name}: median over seeds; lo, hi: " + summary.attrs["interval"]
         ds[f"{name}_summary"] = summary
     with np.errstate(divide="ignore", invalid="ignore"):
-        _geometric(ds, "heldout_error_summary", np.log(ds["heldout_error"]),
-                   "geometric mean of heldout_error over seeds × heads", long_name=ds["heldout_error"].attrs[
-                       "long_name"])
+        ds["heldout_error_summary"] = _geometric(np.log(ds["heldout_error"]), "geometric mean of heldout_error over "
+                                                 "seeds × heads", long_name=ds["heldout_error"].attrs["long_name"])
         for baseline in [b for b in HELDOUT_BASELINES if b in ds.estimator.values]:
             ratio = stats.paired(ds["heldout_error"], "estimator", baseline, op="ratio")
             ratio.attrs.update(long_name=f"held-out error / {baseline}'s on the same head and seed", units="1",
                                description=f"per (layer, head, seed): heldout_error / heldout_error of {baseline}")
-            ds[f"heldout_error_vs_{baseline}"] = ratio
-            _geometric(ds, f"heldout_error_vs_{baseline}_summary", np.log(ratio),
-                       f"geometric mean of the ratio to {baseline} over seeds × heads", neutral=1.0,
-                       long_name=ratio.attrs["long_name"], comparison="ratio")
+            summary = _geometric(np.log(ratio), f"geometric mean of the ratio to {baseline} over seeds × heads",
+                                 neutral=1.0, long_name=ratio.attrs["long_name"], comparison="ratio")
             below = stats.cluster_interval((ratio < 1).where(ratio.notnull()).astype(float), UNIT, HEADS)
-            ds[f"heldout_error_vs_{baseline}_summary"].loc[{"stat": ["below", "below_lo", "below_hi"]}] = \
-                below.sel(stat=["estimate", "lo", "hi"]).values
-            ds[f"heldout_error_vs_{baseline}_summary"].attrs["interval"] += (
-                "; below, below_lo, below_hi: the share of (layer, head) entries with ratio < 1 and its cluster "
-                "interval over seeds")
+            summary.loc[{"stat": ["below", "below_lo", "below_hi"]}] = below.sel(stat=["estimate", "lo", "hi"]).values
+            summary.attrs["interval"] += ("; below, below_lo, below_hi: the share of (layer, head) entries with ratio "
+                                          "< 1 and its cluster interval over seeds")
+            ds[f"heldout_error_vs_{baseline}"], ds[f"heldout_error_vs_{baseline}_summary"] = ratio, summary
             for test in ("wilcoxon", "sign"):
                 ds[f"heldout_error_vs_{baseline}_p_{test}"] = stats.paired_test(ratio, UNIT, HEADS, test=test)
-    ds = add_proportion(ds, "exact_self_hit", ds["exact_self_hit"].isel(seed=0, drop=True), 1.0, (QUERIES,))
-    return ds
+    return add_proportion(ds, "exact_self_hit", ds["exact_self_hit"].isel(seed=0, drop=True), 1.0, (QUERIES,))
 
 
 # ------------------------------------------------------------------------------------------------- findings
-def _num_exact(label: str) -> int:
-    return 0 if label == NONE_EXACT else len(label[2:].split(","))
+RESOLVED = {"higher": "resolved higher", "lower": "resolved lower"}     # stats.verdict's words in the sentences
 
 
 def _all_layers(ds, var, est, r):
-    """``<var>`` (a summary) of the all-layer substitution of ``est`` at ``r`` (its own cell for fixed maps)."""
-    return ds[var].sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r), search=False,
-                       placement=NONE_EXACT).squeeze(drop=True)
+    """``<var>`` (a summary) of the all-layer substitution of ``est`` at ``r`` (its own cell for fixed maps), or
+    None where that cell is not in the grid or did not run."""
+    if FIXED_DIMENSION.get(est, r) not in ds.num_features.values:
+        return None
+    s = ds[var].sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r), search=False,
+                    placement=NONE_EXACT).squeeze(drop=True)
+    return s if _ran(s) else None
+
+
+def _all_layer_cells(ds, var, est, ranks) -> list[tuple[int, xr.DataArray]]:
+    """``(r, <var> summary)`` of each all-layer substitution of ``est`` in ``ranks`` that applies and ran."""
+    return [(r, s) for r in ranks
+            if applicable(est, r, False, _parameters(ds)) and (s := _all_layers(ds, var, est, r)) is not None]
 
 
 def _ran(summary) -> bool:
@@ -316,6 +287,12 @@ def _dim(ds, est, r) -> int:
     return int(np.nanmax(ds["feature_dimension"].sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r)).values))
 
 
+def _kib(ds, est, r, search: bool = False, placement: str = NONE_EXACT) -> float:
+    """Attention memory per text of one placement of ``est`` at ``r`` (the largest over seeds), KiB."""
+    mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=search, placement=placement).max()
+    return float(mem) / 1024
+
+
 def hybrid_table(ds, est: str, r: int) -> dict[str, xr.DataArray]:
     """``label -> top10_agreement summary`` of every placement searched for ``est`` at ``r``, in the order of
     :data:`PLACEMENTS`."""
@@ -323,22 +300,16 @@ def hybrid_table(ds, est: str, r: int) -> dict[str, xr.DataArray]:
     return {label: s.sel(placement=label) for label in PLACEMENTS if _ran(s.sel(placement=label))}
 
 
-def _searches(ds) -> list[tuple[str, int]]:
-    """The ``(estimator, r)`` whose hybrid placements were searched."""
-    return [(str(est), int(r)) for est in ds.estimator.values for r in ds.num_features.values
-            if True in ds.search.values and hybrid_table(ds, str(est), int(r))]
+def _searches(ds) -> list[tuple[str, int, dict]]:
+    """``(estimator, r, hybrid_table)`` of each search that ran."""
+    return [(str(est), int(r), table) for est in ds.estimator.values for r in ds.num_features.values
+            if True in ds.search.values and (table := hybrid_table(ds, str(est), int(r)))]
 
 
 def _ranked(table, count) -> list:
     """``(label, summary)`` of the placements of ``table`` with ``count`` exact layers, best agreement first."""
-    return sorted(((label, s) for label, s in table.items() if _num_exact(label) == count),
+    return sorted(((label, s) for label, s in table.items() if EXACT_LAYERS[label] == count),
                   key=lambda item: -float(item[1].sel(stat="estimate")))
-
-
-def _placement_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
-    """Paired top-10 agreement of placement ``a`` − placement ``b`` (same maps, same queries): per query the mean
-    over seeds of the difference, then the mean over queries with its bootstrap interval over queries."""
-    return stats.paired_summary(_per_query_difference(ds, est, r, a, b), QUERIES, statistic="mean")
 
 
 def _per_query_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
@@ -347,20 +318,26 @@ def _per_query_difference(ds, est: str, r: int, a: str, b: str) -> xr.DataArray:
     return (diff.mean("seed") if "seed" in diff.dims else diff).assign_attrs(comparison="difference")
 
 
-def _holm_family(ds, est: str, r: int, pairs) -> dict:
-    """``(a, b) -> Holm-adjusted p``: the Wilcoxon signed-rank test over queries of the per-query differences of
-    top-10 agreement (each the mean over seeds) for every pair of placements in ``pairs``, adjusted over the family."""
-    raw = [float(stats.paired_test(_per_query_difference(ds, est, r, a, b), QUERIES, test="wilcoxon"))
-           for a, b in pairs]
-    return dict(zip(pairs, stats.holm(np.asarray(raw)))) if pairs else {}
+def _compare(ds, est: str, r: int, a: str, b: str, pairs) -> tuple[xr.DataArray, float, str]:
+    """Placement ``a`` against ``b`` (same maps, same queries): the paired top-10 agreement ``a − b`` (per query
+    the mean over seeds of the difference, then the mean over queries with its bootstrap interval over queries),
+    the p-value of the Wilcoxon signed-rank test over queries, Holm-adjusted over the family ``pairs`` (which holds
+    ``(a, b)`` or ``(b, a)``), and the verdict (:func:`kernapprox.stats.verdict`)."""
+    raw = [float(stats.paired_test(_per_query_difference(ds, est, r, x, y), QUERIES, test="wilcoxon"))
+           for x, y in pairs]
+    family = dict(zip(pairs, stats.holm(np.asarray(raw))))
+    p = family.get((a, b), family.get((b, a), np.nan))
+    d = stats.paired_summary(_per_query_difference(ds, est, r, a, b), QUERIES, statistic="mean")
+    return d, p, stats.verdict(float(d.sel(stat="estimate")), p, int(d.sel(stat="count")))
 
 
-def _verdict_text(ds, est, r, a, b, p: float, family: str) -> str:
-    """``paired per query a − b 0.012 (−0.005 to 0.029), Holm-adjusted p = 0.9 over <family>: not resolved``."""
-    d = _placement_difference(ds, est, r, a, b)
-    word = stats.verdict(float(d.sel(stat="estimate")), p, int(d.sel(stat="count")))
-    word = {"higher": "resolved higher", "lower": "resolved lower"}.get(word, word)
-    return f"paired per query {a} − {b} {fmt_ci(d, 2)}, Holm-adjusted p = {_p(p)} over {family}: {word}"
+def _verdict_text(ds, est, r, a, b, labels) -> str:
+    """``paired per query a − b 0.012 (−0.005 to 0.029), Holm-adjusted p = 0.9 over all 15 pairs: not resolved``,
+    the family being every pair of the placements ``labels``."""
+    pairs = [(x, y) for i, x in enumerate(labels) for y in labels[i + 1:]]
+    d, p, word = _compare(ds, est, r, a, b, pairs)
+    return (f"paired per query {a} − {b} {fmt_ci(d, 2)}, Holm-adjusted p = {_p(p)} over all {len(pairs)} pairs: "
+            f"{RESOLVED.get(word, word)}")
 
 
 def _range(summary, digits: int = 2) -> str:
@@ -372,14 +349,6 @@ def _range(summary, digits: int = 2) -> str:
 
 def _p(value: float) -> str:
     return "n/a" if not np.isfinite(value) else fmt(float(value), 2)
-
-
-def _all_pairs(labels) -> list[tuple[str, str]]:
-    return [(a, b) for i, a in enumerate(labels) for b in labels[i + 1:]]
-
-
-def _family_p(family: dict, a: str, b: str) -> float:
-    return family.get((a, b), family.get((b, a), np.nan))
 
 
 def findings(ds) -> str:
@@ -395,35 +364,29 @@ def findings(ds) -> str:
                  f"queries; a random ranking would share {fmt(10 / n, 2)} of the top 10 and the top document with "
                  f"probability {fmt(1 / n, 2)}.")
     for r in [r for r in ranks if r in (32, max(ranks))]:
-        parts = []
-        for est in estimators:
-            if FIXED_DIMENSION.get(est, r) not in ranks or not _ran(_all_layers(ds, "top1_agreement_summary", est, r)):
-                continue
-            parts.append(f"`{est}` (r = {_dim(ds, est, r)}): top-1 "
-                         f"{fmt_ci(_all_layers(ds, 'top1_agreement_summary', est, r), 2)}, top-10 "
-                         f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}, embedding cosine "
-                         f"{_range(_all_layers(ds, 'embedding_cosine_summary', est, r), 3)}")
+        parts = [f"`{est}` (r = {_dim(ds, est, r)}): top-1 {fmt_ci(top1, 2)}, top-10 "
+                 f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}, embedding cosine "
+                 f"{_range(_all_layers(ds, 'embedding_cosine_summary', est, r), 3)}" for est in estimators
+                 if (top1 := _all_layers(ds, "top1_agreement_summary", est, r)) is not None]
         if parts:
             lines.append(f"All six layers substituted, r = {r} per head (agreement: mean over the {n} queries, each "
                          f"the mean over the {ds.sizes[UNIT]} seeds, interval over the queries; embedding cosine: "
                          "median over the seeds, in brackets their range, not a 95 % interval): " + "; ".join(parts)
                          + ".")
     lines.append(_memory_line(ds, estimators, ranks))
-    for est, r in _searches(ds):
-        table = hybrid_table(ds, est, r)
+    for est, r, table in _searches(ds):
         none = table.get(NONE_EXACT)
         for count in (1, 2):
             ranked = _ranked(table, count)
             if not ranked:
                 continue
-            best, second = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+            best, second = (ranked + [None])[:2]
             naive = [f"{which} {count}: {fmt_ci(table[label], 2)}" for which, label in (
                 ("first", sub.placement_label(sub.first_layers(count))),
                 ("last", sub.placement_label(sub.last_layers(count)))) if label in table]
-            family = _holm_family(ds, est, r, _all_pairs([label for label, _ in ranked]))
             versus = (f"; runner-up {second[0]} {fmt_ci(second[1], 2)}, "
-                      + _verdict_text(ds, est, r, best[0], second[0], _family_p(family, best[0], second[0]),
-                                      f"all {len(family)} pairs") if second is not None else "")
+                      + _verdict_text(ds, est, r, best[0], second[0], [label for label, _ in ranked])
+                      if second is not None else "")
             lines.append(f"`{est}`, r = {r}, {count} exact layer{'s' * (count > 1)}: the best of {len(ranked)} "
                          f"placements is {best[0]} with top-10 agreement {fmt_ci(best[1], 2)}{versus} ("
                          + "; ".join(naive) + (f"; none exact: {fmt_ci(none, 2)}" if none is not None else "") + ").")
@@ -431,33 +394,26 @@ def findings(ds) -> str:
         alone = {layer: table[label] for layer, label in labels.items() if label in table}
         if alone:
             worst, top = (pick(alone, key=lambda i: float(alone[i].sel(stat="estimate"))) for pick in (min, max))
-            family = _holm_family(ds, est, r, _all_pairs([labels[i] for i in alone]))
             lines.append(f"`{est}`, r = {r}, one layer substituted at a time: top-10 agreement from "
                          f"{fmt_ci(alone[worst], 2)} (layer {worst}) to {fmt_ci(alone[top], 2)} (layer {top}); "
-                         + _verdict_text(ds, est, r, labels[top], labels[worst],
-                                         _family_p(family, labels[top], labels[worst]), f"all {len(family)} pairs")
-                         + ".")
+                         + _verdict_text(ds, est, r, labels[top], labels[worst], [labels[i] for i in alone]) + ".")
     lines += _heldout_lines(ds, estimators, ranks)
     return bullets(lines)
 
 
 def _headline(ds, estimators, ranks) -> str:
     r = 128 if 128 in ranks else max(ranks)
-    parts = [f"`{est}`{f' (r = {_dim(ds, est, r)})' if est in FIXED_DIMENSION else ''} "
-             f"{fmt_ci(_all_layers(ds, 'top10_agreement_summary', est, r), 2)}" for est in estimators
-             if FIXED_DIMENSION.get(est, r) in ranks and _ran(_all_layers(ds, "top10_agreement_summary", est, r))]
+    tops = {est: _all_layers(ds, "top10_agreement_summary", est, r) for est in estimators}
+    parts = [f"`{est}`{f' (r = {_dim(ds, est, r)})' if est in FIXED_DIMENSION else ''} {fmt_ci(top, 2)}"
+             for est, top in tops.items() if top is not None]
     text = (f"With the attention of all six layers of all-MiniLM-L6-v2 replaced at r = {r} features per head, the "
             "share of each query's top-10 documents that the exact model also retrieves is " + ", ".join(parts))
-    for est, rs in _searches(ds):
-        table = hybrid_table(ds, est, rs)
+    for est, rs, table in _searches(ds):
         two = _ranked(table, 2)
         if two and NONE_EXACT in table:
             best = two[0]
-            family = _holm_family(ds, est, rs, [(label, NONE_EXACT) for label, _ in two])
-            d = _placement_difference(ds, est, rs, best[0], NONE_EXACT)
-            p = family[(best[0], NONE_EXACT)]
-            verb = {"higher": "raises", "lower": "lowers"}.get(
-                stats.verdict(float(d.sel(stat="estimate")), p, int(d.sel(stat="count"))), "does not resolvably change")
+            d, p, word = _compare(ds, est, rs, best[0], NONE_EXACT, [(label, NONE_EXACT) for label, _ in two])
+            verb = {"higher": "raises", "lower": "lowers"}.get(word, "does not resolvably change")
             text += (f"; keeping two layers exact ({best[0]}, the best of {len(two)} such placements) {verb} `{est}` "
                      f"at r = {rs}: {fmt_ci(table[NONE_EXACT], 2)} → {fmt_ci(best[1], 2)}, paired per query "
                      f"{fmt_ci(d, 2)} (Wilcoxon over {int(d.sel(stat='count'))} queries, Holm-adjusted over the "
@@ -468,19 +424,12 @@ def _headline(ds, estimators, ranks) -> str:
 
 def _memory_line(ds, estimators, ranks) -> str:
     """Attention memory per text of the exact model (KV caches) against all-layer substitutions."""
-    kv = float(ds["exact_attention_bytes"].max()) / 1024
-    parts = []
-    shown = (32, max(ranks))
-    for est in estimators:
-        for r in ranks:
-            if not applicable(est, r, False, _parameters(ds)) or (est not in FIXED_DIMENSION and r not in shown):
-                continue
-            mem = ds["attention_bytes"].sel(estimator=est, num_features=r, search=False, placement=NONE_EXACT).max()
-            if np.isfinite(float(mem)):
-                label = f"`{est}`" if est in FIXED_DIMENSION else f"`{est}` r = {r}"
-                parts.append(f"{label} {fmt(float(mem) / 1024)} KiB")
+    parts = [f"`{est}`{'' if est in FIXED_DIMENSION else f' r = {r}'} {fmt(_kib(ds, est, r))} KiB"
+             for est in estimators for r in ranks if applicable(est, r, False, _parameters(ds))
+             and (est in FIXED_DIMENSION or r in (32, max(ranks))) and np.isfinite(_kib(ds, est, r))]
     return (f"Attention memory per text (mean over the corpus's texts): exact model (six layers of KV cache) "
-            f"{fmt(kv)} KiB; all layers substituted: " + "; ".join(parts) + ".")
+            f"{fmt(float(ds['exact_attention_bytes'].max()) / 1024)} KiB; all layers substituted: " + "; ".join(parts)
+            + ".")
 
 
 def _parameters(ds) -> dict:
@@ -491,41 +440,31 @@ def _heldout_lines(ds, estimators, ranks) -> list[str]:
     r = int(_parameters(ds)["heldout_rank"])
     if r not in ranks:
         return []
-    s = ds["heldout_error_summary"]
-    parts = []
-    for est in estimators:
-        one = s.sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r), search=False).squeeze(drop=True)
-        if _ran(one):
-            parts.append(f"`{est}` (r = {_dim(ds, est, r)}) {fmt_ci(one, 2)}")
-    lines = []
-    if parts:
-        lines.append(f"Held-out attention-output error per head at r = {r} (geometric mean over layers × heads × "
-                     f"{ds.sizes[UNIT]} seeds with a cluster-bootstrap interval over the seeds, maps fitted on "
-                     "extraction windows 0–1 and tested on windows 2–3): " + "; ".join(parts) + ".")
+    s = ds["heldout_error_summary"].sel(search=False)
+    ones = {est: s.sel(estimator=est, num_features=FIXED_DIMENSION.get(est, r)).squeeze(drop=True)
+            for est in estimators}
+    parts = [f"`{est}` (r = {_dim(ds, est, r)}) {fmt_ci(one, 2)}" for est, one in ones.items() if _ran(one)]
+    lines = [f"Held-out attention-output error per head at r = {r} (geometric mean over layers × heads × "
+             f"{ds.sizes[UNIT]} seeds with a cluster-bootstrap interval over the seeds, maps fitted on extraction "
+             "windows 0–1 and tested on windows 2–3): " + "; ".join(parts) + "."] if parts else []
+    k = ds.sizes[UNIT]
     for est in [e for e in LEARNED if e in estimators]:
         wins = []
-        k = ds.sizes[UNIT]
-        for base in HELDOUT_BASELINES:
-            var = f"heldout_error_vs_{base}_summary"
-            if var not in ds:
-                continue
-            at = {"estimator": est, "num_features": r, "search": False}
-            g = ds[var].sel(at).squeeze(drop=True)
+        at = {"estimator": est, "num_features": r, "search": False}
+        for base in [b for b in HELDOUT_BASELINES if f"heldout_error_vs_{b}_summary" in ds]:
+            var = f"heldout_error_vs_{base}"
+            g, per_head, p_w, p_s = (ds[v].sel(at).squeeze(drop=True) for v in (
+                f"{var}_summary", var, f"{var}_p_wilcoxon", f"{var}_p_sign"))
             if not _ran(g):
                 continue
-            share = xr.DataArray(g.sel(stat=["below", "below_lo", "below_hi"]).values, dims="stat",
-                                 coords={"stat": ["estimate", "lo", "hi"]})
-            per_seed = np.log(ds[f"heldout_error_vs_{base}"].sel(at).squeeze(drop=True)).mean(HEADS)
-            lower = int((per_seed < 0).sum())
-            p_w = float(ds[f"heldout_error_vs_{base}_p_wilcoxon"].sel(at).squeeze(drop=True))
-            p_s = float(ds[f"heldout_error_vs_{base}_p_sign"].sel(at).squeeze(drop=True))
-            word = stats.verdict(float(np.log(g.sel(stat="estimate"))), p_w, int(g.sel(stat="count")))
-            word = {"lower": "resolved lower", "higher": "resolved higher"}.get(word, word)
+            share = g.sel(stat=["below", "below_lo", "below_hi"]).assign_coords(stat=["estimate", "lo", "hi"])
+            lower = int((np.log(per_head).mean(HEADS) < 0).sum())
+            word = stats.verdict(float(np.log(g.sel(stat="estimate"))), float(p_w), int(g.sel(stat="count")))
             if word == "not resolved" and k < stats.MIN_UNITS:
                 word = f"not resolved ({k} units)"
             wins.append(f"`{base}`: geometric-mean ratio {fmt_ci(g, 2)}, below 1 on a share {fmt_ci(share, 2)} of "
-                        f"the heads, lower in {lower} of {k} seeds (Wilcoxon p = {_p(p_w)}, sign test p = "
-                        f"{_p(p_s)}): {word}")
+                        f"the heads, lower in {lower} of {k} seeds (Wilcoxon p = {_p(float(p_w))}, sign test p = "
+                        f"{_p(float(p_s))}): {RESOLVED.get(word, word)}")
         if wins:
             lines.append(f"`{est}`'s held-out error against each baseline map at r = {r}, paired by head within seed "
                          f"(the unit is the seed, the maps' draw, which its {ds.sizes['layer'] * ds.sizes['head']} "
@@ -535,39 +474,20 @@ def _heldout_lines(ds, estimators, ranks) -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------------- figure
-def _rank_curve(ax, ds, var, est, ranks, **style):
-    """``<var>`` (a summary) of the all-layer substitution against the feature dimension, with its band."""
-    xs, rows = [], []
-    for r in ranks:
-        if not applicable(est, r, False, _parameters(ds)):
-            continue
-        s = _all_layers(ds, var, est, r)
-        if _ran(s):
-            xs.append(_dim(ds, est, r))
-            rows.append([float(s.sel(stat=k)) for k in ("estimate", "lo", "hi")])
-    if not xs:
-        return
-    m, lo, hi = np.array(rows).T
-    ax.plot(xs, m, **style)
-    ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
-
-
 def plot(ds, path):
-    from matplotlib import ticker
-
-    from kernapprox import plotting
-
     estimators = [str(e) for e in ds.estimator.values]
     ranks = [int(r) for r in ds.num_features.values]
     params = _parameters(ds)
     fig, axes = plotting.new_figure(2, 3, width=15.0, height=8.2, squeeze=False)
     (a_top1, a_top10, a_err), (a_mem, a_head, a_layer) = axes
 
-    for est in estimators:
-        style = plotting.estimator_style(est)
-        _rank_curve(a_top1, ds, "top1_agreement_summary", est, ranks, **style)
-        _rank_curve(a_top10, ds, "top10_agreement_summary", est, ranks, **style)
-        _rank_curve(a_err, ds, "final_state_error_summary", est, ranks, **style)
+    for ax, var in zip((a_top1, a_top10, a_err), ("top1_agreement", "top10_agreement", "final_state_error")):
+        for est in estimators:           # the all-layer substitution against the feature dimension, with its band
+            if cells := _all_layer_cells(ds, f"{var}_summary", est, ranks):
+                xs, style = [_dim(ds, est, r) for r, _ in cells], plotting.estimator_style(est)
+                m, lo, hi = np.array([[float(s.sel(stat=k)) for k in ("estimate", "lo", "hi")] for _, s in cells]).T
+                ax.plot(xs, m, **style)
+                ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
     for ax, top, title in ((a_top1, "top-1", "nearest document unchanged"),
                            (a_top10, "top-10", "top-10 documents shared")):
         ax.set_xscale("log", base=2)
@@ -578,36 +498,25 @@ def plot(ds, path):
     a_err.set_title("final hidden-state error (all layers)")
 
     # agreement against memory: all-layer substitutions, hybrids (best searched and naive), exact
-    kib = 1024.0
     for est in estimators:
         style = plotting.estimator_style(est)
-        pts = []
-        for r in ranks:
-            if not applicable(est, r, False, params):
-                continue
-            s = _all_layers(ds, "top10_agreement_summary", est, r)
-            mem = float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=False,
-                                                  placement=NONE_EXACT).max())
-            if _ran(s):
-                pts.append((mem / kib, float(s.sel(stat="estimate"))))
+        pts = [(_kib(ds, est, r), float(s.sel(stat="estimate")))
+               for r, s in _all_layer_cells(ds, "top10_agreement_summary", est, ranks)]
         if pts:
             x, y = np.array(sorted(pts)).T
             a_mem.plot(x, y, color=style["color"], linestyle=":", marker=style["marker"], alpha=0.7,
                        label=f"{est}, all layers, r = {', '.join(map(str, ranks))}"
                        if est not in FIXED_DIMENSION else f"{est}, all layers")
-    for est, r in _searches(ds):
-        table = hybrid_table(ds, est, r)
+    for est, r, table in _searches(ds):
         color = plotting.estimator_style(est)["color"]
-        mem = {label: float(ds["attention_bytes"].sel(estimator=est, num_features=r, search=True,
-                                                      placement=label).max()) / kib for label in table}
+        mem = {label: _kib(ds, est, r, True, label) for label in table}
         curves = {"best": [], "first": [], "last": []}
         for count in range(NUM_LAYERS):
-            best = (_ranked(table, count) or [None])[0]
+            ranked = _ranked(table, count)
             exhaustive = count <= params["search_max_exact"] or count >= NUM_LAYERS - 1
-            if best is not None and exhaustive:
-                curves["best"].append((mem[best[0]], float(best[1].sel(stat="estimate")), count))
-            for name, layers in (("first", sub.first_layers(count)), ("last", sub.last_layers(count))):
-                label = sub.placement_label(layers)
+            for name, label in (("best", ranked[0][0] if ranked and exhaustive else None),
+                                ("first", sub.placement_label(sub.first_layers(count))),
+                                ("last", sub.placement_label(sub.last_layers(count)))):
                 if label in table:
                     curves[name].append((mem[label], float(table[label].sel(stat="estimate")), count))
         for name, ls, mk in (("best", "-", "*"), ("first", "--", "v"), ("last", "-.", "^")):
@@ -618,9 +527,8 @@ def plot(ds, path):
                        label=f"{est} r = {r}: k exact layers, {name} k" if name != "best"
                        else f"{est} r = {r}: best searched placement of k exact layers")
         for x, y, count in curves["best"]:
-            a_mem.annotate(str(int(count)), (x, y), textcoords="offset points", xytext=(2, 3), fontsize=6,
-                           color=color)
-    kv = float(ds["exact_attention_bytes"].max()) / kib
+            a_mem.annotate(str(int(count)), (x, y), textcoords="offset points", xytext=(2, 3), fontsize=6, color=color)
+    kv = float(ds["exact_attention_bytes"].max()) / 1024.0
     a_mem.plot([kv], [1.0], marker="P", color="black", linestyle="none", markersize=7, label="exact model (KV caches)")
     a_mem.axvline(kv, color="0.5", linewidth=0.7, linestyle=":")
     a_mem.set_xscale("log")
@@ -631,9 +539,9 @@ def plot(ds, path):
               ylabel="top-10 agreement with exact", title="agreement against memory (numbers: exact layers)")
     a_mem.legend(fontsize=5.3, ncol=1, loc="lower right")
 
-    # held-out per-head error at heldout_rank (boxes of the per-head, per-seed draws)
+    # held-out error per head at heldout_rank (boxes of the per-head, per-seed draws); each layer's own error
     r_head = int(params["heldout_rank"])
-    data, labels = [], []
+    boxes = {}
     for est in estimators:
         rr = FIXED_DIMENSION.get(est, r_head)
         if rr not in ranks:
@@ -641,26 +549,19 @@ def plot(ds, path):
         v = ds["heldout_error"].sel(estimator=est, num_features=rr, search=False).values.ravel()
         v = v[np.isfinite(v)]
         if v.size:
-            data.append(v)
-            labels.append(est)
-    if data:
-        parts = a_head.boxplot(data, showfliers=False, patch_artist=True, widths=0.6)
-        for patch, est in zip(parts["boxes"], labels):
-            patch.set_facecolor(plotting.estimator_style(est)["color"])
-            patch.set_alpha(0.5)
-        a_head.set_xticks(range(1, len(labels) + 1), labels, rotation=20, fontsize=7)
-    a_head.set(yscale="log", ylabel="held-out attention-output error",
-               title=f"per head, r = {r_head}: fitted on windows 0–1, tested on 2–3")
-
-    # per-layer attention error with all layers substituted
-    for est in estimators:
-        rr = FIXED_DIMENSION.get(est, r_head)
-        if rr not in ranks:
-            continue
+            boxes[est] = v
         s = ds["layer_attention_error_summary"].sel(estimator=est, num_features=rr, search=False,
                                                     placement=NONE_EXACT).squeeze(drop=True)
         if np.isfinite(s.sel(stat="estimate").values).any():
             plotting.plot_summary(a_layer, s, "layer", **plotting.estimator_style(est))
+    if boxes:
+        parts = a_head.boxplot(list(boxes.values()), showfliers=False, patch_artist=True, widths=0.6)
+        for patch, est in zip(parts["boxes"], boxes):
+            patch.set_facecolor(plotting.estimator_style(est)["color"])
+            patch.set_alpha(0.5)
+        a_head.set_xticks(range(1, len(boxes) + 1), list(boxes), rotation=20, fontsize=7)
+    a_head.set(yscale="log", ylabel="held-out attention-output error",
+               title=f"per head, r = {r_head}: fitted on windows 0–1, tested on 2–3")
     a_layer.set(yscale="log", xlabel="layer", ylabel="attention-output error of the layer",
                 title=f"each layer's own error, all layers substituted (r = {r_head})")
 
@@ -683,18 +584,15 @@ def plot(ds, path):
         "seeds and the range of the seeds)."))
 
 
-EXPERIMENT = Experiment(
-    name="model_substitution",
-    title="all-MiniLM-L6-v2 end to end on approximate attention: retrieval, hybrids and learned maps",
+DATA_AXES = ("paragraphs", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="all-MiniLM-L6-v2 end to end on approximate attention: retrieval, hybrids and learned maps",
     description=("What sentence retrieval loses when every layer (or a hybrid placement of exact layers) of "
                  "all-MiniLM-L6-v2 runs on an approximate attention of r features per head: random, data-dependent "
                  "random, Nyström, Taylor and learned (Hedgehog-distilled) maps; top-1/top-10 agreement with the "
                  "exact model, embedding cosine, final-state and per-layer errors, attention memory per placement, "
                  "and each head's held-out attention error. Grid: estimator × r × placement search × corpus × "
                  "training steps × seed."),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("paragraphs", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
     replicates="the queries (agreement: each query the mean over the seeds) or the seeds (held-out errors: cluster "
                "bootstrap, each seed with all its heads)")
 

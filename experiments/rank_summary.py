@@ -68,7 +68,7 @@ from kernapprox.plotting import (
     reference_slope,
     save_figure,
 )
-from kernapprox.sweep import Experiment, Metric, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, not_applicable, run_cli
 
 TASKS = {  # task -> settings
     "recall": {"num_context": 256, "beta_factor": 2.0, "num_queries": 256, "dim": 64, "num_candidates": 4096},
@@ -83,14 +83,8 @@ SCORE_NAMES = {"recall": "recall accuracy", "regression": "normalised MSE", "cla
 ACCURACY_TASKS = ("recall", "classification")
 
 ESTIMATORS = {  # label -> (registry name, constructor options)
-    "positive_orthogonal": ("positive_orthogonal", {}),
-    "oprf_orthogonal": ("oprf_orthogonal", {}),
-    "trig_orthogonal": ("trig_orthogonal", {}),
-    "taylor2": ("taylor2", {}),
-    "nystrom_uniform": ("nystrom_uniform", {}),
-    "nystrom_rls": ("nystrom_rls", {}),
-    KERNEL_SVD: (KERNEL_SVD, {}),
-    ATTENTION_SVD: (ATTENTION_SVD, {}),
+    **{name: (name, {}) for name in ("positive_orthogonal", "oprf_orthogonal", "trig_orthogonal", "taylor2",
+                                     "nystrom_uniform", "nystrom_rls", KERNEL_SVD, ATTENTION_SVD)},
     **{label: SET_CONTEXT_EQUAL_BYTES[label] for label in ("lara", "eva_w0")},   # sized by the state budget
 }
 ORACLES = {KERNEL_SVD: "kernel SVD (oracle)", ATTENTION_SVD: "attention SVD (oracle)"}
@@ -115,18 +109,16 @@ _READOUT_METRICS = readout_metric_table(
                      "is not finite)")
 METRICS = {  # the output error first, as in the stored datasets
     "output_rel_error": _READOUT_METRICS["output_rel_error"],
-    "score": Metric(long_name="task score", units="1",
-                    description="per episode; recall and classification: accuracy; regression: normalised MSE",
+    "score": Metric("task score", "1", "per episode; recall and classification: accuracy; regression: normalised MSE",
                     **episode_dims()),
     **{k: v for k, v in _READOUT_METRICS.items() if k != "output_rel_error"},
-    "budget_bytes": Metric(long_name="memory budget B(r)", units="byte",
-                           description="the larger state of FAVOR+ and OPRF at r features in the task's dimensions "
-                                       "(float32); the LARA and EVA rows run their largest configuration within it"),
+    "budget_bytes": Metric("memory budget B(r)", "byte", "the larger state of FAVOR+ and OPRF at r features in the "
+                           "task's dimensions (float32); the LARA and EVA rows run their largest configuration "
+                           "within it"),
 }
 REFERENCE_METRICS = {
-    "score_exact": Metric(long_name="task score of exact attention", units="1",
-                          description="the same score for exact softmax attention on the same episodes",
-                          **episode_dims()),
+    "score_exact": Metric("task score of exact attention", "1",
+                          "the same score for exact softmax attention on the same episodes", **episode_dims()),
 }
 
 
@@ -134,7 +126,7 @@ def draw(params, data_rng, device):
     """``(queries, keys, values, per-episode scorer, β, exact attention's read-out)`` of one batch of episodes of
     the task (None where the task does not run with this query)."""
     task, query, s = params["task"], params["query"], TASKS[params["task"]]
-    if not _runs(task, query):
+    if task != "recall" and query != "key":          # regression and classification run at query = key only
         return None
     if task == "recall":
         ep = recall_episodes(s["num_context"], query, rng=data_rng, device=device, num_queries=s["num_queries"],
@@ -150,10 +142,6 @@ def draw(params, data_rng, device):
                                          rng=data_rng, device=device)
         q, k, v, score, beta = ep.x_query, ep.x, ep.onehot, lambda y: tasks.classification_accuracy(y, ep), s["beta"]
     return q, k, v, score, beta, readout.attention_readout("exact", q, k, v, beta=beta)
-
-
-def _runs(task: str, query: str) -> bool:
-    return task == "recall" or query == "key"
 
 
 def run_cell(params, rng, device, data):
@@ -214,10 +202,6 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
 
 
 # ---------------------------------------------------------------------------------------------------- figure
-def _label(label: str) -> str:
-    return ORACLES.get(label, label)
-
-
 ORACLE_STYLES = {KERNEL_SVD: {"color": "black", "linestyle": "-"}, ATTENTION_SVD: {"color": "0.45", "linestyle": "--"}}
 
 
@@ -233,7 +217,7 @@ def _memory_lines(ax, ds, var, labels, **sel):
     for label in labels:
         size = ds["budget_bytes" if label in ORACLES else "state_bytes"].sel(estimator=label, **sel).median("seed")
         plot_summary(ax, ds[f"{var}_summary"].sel(estimator=label, **sel), xvalues=size.values,
-                     **{**icl_style(label), "label": _label(label), **ORACLE_STYLES.get(label, {})})
+                     **{**icl_style(label), "label": ORACLES.get(label, label), **ORACLE_STYLES.get(label, {})})
     log_axis(ax, "x", label=STATE_BYTES_LABEL, unit="bytes")
 
 
@@ -312,46 +296,38 @@ def plot(ds: xr.Dataset, path) -> None:
 def findings(ds: xr.Dataset) -> list[str]:
     labels = [str(v) for v in ds.estimator.values]
     ranks = [int(v) for v in ds.num_features.values]
-    score, diff = ds["score_summary"], ds["score_vs_exact_summary"]
-    err = ds["output_rel_error_summary"]
+    r_hi = max(ranks)
+    score, diff = ds["score_summary"], ds["score_vs_exact_summary"].sel(query="key")
+    err = ds["output_rel_error_summary"].sel(query="key")
     queries = [str(q) for q in ds["query"].values]
+    fits = {str(task): [r for r in ranks if r <= TASKS[str(task)]["num_context"]] for task in ds.task.values}
     lines = []
     landmark = [m for m in labels if m.startswith("nystrom")]
     if landmark:
-        parts = []
-        for task in ds.task.values:
-            n = TASKS[str(task)]["num_context"]
-            r = max((r for r in ranks if r <= n), default=None)
-            if r is None:
-                continue
-            for m in landmark:
-                d = diff.sel(task=task, query="key", estimator=m, num_features=r)
-                parts.append(f"{task} `{m}` at r = {r}: {fmt_ci(d)}")
+        parts = [f"{task} `{m}` at r = {max(rs)}: {fmt_ci(diff.sel(task=task, estimator=m, num_features=max(rs)))}"
+                 for task, rs in fits.items() if rs for m in landmark]
         lines.append("Nyström maps fitted on the context keys, score minus exact attention's on the same episodes at "
                      "their largest grid rank ≤ n (query = key): " + "; ".join(parts) + ".")
-    if "recall" in ds.task.values and len(queries) > 1:
-        parts = []
-        r_hi = max(ranks)
-        for m in [m for m in labels if m.split("_")[0] in ("trig", "positive", "oprf")]:
-            s = score.sel(task="recall", estimator=m, num_features=r_hi)
-            parts.append(f"`{m}`: {fmt_cis(s, 'query', queries, sep=', ', names=str)}")
+    if "recall" in fits and len(queries) > 1:
+        recall = score.sel(task="recall", num_features=r_hi)
+        parts = [f"`{m}`: {fmt_cis(recall.sel(estimator=m), 'query', queries, sep=', ', names=str)}" for m in labels
+                 if m.split("_")[0] in ("trig", "positive", "oprf")]
         exact = fmt_cis(ds["score_exact_summary"].sel(task="recall"), "query", queries, sep=", ", names=str)
         lines.append(f"Recall at r = {r_hi} as the queries move off the keys: {'; '.join(parts)}; exact attention: "
                      f"{exact}.")
     random_maps = [m for m in labels if m.split("_")[0] in ("positive", "oprf")]
     if random_maps:
-        r_hi = max(ranks)
-        parts = [f"{task} `{m}` {fmt_ci(err.sel(task=task, query='key', estimator=m, num_features=r_hi))}"
-                 for task in ds.task.values for m in random_maps]
+        parts = [f"{task} `{m}` {fmt_ci(err.sel(task=task, estimator=m, num_features=r_hi))}"
+                 for task in fits for m in random_maps]
         lines.append(f"Positive random maps at r = {r_hi} keep a median output error of: " + "; ".join(parts) + ".")
-    if "trig_orthogonal" in labels and "recall" in ds.task.values:
+    if "trig_orthogonal" in labels and "recall" in fits:
         r_mid = 256 if 256 in ranks else ranks[len(ranks) // 2]
-        t_err = err.sel(task="recall", query="key", estimator="trig_orthogonal", num_features=r_mid)
-        t_acc = score.sel(task="recall", query="key", estimator="trig_orthogonal", num_features=r_mid)
+        mid = {"task": "recall", "num_features": r_mid}
+        e_mid, acc_mid = err.sel(mid), score.sel(query="key", **mid)
+        t_err, t_acc = e_mid.sel(estimator="trig_orthogonal"), acc_mid.sel(estimator="trig_orthogonal")
         pieces, opposite = [], []
         for m in random_maps:
-            m_err = err.sel(task="recall", query="key", estimator=m, num_features=r_mid)
-            m_acc = score.sel(task="recall", query="key", estimator=m, num_features=r_mid)
+            m_err, m_acc = e_mid.sel(estimator=m), acc_mid.sel(estimator=m)
             pieces.append(f"`{m}` error {fmt_ci(m_err)}, recall {fmt_ci(m_acc)}")
             if above(t_err, m_err) and above(t_acc, m_acc):            # worse error, better recall
                 opposite.append(f"`{m}`")
@@ -362,21 +338,15 @@ def findings(ds: xr.Dataset) -> list[str]:
         lines.append(f"At r = {r_mid}, query = key, trigonometric features have output error {fmt_ci(t_err)} and "
                      f"recall {fmt_ci(t_acc)} ({'; '.join(pieces)}): {verdict}.")
     for oracle in [m for m in labels if m in ORACLES]:
-        parts = []
-        for task in ds.task.values:
-            n = TASKS[str(task)]["num_context"]
-            rs = [r for r in ranks if r <= n]
-            vals = fmt_cis(diff.sel(task=task, query="key", estimator=oracle), "num_features", rs, sep=", ",
-                           names=lambda r: f"r = {r}:")
-            parts.append(f"{task} ({vals})")
+        parts = [f"{task} (" + fmt_cis(diff.sel(task=task, estimator=oracle), "num_features", rs, sep=", ",
+                                       names=lambda r: f"r = {r}:") + ")" for task, rs in fits.items()]
         lines.append(f"The {ORACLES[oracle]}, fitted on the query–key matrix, score minus exact attention's: "
                      + "; ".join(parts) + ". It is a reference for the matrix it approximates, not a bound on scores.")
     if landmark and random_maps:
-        ratio = []
-        for task in ds.task.values:
-            e = err.sel(task=task, query="key", stat="estimate")
-            ratio.append(f"{task} {range_text(e.sel(estimator=landmark).values)} (Nyström) vs "
-                         f"{range_text(e.sel(estimator=random_maps).values)} (positive random maps)")
+        e = err.sel(stat="estimate")
+        ratio = [f"{task} {range_text(e.sel(task=task, estimator=landmark).values)} (Nyström) vs "
+                 f"{range_text(e.sel(task=task, estimator=random_maps).values)} (positive random maps)"
+                 for task in fits]
         lines.append("Median output errors over the grid ranks: " + "; ".join(ratio) + ".")
     lines.extend(_matched_findings(ds))
     headline = [line for line in lines if line.startswith("At r = ")]
@@ -414,12 +384,9 @@ def _matched_findings(ds) -> list[str]:
              "LARA and EVA read the episode's test queries as a batch): " + " | ".join(parts) + ".")]
 
 
-EXPERIMENT = Experiment(
-    name="rank_summary", title="Rank against attention-output error and in-context score (matched inputs)",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "query", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), axis_attrs=AXIS_ATTRS,
-    summarise=summarise, findings=findings)
+DATA_AXES = ("task", "query", "seed")
+EXPERIMENT = Experiment.from_module(__name__, title="Rank against attention-output error and in-context score "
+                                                    "(matched inputs)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

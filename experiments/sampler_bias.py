@@ -37,7 +37,7 @@ from experiments._common import add_comparison, add_mean, add_paired, covers, ra
 from kernapprox import theory
 from kernapprox.estimators.samplers import make_sampler
 from kernapprox.plotting import errorbar_summary, estimator_style, fmt, fmt_ci, new_figure, save_figure
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
 
 SAMPLERS = ["iid", "regularized", "sorf", "sorf_chi"]
 CHI_NORMS = {"iid", "sorf_chi"}           # norms are independent chi(d) draws: integrated out by quadrature
@@ -60,40 +60,31 @@ GRIDS = {  # num_rows: rows drawn per cell; num_pairs: pairs per seed and level
              "seed": list(range(8))},
 }
 PARAMETERS = {
-    "row_groups": Parameter(32, long_name="groups of consecutive rows for the within-cell standard error", units="1",
-                            description="each group must hold whole sampler blocks: num_rows / row_groups a "
-                                        "multiple of d"),
+    "row_groups": Parameter(32, "groups of consecutive rows for the within-cell standard error", "1",
+                            "each group must hold whole sampler blocks: num_rows / row_groups a multiple of d"),
 }
-AXIS_ATTRS = {
-    "sampler": {"long_name": "projection sampler (kernapprox.estimators.samplers)", "units": "1"},
-    "dim": {"long_name": "dimension d of q and k", "units": "1"},
-    "num_rows": {"long_name": "projection rows drawn per cell", "units": "1"},
-    "num_pairs": {"long_name": "pairs (x, y) per seed and level", "units": "1"},
-    "level": {"long_name": "norm level of the pair: ‖x+y‖² = a + b·√d (LEVELS: fixed_4, half_sqrt_d, sqrt_d, "
-                           "two_sqrt_d)", "units": "1"},
-    "feature_map": {"long_name": "random feature map the rows feed (positive: FAVOR+; oprf: FAVOR++)", "units": "1"},
-    "pair": {"long_name": "pair (x, y) of the cell (an independent draw at its level)", "units": "1"},
-}
+AXIS_ATTRS = {axis: {"long_name": long_name, "units": "1"} for axis, long_name in {
+    "sampler": "projection sampler (kernapprox.estimators.samplers)", "dim": "dimension d of q and k",
+    "num_rows": "projection rows drawn per cell", "num_pairs": "pairs (x, y) per seed and level",
+    "level": "norm level of the pair: ‖x+y‖² = a + b·√d (LEVELS: fixed_4, half_sqrt_d, sqrt_d, two_sqrt_d)",
+    "feature_map": "random feature map the rows feed (positive: FAVOR+; oprf: FAVOR++)",
+    "pair": "pair (x, y) of the cell (an independent draw at its level)"}.items()}
 
-_COORDS = {"level": list(LEVELS), "feature_map": MAPS}
+_MAPPED = {"dims": ("level", "feature_map"), "coords": {"level": list(LEVELS), "feature_map": MAPS}}
+_PAIRED = {**_MAPPED, "dims": ("level", "feature_map", "pair")}
+_LEVELED = {"dims": ("level",), "coords": {"level": list(LEVELS)}}
 METRICS = {
-    "ratio": Metric(long_name="mean estimate / kernel", units="1",
-                    description="E[SM̂(x, y)]/SM(x, y) for one pair: mean over the cell's rows of the sign- (and for "
-                                "chi-norm samplers norm-) averaged per-row product / SM",
-                    dims=("level", "feature_map", "pair"), coords=_COORDS),
-    "ratio_se": Metric(long_name="standard error of the ratio", units="1",
-                       description="from row_groups groups of consecutive rows (whole sampler blocks)",
-                       dims=("level", "feature_map", "pair"), coords=_COORDS),
+    "ratio": Metric("mean estimate / kernel", "1", "E[SM̂(x, y)]/SM(x, y) for one pair: mean over the cell's rows of "
+                    "the sign- (and for chi-norm samplers norm-) averaged per-row product / SM", **_PAIRED),
+    "ratio_se": Metric("standard error of the ratio", "1",
+                       "from row_groups groups of consecutive rows (whole sampler blocks)", **_PAIRED),
 }
 REFERENCE_METRICS = {
-    "closed_form": Metric(long_name="sphere closed form of the ratio", units="1",
-                          description="theory.regularized_mean_ratio: rows uniform on the sphere of radius √d "
-                                      "(exact for the regularized sampler); a function of d and the level only",
-                          dims=("level", "feature_map"), coords=_COORDS),
-    "norm2": Metric(long_name="‖x+y‖²", units="1", description="the level's value, the same for every pair",
-                    dims=("level",), coords={"level": list(LEVELS)}),
-    "oprf_A": Metric(long_name="OPRF parameter A", units="1", description="A*(‖x+y‖²/d) of the OPRF map",
-                     dims=("level",), coords={"level": list(LEVELS)}),
+    "closed_form": Metric("sphere closed form of the ratio", "1", "theory.regularized_mean_ratio: rows uniform on the "
+                          "sphere of radius √d (exact for the regularized sampler); a function of d and the level only",
+                          **_MAPPED),
+    "norm2": Metric("‖x+y‖²", "1", "the level's value, the same for every pair", **_LEVELED),
+    "oprf_A": Metric("OPRF parameter A", "1", "A*(‖x+y‖²/d) of the OPRF map", **_LEVELED),
 }
 
 
@@ -295,12 +286,10 @@ def plot(ds: xr.Dataset, path) -> None:
         "sorf_chi: SORF directions with chi(d) norms."))
 
 
-EXPERIMENT = Experiment(name="sampler_bias", title="Bias of the SORF and SMREG samplers at Performer scaling",
-                        description=" ".join(__doc__.split("\n\n")[0].split()), grids=GRIDS, metrics=METRICS,
-                        run_cell=run_cell, plot=plot, data_axes=("dim", "num_pairs", "seed"), draw=draw,
-                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
-                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
-                        replicates="the seeds × pairs")
+DATA_AXES = ("dim", "num_pairs", "seed")
+EXPERIMENT = Experiment.from_module(__name__, title="Bias of the SORF and SMREG samplers at Performer scaling",
+                                    description=" ".join(__doc__.split("\n\n")[0].split()),
+                                    replicates="the seeds × pairs")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

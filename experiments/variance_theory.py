@@ -30,7 +30,7 @@ from kernapprox.plotting import (
     new_figure,
     save_figure,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, run_cli
 
 
 def _lemma2(name):
@@ -58,9 +58,9 @@ GRIDS = {
              "seed": list(range(10))},
 }
 PARAMETERS = {
-    "dim": Parameter(16, long_name="dimension d of x and y", units="1"),
-    "replicates": Parameter(100, long_name="independent estimator draws per cell", units="1",
-                            description="each draw is a fresh fit (new projections) on the cell's pair"),
+    "dim": Parameter(16, "dimension d of x and y", "1"),
+    "replicates": Parameter(100, "independent estimator draws per cell", "1",
+                            "each draw is a fresh fit (new projections) on the cell's pair"),
 }
 AXIS_ATTRS = {
     "sum_norm": {"long_name": "‖x + y‖", "units": "1"},
@@ -69,20 +69,16 @@ AXIS_ATTRS = {
 }
 
 METRICS = {
-    "estimate_ratio": Metric(long_name="estimate over the kernel", units="1",
-                             description="φ(x)ᵀφ(y) / SM(x, y) for each independent draw of the estimator",
-                             dims=("replicate",)),
-    "relative_mse_theory": Metric(long_name="closed-form relative MSE", units="1",
-                                  description="MSE/SM² from kernapprox.theory (an upper bound where "
-                                              "theory_is_upper_bound = 1)"),
-    "theory_is_upper_bound": Metric(long_name="closed form is an upper bound", units="1",
-                                    description="1 for Performer Theorem 2 (orthogonal features), else 0"),
-    "num_frequencies": Metric(long_name="random frequencies m", units="1",
-                              description="m in the closed forms (r/2 for trig and hyperbolic, r otherwise)"),
+    "estimate_ratio": Metric("estimate over the kernel", "1",
+                             "φ(x)ᵀφ(y) / SM(x, y) for each independent draw of the estimator", dims=("replicate",)),
+    "relative_mse_theory": Metric("closed-form relative MSE", "1",
+                                  "MSE/SM² from kernapprox.theory (an upper bound where theory_is_upper_bound = 1)"),
+    "theory_is_upper_bound": Metric("closed form is an upper bound", "1",
+                                    "1 for Performer Theorem 2 (orthogonal features), else 0"),
+    "num_frequencies": Metric("random frequencies m", "1",
+                              "m in the closed forms (r/2 for trig and hyperbolic, r otherwise)"),
 }
-REFERENCE_METRICS = {
-    "kernel_value": Metric(long_name="softmax kernel SM(x, y)", units="1", description="exp(xᵀy) of the cell's pair"),
-}
+REFERENCE_METRICS = {"kernel_value": Metric("softmax kernel SM(x, y)", "1", "exp(xᵀy) of the cell's pair")}
 
 
 def pair_with_norms(sum_norm: float, diff_norm: float, dim: int, rng: np.random.Generator):
@@ -245,11 +241,8 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(name="variance_theory", title="Random-feature MSE: Monte Carlo against closed forms",
-                        description=" ".join(__doc__.split()), grids=GRIDS, metrics=METRICS, run_cell=run_cell,
-                        plot=plot, data_axes=("sum_norm", "diff_norm", "seed"), draw=draw,
-                        reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS),
-                        parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings)
+DATA_AXES = ("sum_norm", "diff_norm", "seed")
+EXPERIMENT = Experiment.from_module(__name__, title="Random-feature MSE: Monte Carlo against closed forms")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
