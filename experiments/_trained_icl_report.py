@@ -28,7 +28,7 @@ from scipy import stats as scipy_stats
 from experiments._icl import label_panel, rank_panel
 from experiments._icl import style as icl_style
 from kernapprox import stats
-from kernapprox.plotting import bullets, fmt, fmt_ci, legend_entries, new_figure, save_figure
+from kernapprox.plotting import bullets, figure_legend, finite_values, fmt, fmt_ci, new_figure, save_figure
 
 UNIT = "seed"      # the unit of replication: the prompts of a seed share its feature draw or landmark fit
 
@@ -57,23 +57,21 @@ def _estimate(summary: xr.DataArray) -> float:
     return float(summary.sel(stat="estimate"))
 
 
+def _proxy_cells(ds) -> list[tuple[str, int]]:
+    """``(task, context)`` of every cell of the grid with proxy values."""
+    return [(str(task), int(c)) for task, c in itertools.product(ds.task.values, ds.context.values)
+            if _ran(ds["proxy_accuracy"].sel(task=task, context=c))]
+
+
 def spearman_points(ds: xr.Dataset, task: str, context: int):
     """``(labels, proxy (P, S, E), post hoc (P, S, E))`` of the approximate (estimator, r) points with a proxy
     value (exact attention, first on both sides by construction, is left out)."""
-    sel = ds.sel(task=task, substitution="all", context=context)
-    labels, xs, ys = [], [], []
-    for est in sel.estimator.values:
-        if str(est) == "exact":
-            continue
-        for r in sel.num_features.values:
-            x = sel.proxy_accuracy.sel(estimator=est, num_features=r).transpose("seed", "episode").values
-            y = sel.score.sel(estimator=est, num_features=r).transpose("seed", "episode").values
-            if np.isnan(x).all() or np.isnan(y).all():
-                continue
-            labels.append((str(est), int(r)))
-            xs.append(x)
-            ys.append(y)
-    return labels, np.asarray(xs, dtype=float), np.asarray(ys, dtype=float)
+    sel = ds.sel(task=task, substitution="all", context=context).drop_sel(estimator="exact", errors="ignore")
+    x, y = (np.asarray(sel[v].transpose("estimator", "num_features", "seed", "episode").values, dtype=float)
+            for v in ("proxy_accuracy", "score"))
+    keep = ~(np.isnan(x).all((2, 3)) | np.isnan(y).all((2, 3)))
+    labels = [(str(sel.estimator.values[i]), int(sel.num_features.values[j])) for i, j in zip(*np.nonzero(keep))]
+    return labels, x[keep], y[keep]
 
 
 def _spearman(a: np.ndarray, b: np.ndarray) -> float:
@@ -85,15 +83,19 @@ def _spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(scipy_stats.spearmanr(a, b).statistic)
 
 
+def _realised(ds: xr.Dataset, task: str, context: int, est: str, r: int) -> float:
+    """The realised feature dimension of the (estimator, r) point with every layer substituted (the maps of fixed
+    dimension at their own r: Taylor's 1 + d + d², ELU+1's d), the largest over seeds."""
+    return float(ds["feature_dim"].sel(task=task, context=context, substitution="all", estimator=est,
+                                       num_features=r).max())
+
+
 def _log_r(ds: xr.Dataset, task: str, context: int, labels) -> np.ndarray:
-    """log₂ of the realised feature dimension of each (estimator, r) point (the maps of fixed dimension at their own
-    r: Taylor's 1 + d + d², ELU+1's d), the largest over seeds."""
-    sel = ds["feature_dim"].sel(task=task, context=context, substitution="all")
-    return np.log2([float(sel.sel(estimator=est, num_features=r).max()) for est, r in labels])
+    """log₂ of the realised feature dimension of each (estimator, r) point (:func:`_realised`)."""
+    return np.log2([_realised(ds, task, context, est, r) for est, r in labels])
 
 
-CORRELATIONS = {
-    # name: (long name, what is correlated, minimum points)
+CORRELATIONS = {  # name: (long name, what is correlated, minimum points)
     "proxy_rank_correlation": ("Spearman's ρ of proxy and post-hoc accuracy", "Spearman's ρ between the mean "
                                "proxy_accuracy and the mean score", 3),
     "proxy_partial_rank_correlation": ("partial Spearman ρ of proxy and post-hoc accuracy, controlling for log₂ r",
@@ -110,21 +112,14 @@ CORRELATIONS = {
 
 def rank_correlation(ds: xr.Dataset, task: str, context: int,
                      name: str = "proxy_rank_correlation") -> tuple[xr.DataArray, int]:
-    """A rank correlation over the approximate (estimator, r) points (:data:`CORRELATIONS`: the proxy's Spearman ρ
-    with the post-hoc accuracy, its partial ρ controlling for log₂ r, or log₂ r's ρ with the post-hoc accuracy),
-    with its cluster-bootstrap interval over seeds (:func:`kernapprox.stats.bootstrap_interval` over the seeds,
-    each resample taking the same seeds, with all their prompts, for every point: the prompts of a seed share its
-    feature draw): ``(summary with a stat dimension, number of points)``."""
+    """The rank correlation ``name`` (:data:`CORRELATIONS`) over the approximate (estimator, r) points with its cluster
+    bootstrap over seeds (:func:`kernapprox.stats.bootstrap_interval` over the seeds, each resample taking the same
+    seeds, with all their prompts, for every point): ``(summary with a stat dimension, number of points)``."""
     labels, x, y = spearman_points(ds, task, context)
     seeds = xr.DataArray(np.arange(ds.sizes[UNIT], dtype=float), dims=UNIT)
     if len(labels) < CORRELATIONS[name][2]:
         return stats.bootstrap_interval(seeds * np.nan, UNIT, "mean") * np.nan, len(labels)
     log_r = _log_r(ds, task, context, labels)
-
-    def statistic(a: np.ndarray, b: np.ndarray) -> float:
-        if name == "proxy_partial_rank_correlation":
-            return stats.partial_spearman(a, b, log_r)
-        return _spearman(log_r, b) if name == "proxy_log_r_rank_correlation" else _spearman(a, b)
 
     def resampled(index: np.ndarray) -> np.ndarray:
         """The statistic of the points' mean accuracies over each row of seed indices ``(R, m)``, every prompt of
@@ -133,8 +128,9 @@ def rank_correlation(ds: xr.Dataset, task: str, context: int,
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)        # a point without a finite resampled mean
             for i, row in enumerate(index.astype(int)):
-                out[i] = statistic(np.nanmean(x[:, row].reshape(len(labels), -1), 1),
-                                   np.nanmean(y[:, row].reshape(len(labels), -1), 1))
+                a, b = (np.nanmean(v[:, row].reshape(len(labels), -1), 1) for v in (x, y))
+                out[i] = (stats.partial_spearman(a, b, log_r) if name == "proxy_partial_rank_correlation" else
+                          _spearman(log_r if name == "proxy_log_r_rank_correlation" else a, b))
         return out
 
     summary = stats.bootstrap_interval(seeds, UNIT, resampled)
@@ -147,18 +143,14 @@ def rank_correlations(ds: xr.Dataset, name: str = "proxy_rank_correlation") -> x
     """``name`` (:data:`CORRELATIONS`): :func:`rank_correlation` for every MQAR task and context with proxy values
     (NaN elsewhere), dims ``(task, context, stat)``; attribute ``points``: the number of (estimator, r) points of
     each, as a JSON-free ``task:context=points`` list."""
-    data = np.full((ds.sizes["task"], ds.sizes["context"], len(stats.STATS)), np.nan)
-    attrs, points = {}, []
-    for i, task in enumerate(ds.task.values):
-        for j, context in enumerate(ds.context.values):
-            if not _ran(ds["proxy_accuracy"].sel(task=task, context=context)):
-                continue
-            summary, count = rank_correlation(ds, str(task), int(context), name)
-            data[i, j] = summary.values
-            attrs = summary.attrs
-            points.append(f"{task}:{int(context)}={count}")
-    out = xr.DataArray(data, dims=("task", "context", "stat"),
+    out = xr.DataArray(np.nan, dims=("task", "context", "stat"),
                        coords={"task": ds.task.values, "context": ds.context.values, "stat": list(stats.STATS)})
+    attrs, points = {}, []
+    for task, context in _proxy_cells(ds):
+        summary, count = rank_correlation(ds, task, context, name)
+        out.loc[{"task": task, "context": context}] = summary.values
+        attrs = summary.attrs
+        points.append(f"{task}:{context}={count}")
     interval = attrs.get("interval", "95% cluster bootstrap over seed (each seed with all its prompts)")
     long_name, what, _ = CORRELATIONS[name]
     out.attrs = {"long_name": long_name, "units": "1",
@@ -168,6 +160,18 @@ def rank_correlations(ds: xr.Dataset, name: str = "proxy_rank_correlation") -> x
                  "statistic": name.removesuffix("_correlation").removeprefix("proxy_"), "interval": interval,
                  "level": attrs.get("level", stats.LEVEL), "over": UNIT, "unit": UNIT, "points": ", ".join(points)}
     return out
+
+
+def proxy_validity(ds: xr.Dataset) -> xr.Dataset:
+    """The proxy's validity: the rank correlations (:data:`CORRELATIONS`), the order at equal r
+    (:func:`pair_agreement`) and the calibration gap per (estimator, r) point with its cluster interval."""
+    ds.update({name: rank_correlations(ds, name) for name in CORRELATIONS} | pair_agreement(ds))
+    gap = stats.cluster_interval(ds["proxy_accuracy"] - ds["score"], UNIT, ("episode",))
+    ds["proxy_gap_summary"] = gap.assign_attrs(
+        long_name="calibration gap: proxy − post-hoc accuracy", units="1",
+        description="per (estimator, r) point, the mean proxy_accuracy − the mean score (the same seeds: the proxy's "
+                    "episodes and the prompts of a seed share its draw), over seed, episode: " + gap.attrs["interval"])
+    return ds
 
 
 # ------------------------------------------------------------------------------------ within-r agreement
@@ -189,35 +193,26 @@ PAIR_TEST = "sign"          # exact with tied unit values (see pair_agreement)
 
 def pair_agreement(ds: xr.Dataset) -> dict[str, xr.DataArray]:
     """Within-r agreement of the proxy with the trained models, dims ``(task, context, num_features, pair)``:
-
-    ``proxy_pair_post_hoc``
-        per pair ``a vs b``, the post-hoc score difference a − b per prompt (the same prompts), mean with its
-        cluster-bootstrap interval over seeds (:func:`kernapprox.stats.cluster_interval`);
-    ``proxy_pair_proxy``
-        the same for the proxy's accuracy (the same episodes);
-    ``proxy_pair_p``, ``proxy_pair_p_holm``
-        the two-sided exact sign test's p-value of the per-seed mean post-hoc differences
-        (:func:`kernapprox.stats.paired_test`; the sign test because per-seed mean accuracies tie, which sends
-        Wilcoxon's test to its normal approximation, whose smallest p-value with 12 seeds, 0.002, can never pass
-        Holm over 30 pairs; the sign test's, 2·2⁻¹², can), and Holm's adjustment over every within-r pair of the
-        (task, context) (:func:`kernapprox.stats.holm`: the family is declared as all pairs at equal r of one
-        context);
-    ``proxy_pair_agreement``
-        +1 where the proxy's preferred estimator (the sign of its mean difference) is the post-hoc winner, −1
-        where it prefers the loser, 0 where the post-hoc order is not resolved (:func:`kernapprox.stats.verdict`
-        on the Holm p-value: at least MIN_UNITS seeds and p < 0.05) or the proxy ties; NaN where the pair does not
-        exist.
-    """
+    ``proxy_pair_post_hoc``, per pair ``a vs b`` the post-hoc score difference a − b per prompt (the same prompts),
+    mean with its cluster-bootstrap interval over seeds (:func:`kernapprox.stats.cluster_interval`);
+    ``proxy_pair_proxy``, the same for the proxy's accuracy (the same episodes); ``proxy_pair_p`` and
+    ``proxy_pair_p_holm``, the two-sided exact sign test's p-value of the per-seed mean post-hoc differences
+    (:func:`kernapprox.stats.paired_test`; the sign test because per-seed mean accuracies tie, which sends
+    Wilcoxon's test to its normal approximation, whose smallest p-value with 12 seeds, 0.002, can never pass Holm
+    over 30 pairs; the sign test's, 2·2⁻¹², can), and Holm's adjustment over every within-r pair of the (task,
+    context) (:func:`kernapprox.stats.holm`: the family is declared as all pairs at equal r of one context);
+    ``proxy_pair_agreement``, +1 where the proxy's preferred estimator (the sign of its mean difference) is the
+    post-hoc winner, −1 where it prefers the loser, 0 where the post-hoc order is not resolved
+    (:func:`kernapprox.stats.verdict` on the Holm p-value: at least MIN_UNITS seeds and p < 0.05) or the proxy ties;
+    NaN where the pair does not exist."""
     ests = [str(e) for e in ds.estimator.values]
-    found = {}
-    for task in ds.task.values:
-        for c in ds.context.values:
-            if _ran(ds["proxy_accuracy"].sel(task=task, context=c)):
-                found[(str(task), int(c))] = within_r_pairs(ds, str(task), int(c))
+    found = {cell: within_r_pairs(ds, *cell) for cell in _proxy_cells(ds)}
     pairs = sorted({(a, b) for items in found.values() for _, a, b in items},
                    key=lambda p: (ests.index(p[0]), ests.index(p[1])))
-    names = [f"{a} vs {b}" for a, b in pairs]
-    shape = (ds.sizes["task"], ds.sizes["context"], ds.sizes["num_features"], len(pairs))
+    dims = ("task", "context", "num_features", "pair")
+    coords = {"task": ds.task.values, "context": ds.context.values, "num_features": ds.num_features.values,
+              "pair": [f"{a} vs {b}" for a, b in pairs]}
+    shape = tuple(len(v) for v in coords.values())
     post, proxy = np.full(shape + (len(stats.STATS),), np.nan), np.full(shape + (len(stats.STATS),), np.nan)
     p, holm, agreement = np.full(shape, np.nan), np.full(shape, np.nan), np.full(shape, np.nan)
     tasks, contexts, ranks = list(ds.task.values), list(ds.context.values), list(ds.num_features.values)
@@ -242,56 +237,42 @@ def pair_agreement(ds: xr.Dataset) -> dict[str, xr.DataArray]:
             pref = np.sign(proxy[i, j, k, m, 0])
             agreement[i, j, k, m] = (UNRESOLVED if side == "not resolved" or pref == 0 else
                                      AGREE if pref == np.sign(est) else DISAGREE)
-    coords = {"task": ds.task.values, "context": ds.context.values, "num_features": ds.num_features.values,
-              "pair": names}
-    dims = ("task", "context", "num_features", "pair")
     family = ("Holm over all pairs at equal r of one (task, context), declared before looking; "
               f"a verdict needs {stats.MIN_UNITS} seeds")
 
+    def array(data, long_name, description, **attrs):
+        stat = {"stat": list(stats.STATS)} if data.ndim > len(dims) else {}
+        return xr.DataArray(data, dims=(*dims, *stat), coords={**coords, **stat}, attrs={
+            "long_name": long_name, "units": "1", "unit": UNIT, "description": description, **attrs})
+
     def summary(data, long_name, var):
-        return xr.DataArray(data, dims=(*dims, "stat"), coords={**coords, "stat": list(stats.STATS)}, attrs={
-            "long_name": long_name, "units": "1", "statistic": "mean", "interval": interval, "over": UNIT,
-            "unit": UNIT, "within": "episode", "level": stats.LEVEL,
-            "description": f"per pair 'a vs b' at equal r, {var} of a − {var} of b per prompt (the same prompts "
-                           f"and proxy episodes), mean over seed, episode: {interval}"})
+        return array(data, long_name, f"per pair 'a vs b' at equal r, {var} of a − {var} of b per prompt (the same "
+                     f"prompts and proxy episodes), mean over seed, episode: {interval}", statistic="mean",
+                     interval=interval, over=UNIT, within="episode", level=stats.LEVEL)
 
     return {
         "proxy_pair_post_hoc": summary(post, "post-hoc accuracy difference a − b at equal r", "score"),
         "proxy_pair_proxy": summary(proxy, "proxy accuracy difference a − b at equal r", "proxy_accuracy"),
-        "proxy_pair_p": xr.DataArray(p, dims=dims, coords=coords, attrs={
-            "long_name": "p-value of the post-hoc difference a − b", "units": "1", "test": PAIR_TEST,
-            "unit": UNIT, "description": test or "two-sided exact sign test, one value per seed"}),
-        "proxy_pair_p_holm": xr.DataArray(holm, dims=dims, coords=coords, attrs={
-            "long_name": "Holm-adjusted p-value of the post-hoc difference a − b", "units": "1", "unit": UNIT,
-            "description": f"proxy_pair_p adjusted by Holm's step-down method: {family}"}),
-        "proxy_pair_agreement": xr.DataArray(agreement, dims=dims, coords=coords, attrs={
-            "long_name": "within-r agreement of the proxy's order with the post-hoc order", "units": "1",
-            "unit": UNIT, "description": "+1: the proxy prefers the post-hoc winner; −1: it prefers the loser; 0: the "
-                                        "post-hoc order is not resolved (Holm p ≥ 0.05 or fewer than "
-                                        f"{stats.MIN_UNITS} seeds) or the proxy ties; NaN: no such pair ({family})"}),
+        "proxy_pair_p": array(p, "p-value of the post-hoc difference a − b",
+                              test or "two-sided exact sign test, one value per seed", test=PAIR_TEST),
+        "proxy_pair_p_holm": array(holm, "Holm-adjusted p-value of the post-hoc difference a − b",
+                                   f"proxy_pair_p adjusted by Holm's step-down method: {family}"),
+        "proxy_pair_agreement": array(agreement, "within-r agreement of the proxy's order with the post-hoc order",
+                                      "+1: the proxy prefers the post-hoc winner; −1: it prefers the loser; 0: the "
+                                      "post-hoc order is not resolved (Holm p ≥ 0.05 or fewer than "
+                                      f"{stats.MIN_UNITS} seeds) or the proxy ties; NaN: no such pair ({family})"),
     }
 
 
-def _points(ds, task, context) -> int:
-    for item in ds["proxy_rank_correlation"].attrs.get("points", "").split(", "):
-        if item.startswith(f"{task}:{context}="):
-            return int(item.split("=")[1])
-    return 0
-
-
-def _post_hoc_range(ds, task, c) -> tuple[str, str] | None:
+def _post_hoc_range(ds, task, c) -> tuple[str, ...] | None:
     """The lowest and highest post-hoc score among the approximate estimators (every layer, context ``c``)."""
     s = ds["score_summary"].sel(task=task, context=c, substitution="all").drop_sel(estimator="exact")
     est = s.sel(stat="estimate")
     if not np.isfinite(est.values).any():
         return None
-    out = []
-    for pick in (est.argmin(...), est.argmax(...)):
-        one = s.isel({k: int(v) for k, v in pick.items()})
-        dim = float(ds["feature_dim"].sel(task=task, context=c, substitution="all", estimator=one.estimator,
-                                          num_features=one.num_features).max())
-        out.append(f"{fmt_ci(one, 2)} (`{str(one.estimator.values)}`, r = {fmt(dim)})")
-    return out[0], out[1]
+    ones = [s.isel({k: int(v) for k, v in pick.items()}) for pick in (est.argmin(...), est.argmax(...))]
+    return tuple(f"{fmt_ci(one, 2)} (`{one.estimator.item()}`, r = "
+                 f"{fmt(_realised(ds, task, c, one.estimator.item(), one.num_features.item()))})" for one in ones)
 
 
 # ------------------------------------------------------------------------------------------------- findings
@@ -299,35 +280,28 @@ def findings(ds: xr.Dataset) -> str:
     """Markdown bullets; every number is computed from ``ds`` (means with 95 % cluster-bootstrap intervals over
     seeds, each seed with its prompts)."""
     lines = [_headline(ds)]
-    for task in _tasks(ds, "mqar"):
-        for c in _contexts(ds, task):
-            sel = {"task": task, "context": c}
-            lines.append(f"{task}: the softmax reference recalls {fmt_ci(ds['score_exact_summary'].sel(**sel))} of "
-                         f"the queries with {c} pairs (seq_len {int(ds['seq_len'].sel(**sel).max())}, "
-                         f"{int(ds['score_exact_summary'].sel(**sel, stat='count'))} seeds × "
-                         f"{ds.sizes['episode']} prompts).")
-    for task in _tasks(ds, "regression"):
-        for c in _contexts(ds, task):
-            sel = {"task": task, "context": c}
-            ref, ls, ridge = (fmt_ci(ds[f"{v}_summary"].sel(**sel)) for v in ("score_exact", "baseline_ls",
-                                                                               "baseline_ridge"))
-            lines.append(f"{task}: with {c} examples in context the reference's normalised error is {ref}; least "
-                         f"squares {ls}, ridge {ridge} on the same prompts.")
+    cells = {f: [(t, c) for t in _tasks(ds, f) for c in _contexts(ds, t)] for f in ("mqar", "regression")}
+    for task, c in cells["mqar"]:
+        ref = ds["score_exact_summary"].sel(task=task, context=c)
+        lines.append(f"{task}: the softmax reference recalls {fmt_ci(ref)} of the queries with {c} pairs (seq_len "
+                     f"{int(ds['seq_len'].sel(task=task, context=c).max())}, {int(ref.sel(stat='count'))} seeds × "
+                     f"{ds.sizes['episode']} prompts).")
+    for task, c in cells["regression"]:
+        ref, ls, ridge = (fmt_ci(ds[f"{v}_summary"].sel(task=task, context=c))
+                          for v in ("score_exact", "baseline_ls", "baseline_ridge"))
+        lines.append(f"{task}: with {c} examples in context the reference's normalised error is {ref}; least squares "
+                     f"{ls}, ridge {ridge} on the same prompts.")
     exact = ds["score_vs_exact"].sel(estimator="exact").drop_sel(substitution="trained", errors="ignore")
     if _ran(exact):
-        lines.append(f"Substituting exact attention for the reference's own (every layer or one) changes no score: "
-                     f"max |difference| = {fmt(float(abs(exact).max()))} over {int(exact.notnull().sum())} "
-                     "prompt scores.")
+        lines.append(f"Substituting exact attention for the reference's own (every layer or one) changes no score: max "
+                     f"|difference| = {fmt(float(abs(exact).max()))} over {int(exact.notnull().sum())} prompt scores.")
     for task, c in _evaluated(ds, "mqar") + _evaluated(ds, "regression"):
         lines += _post_hoc_lines(ds, task, c)
     for task, c in _evaluated(ds, "mqar"):
         lines += _mqar_lines(ds, task, c)
-    for task in _tasks(ds, "mqar"):
-        for c in _contexts(ds, task):
-            lines += _validity_lines(ds, task, c)
-    lines.append(PROXY_NOT_DEFINED)
-    lines.append(_training_line(ds))
-    return bullets(lines)
+    for task, c in cells["mqar"]:
+        lines += _validity_lines(ds, task, c)
+    return bullets([*lines, PROXY_NOT_DEFINED, _training_line(ds)])
 
 
 def _headline(ds) -> str:
@@ -336,75 +310,52 @@ def _headline(ds) -> str:
     task, c = mqar[0]
     ref = fmt_ci(ds["score_exact_summary"].sel(task=task, context=c))
     text = f"A trained MQAR Transformer ({task}, {c} pairs) recalls {ref} with softmax attention"
-    span = _post_hoc_range(ds, task, c)
-    if span:
+    if span := _post_hoc_range(ds, task, c):
         text += f" and, with every layer replaced post hoc, {span[0]} to {span[1]}"
     rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
     if np.isfinite(_estimate(rho)):
-        text += (f"; the training-free proxy's Spearman ρ with it over {_points(ds, task, c)} (estimator, r) points "
-                 f"is {fmt_ci(rho, 2)}")
+        text += (f"; the training-free proxy's Spearman ρ with it over {len(spearman_points(ds, task, c)[0])} "
+                 f"(estimator, r) points is {fmt_ci(rho, 2)}")
         partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
         if np.isfinite(_estimate(partial)):
             text += f", controlling for log₂ r {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial).split(':')[0]}"
-        counts = _agreement_counts(ds, task, c)
-        if counts["pairs"]:
+        if (counts := _agreement_counts(ds, task, c))["pairs"]:
             text += (f"; at equal r the proxy prefers the loser in {counts['disagree']} of {counts['resolved']} "
                      "resolved pairs")
     return text + "."
 
 
-def _units(ds) -> int:
-    return int(ds.sizes[UNIT])
-
-
 def _agreement(ds, rho) -> str:
     """The rank agreement's verdict: resolved only with at least MIN_UNITS seeds and the cluster interval above 0."""
-    k = _units(ds)
-    if k < stats.MIN_UNITS:
+    if (k := ds.sizes[UNIT]) < stats.MIN_UNITS:
         return (f"agreement not resolved ({k} units: the seeds, whose prompts share one feature draw; a verdict needs "
                 f"{stats.MIN_UNITS})")
     return ("agreement resolved (cluster interval above 0)" if float(rho.sel(stat="lo")) > 0 else
             "agreement not resolved (the cluster interval contains 0)")
 
 
-def _range(summary, digits: int = 2) -> str:
-    """``0.75 [0.72–0.9]``: a median over seeds with the range of the seeds (:func:`kernapprox.stats.range_summary`),
-    in brackets."""
-    lo, hi = (fmt(float(summary.sel(stat=k)), digits) for k in ("lo", "hi"))
-    return f"{fmt(_estimate(summary), digits)} [{lo}–{hi}]"
-
-
 def _post_hoc_lines(ds, task, c) -> list[str]:
-    lines = []
-    sel = {"task": task, "context": c}
-    s = ds["score_summary"].sel(**sel, substitution="all")
-    parts = []
-    for est in s.estimator.values:
-        if str(est) == "exact":
-            continue
-        rs = [int(r) for r in s.num_features.values if np.isfinite(_estimate(s.sel(estimator=est, num_features=r)))]
-        if not rs:
-            continue
-        ends = [f"{fmt_ci(s.sel(estimator=est, num_features=r), 2)} at r = "
-                f"{fmt(float(ds['feature_dim'].sel(**sel, substitution='all', estimator=est, num_features=r).max()))}"
-                for r in dict.fromkeys((rs[0], rs[-1]))]
-        parts.append(f"`{est}` {' → '.join(ends)}")
+    lines, parts = [], []
+    s = ds["score_summary"].sel(task=task, context=c, substitution="all")
+    for est in [str(e) for e in s.estimator.values if str(e) != "exact"]:
+        if rs := finite_values(s.sel(estimator=est), "num_features"):
+            parts.append(f"`{est}` " + " → ".join(f"{fmt_ci(s.sel(estimator=est, num_features=r), 2)} at r = "
+                                                   f"{fmt(_realised(ds, task, c, est, r))}"
+                                                   for r in dict.fromkeys((rs[0], rs[-1]))))
     if parts:
         lines.append(f"{task}, every layer substituted post hoc ({c} in context): " + "; ".join(parts) + ".")
     errs, r = [], None
-    for layer in ds.layer.values:
-        name = f"layer{int(layer)}"
-        if name not in ds.substitution.values:
-            continue
-        one = ds.sel(**sel, substitution=name, estimator="positive_orthogonal")
+    for layer in [int(v) for v in ds.layer.values if f"layer{int(v)}" in ds.substitution.values]:
+        one = ds.sel(task=task, context=c, substitution=f"layer{layer}", estimator="positive_orthogonal")
         if not _ran(one.score):
             continue
         rs = [int(v) for v in one.num_features.values if _ran(one.score.sel(num_features=v))]
         r = rs[len(rs) // 2]
-        score = fmt_ci(one["score_summary"].sel(num_features=r), 2)
-        err = _range(one["layer_error_summary"].sel(num_features=r, layer=layer))
-        errs.append(f"layer {int(layer)} alone: score {score}, output error {err}")
-        ran = int(one["layer_error_summary"].sel(num_features=r, layer=layer, stat="count"))
+        err = one["layer_error_summary"].sel(num_features=r, layer=layer)     # median and range of the seeds
+        est, lo, hi = (fmt(float(err.sel(stat=k)), 2) for k in ("estimate", "lo", "hi"))
+        errs.append(f"layer {layer} alone: score {fmt_ci(one['score_summary'].sel(num_features=r), 2)}, output "
+                    f"error {est} [{lo}–{hi}]")
+        ran = int(err.sel(stat="count"))
     if errs:
         lines.append(f"{task}, `positive_orthogonal` at r = {r} in one layer ({c} in context; output error: median "
                      f"over the {ran} seeds of the prompts' median, in brackets the range of the seeds, not a "
@@ -419,22 +370,18 @@ def _trains(ds) -> bool:
 
 
 def _mqar_lines(ds, task, c) -> list[str]:
-    lines = []
-    sel = ds.sel(task=task, context=c, substitution="trained") if _trains(ds) else None
-    parts = []
-    for est in [] if sel is None else sel.estimator.values:
-        for r in sel.num_features.values:
-            one = sel.sel(estimator=est, num_features=r)
-            if not _ran(one.score):
-                continue
-            parts.append(f"`{est}` r = {int(r) if str(est) != 'exact' else 'KV'}: {fmt_ci(one['score_summary'], 2)} "
-                         f"at {fmt(float(one.state_bytes.max()) / 1024)} KiB")
+    lines, parts = [], []
+    if _trains(ds):
+        sel = ds.sel(task=task, context=c, substitution="trained")
+        for est, r in itertools.product(sel.estimator.values, sel.num_features.values):
+            if _ran((one := sel.sel(estimator=est, num_features=r)).score):
+                parts.append(f"`{est}` r = {int(r) if str(est) != 'exact' else 'KV'}: "
+                             f"{fmt_ci(one['score_summary'], 2)} at {fmt(float(one.state_bytes.max()) / 1024)} KiB")
     if parts:
         lines.append(f"{task}, trained from scratch ({c} pairs; one training run per model, so the intervals cover "
                      "the evaluation prompts' seeds, not training runs): " + "; ".join(parts) + ".")
     beta = ds["reference_beta"].sel(task=task, context=c).mean("seed")
-    beta = [fmt(float(v), 2) for v in beta.values if np.isfinite(v)]
-    if beta:
+    if beta := [fmt(float(v), 2) for v in beta.values if np.isfinite(v)]:
         factor = float(ds["proxy_beta_factor"])
         lines.append(f"{task}: the reference's layers attend at effective β = s·mean‖q‖·mean‖k‖ = {', '.join(beta)} "
                      f"(layer 0, 1, …; {c} pairs, mean over seeds); the proxy reads at β = {fmt(factor)} ln {c} = "
@@ -454,8 +401,7 @@ def _worst_error(ds, task, c, point) -> str:
     seeds): what the proxy, which reads one clean episode, does not see."""
     err = ds["layer_error_summary"].sel(task=task, context=c, substitution="all", estimator=point[0],
                                         num_features=point[1], stat="estimate").values
-    err = [fmt(float(e), 2) for e in err if np.isfinite(e) and e > 0]
-    if not err:
+    if not (err := [fmt(float(e), 2) for e in err if np.isfinite(e) and e > 0]):
         return ""
     return (f" At that point the trained model's substituted attention-output error is {', '.join(err)} (layer 0, "
             "1, …; relative RMS against exact attention on its own activations, median over seeds).")
@@ -463,20 +409,17 @@ def _worst_error(ds, task, c, point) -> str:
 
 def _span(values) -> str:
     """``a`` or ``a to b``: the smallest and largest of ``values`` (two significant digits)."""
-    values = np.asarray(values, dtype=float)
     lo, hi = fmt(float(np.nanmin(values)), 2), fmt(float(np.nanmax(values)), 2)
     return lo if lo == hi else f"{lo} to {hi}"
 
 
 def _partial_verdict(ds, summary) -> str:
     """Whether the partial ρ is resolved: at least MIN_UNITS seeds and the cluster interval off 0."""
-    k = _units(ds)
-    if k < stats.MIN_UNITS:
+    if (k := ds.sizes[UNIT]) < stats.MIN_UNITS:
         return f"not resolved: {k} units, a verdict needs {stats.MIN_UNITS}"
-    lo, hi = float(summary.sel(stat="lo")), float(summary.sel(stat="hi"))
-    if lo > 0:
+    if float(summary.sel(stat="lo")) > 0:
         return "resolved above 0: the proxy adds ranking information beyond r"
-    if hi < 0:
+    if float(summary.sel(stat="hi")) < 0:
         return "resolved below 0: beyond r, the proxy ranks the points against the trained models"
     return "not resolved: the interval contains 0, no ranking information beyond r is shown"
 
@@ -488,7 +431,7 @@ def _agreement_counts(ds, task, c) -> dict:
     proxy = ds["proxy_pair_proxy"].sel(task=task, context=c, stat="estimate").values
     pairs = np.isfinite(a)
     agree, disagree = int((a == AGREE).sum()), int((a == DISAGREE).sum())
-    resolved = (ds["proxy_pair_p_holm"].sel(task=task, context=c).values < 0.05) & (_units(ds) >= stats.MIN_UNITS)
+    resolved = (ds["proxy_pair_p_holm"].sel(task=task, context=c).values < 0.05) & (ds.sizes[UNIT] >= stats.MIN_UNITS)
     ties = int((pairs & (a == UNRESOLVED) & (proxy == 0) & resolved).sum())
     return {"pairs": int(pairs.sum()), "agree": agree, "disagree": disagree, "ties": ties,
             "resolved": agree + disagree + ties}
@@ -497,60 +440,46 @@ def _agreement_counts(ds, task, c) -> dict:
 def _validity_lines(ds, task, c) -> list[str]:
     """Proxy validity at ``(task, c)``: the rank correlations with the partial one, the within-r pairs where the
     proxy prefers the post-hoc loser, and the calibration gap."""
-    rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
+    rho, labels = ds["proxy_rank_correlation"].sel(task=task, context=c), spearman_points(ds, task, c)[0]
     if not np.isfinite(_estimate(rho)):
-        return [f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the "
-                f"{_points(ds, task, c)} points ({c} pairs): too few points, or one side does not vary."] \
-            if _points(ds, task, c) else []
-    k = _units(ds)
-    labels = spearman_points(ds, task, c)[0]
+        return [f"{task}: the rank correlation of proxy and post-hoc accuracy is undefined over the {len(labels)} "
+                f"points ({c} pairs): too few points, or one side does not vary."] if labels else []
+    k = ds.sizes[UNIT]
     names = ", ".join(f"`{e}`" for e in dict.fromkeys(est for est, _ in labels))
-    partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
-    log_r = ds["proxy_log_r_rank_correlation"].sel(task=task, context=c)
-    lines = [f"{task}, proxy validity with {c} pairs over {_points(ds, task, c)} (estimator, r) points ({names}; "
+    partial, log_r = (ds[f"proxy_{v}_rank_correlation"].sel(task=task, context=c) for v in ("partial", "log_r"))
+    lines = [f"{task}, proxy validity with {c} pairs over {len(labels)} (estimator, r) points ({names}; "
              f"cluster bootstrap over {k} seeds): Spearman ρ of proxy and post-hoc accuracy {fmt_ci(rho, 2)}, "
-             f"{_agreement(ds, rho)}; log₂ r "
-             f"alone gives ρ = {fmt_ci(log_r, 2)} with the post-hoc accuracy; the partial ρ controlling for log₂ r "
-             f"is {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial)}."]
-    counts = _agreement_counts(ds, task, c)
-    if counts["pairs"]:
-        agreement = ds["proxy_pair_agreement"].sel(task=task, context=c)
-        wrong = []
+             f"{_agreement(ds, rho)}; log₂ r alone gives ρ = {fmt_ci(log_r, 2)} with the post-hoc accuracy; the "
+             f"partial ρ controlling for log₂ r is {fmt_ci(partial, 2)}, {_partial_verdict(ds, partial)}."]
+    if (counts := _agreement_counts(ds, task, c))["pairs"]:
+        agreement, wrong = ds["proxy_pair_agreement"].sel(task=task, context=c), []
         for pair in agreement.pair.values:
-            rs = [int(r) for r in agreement.num_features.values
-                  if float(agreement.sel(pair=pair, num_features=r)) == DISAGREE]
-            if not rs:
-                continue
-            a, b = str(pair).split(" vs ")
-            one = {"task": task, "context": c, "pair": pair, "num_features": rs}
-            proxy = ds["proxy_pair_proxy"].sel(**one, stat="estimate").values
-            post = ds["proxy_pair_post_hoc"].sel(**one)
-            p = ds["proxy_pair_p_holm"].sel(**one).values
-            wrong.append(f"`{a}` − `{b}` at r = {', '.join(map(str, rs))}: proxy {_span(proxy)}, post hoc "
-                         f"{_span(post.sel(stat='estimate').values)}, Holm p ≤ {fmt(float(np.max(p)), 2)}")
-        unresolved = counts["pairs"] - counts["resolved"]
+            if rs := [int(r) for r in agreement.num_features.values[agreement.sel(pair=pair).values == DISAGREE]]:
+                one = {"task": task, "context": c, "pair": pair, "num_features": rs}
+                proxy, post = (ds[f"proxy_pair_{v}"].sel(**one, stat="estimate").values for v in ("proxy", "post_hoc"))
+                a, b = str(pair).split(" vs ")
+                wrong.append(f"`{a}` − `{b}` at r = {', '.join(map(str, rs))}: proxy {_span(proxy)}, post hoc "
+                             f"{_span(post)}, Holm p ≤ {fmt(float(np.max(ds['proxy_pair_p_holm'].sel(**one))), 2)}")
         text = (f"{task}, {c} pairs, at equal r ({counts['pairs']} estimator pairs; per pair the sign test on the "
                 f"{k} per-seed mean post-hoc differences, Holm over the {counts['pairs']}): the post-hoc order is "
                 f"resolved for {counts['resolved']}; the proxy prefers the winner in {counts['agree']}, the loser in "
-                f"{counts['disagree']}, ties in {counts['ties']}; {unresolved} not resolved")
+                f"{counts['disagree']}, ties in {counts['ties']}; {counts['pairs'] - counts['resolved']} not resolved")
         lines.append(text + (". Where the proxy orders wrongly (accuracy differences a − b): " + " | ".join(wrong)
                              + "." if wrong else "."))
-    gap = ds["proxy_gap_summary"].sel(task=task, context=c, substitution="all")
-    est = [(e, r, _estimate(gap.sel(estimator=e, num_features=r))) for e, r in labels]
-    est = [item for item in est if np.isfinite(item[2])]
-    if est:
-        proxy = ds["proxy_accuracy_summary"].sel(task=task, context=c, substitution="all", stat="estimate")
-        post = ds["score_summary"].sel(task=task, context=c, substitution="all", stat="estimate")
+    at = {"task": task, "context": c, "substitution": "all"}
+    gap = ds["proxy_gap_summary"].sel(**at)
+    if est := [(e, r, g) for e, r in labels if np.isfinite(g := _estimate(gap.sel(estimator=e, num_features=r)))]:
+        proxy, post = (ds[f"{v}_summary"].sel(**at, stat="estimate") for v in ("proxy_accuracy", "score"))
         ratios = [float(proxy.sel(estimator=e, num_features=r) / post.sel(estimator=e, num_features=r))
                   for e, r, _ in est]
         lo, hi = min(est, key=lambda t: t[2]), max(est, key=lambda t: t[2])
-        r_of = dict(zip(labels, (fmt(v) for v in 2.0 ** _log_r(ds, task, c, labels))))   # realised r
         above = sum(1 for e, r, _ in est if float(gap.sel(estimator=e, num_features=r, stat="lo")) > 0)
         lines.append(
             f"{task}, {c} pairs, calibration: the proxy's accuracy minus the post-hoc accuracy (mean over seeds × "
             f"prompts, cluster interval over seeds) runs from {fmt_ci(gap.sel(estimator=lo[0], num_features=lo[1]), 2)}"
-            f" (`{lo[0]}`, r = {r_of[lo[:2]]}) to {fmt_ci(gap.sel(estimator=hi[0], num_features=hi[1]), 2)} "
-            f"(`{hi[0]}`, r = {r_of[hi[:2]]}); its interval lies above 0 at {above} of {len(est)} points; the "
+            f" (`{lo[0]}`, r = {fmt(_realised(ds, task, c, *lo[:2]))}) to "
+            f"{fmt_ci(gap.sel(estimator=hi[0], num_features=hi[1]), 2)} (`{hi[0]}`, r = "
+            f"{fmt(_realised(ds, task, c, *hi[:2]))}); its interval lies above 0 at {above} of {len(est)} points; the "
             f"proxy's accuracy is {fmt(float(np.median(ratios)), 2)} times the post-hoc one at the median point (from "
             f"{fmt(min(ratios), 2)} to {fmt(max(ratios), 2)}×): the proxy's absolute accuracy does not predict a "
             f"trained model's.{_worst_error(ds, task, c, hi[:2])}")
@@ -559,19 +488,15 @@ def _validity_lines(ds, task, c) -> list[str]:
 
 def _training_line(ds) -> str:
     seconds = {}
-    for task in ds.task.values:
-        ref = ds.sel(task=task)
-        wall, cpu = float(ref["reference_train_seconds"].max()), float(ref["reference_train_cpu_seconds"].max())
-        if np.isfinite(wall):
-            seconds[(str(task), "reference")] = (cpu, wall)
-        if "trained" not in ds.substitution.values:
-            continue
-        sel = ref.sel(substitution="trained")
-        for est, r in itertools.product(sel.estimator.values, sel.num_features.values):
-            one = sel.sel(estimator=est, num_features=r)
-            wall, cpu = float(one.train_seconds.max()), float(one.train_cpu_seconds.max())
-            if np.isfinite(wall):
-                seconds[(str(task), f"{est} r={int(r)}")] = (cpu, wall)
+    for task in map(str, ds.task.values):
+        items = [("reference", ds.sel(task=task), "reference_train_")]
+        if _trains(ds):
+            sel = ds.sel(task=task, substitution="trained")
+            items += [(f"{est} r={int(r)}", sel.sel(estimator=est, num_features=r), "train_")
+                      for est, r in itertools.product(sel.estimator.values, sel.num_features.values)]
+        for name, one, prefix in items:
+            if np.isfinite(wall := float(one[f"{prefix}seconds"].max())):
+                seconds[(task, name)] = (float(one[f"{prefix}cpu_seconds"].max()), wall)
     if not seconds:
         return ""
     cpu, wall = (sum(v[i] for v in seconds.values()) for i in (0, 1))
@@ -584,36 +509,27 @@ def _training_line(ds) -> str:
 R_PER_HEAD = "feature dimension r per head"
 
 
-def _curve(ax, ds, task, sub, var, context):
-    """``<var>_summary`` of the approximate estimators against the feature dimension (:func:`~experiments._icl.
-    rank_panel`)."""
-    labels = [str(est) for est in ds.estimator.values if str(est) != "exact"]
-    rank_panel(ax, ds, var, labels, task=task, substitution=sub, context=context)
-
-
 def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(2, 3, squeeze=False, width=13.5, height=7.6)
     mq, rg, notes = _evaluated(ds, "mqar")[:1], _evaluated(ds, "regression")[:1], []
+    labels = [str(est) for est in ds.estimator.values if str(est) != "exact"]      # the approximate estimators
     if mq:
         task, c = mq[0]
         ax = axes[0, 0]
-        _curve(ax, ds, task, "all", "score", c)
+        rank_panel(ax, ds, "score", labels, task=task, substitution="all", context=c)
         ax.axhline(_estimate(ds["score_exact_summary"].sel(task=task, context=c)), color="k", linestyle="--",
                    linewidth=1.0, label="softmax reference")
         label_panel(ax, R_PER_HEAD, "MQAR accuracy", f"(a) post hoc, every layer ({c} pairs)", accuracy=True)
         ax = axes[0, 1]
         err = ds["layer_error_summary"].sel(task=task, substitution="all", context=c, stat="estimate")
-        for est in err.estimator.values:
-            if str(est) == "exact":
-                continue
-            x = ds["feature_dim"].sel(task=task, substitution="all", context=c, estimator=est).max("seed")
+        for est in labels:
+            x = ds["feature_dim"].sel(task=task, substitution="all", context=c, estimator=est).max("seed").values
+            st = icl_style(est)
             for layer, ls in zip(err.layer.values, ("-", "--", ":")):
-                e = err.sel(estimator=est, layer=layer)
-                keep = np.isfinite(e.values) & np.isfinite(x.values)
-                if keep.any():
-                    st = icl_style(str(est))
-                    ax.plot(x.values[keep], e.values[keep], color=st["color"], marker=st["marker"], linestyle=ls,
-                            label=str(est) if layer == 0 else None)
+                e = err.sel(estimator=est, layer=layer).values
+                if (keep := np.isfinite(e) & np.isfinite(x)).any():
+                    ax.plot(x[keep], e[keep], color=st["color"], marker=st["marker"], linestyle=ls,
+                            label=est if layer == 0 else None)
         ax.set_yscale("log")
         label_panel(ax, R_PER_HEAD, "attention-output rel. RMS error",
                     "(b) per-layer error, own activations (— layer 0, - - layer 1)", log2_x=True)
@@ -630,7 +546,7 @@ def plot(ds: xr.Dataset, path) -> None:
     if rg:
         task, c = rg[0]
         ax = axes[0, 2]
-        _curve(ax, ds, task, "all", "score", c)
+        rank_panel(ax, ds, "score", labels, task=task, substitution="all", context=c)
         ax.set_yscale("log")
         notes.append(f"regression panel: task {task}, {c} pairs in context")
         for var, label, ls in (("score_exact", "softmax reference", "--"), ("baseline_ridge", "ridge", ":"),
@@ -641,25 +557,21 @@ def plot(ds: xr.Dataset, path) -> None:
             else:
                 notes.append(f"{label}: {m:.0e}, below the axis")
         label_panel(ax, R_PER_HEAD, "squared error / d (mean over queries)", f"(c) regression post hoc ({c} examples)")
-    handles, names = legend_entries(axes.flat)
-    fig.legend(handles, names, loc="outside right center", fontsize=7, frameon=False)
+    figure_legend(fig, axes.flat)
     save_figure(fig, path, (
-        "Trained causal Transformers with approximate attention. (a, c) Post-hoc substitution of every layer's "
-        "softmax attention by an estimator at rank r, nothing retrained: task score (mean over evaluation prompts, "
-        "band: 95 % cluster-bootstrap interval over seeds, each with its prompts); (b) each layer's "
-        "attention-output error against exact attention on the "
-        "model's own activations (median over seeds). (d) Models trained from scratch with the estimator at feature "
-        "dimension r (plus a short convolution; full and gpu presets, the default leaves them to recall_frontier): "
-        "accuracy against the bytes a decoder keeps (star: the softmax "
-        "reference's KV cache; markers drawn later are smaller, so coinciding points stay visible). (e) "
-        "Proxy validity: the training-free read-out accuracy (icl_recall: d = 64, β = 2 ln n; dashed, open "
-        "markers) and the trained model's post-hoc accuracy (solid, filled) of each estimator against r on one "
-        "axis, so the vertical distance is the calibration gap and the order at one r the within-r ranking; "
-        "title: Spearman's ρ over the approximate points, the partial ρ controlling for log₂ r (cluster bootstrap "
-        "over seeds), and the pairs at equal r whose resolved post-hoc order the proxy gets right or wrong (sign "
-        "test over seeds, Holm). (f) Post-hoc accuracy against the "
-        "prompt length at "
-        "r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
+        "Trained causal Transformers with approximate attention. (a, c) Post-hoc substitution of every layer's softmax "
+        "attention by an estimator at rank r, nothing retrained: task score (mean over evaluation prompts, band: 95 % "
+        "cluster-bootstrap interval over seeds, each with its prompts); (b) each layer's attention-output error "
+        "against exact attention on the model's own activations (median over seeds). (d) Models trained from scratch "
+        "with the estimator at feature dimension r (plus a short convolution; full and gpu presets, the default leaves "
+        "them to recall_frontier): accuracy against the bytes a decoder keeps (star: the softmax reference's KV cache; "
+        "markers drawn later are smaller, so coinciding points stay visible). (e) Proxy validity: the training-free "
+        "read-out accuracy (icl_recall: d = 64, β = 2 ln n; dashed, open markers) and the trained model's post-hoc "
+        "accuracy (solid, filled) of each estimator against r on one axis, so the vertical distance is the calibration "
+        "gap and the order at one r the within-r ranking; title: Spearman's ρ over the approximate points, the partial "
+        "ρ controlling for log₂ r (cluster bootstrap over seeds), and the pairs at equal r whose resolved post-hoc "
+        "order the proxy gets right or wrong (sign test over seeds, Holm). (f) Post-hoc accuracy against the prompt "
+        "length at r = 64 (fixed-dimension maps at their own r). " + "; ".join(notes) + "."),
         title="In-context learning in trained Transformers")
 
 
@@ -668,8 +580,7 @@ def _frontier(ax, ds, task, c):
     for order, est in enumerate(sel.estimator.values):
         s = sel["score_summary"].sel(estimator=est, stat="estimate").values
         x = sel.state_bytes.sel(estimator=est).max("seed").values
-        keep = np.isfinite(s) & np.isfinite(x)
-        if not keep.any():
+        if not (keep := np.isfinite(s) & np.isfinite(x)).any():
             continue
         st = icl_style(str(est))
         if str(est) == "exact":
@@ -699,30 +610,27 @@ def _proxy_panel(ax, ds, task, c):
                     markersize=5)
     ax.plot([], [], color="0.3", linestyle="--", marker="o", markerfacecolor="none", label="proxy (training-free)")
     ax.plot([], [], color="0.3", linestyle="-", marker="o", label="post hoc (trained model)")
-    rho = ds["proxy_rank_correlation"].sel(task=task, context=c)
-    partial = ds["proxy_partial_rank_correlation"].sel(task=task, context=c)
+    rho, partial = (ds[f"proxy_{v}rank_correlation"].sel(task=task, context=c) for v in ("", "partial_"))
     counts = _agreement_counts(ds, task, c)
     label_panel(ax, R_PER_HEAD, "MQAR accuracy",
                 f"(e) proxy (dashed) vs post hoc (solid), {c} pairs\nρ = {fmt_ci(rho, 2)}, partial ρ | log₂ r = "
                 f"{fmt_ci(partial, 2)}\nequal r: {counts['agree']} agree, {counts['disagree']} disagree, "
                 f"{counts['pairs'] - counts['agree'] - counts['disagree']} unresolved or tied "
-                f"({_units(ds)} seeds)", accuracy=True, log2_x=True)
+                f"({ds.sizes[UNIT]} seeds)", accuracy=True, log2_x=True)
     ax.title.set_fontsize(8)
 
 
 def _context_panel(ax, ds, task):
     sel = ds.sel(task=task, substitution="all")
     r = 64 if 64 in sel.num_features.values else int(sel.num_features.values[-1])
+    x = ds["seq_len"].sel(task=task).max("seed").values
     for est in sel.estimator.values:
         slot = sel.sel(estimator=est)
         ranks = [r] + [int(v) for v in slot.num_features.values if v != r]
-        rank = next((rr for rr in ranks if _ran(slot.score.sel(num_features=rr))), None)
-        if rank is None:
+        if (rank := next((rr for rr in ranks if _ran(slot.score.sel(num_features=rr))), None)) is None:
             continue
         s = slot["score_summary"].sel(num_features=rank, stat="estimate").values
-        x = ds["seq_len"].sel(task=task).max("seed").values
-        keep = np.isfinite(s) & np.isfinite(x)
-        if keep.any():
+        if (keep := np.isfinite(s) & np.isfinite(x)).any():
             ax.plot(x[keep], s[keep], **icl_style(str(est)))
     label_panel(ax, "prompt length (tokens)", "MQAR accuracy", f"(f) post hoc against length, r = {r}",
                 accuracy=True, log2_x=True)

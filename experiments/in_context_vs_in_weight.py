@@ -42,16 +42,7 @@ import xarray as xr
 from experiments._icl import EpisodeDraw, kv_cache_bytes
 from kernapprox import in_weight, readout, stats, tasks
 from kernapprox.kernel import log_kernel_matrix
-from kernapprox.plotting import (
-    figure_legend,
-    fmt,
-    fmt_bytes,
-    fmt_ci,
-    log_axis,
-    new_figure,
-    plot_summary,
-    save_figure,
-)
+from kernapprox.plotting import figure_legend, fmt, fmt_bytes, fmt_ci, log_axis, new_figure, plot_summary, save_figure
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 TASKS = {"regression": (4, 1), "classification": (64, 10)}     # task -> (input dimension d, outputs d_v)
@@ -75,19 +66,15 @@ GRIDS = {
              "num_context": [8, 16, 32, 64, 128, 256, 512], "seed": list(range(32))},
 }
 PARAMETERS = {
-    "episodes": Parameter(4, long_name="episodes per seed (pooled within the seed, the unit of replication)",
-                          units="1"),
-    "beta": Parameter(16.0, long_name="inverse temperature β of attention and of kernel ridge's kernel exp(β xᵀy)",
-                      units="1"),
-    "ridge": Parameter(1e-3, long_name="kernel ridge regulariser, relative to the kernel's mean diagonal",
-                       units="1"),
-    "width": Parameter(256, long_name="hidden width m of the two-layer network (NTK and gradient descent)",
-                       units="1"),
-    "steps": Parameter(200, long_name="full-batch gradient steps (gd and ntk_linearised_gd)", units="1"),
-    "lengthscale": Parameter(0.7, long_name="lengthscale of the Gaussian-process target (regression)", units="1"),
-    "noise_std": Parameter(0.1, long_name="standard deviation of the label noise (regression)", units="1"),
-    "regression_queries": Parameter(64, long_name="query points per regression episode", units="1"),
-    "classification_queries": Parameter(32, long_name="query images per classification episode", units="1"),
+    "episodes": Parameter(4, "episodes per seed (pooled within the seed, the unit of replication)", "1"),
+    "beta": Parameter(16.0, "inverse temperature β of attention and of kernel ridge's kernel exp(β xᵀy)", "1"),
+    "ridge": Parameter(1e-3, "kernel ridge regulariser, relative to the kernel's mean diagonal", "1"),
+    "width": Parameter(256, "hidden width m of the two-layer network (NTK and gradient descent)", "1"),
+    "steps": Parameter(200, "full-batch gradient steps (gd and ntk_linearised_gd)", "1"),
+    "lengthscale": Parameter(0.7, "lengthscale of the Gaussian-process target (regression)", "1"),
+    "noise_std": Parameter(0.1, "standard deviation of the label noise (regression)", "1"),
+    "regression_queries": Parameter(64, "query points per regression episode", "1"),
+    "classification_queries": Parameter(32, "query images per classification episode", "1"),
 }
 AXIS_ATTRS = {
     "task": {"long_name": "task: regression of a GP draw on S³, or few-shot digits classification", "units": "1"},
@@ -359,10 +346,6 @@ def plot(ds: xr.Dataset, path) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- findings
-def _p(value: float) -> str:
-    return "n/a" if not np.isfinite(value) else fmt(value, 2)
-
-
 def _verdict(ds: xr.Dataset, at: dict) -> str:
     """``lower``, ``higher`` or ``not resolved``: an in-weight learner's error against attention's (Holm-adjusted
     Wilcoxon p over at least :data:`kernapprox.stats.MIN_UNITS` seeds)."""
@@ -384,7 +367,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                 learned = "; ".join(
                     f"`{m}` {fmt_ci(err.sel({**at, 'predictor': m}))}: {VERDICT_WORDS[_verdict(ds, {**at, 'predictor': m})]} "  # noqa: E501
                     f"(difference {fmt_ci(diff.sel({**at, 'predictor': m}))}, p = "
-                    f"{_p(float(holm.sel({**at, 'predictor': m})))})" for m in learners)
+                    f"{fmt(holm.sel({**at, 'predictor': m}), 2)})" for m in learners)
                 parts.append(f"at n = {n}, attention {fmt_ci(err.sel({**at, 'predictor': 'attention'}))}; {learned}")
             lines.append(f"{task.capitalize()}, {QUERY_NAMES[query_set]}, {metric} (mean over seeds × episodes; "
                          "difference: learner − attention on the same episodes, Holm-adjusted p): "
@@ -451,7 +434,7 @@ def _linearisation(ds: xr.Dataset, ns) -> str:
         for n in ns:
             at = {"task": task, "num_context": n}
             shifts = ", ".join(f"{QUERY_NAMES[q]} {fmt_ci(s.sel({**at, 'query_set': q}))} (p = "
-                               f"{_p(float(p.sel({**at, 'query_set': q})))})" for q in ds.query_set.values.tolist())
+                               f"{fmt(p.sel({**at, 'query_set': q}), 2)})" for q in ds.query_set.values.tolist())
             ridge = {m: err.sel({**at, "query_set": "in_distribution", "predictor": m}) for m in
                      ("ntk_linearised_gd", "ntk_ridge")}
             parts.append(f"{task} at n = {n}: {shifts}; in distribution the linearisation's error "
@@ -504,13 +487,10 @@ def _memory(ds: xr.Dataset, n: int) -> str:
     return f"Memory kept at n = {n} (float32 numbers): " + "; ".join(parts) + "."
 
 
-EXPERIMENT = Experiment(
-    name="in_context_vs_in_weight",
-    title="In-context against in-weight learning: error against examples, out of distribution and against memory",
-    description=" ".join(__doc__.split()),
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_context", "seed"),
-    draw=draw, parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
-    check_params=check_params, replicates="the seeds (each with its episodes)")
+DATA_AXES = ("task", "num_context", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, replicates="the seeds (each with its episodes)",
+    title="In-context against in-weight learning: error against examples, out of distribution and against memory")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

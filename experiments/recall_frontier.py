@@ -122,9 +122,8 @@ GRIDS = {
             "num_features": [4, 8, 16, 32, 64, 128, 256], "lr": [3e-4, 1e-3, 3e-3, 1e-2], "seed": list(range(5))},
 }
 PARAMETERS = {
-    "target": Parameter(TARGET, long_name="accuracy a state must reach to count as enough", units="1",
-                        description="the frontier of the findings: the smallest state whose median test accuracy over "
-                                    "the seeds reaches it"),
+    "target": Parameter(TARGET, "accuracy a state must reach to count as enough", "1", "the frontier of the findings: "
+                        "the smallest state whose median test accuracy over the seeds reaches it"),
 }
 AXIS_ATTRS = {
     "setup": {"long_name": "model size and training budget (SETUPS)", "units": "1"},
@@ -139,23 +138,19 @@ AXIS_ATTRS = {
     "seed": {"long_name": "training seed (initialisation, batches, validation and test prompts)", "units": "1"},
 }
 METRICS = {
-    "test_accuracy": Metric(long_name="test accuracy", units="1",
-                            description="MQAR accuracy over every query position of the seed's test prompts (the data "
-                                        "draw of setup, num_pairs, seed: the same prompts for every family and rate)"),
-    "val_accuracy": Metric(long_name="validation accuracy", units="1",
-                           description="the training curve's last held-out accuracy (eval_size prompts of the "
-                                       "training seed's evaluation stream, never trained on); the learning rate is "
-                                       "chosen on it"),
-    "state_bytes": Metric(long_name="state read by the last token", units="byte",
-                          description="Σ over layers and heads of the rule's state (sum: r·(d_v+1), delta: r·d_v, "
-                                      "least squares: r²+r·d_v) or softmax's KV cache L·(d_qk+d_v), plus "
-                                      "kernel·d_model per layer for the short convolution; float32"),
-    "feature_dim": Metric(long_name="feature dimension per head as realised", units="1",
-                          description="r of the trained model's map (NaN for softmax)"),
-    "seq_len": Metric(long_name="prompt length L", units="token", description="len_per_pair · num_pairs"),
-    "train_cpu_seconds": Metric(long_name="training CPU time", units="s",
-                                description="CPU seconds of the training process (one torch thread), from the "
-                                            "checkpoint's curve: the cost when the cache is cold"),
+    "test_accuracy": Metric("test accuracy", "1", "MQAR accuracy over every query position of the seed's test prompts "
+                            "(the data draw of setup, num_pairs, seed: the same prompts for every family and rate)"),
+    "val_accuracy": Metric("validation accuracy", "1", "the training curve's last held-out accuracy (eval_size "
+                           "prompts of the training seed's evaluation stream, never trained on); the learning rate is "
+                           "chosen on it"),
+    "state_bytes": Metric("state read by the last token", "byte", "Σ over layers and heads of the rule's state (sum: "
+                          "r·(d_v+1), delta: r·d_v, least squares: r²+r·d_v) or softmax's KV cache L·(d_qk+d_v), plus "
+                          "kernel·d_model per layer for the short convolution; float32"),
+    "feature_dim": Metric("feature dimension per head as realised", "1",
+                          "r of the trained model's map (NaN for softmax)"),
+    "seq_len": Metric("prompt length L", "token", "len_per_pair · num_pairs"),
+    "train_cpu_seconds": Metric("training CPU time", "s", "CPU seconds of the training process (one torch thread), "
+                                "from the checkpoint's curve: the cost when the cache is cold"),
 }
 
 
@@ -176,15 +171,10 @@ def configuration(setup: Setup, num_pairs: int, family: str, r: int, lr: float, 
 
 def state_bytes(model, seq_len: int) -> int:
     """Bytes a decoder keeps for the next token, from the trained model's own layers (see ``state_bytes``)."""
-    total = 0
-    for attn in model.attentions:
-        if model.layer_specs()[0].estimator == "exact":
-            per_head = readout.state_bytes(attn.estimator, attn.head_dim, seq_len)
-        else:
-            per_head = attn.rule.state_bytes(attn.estimator, attn.head_dim)
-        total += attn.num_heads * per_head
-    cfg = model.config
-    return total + cfg.num_layers * cfg.short_conv * cfg.d_model * 4
+    exact, cfg = model.layer_specs()[0].estimator == "exact", model.config
+    return sum(attn.num_heads * (readout.state_bytes(attn.estimator, attn.head_dim, seq_len) if exact else
+                                 attn.rule.state_bytes(attn.estimator, attn.head_dim)) for attn in model.attentions) \
+        + cfg.num_layers * cfg.short_conv * cfg.d_model * 4
 
 
 def kv_cache_bytes(setup: Setup, num_pairs: int) -> int:
@@ -257,12 +247,10 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["chosen_lr"] = choose_lr(ds)
     chosen = ds["chosen_lr"].fillna(ds["lr"].values[0])
     at = {"lr": chosen}
-    ds["test_accuracy_chosen"] = ds["test_accuracy"].sel(at).drop_vars("lr").where(ds["chosen_lr"].notnull())
-    ds["test_accuracy_chosen"].attrs = {"long_name": "test accuracy at the chosen learning rate", "units": "1",
-                                        "description": "test_accuracy at chosen_lr, per seed"}
-    ds["val_accuracy_chosen"] = ds["val_accuracy"].sel(at).drop_vars("lr").where(ds["chosen_lr"].notnull())
-    ds["val_accuracy_chosen"].attrs = {"long_name": "validation accuracy at the chosen learning rate", "units": "1",
-                                       "description": "val_accuracy at chosen_lr, per seed"}
+    for var, what in (("test_accuracy", "test"), ("val_accuracy", "validation")):
+        ds[f"{var}_chosen"] = ds[var].sel(at).drop_vars("lr").where(ds["chosen_lr"].notnull())
+        ds[f"{var}_chosen"].attrs = {"long_name": f"{what} accuracy at the chosen learning rate", "units": "1",
+                                     "description": f"{var} at chosen_lr, per seed"}
     summary = stats.range_summary(ds["test_accuracy_chosen"], UNIT)
     ds["test_accuracy_summary"] = summary.assign_attrs(
         long_name="test accuracy at the chosen learning rate", units="1",
@@ -405,15 +393,14 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-EXPERIMENT = Experiment(
-    name="recall_frontier", title="Trained recall–memory frontier (MQAR accuracy against state bytes)",
+DATA_AXES = ("setup", "num_pairs", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Trained recall–memory frontier (MQAR accuracy against state bytes)",
     description="Where does memory limit recall? Models trained from scratch on MQAR with a number of pairs that grows "
                 "with the prompt, every fixed-state family (ELU+1, Taylor, FAVOR+, the delta rule) at several state "
                 "sizes and softmax attention with its KV cache on one bytes axis, the same short convolution in every "
                 "model, the learning rate chosen per configuration on validation prompts and test accuracy on other "
                 "prompts, several training seeds. Grid: setup × num_pairs × estimator × num_features × lr × seed.",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("setup", "num_pairs", "seed"), draw=draw,
-    parameters=PARAMETERS, axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings, check_params=check_params,
     replicates="the training seeds (none is drawn here: every range above is the seeds' smallest to largest "
                "value)")
 

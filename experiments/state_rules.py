@@ -38,21 +38,15 @@ depend on having picked it first.
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 import xarray as xr
 
 import kernapprox as ka
 from experiments._common import add_paired, add_summaries
-from experiments._icl import (
-    EPISODES,
-    FIXED_DIMENSION_SLOT,
-    REPLICATES,
-    add_mean,
-    applicable,
-    available,
-    episode_dims,
-)
+from experiments._icl import EPISODES, FIXED_DIMENSION_SLOT, REPLICATES, add_mean, applicable, available, episode_dims
 from kernapprox import readout, stats, tasks
 from kernapprox.plotting import (
     errorbar_summary,
@@ -66,18 +60,12 @@ from kernapprox.plotting import (
     proxy_legend,
     save_figure,
 )
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 # label -> (registry name or estimator class, constructor options). The default preset runs every entry that is
 # registered here except those in FULL_ONLY; add a map in this one table.
-ESTIMATORS = {
-    "positive_orthogonal": ("positive_orthogonal", {}),
-    "taylor2": ("taylor2", {}),
-    "nystrom_uniform": ("nystrom_uniform", {}),
-    "elu1": ("elu1", {}),
-    "trig_orthogonal": ("trig_orthogonal", {}),
-    "oprf_orthogonal": ("oprf_orthogonal", {}),
-}
+ESTIMATORS = {name: (name, {}) for name in ("positive_orthogonal", "taylor2", "nystrom_uniform", "elu1",
+                                             "trig_orthogonal", "oprf_orthogonal")}
 FULL_ONLY = ("trig_orthogonal", "oprf_orthogonal")
 RULE_NAMES = ("sum", "decay", "delta", "least_squares")
 TASKS = {"recall_rho1": ("recall", 1.0), "recall_rho0.9": ("recall", 0.9), "regression": ("regression", None)}
@@ -92,20 +80,20 @@ GRIDS = {
              "num_features": [16, 64, 256, 1024], "num_pairs": [64, 256, 1024], "seed": list(range(8))},
 }
 PARAMETERS = {
-    "key_dim": Parameter(32, long_name="recall: key dimension d", units="1"),
-    "value_dim": Parameter(64, long_name="recall: value dimension d_v", units="1"),
-    "num_candidates": Parameter(4096, long_name="recall: candidate values a read-out is decoded against", units="1"),
-    "max_queries": Parameter(256, long_name="recall: queries per episode at most", units="1",
-                             description="min(n, max_queries) distinct stored pairs are asked for"),
-    "beta_factor": Parameter(2.0, long_name="recall: β / ln n", units="1"),
-    "regression_dim": Parameter(4, long_name="regression: input dimension d (points on S^(d−1))", units="1"),
-    "regression_beta": Parameter(8.0, long_name="regression: inverse temperature β", units="1"),
-    "regression_queries": Parameter(64, long_name="regression: fresh queries per episode", units="1"),
-    "lengthscale": Parameter(0.7, long_name="regression: lengthscale of the Gaussian-process target", units="1"),
-    "noise_std": Parameter(0.1, long_name="regression: standard deviation of the label noise", units="1"),
-    "decay_gamma": Parameter(0.99, long_name="decay rule: factor γ applied to the state per token", units="1"),
-    "delta_beta": Parameter(1.0, long_name="delta rule: write strength β", units="1"),
-    "ridge": Parameter(0.1, long_name="least-squares rule: ridge λ", units="1"),
+    "key_dim": Parameter(32, "recall: key dimension d", "1"),
+    "value_dim": Parameter(64, "recall: value dimension d_v", "1"),
+    "num_candidates": Parameter(4096, "recall: candidate values a read-out is decoded against", "1"),
+    "max_queries": Parameter(256, "recall: queries per episode at most", "1",
+                             "min(n, max_queries) distinct stored pairs are asked for"),
+    "beta_factor": Parameter(2.0, "recall: β / ln n", "1"),
+    "regression_dim": Parameter(4, "regression: input dimension d (points on S^(d−1))", "1"),
+    "regression_beta": Parameter(8.0, "regression: inverse temperature β", "1"),
+    "regression_queries": Parameter(64, "regression: fresh queries per episode", "1"),
+    "lengthscale": Parameter(0.7, "regression: lengthscale of the Gaussian-process target", "1"),
+    "noise_std": Parameter(0.1, "regression: standard deviation of the label noise", "1"),
+    "decay_gamma": Parameter(0.99, "decay rule: factor γ applied to the state per token", "1"),
+    "delta_beta": Parameter(1.0, "delta rule: write strength β", "1"),
+    "ridge": Parameter(0.1, "least-squares rule: ridge λ", "1"),
 }
 AXIS_ATTRS = {
     "task": {"long_name": "task: recall with queries at cosine ρ to their key, or in-context regression",
@@ -116,26 +104,23 @@ AXIS_ATTRS = {
 
 _PER_RULE = {"dims": ("rule", "episode"), "coords": {"rule": list(RULE_NAMES), "episode": list(range(EPISODES))}}
 METRICS = {
-    "accuracy": Metric(long_name="recall accuracy", units="1", **_PER_RULE,
-                       description="fraction of an episode's queries decoded to their own value among the candidates "
-                                   "(recall tasks; NaN for regression)"),
-    "nmse": Metric(long_name="normalised MSE", units="1", **_PER_RULE,
-                   description="Σ(ŷ−f)²/Σ(f−f̄)² over an episode's queries (regression; NaN for recall)"),
-    "state_bytes": Metric(long_name="state memory", units="byte", dims=("rule",), coords={"rule": list(RULE_NAMES)},
-                          description="float32 bytes a decoder keeps under the rule: its state plus the map's "
-                                      "context-dependent fitted values (kernapprox.rules.Rule.state_bytes)"),
-    "feature_dim": Metric(long_name="feature dimension r", units="1", description="r of the fitted map"),
+    "accuracy": Metric("recall accuracy", "1", "fraction of an episode's queries decoded to their own value among the "
+                       "candidates (recall tasks; NaN for regression)", **_PER_RULE),
+    "nmse": Metric("normalised MSE", "1", "Σ(ŷ−f)²/Σ(f−f̄)² over an episode's queries (regression; NaN for recall)",
+                   **_PER_RULE),
+    "state_bytes": Metric("state memory", "byte", "float32 bytes a decoder keeps under the rule: its state plus the "
+                          "map's context-dependent fitted values (kernapprox.rules.Rule.state_bytes)", dims=("rule",),
+                          coords={"rule": list(RULE_NAMES)}),
+    "feature_dim": Metric("feature dimension r", "1", "r of the fitted map"),
 }
 REFERENCE_METRICS = {
-    "accuracy_exact": Metric(long_name="exact-attention recall accuracy", units="1", **episode_dims(),
-                             description="exact softmax attention on the same episodes (recall tasks; NaN for "
-                                         "regression)"),
-    "nmse_exact": Metric(long_name="exact-attention normalised MSE", units="1", **episode_dims(),
-                         description="exact softmax attention on the same episodes (regression; NaN for recall)"),
-    "kv_cache_bytes": Metric(long_name="exact attention memory", units="byte",
-                             description="the KV cache of the context, n·(d + d_v) float32 numbers"),
-    "num_queries": Metric(long_name="queries per episode", units="1",
-                          description="recall: min(n, max_queries); regression: regression_queries"),
+    "accuracy_exact": Metric("exact-attention recall accuracy", "1", "exact softmax attention on the same episodes "
+                             "(recall tasks; NaN for regression)", **episode_dims()),
+    "nmse_exact": Metric("exact-attention normalised MSE", "1", "exact softmax attention on the same episodes "
+                         "(regression; NaN for recall)", **episode_dims()),
+    "kv_cache_bytes": Metric("exact attention memory", "byte", "the KV cache of the context, n·(d + d_v) float32 "
+                             "numbers"),
+    "num_queries": Metric("queries per episode", "1", "recall: min(n, max_queries); regression: regression_queries"),
 }
 
 
@@ -167,9 +152,7 @@ def draw(params, data_rng, device):
 
 
 def _qkv(task, ep):
-    if _recall(task):
-        return ep.queries, ep.keys, ep.values
-    return ep.x_query, ep.x, ep.y
+    return (ep.queries, ep.keys, ep.values) if _recall(task) else (ep.x_query, ep.x, ep.y)
 
 
 def _beta(params):
@@ -179,9 +162,7 @@ def _beta(params):
 
 def _score(task, outputs, ep):
     """Per-episode accuracy (recall) or normalised MSE (regression) of outputs ``(B, n_q, d_v)``."""
-    if _recall(task):
-        return tasks.recall_accuracy(outputs, ep).cpu().numpy()
-    return tasks.normalized_mse(outputs, ep).cpu().numpy()
+    return (tasks.recall_accuracy if _recall(task) else tasks.normalized_mse)(outputs, ep).cpu().numpy()
 
 
 def run_cell(params, rng, device, data):
@@ -248,13 +229,9 @@ def _var(task: str) -> str:
 
 def _configs(ds, task, n):
     """(estimator, r, fitted dimension) of the applicable cells, in grid order."""
-    out = []
-    for name in ds.estimator.values:
-        for r in ds.num_features.values:
-            dim = ds.feature_dim.sel(task=task, estimator=name, num_features=r, num_pairs=n)
-            if np.isfinite(dim.values).any():
-                out.append((str(name), int(r), int(np.nanmax(dim.values))))
-    return out
+    dim = ds.feature_dim.sel(task=task, num_pairs=n).max("seed")
+    return [(str(name), int(r), int(dim.sel(estimator=name, num_features=r))) for name in ds.estimator.values
+            for r in ds.num_features.values if np.isfinite(dim.sel(estimator=name, num_features=r))]
 
 
 def findings(ds: xr.Dataset) -> list[str]:
@@ -297,8 +274,7 @@ def _headline(ds, n) -> str:
     kv = float(ds["kv_cache_memory"].sel(**at))
     parts = []
     for name in [m for m in HEADLINE_MAPS if m in ds.estimator.values] or [str(ds.estimator.values[0])]:
-        configs = [c for c in _configs(ds, task, n) if c[0] == name]
-        if not configs:
+        if not (configs := [c for c in _configs(ds, task, n) if c[0] == name]):
             continue
         fits = [c for c in configs if float(ds["state_memory"].sel(**at, estimator=name, num_features=c[1],
                                                                    rule="least_squares")) <= kv]
@@ -312,22 +288,20 @@ def _headline(ds, n) -> str:
             f"features into the state: " + "; ".join(parts) + f" (exact attention {fmt_ci(exact)}).")
 
 
+def _compare(task: str, a: xr.DataArray, b: xr.DataArray) -> xr.DataArray:
+    """Two states' scores compared per episode on the same episodes: a − b (recall accuracy) or a / b (nMSE)."""
+    return (a - b).assign_attrs(comparison="difference") if _recall(task) else (a / b).assign_attrs(comparison="ratio")
+
+
 def _pairwise(ds, task, rows) -> np.ndarray:
     """Holm-adjusted two-sided p-values ``(K, K)`` of every pair of candidate states ``rows``: the Wilcoxon
     signed-rank test of the per-episode differences (recall accuracy) or log ratios (nMSE) on the same episodes,
     adjusted over all ``K (K − 1) / 2`` pairs (NaN on the diagonal)."""
-    var = _var(task)
-    values = [ds[var].sel(**row[4]) for row in rows]
-    k = len(rows)
-    p = np.full((k, k), np.nan)
-    pairs = [(i, j) for i in range(k) for j in range(i + 1, k)]
-    raw = []
-    for i, j in pairs:
-        comparison = (values[i] - values[j]).assign_attrs(comparison="difference") if _recall(task) else \
-            (values[i] / values[j]).assign_attrs(comparison="ratio")
-        per_episode = xr.DataArray(comparison.transpose(*REPLICATES).values.ravel(), dims="episode",
-                                   attrs=comparison.attrs)            # the units: every episode of every seed
-        raw.append(float(stats.paired_test(per_episode, "episode", test="wilcoxon")))
+    values = [ds[_var(task)].sel(**row[4]) for row in rows]
+    p = np.full((len(rows), len(rows)), np.nan)
+    pairs = list(itertools.combinations(range(len(rows)), 2))
+    raw = [float(stats.paired_test(_compare(task, values[i], values[j]).stack(unit=REPLICATES), "unit",
+                                   test="wilcoxon")) for i, j in pairs]       # the units: every episode of every seed
     for (i, j), q in zip(pairs, stats.holm(np.asarray(raw))):
         p[i, j] = p[j, i] = q
     return p
@@ -360,29 +334,21 @@ def _best_per_budget(ds, task, n) -> str:
     units = ds.sizes["seed"] * ds.sizes["episode"]
     p = _pairwise(ds, task, ranked)
     second = ranked[1]
-    a, b = ds[var].sel(**pick[4]), ds[var].sel(**second[4])
-    if _recall(task):
-        summary, word = stats.paired_summary((a - b).assign_attrs(comparison="difference"), REPLICATES,
-                                             statistic="mean"), "−"
-    else:
-        summary, word = stats.paired_summary((a / b).assign_attrs(comparison="ratio"), REPLICATES,
-                                             statistic="median"), "/"
+    summary = stats.paired_summary(_compare(task, ds[var].sel(**pick[4]), ds[var].sel(**second[4])), REPLICATES,
+                                   statistic=statistic)
     tied = [i for i in range(1, len(ranked)) if not (units >= stats.MIN_UNITS and p[0, i] < 0.05)]
     if not tied:
         verdict_text = (f"the best is resolved, better than each of the {len(ranked) - 1} others (largest "
-                        f"Holm-adjusted p {_p(np.nanmax(p[0, 1:]))})")
+                        f"Holm-adjusted p {fmt(np.nanmax(p[0, 1:]), 2)})")
     else:
         verdict_text = ("the best is not resolved, not separated from " + ", ".join(
-            f"{ranked[i][3]} (p = {_p(p[0, i])})" for i in tied)
+            f"{ranked[i][3]} (p = {fmt(p[0, i], 2)})" for i in tied)
             + (f"; resolved better than the other {len(ranked) - 1 - len(tied)}" if len(tied) < len(ranked) - 1
                else ""))
     return (text + f"; the runner-up is {second[3]}, {fmt_ci(second[2])} ({fmt_bytes(second[0])}), paired per episode "
-            f"best {word} runner-up {fmt_ci(summary)}. All {len(ranked) * (len(ranked) - 1) // 2} pairs compared by "
-            f"the Wilcoxon signed-rank test over {units} episodes, Holm-adjusted: {verdict_text}.")
-
-
-def _p(value: float) -> str:
-    return "n/a" if not np.isfinite(value) else fmt(float(value), 2)
+            f"best {'−' if _recall(task) else '/'} runner-up {fmt_ci(summary)}. All "
+            f"{len(ranked) * (len(ranked) - 1) // 2} pairs compared by the Wilcoxon signed-rank test over {units} "
+            f"episodes, Holm-adjusted: {verdict_text}.")
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -396,7 +362,6 @@ def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(1, len(task_list) + 1, squeeze=False, height=3.6)
     axes = axes[0]
     for ax, task in zip(axes, task_list):
-        recall = _recall(task)
         var = _var(task)
         at = {"task": task, "num_pairs": n}
         for name in ds.estimator.values:
@@ -407,7 +372,7 @@ def plot(ds: xr.Dataset, path) -> None:
                                  **RULE_STYLES[str(rule)])
         kv_cache_marker(ax, float(ds["kv_cache_memory"].sel(**at)), ds[f"{var}_exact_summary"].sel(**at))
         log_axis(ax, unit="bytes", label="state memory (float32)")
-        if recall:
+        if _recall(task):
             ax.set(ylim=(-0.03, 1.03), ylabel="recall accuracy", title=f"{task.replace('_', ' ')}, n = {n}")
         else:
             ax.axhline(1.0, color="0.5", linestyle=":", linewidth=0.9)
@@ -426,21 +391,19 @@ def plot(ds: xr.Dataset, path) -> None:
         f"predicting the mean). Points: mean accuracy or median nMSE over {ds.sizes['seed']} seeds × "
         f"{ds.sizes['episode']} episodes with its 95 % percentile-bootstrap interval over the episodes (the units: "
         "each its own data and map draw); every rule reads the same episodes with the same map draw. Memory: the "
-        "rule's state (float32; least squares "
-        "keeps r² + r·d_v numbers) plus Nyström's landmarks and whitening; star: exact attention with its KV cache.")
+        "rule's state (float32; least squares keeps r² + r·d_v numbers) plus Nyström's landmarks and whitening; star: "
+        "exact attention with its KV cache.")
     save_figure(fig, path, caption, title="State-update rules: recall and regression against state memory")
 
 
-EXPERIMENT = Experiment(
-    name="state_rules", title="Sum, decay, delta and least-squares states: recall and regression against memory",
+DATA_AXES = ("task", "num_pairs", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Sum, decay, delta and least-squares states: recall and regression against memory",
     description="Can a fixed-size state hold what exact attention recalls, and which way of writing it gets "
                 "closest? Grid: task × estimator × num_features × num_pairs × seed; every cell reads its "
                 f"{EPISODES} episodes with the rules {', '.join(RULE_NAMES)} (metric dimension rule), on data shared "
                 "by all estimators and ranks of the same task, n and seed; exact attention reads them once per data "
                 "draw (the reference).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=plot, data_axes=("task", "num_pairs", "seed"), draw=draw,
-    reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=findings,
     replicates="the episodes (seeds × episodes, each its own data and map draw, with its queries)")
 
 if __name__ == "__main__":

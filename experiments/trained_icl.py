@@ -78,17 +78,10 @@ import xarray as xr
 from experiments import _trained_icl_report as report
 from experiments import icl_recall
 from experiments._icl import EPISODES, episode_dims
-from kernapprox import metrics, readout, stats, tasks
+from kernapprox import metrics, models, readout, stats, tasks
 from kernapprox.distributions import effective_beta
-from kernapprox.models import (
-    AttentionSpec,
-    attention_heads,
-    load_or_train,
-    presets,
-    record_attention_inputs,
-    substitute,
-)
-from kernapprox.sweep import Experiment, Metric, Parameter, Reference, not_applicable, run_cli
+from kernapprox.models import attention_heads, load_or_train, presets, record_attention_inputs, substitute
+from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 FIXED_SLOT = 64        # the num_features column of maps whose dimension is fixed (exact, Taylor, ELU+1)
 
@@ -108,8 +101,7 @@ class Setup:
 
     def trains(self, label: str, r: int) -> bool:
         """Whether the fixed-state model of ``label`` at feature dimension ``r`` is trained from scratch."""
-        return label in presets.FIXED_STATE_ESTIMATORS and (r in self.trained_ranks
-                                                             or (label, r) in self.trained_extra)
+        return label in presets.FIXED_STATE_ESTIMATORS and (r in self.trained_ranks or (label, r) in self.trained_extra)
 
 
 SETUPS = {
@@ -121,8 +113,7 @@ SETUPS = {
     "regression": Setup("regression", presets.regression, (4, 8, 11), post_hoc_seeds=5),
     "mqar_smoke": Setup("mqar", functools.partial(presets.mqar, d_model=32, seq_len=32, num_pairs=4, steps=12),
                         (2, 4), (16,)),
-    "regression_smoke": Setup("regression", functools.partial(presets.regression, dim=3, num_points=6, steps=12),
-                              (4,)),
+    "regression_smoke": Setup("regression", functools.partial(presets.regression, dim=3, num_points=6, steps=12), (4,)),
     # Zoology-like widths and lengths (GPU scale; not calibrated on a CPU)
     "mqar_d128_L128": Setup("mqar", functools.partial(presets.mqar, d_model=128, seq_len=128, num_pairs=16,
                                                       vocab_size=128, steps=4000), (4, 8, 16), (16, 64, 256)),
@@ -132,16 +123,9 @@ SETUPS = {
 
 # Post-hoc estimators, one table: label -> (registry name, options). Fixed-dimension maps run in the FIXED_SLOT
 # column; the fixed-state models trained from scratch are presets.FIXED_STATE_ESTIMATORS' (those of this table).
-ESTIMATORS = {
-    "exact": ("exact", {}),
-    "positive_orthogonal": ("positive_orthogonal", {}),
-    "oprf_orthogonal": ("oprf_orthogonal", {}),
-    "taylor2": ("taylor2", {}),
-    "elu1": ("elu1", {}),
-    "window_linear": ("window_linear", {"window": presets.WINDOW}),
-    "nystrom_uniform": ("nystrom_uniform", {}),
-    "trig_orthogonal": ("trig_orthogonal", {}),
-}
+ESTIMATORS = {label: (label, {"window": presets.WINDOW} if label == "window_linear" else {}) for label in (
+    "exact", "positive_orthogonal", "oprf_orthogonal", "taylor2", "elu1", "window_linear", "nystrom_uniform",
+    "trig_orthogonal")}
 # position-based: the proxy's context is a set read by queries without positions (as in icl_recall), so the window
 # a query would read is undefined there (see the module notes)
 PROXY_LEFT_OUT = ("window_linear",)
@@ -167,13 +151,12 @@ GRIDS = {
             "context": [4, 8, 11, 16, 32], "seed": list(range(12))},
 }
 PARAMETERS = {
-    "proxy_beta_factor": Parameter(2.0, long_name="proxy: β / ln n of the training-free read-out", units="1"),
-    "proxy_dim": Parameter(icl_recall.PARAMETERS["dim"].value, long_name="proxy: key and value dimension d = d_v",
-                           units="1", description="icl_recall's"),
-    "proxy_candidates": Parameter(icl_recall.PARAMETERS["num_candidates"].value, units="1",
-                                  long_name="proxy: candidate values the read-out is decoded against",
-                                  description="icl_recall's"),
-    "ridge_alpha": Parameter(0.1, long_name="regression: ridge baseline's α", units="1"),
+    "proxy_beta_factor": Parameter(2.0, "proxy: β / ln n of the training-free read-out", "1"),
+    "proxy_dim": Parameter(icl_recall.PARAMETERS["dim"].value, "proxy: key and value dimension d = d_v", "1",
+                           "icl_recall's"),
+    "proxy_candidates": Parameter(icl_recall.PARAMETERS["num_candidates"].value,
+                                  "proxy: candidate values the read-out is decoded against", "1", "icl_recall's"),
+    "ridge_alpha": Parameter(0.1, "regression: ridge baseline's α", "1"),
 }
 AXIS_ATTRS = {
     "task": {"long_name": "trained configuration (task family and model)", "units": "1"},
@@ -186,85 +169,67 @@ AXIS_ATTRS = {
 
 _PER_PROMPT = episode_dims()
 METRICS = {
-    "score": Metric(long_name="task score", units="1", **_PER_PROMPT,
-                    description="per evaluation prompt: MQAR accuracy over its query positions; regression: "
-                                "squared error / d, mean over the queries after the context"),
-    "layer_error": Metric(long_name="attention-output relative RMS error", units="1", dims=("layer",),
-                          description="per layer: ‖Ŷ−Y‖_F/‖Y‖_F of the substituted attention against exact attention "
-                                      "on the same input (the substituted model's own activations), median over "
-                                      "prompts; 0 for layers left exact; NaN for trained models"),
-    "state_bytes": Metric(long_name="state read by the last token", units="byte",
-                          description="Σ over layers and heads: linear state r·(d_v+1), KV cache n·(d_qk+d_v) for "
-                                      "exact attention, window + linear state for the hybrid, plus kernel·d_model "
-                                      "for a short convolution; float32, at the prompt's length"),
-    "feature_dim": Metric(long_name="feature dimension per head", units="1",
-                          description="r as realised (NaN for exact attention)"),
-    "proxy_accuracy": Metric(long_name="training-free read-out accuracy", units="1", **_PER_PROMPT,
-                             description="icl_recall's read-out (d = d_v = proxy_dim, proxy_candidates candidates, "
-                                         "β = proxy_beta_factor · ln n, exact queries) with n = context pairs at the "
-                                         "same estimator and r, per episode; MQAR cells with substitution = all "
-                                         "only"),
-    "train_seconds": Metric(long_name="training time of the model trained from scratch", units="s",
-                            description="wall seconds of its training run (from the checkpoint's curve; one torch "
-                                        "thread; grows with the load of a shared machine); substitution = trained"),
-    "train_cpu_seconds": Metric(long_name="training CPU time of the model trained from scratch", units="s",
-                                description="CPU seconds of the training process (one torch thread: the time on a "
-                                            "quiet core); substitution = trained"),
-    "train_score": Metric(long_name="held-out score of the model trained from scratch", units="1",
-                          description="the training curve's last held-out score (full task); substitution = trained"),
+    "score": Metric("task score", "1", "per evaluation prompt: MQAR accuracy over its query positions; regression: "
+                    "squared error / d, mean over the queries after the context", **_PER_PROMPT),
+    "layer_error": Metric("attention-output relative RMS error", "1", "per layer: ‖Ŷ−Y‖_F/‖Y‖_F of the substituted "
+                          "attention against exact attention on the same input (the substituted model's own "
+                          "activations), median over prompts; 0 for layers left exact; NaN for trained models",
+                          dims=("layer",)),
+    "state_bytes": Metric("state read by the last token", "byte", "Σ over layers and heads: linear state r·(d_v+1), "
+                          "KV cache n·(d_qk+d_v) for exact attention, window + linear state for the hybrid, plus "
+                          "kernel·d_model for a short convolution; float32, at the prompt's length"),
+    "feature_dim": Metric("feature dimension per head", "1", "r as realised (NaN for exact attention)"),
+    "proxy_accuracy": Metric("training-free read-out accuracy", "1", "icl_recall's read-out (d = d_v = proxy_dim, "
+                             "proxy_candidates candidates, β = proxy_beta_factor · ln n, exact queries) with n = "
+                             "context pairs at the same estimator and r, per episode; MQAR cells with substitution = "
+                             "all only", **_PER_PROMPT),
+    "train_seconds": Metric("training time of the model trained from scratch", "s", "wall seconds of its training "
+                            "run (from the checkpoint's curve; one torch thread; grows with the load of a shared "
+                            "machine); substitution = trained"),
+    "train_cpu_seconds": Metric("training CPU time of the model trained from scratch", "s",
+                                "CPU seconds of the training process (one torch thread: the time on a quiet core); "
+                                "substitution = trained"),
+    "train_score": Metric("held-out score of the model trained from scratch", "1", "the training curve's last "
+                          "held-out score (full task); substitution = trained"),
 }
 REFERENCE_METRICS = {
-    "score_exact": Metric(long_name="reference score", units="1", **_PER_PROMPT,
-                          description="the unmodified softmax reference model's score on the prompts every cell of "
-                                      "the data draw reads"),
-    "baseline_ls": Metric(long_name="least-squares score", units="1", **_PER_PROMPT,
-                          description="regression: least squares (minimum norm) on the same prompts"),
-    "baseline_ridge": Metric(long_name="ridge score", units="1", **_PER_PROMPT,
-                             description="regression: ridge (α = ridge_alpha) on the same prompts"),
-    "reference_beta": Metric(long_name="effective inverse temperature of the reference", units="1",
-                             dims=("layer",), description="mean over heads and prompts of s·mean‖q‖·mean‖k‖ "
-                                                          "of the reference model's layer on these prompts"),
-    "seq_len": Metric(long_name="prompt length", units="token", description="tokens in an evaluation prompt"),
-    "reference_train_seconds": Metric(long_name="training time of the softmax reference", units="s",
-                                      description="wall seconds of its training run (one torch thread)"),
-    "reference_train_cpu_seconds": Metric(long_name="training CPU time of the softmax reference", units="s",
-                                          description="CPU seconds of its training run (one torch thread)"),
-    "reference_train_score": Metric(long_name="held-out score of the softmax reference at the end of training",
-                                    units="1", description="the training curve's last held-out score (full task)"),
+    "score_exact": Metric("reference score", "1", "the unmodified softmax reference model's score on the prompts "
+                          "every cell of the data draw reads", **_PER_PROMPT),
+    "baseline_ls": Metric("least-squares score", "1", "regression: least squares (minimum norm) on the same prompts",
+                          **_PER_PROMPT),
+    "baseline_ridge": Metric("ridge score", "1", "regression: ridge (α = ridge_alpha) on the same prompts",
+                             **_PER_PROMPT),
+    "reference_beta": Metric("effective inverse temperature of the reference", "1", "mean over heads and prompts of "
+                             "s·mean‖q‖·mean‖k‖ of the reference model's layer on these prompts", dims=("layer",)),
+    "seq_len": Metric("prompt length", "token", "tokens in an evaluation prompt"),
+    "reference_train_seconds": Metric("training time of the softmax reference", "s",
+                                      "wall seconds of its training run (one torch thread)"),
+    "reference_train_cpu_seconds": Metric("training CPU time of the softmax reference", "s",
+                                          "CPU seconds of its training run (one torch thread)"),
+    "reference_train_score": Metric("held-out score of the softmax reference at the end of training", "1",
+                                    "the training curve's last held-out score (full task)"),
 }
 
 
 # ----------------------------------------------------------------------------------------------- models
-def eval_task(task, context: int):
-    """The evaluation task with ``context`` pairs (MQAR at the training task's length per pair; regression with
-    its queries after them)."""
-    if task.name == "mqar":
-        return dataclasses.replace(task, num_pairs=context, seq_len=context * task.seq_len // task.num_pairs)
-    return task.fixed(context)
-
-
-def _fixed_dimension(label: str) -> bool:
-    """Whether the estimator's dimension is fixed by d (declared capability: exact, Taylor, ELU+1)."""
+def _caps(label: str):
+    """The estimator's declared capabilities (e.g. a dimension fixed by d: exact, Taylor, ELU+1)."""
     name, options = ESTIMATORS[label]
-    return readout.estimator_capabilities(name, **options).fixed_dimension
+    return readout.estimator_capabilities(name, **options)
 
 
 def applicable(setup: Setup, sub: str, label: str, r: int, context: int, num_layers: int, seed: int = 0) -> bool:
     """Whether a cell runs: the setup's contexts; trained models where the setup trains them; one layer at a time
     at the largest context and r = FIXED_SLOT only; fixed-dimension maps in the FIXED_SLOT column; post-hoc cells
     on the setup's first ``post_hoc_seeds`` seeds when it sets them."""
-    if context not in setup.contexts:
-        return False
-    if sub != "trained" and setup.post_hoc_seeds is not None and seed >= setup.post_hoc_seeds:
-        return False
-    if label in PROXY_ONLY and (sub != "all" or setup.task != "mqar"):
+    if (context not in setup.contexts or (label in PROXY_ONLY and (sub != "all" or setup.task != "mqar"))
+            or (sub != "trained" and setup.post_hoc_seeds is not None and seed >= setup.post_hoc_seeds)):
         return False
     if sub == "trained":
         return (label == "exact" and r == FIXED_SLOT) or setup.trains(label, r)
-    if sub.startswith("layer") and (int(sub[5:]) >= num_layers or context != max(setup.contexts)
-                                    or r != FIXED_SLOT):
+    if sub.startswith("layer") and (int(sub[5:]) >= num_layers or context != max(setup.contexts) or r != FIXED_SLOT):
         return False
-    return (r == FIXED_SLOT) if _fixed_dimension(label) else True
+    return (r == FIXED_SLOT) if _caps(label).fixed_dimension else True
 
 
 def landmarks_available(label: str, r: int, task) -> bool:
@@ -272,29 +237,19 @@ def landmarks_available(label: str, r: int, task) -> bool:
     is fitted on the queries and keys of ``EPISODES`` calibration prompts of the training task (``2·EPISODES·
     seq_len`` candidates per head). Cells beyond it are not applicable (NaN), like the fixed-dimension maps outside
     their column: e.g. the full preset's r = 512, 1024 on the regression task's short prompts."""
-    name, options = ESTIMATORS[label]
-    if not readout.estimator_capabilities(name, **options).rank_limited_by_points:
-        return True
-    return r <= 2 * EPISODES * task.seq_len
+    return not _caps(label).rank_limited_by_points or r <= 2 * EPISODES * task.seq_len
 
 
-def _spec(label: str, r: int) -> AttentionSpec:
+def _spec(label: str, r: int) -> models.AttentionSpec:
     name, options = ESTIMATORS[label]
-    return AttentionSpec(name, num_features=None if _fixed_dimension(label) else r, options=options)
+    return models.AttentionSpec(name, num_features=None if _caps(label).fixed_dimension else r, options=options)
 
 
 def state_bytes(model, seq_len: int) -> int:
     """Bytes a decoder keeps for the next token (see the metric's description)."""
-    total = 0
-    for attn in model.attentions:
-        total += attn.num_heads * readout.state_bytes(attn.estimator, attn.head_dim, seq_len)
-    conv = model.config.short_conv
-    return total + model.config.num_layers * conv * model.config.d_model * 4
-
-
-def _feature_dim(model) -> float:
-    est = model.attentions[-1].estimator
-    return np.nan if model.layer_specs()[-1].estimator == "exact" else float(est.num_features)
+    cfg = model.config
+    return sum(attn.num_heads * readout.state_bytes(attn.estimator, attn.head_dim, seq_len)
+               for attn in model.attentions) + cfg.num_layers * cfg.short_conv * cfg.d_model * 4
 
 
 def _layer_errors(model, reference, prompts, layers) -> np.ndarray:
@@ -303,8 +258,7 @@ def _layer_errors(model, reference, prompts, layers) -> np.ndarray:
         model(prompts.inputs)
     for i in layers:
         x = records[i][0]
-        err = metrics.relative_rms_error(model.attentions[i](x), reference.attentions[i](x))
-        out[i] = float(err.median())
+        out[i] = float(metrics.relative_rms_error(model.attentions[i](x), reference.attentions[i](x)).median())
     return out
 
 
@@ -320,17 +274,20 @@ class Draw(NamedTuple):
 
 
 def draw(params, data_rng, device) -> Draw | None:
-    """The draw of a ``(task, context, seed)``: the prompts, then (MQAR) the proxy's episodes, from ``data_rng``;
-    None for a context the setup does not evaluate (its cells are not applicable)."""
+    """The draw of a ``(task, context, seed)``: the evaluation task with ``context`` pairs (MQAR at the training
+    task's length per pair; regression with its queries after them), its prompts, then (MQAR) the proxy's episodes,
+    from ``data_rng``; None for a context the setup does not evaluate (its cells are not applicable)."""
     setup, context = SETUPS[params["task"]], params["context"]
     if context not in setup.contexts:
         return None
     config = setup.build(device=str(device))
-    ev = eval_task(config[1], context)
+    task = config[1]
+    ev = (dataclasses.replace(task, num_pairs=context, seq_len=context * task.seq_len // task.num_pairs)
+          if task.name == "mqar" else task.fixed(context))
     prompts = ev.sample(data_rng, EPISODES, device=device)
     proxy = (tasks.associative_recall(context, dim=params["proxy_dim"], value_dim=params["proxy_dim"],
                                       num_candidates=params["proxy_candidates"], batch=EPISODES, rng=data_rng,
-                                      device=device) if config[1].name == "mqar" else None)
+                                      device=device) if task.name == "mqar" else None)
     return Draw(config, load_or_train(*config), ev, prompts, proxy)
 
 
@@ -338,10 +295,9 @@ def _proxy(label: str, r: int, params, episodes: tasks.RecallEpisodes, rng) -> d
     """``proxy_accuracy`` of the cell's estimator, or nothing where the proxy does not apply (left NaN). A map whose
     rank is limited by its points (Nyström, landmarks among the context keys) reads the proxy at ``min(r, n)``
     landmarks: an episode has ``n`` keys, and ``n`` landmarks already span all of them."""
-    name, options = ESTIMATORS[label]
-    caps = readout.estimator_capabilities(name, **options)
     if label in PROXY_LEFT_OUT:
         return {}
+    (name, options), caps = ESTIMATORS[label], _caps(label)
     rank = min(r, params["context"]) if caps.rank_limited_by_points else r
     read = readout.attention_readout(name, episodes.queries, episodes.keys, episodes.values, rng=rng, options=options,
                                      beta=tasks.log_n_beta(params["context"], params["proxy_beta_factor"]),
@@ -362,9 +318,8 @@ def run_cell(params, rng, device, data_rng, data):
         evaluated = reference if label == "exact" else load_or_train(*presets.fixed_state(label, r, data.config))
         model = evaluated.model
         if label != "exact":
-            result["train_seconds"] = np.float64(evaluated.curve.attrs["train_seconds"])
-            result["train_cpu_seconds"] = np.float64(evaluated.curve.attrs["train_cpu_seconds"])
-            result["train_score"] = np.float64(evaluated.curve.eval_score.values[-1])
+            result.update({k: np.float64(evaluated.curve.attrs[k]) for k in ("train_seconds", "train_cpu_seconds")},
+                          train_score=np.float64(evaluated.curve.eval_score.values[-1]))
     else:
         if not landmarks_available(label, r, task):
             return not_applicable()
@@ -376,7 +331,8 @@ def run_cell(params, rng, device, data_rng, data):
             result.update(_proxy(label, r, params, data.proxy, rng))
     result["score"] = ev.score(model(prompts.inputs), prompts).cpu().numpy()
     result["state_bytes"] = np.float64(state_bytes(model, ev.seq_len))
-    result["feature_dim"] = np.float64(_feature_dim(model))
+    exact = model.layer_specs()[-1].estimator == "exact"
+    result["feature_dim"] = np.float64(np.nan if exact else model.attentions[-1].estimator.num_features)
     return not_applicable(**result)          # what this kind of cell does not measure stays NaN
 
 
@@ -404,56 +360,41 @@ def run_reference(params, device, data_rng, data):
 UNIT, WITHIN = "seed", ("episode",)     # the prompts of a seed share its feature draw / landmark fit
 
 
-def _cluster_mean(ds: xr.Dataset, name: str, var: str | None = None) -> xr.Dataset:
-    """``name``: the mean of ``var`` (default ``name`` without ``_summary``) over seeds × prompts with the
-    cluster-bootstrap interval over seeds (each seed resampled with its prompts)."""
-    var = var or name.removesuffix("_summary")
+def _cluster_mean(ds: xr.Dataset, var: str) -> None:
+    """``<var>_summary``: the mean of ``var`` over seeds × prompts with the cluster-bootstrap interval over seeds
+    (each seed resampled with its prompts)."""
     summary = stats.cluster_interval(ds[var], UNIT, WITHIN)
-    summary.attrs.update(long_name=ds[var].attrs.get("long_name", var), units=ds[var].attrs.get("units", "1"),
-                         description=f"mean of {var} over seed, episode: " + summary.attrs["interval"])
-    ds[name] = summary
-    return ds
+    ds[f"{var}_summary"] = summary.assign_attrs(
+        long_name=ds[var].attrs.get("long_name", var), units=ds[var].attrs.get("units", "1"),
+        description=f"mean of {var} over seed, episode: " + summary.attrs["interval"])
 
 
 def summarise(ds: xr.Dataset) -> xr.Dataset:
-    """Means over seeds × prompts with cluster-bootstrap intervals over seeds, the paired difference from the
-    reference per prompt with its cluster interval and the Wilcoxon p-value of its per-seed means, the layers'
-    errors (median and range over seeds), and Spearman's ρ of proxy and post-hoc accuracy with its cluster
-    interval."""
-    for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy"):
-        ds = _cluster_mean(ds, f"{name}_summary")
+    """The summaries of the module notes: means and the paired difference from the reference with cluster intervals
+    over seeds, its Wilcoxon p-value, the layers' errors (median and range over seeds), the proxy's validity."""
     ds["score_vs_exact"] = (ds["score"] - ds["score_exact"]).assign_attrs(
         long_name=f"{ds['score'].attrs['long_name']}: − the reference's on the same prompt", units="1",
         description="per prompt, score − score_exact (identical prompts)", comparison="difference",
         baseline="reference")
-    ds = _cluster_mean(ds, "score_vs_exact_summary")
+    for name in ("score", "score_exact", "baseline_ls", "baseline_ridge", "proxy_accuracy", "score_vs_exact"):
+        _cluster_mean(ds, name)
     ds["score_vs_exact_summary"].attrs["neutral"] = 0.0
     ds["score_vs_exact_p"] = stats.paired_test(ds["score_vs_exact"], UNIT, WITHIN, test="wilcoxon")
     ds["layer_error_summary"] = stats.range_summary(ds["layer_error"], UNIT)     # 5 seeds: the range, named so
-    for name in report.CORRELATIONS:
-        ds[name] = report.rank_correlations(ds, name)
-    ds.update(report.pair_agreement(ds))
-    ds["proxy_gap_summary"] = stats.cluster_interval(ds["proxy_accuracy"] - ds["score"], UNIT, WITHIN)
-    ds["proxy_gap_summary"].attrs.update(
-        long_name="calibration gap: proxy − post-hoc accuracy", units="1",
-        description="per (estimator, r) point, the mean proxy_accuracy − the mean score (the same seeds: the "
-                    "proxy's episodes and the prompts of a seed share its draw), over seed, episode: "
-                    + ds["proxy_gap_summary"].attrs["interval"])
-    return ds
+    return report.proxy_validity(ds)
 
 
-EXPERIMENT = Experiment(
-    name="trained_icl", title="Trained Transformers: post-hoc substitution, trained fixed-state models, proxy",
+DATA_AXES = ("task", "context", "seed")
+EXPERIMENT = Experiment.from_module(
+    __name__, title="Trained Transformers: post-hoc substitution, trained fixed-state models, proxy",
+    plot=report.plot, findings=report.findings,
+    replicates="the seeds (cluster bootstrap: each seed with its prompts, which share its feature draw or landmark "
+               "fit)",
     description="Does the training-free picture predict in-context learning in trained models? Softmax references "
                 "trained on MQAR and in-context linear regression; their attention replaced post hoc by each "
                 "estimator at rank r (every layer or one); fixed-state models trained from scratch at feature "
                 "dimension r; the training-free read-out accuracy against the trained post-hoc accuracy. Grid: "
-                "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).",
-    grids=GRIDS, metrics=METRICS, run_cell=run_cell, plot=report.plot, data_axes=("task", "context", "seed"),
-    draw=draw, reference=Reference(run_cell=run_reference, metrics=REFERENCE_METRICS), parameters=PARAMETERS,
-    axis_attrs=AXIS_ATTRS, summarise=summarise, findings=report.findings,
-    replicates="the seeds (cluster bootstrap: each seed with its prompts, which share its feature draw or landmark "
-               "fit)")
+                "task × substitution × estimator × num_features × context × seed (prompts paired over estimators).")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)
