@@ -27,8 +27,12 @@ add-one smoothed token frequencies), recall's chance, and the exact model's per-
 are the study's reference. The unit of replication of the NLL is the text window and of recall the prompt (the exact
 model reads the same ones); the maps are one draw per ``map_seed``. Every label runs at ``hybrid_rank`` with every
 layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers per label and placement are in
-:data:`RUNS`. Presets: ``default`` (192 tokens: FAVOR+ and the window hybrid), ``full`` (512 and 2048 tokens, every
-label, two draws) and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybrid).
+:data:`RUNS`. Presets: ``default`` (192 tokens: FAVOR+ and the window hybrid), ``full`` (512 tokens, two map
+draws: FAVOR+'s rank sweep and the window hybrid's six softmax layers placed evenly, by sensitivity, first or last)
+and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybrid). (c) also gives the free-running greedy
+continuation of window 0 against the exact model's and each window's teacher-forced agreement of greedy next tokens,
+and (d) the kernel error of each head (the first link of the chain kernel error → attention-output error → NLL).
+LARA is not causal and EVA keeps no decoding state, so neither can decode as an RNN here.
 """
 
 from __future__ import annotations
@@ -74,27 +78,29 @@ ESTIMATORS = {
 # ("sensitivity"), at hybrid_rank; a preset's exact_layers axis says which of them run
 RUNS = {"positive_orthogonal": {"ranks": True, "even": (15,)},
         "positive_orthogonal_shared": {}, "nystrom_uniform": {},
-        "window_linear": {"even": (6, 15), "sensitivity": (2, 6, 15)},
+        "window_linear": {"even": (6, 15), "sensitivity": (2, 6, 15), "first": (6,), "last": (6,)},
         "hedgehog_trainable": {"even": (15,)}}
 NUM_LAYERS = lm.NUM_LAYERS
 NUM_HEADS = 9
-PLACEMENTS = ("even", "sensitivity")
+PLACEMENTS = ("even", "sensitivity", "first", "last")
 DECODE_CONTEXTS = (1024, 4096, 16384, 32768)
 
 GRIDS = {
     "smoke": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [64],
-              "exact_layers": [0, 2], "placement": list(PLACEMENTS), "context": [96], "map_seed": [0]},
+              "exact_layers": [0, 2], "placement": ["even", "sensitivity"], "context": [96], "map_seed": [0]},
     # ~4 min of one core with the model cached (4 cells: 10 windows and 10 prompts per task of 192 tokens each;
     # the sensitivity scan); Nyström, the rank sweep and 512 tokens and beyond are the full and long presets'
     "default": {"estimator": ["positive_orthogonal", "window_linear"],
-                "num_features": [64], "exact_layers": [0, 6], "placement": list(PLACEMENTS),
+                "num_features": [64], "exact_layers": [0, 6], "placement": ["even", "sensitivity"],
                 "context": [192], "map_seed": [0]},
-    "full": {"estimator": list(ESTIMATORS), "num_features": [16, 64, 256], "exact_layers": [0, 2, 6, 15],
-             "placement": list(PLACEMENTS), "context": [512, 2048], "map_seed": [0, 1]},
+    # two map draws at 512 tokens: FAVOR+'s rank sweep and the window hybrid with 6 softmax layers placed each way
+    # (~20 min with --threads 2); Nyström, Hedgehog and one draw per layer join with --set estimator=...
+    "full": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64, 256],
+             "exact_layers": [0, 6], "placement": list(PLACEMENTS), "context": [512], "map_seed": [0, 1]},
     # the long contexts (~40 min of two cores): the 1/8 and 1/64 budgets of the KV cache at 2048 tokens, and recall
     # at 2048 and 4096 tokens
     "long": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64], "exact_layers": [0, 2],
-             "placement": list(PLACEMENTS), "context": [2048, 4096], "map_seed": [0]},
+             "placement": ["even", "sensitivity"], "context": [2048, 4096], "map_seed": [0]},
 }
 DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the model, its held-out windows and prompts
 PARAMETERS = {
@@ -105,6 +111,8 @@ PARAMETERS = {
     "n_sensitivity": Parameter(4, long_name="calibration windows of the per-layer sensitivity", units="1",
                                description="the first of the n_calibration windows"),
     "n_decode": Parameter(8, long_name="tokens decoded one at a time after the prefill", units="token"),
+    "n_continue": Parameter(16, long_name="tokens of the greedy continuation compared with the exact model's",
+                            units="token", description="after the first decode_len tokens of window 0"),
     "decode_len": Parameter(128, long_name="tokens of window 0 in the decoding check", units="token",
                             description="prefill of decode_len − n_decode tokens, then n_decode one at a time"),
     "hybrid_rank": Parameter(64, long_name="r of every estimator outside FAVOR+'s rank sweep", units="1",
@@ -116,7 +124,7 @@ AXIS_ATTRS = {
     "placement": {"long_name": "which layers keep softmax attention",
                   "description": "even: layers ⌊i·30/k⌋, i < k; sensitivity: the k layers whose substitution alone "
                                  "raises the calibration windows' NLL most (layer_delta_nll of the label at "
-                                 "hybrid_rank and map_seed)"},
+                                 "hybrid_rank and map_seed); first / last: the first / last k layers"},
     "layer": {"long_name": "decoder layer", "units": "1"},
     "head": {"long_name": "query head", "units": "1"},
     "context": {"long_name": "tokens per text window and per recall prompt", "units": "token"},
@@ -146,6 +154,14 @@ METRICS = {
                           "layer's key/value head for positive_orthogonal_shared; a window's keys and values per "
                           "key/value head for window_linear) and the kept softmax layers' keys and values, all "
                           "layers"),
+    "top1_agreement": Metric("greedy next token equals the exact model's", "1", "per window, the fraction of its "
+                             "positions where the substituted model's argmax next token is the exact model's "
+                             "(teacher-forced on the held-out text: the same prefixes)", dims=_W),
+    "continuation_match": Metric("tokens of the greedy continuation equal to the exact model's", "token",
+                                 "free-running greedy decoding through the converted model's own cache after the "
+                                 "first decode_len tokens of window 0: tokens before the first difference from the "
+                                 "exact model's continuation, of n_continue (NaN where the float32 states "
+                                 "underflow)"),
     "decode_max_abs_diff": Metric("largest |logit difference|, decoding against the parallel pass", "1",
                                   "over the last n_decode of the first decode_len tokens of window 0, decoded one "
                                   "at a time after the prefill of the others, and the vocabulary"),
@@ -162,6 +178,14 @@ METRICS = {
                               "per-layer sensitivity that places the softmax layers; cells with every layer "
                               "substituted of labels with a sensitivity placement", dims=("layer",),
                               coords={"layer": list(range(NUM_LAYERS))}),
+    "layer_kernel_error": Metric("relative kernel error of the layer's heads, calibration windows", "1",
+                                 "‖(K̂ − K)/Z‖_F / ‖K/Z‖_F over the causal pairs j ≤ i of the calibration windows, "
+                                 "K = exp(s qᵀk) on query head h's queries and keys (rotary positions applied) of "
+                                 "layer l substituted alone (the exact model's activations), K̂ the estimator's "
+                                 "kernel_matrix, each row over its exact normaliser Z_i = Σ_j≤i K_ij: the error of "
+                                 "the unnormalised attention weights, the first link of the chain",
+                                 dims=("layer", "head"),
+                                 coords={"layer": list(range(NUM_LAYERS)), "head": list(range(NUM_HEADS))}),
     "layer_attention_error": Metric("relative attention-output error of the layer, calibration windows", "1",
                                     "‖ŷ_h − y_h‖_F / ‖y_h‖_F over the calibration windows' positions, query head h "
                                     "of layer l substituted alone (its inputs: the exact model's activations); y the "
@@ -193,14 +217,17 @@ REFERENCE_METRICS = {
 }
 
 
-def substituted_layers(exact_layers: int, sensitivity=None) -> list[int]:
+def substituted_layers(exact_layers: int, sensitivity=None, placement: str = "even") -> list[int]:
     """The layers a cell substitutes: all but ``exact_layers`` softmax layers, kept at ``⌊i·30/k⌋``, ``i < k``
-    (evenly spaced), or, given the per-layer ``sensitivity`` (NLL increase of each layer substituted alone), the
-    ``k`` layers where it is largest."""
+    (``"even"``), the first or the last ``k`` (``"first"``, ``"last"``), or, given the per-layer ``sensitivity``
+    (NLL increase of each layer substituted alone), the ``k`` layers where it is largest."""
+    k = exact_layers
     if sensitivity is not None:
-        kept = set(np.argsort(-np.asarray(sensitivity), kind="stable")[:exact_layers].tolist())
+        kept = set(np.argsort(-np.asarray(sensitivity), kind="stable")[:k].tolist())
+    elif placement in ("first", "last"):
+        kept = set(range(k)) if placement == "first" else set(range(NUM_LAYERS - k, NUM_LAYERS))
     else:
-        kept = {int(i * NUM_LAYERS // exact_layers) for i in range(exact_layers)} if exact_layers else set()
+        kept = {int(i * NUM_LAYERS // k) for i in range(k)} if k else set()
     return [layer for layer in range(NUM_LAYERS) if layer not in kept]
 
 
@@ -228,7 +255,9 @@ def check_params(params) -> None:
 
 class Draw(NamedTuple):
     """What every cell of a context reads: the exact model, its tokenizer, the held-out windows, the recall prompts,
-    the calibration batch, and the exact model's and the unigram model's scores on them."""
+    the calibration batch, the exact model's and the unigram model's scores on them, the exact model's greedy next
+    tokens on the windows and its greedy continuation of window 0, and the per-layer sensitivity of each label,
+    computed by the first cell that needs it and kept with the draw (the engine runs a draw's cells together)."""
 
     model: object
     tokenizer: object
@@ -236,6 +265,9 @@ class Draw(NamedTuple):
     prompts: dict
     calibration: torch.Tensor
     exact: dict
+    greedy: np.ndarray
+    continuation: np.ndarray
+    sensitivity: dict
 
 
 @torch.no_grad()
@@ -267,13 +299,16 @@ def draw(params, data_rng, device) -> Draw:
     calibration = lm.text_windows(tokenizer, params["n_calibration"], min(context, 256), split="calibration")
     prompts = _lm.recall_prompts(tokenizer, context, params["n_prompts"])
     ids = windows.input_ids.to(device)
-    nll_exact = lm_eval.token_nll(model, ids).mean(axis=1)
+    nll_exact, greedy = lm_eval.token_nll(model, ids, return_argmax=True)
+    nll_exact = nll_exact.mean(axis=1)
+    continuation = lm_eval.greedy_continuation(model, ids[:1, :params["decode_len"]], params["n_continue"])
     recall = _lm.score_recall(model, prompts)
     exact = {"nll_exact": nll_exact, "nll_unigram": _lm.unigram_nll(tokenizer, windows.input_ids),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"],
              "kv_bytes": float(lm.kv_cache_bytes(context))}
-    return Draw(model, tokenizer, windows, prompts, calibration.input_ids.to(device), exact)
+    return Draw(model, tokenizer, windows, prompts, calibration.input_ids.to(device), exact, greedy, continuation,
+                {})
 
 
 def run_reference(params, device, data):
@@ -288,15 +323,12 @@ def convert(data: Draw, params, layers=None):
     if layers is None:
         sensitivity = (layer_sensitivity(data, params)["layer_delta_nll"] if params["placement"] == "sensitivity"
                        else None)
-        layers = substituted_layers(params["exact_layers"], sensitivity)
+        layers = substituted_layers(params["exact_layers"], sensitivity, params["placement"])
     kw = dict(options, **conversion, num_features=params["num_features"], layers=layers, rng=params["map_seed"])
     trainable = name in TRAINABLE_MAPS
     if trainable or ka.capabilities(name, **options).data_dependent:
         kw["calibration"] = {"input_ids": data.calibration}
     return ka.convert(data.model, name, **kw)
-
-
-_SENSITIVITY: dict = {}       # per process: (label, r, map_seed, calibration windows' shape) -> layer sensitivity
 
 
 @torch.no_grad()
@@ -339,9 +371,9 @@ def suffix_nll(model, input_ids: torch.Tensor, hidden=None, layers=None) -> np.n
 def layer_sensitivity(data: Draw, params) -> dict:
     """Per layer ``l``: the calibration windows' NLL increase when only ``l`` is substituted by the cell's label at
     ``hybrid_rank`` (``layer_delta_nll``), and each query head's relative attention-output error there
-    (``layer_attention_error``, on the exact model's activations: the layers below are exact). Memoised per
-    process, over the first ``n_sensitivity`` calibration windows (the maps of data-dependent labels are fitted on
-    all ``n_calibration`` of them).
+    (``layer_attention_error``, on the exact model's activations: the layers below are exact) and kernel error
+    (``layer_kernel_error``). Kept in the draw per (label, r, map_seed), over the first ``n_sensitivity``
+    calibration windows (the maps of data-dependent labels are fitted on all ``n_calibration`` of them).
 
     With only ``l`` substituted, the layers below it compute what the exact model does: one exact pass records
     every layer's input, and layer ``l``'s pass starts there, running the label's layer ``l`` and the exact layers
@@ -352,9 +384,9 @@ def layer_sensitivity(data: Draw, params) -> dict:
     from kernapprox.surgery import attention as sa
 
     calibration = data.calibration[:params["n_sensitivity"]]
-    key = (params["estimator"], params["hybrid_rank"], params["map_seed"], tuple(calibration.shape))
-    if key in _SENSITIVITY:
-        return _SENSITIVITY[key]
+    key = (params["estimator"], params["hybrid_rank"], params["map_seed"])
+    if key in data.sensitivity:
+        return data.sensitivity[key]
     windows = [calibration[i:i + 1] for i in range(calibration.shape[0])]
     exact = [layer_inputs(data.model, ids) for ids in windows]          # per window: (layer inputs, NLL)
     base = np.mean([nll for _, nll in exact])
@@ -364,18 +396,20 @@ def layer_sensitivity(data: Draw, params) -> dict:
     converted = None if fitted else convert(data, at_rank)
     exact_layers = list(ka.surgery.stack_for(data.model).model.layers)
     delta = np.empty(NUM_LAYERS)
-    error = np.empty((NUM_LAYERS, NUM_HEADS))
+    error, kernel = np.empty((NUM_LAYERS, NUM_HEADS)), np.empty((NUM_LAYERS, NUM_HEADS))
     for layer in range(NUM_LAYERS):
         model = convert(data, at_rank, layers=[layer]) if fitted else converted
         stack = ka.surgery.stack_for(model)
-        sums = np.zeros((2, NUM_HEADS))
+        sums = np.zeros((4, NUM_HEADS))
+        attention = sa.get_attention(stack.attention_module(layer))
+        heads = getattr(attention, "heads", ())
 
-        def observe(call, out, sums=sums):
+        def observe(call, out, sums=sums, heads=heads):
             want = ka.softmax_attention(call.query, call.key, call.value, call.causal, call.scaling)
             sums[0] += (out - want).square().sum(dim=(0, 2, 3)).double().numpy()
             sums[1] += want.square().sum(dim=(0, 2, 3)).double().numpy()
+            sums[2:] += _kernel_error_sums(call, heads)
 
-        attention = sa.get_attention(stack.attention_module(layer))
         observed = isinstance(attention, sa.SubstitutedAttention)
         if observed:                # a trainable map's layer has no observer: its NLL only
             attention.observer = observe
@@ -387,10 +421,34 @@ def layer_sensitivity(data: Draw, params) -> dict:
                 attention.observer = None
         delta[layer] = np.mean(nll) - base
         error[layer] = np.sqrt(sums[0] / sums[1]) if observed else np.nan
+        kernel[layer] = np.sqrt(sums[2] / sums[3]) if observed else np.nan
         del model
     del converted
-    _SENSITIVITY[key] = {"layer_delta_nll": delta, "layer_attention_error": error}
-    return _SENSITIVITY[key]
+    data.sensitivity[key] = {"layer_delta_nll": delta, "layer_attention_error": error, "layer_kernel_error": kernel}
+    return data.sensitivity[key]
+
+
+def _kernel_error_sums(call, heads) -> np.ndarray:
+    """Per query head: ``Σ ((K̂_ij − K_ij)/Z_i)²`` and ``Σ (K_ij/Z_i)²`` over the causal pairs ``j ≤ i`` of one call
+    (float64; ``K̂`` the head's :meth:`~kernapprox.Estimator.kernel_matrix`, ``Z_i = Σ_j≤i K_ij``); 0 for a head
+    that keeps softmax or fits per sequence. ``K/Z`` is formed from the logits less their row maximum, so nothing
+    overflows."""
+    q, k = call.query.double(), call.key.double()                      # (B, H, n, d), keys repeated to the heads
+    n = q.shape[-2]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril() if call.causal else torch.ones(n, n, dtype=torch.bool)
+    logits = (call.scaling * q @ k.transpose(-1, -2)).masked_fill(~allowed, -torch.inf)
+    top = logits.amax(-1, keepdim=True)
+    weights = torch.exp(logits - top)
+    z = weights.sum(-1, keepdim=True)                                  # Z_i / exp(max_i)
+    sums = np.zeros((2, len(heads)))
+    for h, est in enumerate(heads):
+        if not isinstance(est, ka.Estimator):
+            continue
+        approx = est.kernel_matrix(q[:, h], k[:, h]) * torch.exp(-top[:, h]) / z[:, h]
+        exact = weights[:, h] / z[:, h]
+        sums[0, h] = float(((approx - exact) * allowed).square().sum())
+        sums[1, h] = float(exact.square().sum())
+    return sums
 
 
 @torch.no_grad()
@@ -438,13 +496,29 @@ def decode(model, window: torch.Tensor, params) -> dict:
     raise AssertionError("unreachable")
 
 
+def continuation_match(model, data: Draw, params) -> float:
+    """Tokens the converted model's free-running greedy continuation of window 0's first ``decode_len`` tokens shares
+    with the exact model's before they differ (:func:`kernapprox.lm_eval.common_prefix`); NaN where its float32
+    decoding states underflow on the model's activations (the cache raises, naming that cause)."""
+    prompt = data.windows.input_ids[:1, :params["decode_len"]]
+    try:
+        mine = lm_eval.greedy_continuation(model, prompt, params["n_continue"])
+    except ValueError as err:
+        if "underflow" not in str(err):
+            raise
+        return float("nan")
+    return float(lm_eval.common_prefix(mine, data.continuation))
+
+
 def run_cell(params, rng, device, data):
     if not applicable(params):
         return not_applicable()
     model = convert(data, params)
-    nll = lm_eval.token_nll(model, data.windows.input_ids.to(device)).mean(axis=1)
+    nll, greedy = lm_eval.token_nll(model, data.windows.input_ids.to(device), return_argmax=True)
     recall = _lm.score_recall(model, data.prompts)
-    out = {"nll": nll, "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"],
+    out = {"nll": nll.mean(axis=1), "top1_agreement": (greedy == data.greedy).mean(axis=1),
+           "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"],
+           "continuation_match": continuation_match(model, data, params),
            **decode(model, data.windows.input_ids[:1].to(device), params)}
     del model
     runs = RUNS[params["estimator"]]
@@ -452,7 +526,8 @@ def run_cell(params, rng, device, data):
         out.update(layer_sensitivity(data, params))
     else:
         out.update(layer_delta_nll=np.full(NUM_LAYERS, np.nan),
-                   layer_attention_error=np.full((NUM_LAYERS, NUM_HEADS), np.nan))
+                   layer_attention_error=np.full((NUM_LAYERS, NUM_HEADS), np.nan),
+                   layer_kernel_error=np.full((NUM_LAYERS, NUM_HEADS), np.nan))
     return out
 
 
@@ -465,8 +540,8 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         long_name="recalled answer's log-probability change against the exact model", units="nats",
         description="per prompt, answer_logprob − answer_logprob_exact (the same prompt)", comparison="difference")
     for name, unit in (("nll", "window"), ("nll_exact", "window"), ("nll_unigram", "window"),
-                       ("delta_nll", "window"), ("answer_logprob", "prompt"), ("answer_logprob_exact", "prompt"),
-                       ("delta_logprob", "prompt")):
+                       ("delta_nll", "window"), ("top1_agreement", "window"), ("answer_logprob", "prompt"),
+                       ("answer_logprob_exact", "prompt"), ("delta_logprob", "prompt")):
         _lm.add_summary(ds, f"{name}_summary", name, unit)
     for name, unit in (("delta_nll", "window"), ("delta_logprob", "prompt")):
         ds[f"{name}_p"] = stats.paired_test(ds[name], unit, test="wilcoxon")
@@ -488,13 +563,17 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
 
 
 def _placement_pairs(ds: xr.Dataset) -> None:
-    """Sensitivity placement minus even placement, per window, where both ran (same label, r, k, draw)."""
-    if not {"even", "sensitivity"} <= set(ds["placement"].values.tolist()):
-        return
-    _lm.add_window_difference(ds, "placement_nll_diff",
-                          ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement="even"),
-                          "NLL with the softmax layers placed by sensitivity minus evenly spaced",
-                          "per window, the same label, r, number of softmax layers and draw")
+    """Sensitivity placement minus each other placement (even: ``placement_nll_diff``; first, last:
+    ``placement_nll_diff_<name>``), per window, where both ran (same label, r, k, draw)."""
+    placements = set(ds["placement"].values.tolist())
+    for other in (p for p in PLACEMENTS if p != "sensitivity" and {p, "sensitivity"} <= placements):
+        name = "placement_nll_diff" + ("" if other == "even" else f"_{other}")
+        _lm.add_window_difference(ds, name, ds["nll"].sel(placement="sensitivity") - ds["nll"].sel(placement=other),
+                                  f"NLL with the softmax layers placed by sensitivity minus {PLACED[other]}",
+                                  "per window, the same label, r, number of softmax layers and draw")
+
+
+PLACED = {"even": "evenly spaced", "first": "the first layers", "last": "the last layers"}
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -596,18 +675,19 @@ def plot(ds: xr.Dataset, path) -> None:
         ax_sens.set_xlabel("decoder layer substituted alone")
         ax_sens.set_ylabel("calibration NLL increase (nats)")
         ax_sens.set_title(f"(e) per-layer sensitivity: `{cell['estimator']}`, r = {cell['num_features']}")
-        err = ds["layer_attention_error"].sel(**cell, context=first)
-        ax_chain.errorbar(err.mean("head").values, delta.values,
-                          xerr=[err.mean("head").values - err.min("head").values,
-                                err.max("head").values - err.mean("head").values],
-                          fmt="o", color="0.3", markersize=4, capsize=1.5, elinewidth=0.6)
+        err = ds["layer_attention_error"].sel(**cell, context=first).mean("head")
+        kernel = ds["layer_kernel_error"].sel(**cell, context=first).mean("head")
+        dots = ax_chain.scatter(kernel.values, err.values, c=delta.values, cmap="viridis", s=28, edgecolor="0.3",
+                                linewidth=0.4)
+        fig.colorbar(dots, ax=ax_chain, label="calibration NLL increase (nats)", pad=0.01)
         for layer in np.argsort(-delta.values)[:5]:
-            ax_chain.annotate(str(int(layer)), (float(err.mean("head")[layer]), float(delta[layer])), fontsize=7,
+            ax_chain.annotate(str(int(layer)), (float(kernel[layer]), float(err[layer])), fontsize=7,
                               xytext=(3, 2), textcoords="offset points")
         ax_chain.set_xscale("log")
-        ax_chain.set_xlabel("relative attention-output error of the layer (mean over heads; bars: min–max head)")
-        ax_chain.set_ylabel("calibration NLL increase (nats)")
-        ax_chain.set_title("(f) where error enters: attention error → NLL, per layer")
+        ax_chain.set_yscale("log")
+        ax_chain.set_xlabel("relative kernel error of the layer (unnormalised weights, mean over heads)")
+        ax_chain.set_ylabel("relative attention-output error (mean over heads)")
+        ax_chain.set_title("(f) where error enters: kernel → attention → NLL, per layer")
     # (d) decode time per token
     steps = ds["exact_step_seconds"].sel(context=first)
     ax_dec.plot(ds["decode_context"].values, steps.values, "k*-", label="exact (KV cache grows)")
@@ -650,11 +730,12 @@ def plot(ds: xr.Dataset, path) -> None:
         f"answer's log-probability (median over {ds.sizes['prompt']} prompts, bootstrap interval): a passkey in "
         "text, a locker number in a list of sentences. (d) Greedy accuracy of both (circles: passkey, crosses: "
         "lookup), chance dashed. (e) The calibration windows' NLL increase with one layer substituted alone. (f) "
-        "Per layer: its attention-output error on the exact model's activations against the NLL increase of (e) "
-        "(the five largest labelled). (g) Seconds per decoded token: the exact model with KV caches of 1k–32k "
-        "tokens against the fixed states (measured after a short prefill and drawn flat: their step does the same "
-        "work at any context). (h) Largest logit difference between token-by-token decoding and the parallel pass "
-        f"over the last decoded tokens of window 0 ({first} tokens)."),
+        "The chain per layer, on the exact model's activations: the kernel error of its heads (the unnormalised "
+        "attention weights, each row over its exact normaliser) against their attention-output error, coloured by "
+        "the NLL increase of (e) (the five largest labelled). (g) Seconds per decoded token: the exact model with "
+        "KV caches of 1k–32k tokens against the fixed states (measured after a short prefill and drawn flat: their "
+        "step does the same work at any context). (h) Largest logit difference between token-by-token decoding and "
+        f"the parallel pass over the last decoded tokens of window 0 ({first} tokens)."),
         title="SmolLM2-135M as an RNN")
 
 
@@ -728,6 +809,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                              f"p = {fmt(float(ds['shared_minus_per_head_nll_p'].sel(one)), 2)}); seconds per decoded "
                              f"token {fmt(t_shared, 2)} against {fmt(t_head, 2)}.")
         lines.extend(_recall_findings(ds, context, cells))
+        lines.extend(_greedy_findings(ds, context, cells))
         diffs = {i: float(_value(ds, "decode_rel_diff", c, context)) for i, c in enumerate(cells)}
         close = [i for i in diffs if diffs[i] <= 1e-3]
         if close:
@@ -761,25 +843,42 @@ def findings(ds: xr.Dataset) -> list[str]:
 
 
 def _placement_findings(ds, context) -> list[str]:
-    if "placement_nll_diff_summary" not in ds:
-        return []
     out = []
-    diff = ds["placement_nll_diff_summary"].sel(context=context)
-    for cell in _cells(ds, context):
-        if cell["placement"] != "sensitivity":
-            continue
+    for cell in (c for c in _cells(ds, context) if c["placement"] == "sensitivity"):
         sel = {d: cell[d] for d in CELL_DIMS if d != "placement"}
-        s = diff.sel(**sel)
-        if not np.isfinite(float(s.sel(stat="estimate"))):
-            continue
-        even = dict(cell, placement="even")
-        p = float(ds["placement_nll_diff_p"].sel(**sel, context=context))
-        out.append(f"Which {cell['exact_layers']} layers keep softmax ({context} tokens, `{cell['estimator']}` at r = "
-                   f"{cell['num_features']}): the most sensitive ones give perplexity "
-                   f"{fmt_ci(_value(ds, 'perplexity_summary', cell, context))}, evenly spaced ones "
-                   f"{fmt_ci(_value(ds, 'perplexity_summary', even, context))}; NLL difference {fmt_ci(s)} nats "
-                   f"(Wilcoxon p = {fmt(p, 2)}, {ds.sizes['window']} windows).")
+        others = []
+        for other in (p for p in PLACEMENTS if p != "sensitivity"):
+            name = "placement_nll_diff" + ("" if other == "even" else f"_{other}")
+            if f"{name}_summary" not in ds:
+                continue
+            s = ds[f"{name}_summary"].sel(**sel, context=context)
+            if np.isfinite(float(s.sel(stat="estimate"))):
+                p = float(ds[f"{name}_p"].sel(**sel, context=context))
+                ppl = _value(ds, "perplexity_summary", dict(cell, placement=other), context)
+                others.append(f"{PLACED[other]} {fmt_ci(ppl)} (NLL difference {fmt_ci(s)} nats, Wilcoxon "
+                              f"p = {fmt(p, 2)})")
+        if others:
+            out.append(f"Which {cell['exact_layers']} layers keep softmax ({context} tokens, `{cell['estimator']}` at "
+                       f"r = {cell['num_features']}; {ds.sizes['window']} windows, paired): the most sensitive ones "
+                       f"give perplexity {fmt_ci(_value(ds, 'perplexity_summary', cell, context))}; "
+                       + "; ".join(others) + ".")
     return out
+
+
+def _greedy_findings(ds, context, cells) -> list[str]:
+    """What the substituted models generate: their greedy next token against the exact model's on the held-out
+    windows (teacher-forced), and their free-running continuation of window 0 against the exact model's."""
+    if not cells:
+        return []
+    parts = [f"{_name(c)} {fmt_ci(_value(ds, 'top1_agreement_summary', c, context), percent=True)}" for c in cells]
+    matched = [f"{_name(c)} {int(m)}" for c in cells if np.isfinite(m := float(_value(ds, 'continuation_match', c,
+                                                                                        context)))]
+    return [f"Greedy next token equal to the exact model's on the same held-out {context}-token windows "
+            f"(teacher-forced, mean over {ds.sizes['window']} windows): " + "; ".join(parts) + ".",
+            f"Free-running greedy continuations of window 0 ({min(int(ds['decode_len']), context)} tokens, through "
+            "each model's "
+            f"cache): tokens equal to the exact model's continuation before the first difference, of "
+            f"{int(ds['n_continue'])}: " + "; ".join(matched) + "."]
 
 
 def _sensitivity_findings(ds, context) -> list[str]:
@@ -788,16 +887,19 @@ def _sensitivity_findings(ds, context) -> list[str]:
         return []
     delta = ds["layer_delta_nll"].sel(**cell, context=context).values
     err = ds["layer_attention_error"].sel(**cell, context=context).mean("head").values
+    kernel = ds["layer_kernel_error"].sel(**cell, context=context).mean("head").values
     order = np.argsort(-delta, kind="stable")
     top = ", ".join(f"{int(layer)} (+{fmt(delta[layer], 2)})" for layer in order[:6])
-    rho = float(stats_spearman(err, delta))
     return [f"Per-layer sensitivity of {_name(cell)} (each layer substituted alone, calibration windows, "
             f"{context}-token draw): the NLL increase ranges {fmt(delta.min(), 2)} to {fmt(delta.max(), 2)} nats; the "
             f"most sensitive layers are {top}; the sum over layers is {fmt(delta.sum(), 3)} nats (the increases do "
-            f"not add: every layer substituted costs the NLL increase above). Spearman correlation over the "
-            f"{len(delta)} layers between the layer's relative attention-output error (mean over heads, "
-            f"{fmt(err.min(), 2)}–{fmt(err.max(), 2)}) and its NLL increase: {fmt(rho, 2)} (one draw, calibration "
-            "text: a description, not a test)."]
+            f"not add: every layer substituted costs the NLL increase above).",
+            f"The chain per layer ({len(delta)} layers, means over heads; Spearman correlations, one draw on "
+            f"calibration text: a description, not a test): kernel error (the unnormalised attention weights, "
+            f"{fmt(kernel.min(), 2)}–{fmt(kernel.max(), 2)}) → attention-output error ({fmt(err.min(), 2)}–"
+            f"{fmt(err.max(), 2)}): ρ = {fmt(float(stats_spearman(kernel, err)), 2)}; attention-output error → NLL "
+            f"increase: ρ = {fmt(float(stats_spearman(err, delta)), 2)}; kernel error → NLL increase: "
+            f"ρ = {fmt(float(stats_spearman(kernel, delta)), 2)}."]
 
 
 def stats_spearman(x, y) -> float:

@@ -40,7 +40,7 @@ from .validation import check_positive_int
 
 __all__ = ["token_nll", "nll_summary", "RecallPrompt", "CLASSIC_FILLER", "classic_filler", "passkey_prompt",
            "kv_lookup_prompt", "score_recall", "recall_summary", "decode_timing", "cache_bytes", "cache_keyword",
-           "greedy_reply"]
+           "greedy_continuation", "common_prefix", "greedy_reply"]
 
 
 def _check_ids(input_ids, name: str = "input_ids", *, min_len: int = 2) -> torch.Tensor:
@@ -62,19 +62,24 @@ def _device(model) -> torch.device:
 
 # ------------------------------------------------------------------------------------------------------ quality
 @torch.no_grad()
-def token_nll(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> np.ndarray:
+def token_nll(model, input_ids: torch.Tensor, *, batch_size: int = 1, return_argmax: bool = False):
     """Per-token next-token NLL (nats) of every window: ``(n_windows, L − 1)`` float64.
 
     Entry ``[w, t]`` is ``−log p(x_{t+1} | x_0 … x_t)`` for window ``w`` of ``input_ids`` ``(n_windows, L)``: the
     log-softmax of the model's logits at position ``t`` (computed in float64), read at the next token. Windows run
     ``batch_size`` at a time (the logits of a batch, ``batch_size · L · vocab`` floats, are the memory peak). A
     non-finite logit raises ``ValueError``. The passes keep no cache (``use_cache=False``): a converted model runs
-    its parallel attention, not its decoder's.
+    its parallel attention, not its decoder's. ``return_argmax``: also the model's greedy next token at every
+    position, ``(n_windows, L − 1)`` int64 (the argmax of the same logits; teacher-forced on the windows), so that
+    two models' greedy choices can be compared on the same text.
     """
     input_ids = _check_ids(input_ids)
     batch_size = check_positive_int(batch_size, "batch_size")
+    if not isinstance(return_argmax, bool):
+        raise TypeError(f"return_argmax must be a bool, got {return_argmax!r}")
     device = _device(model)
     out = np.empty((input_ids.shape[0], input_ids.shape[1] - 1), dtype=np.float64)
+    greedy = np.empty(out.shape, dtype=np.int64) if return_argmax else None
     for first in range(0, input_ids.shape[0], batch_size):
         ids = input_ids[first:first + batch_size].to(device)
         logits = model(input_ids=ids, use_cache=False).logits[:, :-1]       # a scoring pass keeps no cache
@@ -83,7 +88,9 @@ def token_nll(model, input_ids: torch.Tensor, *, batch_size: int = 1) -> np.ndar
         logp = torch.log_softmax(logits.double(), dim=-1)
         nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
         out[first:first + ids.shape[0]] = nll.cpu().numpy()
-    return out
+        if greedy is not None:
+            greedy[first:first + ids.shape[0]] = logits.argmax(-1).cpu().numpy()
+    return (out, greedy) if greedy is not None else out
 
 
 def nll_summary(nll, *, level: float = stats.LEVEL) -> xr.Dataset:
@@ -391,27 +398,60 @@ def decode_timing(model, input_ids: torch.Tensor, n_decode: int = 16, *, warmup:
     n_decode = check_positive_int(n_decode, "n_decode")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup must be a non-negative int, got {warmup!r}")
-    device = _device(model)
-    ids = input_ids.to(device)
-    start = time.perf_counter()
-    out = model(input_ids=ids, use_cache=True)
-    prefill = time.perf_counter() - start
-    cache, key = _cache_of(out)
+    steps = _greedy_steps(model, input_ids, warmup + n_decode)
+    token, cache, prefill = next(steps)
     after_prefill = cache_bytes(cache)
-    token = out.logits[:, -1:].argmax(-1)
-    steps, tokens = [], [int(token)]
-    for i in range(warmup + n_decode):
-        t0 = time.perf_counter()
-        out = model(input_ids=token, use_cache=True, **{key: cache})
-        token = out.logits[:, -1:].argmax(-1)
-        cache, key = _cache_of(out)
+    seconds, tokens = [], [token]
+    for i, (token, latest, step) in enumerate(steps):
         if i >= warmup:
-            steps.append(time.perf_counter() - t0)
-        tokens.append(int(token))
-    return {"prefill_seconds": prefill, "step_seconds": np.asarray(steps), "context_len": int(ids.shape[1]),
+            seconds.append(step)
+        tokens.append(token)
+        cache = latest                                   # the cache after the last step
+    return {"prefill_seconds": prefill, "step_seconds": np.asarray(seconds), "context_len": int(input_ids.shape[1]),
             "cache_bytes_after_prefill": after_prefill, "cache_bytes": cache_bytes(cache),
             "cache_tokens": int(cache.get_seq_length()) if hasattr(cache, "get_seq_length") else None,
             "tokens": tokens}
+
+
+def _greedy_steps(model, input_ids: torch.Tensor, n_steps: int):
+    """Greedy decoding with the model's cache: yields ``(token, cache, seconds)`` for the prefill of
+    ``input_ids`` ``(1, n)`` (its greedy next token), then for each of ``n_steps`` one-token steps."""
+    ids = input_ids.to(_device(model))
+    start = time.perf_counter()
+    out = model(input_ids=ids, use_cache=True)
+    seconds = time.perf_counter() - start
+    cache, key = _cache_of(out)
+    token = out.logits[:, -1:].argmax(-1)
+    yield int(token), cache, seconds
+    for _ in range(n_steps):
+        start = time.perf_counter()
+        out = model(input_ids=token, use_cache=True, **{key: cache})
+        seconds = time.perf_counter() - start
+        token = out.logits[:, -1:].argmax(-1)
+        cache, key = _cache_of(out)
+        yield int(token), cache, seconds
+
+
+@torch.no_grad()
+def greedy_continuation(model, input_ids: torch.Tensor, n_tokens: int) -> np.ndarray:
+    """The model's greedy continuation of ``input_ids`` ``(1, n)``: ``n_tokens`` int64 token ids, decoded one at a
+    time through the model's own cache (a converted model's fixed-size states: its RNN mode), no end-of-sequence
+    stop. Two models' continuations of one prompt are compared by :func:`common_prefix`."""
+    input_ids = _check_ids(input_ids, min_len=1)
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"greedy_continuation continues one sequence: input_ids must be (1, n), got "
+                         f"{tuple(input_ids.shape)}")
+    n_tokens = check_positive_int(n_tokens, "n_tokens")
+    return np.array([token for token, _, _ in _greedy_steps(model, input_ids, n_tokens - 1)], dtype=np.int64)
+
+
+def common_prefix(a, b) -> int:
+    """How many tokens two continuations share before their first difference (``min(len)`` if none)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.ndim != 1 or b.ndim != 1:
+        raise ValueError(f"continuations must be 1-D token sequences, got shapes {a.shape} and {b.shape}")
+    differ = np.flatnonzero(a[:min(len(a), len(b))] != b[:min(len(a), len(b))])
+    return int(differ[0]) if differ.size else min(len(a), len(b))
 
 
 @torch.no_grad()

@@ -231,7 +231,8 @@ def test_no_module_outside_the_estimators_inspects_what_an_estimator_is():
                         offences.append(f"{where}: {func}(..., {cname})")
             elif (func == "signature" and isinstance(node.func, ast.Attribute)
                   and getattr(node.func.value, "id", "") == "inspect"
-                  and name not in ("kernapprox.sweep._experiment", "kernapprox.distributions")):
+                  # the engine reads a study's functions, lm_eval a transformers model's forward (its cache keyword)
+                  and name not in ("kernapprox.sweep._experiment", "kernapprox.distributions", "kernapprox.lm_eval")):
                 offences.append(f"{where}: inspect.signature")
     assert not offences, "capabilities must be read, not inferred:\n" + "\n".join(offences)
 

@@ -234,6 +234,14 @@ def test_token_nll_is_the_models_cross_entropy(model, tokenizer):
         lm_eval.token_nll(model, ids[:, :1])
     with pytest.raises(ValueError, match="input_ids"):
         lm_eval.token_nll(model, ids.float())
+    again, greedy = lm_eval.token_nll(model, ids, return_argmax=True)        # the same NLL, and the greedy choices
+    np.testing.assert_array_equal(again, nll)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits[:, :-1].argmax(-1).numpy()
+    assert greedy.dtype == np.int64 and greedy.shape == (3, 95)
+    np.testing.assert_array_equal(greedy, want)
+    with pytest.raises(TypeError, match="return_argmax"):
+        lm_eval.token_nll(model, ids, return_argmax=1)
 
 
 def test_nll_summary():
@@ -297,6 +305,21 @@ def test_decode_timing_follows_the_greedy_path_and_measures_the_cache(model, tok
         lm_eval.decode_timing(model, ids.repeat(2, 1))
     with pytest.raises(TypeError, match="cache type"):
         lm_eval.cache_bytes(object())
+
+
+def test_greedy_continuation_is_the_explicit_greedy_path_and_common_prefix_counts_agreement(model, tokenizer):
+    ids = lm.text_windows(tokenizer, 1, 60, source="python-docs").input_ids
+    got = lm_eval.greedy_continuation(model, ids, 6)
+    assert got.dtype == np.int64 and got.tolist() == _greedy(model, ids[0], 6).tolist()
+    assert lm_eval.common_prefix(got, got) == 6
+    assert lm_eval.common_prefix([1, 2, 3, 4], [1, 2, 9, 4]) == 2 and lm_eval.common_prefix([5], [6, 7]) == 0
+    assert lm_eval.common_prefix([1, 2], [1, 2, 3]) == 2
+    with pytest.raises(ValueError, match="one sequence"):
+        lm_eval.greedy_continuation(model, ids.repeat(2, 1), 3)
+    with pytest.raises(ValueError, match="n_tokens"):
+        lm_eval.greedy_continuation(model, ids, 0)
+    with pytest.raises(ValueError, match="1-D"):
+        lm_eval.common_prefix([[1]], [1])
 
 
 def test_greedy_reply_uses_the_chat_template(model, tokenizer):

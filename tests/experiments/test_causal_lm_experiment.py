@@ -21,13 +21,41 @@ def test_kept_softmax_layers_are_evenly_spaced_or_the_most_sensitive():
     assert sorted(set(range(30)) - set(causal_lm.substituted_layers(2, sensitivity))) == [3, 7]
     assert sorted(set(range(30)) - set(causal_lm.substituted_layers(3, sensitivity))) == [3, 7, 21]
     assert causal_lm.substituted_layers(0, sensitivity) == list(range(30))
+    assert causal_lm.substituted_layers(6, placement="first") == list(range(6, 30))
+    assert causal_lm.substituted_layers(6, placement="last") == list(range(24))
+    assert causal_lm.substituted_layers(0, placement="last") == list(range(30))
+    # the measured sensitivity decides whatever the placement's name
+    assert causal_lm.substituted_layers(2, sensitivity, "first") == causal_lm.substituted_layers(2, sensitivity)
+
+
+def test_kernel_error_sums_are_the_row_normalised_frobenius_error():
+    """The chain's first link against its definition, computed naively: per head, the causal kernel matrices of the
+    estimator and of exp(s qᵀk), each row divided by its exact normaliser; a head keeping softmax contributes 0."""
+    import torch
+
+    import kernapprox as ka
+    from kernapprox.surgery.attention import AttentionCall
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 12, 4, generator=gen) * 1.5 for _ in range(3))
+    scale = 0.5
+    heads = [ka.make_estimator("positive_orthogonal", num_features=8, scale=scale, rng=h).fit(q[:, h], k[:, h])
+             for h in range(2)] + [None]
+    sums = causal_lm._kernel_error_sums(AttentionCall(q, k, v, None, True, scale), heads)
+    for h in range(2):
+        exact = torch.exp(scale * q[0, h].double() @ k[0, h].double().T).tril()
+        approx = heads[h].kernel_matrix(q[0, h].double(), k[0, h].double()).tril()
+        z = exact.sum(-1, keepdim=True)
+        assert sums[0, h] == pytest.approx(float(((approx - exact) / z).square().sum()), rel=1e-9)
+        assert sums[1, h] == pytest.approx(float((exact / z).square().sum()), rel=1e-9)
+    assert sums[:, 2].tolist() == [0.0, 0.0]
 
 
 def test_bad_cells_are_refused_before_any_runs():
     base = {"estimator": "positive_orthogonal", "num_features": 64, "exact_layers": 0, "placement": "even",
             "context": 512, "map_seed": 0}
     for change, word in (({"estimator": "elu"}, "estimator"), ({"exact_layers": 30}, "exact_layers"),
-                         ({"context": 64}, "context"), ({"placement": "first"}, "placement")):
+                         ({"context": 64}, "context"), ({"placement": "middle"}, "placement")):
         with pytest.raises(ValueError, match=word):
             causal_lm.check_params({**base, **change})
     params = {**base, "hybrid_rank": 64}
@@ -40,6 +68,10 @@ def test_bad_cells_are_refused_before_any_runs():
     window = {**params, "estimator": "window_linear"}
     assert causal_lm.applicable({**window, "exact_layers": 2, "placement": "sensitivity"})
     assert not causal_lm.applicable({**window, "exact_layers": 2})                # no even placement at k = 2
+    for placement in ("first", "last"):                                              # at k = 6 only
+        assert causal_lm.applicable({**window, "exact_layers": 6, "placement": placement})
+        assert not causal_lm.applicable({**window, "exact_layers": 2, "placement": placement})
+        assert not causal_lm.applicable({**params, "exact_layers": 6, "placement": placement})
     shared = {**params, "estimator": "positive_orthogonal_shared"}
     assert causal_lm.applicable(shared) and not causal_lm.applicable({**shared, "exact_layers": 15})
 
@@ -74,6 +106,11 @@ def test_smoke_preset_pairs_every_cell_with_the_exact_model(tmp_path, monkeypatc
     delta = ds["layer_delta_nll"].sel(estimator="window_linear", **every)
     assert bool(np.isfinite(delta).all()) and float(delta.max()) > 0
     assert bool(np.isfinite(ds["layer_attention_error"].sel(estimator="window_linear", **every)).all())
+    assert bool(np.isfinite(ds["layer_kernel_error"].sel(estimator="window_linear", **every)).all())
+    # greedy agreement with the exact model: a fraction per window, a prefix length of at most n_continue tokens
+    top1 = ds["top1_agreement"].sel(estimator="window_linear", **every)
+    assert top1.sizes["window"] == 10 and bool(((top1 >= 0) & (top1 <= 1)).all()) and float(top1.mean()) > 0.5
+    assert 0 <= float(ds["continuation_match"].sel(estimator="window_linear", **every)) <= int(ds["n_continue"])
     assert bool(np.isnan(ds["layer_delta_nll"].sel(estimator="positive_orthogonal", **every)).all())
     # keeping the two most sensitive layers exact brings the NLL closer to the exact model's on the same windows
     nll = ds["delta_nll_summary"].sel(estimator="window_linear", stat="estimate", **sel)
@@ -93,7 +130,7 @@ def test_sensitivity_passes_from_a_layer_equal_whole_passes(user_cache_root):
 
     model, tokenizer = lm.load_smollm2(cache_root=user_cache_root)
     ids = lm.text_windows(tokenizer, 1, 96, split="calibration").input_ids
-    data = causal_lm.Draw(model, tokenizer, None, None, ids, {})
+    data = causal_lm.Draw(model, tokenizer, None, None, ids, {}, None, None, {})
     params = {"estimator": "window_linear", "num_features": 64, "exact_layers": 0, "placement": "even",
               "context": 96, "map_seed": 0, "hybrid_rank": 64}
     inputs, nll = causal_lm.layer_inputs(model, ids)
