@@ -93,6 +93,7 @@ GRIDS = {
     "full": {"estimator": ESTIMATORS, "num_features": [16, 32, 64, 128, 256], "seq_len": [512, 2048, 8192],
              "causal": [False, True], "beta": [1.0, 2.0], "seed": list(range(8))},
 }
+DATA_AXES = ("seq_len", "beta", "seed")
 PARAMETERS = {
     "dim": Parameter(32, "head dimension d of queries, keys and values", "1"),
     "heads": Parameter(2, "independent heads per draw", "1", "each head its own data; one estimator draw shared by the "
@@ -572,7 +573,6 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-DATA_AXES = ("seq_len", "beta", "seed")
 EXPERIMENT = Experiment.from_module(__name__, title="Attention-output error: numerator, normaliser and output")
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ GRIDS = {
     "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
              "num_context": [50, 200, 1000], "beta": [4.0, 16.0], "seed": list(range(6))},
 }
+DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
 PARAMETERS = {"num_queries": Parameter(32, long_name="query images per episode", units="1")}
 AXIS_ATTRS = {"num_context": {"long_name": "labelled context images n", "units": "1"},
               "beta": {"long_name": "inverse temperature β (attention scale on unit-norm images)", "units": "1"}}
@@ -187,7 +188,6 @@ def findings(ds: xr.Dataset) -> str:
     return bullets(lines)
 
 
-DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
 EXPERIMENT = Experiment.from_module(
     __name__, title="Training-free few-shot classification of digits: accuracy against rank and context length")
 

@@ -65,6 +65,7 @@ GRIDS = {
     "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024, 4096],
              "num_pairs": [64, 256], "beta_factor": [1.0, 2.0], "query": QUERIES, "seed": list(range(6))},
 }
+DATA_AXES, REFERENCE_AXES = ("num_pairs", "query", "seed"), ("num_pairs", "beta_factor", "query", "seed")
 PARAMETERS = {
     "dim": Parameter(64, long_name="key and value dimension d = d_v", units="1"),
     "num_candidates": Parameter(4096, long_name="candidate values the read-out is decoded against", units="1"),
@@ -453,7 +454,6 @@ def _trig_verdict(ds, r, at, random_maps, queries) -> str:
     return "Trigonometric minus the better positive map, paired per episode: " + "; ".join(words) + "."
 
 
-DATA_AXES, REFERENCE_AXES = ("num_pairs", "query", "seed"), ("num_pairs", "beta_factor", "query", "seed")
 EXPERIMENT = Experiment.from_module(
     __name__, title="Training-free associative recall: accuracy against state size and query perturbation")
 

@@ -34,6 +34,7 @@ GRIDS = {
     "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
              "num_context": [64, 256, 512], "beta": [8.0, 16.0, 32.0], "seed": list(range(6))},
 }
+DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
 PARAMETERS = {
     "dim": Parameter(4, long_name="input dimension d (points on the sphere S^(d−1))", units="1"),
     "lengthscale": Parameter(0.7, long_name="lengthscale of the Gaussian-process target", units="1"),
@@ -158,7 +159,6 @@ def findings(ds: xr.Dataset) -> str:
     return bullets(lines)
 
 
-DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
 EXPERIMENT = Experiment.from_module(
     __name__, title="Training-free in-context regression: error against rank and context length")
 

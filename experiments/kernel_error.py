@@ -82,6 +82,7 @@ GRIDS = {
     "full": {"estimator": ESTIMATORS, "num_features": [8, 16, 32, 64, 128, 256], "beta": [0.5, 1.0, 2.0, 4.0],
              "seq_len": [256, 4096], "seed": list(range(8))},
 }
+DATA_AXES = ("beta", "seq_len", "seed")
 PARAMETERS = {
     "dim": Parameter(32, long_name="head dimension d of queries and keys", units="1"),
     "all_estimators_max_len": Parameter(1024, long_name="longest sequence at which every estimator runs",
@@ -370,7 +371,6 @@ def findings(ds: xr.Dataset) -> list[str]:
     return lines
 
 
-DATA_AXES = ("beta", "seq_len", "seed")
 EXPERIMENT = Experiment.from_module(__name__, title="Kernel-matrix error against the number of features",
                                     description=" ".join(" ".join(__doc__.strip().split("\n\n")[:2]).split()))
 
