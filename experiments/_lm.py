@@ -6,9 +6,11 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import torch
 import xarray as xr
 
 from kernapprox import lm, lm_eval, stats
+from kernapprox.surgery import stack_for
 
 TASKS = ("passkey", "kv_lookup")
 TASK_NAMES = {"passkey": "Passkey", "kv_lookup": "Key–value lookup"}
@@ -104,3 +106,53 @@ def add_chance(ds: xr.Dataset) -> None:
     ds["recall_chance_mean"] = ds["recall_chance"].mean("prompt").assign_attrs(
         long_name="chance of a greedy answer without recall, mean over the prompts", units="1",
         description="mean over the prompts of 1 / candidates")
+
+
+@torch.no_grad()
+def layer_inputs(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], np.ndarray]:
+    """What every decoder layer of ``model`` receives on ``input_ids`` ``(n, L)`` (the hidden states entering layer
+    ``l``, ``(n, L, hidden)``), and the model's per-token next-token NLL ``(n, L − 1)``: one pass."""
+    inputs = []
+    hooks = [layer.register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        for layer in stack_for(model).model.layers]
+    try:
+        nll = suffix_nll(model, input_ids)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return inputs, nll
+
+
+@torch.no_grad()
+def suffix_nll(model, input_ids: torch.Tensor, hidden=None, layers=None) -> np.ndarray:
+    """Per-token next-token NLL ``(n, L − 1)`` of ``input_ids`` ``(n, L)``, as :func:`kernapprox.lm_eval.token_nll`
+    computes it (float64 log-softmax): ``model`` whole, or, given ``hidden`` (what the first of ``layers``
+    receives), only the decoder layers ``layers`` on ``hidden``, then the model's final norm and head."""
+    decoder = stack_for(model).model
+    own = decoder.layers
+    if layers is not None:
+        decoder.layers = torch.nn.ModuleList(layers)
+    try:
+        inputs = {"input_ids": input_ids} if hidden is None else {"inputs_embeds": hidden}
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+    finally:
+        decoder.layers = own
+    if not torch.isfinite(logits).all():
+        raise ValueError("the model gave non-finite logits")
+    logp = torch.log_softmax(logits.double(), dim=-1)
+    return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1).cpu().numpy()
+
+
+@torch.no_grad()
+def layer_delta_nll(teacher, student, windows: list[torch.Tensor]) -> np.ndarray:
+    """Per decoder layer ``l``: the mean next-token NLL over ``windows`` (each ``(1, L)``) when only layer ``l`` is
+    the ``student``'s (a converted copy of ``teacher``: the layers below compute the teacher's activations, the
+    layers above are the teacher's), minus the teacher's own. One teacher pass per window records every layer's
+    input; layer ``l``'s pass starts there (:func:`suffix_nll`): the numbers of a whole pass through a model with
+    layer ``l`` alone substituted."""
+    exact = [layer_inputs(teacher, ids) for ids in windows]
+    base = np.mean([nll for _, nll in exact])
+    own, theirs = list(stack_for(teacher).model.layers), list(stack_for(student).model.layers)
+    return np.array([np.mean([suffix_nll(student, ids, inputs[layer], [theirs[layer], *own[layer + 1:]])
+                              for ids, (inputs, _) in zip(windows, exact)]) - base for layer in range(len(own))])

@@ -332,42 +332,6 @@ def convert(data: Draw, params, layers=None):
 
 
 @torch.no_grad()
-def layer_inputs(model, input_ids: torch.Tensor) -> tuple[list[torch.Tensor], np.ndarray]:
-    """What every decoder layer of ``model`` receives on ``input_ids`` ``(n, L)`` (the hidden states entering layer
-    ``l``, ``(n, L, hidden)``), and the model's per-token next-token NLL ``(n, L − 1)``: one pass."""
-    inputs = []
-    hooks = [layer.register_forward_pre_hook(
-        lambda module, args, kwargs: inputs.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
-        for layer in ka.surgery.stack_for(model).model.layers]
-    try:
-        nll = suffix_nll(model, input_ids)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return inputs, nll
-
-
-@torch.no_grad()
-def suffix_nll(model, input_ids: torch.Tensor, hidden=None, layers=None) -> np.ndarray:
-    """Per-token next-token NLL ``(n, L − 1)`` of ``input_ids`` ``(n, L)``, as :func:`kernapprox.lm_eval.token_nll`
-    computes it (float64 log-softmax): ``model`` whole, or, given ``hidden`` (what the first of ``layers``
-    receives), only the decoder layers ``layers`` on ``hidden``, then the model's final norm and head."""
-    decoder = ka.surgery.stack_for(model).model
-    own = decoder.layers
-    if layers is not None:
-        decoder.layers = torch.nn.ModuleList(layers)
-    try:
-        inputs = {"input_ids": input_ids} if hidden is None else {"inputs_embeds": hidden}
-        logits = model(**inputs, use_cache=False).logits[:, :-1]
-    finally:
-        decoder.layers = own
-    if not torch.isfinite(logits).all():
-        raise ValueError("the model gave non-finite logits")
-    logp = torch.log_softmax(logits.double(), dim=-1)
-    return -logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1).cpu().numpy()
-
-
-@torch.no_grad()
 def layer_sensitivity(data: Draw, params) -> dict:
     """Per layer ``l``: the calibration windows' NLL increase when only ``l`` is substituted by the cell's label at
     ``hybrid_rank`` (``layer_delta_nll``), and each query head's relative attention-output error there
@@ -388,7 +352,7 @@ def layer_sensitivity(data: Draw, params) -> dict:
     if key in data.sensitivity:
         return data.sensitivity[key]
     windows = [calibration[i:i + 1] for i in range(calibration.shape[0])]
-    exact = [layer_inputs(data.model, ids) for ids in windows]          # per window: (layer inputs, NLL)
+    exact = [_lm.layer_inputs(data.model, ids) for ids in windows]          # per window: (layer inputs, NLL)
     base = np.mean([nll for _, nll in exact])
     at_rank = dict(params, num_features=params["hybrid_rank"], exact_layers=0, placement="even")
     name, options, _ = ESTIMATORS[params["estimator"]]
@@ -414,7 +378,7 @@ def layer_sensitivity(data: Draw, params) -> dict:
         if observed:                # a trainable map's layer has no observer: its NLL only
             attention.observer = observe
         try:
-            nll = [suffix_nll(model, ids, inputs[layer], [stack.model.layers[layer], *exact_layers[layer + 1:]])
+            nll = [_lm.suffix_nll(model, ids, inputs[layer], [stack.model.layers[layer], *exact_layers[layer + 1:]])
                    for ids, (inputs, _) in zip(windows, exact)]
         finally:
             if observed:

@@ -82,6 +82,8 @@ PARAMETERS = {
                                description="train_len tokens each, of the calibration split; one per step, in a "
                                            "seeded order"),
     "train_len": Parameter(128, long_name="tokens per training window (stage 2)", units="token"),
+    "n_layer_windows": Parameter(2, "held-out windows of the per-layer analysis", "1",
+                                 "the first of the n_windows; each layer the student's alone"),
     "lora_rank": Parameter(8, long_name="rank of the adapters on q, k, v and o", units="1"),
     "lr": Parameter(1e-3, long_name="AdamW learning rate of stage 2", units="1"),
     "temperature": Parameter(2.0, long_name="distillation temperature T", units="1"),
@@ -120,6 +122,11 @@ METRICS = {
                              "argmax", dims=("checkpoint", "task", "prompt"), coords=_T),
     "train_loss": Metric("stage-2 loss of each step's window", "nats", "before the step's update (next-token "
                          "cross-entropy, or T²·KL to the teacher)", dims=("step",)),
+    "layer_delta_nll": Metric("NLL increase with only this layer the student's, held-out windows", "nats",
+                              "mean over the first n_layer_windows held-out windows of nll(layer l the student's, "
+                              "every other layer the teacher's) − nll(teacher): where in the network a student loses "
+                              "(stage-1 and post-hoc students; NaN after stage 2)", dims=("layer",),
+                              coords={"layer": list(range(NUM_LAYERS))}),
     "state_bytes": Metric("bytes of the student's decoding state", "byte",
                           "30 layers × 3 key/value heads × the state of one head (kernapprox.memory.probe_state_bytes "
                           "at the context's length: r (d_v + 1) float32 numbers for Hedgehog and FAVOR+, more for "
@@ -165,12 +172,17 @@ def check_params(params) -> None:
 
 
 class Draw(NamedTuple):
+    """What every cell of a context reads: the teacher, the held-out windows, the recall prompts, the calibration
+    and training windows, the teacher's and the unigram model's scores, and the stage-1 student of the cells that
+    share it (:func:`stage1`: one kept with the draw, since the engine runs a draw's cells together)."""
+
     model: object
     windows: torch.Tensor
     prompts: dict
     calibration: torch.Tensor
     training: torch.Tensor
     exact: dict
+    students: dict
 
 
 def draw(params, data_rng, device) -> Draw:
@@ -185,22 +197,18 @@ def draw(params, data_rng, device) -> Draw:
              "nll_unigram": _lm.unigram_nll(tokenizer, windows),
              "answer_logprob_exact": recall["answer_logprob"], "greedy_correct_exact": recall["greedy_correct"],
              "recall_chance": 1.0 / recall["candidates"], "kv_bytes": float(lm.kv_cache_bytes(context))}
-    return Draw(model, windows, prompts, calibration.input_ids.to(device), training.input_ids.to(device), exact)
+    return Draw(model, windows, prompts, calibration.input_ids.to(device), training.input_ids.to(device), exact, {})
 
 
 def run_reference(params, device, data):
     return dict(data.exact)
 
 
-_STAGE1: dict = {}          # per process: (fit_loss, r, seed, context, steps) -> (student, its fit's cost)
-
-
 def stage1(data: Draw, params):
-    """The stage-1 student of the cell (memoised per process: the cells of one draw share it) and
-    ``(cpu_seconds, tokens)`` of its attention transfer."""
-    key = (params["student"], params["fit_loss"], params["num_features"], params["train_seed"], params["context"],
-           params["fit_steps"])
-    if key not in _STAGE1:
+    """The stage-1 student of the cell (kept with the draw: the cells of one draw share it; one at a time, a
+    135M-parameter copy each) and ``(cpu_seconds, tokens)`` of its attention transfer."""
+    key = (params["student"], params["fit_loss"], params["num_features"], params["train_seed"], params["fit_steps"])
+    if key not in data.students:
         start = time.process_time()
         calibration = {"input_ids": data.calibration}
         if params["student"] == "hedgehog":
@@ -213,9 +221,9 @@ def stage1(data: Draw, params):
             student = ka.convert(data.model, params["student"], num_features=params["num_features"],
                                  rng=params["train_seed"], share_heads="group", calibration=calibration)
             cost = (0.0, 0.0)
-        _STAGE1.clear()                  # one student kept: a 135M-parameter copy each
-        _STAGE1[key] = (student, cost)
-    return _STAGE1[key]
+        data.students.clear()
+        data.students[key] = (student, cost)
+    return data.students[key]
 
 
 @torch.no_grad()
@@ -234,7 +242,7 @@ def run_cell(params, rng, device, data):
     out = {"nll": np.full((len(CHECKPOINTS), n_w), np.nan),
            "answer_logprob": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
            "greedy_correct": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
-           "train_loss": np.full(steps, np.nan),
+           "train_loss": np.full(steps, np.nan), "layer_delta_nll": np.full(NUM_LAYERS, np.nan),
            "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * memory.probe_state_bytes(
                STATE_OF[params["student"]], params["num_features"], d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
                seq_len=params["context"])),
@@ -250,6 +258,8 @@ def run_cell(params, rng, device, data):
 
     if params["objective"] == "none":
         record(0, student)
+        out["layer_delta_nll"] = _lm.layer_delta_nll(data.model, student, [
+            data.windows[i:i + 1].to(device) for i in range(params["n_layer_windows"])])
         return out
     model = copy.deepcopy(student)
     add_lora(model, rank=params["lora_rank"], rng=params["train_seed"])
@@ -326,8 +336,8 @@ def _label(cell) -> str:
 
 
 def plot(ds: xr.Dataset, path) -> None:
-    fig, axes = new_figure(1, 4, width=20, height=5)
-    ax_ppl, ax_pk, ax_kv, ax_loss = axes
+    fig, axes = new_figure(1, 5, width=25, height=5)
+    ax_ppl, ax_pk, ax_kv, ax_loss, ax_layer = axes
     colours = {"next_token": "tab:blue", "distill": "tab:red"}
     for cell in _cells(ds):
         if cell["student"] != "hedgehog" or cell["objective"] == "none":
@@ -380,6 +390,16 @@ def plot(ds: xr.Dataset, path) -> None:
     ax_loss.set_title("(d) stage-2 loss")
     ax_ppl.legend(fontsize=6.5, loc="center right")
     ax_loss.legend(fontsize=6.5)
+    layered = [c for c in _cells(ds) if c["objective"] == "none" and c["student"] != "nystrom_uniform"]
+    for i, cell in enumerate(layered):
+        ax_layer.bar(ds["layer"].values + (i - (len(layered) - 1) / 2) * 0.8 / len(layered),
+                     ds["layer_delta_nll"].sel(**cell).values, width=0.8 / len(layered),
+                     color=estimator_style(cell["student"])["color"], label=_label(cell))
+    ax_layer.set_yscale("symlog", linthresh=0.01)
+    ax_layer.set_xlabel("decoder layer (the student's alone)")
+    ax_layer.set_ylabel("held-out NLL increase (nats)")
+    ax_layer.set_title("(e) where each student loses, per layer")
+    ax_layer.legend(fontsize=6.5)
     fig.suptitle("Distilling SmolLM2-135M's softmax attention into fixed-state Hedgehog maps")
     names = {"positive_orthogonal": "FAVOR+", "nystrom_uniform": "Nyström"}
     posthoc = " and ".join(names[s] for s in STUDENTS if s in names and s in ds["student"].values.tolist())
@@ -392,7 +412,9 @@ def plot(ds: xr.Dataset, path) -> None:
         "LoRA-adapted student trained by next-token loss or by distillation from the teacher's logits on the same "
         f"windows; black: the teacher; coloured lines: post-hoc {posthoc} at the same r (one far above "
         "the unigram model is named instead of drawn); dotted: a unigram model. (b, c) Median log-probability of "
-        "the recalled answer over the prompts (bootstrap intervals). (d) Each step's training loss."),
+        "the recalled answer over the prompts (bootstrap intervals). (d) Each step's training loss. (e) Per layer, "
+        f"the NLL increase on {int(ds['n_layer_windows'])} held-out windows with only that layer the student's "
+        "(stage-1 Hedgehog and post-hoc FAVOR+; symmetric log scale)."),
         title="Distillation into fixed-state students")
 
 
@@ -460,7 +482,32 @@ def findings(ds: xr.Dataset) -> list[str]:
                                      if cell["objective"] != "none" else ""))
     if costs:
         lines.append("Cost: " + "; ".join(costs) + ".")
-    return lines
+    return lines + _layer_findings(ds, cells)
+
+
+SENSITIVE = 6           # how many of the post-hoc map's most sensitive layers the per-layer findings single out
+
+
+def _layer_findings(ds: xr.Dataset, cells) -> list[str]:
+    """Per layer, where the stage-1 Hedgehog student loses against post-hoc FAVOR+ at the same r and seed: on the
+    layers where FAVOR+ alone costs most NLL (the sensitivity of ``causal_lm``) and on the others."""
+    out = []
+    for cell in (c for c in cells if c["student"] == "hedgehog" and c["objective"] == "none"):
+        ref = dict(cell, student="positive_orthogonal", fit_loss="weights")
+        if not any(c == ref for c in cells):
+            continue
+        mine, theirs = ds["layer_delta_nll"].sel(**cell).values, ds["layer_delta_nll"].sel(**ref).values
+        top = np.argsort(-theirs, kind="stable")[:SENSITIVE]
+        rest = np.setdiff1d(np.arange(theirs.size), top)
+        out.append(f"Per layer ({int(ds['n_layer_windows'])} held-out windows, each layer the student's alone; one "
+                   f"draw: a description): FAVOR+ at r = {cell['num_features']} costs most NLL in layers "
+                   + ", ".join(f"{int(i)} (+{fmt(theirs[i], 2)})" for i in top)
+                   + f"; the stage-1 Hedgehog student ({cell['fit_loss']}) costs {fmt(mine[top].sum(), 2)} nats "
+                   f"there against FAVOR+'s {fmt(theirs[top].sum(), 2)} (summed over those {SENSITIVE} layers), and "
+                   f"{fmt(mine[rest].sum(), 2)} against {fmt(theirs[rest].sum(), 2)} over the other {rest.size}; its "
+                   f"own most costly layers: " + ", ".join(f"{int(i)} (+{fmt(mine[i], 2)})"
+                                                             for i in np.argsort(-mine, kind="stable")[:3]) + ".")
+    return out
 
 
 EXPERIMENT = Experiment.from_module(

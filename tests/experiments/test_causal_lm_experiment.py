@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from experiments import causal_lm
+from experiments import _lm, causal_lm
 from kernapprox import lm, sweep
 
 
@@ -133,12 +133,14 @@ def test_sensitivity_passes_from_a_layer_equal_whole_passes(user_cache_root):
     data = causal_lm.Draw(model, tokenizer, None, None, ids, {}, None, None, {})
     params = {"estimator": "window_linear", "num_features": 64, "exact_layers": 0, "placement": "even",
               "context": 96, "map_seed": 0, "hybrid_rank": 64}
-    inputs, nll = causal_lm.layer_inputs(model, ids)
+    inputs, nll = _lm.layer_inputs(model, ids)
     assert len(inputs) == lm.NUM_LAYERS
     np.testing.assert_array_equal(nll, lm_eval.token_nll(model, ids))
     every = causal_lm.convert(data, params)
     exact_layers = list(model.model.layers)
+    delta = _lm.layer_delta_nll(model, every, [ids])                # distillation's per-layer analysis
     for layer in (0, 13, 29):
         alone = causal_lm.convert(data, params, layers=[layer])
-        suffix = causal_lm.suffix_nll(every, ids, inputs[layer], [every.model.layers[layer], *exact_layers[layer + 1:]])
+        suffix = _lm.suffix_nll(every, ids, inputs[layer], [every.model.layers[layer], *exact_layers[layer + 1:]])
         np.testing.assert_array_equal(suffix, lm_eval.token_nll(alone, ids))
+        assert delta[layer] == pytest.approx(lm_eval.token_nll(alone, ids).mean() - nll.mean(), abs=1e-12)
