@@ -551,10 +551,12 @@ def _cells(ds: xr.Dataset, context: int) -> list[dict]:
             for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
 
 
-def _name(cell: dict) -> str:
+def _name(cell: dict, ds: xr.Dataset) -> str:
+    """The cell as the findings name it (its map draw where the dataset has several)."""
     k = cell["exact_layers"]
     return f"`{cell['estimator']}` at r = {cell['num_features']}" + (
-        f" with {k} softmax layers ({cell['placement']})" if k else "")
+        f" with {k} softmax layers ({cell['placement']})" if k else "") + (
+        f", map draw {cell['map_seed']}" if ds.sizes.get("map_seed", 1) > 1 else "")
 
 
 def _value(ds, name, cell, context, stat=None, **extra):
@@ -730,10 +732,10 @@ def findings(ds: xr.Dataset) -> list[str]:
             frac = float(_value(ds, "memory_fraction", cell, context))
             bits = "" if float(_value(ds, "state_bits", cell, context)) == 32 else \
                 ", float64 states: float32 ones underflow"
-            parts.append(f"{_name(cell)}: {fmt_ci(ppl)} ({fmt_bytes(_value(ds, 'state_bytes', cell, context))}"
+            parts.append(f"{_name(cell, ds)}: {fmt_ci(ppl)} ({fmt_bytes(_value(ds, 'state_bytes', cell, context))}"
                          f"{bits}, {fmt(frac)} of the KV cache; NLL +{fmt_ci(delta)} nats, Wilcoxon p = {fmt(p, 2)})")
             if float(ppl.sel(stat="lo")) > float(uni.sel(stat="hi")):
-                worse_than_unigram.append(_name(cell))
+                worse_than_unigram.append(_name(cell, ds))
         lines.append(f"Perplexity of the substituted models on the same {context}-token windows (paired with the "
                      "exact model): " + "; ".join(parts) + ".")
         if worse_than_unigram:
@@ -748,13 +750,13 @@ def findings(ds: xr.Dataset) -> list[str]:
             best = min(within, key=lambda c: _ppl(ds, c, context))
             ratio = _ppl(ds, best, context) / float(exact.sel(stat="estimate"))
             lines.append(f"Best perplexity within 1/{round(1 / budget)} of the KV cache's bytes at {context} tokens "
-                         f"({fmt_bytes(kv * budget)}; {len(within)} of {len(cells)} cells): {_name(best)}, "
+                         f"({fmt_bytes(kv * budget)}; {len(within)} of {len(cells)} cells): {_name(best, ds)}, "
                          f"{fmt_ci(_value(ds, 'perplexity_summary', best, context))}, {fmt(ratio)} × the exact "
                          f"model's, keeping {fmt(float(_value(ds, 'memory_fraction', best, context)))} of its bytes.")
         if cells:
             best = min(cells, key=lambda c: _ppl(ds, c, context))
             ratio = _ppl(ds, best, context) / float(exact.sel(stat="estimate"))
-            lines.append(f"Lowest perplexity at {context} tokens: {_name(best)}, {fmt(ratio)} × the exact model's, "
+            lines.append(f"Lowest perplexity at {context} tokens: {_name(best, ds)}, {fmt(ratio)} × the exact model's, "
                          f"keeping {fmt(float(_value(ds, 'memory_fraction', best, context)))} of its KV cache's "
                          "bytes.")
         lines.extend(_placement_findings(ds, context))
@@ -783,8 +785,8 @@ def findings(ds: xr.Dataset) -> list[str]:
         for i in (i for i in diffs if diffs[i] > 1e-3):
             cell = cells[i]
             wide = float(_value(ds, "state_bits", cell, context)) == 64
-            worse = _name(cell) in worse_than_unigram
-            lines.append(f"{_name(cell)}: decoding and the parallel pass differ by {fmt(diffs[i], 2)} of the "
+            worse = _name(cell, ds) in worse_than_unigram
+            lines.append(f"{_name(cell, ds)}: decoding and the parallel pass differ by {fmt(diffs[i], 2)} of the "
                          "largest logit" + (" (its decoding states are float64, its parallel pass float32: the "
                                             "two compute the estimate at different precisions)" if wide else "")
                          + ("; this model is worse than the unigram model" if worse else "") + ".")
@@ -822,8 +824,9 @@ def _placement_findings(ds, context) -> list[str]:
                 others.append(f"{PLACED[other]} {fmt_ci(ppl)} (NLL difference {fmt_ci(s)} nats, Wilcoxon "
                               f"p = {fmt(p, 2)})")
         if others:
-            out.append(f"Which {cell['exact_layers']} layers keep softmax ({context} tokens, `{cell['estimator']}` at "
-                       f"r = {cell['num_features']}; {ds.sizes['window']} windows, paired): the most sensitive ones "
+            out.append(f"Which {cell['exact_layers']} layers keep softmax ({context} tokens, "
+                       f"{_name(dict(cell, exact_layers=0), ds)}; {ds.sizes['window']} windows, paired): the most "
+                       "sensitive ones "
                        f"give perplexity {fmt_ci(_value(ds, 'perplexity_summary', cell, context))}; "
                        + "; ".join(others) + ".")
     return out
@@ -834,8 +837,8 @@ def _greedy_findings(ds, context, cells) -> list[str]:
     windows (teacher-forced), and their free-running continuation of window 0 against the exact model's."""
     if not cells:
         return []
-    parts = [f"{_name(c)} {fmt_ci(_value(ds, 'top1_agreement_summary', c, context), percent=True)}" for c in cells]
-    matched = [f"{_name(c)} {int(m)}" for c in cells if np.isfinite(m := float(_value(ds, 'continuation_match', c,
+    parts = [f"{_name(c, ds)} {fmt_ci(_value(ds, 'top1_agreement_summary', c, context), percent=True)}" for c in cells]
+    matched = [f"{_name(c, ds)} {int(m)}" for c in cells if np.isfinite(m := float(_value(ds, 'continuation_match', c,
                                                                                         context)))]
     return [f"Greedy next token equal to the exact model's on the same held-out {context}-token windows "
             f"(teacher-forced, mean over {ds.sizes['window']} windows): " + "; ".join(parts) + ".",
@@ -854,7 +857,7 @@ def _sensitivity_findings(ds, context) -> list[str]:
     kernel = ds["layer_kernel_error"].sel(**cell, context=context).mean("head").values
     order = np.argsort(-delta, kind="stable")
     top = ", ".join(f"{int(layer)} (+{fmt(delta[layer], 2)})" for layer in order[:6])
-    return [f"Per-layer sensitivity of {_name(cell)} (each layer substituted alone, calibration windows, "
+    return [f"Per-layer sensitivity of {_name(cell, ds)} (each layer substituted alone, calibration windows, "
             f"{context}-token draw): the NLL increase ranges {fmt(delta.min(), 2)} to {fmt(delta.max(), 2)} nats; the "
             f"most sensitive layers are {top}; the sum over layers is {fmt(delta.sum(), 3)} nats (the increases do "
             f"not add: every layer substituted costs the NLL increase above).",
@@ -889,7 +892,7 @@ def _recall_findings(ds, context, cells) -> list[str]:
         chance = float(ds["recall_chance_mean"].sel(context=context, **at))
         parts = []
         for cell in cells:
-            parts.append(f"{_name(cell)}: "
+            parts.append(f"{_name(cell, ds)}: "
                          f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} correct, "
                          f"log-probability {fmt_ci(_value(ds, 'answer_logprob_summary', cell, context, **at))} (change "
                          f"{fmt_ci(_value(ds, 'delta_logprob_summary', cell, context, **at))}, p = "
@@ -905,7 +908,7 @@ def _recall_findings(ds, context, cells) -> list[str]:
         summary = [f"exact {fmt_ci(acc, percent=True)}"]
         for what, cell in (("best fixed state without softmax or window", linear), ("best hybrid", hybrid)):
             if cell is not None:
-                summary.append(f"{what} {_name(cell)} "
+                summary.append(f"{what} {_name(cell, ds)} "
                                f"{fmt_ci(_value(ds, 'greedy_correct_summary', cell, context, **at), percent=True)} "
                                f"({fmt(float(_value(ds, 'memory_fraction', cell, context)))} of the KV cache)")
         lines.append(f"{_lm.TASK_NAMES[task]} accuracy at {context} tokens: " + "; ".join(summary) + ".")
