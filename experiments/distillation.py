@@ -297,12 +297,15 @@ def gap_closed(student: np.ndarray, posthoc: np.ndarray, exact: np.ndarray, *, s
                resamples: int = stats.RESAMPLES, level: float = stats.LEVEL) -> tuple[float, float, float]:
     """``1 − mean(student − exact) / mean(post-hoc − exact)`` over paired units (the fraction of the post-hoc map's
     NLL gap to the teacher that the student closes) with its percentile-bootstrap interval over the units (the
-    same resampled units in numerator and denominator)."""
+    same resampled units in numerator and denominator). 1-D arrays: one value per unit (a window); 2-D: one row per
+    unit (a training seed) with its windows, resampled whole (a cluster bootstrap; ``exact`` broadcasts)."""
     a, b = np.asarray(student) - np.asarray(exact), np.asarray(posthoc) - np.asarray(exact)
     if not (np.isfinite(a).all() and np.isfinite(b).all()):
         return (np.nan, np.nan, np.nan)
-    idx = np.random.default_rng([seed, a.size]).integers(0, a.size, size=(resamples, a.size))
-    boot = 1.0 - a[idx].mean(1) / b[idx].mean(1)
+    a, b = (a[:, None], b[:, None]) if a.ndim == 1 else (a, b)
+    m = a.shape[0]
+    idx = np.random.default_rng([seed, m]).integers(0, m, size=(resamples, m))
+    boot = 1.0 - a[idx].mean((1, 2)) / b[idx].mean((1, 2))
     lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
     return float(1.0 - a.mean() / b.mean()), float(lo), float(hi)
 
@@ -644,6 +647,18 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
                  for c in shown]
         out.append(f"{name} greedy accuracy over {m} seeds × {n_p} prompts (cluster bootstrap over the seeds): teacher "
                    f"{fmt_ci(teacher, percent=True)} (its {n_p} prompts); " + "; ".join(parts) + ".")
+    exact = ds["nll_exact"].sel(context=shown[0]["context"]).values
+    for cell in (c for c in shown if c["student"] in TRAINED):
+        at = _at(ds, cell)
+        ref = dict(at, student="positive_orthogonal", fit_loss="weights", objective="none")
+        if "positive_orthogonal" not in ds["student"].values.tolist():
+            break
+        posthoc = ds["nll_filled"].sel(**ref, checkpoint=0.0).transpose("train_seed", "window").values
+        mine = ds["nll_filled"].sel(**at, checkpoint=last(cell)).transpose("train_seed", "window").values
+        est, lo, hi = gap_closed(mine, posthoc, exact)
+        out.append(f"{_label(cell)} at r = {cell['num_features']} closes {fmt(est, 2)} ({fmt(lo, 2)} to {fmt(hi, 2)}) "
+                   f"of post-hoc FAVOR+'s NLL gap to the teacher at the same r (1 − mean of the student's NLL increase "
+                   f"over FAVOR+'s, pooled over the {m} seeds' windows; cluster bootstrap over the seeds).")
     if "seed_nll_diff_summary" in ds:
         for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
             sel = {k: v for k, v in _at(ds, cell).items() if k != "objective"}

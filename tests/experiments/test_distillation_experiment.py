@@ -23,6 +23,11 @@ def test_gap_closed_is_the_share_of_the_post_hoc_gap_the_student_closes():
     est, lo, hi = distillation.gap_closed(noisy, posthoc, exact)
     assert est == pytest.approx(1 - np.mean(noisy - exact) / np.mean(posthoc - exact)) and lo < est < hi
     assert np.isnan(distillation.gap_closed(student * np.nan, posthoc, exact)[0])
+    # several seeds: rows are the units, their windows pooled; the estimate is the pooled ratio
+    rows_student, rows_posthoc = np.stack([student, noisy]), np.stack([posthoc, posthoc + 0.5])
+    est, lo, hi = distillation.gap_closed(rows_student, rows_posthoc, exact)
+    assert est == pytest.approx(1 - np.mean(rows_student - exact) / np.mean(rows_posthoc - exact))
+    assert lo <= est <= hi
 
 
 def test_only_the_trainable_maps_train_and_bad_cells_are_refused():
@@ -154,6 +159,7 @@ def test_seed_comparisons_are_paired_differences_over_seeds_with_holm_verdicts()
     text = "\n".join(distillation.findings(ds))
     assert "stage 1 minus post-hoc FAVOR+ −0.5" in text and "p = 0.023: stage 1 lower" in text
     assert "over 10 training seeds" in text
+    assert "hedgehog (weights) stage 1 at r = 128 closes 0.5 (" in text            # half of FAVOR+'s 1-nat gap
 
 
 def test_fewer_than_ten_seeds_resolve_no_verdict():
