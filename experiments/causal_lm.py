@@ -583,8 +583,9 @@ def _cells(ds: xr.Dataset, context: int) -> list[dict]:
 
 
 def _r(ds: xr.Dataset, cell: dict) -> int:
-    """The cell's features per head (the grid's r, or a fixed map's own dimension)."""
-    return int(ds["features_per_head"].sel(cell).max())
+    """The features per head of the cell's label at its r (the grid's r, or a fixed map's own dimension), read from
+    any cell of that label and r that ran (a placement's reference cell need not have run)."""
+    return int(ds["features_per_head"].sel(estimator=cell["estimator"], num_features=cell["num_features"]).max())
 
 
 def _name(cell: dict, ds: xr.Dataset) -> str:
