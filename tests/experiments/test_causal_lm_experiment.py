@@ -161,3 +161,20 @@ def test_sensitivity_passes_from_a_layer_equal_whole_passes(user_cache_root):
         suffix = _lm.suffix_nll(every, ids, inputs[layer], [every.model.layers[layer], *exact_layers[layer + 1:]])
         np.testing.assert_array_equal(suffix, lm_eval.token_nll(alone, ids))
         assert delta[layer] == pytest.approx(lm_eval.token_nll(alone, ids).mean() - nll.mean(), abs=1e-12)
+
+
+def test_a_cell_is_named_by_its_label_and_r_even_where_that_placement_did_not_run():
+    """The placement findings name the label's every-layer cell with the placement of the compared one, which never
+    runs (k = 0 runs as "even" only): its features per head come from any cell of the label and r."""
+    import xarray as xr
+
+    coords = {"estimator": ["taylor2", "window_linear"], "num_features": [64], "exact_layers": [0, 6],
+              "placement": ["even", "sensitivity"], "map_seed": [0]}
+    values = np.full((2, 1, 2, 2, 1), np.nan)
+    values[0, 0, 0, 0, 0] = 2145.0                                   # taylor2, k = 0, even
+    values[1, 0, 0, 0, 0] = values[1, 0, 1, 1, 0] = 64.0             # window_linear, k = 0 even and k = 6 sensitivity
+    ds = xr.Dataset({"features_per_head": (tuple(coords), values)}, coords=coords)
+    cell = {"estimator": "window_linear", "num_features": 64, "exact_layers": 0, "placement": "sensitivity",
+            "map_seed": 0}
+    assert causal_lm._name(cell, ds) == "`window_linear` at r = 64"
+    assert causal_lm._name(dict(cell, estimator="taylor2", placement="even"), ds) == "`taylor2` at r = 2145"
