@@ -139,21 +139,17 @@ figures/causal_lm_long.png: results/causal_lm_long.nc kernapprox/plotting.py | $
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
 # causal_lm's full preset (512 tokens, two map draws, the rank sweep and every placement of the kept softmax layers;
-# one data draw, so its cells run in one process on two torch threads: about 15 minutes), apart from make figures.
-causal-lm-full: figures/causal_lm_full.png
+# one data draw, so its cells run in one process on two torch threads: about 20 minutes) and its maps preset (every
+# feature map of the study at r = 64 with every layer substituted, 512 tokens, the first map draw: about 15 minutes),
+# apart from make figures: results/causal_lm_<preset>.nc, figures/causal_lm_<preset>.png and its findings.
+CAUSAL_LM_PRESETS := full maps
+$(CAUSAL_LM_PRESETS:%=causal-lm-%): causal-lm-%: figures/causal_lm_%.png
 	@$(MAKE) --no-print-directory gallery
-results/causal_lm_full.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
-	$(PY) -m experiments.causal_lm --preset full --device $(DEVICE) --threads 2 --out $@ --no-figure
-figures/causal_lm_full.png: results/causal_lm_full.nc kernapprox/plotting.py | $(STAMP)
-	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
-
-# causal_lm's maps preset (every feature map of the study at r = 64 with every layer substituted, 512 tokens, the
-# first map draw: about 15 minutes), apart from make figures.
-causal-lm-maps: figures/causal_lm_maps.png
-	@$(MAKE) --no-print-directory gallery
-results/causal_lm_maps.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
-	$(PY) -m experiments.causal_lm --preset maps --device $(DEVICE) --threads 2 --out $@ --no-figure
-figures/causal_lm_maps.png: results/causal_lm_maps.nc kernapprox/plotting.py | $(STAMP)
+$(CAUSAL_LM_PRESETS:%=results/causal_lm_%.nc): results/causal_lm_%.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) \
+		$(LM_STAMP)
+	$(PY) -m experiments.causal_lm --preset $* --device $(DEVICE) --threads 2 --out $@ --no-figure
+$(CAUSAL_LM_PRESETS:%=figures/causal_lm_%.png): figures/causal_lm_%.png: results/causal_lm_%.nc kernapprox/plotting.py \
+		| $(STAMP)
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
 # distillation's seeds preset (the default's students and budget over ten training seeds, the units of its verdicts on
