@@ -68,6 +68,44 @@ def test_modes_agree_with_float64_oracle(batch, n, d, causal, name, dtype):
         assert float((outs[mode].output.double() - outs["parallel"].output.double()).abs().max() / scale) < tol
 
 
+SIGNED_MAPS = ("trig_orthogonal", "nystrom_uniform")
+
+
+@pytest.mark.parametrize("name", SIGNED_MAPS)
+def test_signed_maps_modes_within_rounding_times_condition(name):
+    """Signed maps with normalisers ≤ 0 or near 0 by cancellation: every mode, and the decoding state
+    (:class:`kernapprox.RecurrentState` stepped token by token), agrees with the float64 oracle within the forward
+    error bound of a ratio of sums (Higham, *Accuracy and Stability of Numerical Algorithms*, 2002, §3.1, Lemma 3.1
+    for each sum, then the quotient):
+
+        |ŷ_i − y_i| ≤ c · u · n r · (Σ_j |a_ij| |v_j| + |y_i| Σ_j |a_ij|) / |Σ_j a_ij|,   a_ij = φ(q_i)ᵀφ(k_j),
+
+    with ``u`` float64's unit roundoff and ``c = 4``. This is why a whole model converted to such a map can decode
+    differently from its parallel pass while every layer is exact to rounding: rows with a near-zero normaliser
+    multiply the rounding by their condition number, and 30 layers compound it. The inputs are wide (entries N(0, 2.25)
+    at d = 16) so that the test has its ill-conditioned rows (asserted: some normalisers ≤ 0, some condition
+    numbers above 100; Nyström's landmarks come from smaller inputs than it reads, as a model's calibration text is
+    not its evaluation text); a mode that dropped, clipped or re-signed a term would be off by O(1) there.
+    """
+    q, k, v = _inputs((2,), 96, 16, torch.float64, std=1.5, seed=3)
+    fit_q, fit_k, _ = _inputs((2,), 64, 16, torch.float64, std=0.3, seed=4)   # landmarks from other, smaller inputs
+    est = ka.make_estimator(name, num_features=32, rng=0).fit(fit_q, fit_k)
+    fq, fk = est.features(q, "query"), est.features(k, "key")
+    a = (fq @ fk.transpose(-1, -2)).tril()
+    den = a.sum(-1)
+    ref = (a @ v) / den[..., None]
+    cond = a.abs().sum(-1) / den.abs()
+    assert int((den <= 0).sum()) > 0 and float(cond.max()) > 100           # the test has its hard rows
+    u = torch.finfo(torch.float64).eps / 2
+    bound = 4 * u * 96 * 32 * (a.abs() @ v.abs() + ref.abs() * a.abs().sum(-1, keepdim=True)) / den.abs()[..., None]
+    state = ka.RecurrentState(est)
+    outs = {mode: ka.linear_attention(q, k, v, est, True, mode, chunk_size=CHUNK) for mode in ka.MODES}
+    outs["RecurrentState.step"] = torch.stack([state.step(q[:, t], k[:, t], v[:, t]) for t in range(96)], 1)
+    for mode, y in outs.items():
+        excess = float(((y - ref).abs() / bound).max())
+        assert excess <= 1.0, f"{mode}: error {excess:.3g} × the bound"
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 16, 63, 100])
 def test_chunk_sizes(chunk_size):
     q, k, v = _inputs((2,), 63, 12, torch.float64)
