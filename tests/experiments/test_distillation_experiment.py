@@ -88,6 +88,34 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     assert md.startswith("- Teacher at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)
 
 
+@pytest.mark.lm
+@pytest.mark.xdist_group("smollm2")
+@pytest.mark.skipif(not lm.is_available(), reason=str(lm.unavailable_reason()))
+@pytest.mark.parametrize("student", ["hedgehog", "t2r"])
+def test_stage1_cache_returns_the_fitted_student(monkeypatch, user_cache_root, student):
+    """A trained student's stage 1 is fitted once and read back from the cache (the test process's own cache root):
+    the same logits to the bit, the fitting run's cost, and a key that changes with what determines the maps."""
+    import torch
+
+    model, tokenizer = lm.load_smollm2(cache_root=user_cache_root)
+    calibration = lm.text_windows(tokenizer, 2, 32, split="calibration").input_ids
+    data = distillation.Draw(model, None, None, calibration, None, {}, {})
+    params = {"student": student, "fit_loss": "weights", "num_features": 8, "train_seed": 0, "fit_steps": 2}
+    fitted, cost, cached = distillation.stage1(data, params)
+    assert not cached and cost[0] > 0 and cost[1] > 0
+    data.students.clear()
+    read, cost_read, cached_read = distillation.stage1(data, params)
+    assert cached_read and cost_read == cost
+    ids = lm.text_windows(tokenizer, 1, 24, split="evaluation").input_ids
+    with torch.no_grad():
+        assert torch.equal(fitted(input_ids=ids).logits, read(input_ids=ids).logits)
+    base = distillation.stage1_provenance(data, params)
+    for change in ({"fit_loss": "outputs"}, {"num_features": 16}, {"train_seed": 1}, {"fit_steps": 3}):
+        assert distillation.stage1_provenance(data, {**params, **change}) != base
+    other = data._replace(calibration=calibration[:1])
+    assert distillation.stage1_provenance(other, params)["calibration"] != base["calibration"]
+
+
 def _seeds_dataset(n_seeds: int, effect: float):
     """A dataset shaped as the engine writes one (the seeds preset's cells, NaN where a cell does not apply), with
     the stage-1 student ``effect`` nats below FAVOR+ on every window and the stage-2 students 0.1 nats below it."""
@@ -124,6 +152,7 @@ def _seeds_dataset(n_seeds: int, effect: float):
          "stage2_cpu_seconds": (dims, np.where(applies, 30.0, np.nan)),
          "stage2_tokens": (dims, np.where(applies, 508.0, np.nan)),
          "stage1_tokens": (dims, np.where(applies, 1000.0, np.nan)),
+         "stage1_cached": (dims, np.where(applies, 0.0, np.nan)),
          "train_loss": (dims + ("step",), np.where(applies[..., None], 3.0, np.nan) * np.ones(shape + (4,))),
          "layer_delta_nll": (dims + ("layer",), np.where(applies[..., None], rng.random(shape + (30,)), np.nan)),
          "nll_exact": (("context", "window"), base.mean(0, keepdims=True)),
