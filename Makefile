@@ -25,10 +25,13 @@ LONGEST_FIRST := trained_icl causal_lm distillation modality_spectrum model_subs
                  query_distribution spectrum attention_error in_context_vs_in_weight state_rules modes
 EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
                $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))
-RESULTS     := $(patsubst %,results/%.nc,$(EXPERIMENTS))
-FIGURES     := $(patsubst %,figures/%.png,$(EXPERIMENTS))
+# A preset other than the default writes results/<name>_<preset>.nc and figures/<name>_<preset>.png (and .md), beside
+# the default's results/<name>.nc and figures/<name>.png: `make figures PRESET=full` overwrites no default figure.
+SUFFIX      := $(if $(filter default,$(PRESET)),,_$(PRESET))
+RESULTS     := $(patsubst %,results/%$(SUFFIX).nc,$(EXPERIMENTS))
+FIGURES     := $(patsubst %,figures/%$(SUFFIX).png,$(EXPERIMENTS))
 LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py kernapprox/*/*.py))
-# Changing PRESET or DEVICE reruns the experiments (the stamp of the new configuration is newer than the results).
+# Changing DEVICE reruns a preset's experiments (the stamp of the new configuration is newer than their results).
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
@@ -114,19 +117,20 @@ gallery:
 # parameters and traceback.
 $(CONFIG):
 	@mkdir -p results
-	@rm -f results/.config-*
+	@rm -f results/.config-$(PRESET)-*
 	@touch $@
 
 # The run draws its figure too (one process: the imports, about 4 s, are paid once per study); if only the drawing
 # fails, the dataset stays (.PRECIOUS: it is written atomically, so a failed or killed run leaves none) and the next
 # make redraws the figure alone.
 .PRECIOUS: results/%.nc
-results/%.nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY) $(CONFIG) | $(STAMP)
-	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ --figure figures/$*.png
+results/%$(SUFFIX).nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY) $(CONFIG) | $(STAMP)
+	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ \
+		--figure figures/$*$(SUFFIX).png
 
 # Redrawn alone when the house style changed or the run's own drawing failed (make remakes a target whose
 # prerequisite it just remade, so the recipe itself skips a figure newer than its dataset and the style).
-figures/%.png: results/%.nc kernapprox/plotting.py | $(STAMP)
+figures/%$(SUFFIX).png: results/%$(SUFFIX).nc kernapprox/plotting.py | $(STAMP)
 	@if [ $@ -nt $< ] && [ $@ -nt kernapprox/plotting.py ]; then :; else \
 		echo "$(PY) -m experiments.$* --plot-only --out $< --figure $@"; \
 		$(PY) -m experiments.$* --plot-only --out $< --figure $@; fi
