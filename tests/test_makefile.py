@@ -1,0 +1,38 @@
+"""The Makefile's preset naming, read from ``make -n`` (nothing runs): the default preset writes
+``results/<name>.nc`` and ``figures/<name>.png``; any other writes ``results/<name>_<preset>.nc`` and
+``figures/<name>_<preset>.png``, so ``make figures PRESET=full`` overwrites no default figure."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "experiments").glob("[a-z]*.py"))
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def _planned(*args: str) -> str:
+    """The commands ``make -n figures-all`` would run (``-B``: as if nothing were made yet)."""
+    out = subprocess.run(["make", "-n", "-B", "--no-print-directory", "figures-all", *args], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    return out.stdout
+
+
+@pytest.mark.parametrize("preset", ["default", "full"])
+def test_each_preset_writes_its_own_files(preset):
+    plan = _planned(f"PRESET={preset}")
+    suffix = "" if preset == "default" else f"_{preset}"
+    for name in EXPERIMENTS:
+        assert re.search(rf"--out results/{name}{suffix}\.nc\b", plan), (name, preset)
+    written = set(re.findall(r"--out (results/\S+\.nc)", plan)) | set(re.findall(r"--figure (figures/\S+\.png)", plan))
+    if preset != "default":          # no default dataset or figure is written by another preset's run
+        assert not {f"results/{n}.nc" for n in EXPERIMENTS} & written
+        assert not {f"figures/{n}.png" for n in EXPERIMENTS} & written
+    presets = set(re.findall(r"--preset (\w+)", plan))
+    assert presets == {preset}, presets
