@@ -152,7 +152,8 @@ METRICS = {
     "layer_delta_nll": Metric("NLL increase with only this layer the student's, held-out windows", "nats",
                               "mean over the first n_layer_windows held-out windows of nll(layer l the student's, "
                               "every other layer the teacher's) − nll(teacher): where in the network a student loses "
-                              "(stage-1 and post-hoc students; NaN after stage 2)", dims=("layer",),
+                              "(the stage-1 and post-hoc students; a stage-2 student at the end of its budget, its "
+                              "layer with the adapters)", dims=("layer",),
                               coords={"layer": list(range(NUM_LAYERS))}),
     "state_bytes": Metric("bytes of the student's decoding state", "byte",
                           "30 layers × 3 key/value heads × the state of one head (kernapprox.memory.probe_state_bytes "
@@ -358,6 +359,8 @@ def run_cell(params, rng, device, data):
     out["train_loss"][:] = result.losses
     out["stage2_cpu_seconds"] = result.cpu_seconds - evaluation[0]
     out["stage2_tokens"] = float(result.tokens)
+    out["layer_delta_nll"] = _lm.layer_delta_nll(data.model, model, [
+        data.windows[i:i + 1].to(device) for i in range(params["n_layer_windows"])])
     return out
 
 
@@ -736,25 +739,30 @@ SENSITIVE = 6           # how many of the post-hoc map's most sensitive layers t
 
 
 def _layer_findings(ds: xr.Dataset, cells) -> list[str]:
-    """Per layer, where the stage-1 Hedgehog student loses against post-hoc FAVOR+ at the same r and seed: on the
-    layers where FAVOR+ alone costs most NLL (the sensitivity of ``causal_lm``) and on the others."""
+    """Per layer, where each trained student loses (stage 1, and after stage 2 at the end of its budget) against
+    post-hoc FAVOR+ at the same r and seed: on the layers where FAVOR+ alone costs most NLL (the sensitivity of
+    ``causal_lm``) and on the others."""
     out = []
-    for cell in (c for c in cells if c["student"] in TRAINED and c["objective"] == "none"):
-        ref = dict(cell, student="positive_orthogonal", fit_loss="weights")
-        if not any(c == ref for c in cells):
-            continue
-        mine, theirs = ds["layer_delta_nll"].sel(**cell).values, ds["layer_delta_nll"].sel(**ref).values
+    for ref in (c for c in cells if c["student"] == "positive_orthogonal"):
+        theirs = ds["layer_delta_nll"].sel(**ref).values
         top = np.argsort(-theirs, kind="stable")[:SENSITIVE]
         rest = np.setdiff1d(np.arange(theirs.size), top)
-        out.append(f"Per layer ({int(ds['n_layer_windows'])} held-out windows, each layer the student's alone; one "
-                   f"draw: a description): FAVOR+ at r = {cell['num_features']} costs most NLL in layers "
-                   + ", ".join(f"{int(i)} (+{fmt(theirs[i], 2)})" for i in top)
-                   + f"; the stage-1 {cell['student']} student ({cell['fit_loss']}) costs "
-                   f"{fmt(mine[top].sum(), 2)} nats there against FAVOR+'s {fmt(theirs[top].sum(), 2)} (summed "
-                   f"over those {SENSITIVE} layers), and "
-                   f"{fmt(mine[rest].sum(), 2)} against {fmt(theirs[rest].sum(), 2)} over the other {rest.size}; its "
-                   f"own most costly layers: " + ", ".join(f"{int(i)} (+{fmt(mine[i], 2)})"
-                                                             for i in np.argsort(-mine, kind="stable")[:3]) + ".")
+        parts = []
+        for cell in (c for c in cells if c["student"] in TRAINED and c["num_features"] == ref["num_features"]
+                     and c["train_seed"] == ref["train_seed"]):
+            mine = ds["layer_delta_nll"].sel(**cell).values
+            if not np.isfinite(mine).all():
+                continue
+            parts.append(f"{_label(cell)} {fmt(mine[top].sum(), 2)} there and {fmt(mine[rest].sum(), 2)} over the "
+                         "other layers (its most costly: " + ", ".join(
+                             f"{int(i)} (+{fmt(mine[i], 2)})" for i in np.argsort(-mine, kind="stable")[:3]) + ")")
+        if parts:
+            out.append(f"Per layer ({int(ds['n_layer_windows'])} held-out windows, each layer the student's alone; "
+                       f"one draw: a description): FAVOR+ at r = {ref['num_features']} costs most NLL in layers "
+                       + ", ".join(f"{int(i)} (+{fmt(theirs[i], 2)})" for i in top)
+                       + f", {fmt(theirs[top].sum(), 2)} nats over those {SENSITIVE} and "
+                       f"{fmt(theirs[rest].sum(), 2)} over the other {rest.size}; the students at the same r (stage-2 "
+                       "students at the end of their budget, with their adapters): " + "; ".join(parts) + ".")
     return out
 
 
@@ -847,11 +855,11 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
             if cell["objective"] != "none" else ""))
     if costs:
         out.append(f"Cost, mean over the {m} seeds: " + "; ".join(costs) + ".")
-    for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
+    for cell in (c for c in shown if c["student"] in TRAINED):
         at = _at(ds, cell)
-        ref = dict(at, student="positive_orthogonal", fit_loss="weights")
+        ref = dict(at, student="positive_orthogonal", fit_loss="weights", objective="none")
         mine, theirs = ds["layer_delta_nll"].sel(**at), ds["layer_delta_nll"].sel(**ref)
-        if not np.isfinite(theirs.values).all():
+        if not (np.isfinite(theirs.values).all() and np.isfinite(mine.values).all()):
             continue
         sums = []
         for seed in ds["train_seed"].values.tolist():
@@ -860,8 +868,8 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
             sums.append((a[top].sum(), b[top].sum()))
         sums = np.asarray(sums)
         out.append(f"Per layer, each seed ({int(ds['n_layer_windows'])} held-out windows, each layer the student's "
-                   f"alone): on the {SENSITIVE} layers where that seed's FAVOR+ costs most, the stage-1 "
-                   f"{cell['student']} student ({cell['fit_loss']}) costs {fmt(sums[:, 0].mean(), 2)} nats "
+                   f"alone): on the {SENSITIVE} layers where that seed's FAVOR+ costs most, "
+                   f"{_label(cell, ds)} costs {fmt(sums[:, 0].mean(), 2)} nats "
                    f"({fmt(sums[:, 0].min(), 2)}–{fmt(sums[:, 0].max(), 2)} over seeds) against FAVOR+'s "
                    f"{fmt(sums[:, 1].mean(), 2)} ({fmt(sums[:, 1].min(), 2)}–{fmt(sums[:, 1].max(), 2)}), less in "
                    f"{int((sums[:, 0] < sums[:, 1]).sum())} of {len(sums)} seeds.")
