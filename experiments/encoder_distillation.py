@@ -348,8 +348,8 @@ def findings(ds: xr.Dataset) -> list[str]:
         spread = ds["cosine"].sel(**cell)
         if float((spread.max("map_seed") - spread.min("map_seed")).max()) == 0:
             lines.append(f"{_label(cell)} at r = {cell['num_features']}, {cell['context']} tokens, is the same "
-                         f"student in all {m} draws (its maps start at the identity and its fit is deterministic): "
-                         "its interval is over nothing but its windows' resampling by draw.")
+                         f"student in all {m} draws (its maps start at the identity and its fit is deterministic), "
+                         "so its interval over the draws is a point: the spread over other texts is not measured.")
     costs = [f"{_label(c)} at r = {c['num_features']}, {c['context']} tokens: "
              f"{fmt(float(ds['stage1_cpu_seconds'].sel(**c).mean('map_seed')), 2)} CPU-s on "
              f"{int(ds['stage1_tokens'].sel(**c).isel(map_seed=0))} query positions"
