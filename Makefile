@@ -128,6 +128,9 @@ results/%$(SUFFIX).nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY)
 	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ \
 		--figure figures/$*$(SUFFIX).png
 
+# a study that imports another study's declarations depends on it too
+results/encoder_distillation$(SUFFIX).nc: experiments/distillation.py
+
 # Redrawn alone when the house style changed or the run's own drawing failed (make remakes a target whose
 # prerequisite it just remade, so the recipe itself skips a figure newer than its dataset and the style).
 figures/%$(SUFFIX).png: results/%$(SUFFIX).nc kernapprox/plotting.py | $(STAMP)

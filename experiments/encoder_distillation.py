@@ -45,20 +45,14 @@ import torch
 import xarray as xr
 
 import kernapprox as ka
+from experiments.distillation import AXIS_ATTRS as _DISTILLATION_AXES
+from experiments.distillation import FIT_LOSSES, STATE_OF, STUDENTS, TRAINED
 from kernapprox import memory, real, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
-STUDENTS = ("hedgehog", "t2r", "positive_orthogonal", "nystrom_uniform")
-# the trained students: kernapprox.convert's trainable map and its options (T2R's relu features get eps = 1e-6 so
-# that no query's features are all zero: a zero normaliser)
-TRAINED = {"hedgehog": ("hedgehog_trainable", {}), "t2r": ("t2r_trainable", {"eps": 1e-6})}
-# whose state accounting each student follows (kernapprox.memory): a trained map's state is that of any r-feature
-# map; Nyström's adds what its fit keeps
-STATE_OF = {"hedgehog": "positive_orthogonal", "t2r": "positive_orthogonal",
-            "positive_orthogonal": "positive_orthogonal", "nystrom_uniform": "nystrom_uniform"}
-FIT_LOSSES = ("weights", "outputs")
+# the students, their trainable maps and their state accounting are distillation's (the same stage 1)
 LAYERS, HEADS, HEAD_DIM, HIDDEN = 6, 12, 32, 384
 
 GRIDS = {
@@ -83,9 +77,7 @@ AXIS_ATTRS = {
     "student": {"long_name": "the student's attention",
                 "description": "hedgehog, t2r: trainable maps fitted to the teacher's attention (stage 1); "
                                "positive_orthogonal, nystrom_uniform: post-hoc maps"},
-    "fit_loss": {"long_name": "attention-transfer loss",
-                 "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
-                                "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
+    "fit_loss": _DISTILLATION_AXES["fit_loss"],
     "num_features": {"long_name": "features per head r", "units": "1"},
     "context": {"long_name": "tokens per window", "units": "token"},
     "map_seed": {"long_name": "map draw (the unit of replication)", "units": "1"},
