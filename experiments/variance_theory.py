@@ -54,7 +54,7 @@ GRIDS = {
               "seed": [0, 1, 2]},
     "default": {"estimator": ESTIMATORS, "sum_norm": NORMS, "diff_norm": NORMS, "num_features": [16],
                 "seed": [0, 1, 2, 3, 4]},
-    "full": {"estimator": ESTIMATORS, "sum_norm": NORMS + [2.5], "diff_norm": NORMS + [2.5], "num_features": [16, 64],
+    "full": {"estimator": ESTIMATORS, "sum_norm": NORMS + [2.5], "diff_norm": NORMS + [2.5], "num_features": [16],
              "seed": list(range(10))},
 }
 PARAMETERS = {

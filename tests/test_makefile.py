@@ -36,3 +36,30 @@ def test_each_preset_writes_its_own_files(preset):
         assert not {f"figures/{n}.png" for n in EXPERIMENTS} & written
     presets = set(re.findall(r"--preset (\w+)", plan))
     assert presets == {preset}, presets
+
+
+def _named_presets() -> list[tuple[str, str]]:
+    """The Makefile's NAMED_PRESETS as (study, preset) pairs."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    match = re.search(r"^NAMED_PRESETS\s*:=(.*)$", text, re.M)
+    assert match, "the Makefile declares NAMED_PRESETS"
+    return [tuple(item.split(":")) for item in match.group(1).split()]
+
+
+def test_named_presets_exist_and_write_their_own_files():
+    """Each named preset belongs to its study's GRIDS, and `make <study>-<preset>` runs that preset into
+    results/<study>_<preset>.nc and figures/<study>_<preset>.png (nothing of the default's or full's)."""
+    import importlib
+
+    named = _named_presets()
+    assert named
+    for study, preset in named:
+        assert preset not in ("smoke", "default", "full"), (study, preset)
+        grids = importlib.import_module(f"experiments.{study}").GRIDS
+        assert preset in grids, (study, preset, sorted(grids))
+        target = f"{study.replace('_', '-')}-{preset}"
+        plan = subprocess.run(["make", "-n", "-B", "--no-print-directory", target], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+        assert f"-m experiments.{study} --preset {preset} " in plan, (target, plan)
+        assert f"--out results/{study}_{preset}.nc" in plan, (target, plan)
+        assert f"--figure figures/{study}_{preset}.png" in plan, (target, plan)

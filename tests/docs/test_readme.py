@@ -47,12 +47,17 @@ def generate():
 
 
 def test_readme_gallery_is_current(generate):
-    """Every study's figure has a thumbnail and one sentence, and every other preset's figure a link after the
-    table; regenerate with `python docs/generate.py readme`."""
+    """Every study's figure has a thumbnail and one sentence, every named preset's figure a link after the table,
+    and the full presets one sentence with their count; regenerate with `python docs/generate.py readme`."""
     assert generate.update_readme(ROOT / "README.md", check=True), "run `python docs/generate.py readme`"
     block = README[README.index(generate.GALLERY_START):README.index(generate.GALLERY_END)]
+    full = sorted((ROOT / "figures").glob("*_full.png"))
+    if full:
+        assert f"Full presets of {len(full)} studies (`make figures PRESET=full`" in block
+        assert "`figures/<study>_full.png`" in block
     for png in sorted((ROOT / "figures").glob("*.png")):
-        assert f'src="figures/{png.name}"' in block or f"](figures/{png.name})" in block, png.name
+        if png not in full:
+            assert f'src="figures/{png.name}"' in block or f"](figures/{png.name})" in block, png.name
     studies = {p.stem for p in (ROOT / "experiments").glob("*.py") if not p.stem.startswith("_")}
     for png in sorted((ROOT / "figures").glob("*.png")):
         if png.stem in studies:                   # each study keeps its own row

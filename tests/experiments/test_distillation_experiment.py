@@ -41,6 +41,10 @@ def test_only_the_trainable_maps_train_and_bad_cells_are_refused():
     distillation.check_params({**base, "student": "t2r", "num_features": 33})      # T2R's r need not be even
     assert not distillation.applicable({**base, "student": "nystrom_uniform", "objective": "none",
                                         "fit_loss": "outputs"})
+    assert distillation.applicable({**base, "student": "window_hedgehog"})          # the hybrid has a stage 2
+    assert not distillation.applicable({**base, "student": "window_hedgehog", "fit_loss": "outputs"})
+    with pytest.raises(ValueError, match="num_features"):
+        distillation.check_params({**base, "student": "window_hedgehog", "num_features": 33})
     for change, word in (({"student": "elu"}, "student"), ({"objective": "kl"}, "objective"),
                          ({"fit_loss": "mse"}, "fit_loss"), ({"context": 64}, "context"),
                          ({"num_features": 33}, "num_features")):
@@ -55,7 +59,8 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     load = lm.load_smollm2
     monkeypatch.setattr(lm, "load_smollm2", lambda **kw: load(cache_root=user_cache_root, **kw))
     ds = sweep.run(distillation.EXPERIMENT, preset="smoke", out=tmp_path / "distillation.nc", device="cpu",
-                   progress=False, parameters={"n_windows": 4, "n_prompts": 4, "train_windows": 4})
+                   progress=False, parameters={"n_windows": 4, "n_prompts": 4, "train_windows": 4,
+                                                          "hybrid_fit_steps": 5})
     r, steps = 32, 2
     hedgehog = dict(student="hedgehog", fit_loss="weights", num_features=r, steps=steps, context=96, train_seed=0)
     assert float(ds["state_bytes"].sel(objective="none", **hedgehog)) == 30 * 3 * r * 65 * 4
@@ -64,6 +69,15 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     assert np.isfinite(ds["nll"].sel(objective="none", checkpoint=0.0, **t2r)).all()
     assert np.isfinite(ds["train_loss"].sel(objective="distill", **t2r)).all()
     assert float(ds["stage1_tokens"].sel(objective="none", **t2r)) > 0
+    # the window hybrid: its window's keys and values (min(w, n) (d + d_v) per key/value head) beside the linear
+    # state, a stage-1 fit with its cost, and a stage 2 through the hybrid (the adapters train: the loss is finite)
+    hybrid = dict(hedgehog, student="window_hedgehog")
+    window = min(int(ds["hybrid_window"]), 96)
+    assert float(ds["state_bytes"].sel(objective="none", **hybrid)) == 30 * 3 * (r * 65 + window * 128) * 4
+    assert float(ds["stage1_cpu_seconds"].sel(objective="none", **hybrid)) > 0
+    assert np.isfinite(ds["nll"].sel(objective="none", checkpoint=0.0, **hybrid)).all()
+    assert np.isfinite(ds["train_loss"].sel(objective="next_token", **hybrid)).all()
+    assert np.isfinite(ds["nll"].sel(objective="distill", checkpoint=1.0, **hybrid)).all()
     for objective in ("next_token", "distill"):
         cell = dict(hedgehog, objective=objective)
         assert np.isfinite(ds["train_loss"].sel(**cell)).all() and ds["train_loss"].sizes["step"] == steps

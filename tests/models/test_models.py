@@ -358,7 +358,7 @@ def test_trained_icl_applicable_cells_of_the_default_setups():
 
 
 def test_trained_icl_nystrom_beyond_its_calibration_points_is_not_applicable():
-    """The full preset asks r = 1024 on the regression task, whose calibration prompts hold fewer queries and keys:
+    """The ranks preset asks r = 1024 on the regression task, whose calibration prompts hold fewer queries and keys:
     such a Nyström cell is not applicable (NaN), never an error that stops the preset; random maps are unaffected."""
     from experiments import trained_icl
 
