@@ -181,9 +181,11 @@ METRICS = {
                           "30 layers × 3 key/value heads × the state of one head (kernapprox.memory.probe_state_bytes "
                           "at the context's length: r (d_v + 1) float32 numbers for Hedgehog and FAVOR+, more for "
                           "Nyström, whose fit is kept too)"),
-    "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (0 for "
-                                 "post-hoc maps; Nyström's fit is not counted)"),
-    "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens"),
+    "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (the window "
+                                 "hybrid: its conversion with the Hedgehog fit; 0 for post-hoc maps: Nyström's fit is "
+                                 "not counted)"),
+    "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens (the "
+                            "window hybrid: hybrid_fit_steps × calibration positions × layers)"),
     "stage1_cached": Metric("stage 1 read from the cache", "1", "1: the stage-1 maps came from kernapprox's cache "
                             "(stage1_cpu_seconds is then the cost of the run that fitted them); 0: fitted in this run "
                             "(or a post-hoc map)"),
@@ -341,7 +343,10 @@ def stage1(data: Draw, params):
             student = ka.convert(data.model, name, num_features=params["num_features"], rng=params["train_seed"],
                                  share_heads="group", window=params["hybrid_window"], calibration={
                                      "input_ids": data.calibration}, **options)
-            entry = (student, (time.process_time() - start, float(data.calibration.numel())), False)
+            # query positions the optimiser saw, as a trained map's fit records count them: steps x positions, summed
+            # over the layers (the key/value heads of a layer fitted on the same positions)
+            seen = params["hybrid_fit_steps"] * data.calibration.numel() * NUM_LAYERS
+            entry = (student, (time.process_time() - start, float(seen)), False)
         else:
             entry = (ka.convert(data.model, params["student"], num_features=params["num_features"],
                                 rng=params["train_seed"], share_heads="group",

@@ -75,6 +75,8 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     window = min(int(ds["hybrid_window"]), 96)
     assert float(ds["state_bytes"].sel(objective="none", **hybrid)) == 30 * 3 * (r * 65 + window * 128) * 4
     assert float(ds["stage1_cpu_seconds"].sel(objective="none", **hybrid)) > 0
+    assert float(ds["stage1_tokens"].sel(objective="none", **hybrid)) == (
+        int(ds["hybrid_fit_steps"]) * int(ds["n_calibration"]) * 96 * 30)   # steps x positions x layers
     assert np.isfinite(ds["nll"].sel(objective="none", checkpoint=0.0, **hybrid)).all()
     assert np.isfinite(ds["train_loss"].sel(objective="next_token", **hybrid)).all()
     assert np.isfinite(ds["nll"].sel(objective="distill", checkpoint=1.0, **hybrid)).all()
