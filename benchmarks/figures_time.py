@@ -43,7 +43,7 @@ def collect(preset: str, results: Path = ROOT / "results") -> tuple[list[dict], 
         if not path.exists():
             missing.append(name)
             continue
-        with xr.open_dataset(path) as ds:
+        with xr.open_dataset(path, engine="h5netcdf") as ds:
             attrs = dict(ds.attrs)
         if attrs.get("preset_base", attrs.get("preset")) != preset or "time_start" not in attrs:
             missing.append(f"{name} (its dataset is not a run of the {preset} preset)")

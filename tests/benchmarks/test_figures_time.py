@@ -15,7 +15,7 @@ def _dataset(path, preset, start, end, wall, cpu):
     ds.attrs.update(preset=preset, preset_base=preset, time_start=start, time_end=end, wall_seconds=str(wall),
                     cpu_seconds=str(cpu), cells_run="3", cells_reused="1", torch_num_threads="1",
                     git_revision="abc")
-    ds.to_netcdf(path)
+    ds.to_netcdf(path, engine="h5netcdf")
 
 
 def test_span_totals_and_missing_studies(tmp_path):
