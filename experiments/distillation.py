@@ -139,8 +139,8 @@ AXIS_ATTRS = {
                 "description": "hedgehog (Hedgehog's softmax map), t2r (T2R's relu map): trainable maps fitted to "
                                "the teacher (stage 1) and optionally trained (stage 2); window_hedgehog: exact "
                                "softmax on the last `hybrid_window` keys plus Hedgehog features fitted post hoc for "
-                               "the "
-                               "rest (stage 1), then stage 2; positive_orthogonal, nystrom_uniform: post-hoc maps"},
+                               "the rest (stage 1), then stage 2; positive_orthogonal, nystrom_uniform: post-hoc "
+                               "maps"},
     "fit_loss": {"long_name": "stage-1 attention-transfer loss",
                  "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
                                 "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
@@ -218,6 +218,13 @@ def applicable(params) -> bool:
     return True
 
 
+def _hedgehog_features(student: str) -> bool:
+    """Whether the student's features are Hedgehog's (``r = 2 · feature_dim``, so r must be even): read from its
+    entry in :data:`TRAINED` or :data:`HYBRIDS`."""
+    name, options = TRAINED.get(student) or HYBRIDS.get(student) or (student, {})
+    return name.startswith("hedgehog") or options.get("feature_map") == "hedgehog"
+
+
 def check_params(params) -> None:
     for axis, allowed in (("student", LM_STUDENTS), ("objective", OBJECTIVES), ("fit_loss", FIT_LOSSES)):
         if params[axis] not in allowed:
@@ -225,7 +232,7 @@ def check_params(params) -> None:
     if params["context"] < 96:
         raise ValueError(f"context must be at least 96 tokens (a passkey prompt's fixed parts), got "
                          f"{params['context']}")
-    if params["student"] in ("hedgehog", "window_hedgehog") and params["num_features"] % 2:
+    if _hedgehog_features(params["student"]) and params["num_features"] % 2:
         raise ValueError(f"num_features must be even (Hedgehog's r = 2 · feature_dim), got {params['num_features']}")
 
 

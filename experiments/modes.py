@@ -64,8 +64,9 @@ AXIS_ATTRS = {"computation": {"long_name": "what is timed (exact/linear, full se
               "budget_s": {"long_name": "timing budget per cell (repeats stop after it, past min_reps)", "units": "s"}}
 GRIDS = {
     "smoke": {"computation": METHODS, "seq_len": [32, 64], "budget_s": [0.0]},
-    "default": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 8192, 16384], "budget_s": [0.2]},
-    "full": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(6)], "budget_s": [0.2]},      # to 32k
+    # default: the parallel mode's two lengths (MAX_N), then a factor 4 (slopes and crossover); full: every doubling
+    "default": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 16384], "budget_s": [0.2]},
+    "full": {"computation": METHODS, "seq_len": [1024, 2048, 4096, 8192, 16384], "budget_s": [0.2]},
     "gpu": {"computation": METHODS, "seq_len": [1024 * 2**i for i in range(10)], "budget_s": [1.0]},      # to 512k
 }
 
