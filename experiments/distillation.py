@@ -766,8 +766,9 @@ def findings(ds: xr.Dataset) -> list[str]:
             s = ds["distill_minus_next_token_summary"].sel(**sel)
             p = float(ds["distill_minus_next_token_p"].sel(**sel))
             tokens = float(ds["stage2_tokens"].sel(**cell))
-            lines.append(f"At an equal budget of {int(tokens)} training tokens (r = {cell['num_features']}, stage 1 "
-                         f"by {cell['fit_loss']}), distillation minus next-token NLL: {fmt_ci(s)} nats (Wilcoxon "
+            lines.append(f"At an equal budget of {int(tokens)} training tokens ({cell['student']} at r = "
+                         f"{cell['num_features']}, stage 1 by {cell['fit_loss']}), distillation minus next-token NLL: "
+                         f"{fmt_ci(s)} nats (Wilcoxon "
                          f"p = {fmt(p, 2)} over {ds.sizes['window']} windows; one training seed: a statement about "
                          "this student, not about the objectives).")
     for task, name in _lm.TASK_NAMES.items():

@@ -102,6 +102,10 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     written = sweep.draw(distillation.EXPERIMENT, ds, tmp_path / "distillation.png", source="distillation.nc")
     md = written[-1].read_text(encoding="utf-8")
     assert md.startswith("- Teacher at 96-token windows") and sweep.read_digest(md) == sweep.dataset_digest(ds)
+    # each objective comparison names its student (hedgehog, t2r and the hybrid have one at the same r)
+    budget = [line for line in md.splitlines() if line.startswith("- At an equal budget")]
+    assert len(budget) == len(distillation.STAGED)
+    assert {line.split("tokens (")[1].split(" at r")[0] for line in budget} == set(distillation.STAGED)
 
 
 @pytest.mark.lm

@@ -188,3 +188,15 @@ def test_committed_findings_are_current_with_their_figure(png):
     source = Image.open(png).info.get("Source", "")
     assert digest and digest in source, f"{png.name} and {md.name} come from different datasets: run make figures"
     assert text.startswith("- ") and np.all([line.startswith(("- ", "<!--")) for line in text.splitlines() if line])
+
+
+@pytest.mark.parametrize("name", STUDIES)
+def test_every_preset_passes_the_checks_run_before_any_cell(name):
+    """Every cell of every preset is accepted by the study's ``check_params`` and the common axes' domains with the
+    fixed parameters' defaults: a preset that a check refuses fails at its start, not after an hour of other
+    studies (as sampler_bias's full preset once did at d = 256)."""
+    from kernapprox.sweep._experiment import check_values
+
+    exp = importlib.import_module(f"experiments.{name}").EXPERIMENT
+    for preset in exp.grids:
+        check_values(exp, exp.grid(preset), exp.parameter_values())
