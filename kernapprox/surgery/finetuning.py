@@ -27,8 +27,9 @@ name), and puts the adapters and a converted model's trainable maps in one optim
 >>> from kernapprox.surgery.finetuning import add_lora, finetune
 >>> config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
 ...                                   num_attention_heads=2, num_key_value_heads=1, attn_implementation="eager")
->>> with torch.random.fork_rng():                    # transformers initialises from torch's global stream
-...     _ = torch.manual_seed(0); model = transformers.LlamaForCausalLM(config).eval()
+>>> with torch.random.fork_rng():   # transformers draws its initial weights from torch's global stream: the
+...     model = transformers.LlamaForCausalLM(config).eval()      # caller's stream is left as it was; no output
+...                                                                # below depends on those weights
 >>> ids = torch.randint(0, 40, (4, 12), generator=torch.Generator().manual_seed(1))
 >>> before = model(input_ids=ids).logits
 >>> names = add_lora(model, rank=2, rng=0)
