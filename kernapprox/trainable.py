@@ -49,13 +49,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from .approximate.hybrid import Band, mask_padded_keys, window_attention_parts
 from .attention import (
     MODES,
     linear_attention_from_features,
     linear_attention_from_log_features,
     softmax_attention,
 )
-from .attention.masks import check_key_padding_mask, check_query_padding_mask
+from .attention.masks import check_key_padding_mask, check_query_padding_mask, check_rows, zero_padded_rows
 from .kernel import resolve_scale
 from .rules import NormalizedState, resolve_rule
 from .validation import (
@@ -468,8 +469,10 @@ def _share(x, lay: _Layout):
 def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature_map: TrainableFeatureMap, *,
                       key_map: TrainableFeatureMap | None = None, causal: bool = False, mode: str = "chunked",
                       chunk_size: int = 64, rule="sum", key_padding_mask=None, attn_mask=None, initial_state=None,
-                      return_state: bool = False, query_padding_mask=None):
-    r"""Linear attention with a trainable per-head map, in the parallel, recurrent or chunked mode.
+                      return_state: bool = False, query_padding_mask=None, window: int | None = None,
+                      scale: float | None = None):
+    r"""Linear attention with a trainable per-head map, in the parallel, recurrent or chunked mode; with ``window``,
+    the window + linear hybrid of LoLCATs.
 
     .. math::
         y_{h,i} = \frac{\sum_{j} w_{ij}\, φ_h(q_{h,i})^⊤ φ'_{g}(k_{g,j})\, v_{g,j}}
@@ -478,6 +481,16 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
     with ``φ`` the query map (``feature_map``), ``φ'`` the key map (``key_map``, default the same map), ``w_ij``
     the causal order, masks and decay of the rule, as in :func:`~kernapprox.attention.linear.linear_attention`.
     Gradients reach the maps' parameters in every mode.
+
+    With ``window = w`` the keys of a query's band ``W(i)`` (causal: the last ``w`` positions, its own included;
+    non-causal: ``|i − j| < w``) enter by the exact kernel ``e^{s q^⊤k}`` and the others by the map, one
+    normaliser for both (LoLCATs, Zhang et al. 2025, ICLR, §3.2, eq. 6; :class:`~kernapprox.approximate.WindowLinear`'s
+    estimate with this map, through the same core,
+    :func:`~kernapprox.approximate.hybrid.window_attention_parts`):
+
+    .. math::
+        y_{h,i} = \frac{\sum_{j∈W(i)} e^{s q_{h,i}^⊤k_{g,j}} v_{g,j} + \sum_{j∉W(i)} φ_h(q_{h,i})^⊤φ'_g(k_{g,j})\,
+                  v_{g,j}}{\sum_{j∈W(i)} e^{s q_{h,i}^⊤k_{g,j}} + \sum_{j∉W(i)} φ_h(q_{h,i})^⊤φ'_g(k_{g,j})}.
 
     Parameters
     ----------
@@ -510,6 +523,12 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
         with ``n = 1`` and the previous state.
     return_state : bool
         Also return the state after the last key, per state head.
+    window : int, optional
+        The exact band's width ``w`` (the sum rule only; no ``attn_mask``, ``initial_state`` or ``return_state``:
+        a decoding state of the hybrid, its last ``w`` keys and values beside the map's state, is not kept here).
+    scale : float, optional
+        ``s`` of the exact part (default ``1/sqrt(d)``; pass the attention module's ``scaling``); with no window the
+        map carries its own temperature and ``scale`` must be ``None``.
 
     Returns
     -------
@@ -546,6 +565,11 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
         raise ValueError(f"causal attention needs as many queries as keys, got {n} and {n_k}")
     padding = _padding(key_padding_mask, k, lay)
     ct = _feature_dtype(q.dtype, feature_map.weight.dtype, key_map.weight.dtype)
+    if window is not None:
+        return _window_attention(q, k, v, feature_map, key_map, lay, causal, mode, chunk_size, rule, padding,
+                                 attn_mask, initial_state, return_state, query_padding_mask, window, scale, ct)
+    if scale is not None:
+        raise ValueError("scale is the exact part's kernel scale: it needs window= (a map carries its own temperature)")
     with _no_autocast(q.device):
         k, v = _repeat_heads(k, lay.repeat), _repeat_heads(v, lay.repeat).to(ct)
         log_path = (feature_map.log_domain and not causal and padding is None and attn_mask is None
@@ -567,6 +591,43 @@ def feature_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, feature
                       "a map with extreme logits can underflow float32: use float64)")
     out = out.to(q.dtype)
     return (out, final) if return_state else out
+
+
+def _window_attention(q, k, v, query_map, key_map, lay, causal, mode, chunk_size, rule, padding, attn_mask,
+                      initial_state, return_state, query_padding_mask, window, scale, ct):
+    """:func:`feature_attention` with a window: every tensor repeated to the query heads, then the hybrid's core."""
+    window = check_positive_int(window, "window")
+    if rule.name != "sum":
+        raise ValueError(f"window= takes the sum rule (the exact band has no decay), got rule {rule.name!r}")
+    if attn_mask is not None:
+        raise ValueError("window= sets the band itself: attn_mask is not taken with it")
+    if initial_state is not None or return_state:
+        raise NotImplementedError("a trainable map with window= has no decoding state here (its last w keys and "
+                                  "values beside the map's state): call it on the whole sequence, without "
+                                  "initial_state or return_state")
+    qpad = check_query_padding_mask(query_padding_mask, q)
+    with _no_autocast(q.device):
+        s = resolve_scale(q.shape[-1], scale)
+        k, v = _repeat_heads(k, lay.repeat), _repeat_heads(v, lay.repeat)
+        pq, lq = query_map.stabilised_features(q)                     # (..., H, n, r)
+        pk, lk = key_map.stabilised_features(k)                       # (..., S, n_k, r)
+        if padding is not None:
+            padding = padding.expand(*lk.shape)
+        heads = lay.groups                                            # state head → its query heads
+        pk, lk = _repeat_heads(pk, heads).to(ct), _repeat_heads(lk[..., None], heads)[..., 0].to(ct)
+        k, v = _repeat_heads(k, heads).to(ct), _repeat_heads(v, heads).to(ct)
+        if padding is not None:
+            padding = _repeat_heads(padding[..., None], heads)[..., 0]
+        check_rows(causal=causal, key_padding=padding, allowed=None, state_nonempty=None, n_q=q.shape[-2],
+                   exempt=qpad)
+        pk, lk = mask_padded_keys(pk, lk, padding)
+        num, den, logs = window_attention_parts(q.to(ct) * s, k, v, pq.to(ct), lq.to(ct), pk, lk,
+                                                band=Band(window), causal=causal, mode=mode, chunk_size=chunk_size,
+                                                key_padding_mask=padding)
+        num, den, _ = zero_padded_rows(num, den, logs, qpad)
+        out = num / den[..., None]
+    check_finite(out, f"feature_attention (window = {window}) gave non-finite outputs in {ct}")
+    return out.to(q.dtype)
 
 
 def _padding(mask, k, lay: _Layout):
@@ -629,7 +690,8 @@ def _check_initial_state(state, batch_heads, lay: _Layout):
 # --------------------------------------------------------------------------------------------- distillation
 def feature_attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map: TrainableFeatureMap, *,
                               key_map: TrainableFeatureMap | None = None, causal: bool = False,
-                              log: bool = False) -> torch.Tensor:
+                              log: bool = False, window: int | None = None, scale: float | None = None
+                              ) -> torch.Tensor:
     r"""The normalised kernel weights a map induces, ``Â_{h,ij} = φ_h(q_i)^⊤φ'_g(k_j) / Σ_{j'} φ_h(q_i)^⊤φ'_g(k_{j'})``
     (``g = h // G``; ``j ≤ i`` when causal), ``(..., H, n, n_k)``: the linear-attention counterpart of the softmax
     weights, which Hedgehog distils (:func:`fit_to_softmax` with ``loss="weights"``).
@@ -637,7 +699,8 @@ def feature_attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map: Tra
     Computed from the stabilised features (``log K_ij = log(φ̃_q,i^⊤ φ̃_k,j e^{ℓ_k,j − max ℓ_k}) + ℓ_q,i + max ℓ_k``),
     materialising ``n × n_k`` per head like the softmax weights; a kernel value below the dtype's smallest normal
     number counts as that number (so ``log`` stays finite). ``log=True`` returns ``log Â`` (``−inf`` where causal
-    order removes a pair).
+    order removes a pair). With ``window`` (and the exact part's ``scale``), the hybrid's weights of
+    :func:`feature_attention`: ``log K_ij = s q_i^⊤k_j`` on the band, the map's elsewhere.
     """
     _check_map(feature_map, "feature_map")
     key_map = feature_map if key_map is None else _check_map(key_map, "key_map")
@@ -655,6 +718,15 @@ def feature_attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map: Tra
         gram = pq @ (pk * torch.exp(lk - top)[..., None]).transpose(-1, -2)
         tiny = torch.finfo(gram.dtype).tiny
         log_kernel = torch.log(gram.clamp_min(tiny)) + (lq + top)[..., None]
+        if window is not None:
+            window = check_positive_int(window, "window")
+            exact = resolve_scale(q.shape[-1], scale) * (q.to(log_kernel.dtype) @ _repeat_heads(
+                _repeat_heads(k, lay.repeat), lay.groups).to(log_kernel.dtype).transpose(-1, -2))
+            offset = torch.arange(n, device=q.device)[:, None] - torch.arange(n_k, device=q.device)[None, :]
+            band = ((offset >= 0) & (offset < window)) if causal else (offset.abs() < window)
+            log_kernel = torch.where(band, exact, log_kernel)
+        elif scale is not None:
+            raise ValueError("scale is the exact part's kernel scale: it needs window=")
         if causal:
             future = torch.ones(n, n_k, dtype=torch.bool, device=q.device).triu(1)
             log_kernel = log_kernel.masked_fill(future, -math.inf)
@@ -713,11 +785,12 @@ def _teacher(q, k, v, lay, causal, scale, loss, ct):
     return torch.softmax(logits, -1)
 
 
-def _distillation_loss(name, q, k, v, target, feature_map, key_map, causal):
+def _distillation_loss(name, q, k, v, target, feature_map, key_map, causal, window=None, scale=None):
+    hybrid = {} if window is None else {"window": window, "scale": scale}
     if name == "outputs":
-        y = feature_attention(q, k, v, feature_map, key_map=key_map, causal=causal, mode="parallel")
+        y = feature_attention(q, k, v, feature_map, key_map=key_map, causal=causal, mode="parallel", **hybrid)
         return (y - target).pow(2).mean()
-    log_weights = feature_attention_weights(q, k, feature_map, key_map=key_map, causal=causal, log=True)
+    log_weights = feature_attention_weights(q, k, feature_map, key_map=key_map, causal=causal, log=True, **hybrid)
     # removed pairs have P = 0 and log Â = −inf: they take no part (0 · −inf would be NaN)
     terms = torch.where(target > 0, target * log_weights, torch.zeros((), dtype=target.dtype))
     return -terms.sum(-1).mean()
@@ -726,7 +799,7 @@ def _distillation_loss(name, q, k, v, target, feature_map, key_map, causal):
 def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None = None,
                    *, key_map: TrainableFeatureMap | None = None, loss: str = "weights", steps: int = 100,
                    lr: float = 0.01, batch_size: int | None = None, rng=None, causal: bool = False,
-                   scale: float | None = None) -> FitRecord:
+                   scale: float | None = None, window: int | None = None) -> FitRecord:
     r"""Attention transfer: train a map's parameters (in place) so that its linear attention mimics the softmax
     attention of a teacher on calibration queries and keys.
 
@@ -738,6 +811,11 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
     - ``loss="outputs"`` (LoLCATs' attention transfer, Zhang et al. 2025, §3): the mean squared error
       ``L = mean (ŷ − y)²`` between the map's attention outputs ``ŷ`` (:func:`feature_attention`, parallel mode)
       and the teacher's ``y = P V``.
+
+    With ``window = w`` the student is the window + linear hybrid of :func:`feature_attention` (the exact kernel
+    at the teacher's ``scale`` on the last ``w`` keys, the map elsewhere) and the map is trained inside it, on the
+    hybrid's outputs or weights: LoLCATs' attention transfer of a sliding-window student (Zhang et al. 2025,
+    §3.2), where only the keys outside the window reach the map.
 
     Minimised by ``steps`` Adam steps at learning rate ``lr`` on the parameters of ``feature_map`` (and of
     ``key_map``, when given), each on ``batch_size`` sequences drawn without replacement from ``rng`` (default:
@@ -765,7 +843,9 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
     causal : bool
         Teacher and student both causal.
     scale : float, optional
-        The teacher's ``s``.
+        The teacher's ``s`` (and the hybrid's exact part's, with ``window``).
+    window : int, optional
+        Train the map inside a window + linear hybrid with ``w`` exact keys.
 
     Returns
     -------
@@ -794,6 +874,8 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
     steps = check_positive_int(steps, "steps")
     lr = check_positive_float(lr, "lr")
     check_bool(causal, "causal")
+    if window is not None:
+        window = check_positive_int(window, "window")
     if loss == "outputs" and v is None:
         raise ValueError('loss="outputs" compares attention outputs: pass the calibration values v')
     if v is None:
@@ -821,7 +903,7 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
 
     def full_loss():
         with torch.no_grad():
-            return float(_distillation_loss(loss, q, k, v, target, feature_map, key_map, causal))
+            return float(_distillation_loss(loss, q, k, v, target, feature_map, key_map, causal, window, scale))
 
     initial = full_loss()
     optimizer = torch.optim.Adam(params, lr=lr)
@@ -835,7 +917,8 @@ def fit_to_softmax(feature_map: TrainableFeatureMap, q: torch.Tensor, k: torch.T
                 idx = torch.from_numpy(gen.choice(num_seqs, size=batch_size, replace=False)).to(q.device)
                 tokens += batch_size * q.shape[-2]
             optimizer.zero_grad(set_to_none=True)
-            value = _distillation_loss(loss, q[idx], k[idx], v[idx], target[idx], feature_map, key_map, causal)
+            value = _distillation_loss(loss, q[idx], k[idx], v[idx], target[idx], feature_map, key_map, causal,
+                                       window, scale)
             current = float(value.detach())
             if not math.isfinite(current):
                 raise ValueError(f"the fit diverged at step {step} (loss {current}): lower lr or the scale of q and k")

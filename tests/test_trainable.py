@@ -176,6 +176,109 @@ def test_gradients_reach_the_parameters_as_through_the_oracle(kind, causal):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=mode)
 
 
+# ------------------------------------------------------------------- the window + linear hybrid (LoLCATs' form)
+def oracle_window(q, k, v, fmap, window, causal, scale=0.4, padding=None):
+    """A loop over (batch, query head, row): keys of the band by e^{s qᵀk}, the others by φ(q)ᵀφ(k), one normaliser."""
+    groups = q.shape[1] // k.shape[1]
+    pq, pk = oracle_features(fmap, q), oracle_features(fmap, k)
+    n, n_k = q.shape[2], k.shape[2]
+    out = torch.zeros(B, q.shape[1], n, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(q.shape[1]):
+            g = h // groups
+            for i in range(n):
+                num, den = 0.0, 0.0
+                for j in range(n_k):
+                    if (causal and j > i) or (padding is not None and padding[b, 0, j]):
+                        continue
+                    near = (0 <= i - j < window) if causal else abs(i - j) < window
+                    w = torch.exp(scale * q[b, h, i] @ k[b, g, j]) if near else pq[b, h, i] @ pk[b, g, j]
+                    num, den = num + w * v[b, g, j], den + w
+                out[b, h, i] = num / den
+    return out
+
+
+@pytest.mark.parametrize("kind", ["hedgehog", "t2r"])
+@pytest.mark.parametrize("window", [1, 3, N + 2])
+@pytest.mark.parametrize("causal", [False, True], ids=["noncausal", "causal"])
+def test_a_window_hybrid_equals_its_oracle_in_every_mode_and_so_do_its_gradients(kind, window, causal):
+    q, k, v = qkv(40)
+    fmap = make_map(kind, H_KV)
+    want = oracle_window(q, k, v, fmap, window, causal)
+    probe = draw(41, B, H, N, D_V)
+    reads_the_map = window <= N // 2                 # some keys outside every band: the map takes part
+    if reads_the_map:
+        want_grad = torch.autograd.grad((want * probe).sum(), [fmap.weight, fmap.bias])
+    for mode in MODES:
+        got = feature_attention(q, k, v, fmap, causal=causal, mode=mode, chunk_size=4, window=window, scale=0.4)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=mode)
+        if reads_the_map:
+            grad = torch.autograd.grad((got * probe).sum(), [fmap.weight, fmap.bias])
+            for g, w in zip(grad, want_grad):
+                assert float(w.abs().max()) > 1e-6
+                torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=mode)
+    if window >= N:                          # every key in the band: softmax attention itself
+        exact = ka.softmax_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), causal=causal,
+                                     scale=0.4)
+        torch.testing.assert_close(want, exact, rtol=1e-10, atol=1e-12)
+
+
+def test_a_window_hybrid_takes_key_and_query_padding():
+    q, k, v = qkv(50)
+    fmap = make_map("hedgehog", H_KV)
+    padding = torch.zeros(B, 1, N, dtype=torch.bool)
+    padding[..., 6:] = True
+    want = oracle_window(q, k, v, fmap, 2, False, padding=padding)
+    for mode in MODES:
+        got = feature_attention(q, k, v, fmap, mode=mode, chunk_size=4, window=2, scale=0.4, key_padding_mask=padding)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12, msg=mode)
+    # left padding, causal: the padded queries (no key before them) give rows of 0, the real rows are the sequence's
+    left = padding.flip(-1)
+    got = feature_attention(q, k, v, fmap, causal=True, window=2, scale=0.4, key_padding_mask=left,
+                            query_padding_mask=left)
+    assert float(got[:, :, :3].detach().abs().max()) == 0.0
+    alone = feature_attention(q[:, :, 3:], k[:, :, 3:], v[:, :, 3:], fmap, causal=True, window=2, scale=0.4)
+    torch.testing.assert_close(got[:, :, 3:], alone, rtol=1e-10, atol=1e-12)
+
+
+def test_a_window_hybrids_weights_and_its_fit():
+    q, k, v = qkv(60)
+    fmap = make_map("hedgehog", H_KV)
+    pq, pk = oracle_features(fmap, q), oracle_features(fmap, k).repeat_interleave(2, 1)
+    exact = torch.exp(0.4 * q @ k.repeat_interleave(2, 1).transpose(-1, -2))
+    offset = torch.arange(N)[:, None] - torch.arange(N)[None, :]
+    kernel = torch.where((offset >= 0) & (offset < 3), exact, pq @ pk.transpose(-1, -2)).tril()
+    got = feature_attention_weights(q, k, fmap, causal=True, window=3, scale=0.4)
+    torch.testing.assert_close(got, kernel / kernel.sum(-1, keepdim=True), rtol=1e-10, atol=1e-13)
+    # the map trained inside the hybrid: the hybrid's own loss falls; the keys outside the window are all it sees
+    qs, ks, vs = synthetic_head(5, 8, n=24)
+    for loss in ("weights", "outputs"):
+        fmap = HedgehogMap(2, 8, 8)
+        record = fit_to_softmax(fmap, qs, ks, vs, loss=loss, steps=30, lr=0.05, causal=True, window=4,
+                                scale=8 ** -0.5)
+        assert record.final_loss < 0.9 * record.initial_loss, (loss, record.initial_loss, record.final_loss)
+    # with every key in the window the student is the teacher: nothing to fit, the outputs loss is float32 rounding
+    record = fit_to_softmax(HedgehogMap(2, 8, 8), qs, ks, vs, loss="outputs", steps=1, causal=True, window=24)
+    assert record.initial_loss < 1e-12
+
+
+def test_what_a_window_hybrid_refuses():
+    q, k, v = qkv(70)
+    fmap = make_map("hedgehog", H_KV)
+    with pytest.raises(NotImplementedError, match="no decoding state"):
+        feature_attention(q, k, v, fmap, causal=True, window=2, return_state=True)
+    with pytest.raises(ValueError, match="attn_mask"):
+        feature_attention(q, k, v, fmap, mode="parallel", window=2, attn_mask=torch.ones(N, N, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sum rule"):
+        feature_attention(q, k, v, fmap, causal=True, window=2, rule=Decay(0.9))
+    with pytest.raises(ValueError, match="window"):
+        feature_attention(q, k, v, fmap, window=0)
+    with pytest.raises(ValueError, match="needs window"):
+        feature_attention(q, k, v, fmap, scale=0.4)
+    with pytest.raises(ValueError, match="needs window"):
+        feature_attention_weights(q, k, fmap, scale=0.4)
+
+
 class _Attention(torch.nn.Module):
     def __init__(self, fmap):
         super().__init__()

@@ -150,6 +150,10 @@ class WindowLinear(AttentionEstimator):
             return self.feature_map_.num_features
         return self._feature_map_template().num_features
 
+    @property
+    def _band(self) -> Band:
+        return Band(self.window, self.subtract_support, self.normalizer_floor)
+
     def state_bytes(self, d_v: int, dtype: torch.dtype = torch.float32, *, seq_len: int | None = None) -> int:
         """The KV window, ``min(w, seq_len) · (d + d_v)`` numbers (``w`` without ``seq_len``), plus the feature
         map's :meth:`~kernapprox.estimators.base.Estimator.state_bytes` (its state and context state)."""
@@ -168,10 +172,7 @@ class WindowLinear(AttentionEstimator):
 
     def _key_features(self, k, ct, padding=None):
         pk, lk = self.feature_map_.features(k, "key", log_scale=True, check_finite=False)
-        pk, lk = pk.to(ct), lk.to(ct)
-        if padding is not None:
-            pk, lk = pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
-        return pk, lk
+        return mask_padded_keys(pk.to(ct), lk.to(ct), padding)
 
     # ------------------------------------------------------------------------------------ kernel matrix
     def kernel_matrix(self, q, k):
@@ -201,14 +202,9 @@ class WindowLinear(AttentionEstimator):
                    exempt=qpad)
         ct = compute_dtype(q.dtype)
         pq, lq, pk, lk = self._features(q, k, ct, padding)
-        seq = _Sequence(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk, padding)
-        if mode == "parallel":
-            num, den, logs = self._block(seq, 0, seq.n_q, 0, seq.n_k, causal, None)
-        else:                                       # recurrent: the chunked sweep one token at a time
-            spans = _spans(seq.n_q, seq.n_k, self.window, chunk_size if mode == "chunked" else 1, causal)
-            blocks = self._causal_blocks(seq, spans) if causal else self._bidirectional_blocks(seq, spans)
-            nums, dens, logs = zip(*blocks)
-            num, den, logs = torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+        num, den, logs = window_attention_parts(q.to(ct) * self.scale_, k.to(ct), v.to(ct), pq, lq, pk, lk,
+                                                band=self._band, causal=causal, mode=mode, chunk_size=chunk_size,
+                                                key_padding_mask=padding)
         num, den, logs = zero_padded_rows(num, den, logs, qpad)
         out = (num / den[..., None]).to(q.dtype)
         if return_parts:
@@ -293,78 +289,13 @@ class WindowLinear(AttentionEstimator):
         if qpad is not None:
             has_key = has_key | qpad
         check_every_row_has_a_key(has_key, "key_padding_mask and causal order")
-        num, den, logs = self._block(seq, m, m + n, 0, m + n, True, far)
+        num, den, logs = _block(seq, self._band, m, m + n, 0, m + n, True, far)
         num, den, _ = zero_padded_rows(num, den, logs, qpad)
         drop = max(0, m + n - self.window)                           # keys that leave the last w positions
         linear = state.linear
         if drop:
             linear = add_keys(linear, pk[..., :drop, :], lk[..., :drop], values[..., :drop, :])
         return num / den[..., None], WindowState(keys[..., drop:, :], values[..., drop:, :], pad[..., drop:], linear)
-
-    def _block(self, seq, a, b, lo, hi, causal, far):
-        """Queries ``[a, b)`` against the near keys ``[lo, hi)`` (exact on the band, features elsewhere) plus
-        ``far = (num, den, c)``: stabilised linear sums over all other keys these queries see, at scale
-        ``ℓ(q) + c``. Returns numerator, normaliser and their log-scale ``L`` for the rows."""
-        band, allowed = _masks(a, b, lo, hi, self.window, causal, seq.q.device)
-        if seq.pad is not None:                     # a padded key takes part in neither the band nor the rest
-            real = ~seq.pad[..., None, lo:hi]
-            band, allowed = band & real, allowed & real
-        logits = seq.q[..., a:b, :] @ seq.k[..., lo:hi, :].transpose(-1, -2)
-        masked = logits.masked_fill(~band, -math.inf)
-        row_max = masked.amax(-1) if hi > lo else logits.new_full(logits.shape[:-1], -math.inf)
-        safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        weights = torch.exp(masked - safe_max[..., None])
-        v_near = seq.v[..., lo:hi, :]
-        exact_num, exact_den = weights @ v_near, weights.sum(-1)
-
-        lk_near = seq.lk[..., lo:hi]
-        c_near = lk_near.amax(-1, keepdim=True) if hi > lo else torch.full_like(seq.lk[..., :1], -math.inf)
-        c_near = torch.where(torch.isfinite(c_near), c_near, torch.zeros_like(c_near))
-        gram = seq.pq[..., a:b, :] @ (seq.pk[..., lo:hi, :] * torch.exp(lk_near - c_near)[..., None]).transpose(-1, -2)
-        if self.subtract_support:
-            lin = gram * allowed
-            sub = gram * band
-            lin_num = lin @ v_near - sub @ v_near
-            lin_den = lin.sum(-1) - sub.sum(-1)
-        else:
-            lin = gram * (allowed & ~band)
-            lin_num, lin_den = lin @ v_near, lin.sum(-1)
-        lin_c = c_near.expand(lin_den.shape)
-        if far is not None:
-            far_num, far_den, far_c = far
-            new_c = torch.maximum(lin_c, far_c)
-            near_w, far_w = torch.exp(lin_c - new_c), torch.exp(far_c - new_c)
-            lin_num = lin_num * near_w[..., None] + far_num * far_w[..., None]
-            lin_den = lin_den * near_w + far_den * far_w
-            lin_c = new_c
-        if self.normalizer_floor:
-            lin_den = lin_den.clamp_min(self.normalizer_floor)
-        lin_scale = seq.lq[..., a:b] + lin_c
-        log_scale = torch.maximum(row_max, lin_scale)
-        exact_w = torch.exp(row_max - log_scale)
-        lin_w = torch.exp(lin_scale - log_scale)
-        num = exact_num * exact_w[..., None] + lin_num * lin_w[..., None]
-        den = exact_den * exact_w + lin_den * lin_w
-        return num, den, log_scale
-
-    def _causal_blocks(self, seq, spans):
-        """``_block`` of each span in order, the keys before its near keys read from a running prefix state (the
-        core's :func:`~kernapprox.attention.recurrent.add_keys`, running-maximum stabiliser)."""
-        state, upto = None, 0
-        for a, b, lo, hi in spans:
-            if lo > upto:                                            # keys that left every window so far
-                state = add_keys(state, seq.pk[..., upto:lo, :], seq.lk[..., upto:lo], seq.v[..., upto:lo, :])
-                upto = lo
-            far = None
-            if state is not None:
-                num, den = read_queries(state, seq.pq[..., a:b, :])
-                far = num, den, state.log_scale[..., None].expand(den.shape)
-            yield self._block(seq, a, b, lo, hi, True, far)
-
-    def _bidirectional_blocks(self, seq, spans):
-        """``_block`` of each span, the keys outside its near keys read from prefix and suffix states."""
-        for (a, b, lo, hi), far in zip(spans, _far_reads(seq, spans)):
-            yield self._block(seq, a, b, lo, hi, False, far)
 
 
 class Scatterbrain(WindowLinear):
@@ -448,6 +379,65 @@ class WindowState(NamedTuple):
         return [self.keys, self.values, self.padding, *(() if self.linear is None else self.linear)]
 
 
+class Band(NamedTuple):
+    """Where a hybrid is exact and how it adds the feature part: ``window`` (the band, causal: the last ``w`` keys,
+    non-causal: ``|i − j| < w``), ``subtract_support`` (Scatterbrain's form: the full feature estimate minus its
+    part on the band) and ``normalizer_floor`` (a clamp of the feature normaliser, Scatterbrain's ``1e-24``)."""
+
+    window: int
+    subtract_support: bool = False
+    normalizer_floor: float = 0.0
+
+
+def window_attention_parts(q_scaled, k, v, pq, lq, pk, lk, *, band: Band, causal: bool, mode: str = "chunked",
+                           chunk_size: int = 64, key_padding_mask=None):
+    r"""Numerator ``(..., n_q, d_v)``, normaliser ``(..., n_q)`` and log-scale ``(..., n_q)`` of the window + linear
+    hybrid from given features: every row is
+
+    .. math::
+        y_i = \frac{\sum_{j∈W(i)} e^{s q_i^⊤k_j} v_j + \sum_{j∉W(i)} φ(q_i)^⊤φ(k_j)\, v_j}
+                   {\sum_{j∈W(i)} e^{s q_i^⊤k_j} + \sum_{j∉W(i)} φ(q_i)^⊤φ(k_j)}
+          = \frac{\text{num}_i}{\text{den}_i},
+
+    both at the scale ``e^{L_i}`` (:class:`WindowLinear`'s module docstring: the exact part shifted by its row
+    maximum, the features by their log-scales). The core of :class:`WindowLinear` and :class:`Scatterbrain`, and of
+    trainable maps beside a window (:func:`kernapprox.trainable.feature_attention` with ``window``, LoLCATs' form:
+    Zhang et al. 2025, ICLR, §3.2); the features may carry gradients (every operation is differentiable).
+
+    Parameters
+    ----------
+    q_scaled : Tensor ``(..., n_q, d)``
+        ``s · q``: the exact part's logits are ``q_scaled @ kᵀ``.
+    k, v : Tensor ``(..., n_k, d)``, ``(..., n_k, d_v)``
+    pq, lq, pk, lk : Tensor
+        Stabilised features ``φ̃`` ``(..., n, r)`` and log-scales ``ℓ`` ``(..., n)`` of queries and keys
+        (``φ = φ̃ e^ℓ``); a padded key's must be 0 at :data:`~kernapprox.rules.SENTINEL` (:func:`mask_padded_keys`).
+    band : Band
+    causal : bool
+    mode : {"parallel", "chunked", "recurrent"}
+        ``parallel`` materialises ``n_q × n_k``; the others sweep ``chunk_size`` queries (``1`` for
+        ``recurrent``) with the band exact and the keys beyond it in linear-attention states.
+    chunk_size : int
+    key_padding_mask : bool Tensor ``(..., n_k)``, optional
+        True = padding: the key takes part in neither part.
+    """
+    seq = _Sequence(q_scaled, k, v, pq, lq, pk, lk, key_padding_mask)
+    if mode == "parallel":
+        return _block(seq, band, 0, seq.n_q, 0, seq.n_k, causal, None)
+    spans = _spans(seq.n_q, seq.n_k, band.window, chunk_size if mode == "chunked" else 1, causal)
+    blocks = _causal_blocks(seq, band, spans) if causal else _bidirectional_blocks(seq, band, spans)
+    nums, dens, logs = zip(*blocks)
+    return torch.cat(nums, -2), torch.cat(dens, -1), torch.cat(logs, -1)
+
+
+def mask_padded_keys(pk, lk, padding):
+    """Stabilised key features with a padded key's set to 0 at the empty state's log-scale (it adds nothing to
+    any sum); ``padding`` ``None``: unchanged."""
+    if padding is None:
+        return pk, lk
+    return pk.masked_fill(padding[..., None], 0.0), lk.masked_fill(padding, SENTINEL)
+
+
 class _Sequence:
     """Everything one attention call needs, in the compute dtype: scaled queries ``s·q`` (exact logits), keys,
     values, the stabilised features ``(φ̃, ℓ)`` of queries and keys (a padded key's are 0 at the empty
@@ -456,6 +446,72 @@ class _Sequence:
     def __init__(self, q, k, v, pq, lq, pk, lk, pad=None):
         self.q, self.k, self.v, self.pq, self.lq, self.pk, self.lk, self.pad = q, k, v, pq, lq, pk, lk, pad
         self.n_q, self.n_k = q.shape[-2], k.shape[-2]
+
+
+def _block(seq, spec, a, b, lo, hi, causal, far):
+    """Queries ``[a, b)`` against the near keys ``[lo, hi)`` (exact on the band, features elsewhere) plus
+    ``far = (num, den, c)``: stabilised linear sums over all other keys these queries see, at scale
+    ``ℓ(q) + c``. Returns numerator, normaliser and their log-scale ``L`` for the rows."""
+    band, allowed = _masks(a, b, lo, hi, spec.window, causal, seq.q.device)
+    if seq.pad is not None:                     # a padded key takes part in neither the band nor the rest
+        real = ~seq.pad[..., None, lo:hi]
+        band, allowed = band & real, allowed & real
+    logits = seq.q[..., a:b, :] @ seq.k[..., lo:hi, :].transpose(-1, -2)
+    masked = logits.masked_fill(~band, -math.inf)
+    row_max = masked.amax(-1) if hi > lo else logits.new_full(logits.shape[:-1], -math.inf)
+    safe_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    weights = torch.exp(masked - safe_max[..., None])
+    v_near = seq.v[..., lo:hi, :]
+    exact_num, exact_den = weights @ v_near, weights.sum(-1)
+
+    lk_near = seq.lk[..., lo:hi]
+    c_near = lk_near.amax(-1, keepdim=True) if hi > lo else torch.full_like(seq.lk[..., :1], -math.inf)
+    c_near = torch.where(torch.isfinite(c_near), c_near, torch.zeros_like(c_near))
+    gram = seq.pq[..., a:b, :] @ (seq.pk[..., lo:hi, :] * torch.exp(lk_near - c_near)[..., None]).transpose(-1, -2)
+    if spec.subtract_support:
+        lin = gram * allowed
+        sub = gram * band
+        lin_num = lin @ v_near - sub @ v_near
+        lin_den = lin.sum(-1) - sub.sum(-1)
+    else:
+        lin = gram * (allowed & ~band)
+        lin_num, lin_den = lin @ v_near, lin.sum(-1)
+    lin_c = c_near.expand(lin_den.shape)
+    if far is not None:
+        far_num, far_den, far_c = far
+        new_c = torch.maximum(lin_c, far_c)
+        near_w, far_w = torch.exp(lin_c - new_c), torch.exp(far_c - new_c)
+        lin_num = lin_num * near_w[..., None] + far_num * far_w[..., None]
+        lin_den = lin_den * near_w + far_den * far_w
+        lin_c = new_c
+    if spec.normalizer_floor:
+        lin_den = lin_den.clamp_min(spec.normalizer_floor)
+    lin_scale = seq.lq[..., a:b] + lin_c
+    log_scale = torch.maximum(row_max, lin_scale)
+    exact_w = torch.exp(row_max - log_scale)
+    lin_w = torch.exp(lin_scale - log_scale)
+    num = exact_num * exact_w[..., None] + lin_num * lin_w[..., None]
+    den = exact_den * exact_w + lin_den * lin_w
+    return num, den, log_scale
+
+def _causal_blocks(seq, band, spans):
+    """``_block`` of each span in order, the keys before its near keys read from a running prefix state (the
+    core's :func:`~kernapprox.attention.recurrent.add_keys`, running-maximum stabiliser)."""
+    state, upto = None, 0
+    for a, b, lo, hi in spans:
+        if lo > upto:                                            # keys that left every window so far
+            state = add_keys(state, seq.pk[..., upto:lo, :], seq.lk[..., upto:lo], seq.v[..., upto:lo, :])
+            upto = lo
+        far = None
+        if state is not None:
+            num, den = read_queries(state, seq.pq[..., a:b, :])
+            far = num, den, state.log_scale[..., None].expand(den.shape)
+        yield _block(seq, band, a, b, lo, hi, True, far)
+
+def _bidirectional_blocks(seq, band, spans):
+    """``_block`` of each span, the keys outside its near keys read from prefix and suffix states."""
+    for (a, b, lo, hi), far in zip(spans, _far_reads(seq, spans)):
+        yield _block(seq, band, a, b, lo, hi, False, far)
 
 
 def _spans(n_q, n_k, window, chunk, causal):

@@ -142,6 +142,12 @@ class TrainableAttention(torch.nn.Module):
     §4). A decoder's cache keeps the map's fixed-size state (:class:`~kernapprox.rules.NormalizedState`) per key
     head.
 
+    With ``window = w``, LoLCATs' hybrid (Zhang et al. 2025, ICLR, §3.2): the last ``w`` keys of each query by
+    softmax at the module's ``scaling``, the keys before them by the map, one normaliser
+    (:func:`~kernapprox.trainable.feature_attention` with ``window``). Such a layer runs on whole sequences: it keeps
+    no decoding state (a decoder cache's first call is the whole sequence; continuing it raises
+    ``NotImplementedError``).
+
     Parameters
     ----------
     feature_map : TrainableFeatureMap
@@ -150,6 +156,8 @@ class TrainableAttention(torch.nn.Module):
         A separate map for keys (default: the queries' map, Hedgehog's tied map).
     mode : {"parallel", "recurrent", "chunked"}, default "chunked"
     chunk_size : int, default 64
+    window : int, optional
+        Exact keys per query beside the map (none: the map alone).
 
     Attributes
     ----------
@@ -160,7 +168,7 @@ class TrainableAttention(torch.nn.Module):
     """
 
     def __init__(self, feature_map: TrainableFeatureMap, *, key_map: TrainableFeatureMap | None = None,
-                 mode: str = "chunked", chunk_size: int = 64):
+                 mode: str = "chunked", chunk_size: int = 64, window: int | None = None):
         super().__init__()
         for name, fmap in (("feature_map", feature_map), ("key_map", key_map)):
             if fmap is not None and not isinstance(fmap, TrainableFeatureMap):
@@ -172,19 +180,23 @@ class TrainableAttention(torch.nn.Module):
         self.key_map = key_map
         self.mode = check_choice(mode, "mode", MODES)
         self.chunk_size = check_positive_int(chunk_size, "chunk_size")
+        self.window = None if window is None else check_positive_int(window, "window")
         self.fit_record = None
 
     def forward(self, query, key, value, *, causal: bool, key_padding_mask=None, query_padding_mask=None,
-                initial_state=None, return_state: bool = False):
+                initial_state=None, return_state: bool = False, scale: float | None = None):
         """:func:`~kernapprox.trainable.feature_attention` of ``query (B, H, n, d)`` and ``key``/``value``
-        ``(B, H_kv, n_k, ·)`` with this layer's maps; ``(B, H, n, d_v)`` (and the state with ``return_state``)."""
+        ``(B, H_kv, n_k, ·)`` with this layer's maps; ``(B, H, n, d_v)`` (and the state with ``return_state``).
+        ``scale``: the module's ``scaling``, the exact part's kernel scale with a window (unused without)."""
+        hybrid = {} if self.window is None else {"window": self.window, "scale": scale}
         return feature_attention(query, key, value, self.feature_map, key_map=self.key_map, causal=causal,
                                  mode=self.mode, chunk_size=self.chunk_size, key_padding_mask=key_padding_mask,
                                  query_padding_mask=query_padding_mask, initial_state=initial_state,
-                                 return_state=return_state)
+                                 return_state=return_state, **hybrid)
 
     def extra_repr(self) -> str:
-        return f"mode={self.mode!r}, chunk_size={self.chunk_size}"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"mode={self.mode!r}, chunk_size={self.chunk_size}{window}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -474,7 +486,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         attention = attention.on_call(call)             # the layer's maps fitted on this call, then used in it
         set_attention(module, attention)
     if isinstance(attention, TrainableAttention):      # the whole layer, grouped heads as the model groups them
-        return _trainable_forward(attention, layer, query, key, value, padding, causal), None
+        return _trainable_forward(attention, layer, query, key, value, padding, causal, float(scaling)), None
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)
     kv_key, kv_value = key, value                      # one per key/value head: what a grouped decoding state reads
     if layer is not None and layer.kv is not None:
@@ -557,11 +569,18 @@ def _whole_groups(index: list[int], groups: int) -> list[int] | None:
     return kv
 
 
-def _trainable_forward(attention: TrainableAttention, layer, query, key, value, padding, causal):
+def _trainable_forward(attention: TrainableAttention, layer, query, key, value, padding, causal, scaling):
     """The layer's output ``(B, n_q, H, d_v)`` by its trainable map; with a decoder cache ``layer``, the map's state
     continues from the tokens before (``layer.map_state``) and is kept for the next call."""
     query_padding = _keyless_queries(padding) if causal else None
     extra = mask_kwargs(padding, query_padding_mask=query_padding)
+    if attention.window is not None:
+        extra["scale"] = scaling
+        if layer is not None and layer.seen > query.shape[-2]:
+            raise NotImplementedError(f"a trainable map with window = {attention.window} keeps no decoding state: the "
+                                      "cache cannot continue the tokens before this call; run the whole sequence in "
+                                      "one call")
+        layer = None                    # the first call of a cache: the whole sequence, nothing kept to continue
     if layer is None:
         out = attention(query, key, value, causal=causal, **extra)
     else:

@@ -55,7 +55,7 @@ FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
 # the names convert() takes for trainable maps (parameters of the converted model, not registry estimators)
 TRAINABLE_MAPS: dict[str, type] = MAPS
 # convert()'s other options of a trainable map, by what they configure
-_ATTENTION_OPTIONS = ("mode", "chunk_size")
+_ATTENTION_OPTIONS = ("mode", "chunk_size", "window")
 _FIT_OPTIONS = ("fit_loss", "fit_steps", "fit_lr", "fit_batch_size")
 
 
@@ -189,8 +189,11 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     the map's (``heads`` must be ``None``). ``num_features`` is ``r`` (even for Hedgehog, ``feature_dim = r/2``).
     Initialisation: Hedgehog at the identity when ``feature_dim = d`` (else ``init="random"``), T2R at a random
     draw; a random draw of layer ``l`` comes from :func:`head_seed` ``(rng, l, 0)``. Options: ``bias``, ``init``,
-    ``normalize`` (Hedgehog), ``eps`` (T2R, default ``1e-6`` so that no query meets a zero kernel), ``mode`` and
-    ``chunk_size`` (of :func:`~kernapprox.trainable.feature_attention`); with ``calibration``, attention transfer
+    ``normalize`` (Hedgehog), ``eps`` (T2R, default ``1e-6`` so that no query meets a zero kernel), ``mode``,
+    ``chunk_size`` and ``window`` (of :func:`~kernapprox.trainable.feature_attention`: with ``window = w`` each
+    layer is LoLCATs' hybrid, the last ``w`` keys by the model's own softmax and the map for the keys before them,
+    Zhang et al. 2025, §3.2; the map is then fitted inside it, and the model keeps no decoding state); with
+    ``calibration``, attention transfer
     (:func:`~kernapprox.trainable.fit_to_softmax`) on the batch's activations, layer by layer, with ``fit_loss``
     (``"weights"``, Hedgehog's cross-entropy, default, or ``"outputs"``), ``fit_steps`` (100), ``fit_lr`` (0.01),
     ``fit_batch_size`` (every sequence); each layer's :class:`~kernapprox.trainable.FitRecord` is its
@@ -349,7 +352,7 @@ def _transfer(model, stack, chosen, calibration, *, loss, steps, lr, batch_size,
             attention.fit_record = fit_to_softmax(fmap, call.query, key, value, key_map=attention.key_map,
                                                   loss=loss, steps=steps, lr=lr, batch_size=batch_size,
                                                   rng=head_seed(rng, chosen[position], 0), causal=call.causal,
-                                                  scale=call.scaling)
+                                                  scale=call.scaling, window=attention.window)
         return attention
 
     # one forward pass (no gradient through the model): each layer's map fitted when the pass reaches it, on the

@@ -183,14 +183,42 @@ def test_a_calibration_batch_initialises_the_maps_by_attention_transfer(loss):
     assert not fit_records(ka.convert(model, "hedgehog_trainable"))
 
 
+@pytest.mark.parametrize("loss", ["weights", "outputs"])
+def test_a_window_hybrid_conversion_fits_its_maps_inside_the_hybrid(loss):
+    """LoLCATs' form: the last w keys by the model's softmax, the keys before them by the map, fitted inside it."""
+    model = llama(init=0.2)
+    tokens = ids(n=16)
+    with torch.no_grad():
+        want = model(input_ids=tokens, use_cache=False).logits
+        # every key in the window: the converted model is the model (its softmax at the module's scaling)
+        whole = ka.convert(model, "hedgehog_trainable", window=16)(input_ids=tokens, use_cache=False).logits
+    torch.testing.assert_close(whole, want, rtol=1e-4, atol=1e-5)
+    converted = ka.convert(model, "hedgehog_trainable", window=4, calibration=CALIBRATION, fit_loss=loss,
+                           fit_steps=15, fit_lr=0.05)
+    assert all(get_attention(layer.self_attn).window == 4 for layer in converted.model.layers)
+    for record in fit_records(converted).values():
+        assert record.loss == loss and record.final_loss < record.initial_loss
+    with torch.no_grad():
+        hybrid = converted(input_ids=tokens, use_cache=False).logits
+    # causal: the first w positions see only keys of their window in every layer, so they are the model's own
+    torch.testing.assert_close(hybrid[:, :4], want[:, :4], rtol=1e-4, atol=1e-5)
+    assert float((hybrid[:, 4:] - want[:, 4:]).abs().max()) > 1e-2
+    # a cache's first call is the whole sequence (a plain forward); continuing it would need a state it does not keep
+    with torch.no_grad():
+        prefill = converted(input_ids=tokens[:, :8], use_cache=True)
+        torch.testing.assert_close(prefill.logits, hybrid[:, :8], rtol=1e-5, atol=1e-6)
+        with pytest.raises(NotImplementedError, match="keeps no decoding state"):
+            converted(input_ids=tokens[:, 8:9], past_key_values=prefill.past_key_values, use_cache=True)
+
+
 def test_what_a_trainable_conversion_refuses():
     model = llama()
     with pytest.raises(ValueError, match="replaces every head"):
         ka.convert(model, "hedgehog_trainable", heads=[0])
     with pytest.raises(ValueError, match="r = 2 · feature_dim"):
         ka.convert(model, "hedgehog_trainable", num_features=7)
-    with pytest.raises(TypeError, match="unknown options window"):
-        ka.convert(model, "hedgehog_trainable", window=3)
+    with pytest.raises(TypeError, match="unknown options windows"):
+        ka.convert(model, "hedgehog_trainable", windows=3)
     with pytest.raises(ValueError, match="calibration="):
         ka.convert(model, "hedgehog_trainable", fit_steps=5)
     with pytest.raises(ValueError, match="fit_loss"):
