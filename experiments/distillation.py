@@ -18,6 +18,11 @@ keeps its fit besides):
   same windows, in the same order, so the two objectives are compared at an equal token budget;
 * ``t2r`` (Kasai et al. 2021, EMNLP, *Finetuning Pretrained Transformers into RNNs*, eq. 4–5): trainable maps
   ``φ(x) = relu(Wx + b)`` (plus ``1e-6``), through the same two stages as Hedgehog;
+* ``window_hedgehog`` (LoLCATs' form, Zhang et al. 2025, ICLR, §3.2): the last ``hybrid_window`` keys of each query
+  by the teacher's own softmax, the keys before them by a Hedgehog map, one normaliser
+  (``ka.convert(..., window=hybrid_window)``); stage 1 trains the map *inside* the hybrid, on the hybrid's outputs
+  or weights, so only the keys outside the window shape it; then stage 2. Its state is the window's keys and values
+  plus the map's ``r (d_v + 1)`` numbers per key/value head;
 * ``positive_orthogonal`` (FAVOR+) and ``nystrom_uniform`` (fitted on the calibration windows): post-hoc maps, no
   training (``objective="none"``): the reference a distilled student must beat (FAVOR+ at the same bytes, Nyström
   with more).
@@ -76,10 +81,10 @@ TRAINED = {"hedgehog": ("hedgehog_trainable", {}), "t2r": ("t2r_trainable", {"ep
 STATE_OF = {"hedgehog": "positive_orthogonal", "t2r": "positive_orthogonal",
             "positive_orthogonal": "positive_orthogonal", "nystrom_uniform": "nystrom_uniform"}
 # the window + linear hybrid student (LoLCATs' form, Zhang et al. 2025, ICLR, §3.2: exact softmax on the last
-# ``hybrid_window`` keys, a Hedgehog map for the keys before them): kernapprox's WindowLinear with Hedgehog features
-# fitted post hoc on the calibration windows (stage 1), then stage 2 like the trained students; a causal-LM student
-# only
-HYBRIDS = {"window_hedgehog": ("window_linear", {"feature_map": "hedgehog"})}
+# ``hybrid_window`` keys, a Hedgehog map for the keys before them): the trained student it names, converted with
+# ``window=hybrid_window`` (kernapprox.trainable.feature_attention), its map fitted inside the hybrid (stage 1, by
+# either fit_loss), then stage 2 like the trained students; a causal-LM student only
+HYBRIDS = {"window_hedgehog": "hedgehog"}
 # the students with a stage 2 (adapters trained on top of stage 1)
 STAGED = (*TRAINED, *HYBRIDS)
 LM_STUDENTS = (*STUDENTS, *HYBRIDS)
@@ -106,6 +111,10 @@ GRIDS = {
     # budget, FAVOR+ and Nyström, one training seed (~30 min with --threads 2, make distillation-students)
     "students": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
                  "num_features": [64, 128], "steps": [32], "context": [128], "train_seed": [0]},
+    # the window hybrid's map fitted inside it by both stage-1 losses (LoLCATs' outputs against Hedgehog's weights),
+    # both stage-2 objectives, two state sizes, one training seed (~15 min with --threads 2, make distillation-hybrid)
+    "hybrid": {"student": ["window_hedgehog"], "fit_loss": list(FIT_LOSSES), "objective": list(OBJECTIVES),
+               "num_features": [64, 128], "steps": [16], "context": [128], "train_seed": [0]},
     # the default's students and budget over ten training seeds, the units of the verdicts on what training
     # transfers (~25 min with --threads 2, make distillation-seeds)
     "seeds": {"student": ["hedgehog", "positive_orthogonal"], "fit_loss": ["weights"], "objective": list(OBJECTIVES),
@@ -120,10 +129,7 @@ PARAMETERS = {
     "fit_steps": Parameter(30, long_name="attention-transfer steps per layer (stage 1)", units="1"),
     "hybrid_window": Parameter(32, long_name="exact softmax keys of the window hybrid (window_hedgehog)",
                                units="token",
-                               description="its Hedgehog features fitted post hoc (hybrid_fit_steps)"),
-    "hybrid_fit_steps": Parameter(50, long_name="full-batch steps of the window hybrid's Hedgehog fit (stage 1)",
-                                  units="1", description="HedgehogFeatures(num_steps=...), per key/value head, on "
-                                                         "the calibration windows"),
+                               description="its Hedgehog map fitted inside the hybrid (stage 1, fit_steps)"),
     "train_windows": Parameter(64, long_name="calibration windows stage 2 draws from", units="1",
                                description="train_len tokens each, of the calibration split; one per step, in a "
                                            "seeded order"),
@@ -138,9 +144,9 @@ AXIS_ATTRS = {
     "student": {"long_name": "the student's attention",
                 "description": "hedgehog (Hedgehog's softmax map), t2r (T2R's relu map): trainable maps fitted to "
                                "the teacher (stage 1) and optionally trained (stage 2); window_hedgehog: exact "
-                               "softmax on the last `hybrid_window` keys plus Hedgehog features fitted post hoc for "
-                               "the rest (stage 1), then stage 2; positive_orthogonal, nystrom_uniform: post-hoc "
-                               "maps"},
+                               "softmax on the last `hybrid_window` keys plus Hedgehog's map for the rest, the map "
+                               "fitted inside the hybrid (stage 1), then stage 2; positive_orthogonal, "
+                               "nystrom_uniform: post-hoc maps"},
     "fit_loss": {"long_name": "stage-1 attention-transfer loss",
                  "description": "weights: cross-entropy of attention weights (Hedgehog); outputs: MSE of attention "
                                 "outputs (LoLCATs); post-hoc students carry 'weights' as their label"},
@@ -181,11 +187,9 @@ METRICS = {
                           "30 layers × 3 key/value heads × the state of one head (kernapprox.memory.probe_state_bytes "
                           "at the context's length: r (d_v + 1) float32 numbers for Hedgehog and FAVOR+, more for "
                           "Nyström, whose fit is kept too)"),
-    "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (the window "
-                                 "hybrid: its conversion with the Hedgehog fit; 0 for post-hoc maps: Nyström's fit is "
-                                 "not counted)"),
-    "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens (the "
-                            "window hybrid: hybrid_fit_steps × calibration positions × layers)"),
+    "stage1_cpu_seconds": Metric("CPU seconds of stage 1", "s", "the attention transfer of every layer (0 for "
+                                 "post-hoc maps: Nyström's fit is not counted)"),
+    "stage1_tokens": Metric("query positions stage 1 trained on", "token", "Σ over layers of FitRecord.tokens"),
     "stage1_cached": Metric("stage 1 read from the cache", "1", "1: the stage-1 maps came from kernapprox's cache "
                             "(stage1_cpu_seconds is then the cost of the run that fitted them); 0: fitted in this run "
                             "(or a post-hoc map)"),
@@ -209,20 +213,26 @@ REFERENCE_METRICS = {
 
 
 def applicable(params) -> bool:
-    """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2); the
-    window hybrid: ``fit_loss="weights"`` only (its features are fitted by Hedgehog's loss)."""
-    if params["student"] in HYBRIDS:
-        return params["fit_loss"] == "weights"
-    if params["student"] not in TRAINED:
+    """Post-hoc students: ``objective="none"`` and ``fit_loss="weights"`` only (they have no stage 1 or 2)."""
+    if params["student"] not in STAGED:
         return params["objective"] == "none" and params["fit_loss"] == "weights"
     return True
 
 
+def trained_map(params) -> tuple[str, dict]:
+    """``(map, options)`` that ``ka.convert`` builds a staged student with: its :data:`TRAINED` entry, or for a
+    window hybrid its map's entry with ``window=hybrid_window``."""
+    student = params["student"]
+    if student in HYBRIDS:
+        name, options = TRAINED[HYBRIDS[student]]
+        return name, {**options, "window": int(params["hybrid_window"])}
+    return TRAINED[student]
+
+
 def _hedgehog_features(student: str) -> bool:
     """Whether the student's features are Hedgehog's (``r = 2 · feature_dim``, so r must be even): read from its
-    entry in :data:`TRAINED` or :data:`HYBRIDS`."""
-    name, options = TRAINED.get(student) or HYBRIDS.get(student) or (student, {})
-    return name.startswith("hedgehog") or options.get("feature_map") == "hedgehog"
+    entry in :data:`TRAINED` (a hybrid: its map's)."""
+    return TRAINED.get(HYBRIDS.get(student, student), (student, {}))[0].startswith("hedgehog")
 
 
 def check_params(params) -> None:
@@ -286,7 +296,7 @@ def stage1_provenance(data: Draw, params) -> dict:
     :mod:`kernapprox.surgery.conversion` and what it imports); torch's version."""
     import transformers
 
-    name, options = TRAINED[params["student"]]
+    name, options = trained_map(params)
     tokens = np.ascontiguousarray(data.calibration.detach().cpu().numpy())
     return {"teacher": {"file": lm.GGUF_NAME, "sha256": _file_digest(str(lm.gguf_path())),
                         "transformers": transformers.__version__},
@@ -302,7 +312,7 @@ def _fit_stage1(data: Draw, params):
     """``(student, (cpu_seconds, tokens), cached)`` of a trained student's stage 1: read from the cache, else fitted
     (``ka.convert(..., calibration=)``) and written there (the maps, then the provenance: an entry counts only when
     both exist). A hit converts the teacher with unfitted maps and loads the kept ones into them."""
-    name, options = TRAINED[params["student"]]
+    name, options = trained_map(params)
     provenance = stage1_provenance(data, params)
     text = json.dumps(provenance, sort_keys=True, separators=(",", ":"))
     key = hashlib.sha256(text.encode()).hexdigest()[:24]
@@ -341,19 +351,8 @@ def stage1(data: Draw, params):
     cells with its state sizes alternating, so one kept would refit each cell's)."""
     key = (params["student"], params["fit_loss"], params["num_features"], params["train_seed"], params["fit_steps"])
     if key not in data.students:
-        if params["student"] in TRAINED:
+        if params["student"] in STAGED:
             entry = _fit_stage1(data, params)
-        elif params["student"] in HYBRIDS:
-            name, options = HYBRIDS[params["student"]]
-            start = time.process_time()
-            options = {**options, "feature_options": {"num_steps": params["hybrid_fit_steps"]}}
-            student = ka.convert(data.model, name, num_features=params["num_features"], rng=params["train_seed"],
-                                 share_heads="group", window=params["hybrid_window"], calibration={
-                                     "input_ids": data.calibration}, **options)
-            # query positions the optimiser saw, as a trained map's fit records count them: steps x positions, summed
-            # over the layers (the key/value heads of a layer fitted on the same positions)
-            seen = params["hybrid_fit_steps"] * data.calibration.numel() * NUM_LAYERS
-            entry = (student, (time.process_time() - start, float(seen)), False)
         else:
             entry = (ka.convert(data.model, params["student"], num_features=params["num_features"],
                                 rng=params["train_seed"], share_heads="group",
@@ -380,8 +379,8 @@ def _head_state_bytes(params) -> int:
     ``min(hybrid_window, context) (d + d_v)`` (any r-feature map keeps the same linear state as its Hedgehog
     features)."""
     student, r = params["student"], params["num_features"]
-    if student in HYBRIDS:
-        return memory.probe_state_bytes(HYBRIDS[student][0], r, d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
+    if student in HYBRIDS:           # the state of WindowLinear, the same hybrid as a registry estimator
+        return memory.probe_state_bytes("window_linear", r, d=lm.HEAD_DIM, d_v=lm.HEAD_DIM,
                                         seq_len=params["context"], options={"window": params["hybrid_window"]})
     return memory.probe_state_bytes(STATE_OF[student], r, d=lm.HEAD_DIM, d_v=lm.HEAD_DIM, seq_len=params["context"])
 
@@ -469,6 +468,16 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
                               end.sel(objective="distill") - end.sel(objective="next_token"),
                               "NLL after distillation minus after next-token training",
                               "per window, the same stage-1 student, training windows and budget")
+    # the stage-1 losses against each other, per window: the same student, r, seed and stage 2
+    if set(FIT_LOSSES) <= set(ds["fit_loss"].values.tolist()):
+        nll = ds["nll_filled"]
+        last = xr.where(nll["objective"] == "none", 0.0, 1.0)
+        end = nll.sel(checkpoint=last).drop_vars("checkpoint")
+        _lm.add_window_difference(ds, "outputs_minus_weights",
+                                  end.sel(fit_loss="outputs") - end.sel(fit_loss="weights"),
+                                  "NLL with stage 1 by outputs minus by weights",
+                                  "per window, the same student, r, seed and stage-2 objective (at the end of its "
+                                  "budget; the stage-1 student for objective none)")
     ds["memory_fraction"] = (ds["state_bytes"] / ds["kv_bytes"]).assign_attrs(
         long_name="student's state over the teacher's KV cache at the context's length", units="1",
         description="state_bytes / kv_bytes")
@@ -771,6 +780,17 @@ def findings(ds: xr.Dataset) -> list[str]:
                          f"{fmt_ci(s)} nats (Wilcoxon "
                          f"p = {fmt(p, 2)} over {ds.sizes['window']} windows; one training seed: a statement about "
                          "this student, not about the objectives).")
+    if "outputs_minus_weights_summary" in ds:
+        for cell in (c for c in cells if c["student"] in STAGED and c["fit_loss"] == "outputs"):
+            sel = {k: v for k, v in cell.items() if k != "fit_loss"}
+            if not np.isfinite(ds["outputs_minus_weights_summary"].sel(**sel, stat="estimate")):
+                continue
+            stage = "stage 1" if cell["objective"] == "none" else f"after stage 2 ({cell['objective']})"
+            lines.append(f"{cell['student']} at r = {cell['num_features']}, {stage}: NLL with the maps fitted by "
+                         "outputs (LoLCATs' MSE) minus by weights (Hedgehog's cross-entropy) "
+                         f"{fmt_ci(ds['outputs_minus_weights_summary'].sel(**sel))} nats (Wilcoxon p = "
+                         f"{fmt(float(ds['outputs_minus_weights_p'].sel(**sel)), 2)} over {ds.sizes['window']} "
+                         "windows; one training seed: a statement about this student).")
     for task, name in _lm.TASK_NAMES.items():
         acc = ds["greedy_correct_exact_summary"].sel(context=context, task=task)
         chance = float(ds["recall_chance_mean"].sel(context=context, task=task))

@@ -42,7 +42,9 @@ def test_only_the_trainable_maps_train_and_bad_cells_are_refused():
     assert not distillation.applicable({**base, "student": "nystrom_uniform", "objective": "none",
                                         "fit_loss": "outputs"})
     assert distillation.applicable({**base, "student": "window_hedgehog"})          # the hybrid has a stage 2
-    assert not distillation.applicable({**base, "student": "window_hedgehog", "fit_loss": "outputs"})
+    assert distillation.applicable({**base, "student": "window_hedgehog", "fit_loss": "outputs"})   # and both losses
+    assert distillation.trained_map({**base, "student": "window_hedgehog", "hybrid_window": 16}) == (
+        "hedgehog_trainable", {"window": 16})
     with pytest.raises(ValueError, match="num_features"):
         distillation.check_params({**base, "student": "window_hedgehog", "num_features": 33})
     for change, word in (({"student": "elu"}, "student"), ({"objective": "kl"}, "objective"),
@@ -59,8 +61,7 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     load = lm.load_smollm2
     monkeypatch.setattr(lm, "load_smollm2", lambda **kw: load(cache_root=user_cache_root, **kw))
     ds = sweep.run(distillation.EXPERIMENT, preset="smoke", out=tmp_path / "distillation.nc", device="cpu",
-                   progress=False, parameters={"n_windows": 4, "n_prompts": 4, "train_windows": 4,
-                                                          "hybrid_fit_steps": 5})
+                   progress=False, parameters={"n_windows": 4, "n_prompts": 4, "train_windows": 4})
     r, steps = 32, 2
     hedgehog = dict(student="hedgehog", fit_loss="weights", num_features=r, steps=steps, context=96, train_seed=0)
     assert float(ds["state_bytes"].sel(objective="none", **hedgehog)) == 30 * 3 * r * 65 * 4
@@ -70,13 +71,13 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
     assert np.isfinite(ds["train_loss"].sel(objective="distill", **t2r)).all()
     assert float(ds["stage1_tokens"].sel(objective="none", **t2r)) > 0
     # the window hybrid: its window's keys and values (min(w, n) (d + d_v) per key/value head) beside the linear
-    # state, a stage-1 fit with its cost, and a stage 2 through the hybrid (the adapters train: the loss is finite)
+    # state, a stage-1 fit inside the hybrid with its cost, and a stage 2 through it (the adapters train)
     hybrid = dict(hedgehog, student="window_hedgehog")
     window = min(int(ds["hybrid_window"]), 96)
     assert float(ds["state_bytes"].sel(objective="none", **hybrid)) == 30 * 3 * (r * 65 + window * 128) * 4
     assert float(ds["stage1_cpu_seconds"].sel(objective="none", **hybrid)) > 0
     assert float(ds["stage1_tokens"].sel(objective="none", **hybrid)) == (
-        int(ds["hybrid_fit_steps"]) * int(ds["n_calibration"]) * 96 * 30)   # steps x positions x layers
+        int(ds["fit_steps"]) * int(ds["n_calibration"]) * 96 * 30)          # steps x positions x layers
     assert np.isfinite(ds["nll"].sel(objective="none", checkpoint=0.0, **hybrid)).all()
     assert np.isfinite(ds["train_loss"].sel(objective="next_token", **hybrid)).all()
     assert np.isfinite(ds["nll"].sel(objective="distill", checkpoint=1.0, **hybrid)).all()
@@ -111,7 +112,7 @@ def test_smoke_preset_trains_and_scores_every_student(tmp_path, monkeypatch, use
 @pytest.mark.lm
 @pytest.mark.xdist_group("smollm2")
 @pytest.mark.skipif(not lm.is_available(), reason=str(lm.unavailable_reason()))
-@pytest.mark.parametrize("student", ["hedgehog", "t2r"])
+@pytest.mark.parametrize("student", ["hedgehog", "t2r", "window_hedgehog"])
 def test_stage1_cache_returns_the_fitted_student(monkeypatch, user_cache_root, student):
     """A trained student's stage 1 is fitted once and read back from the cache (the test process's own cache root):
     the same logits to the bit, the fitting run's cost, and a key that changes with what determines the maps."""
@@ -120,7 +121,8 @@ def test_stage1_cache_returns_the_fitted_student(monkeypatch, user_cache_root, s
     model, tokenizer = lm.load_smollm2(cache_root=user_cache_root)
     calibration = lm.text_windows(tokenizer, 2, 32, split="calibration").input_ids
     data = distillation.Draw(model, None, None, calibration, None, {}, {})
-    params = {"student": student, "fit_loss": "weights", "num_features": 8, "train_seed": 0, "fit_steps": 2}
+    params = {"student": student, "fit_loss": "weights", "num_features": 8, "train_seed": 0, "fit_steps": 2,
+              "hybrid_window": 8}
     fitted, cost, cached = distillation.stage1(data, params)
     assert not cached and cost[0] > 0 and cost[1] > 0
     data.students.clear()
@@ -128,10 +130,12 @@ def test_stage1_cache_returns_the_fitted_student(monkeypatch, user_cache_root, s
     assert cached_read and cost_read == cost
     ids = lm.text_windows(tokenizer, 1, 24, split="evaluation").input_ids
     with torch.no_grad():
-        assert torch.equal(fitted(input_ids=ids).logits, read(input_ids=ids).logits)
+        assert torch.equal(fitted(input_ids=ids, use_cache=False).logits, read(input_ids=ids, use_cache=False).logits)
     base = distillation.stage1_provenance(data, params)
     for change in ({"fit_loss": "outputs"}, {"num_features": 16}, {"train_seed": 1}, {"fit_steps": 3}):
         assert distillation.stage1_provenance(data, {**params, **change}) != base
+    changed = distillation.stage1_provenance(data, {**params, "hybrid_window": 4}) != base
+    assert changed == (student == "window_hedgehog")          # the window is part of the hybrid's maps' key
     other = data._replace(calibration=calibration[:1])
     assert distillation.stage1_provenance(other, params)["calibration"] != base["calibration"]
 
