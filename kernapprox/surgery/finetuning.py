@@ -17,7 +17,11 @@ transfer of the maps, :func:`kernapprox.trainable.fit_to_softmax`).
     of ``T² · KL(softmax(z_teacher / T) ‖ softmax(z_student / T))`` (Hinton, Vinyals & Dean 2015, *Distilling the
     Knowledge in a Neural Network*, §2: the soft targets at temperature ``T``, the ``T²`` keeping the gradients'
     scale across ``T``). Both see the same tokens for the same ``steps`` and ``batch_size``: a comparison at equal
-    token budget. :class:`FinetuneRecord` holds the losses, the tokens and the cost.
+    token budget. For an encoder without a language-model head, ``"embedding"``: the mean over windows of
+    ``‖e_student − e_teacher‖²`` between sentence embeddings (:func:`kernapprox.real.sentence_embedding`, mean
+    pooling to unit length), the MSE distillation of Reimers & Gurevych 2020 (*Making Monolingual Sentence
+    Embeddings Multilingual using Knowledge Distillation*, EMNLP, eq. 1). :class:`FinetuneRecord` holds the losses,
+    the tokens and the cost.
 
 The project's own LoRA, not the ``peft`` package: it needs nothing beyond torch, wraps the modules a converted copy
 already has (peft would wrap the model and hide the attention modules :mod:`kernapprox.surgery` reaches by
@@ -57,7 +61,7 @@ from .conversion import stack_for
 __all__ = ["LoRALinear", "add_lora", "lora_parameters", "merge_lora", "finetune", "FinetuneRecord", "OBJECTIVES",
            "distillation_loss"]
 
-OBJECTIVES = ("next_token", "distill")
+OBJECTIVES = ("next_token", "distill", "embedding")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -201,7 +205,7 @@ class FinetuneRecord:
         Each step's batch loss, before that step's update.
     steps, batch_size : int
     tokens : int
-        Positions trained on: ``steps · batch_size · (L − 1)``.
+        Positions trained on: ``steps · batch_size · (L − 1)`` (``L`` for ``"embedding"``: every token of a window).
     trainable_parameters : int
         Numbers the optimiser updated.
     lr : float
@@ -258,9 +262,11 @@ def finetune(model, input_ids: torch.Tensor, *, objective: str = "next_token", t
 
     Parameters
     ----------
-    objective : {"next_token", "distill"}
+    objective : {"next_token", "distill", "embedding"}
         The loss (see the module docstring). ``"distill"`` needs ``teacher``, a model with the same vocabulary
-        (e.g. the unconverted original), run without gradients on the same windows.
+        (e.g. the unconverted original), run without gradients on the same windows; ``"embedding"`` a teacher
+        encoder whose ``last_hidden_state`` has the student's width (the model is then an encoder: its
+        ``last_hidden_state`` is read, no cache argument is passed).
     temperature : float
         ``T`` of ``"distill"``.
     steps, batch_size : int
@@ -276,8 +282,8 @@ def finetune(model, input_ids: torch.Tensor, *, objective: str = "next_token", t
     training). Returns a :class:`FinetuneRecord`; ``ValueError`` for a non-finite loss, naming the step.
     """
     objective = check_choice(objective, "objective", OBJECTIVES)
-    if objective == "distill" and teacher is None:
-        raise ValueError("objective='distill' needs the teacher model (teacher=)")
+    if objective in ("distill", "embedding") and teacher is None:
+        raise ValueError(f"objective={objective!r} needs the teacher model (teacher=)")
     temperature = check_positive_float(temperature, "temperature")
     steps = check_positive_int(steps, "steps")
     batch_size = check_positive_int(batch_size, "batch_size")
@@ -302,14 +308,22 @@ def finetune(model, input_ids: torch.Tensor, *, objective: str = "next_token", t
             order += torch.randperm(n, generator=generator).tolist()
         picked, order = order[:batch], order[batch:]
         ids = input_ids[picked].to(device)
-        logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
-        if objective == "next_token":
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                                                     ids[:, 1:].reshape(-1))
-        else:
+        if objective == "embedding":
+            from ..real import sentence_embedding
+
+            mine = sentence_embedding(model(input_ids=ids).last_hidden_state.float())
             with torch.no_grad():
-                target = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
-            loss = distillation_loss(logits, target, float(temperature))
+                target = sentence_embedding(teacher(input_ids=ids).last_hidden_state.float())
+            loss = (mine - target).pow(2).sum(-1).mean()
+        else:
+            logits = model(input_ids=ids, use_cache=False).logits[:, :-1]
+            if objective == "next_token":
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                                                         ids[:, 1:].reshape(-1))
+            else:
+                with torch.no_grad():
+                    target = teacher(input_ids=ids, use_cache=False).logits[:, :-1]
+                loss = distillation_loss(logits, target, float(temperature))
         if not torch.isfinite(loss):
             raise ValueError(f"the {objective} loss is not finite at step {step} (lower lr, or check the model's "
                              "logits)")
@@ -319,6 +333,7 @@ def finetune(model, input_ids: torch.Tensor, *, objective: str = "next_token", t
         losses.append(float(loss.detach()))
         if on_step is not None:
             on_step(step, model)
+    positions = input_ids.shape[1] - (objective != "embedding")      # an embedding reads every token of a window
     return FinetuneRecord(objective, float(temperature) if objective == "distill" else 1.0, tuple(losses), steps,
-                          batch, steps * batch * (input_ids.shape[1] - 1), sum(p.numel() for p in params), float(lr),
+                          batch, steps * batch * positions, sum(p.numel() for p in params), float(lr),
                           time.process_time() - cpu0, time.perf_counter() - wall0)

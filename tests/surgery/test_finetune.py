@@ -123,6 +123,49 @@ def test_finetuning_is_seeded_counts_its_tokens_and_lowers_its_objective(objecti
         assert ends[0] < 0.8 * start
 
 
+def bert(seed=0):
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=24, attn_implementation="eager", initializer_range=0.3)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return transformers.BertModel(config).double().eval()
+
+
+def test_an_encoder_learns_its_teachers_sentence_embeddings():
+    """Stage 2 of an encoder: adapters on BERT's query, key and value trained by the MSE of the pooled, unit-length
+    embeddings (Reimers & Gurevych 2020) to a teacher's; seeded, every token counted, the objective falls."""
+    ids = windows(n=6, length=12)
+    teacher = bert(seed=0)
+
+    def objective(model):
+        with torch.no_grad():
+            mine = ka.real.sentence_embedding(model(input_ids=ids).last_hidden_state)
+            theirs = ka.real.sentence_embedding(teacher(input_ids=ids).last_hidden_state)
+        return float((mine - theirs).pow(2).sum(-1).mean())
+
+    runs, ends = [], []
+    for _ in range(2):
+        student = ka.convert(teacher, "positive_orthogonal", num_features=4, rng=0)   # far from the teacher
+        add_lora(student, rank=4, targets=("query", "key", "value"), rng=0)
+        start = objective(student)
+        runs.append(finetune(student, ids, objective="embedding", teacher=teacher, steps=30, batch_size=3, lr=2e-2,
+                             rng=1))
+        ends.append(objective(student))
+    assert runs[0].losses == runs[1].losses and runs[0].tokens == 30 * 3 * 12
+    assert start > 0 and ends[0] < 0.5 * start, (start, ends[0])
+    with pytest.raises(ValueError, match="teacher"):
+        finetune(student, ids, objective="embedding")
+    # the pooling: the mean over the real tokens, unit length
+    hidden = torch.randn(2, 5, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    pooled = ka.real.sentence_embedding(hidden, mask)
+    want = torch.nn.functional.normalize(hidden[0, :3].mean(0), dim=0)
+    torch.testing.assert_close(pooled[0], want)
+    torch.testing.assert_close(pooled.norm(dim=-1), torch.ones(2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="without a token"):
+        ka.real.sentence_embedding(hidden, torch.zeros(2, 5))
+
+
 def test_trainable_maps_train_with_the_adapters():
     student = ka.convert(llama(), "hedgehog_trainable", num_features=16, rng=0)
     add_lora(student, rank=2, rng=0)
