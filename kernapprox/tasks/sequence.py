@@ -19,10 +19,13 @@ autoregressive objective of GPT-style language models (Radford et al. 2018) appl
 Pixels*).
 
 Sources (:data:`SEQUENCE_SOURCES`): ``text`` (Shakespeare's works, :func:`kernapprox.lm.text_documents`, as bytes),
-``music`` (:func:`kernapprox.signals.audio_frames` of ``vibe_ace``), ``video`` and ``video_cuts``
-(:func:`kernapprox.signals.video_frames` of ``bigbuckbunny`` and ``bikes``, 8×8 grey patches) and the synthetic
-reference ``gp_l8`` (a stationary Gaussian process with squared-exponential covariance of length 8 steps, 16
-independent channels). Each source is split once by position: the first ``1 − eval_fraction`` of its steps train,
+``music`` (:func:`kernapprox.signals.audio_frames` of ``vibe_ace``), ``speech`` (the same log-mel frames of
+``librivox_austen``: 24.7 s of one LibriVox reader), ``video`` and ``video_cuts``
+(:func:`kernapprox.signals.video_frames` of ``bigbuckbunny`` and ``bikes``, 8×8 grey patches) and two synthetic
+references: ``gp_l8`` (a stationary Gaussian process with squared-exponential covariance of length 8 steps, 16
+independent channels), smooth and continuous, and ``zipf_markov`` (:func:`zipf_markov_tokens`: 256 tokens, each
+drawn from a Zipf law over a permutation of the vocabulary that the previous token picks), discrete with purely
+local structure. Each source is split once by position: the first ``1 − eval_fraction`` of its steps train,
 the rest evaluate (:func:`kernapprox.signals.window_starts`' convention), so no evaluation window shares a step
 with a training window. Training windows start uniformly at random in the training block; evaluation windows
 are fixed and disjoint (:meth:`NextStep.eval_windows`).
@@ -46,6 +49,7 @@ import torch
 from ..validation import check_choice, check_positive_int
 
 __all__ = ["NextStep", "NextStepBatch", "SEQUENCE_SOURCES", "SequenceData", "load_sequence", "gp_trajectory",
+           "zipf_markov_tokens",
            "unavailable_reason"]
 
 
@@ -77,6 +81,40 @@ def gp_trajectory(length: int, channels: int, length_scale: float, seed: int = 0
     filt = np.exp(-np.pi ** 2 * length_scale ** 2 * freqs ** 2)[:, None]             # sqrt(S(f))
     x = np.fft.irfft(np.fft.rfft(white, axis=0) * filt, n=period, axis=0)[:length]
     return (x - x.mean(0)) / x.std(0)
+
+
+def zipf_markov_tokens(length: int, vocab_size: int = 256, exponent: float = 1.0, seed: int = 0) -> np.ndarray:
+    r"""``(length,)`` int64 tokens of a first-order Markov chain whose every transition law is Zipf's:
+
+    .. math::
+        P(x_{t+1} = π_{x_t}(k) \mid x_t) = \frac{k^{-a}}{\sum_{j=1}^{V} j^{-a}},\qquad k = 1, …, V,
+
+    with ``π_v`` a random permutation of the ``V`` tokens for each previous token ``v`` (seeded) and ``a`` the
+    exponent (Zipf 1949's law of ranks; a Markov source of order one, Shannon 1948, §3). Discrete, heavy-tailed and
+    purely local: the previous token fixes the law of the next, so the best predictor reads one step back and the
+    unigram law (the trivial predictor) ignores what it could gain, ``H(unigram) − H(Zipf_a)`` nats per token. The
+    chain starts from a Zipf draw of the identity ranks."""
+    check_positive_int(length, "length")
+    check_positive_int(vocab_size, "vocab_size")
+    if not np.isfinite(exponent) or exponent <= 0:
+        raise ValueError(f"exponent must be positive, got {exponent}")
+    gen = np.random.default_rng(seed)
+    law = np.arange(1, vocab_size + 1, dtype=np.float64) ** -exponent
+    law /= law.sum()
+    successor = np.stack([gen.permutation(vocab_size) for _ in range(vocab_size)])   # [previous, rank] -> token
+    ranks = gen.choice(vocab_size, size=length, p=law)
+    out = np.empty(length, dtype=np.int64)
+    out[0] = ranks[0]
+    for t in range(1, length):
+        out[t] = successor[out[t - 1], ranks[t]]
+    return out
+
+
+def _zipf_markov() -> SequenceData:
+    values = zipf_markov_tokens(131072)
+    return SequenceData(values, "tokens", "synthetic", 256,
+                        {"source": "zipf_markov_tokens", "length": 131072, "vocab_size": 256, "exponent": 1.0,
+                         "seed": 0})
 
 
 def _text() -> SequenceData:
@@ -130,14 +168,16 @@ def unavailable_reason(source: str) -> str | None:
     return None
 
 
-_SIGNAL_OF = {"music": "vibe_ace", "video": "bigbuckbunny", "video_cuts": "bikes"}
+_SIGNAL_OF = {"music": "vibe_ace", "speech": "librivox_austen", "video": "bigbuckbunny", "video_cuts": "bikes"}
 
 SEQUENCE_SOURCES: dict[str, tuple[str, Callable[[], SequenceData]]] = {
     "text": ("text", _text),
     "music": ("audio", _audio("vibe_ace")),
+    "speech": ("audio", _audio("librivox_austen")),
     "video": ("video", _video("bigbuckbunny")),
     "video_cuts": ("video", _video("bikes")),
     "gp_l8": ("synthetic", _gp),
+    "zipf_markov": ("synthetic", _zipf_markov),
 }
 """Source name → (modality, loader). Loaders raise ``ImportError``/``SignalUnavailableError`` naming the install
 step where their files are missing."""

@@ -9,7 +9,7 @@ import torch
 from kernapprox.models.training import TrainConfig, config_key
 from kernapprox.models.transformer import ModelConfig
 from kernapprox.tasks import NextStep, make_task
-from kernapprox.tasks.sequence import gp_trajectory, load_sequence, unavailable_reason
+from kernapprox.tasks.sequence import gp_trajectory, load_sequence, unavailable_reason, zipf_markov_tokens
 
 
 def test_gp_trajectory_has_the_squared_exponential_autocorrelation():
@@ -39,7 +39,33 @@ def test_gp_trajectory_rejects_bad_arguments(bad):
         gp_trajectory(**args)
 
 
-@pytest.mark.parametrize("kwargs, match", [({"source": "speech"}, "source"), ({"seq_len": 0}, "seq_len"),
+def test_zipf_markov_tokens_follow_zipfs_law_given_the_previous_token():
+    """Per previous token, the next tokens' counts sorted in decreasing order, pooled over the previous tokens: the
+    share of rank k is Zipf's k^-1 / H_256 (at ~1000 draws per previous token, ranks 1-3 almost never swap places
+    in the sort). Tolerance: 6 binomial standard errors of the pooled share (4e-3 for rank 1 at this length)."""
+    V, T = 256, 2**18
+    x = zipf_markov_tokens(T, V, 1.0, seed=5)
+    assert x.dtype == np.int64 and x.min() >= 0 and x.max() < V
+    np.testing.assert_array_equal(x, zipf_markov_tokens(T, V, 1.0, seed=5))
+    counts = np.zeros((V, V))
+    np.add.at(counts, (x[:-1], x[1:]), 1)
+    ranked = -np.sort(-counts, axis=1).sum(0) / (T - 1)
+    law = np.arange(1, V + 1) ** -1.0 / np.sum(np.arange(1, V + 1) ** -1.0)
+    for k in (0, 1, 2):
+        se = np.sqrt(law[k] * (1 - law[k]) / T)
+        assert abs(ranked[k] - law[k]) < 6 * se, (k, ranked[k], law[k])
+    # the unigram law is near uniform (each token is the successor of every previous token at a random rank): the
+    # context is where the gain is
+    unigram = np.bincount(x, minlength=V) / T
+    assert -np.sum(unigram * np.log(unigram)) > np.log(V) - 0.1
+    for bad in ({"length": 0}, {"vocab_size": 0}, {"exponent": 0.0}, {"exponent": np.nan}):
+        with pytest.raises(ValueError):
+            zipf_markov_tokens(**({"length": 8} | bad))
+    data = load_sequence("zipf_markov")
+    assert data.kind == "tokens" and data.vocab_size == 256 and data.modality == "synthetic"
+
+
+@pytest.mark.parametrize("kwargs, match", [({"source": "podcast"}, "source"), ({"seq_len": 0}, "seq_len"),
                                            ({"eval_fraction": 1.0}, "eval_fraction")])
 def test_next_step_rejects_bad_configuration(kwargs, match):
     with pytest.raises(ValueError, match=match):
