@@ -21,7 +21,8 @@ STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 ALL_EXPERIMENTS := $(patsubst experiments/%.py,%,$(filter-out experiments/__init__.py experiments/_%.py,$(wildcard experiments/*.py)))
 # The longest first, so that `make -j` does not end waiting for one long run; the others follow alphabetically.
-LONGEST_FIRST := trained_icl causal_lm distillation modality_spectrum model_substitution icl_recall recall_frontier kernel_error rank_summary \
+LONGEST_FIRST := trained_icl causal_lm distillation encoder_distillation modality_spectrum model_substitution icl_recall \
+                 recall_frontier kernel_error rank_summary \
                  query_distribution spectrum attention_error in_context_vs_in_weight state_rules modes
 EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
                $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))

@@ -64,11 +64,11 @@ LAYERS, HEADS, HEAD_DIM, HIDDEN = 6, 12, 32, 384
 GRIDS = {
     "smoke": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16], "context": [64],
               "objective": ["none", "embedding"], "map_seed": [0, 1]},
-    # ~2 min of one core: every student at two state sizes, three map draws (a description; the verdicts need the
-    # full preset's ten)
+    # ~5 min of one core: every student at two state sizes, three map draws, the trained ones through stage 2 too (a
+    # description; the verdicts need the full preset's ten)
     "default": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
                 "objective": ["none", "embedding"], "map_seed": [0, 1, 2]},
-    # make figures PRESET=full's share of its hour (~6 min of one core): the default over ten map draws, the verdicts
+    # make figures PRESET=full's share of its hour (~17 min of one core): the default over ten map draws, the verdicts
     "full": {"student": list(STUDENTS), "fit_loss": ["weights"], "num_features": [16, 64], "context": [128],
              "objective": ["none", "embedding"], "map_seed": list(range(10))},
     # four state sizes, both stage-1 losses, two lengths, ten draws (not yet run; a rough estimate from the default's

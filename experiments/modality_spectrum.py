@@ -110,8 +110,8 @@ _DEFAULT = ["text", "music", "speech", "video", "gp_l8", PRETRAINED, ENCODER]
 GRIDS = {
     "smoke": {"source": _sources(["music", "gp_l8"]), "context": [32], "train_steps": [20], "train_seed": [0, 1]},
     "default": {"source": _sources(_DEFAULT), "context": [128], "train_steps": [300], "train_seed": [0, 1, 2]},
-    # make figures PRESET=full's share of its hour (~18 min of one core): ten trained models per source, the units
-    # of its verdicts, at the default's training budget
+    # make figures PRESET=full's share of its hour (~25 min of one core when it trains its models, less with them
+    # cached): ten trained models per source, the units of its verdicts, at the default's training budget
     "full": {"source": _sources([*_DEFAULT, "video_cuts", "zipf_markov"]), "context": [128], "train_steps": [300],
              "train_seed": list(range(10))},
     # windows of 256 steps, the rank's growth to n = 256 (ten models per source, ~40 min of two cores, make
