@@ -69,20 +69,29 @@ def oracle_attention(q, k, v, query_map, key_map=None, causal=False, padding=Non
     k_s, v_s = k.repeat_interleave(rep, 1).double(), v.repeat_interleave(rep, 1).double()
     pad = None if padding is None else padding.expand(B, k.shape[1], k.shape[2]).repeat_interleave(rep, 1)
     pq, pk = oracle_features(query_map, q), oracle_features(key_map, k_s)
-    groups = q.shape[1] // state_heads
-    n, n_k = q.shape[2], k.shape[2]
-    out = torch.zeros(B, q.shape[1], n, v.shape[-1], dtype=torch.float64)
+    n_k = k.shape[2]
+
+    def weight(b, h, g, i, j):
+        if (causal and j > i) or (pad is not None and pad[b, g, j]) or (mask is not None and not mask[i, j]):
+            return None
+        return (pq[b, h, i] @ pk[b, g, j]) * gamma ** ((i if causal else n_k - 1) - j)
+
+    return oracle_loop(q.shape[1], q.shape[1] // state_heads, q.shape[2], n_k, v_s, weight)
+
+
+def oracle_loop(heads, groups, n, n_k, v, weight):
+    """``y_{b,h,i} = Σ_j w v_{b,g,j} / Σ_j w`` over the pairs whose ``weight(b, h, g, i, j)`` is not ``None``, with
+    ``g = h // groups``: one loop for every oracle here."""
+    out = torch.zeros(B, heads, n, v.shape[-1], dtype=torch.float64)
     for b in range(B):
-        for h in range(q.shape[1]):
+        for h in range(heads):
             g = h // groups
             for i in range(n):
                 num, den = 0.0, 0.0
                 for j in range(n_k):
-                    hidden = (pad is not None and pad[b, g, j]) or (mask is not None and not mask[i, j])
-                    if (causal and j > i) or hidden:
-                        continue
-                    w = (pq[b, h, i] @ pk[b, g, j]) * gamma ** ((i if causal else n_k - 1) - j)
-                    num, den = num + w * v_s[b, g, j], den + w
+                    w = weight(b, h, g, i, j)
+                    if w is not None:
+                        num, den = num + w * v[b, g, j], den + w
                 out[b, h, i] = num / den
     return out
 
@@ -179,23 +188,15 @@ def test_gradients_reach_the_parameters_as_through_the_oracle(kind, causal):
 # ------------------------------------------------------------------- the window + linear hybrid (LoLCATs' form)
 def oracle_window(q, k, v, fmap, window, causal, scale=0.4, padding=None):
     """A loop over (batch, query head, row): keys of the band by e^{s qᵀk}, the others by φ(q)ᵀφ(k), one normaliser."""
-    groups = q.shape[1] // k.shape[1]
     pq, pk = oracle_features(fmap, q), oracle_features(fmap, k)
-    n, n_k = q.shape[2], k.shape[2]
-    out = torch.zeros(B, q.shape[1], n, v.shape[-1], dtype=torch.float64)
-    for b in range(B):
-        for h in range(q.shape[1]):
-            g = h // groups
-            for i in range(n):
-                num, den = 0.0, 0.0
-                for j in range(n_k):
-                    if (causal and j > i) or (padding is not None and padding[b, 0, j]):
-                        continue
-                    near = (0 <= i - j < window) if causal else abs(i - j) < window
-                    w = torch.exp(scale * q[b, h, i] @ k[b, g, j]) if near else pq[b, h, i] @ pk[b, g, j]
-                    num, den = num + w * v[b, g, j], den + w
-                out[b, h, i] = num / den
-    return out
+
+    def weight(b, h, g, i, j):
+        if (causal and j > i) or (padding is not None and padding[b, 0, j]):
+            return None
+        near = (0 <= i - j < window) if causal else abs(i - j) < window
+        return torch.exp(scale * q[b, h, i] @ k[b, g, j]) if near else pq[b, h, i] @ pk[b, g, j]
+
+    return oracle_loop(q.shape[1], q.shape[1] // k.shape[1], q.shape[2], k.shape[2], v, weight)
 
 
 @pytest.mark.parametrize("kind", ["hedgehog", "t2r"])
