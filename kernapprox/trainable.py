@@ -50,7 +50,6 @@ import torch
 from torch import nn
 
 from .approximate.hybrid import Band, mask_padded_keys, window_attention_parts
-from .approximate.hybrid import _masks as band_masks
 from .attention import (
     MODES,
     linear_attention_from_features,
@@ -723,7 +722,8 @@ def feature_attention_weights(q: torch.Tensor, k: torch.Tensor, feature_map: Tra
             window = check_positive_int(window, "window")
             exact = resolve_scale(q.shape[-1], scale) * (q.to(log_kernel.dtype) @ _repeat_heads(
                 _repeat_heads(k, lay.repeat), lay.groups).to(log_kernel.dtype).transpose(-1, -2))
-            band, _ = band_masks(0, n, 0, n_k, window, causal, q.device)
+            offset = torch.arange(n, device=q.device)[:, None] - torch.arange(n_k, device=q.device)[None, :]
+            band = ((offset >= 0) & (offset < window)) if causal else (offset.abs() < window)
             log_kernel = torch.where(band, exact, log_kernel)
         elif scale is not None:
             raise ValueError("scale is the exact part's kernel scale: it needs window=")
