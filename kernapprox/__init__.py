@@ -10,9 +10,11 @@ torch.Size([2, 4, 128, 32])
 >>> err = ka.metrics.relative_rms_error(y, ka.softmax_attention(q, k, v, causal=True))   # per (batch, head)
 """
 
-# approximate (the attention estimators, above the attention core) registers its names in the estimator registry;
-# real (the real-model home) registers the "real" heads in the distribution registry
-from . import approximate, backends, estimators, metrics, real, rules, theory, trainable
+# The core a user needs at once is imported here: the attention core, the estimators and their registry (approximate
+# registers its names there). Everything else is loaded on first use (PEP 562): ``ka.convert``, ``ka.trainable``,
+# ``ka.real`` ... import their modules when first touched, so ``import kernapprox`` stays light and a program (a
+# study) loads, and so depends on, only the modules it uses (kernapprox.store keys results by the loaded modules).
+from . import approximate, estimators, metrics, rules
 from .attention import (
     MODES,
     RecurrentState,
@@ -33,9 +35,35 @@ from .estimators.registry import (
 )
 from .kernel import kernel_matrix, log_kernel_matrix, resolve_scale
 from .rules import available_rules
-from .surgery import convert
-from .trainable import HedgehogMap, T2RMap, feature_attention, fit_to_softmax
 from .validation import NotFittedError
+
+# name -> (module, attribute or None for the module itself), imported on first access
+_LAZY = {
+    "backends": ("kernapprox.backends", None), "real": ("kernapprox.real", None),
+    "theory": ("kernapprox.theory", None), "trainable": ("kernapprox.trainable", None),
+    "nn": ("kernapprox.nn", None), "surgery": ("kernapprox.surgery", None),
+    "convert": ("kernapprox.surgery.conversion", "convert"),
+    "HedgehogMap": ("kernapprox.trainable", "HedgehogMap"), "T2RMap": ("kernapprox.trainable", "T2RMap"),
+    "feature_attention": ("kernapprox.trainable", "feature_attention"),
+    "fit_to_softmax": ("kernapprox.trainable", "fit_to_softmax"),
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        value = importlib.import_module(module)
+        value = value if attribute is None else getattr(value, attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kernapprox' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

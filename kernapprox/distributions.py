@@ -346,8 +346,22 @@ for _cls in (IsotropicGaussian, AnisotropicGaussian, ClusteredGaussian, StudentT
     register_distribution(_cls)
 
 
+# Modules that register distributions of their own, loaded when a name is asked for that is not yet registered (or
+# when every name is listed), so that ``import kernapprox`` loads neither them nor what they need.
+PLUGINS = {"real": "kernapprox.real", "trained_causal": "kernapprox.models.heads"}
+
+
+def _load_plugins(name: str | None = None) -> None:
+    import importlib
+
+    for plugin, module in PLUGINS.items():
+        if plugin not in _DISTRIBUTIONS and (name is None or name == plugin):
+            importlib.import_module(module)
+
+
 def available_distributions() -> list[str]:
-    """Sorted registered distribution names."""
+    """Sorted registered distribution names (the plug-ins of :data:`PLUGINS` loaded first)."""
+    _load_plugins()
     return sorted(_DISTRIBUTIONS)
 
 
@@ -356,7 +370,9 @@ def make_distribution(name: str, **params) -> Distribution:
 
     Unknown names raise ``ValueError`` listing the valid ones; unknown parameters raise ``TypeError``.
     """
-    check_choice(name, "distribution", available_distributions())
+    if name not in _DISTRIBUTIONS:
+        _load_plugins(name if name in PLUGINS else None)
+    check_choice(name, "distribution", sorted(_DISTRIBUTIONS))
     return _DISTRIBUTIONS[name](**params)
 
 

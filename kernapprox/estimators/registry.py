@@ -46,6 +46,21 @@ TABLE_COLUMNS = {
 }
 
 
+# The names of the trainable maps (:data:`kernapprox.trainable.MAPS`, the same keys: a test checks it), here so that
+# a layer or a model can tell such a name without importing :mod:`kernapprox.trainable`: a study that never builds a
+# trainable map then never loads it, and an edit of it stales none of that study's results (kernapprox.store).
+TRAINABLE_MAP_NAMES = ("hedgehog_trainable", "t2r_trainable")
+
+
+def is_trainable_map(obj) -> bool:
+    """Whether ``obj`` is a :class:`kernapprox.trainable.TrainableFeatureMap` (without importing that module: no
+    instance can exist before it is loaded)."""
+    import sys
+
+    module = sys.modules.get("kernapprox.trainable")
+    return module is not None and isinstance(obj, module.TrainableFeatureMap)
+
+
 def register(name: str, cls: type[Estimator], **defaults) -> None:
     """Register ``cls`` under ``name`` with default constructor options (overridable in :func:`make_estimator`).
 

@@ -40,7 +40,6 @@ from torch import nn
 
 from ..estimators.registry import available_estimators
 from ..nn import KernelAttention
-from ..trainable import MAPS as TRAINABLE_MAPS
 from ..validation import as_generator, check_bool, check_positive_float, check_positive_int
 
 __all__ = ["AttentionSpec", "ModelConfig", "CausalTransformer", "register_attention", "attention_kinds",
@@ -205,7 +204,7 @@ def attention_kinds() -> list[str]:
 def _kernel_attention(spec: AttentionSpec, *, d_model: int, num_heads: int, chunk_size: int, rng) -> nn.Module:
     """:class:`KernelAttention` of a registry estimator or of a trainable map (:data:`kernapprox.trainable.MAPS`:
     its parameters are the layer's, trained with the model)."""
-    known = [*available_estimators(), *TRAINABLE_MAPS]
+    known = [*available_estimators(), *TRAINABLE_MAP_NAMES]
     if spec.estimator not in known:
         raise ValueError(f"unknown estimator {spec.estimator!r}; available: {', '.join(known)}")
     return KernelAttention(d_model, num_heads, spec.estimator, num_features=spec.num_features, mode=spec.mode,

@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -73,11 +74,19 @@ from torch import nn
 from ..attention import MODES, RecurrentState
 from ..attention.decode import DecodeCache, decode_cache
 from ..estimators.base import Estimator
-from ..estimators.registry import available_estimators, capabilities, make_estimator
+from ..estimators.registry import (
+    TRAINABLE_MAP_NAMES,
+    available_estimators,
+    capabilities,
+    is_trainable_map,
+    make_estimator,
+)
 from ..rules import NormalizedState, resolve_rule
-from ..trainable import MAPS, TrainableFeatureMap, feature_attention, make_map
 from ..validation import as_generator, check_bool, check_choice, check_device, check_positive_int, check_tensor
 from .functional import autocast_dtype, kernel_attention, repeat_kv
+
+if TYPE_CHECKING:
+    from ..trainable import TrainableFeatureMap
 
 __all__ = ["KernelAttention", "MapState"]
 
@@ -328,7 +337,7 @@ class KernelAttention(nn.Module):
         if pos_hook is not None and not callable(pos_hook):
             raise TypeError(f"pos_hook must be callable as pos_hook(q, k, positions) -> (q, k), got {pos_hook!r}")
         self.pos_hook = pos_hook
-        if isinstance(estimator, TrainableFeatureMap) or (isinstance(estimator, str) and estimator in MAPS):
+        if is_trainable_map(estimator) or (isinstance(estimator, str) and estimator in TRAINABLE_MAP_NAMES):
             self._init_map(estimator, num_features, mode, causal, rng, refit_every, rule, scale, device, dtype,
                            options)
             return
@@ -404,7 +413,9 @@ class KernelAttention(nn.Module):
         self._feature_rng = feature_rng
         self._dropout_rng = weight_rng.spawn(1)[0]
         device = torch.get_default_device() if device is None else check_device(device)
-        if isinstance(estimator, TrainableFeatureMap):
+        from ..trainable import make_map
+
+        if is_trainable_map(estimator):
             if num_features is not None or options:
                 raise ValueError("num_features and map options describe a map to build; the given map is built")
             if estimator.head_dim != self.qk_dim:
@@ -658,6 +669,8 @@ class KernelAttention(nn.Module):
         masks = self._masks(key_padding_mask, attn_mask, query_padding_mask, q, k)
         if self.feature_map is not None:
             q, k, v = _common_dtype(q, k, v)
+            from ..trainable import feature_attention
+
             out = feature_attention(q, k, v, self.feature_map, causal=causal, mode=self.mode,
                                     chunk_size=self.chunk_size, rule=self.rule, return_state=return_state, **masks)
             out, state = out if return_state else (out, None)
@@ -766,6 +779,8 @@ class KernelAttention(nn.Module):
         q, k, v = self._heads(x3, None, None, positions)                # (b, h | h_kv, 1, dim)
         if self.feature_map is not None:               # the map's state continued by one causal token
             q, k, v = _common_dtype(q, k, v)
+            from ..trainable import feature_attention
+
             y, state.state = feature_attention(q, k, v, self.feature_map, causal=True, mode="recurrent",
                                                rule=self.rule, initial_state=state.state, return_state=True)
             out = self.out_proj(y[..., 0, :].reshape(y.shape[0], self.embed_dim))

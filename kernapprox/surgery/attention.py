@@ -54,15 +54,19 @@ import dataclasses
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..attention import MODES, linear_attention
 from ..attention.masks import mask_kwargs
 from ..estimators import Estimator
+from ..estimators.registry import is_trainable_map
 from ..nn.functional import repeat_kv
-from ..trainable import TrainableFeatureMap, feature_attention
 from ..validation import check_choice, check_positive_int, check_same_kind, check_tensor
+
+if TYPE_CHECKING:
+    from ..trainable import TrainableFeatureMap
 
 CACHE_KEYWORD = "kernapprox_cache_layer"   # how a decoder cache layer reaches this function (surgery.cache)
 
@@ -171,7 +175,7 @@ class TrainableAttention(torch.nn.Module):
                  mode: str = "chunked", chunk_size: int = 64, window: int | None = None):
         super().__init__()
         for name, fmap in (("feature_map", feature_map), ("key_map", key_map)):
-            if fmap is not None and not isinstance(fmap, TrainableFeatureMap):
+            if fmap is not None and not is_trainable_map(fmap):
                 raise TypeError(f"{name} must be a kernapprox.trainable map (HedgehogMap, T2RMap), got "
                                 f"{type(fmap).__name__}")
         if feature_map is None:
@@ -188,6 +192,8 @@ class TrainableAttention(torch.nn.Module):
         """:func:`~kernapprox.trainable.feature_attention` of ``query (B, H, n, d)`` and ``key``/``value``
         ``(B, H_kv, n_k, ·)`` with this layer's maps; ``(B, H, n, d_v)`` (and the state with ``return_state``).
         ``scale``: the module's ``scaling``, the exact part's kernel scale with a window (unused without)."""
+        from ..trainable import feature_attention
+
         hybrid = {} if self.window is None else {"window": self.window, "scale": scale}
         return feature_attention(query, key, value, self.feature_map, key_map=self.key_map, causal=causal,
                                  mode=self.mode, chunk_size=self.chunk_size, key_padding_mask=key_padding_mask,

@@ -38,8 +38,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from ..estimators.registry import capabilities, make_estimator
-from ..trainable import LOSSES, MAP_OPTIONS, MAPS, fit_to_softmax, make_map
+from ..estimators.registry import TRAINABLE_MAP_NAMES, capabilities, make_estimator
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import attention as sa
 from . import cache as _cache
@@ -52,8 +51,9 @@ __all__ = ["FAMILIES", "TRAINABLE_MAPS", "stack_for", "head_seed", "substitute",
 
 # model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
 FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
-# the names convert() takes for trainable maps (parameters of the converted model, not registry estimators)
-TRAINABLE_MAPS: dict[str, type] = MAPS
+# the names convert() takes for trainable maps (parameters of the converted model, not registry estimators); the
+# classes are kernapprox.trainable.MAPS, imported when such a map is built
+TRAINABLE_MAPS: tuple[str, ...] = TRAINABLE_MAP_NAMES
 # convert()'s other options of a trainable map, by what they configure
 _ATTENTION_OPTIONS = ("mode", "chunk_size", "window")
 _FIT_OPTIONS = ("fit_loss", "fit_steps", "fit_lr", "fit_batch_size")
@@ -292,6 +292,8 @@ def fit_records(model) -> dict:
 
 def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rng, calibration, **options):
     """:func:`convert` with a trainable map (see its docstring)."""
+    from ..trainable import LOSSES, MAP_OPTIONS, make_map
+
     allowed = MAP_OPTIONS[estimator] + _ATTENTION_OPTIONS + _FIT_OPTIONS
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -332,6 +334,8 @@ def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rn
 def _transfer(model, stack, chosen, calibration, *, loss, steps, lr, batch_size, rng) -> None:
     """Attention transfer of each chosen layer's map, in order, on the calibration batch's queries, keys and values
     as the model computes them with the maps below already fitted (the teacher: the layer's softmax attention)."""
+    from ..trainable import fit_to_softmax
+
     if not isinstance(calibration, Mapping) or "input_ids" not in calibration and "inputs_embeds" not in calibration:
         raise TypeError("calibration must be a mapping of model inputs (input_ids, attention_mask, ...)")
     inputs = dict(calibration)
