@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..estimators.registry import available_estimators
+from ..estimators.registry import TRAINABLE_MAP_NAMES, available_estimators
 from ..nn import KernelAttention
 from ..validation import as_generator, check_bool, check_positive_float, check_positive_int
 
