@@ -10,13 +10,16 @@ everything else (projections, positions, masks, the rest of the network) the mod
 :mod:`~kernapprox.surgery.conversion`
     :func:`~kernapprox.surgery.conversion.convert` (``ka.convert``: a copy of a model with an estimator in chosen
     layers and heads, data-dependent maps fitted on a calibration batch);
-    :func:`~kernapprox.surgery.conversion.substitute`; :func:`~kernapprox.surgery.conversion.calibrate`; the family
-    adapters (``FAMILIES``).
+    :func:`~kernapprox.surgery.conversion.substitute`; :func:`~kernapprox.surgery.conversion.calibrate`; the encoder
+    family adapters (``FAMILIES``); :func:`~kernapprox.surgery.conversion.stack_for` (a model's adapter).
+:mod:`~kernapprox.surgery.decoder`
+    :class:`~kernapprox.surgery.decoder.DecoderStack`: the attention modules of any causal decoder whose attention
+    goes through transformers' attention interface (Llama, Qwen2/3, Mistral, Phi-3, OLMo-2, GPT-2, GPT-NeoX, Gemma,
+    ...), and :data:`~kernapprox.surgery.decoder.REFUSALS`, what cannot be converted exactly and why.
 :mod:`~kernapprox.surgery.bert`
     :class:`~kernapprox.surgery.bert.BertStack`: a BERT-family encoder layer by layer, through its own modules.
 :mod:`~kernapprox.surgery.llama`
-    :class:`~kernapprox.surgery.llama.LlamaStack`: the attention modules of a Llama-family decoder
-    (``LlamaForCausalLM``, ``LlamaModel``).
+    :class:`~kernapprox.surgery.llama.LlamaStack`: the decoder adapter under the Llama family's name.
 :mod:`~kernapprox.surgery.cache`
     :class:`~kernapprox.surgery.cache.KernelCache`: a converted decoder's cache (fixed-size states for substituted
     layers, keys and values for the others), which ``model(..., use_cache=True)`` and ``generate()`` use.
@@ -48,10 +51,12 @@ from .attention import (
 from .bert import BertStack
 from .cache import KernelCache, StateLayer
 from .conversion import FAMILIES, TRAINABLE_MAPS, calibrate, convert, fit_records, head_seed, stack_for, substitute
+from .decoder import REFUSALS, DecoderStack
 from .finetuning import FinetuneRecord, LoRALinear, add_lora, finetune, merge_lora
 from .llama import LlamaStack
 
 __all__ = ["AttentionCall", "PerSequence", "SubstitutedAttention", "TrainableAttention", "capture", "disable",
-           "enable", "get_attention", "set_attention", "BertStack", "LlamaStack", "KernelCache", "StateLayer",
+           "enable", "get_attention", "set_attention", "BertStack", "DecoderStack", "REFUSALS", "LlamaStack",
+           "KernelCache", "StateLayer",
            "FAMILIES", "TRAINABLE_MAPS", "calibrate", "convert", "fit_records", "head_seed", "stack_for",
            "substitute", "FinetuneRecord", "LoRALinear", "add_lora", "finetune", "merge_lora"]

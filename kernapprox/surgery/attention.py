@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import math
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -71,14 +72,38 @@ if TYPE_CHECKING:
 CACHE_KEYWORD = "kernapprox_cache_layer"   # how a decoder cache layer reaches this function (surgery.cache)
 
 __all__ = ["SubstitutedAttention", "TrainableAttention", "PerSequence", "AttentionCall", "enable", "disable",
-           "set_attention", "get_attention", "capture", "attention_forward", "key_padding_from_mask",
-           "implementation_name", "BASES"]
+           "set_attention", "get_attention", "capture", "probe", "attention_forward", "key_padding_from_mask",
+           "implementation_name", "hand_over", "BASES"]
 
 PREFIX = "kernapprox_"
 BASES = ("eager", "sdpa")
 _ATTRIBUTE = "kernapprox_attention"
 # keyword arguments that change what attention computes and that a substituted head cannot honour
 _REFUSED = ("sliding_window", "softcap", "s_aux", "sinks", "position_bias")
+# a decoder cache layer handed to the next attention call of its module, for the families whose attention module
+# calls cache.update(key, value, layer_idx) without its keyword arguments (GPT-NeoX); one slot per thread
+_HANDED = threading.local()
+
+
+def hand_over(layer) -> None:
+    """Hand the decoder cache layer ``layer`` (a :class:`~kernapprox.surgery.cache.StateLayer`, or ``None`` to clear
+    the slot) to the next call of :func:`attention_forward` in this thread: how a substituted layer reaches its
+    state when its attention module calls ``cache.update(key, value, layer_idx)`` without passing the keyword
+    arguments it then gives the attention interface (GPT-NeoX, GPT-J). The update is the module's last step before
+    that call, so the next call is the same module's (checked by ``module.layer_idx`` against ``layer.index``)."""
+    _HANDED.layer = layer
+
+
+def _handed(module):
+    """The cache layer :func:`hand_over` left for ``module`` (taken, the slot cleared), or ``None``."""
+    layer = getattr(_HANDED, "layer", None)
+    if layer is None:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if index is not None and getattr(layer, "index", index) != index:
+        return None
+    _HANDED.layer = None
+    return layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -370,6 +395,43 @@ def fit_in_one_pass(modules: Sequence[torch.nn.Module], fit: Callable[[int, Atte
                          "module one of its attention modules?)")
 
 
+def probe(modules: Sequence[torch.nn.Module], run: Callable[[], object]) -> list[AttentionCall]:
+    """The call each module of ``modules`` makes to transformers' attention interface when ``run()`` calls the
+    (enabled) model: one :class:`AttentionCall` per module, in the order given, every module computing its own
+    attention unchanged. How a conversion checks, before it substitutes anything, that each layer's attention goes
+    through the interface (``ValueError`` naming the modules ``run()`` did not reach that way) and reads the sizes and
+    ``scaling`` each module passes. A call passing what a substituted layer cannot honour (a sliding window, a
+    soft cap, attention sinks, a mask other than key padding and the causal triangle) raises its ``ValueError``
+    here. The modules' previous substitutions are restored."""
+    modules = list(modules)
+    if not all(isinstance(module, torch.nn.Module) for module in modules):
+        raise TypeError("modules must be torch.nn.Module attention modules")
+    calls: list[AttentionCall | None] = [None] * len(modules)
+
+    def on_call(index: int):
+        def handler(call: AttentionCall):
+            calls[index] = call
+            return None                                 # the module's own attention (attention_forward)
+        return handler
+
+    previous = [module.__dict__.get(_ATTRIBUTE) for module in modules]
+    for index, module in enumerate(modules):
+        module.__dict__[_ATTRIBUTE] = _Capture(on_call(index))
+    try:
+        run()
+    finally:
+        for index, module in enumerate(modules):
+            if previous[index] is None:
+                module.__dict__.pop(_ATTRIBUTE, None)
+            else:
+                module.__dict__[_ATTRIBUTE] = previous[index]
+    missing = [index for index, call in enumerate(calls) if call is None]
+    if missing:
+        raise ValueError(f"the attention modules {missing} ({type(modules[missing[0]]).__name__}) were not called "
+                         "through transformers' attention interface: their attention cannot be substituted")
+    return calls
+
+
 def _base_function(module, base: str):
     if base == "eager":
         # transformers' eager attention is a function of each model's modeling file, the default the module passes
@@ -443,6 +505,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     feature map), else what the model's own ``base`` function returns.
     """
     layer = kwargs.pop(CACHE_KEYWORD, None)          # a StateLayer of the converted model's cache (surgery.cache)
+    if layer is None:
+        layer = _handed(module)                       # or handed over by a module that passes no kwargs to update
     attention = getattr(module, _ATTRIBUTE, None)     # an attribute read: torch.compile guards it per module
     if attention is None:
         if layer is not None:
@@ -491,6 +555,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise _Captured(call)
         attention = attention.on_call(call)             # the layer's maps fitted on this call, then used in it
         set_attention(module, attention)
+        if attention is None:                           # a probe (probe()): the module's own attention, unchanged
+            return _base_function(module, base)(module, query, key, value, full_mask, scaling=scaling,
+                                                dropout=dropout, **kwargs)
     if isinstance(attention, TrainableAttention):      # the whole layer, grouped heads as the model groups them
         return _trainable_forward(attention, layer, query, key, value, padding, causal, float(scaling)), None
     own_key, own_value = key, value                    # what the model's own function expects (before repetition)

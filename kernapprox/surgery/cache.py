@@ -1,6 +1,8 @@
 """The decoder cache of a converted model: fixed-size states for substituted layers, a KV cache for the others.
 
-A converted causal model (:func:`~kernapprox.surgery.conversion.convert` of a ``LlamaForCausalLM``) keeps the
+A converted causal model (:func:`~kernapprox.surgery.conversion.convert` of a decoder,
+:class:`~kernapprox.surgery.decoder.DecoderStack`: Llama, Qwen2/3, Mistral, Phi-3, OLMo-2, GPT-2, GPT-NeoX, Gemma, …)
+keeps the
 Hugging Face decoding interface: ``model(..., use_cache=True)`` returns its cache as ``outputs.cache`` (the
 ``past_key_values`` of transformers before 5), which the next call continues (``cache=``), and ``generate()``
 decodes with it. :class:`KernelCache` is that cache: a transformers ``DynamicCache`` whose layers are
@@ -19,11 +21,13 @@ interface, with the keyword arguments it then passes to that interface. :meth:`S
 <kernapprox.surgery.cache.StateLayer.update>` returns the new keys and values unchanged and adds itself to those
 keyword arguments (``kernapprox_cache_layer``), so that
 :func:`~kernapprox.surgery.attention.attention_forward` runs each substituted head's cache on the new tokens: new
-query ``i`` attends to the state of every earlier token and to the new keys up to itself.
+query ``i`` attends to the state of every earlier token and to the new keys up to itself. A family whose module
+calls ``cache.update(key, value, layer_idx)`` without its keyword arguments (GPT-NeoX) gets the layer handed to its
+next attention call instead (:func:`~kernapprox.surgery.attention.hand_over`, checked by the layer index).
 
-The cache is created by the model itself: :func:`install` registers a forward pre-hook on the decoder (the
-``LlamaModel``) that, when the call uses a cache, gives it a :class:`KernelCache` (no cache passed) or puts
-state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
+The cache is created by the model itself: :func:`install` registers a forward pre-hook on the decoder (the base
+model, ``model.base_model``) that, when the call uses a cache, gives it a :class:`KernelCache` (no cache passed) or
+puts state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
 ``generate()`` creates), so prefill and decode need nothing from the user. Masks keep working:
 ``get_seq_length`` counts the tokens seen and ``get_mask_sizes`` is the dynamic cache's (``seen + query length``,
 offset 0), so ``masking_utils`` builds the mask of the whole context; the substituted layer reads the columns of
@@ -57,7 +61,7 @@ from ..attention.decode import DecodeCache, GroupedQueryCache, decode_cache
 from ..validation import check_float_dtype
 from . import attention as sa
 from .attention import CACHE_KEYWORD
-from .llama import LlamaStack
+from .decoder import DecoderStack
 
 __all__ = ["StateLayer", "KernelCache", "install"]
 _HOOK = "kernapprox_cache_hook"
@@ -87,8 +91,9 @@ class StateLayer(CacheLayerMixin):
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, *, keep_kv: bool = False, state_dtype: torch.dtype | None = None):
+    def __init__(self, *, keep_kv: bool = False, state_dtype: torch.dtype | None = None, index: int | None = None):
         super().__init__()
+        self.index = index               # the decoder layer this cache layer belongs to
         self.state_dtype = state_dtype
         self.decoders: dict[tuple[int, ...], DecodeCache | GroupedQueryCache] = {}
         self.kv = DynamicLayer() if keep_kv else None
@@ -104,17 +109,16 @@ class StateLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, kwargs=None, **extra):
         """Count the new tokens, keep their keys and values for kept heads, hand this layer to the attention call
         (through ``kwargs``), and return the new keys and values: the substituted heads read their states."""
-        if kwargs is None:
-            raise ValueError("the attention module did not pass its keyword arguments to cache.update(..., "
-                             "kwargs=...), so a substituted layer cannot reach its state (transformers' Llama "
-                             "attention passes them)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.kv is not None:
             self.full = self.kv.update(key_states, value_states)
         self.seen += key_states.shape[-2]
         self.batch_size = key_states.shape[0]
-        kwargs[CACHE_KEYWORD] = self
+        if kwargs is None:      # a module that passes no kwargs to update (GPT-NeoX): its next attention call
+            sa.hand_over(self)
+        else:
+            kwargs[CACHE_KEYWORD] = self
         return key_states, value_states
 
     def decoder(self, heads: tuple[int, ...], estimator, mode: str | None, *, groups: int = 1):
@@ -195,9 +199,10 @@ def _layers_for(stack, state_dtype=None) -> list:
         if attention is None:
             layers.append(DynamicLayer())
         elif isinstance(attention, sa.TrainableAttention):     # every head by the map: no kept keys and values
-            layers.append(StateLayer())
+            layers.append(StateLayer(index=index))
         else:
-            layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads), state_dtype=state_dtype))
+            layers.append(StateLayer(keep_kv=any(entry is None for entry in attention.heads), state_dtype=state_dtype,
+                                     index=index))
     return layers
 
 
@@ -208,7 +213,7 @@ class KernelCache(DynamicCache):
     Parameters
     ----------
     model
-        A converted Llama-family model (``LlamaForCausalLM`` or ``LlamaModel``).
+        A converted decoder (a ``…ForCausalLM`` or its base model; :class:`~kernapprox.surgery.decoder.DecoderStack`).
     state_dtype : torch.dtype, optional
         The dtype the substituted heads' decoding caches compute and keep their states in
         (:func:`~kernapprox.attention.decode.decode_cache`; default the activations' compute dtype). ``float64``
@@ -222,7 +227,7 @@ class KernelCache(DynamicCache):
 
     def __init__(self, model, *, state_dtype: torch.dtype | None = None):
         self.state_dtype = check_float_dtype(state_dtype, "state_dtype", allow_none=True)
-        Cache.__init__(self, layers=_layers_for(LlamaStack(model), state_dtype))
+        Cache.__init__(self, layers=_layers_for(DecoderStack(model), state_dtype))
 
     def state_bytes(self) -> int:
         """Bytes of the whole cache: states of the substituted layers, keys and values of the others."""
@@ -263,6 +268,7 @@ def _adopt(cache: Cache, stack) -> None:
 
 
 def _pre_hook(module, args, kwargs):
+    sa.hand_over(None)                   # nothing left over from an interrupted call reaches this one
     if len(args) > 3:
         raise TypeError("pass the cache of a converted model by keyword (cache= or past_key_values=)")
     name = "past_key_values" if "past_key_values" in kwargs and kwargs.get("cache") is None else "cache"
@@ -276,14 +282,14 @@ def _pre_hook(module, args, kwargs):
         kwargs[name] = KernelCache(module)
         return args, kwargs
     if isinstance(cache, Cache):
-        _adopt(cache, LlamaStack(module))
+        _adopt(cache, DecoderStack(module))
     return None
 
 
 def install(model) -> None:
-    """Make ``model`` (a converted Llama-family model) create and adopt its :class:`KernelCache` (see the module
+    """Make ``model`` (a converted decoder) create and adopt its :class:`KernelCache` (see the module
     docstring): a forward pre-hook on its decoder. Idempotent; copies of the model (``copy.deepcopy``) keep it."""
-    base = getattr(model, "model", model)
+    base = model.base_model
     if base.__dict__.get(_HOOK):
         return
     base.register_forward_pre_hook(_pre_hook, with_kwargs=True)

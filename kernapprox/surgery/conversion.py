@@ -2,13 +2,18 @@
 
 :func:`convert` is the one-call form (a registry name, ``r``, layers, heads, a seed, a calibration batch);
 :func:`substitute` puts given fitted estimators into a copy; :func:`calibrate` fits data-dependent maps layer by
-layer on a calibration batch, each layer on the activations of the model as substituted below it. A model family
-is found by its configuration's declared ``model_type`` in :data:`FAMILIES` (``"bert"``: BERT-family encoders,
-MiniLM included; ``"llama"``: ``LlamaForCausalLM`` and ``LlamaModel``, with their rotary embeddings and
-grouped-query heads); a family adapter gives the attention module of each layer and the sizes
-(:class:`~kernapprox.surgery.bert.BertStack`, :class:`~kernapprox.surgery.llama.LlamaStack`). A converted causal
-decoder keeps the Hugging Face decoding interface, with fixed-size states as the cache of its substituted layers
-(:mod:`~kernapprox.surgery.cache`).
+layer on a calibration batch, each layer on the activations of the model as substituted below it. The
+adapter of a model (:func:`stack_for`: where its attention modules are, its sizes) is found by its configuration's
+``model_type`` in :data:`FAMILIES` for the encoders (``"bert"``: BERT-family encoders, MiniLM included,
+:class:`~kernapprox.surgery.bert.BertStack`); every other model is a decoder whose attention goes through
+transformers' attention interface (:class:`~kernapprox.surgery.decoder.DecoderStack`: Llama, Qwen2/3, Mistral,
+Phi-3, OLMo-2, GPT-2, GPT-NeoX, Gemma, … with their rotary or learned positions, grouped-query heads and q/k norms),
+or is refused with the reason (:data:`~kernapprox.surgery.decoder.REFUSALS`: ALiBi, soft-capping, sliding windows,
+attention outside the interface). Before it substitutes anything a conversion runs one probe pass
+(:func:`~kernapprox.surgery.attention.probe`) that checks every layer's attention reaches the interface and reads the
+``scaling`` each module passes (an estimator is built with that kernel scale where it is not ``d^{-1/2}``, GPT-2's
+``scale_attn_by_inverse_layer_idx`` for one). A converted causal decoder keeps the Hugging Face decoding interface,
+with fixed-size states as the cache of its substituted layers (:mod:`~kernapprox.surgery.cache`).
 
 Trainable maps (:data:`TRAINABLE_MAPS`: ``"hedgehog_trainable"``, ``"t2r_trainable"``) are not estimators but
 parameters: each chosen layer gets one map module (:class:`~kernapprox.trainable.HedgehogMap` or
@@ -32,25 +37,27 @@ True
 from __future__ import annotations
 
 import copy as _copy
+import math
 import numbers
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import torch
 
-from ..estimators.registry import TRAINABLE_MAP_NAMES, capabilities, make_estimator
+from ..estimators.registry import TRAINABLE_MAP_NAMES, available_estimators, capabilities, make_estimator
 from ..validation import check_choice, check_positive_float, check_positive_int
 from . import attention as sa
 from . import cache as _cache
 from .bert import BertStack
-from .llama import LlamaStack
+from .decoder import DecoderStack, check_transformers_model
 from .placement import check_layers
 
 __all__ = ["FAMILIES", "TRAINABLE_MAPS", "stack_for", "head_seed", "substitute", "calibrate", "convert",
            "fit_records"]
 
-# model_type (a transformers configuration's declared field) -> layer-stack adapter of that family
-FAMILIES: dict[str, type] = {"bert": BertStack, "llama": LlamaStack}
+# model_type (a transformers configuration's declared field) -> layer-stack adapter of the encoder families; every
+# other model is a decoder of DecoderStack (attention through transformers' interface) or refused with the reason
+FAMILIES: dict[str, type] = {"bert": BertStack}
 # the names convert() takes for trainable maps (parameters of the converted model, not registry estimators); the
 # classes are kernapprox.trainable.MAPS, imported when such a map is built
 TRAINABLE_MAPS: tuple[str, ...] = TRAINABLE_MAP_NAMES
@@ -60,13 +67,56 @@ _FIT_OPTIONS = ("fit_loss", "fit_steps", "fit_lr", "fit_batch_size")
 
 
 def stack_for(model):
-    """The family adapter of ``model`` (by ``model.config.model_type``)."""
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
-        raise ValueError(f"no kernapprox adapter for model_type {model_type!r}; supported: "
-                         f"{', '.join(sorted(FAMILIES))}")
-    return FAMILIES[model_type](model)
+    """The adapter of ``model``: its family's in :data:`FAMILIES` (by ``model.config.model_type``), else a
+    :class:`~kernapprox.surgery.decoder.DecoderStack`. ``TypeError`` for an object that is not a transformers
+    model; ``ValueError`` naming the reason for a model that cannot be converted exactly."""
+    check_transformers_model(model)
+    family = FAMILIES.get(model.config.model_type)
+    return DecoderStack(model) if family is None else family(model)
+
+
+def _probe(model, stack) -> list:
+    """The attention call of every layer of ``model`` (enabled) on a two-token input, in eval mode (no dropout, no
+    random draw; the modules' training flags restored): :func:`~kernapprox.surgery.attention.probe`, which refuses
+    layers whose attention does not reach transformers' attention interface and calls a substituted layer cannot
+    honour. Checks the adapter's sizes against what the modules pass."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None else None
+    inputs = {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
+    if stack.decodes:
+        inputs["use_cache"] = False
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            calls = sa.probe(stack.attention_modules(), lambda: model(**inputs))
+    finally:
+        for module, training in flags:
+            module.training = training
+    for layer, call in enumerate(calls):
+        if call.query.shape[1] != stack.num_heads or call.query.shape[-1] != stack.head_dim:
+            raise ValueError(f"layer {layer}'s attention passes {call.query.shape[1]} heads of dimension "
+                             f"{call.query.shape[-1]}; the configuration declares {stack.num_heads} of "
+                             f"{stack.head_dim}")
+    return calls
+
+
+def _check_causal(stack, estimator: str, options) -> None:
+    """Refuse, before anything is built or fitted, an estimator that cannot attend causally for a causal decoder
+    (its declared capability, :func:`~kernapprox.estimators.registry.capabilities`)."""
+    if stack.decodes and estimator not in TRAINABLE_MAPS and not capabilities(estimator, **options).causal:
+        raise ValueError(f"estimator {estimator!r} cannot be causal (capabilities({estimator!r}).causal is False: "
+                         "its estimate of a query's attention needs keys after it, or a fit on them), so it cannot "
+                         f"convert the causal decoder {stack.config.model_type!r}; choose a causal estimator")
+
+
+def _scale_options(options, calls, layer: int, head_dim: int) -> dict:
+    """``options`` with ``scale`` the module's ``scaling`` where it is not ``head_dim^{-1/2}`` and the caller gave
+    none (the estimator's kernel is then the module's, ``exp(qᵀk · scaling)``)."""
+    scaling = calls[layer].scaling
+    if "scale" in options or math.isclose(scaling, head_dim ** -0.5, rel_tol=1e-12):
+        return options
+    return {**options, "scale": scaling}
 
 
 def head_seed(rng, layer: int, head: int) -> np.random.SeedSequence:
@@ -83,10 +133,12 @@ def substitute(model, layers: Mapping[int, Sequence], *, copy: bool = True):
     """``model`` (a copy, unless ``copy=False``) with layer ``l``'s attention heads given by ``layers[l]``: one entry
     per query head, a fitted estimator, a :class:`~kernapprox.surgery.attention.PerSequence` or ``None`` (the
     model's own head). Everything else is the model's own."""
+    stack_for(model)                                   # refusals before the copy
     target = _copy.deepcopy(model) if copy else model
     stack = stack_for(target)
     check_layers(layers, "layers", stack.num_layers)
     sa.enable(target)
+    _probe(target, stack)
     for layer, heads in layers.items():
         sa.set_attention(stack.attention_module(int(layer)), sa.SubstitutedAttention(heads))
     if stack.decodes:
@@ -206,11 +258,14 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
                              "head already")
         return _convert_trainable(model, estimator, num_features=num_features, layers=layers, heads=heads, rng=rng,
                                   calibration=calibration, **options)
+    check_choice(estimator, "estimator", available_estimators())
+    _check_causal(stack_for(model), estimator, options)      # refusals before the copy and any calibration
     converted = _copy.deepcopy(model)
     stack = stack_for(converted)
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
     head_set = set(range(stack.num_heads)) if heads is None else _check_heads(heads, stack.num_heads)
     sa.enable(converted)
+    calls = _probe(converted, stack)
     if stack.decodes:                # decoding through the model's own cache interface
         _cache.install(converted)
     dtype = next(converted.parameters()).dtype
@@ -225,7 +280,9 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
         raise ValueError(f"share_heads=True with the data-dependent {estimator!r}: each head is fitted on its own "
                          "activations, so heads cannot share one fit")
     pending = {}                                          # layer -> heads still to be fitted on calibration data
+    base_options = options
     for layer in chosen:
+        options = _scale_options(base_options, calls, layer, stack.head_dim)
         per_head = []
         shared = None
         for head in range(stack.num_heads):
@@ -310,6 +367,7 @@ def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rn
     batch_size = fit.get("fit_batch_size")
     if batch_size is not None:
         check_positive_int(batch_size, "fit_batch_size")
+    stack_for(model)                                   # refusals before the copy
     converted = _copy.deepcopy(model)
     stack = stack_for(converted)
     chosen = sorted(check_layers(range(stack.num_layers) if layers is None else layers, "layers", stack.num_layers))
@@ -319,6 +377,7 @@ def _convert_trainable(model, estimator: str, *, num_features, layers, heads, rn
     kv_heads = getattr(stack, "num_kv_heads", stack.num_heads)
     param = next(converted.parameters())
     sa.enable(converted)
+    _probe(converted, stack)
     if stack.decodes:
         _cache.install(converted)
     for layer in chosen:

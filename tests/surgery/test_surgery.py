@@ -294,7 +294,7 @@ def test_convert_substitutes_only_the_chosen_layers_and_heads():
         ka.convert(model, "positive", num_features=8, heads=[4])
     with pytest.raises(ValueError, match="layers"):
         ka.convert(model, "positive", num_features=8, layers=[3])
-    with pytest.raises(ValueError, match="model_type"):
+    with pytest.raises(TypeError, match="model must be a transformers model"):
         ka.convert(torch.nn.Linear(2, 2), "exact")
 
 
