@@ -21,8 +21,9 @@ which is exactly whether every answer token is the argmax at its position given 
 tokens (the greedy path is the teacher-forced path as long as they agree), so one forward pass gives both.
 
 Decoding: :func:`decode_timing` runs the prefill ``model(prompt, use_cache=True)`` and then one token at a time with
-the returned cache, timing each step, and measures the cache's bytes from its tensors (for SmolLM2 they equal
-:func:`kernapprox.lm.kv_cache_bytes`).
+the returned cache, timing each step, and measures the cache's bytes (:func:`cache_bytes`: a converted model's
+fixed-size states by :meth:`KernelCache.state_bytes <kernapprox.surgery.cache.KernelCache.state_bytes>`, a key/value
+cache from its tensors; for SmolLM2-135M-Instruct's KV cache they equal :func:`kernapprox.lm.kv_cache_bytes`).
 """
 
 from __future__ import annotations
@@ -180,8 +181,8 @@ def _line_boundary(tokenizer, filler: list[int], position: int, reach: int = 64)
 
 
 # The haystack of the original passkey test (Mohtashami & Jaggi 2023, §4.2), repeated: predictable text, against which
-# the real text of a held-out source is the harder test (SmolLM2-135M finds a key at 1024 tokens in the one, not in
-# the other: docs/guide/causal_lm.md).
+# the real text of a held-out source is the harder test (SmolLM2-135M-Instruct, dequantised from its Q4_1 GGUF,
+# finds a key at 1024 tokens in the one, not in the other: docs/guide/causal_lm.md).
 CLASSIC_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -362,15 +363,26 @@ def _cache_of(output):
 
 
 def cache_bytes(cache) -> int:
-    """Bytes held by a transformers cache's key and value tensors (a ``DynamicCache``'s layers, or the legacy
-    tuple of ``(key, value)`` pairs); ``TypeError`` for a cache of another kind."""
+    """Bytes held by a decoding cache: a converted model's :class:`~kernapprox.surgery.cache.KernelCache` by its
+    ``state_bytes()`` (the substituted layers' fixed-size states, the kept heads' keys and values); a transformers
+    cache layer by layer, a kernapprox state layer (:class:`~kernapprox.surgery.cache.StateLayer`, as ``generate()``'s
+    ``DynamicCache`` holds them for a converted model) by its ``state_bytes()`` and any other layer by its key and
+    value tensors; or the legacy tuple of ``(key, value)`` pairs. ``TypeError`` for a cache of another kind."""
+    from .surgery.cache import KernelCache, StateLayer
+
+    if isinstance(cache, KernelCache):
+        return int(cache.state_bytes())
     layers = getattr(cache, "layers", None)
     if layers is not None:
-        pairs = [(layer.keys, layer.values) for layer in layers]
-    elif isinstance(cache, tuple | list) and all(isinstance(p, tuple | list) and len(p) >= 2 for p in cache):
-        pairs = [(p[0], p[1]) for p in cache]
-    else:
-        raise TypeError(f"cache_bytes does not know the cache type {type(cache).__name__}")
+        states = [layer for layer in layers if isinstance(layer, StateLayer)]
+        pairs = [(layer.keys, layer.values) for layer in layers if not isinstance(layer, StateLayer)]
+        return sum(int(layer.state_bytes()) for layer in states) + _tensor_bytes(pairs)
+    if isinstance(cache, tuple | list) and all(isinstance(p, tuple | list) and len(p) >= 2 for p in cache):
+        return _tensor_bytes([(p[0], p[1]) for p in cache])
+    raise TypeError(f"cache_bytes does not know the cache type {type(cache).__name__}")
+
+
+def _tensor_bytes(pairs) -> int:
     total = 0
     for pair in pairs:
         for t in pair:
@@ -389,8 +401,8 @@ def decode_timing(model, input_ids: torch.Tensor, n_decode: int = 16, *, warmup:
     dict
         ``prefill_seconds``; ``step_seconds`` (array of ``n_decode``); ``context_len`` ``n``;
         ``cache_bytes_after_prefill`` and ``cache_bytes`` (after the last step, ``n + warmup + n_decode`` tokens),
-        measured from the cache's tensors (:func:`cache_bytes`); ``cache_tokens`` (the cache's length at the end);
-        ``tokens`` (the ``1 + warmup + n_decode`` greedy ids: the prefill's, then each step's).
+        measured by :func:`cache_bytes` (a converted model's states included); ``cache_tokens`` (the cache's length
+        at the end); ``tokens`` (the ``1 + warmup + n_decode`` greedy ids: the prefill's, then each step's).
     """
     input_ids = _check_ids(input_ids, min_len=1)
     if input_ids.shape[0] != 1:

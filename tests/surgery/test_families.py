@@ -12,6 +12,7 @@ import transformers
 from helpers import assert_decode_equals_full_pass, decode_steps
 
 import kernapprox as ka
+from kernapprox import lm_eval
 from kernapprox.surgery import attention as sa
 from kernapprox.surgery.cache import KernelCache, StateLayer
 from kernapprox.surgery.decoder import DecoderStack
@@ -83,6 +84,7 @@ def test_a_feature_map_decodes_through_the_cache_equal_to_its_parallel_pass(fami
     assert float((got - full).abs().max()) < 1e-10
     # per layer and sequence, every query head keeps r (d_v + 1) float64 numbers, r = 8 for both maps here
     assert cache.state_bytes() == LAYERS * 2 * HEADS * 8 * (HEAD_DIM + 1) * 8
+    assert lm_eval.cache_bytes(cache) == cache.state_bytes()
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gpt2", "gpt_neox"])
@@ -145,6 +147,23 @@ def test_gpt2_layer_scaling_becomes_the_estimators_kernel_scale():
     for layer in range(LAYERS):
         heads = sa.get_attention(stack.attention_module(layer)).heads
         assert all(h.scale_ == pytest.approx(HEAD_DIM ** -0.5 / (layer + 1), rel=1e-12) for h in heads)
+
+
+def test_decode_timing_reports_the_states_bytes():
+    converted = ka.convert(tiny("qwen2"), "positive", num_features=8, rng=0)
+    timing = lm_eval.decode_timing(converted, ids(1, 6), n_decode=3, warmup=1)
+    per_state = LAYERS * HEADS * 8 * (HEAD_DIM + 1) * 4             # float32, one sequence: constant in the context
+    assert timing["cache_bytes_after_prefill"] == timing["cache_bytes"] == per_state
+    assert timing["cache_tokens"] == 6 + 1 + 3
+    # a DynamicCache that generate() would create holds state layers after the prefill: counted by their states
+    cache = transformers.DynamicCache(config=converted.config)
+    with torch.no_grad():
+        converted(input_ids=ids(1, 6), cache=cache, use_cache=True)
+    assert lm_eval.cache_bytes(cache) == per_state
+    exact = ka.convert(tiny("qwen2"), "exact")
+    timing = lm_eval.decode_timing(exact, ids(1, 6), n_decode=3, warmup=1)
+    # the exact estimator's decoding cache: keys and values of every token (10), per query head
+    assert timing["cache_bytes"] == LAYERS * HEADS * 10 * (HEAD_DIM + HEAD_DIM) * 4
 
 
 @pytest.mark.parametrize(("model_type", "options", "reason"), [
