@@ -1,7 +1,7 @@
 """The attention of a Hugging Face model's chosen layers and heads, computed by kernapprox estimators.
 
 transformers (≥ 4.48, 5.x) routes every attention module through one interface: the module projects its
-queries, keys and values, applies its positions (rotary embeddings, for the Llama family), and calls
+queries, keys and values, applies what its family puts on them (rotary embeddings, q/k norms), and calls
 ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, query, key, value, attention_mask, scaling=...,
 dropout=..., **kwargs)`` with ``query`` ``(B, H, n_q, d)`` and ``key``/``value`` ``(B, H_kv, n_k, d)`` before
 the grouped-query repetition; it expects ``(output (B, n_q, H, d_v), weights or None)``. The mask was built by

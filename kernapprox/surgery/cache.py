@@ -26,9 +26,10 @@ calls ``cache.update(key, value, layer_idx)`` without its keyword arguments (GPT
 next attention call instead (:func:`~kernapprox.surgery.attention.hand_over`, checked by the layer index).
 
 The cache is created by the model itself: :func:`install` registers a forward pre-hook on the decoder (the base
-model, ``model.base_model``) that, when the call uses a cache, gives it a :class:`KernelCache` (no cache passed) or
-puts state layers (:class:`StateLayer`) into the empty layers of the ``DynamicCache`` it was given (the one
-``generate()`` creates), so prefill and decode need nothing from the user. Masks keep working:
+model, or the module of it that runs the layers, as OPT's ``decoder``: ``DecoderStack.decoder``) that, when the
+call uses a cache, gives it a :class:`KernelCache` (no cache passed) or puts state layers (:class:`StateLayer`)
+into the empty layers of the ``DynamicCache`` it was given (the one ``generate()`` creates), so prefill and decode
+need nothing from the user. Masks keep working:
 ``get_seq_length`` counts the tokens seen and ``get_mask_sizes`` is the dynamic cache's (``seen + query length``,
 offset 0), so ``masking_utils`` builds the mask of the whole context; the substituted layer reads the columns of
 the new tokens from it.
@@ -289,7 +290,7 @@ def _pre_hook(module, args, kwargs):
 def install(model) -> None:
     """Make ``model`` (a converted decoder) create and adopt its :class:`KernelCache` (see the module
     docstring): a forward pre-hook on its decoder. Idempotent; copies of the model (``copy.deepcopy``) keep it."""
-    base = model.base_model
+    base = DecoderStack(model).decoder
     if base.__dict__.get(_HOOK):
         return
     base.register_forward_pre_hook(_pre_hook, with_kwargs=True)

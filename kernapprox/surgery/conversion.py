@@ -198,7 +198,13 @@ def convert(model, estimator: str, *, num_features: int | None = None, layers=No
     Parameters
     ----------
     model
-        A transformers model of a family in :data:`FAMILIES`, on the eager or SDPA attention implementation.
+        A transformers model on the eager or SDPA attention implementation: an encoder of :data:`FAMILIES`, or a
+        decoder whose attention goes through transformers' attention interface
+        (:class:`~kernapprox.surgery.decoder.DecoderStack`). ``TypeError`` for anything else than a transformers
+        model; ``ValueError`` naming the reason for a model that cannot be converted exactly (soft-capping, sliding
+        windows, ALiBi, attention outside the interface: :data:`~kernapprox.surgery.decoder.REFUSALS`) and, before
+        any copy or calibration, for an estimator that cannot be causal (``capabilities(name).causal``) with a
+        causal decoder.
     estimator : str
         A registry name (``"exact"`` reproduces the model to rounding), or ``"hedgehog_trainable"`` /
         ``"t2r_trainable"``: one trainable map per chosen layer, a parameter of the copy (see below).

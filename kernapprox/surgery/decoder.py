@@ -13,8 +13,9 @@ before that call is the model's own and stays so; what a substituted head comput
 :mod:`~kernapprox.surgery.attention`'s. So one adapter, :class:`DecoderStack`, serves every such family, found from
 the model itself:
 
-* the decoder layers: the ``torch.nn.ModuleList`` of ``config.num_hidden_layers`` modules in the base model
-  (``model.layers`` of Llama, Qwen2/3, Mistral, Phi-3, OLMo-2, Gemma; ``h`` of GPT-2; ``layers`` of GPT-NeoX);
+* the decoder layers: the one ``torch.nn.ModuleList`` of ``config.num_hidden_layers`` modules in the base model
+  (``model.layers`` of Llama, Qwen2/3, Mistral, Phi-3, OLMo-2, Gemma; ``h`` of GPT-2; ``layers`` of GPT-NeoX;
+  ``decoder.layers`` of OPT);
 * each layer's attention module: its child named in :data:`ATTENTION_NAMES` (``self_attn``, ``attn``,
   ``attention``, ``self_attention``);
 * the sizes from the configuration: query heads, key/value heads (``num_key_value_heads``; all of them without
@@ -38,7 +39,7 @@ and the model class; ``ValueError`` naming the reason):
   (``add_cross_attention``, encoder–decoder models): not a causal self-attention a state can carry.
 
 Families tested (``tests/surgery/test_families.py``, tiny random models from their configurations): Llama, Qwen2,
-Qwen3, Mistral (no sliding window), Phi-3, OLMo-2, GPT-2, GPT-NeoX, Gemma; refused: Gemma 2 (soft-capping,
+Qwen3, Mistral (no sliding window), Phi-3, OLMo-2, GPT-2, GPT-NeoX, Gemma, OPT, Granite; refused: Gemma 2 (soft-capping,
 sliding windows), Mistral with a sliding window, BLOOM (ALiBi).
 """
 
@@ -61,7 +62,8 @@ def _sliding(config) -> bool:
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return any(kind != "full_attention" for kind in layer_types)
-    return getattr(config, "sliding_window", None) is not None or getattr(config, "attention_chunk_size", None)
+    return (getattr(config, "sliding_window", None) is not None
+            or getattr(config, "attention_chunk_size", None) is not None)
 
 
 # (reason, test of the configuration): what a converted model could not compute exactly
@@ -113,6 +115,8 @@ class DecoderStack:
     model : the base model (``model.base_model``: the decoder without its head)
     layers : torch.nn.ModuleList
         Its decoder layers.
+    decoder : the module that runs them (the base model, or its ``decoder`` as in OPT), whose forward a converted
+        model's cache hook wraps (:func:`~kernapprox.surgery.cache.install`)
     num_layers, num_heads, num_kv_heads, head_dim : int
     decodes : bool
         True (declared): a causal decoder, whose converted copies decode with a
@@ -133,18 +137,22 @@ class DecoderStack:
                              f"{why}")
         base = model.base_model
         count = getattr(config, "num_hidden_layers", None)
-        found = [module for module in base.children()
+        found = [(parent, module) for parent in base.modules() for module in parent.children()
                  if isinstance(module, torch.nn.ModuleList) and len(module) == count]
         if len(found) != 1:
             raise ValueError(f"cannot find the {count} decoder layers of {type(model).__name__} (model_type "
                              f"{config.model_type!r}): no single ModuleList of config.num_hidden_layers modules in "
                              "its base model")
-        layers = found[0]
+        parent, layers = found[0]
         name = next((n for n in ATTENTION_NAMES if isinstance(getattr(layers[0], n, None), torch.nn.Module)), None)
         if name is None or any(not isinstance(getattr(layer, name, None), torch.nn.Module) for layer in layers):
             raise ValueError(f"the decoder layers of {type(model).__name__} keep no attention module under "
                              f"{' / '.join(ATTENTION_NAMES)}")
+        from transformers import PreTrainedModel
+
         self.model = base
+        # the module whose forward runs the layers: where a converted model's cache is created (surgery.cache)
+        self.decoder = parent if isinstance(parent, PreTrainedModel) else base
         self.config = config
         self.layers = layers
         self.attention_name = name

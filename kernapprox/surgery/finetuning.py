@@ -129,9 +129,10 @@ class LoRALinear(torch.nn.Module):
 
 def add_lora(model, *, rank: int = 8, alpha: float = 16.0, targets: Sequence[str] = DEFAULT_TARGETS, layers=None,
              rng: int = 0, train_maps: bool = True) -> list[str]:
-    """Wrap the projections ``targets`` of the attention modules of ``layers`` (default all) of ``model`` (a family of
-    :data:`~kernapprox.surgery.conversion.FAMILIES`, converted or not) in :class:`LoRALinear`, in place, and freeze
-    every other parameter of the model except, with ``train_maps``, the trainable maps of its converted layers.
+    """Wrap the projections ``targets`` of the attention modules of ``layers`` (default all) of ``model`` (a model
+    :func:`~kernapprox.surgery.conversion.stack_for` adapts, converted or not) in :class:`LoRALinear`, in place, and
+    freeze every other parameter of the model except, with ``train_maps``, the trainable maps of its converted
+    layers.
 
     The adapters of layer ``l`` and projection ``name`` draw ``A`` from ``torch.Generator().manual_seed(seed)`` with
     ``seed`` from ``numpy.random.SeedSequence([rng, l, index of name])``, so a model's adapters are reproducible

@@ -22,7 +22,7 @@ HEAD_DIM = 8
 LAYERS = 2
 HEADS = 4
 # model_type -> its tiny configuration's own options (grouped-query heads where the family has them; Qwen3 and
-# OLMo-2 normalise queries and keys, GPT-2 learns absolute positions, GPT-NeoX rotates part of each head)
+# OLMo-2 normalise queries and keys, GPT-2 and OPT learn absolute positions, GPT-NeoX rotates part of each head)
 FAMILIES = {
     "llama": {"num_key_value_heads": 2},
     "qwen2": {"num_key_value_heads": 2},
@@ -33,6 +33,8 @@ FAMILIES = {
     "gpt2": {"n_positions": 64},
     "gpt_neox": {"rotary_pct": 0.5},
     "gemma": {"num_key_value_heads": 2, "head_dim": HEAD_DIM},
+    "opt": {"ffn_dim": 64, "word_embed_proj_dim": HEADS * HEAD_DIM},     # layers under model.decoder
+    "granite": {"num_key_value_heads": 2, "attention_multiplier": 0.5},  # scaling 0.5, not d^{-1/2}
 }
 
 
