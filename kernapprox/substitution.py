@@ -567,9 +567,10 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
     fitted estimator}`` for ``Substitution.maps`` — how learned maps (trained on other text) and calibrated
     data-dependent maps enter :func:`encode`.
 
-    With ``cache=True`` the fitted maps are kept in the fitted-maps cache (:mod:`kernapprox.surgery.maps`: the
-    folder ``cache_dir``, default ``kernapprox.cache.cache_dir("maps")``), keyed by a hash of the configuration:
-    estimator, ``r``, options, seed, windows and the extraction's text hash.
+    With ``cache=True`` the fitted maps are kept in the result store (:mod:`kernapprox.surgery.maps`; below the cache
+    root ``cache_dir``, default :func:`kernapprox.cache.cache_root`), keyed by a hash of the configuration:
+    estimator, ``r``, options, seed, windows and the extraction's text hash, and valid while the code that fitted
+    them is unchanged.
     """
     if not isinstance(substitution, Substitution):
         raise TypeError(f"substitution must be a Substitution, got {type(substitution).__name__}")
@@ -577,15 +578,15 @@ def fit_maps(substitution: Substitution, windows: Windows = Windows(), *, cache:
         raise TypeError(f"windows must be a Windows, got {type(windows).__name__}")
     if not cache:
         return _fit_all(substitution, windows)[0]
-    path = fitted_maps.maps_path(substitution.estimator, _map_config(substitution, windows), cache_dir)
-    if path.exists():
+    path = fitted_maps.find_maps(substitution.estimator, _map_config(substitution, windows), cache_dir)
+    if path is not None:
         # enough placeholder points for a map whose rank is limited by the points it is fitted on
         size = max(2, substitution.num_features or 2)
         placeholder = torch.from_numpy(np.random.default_rng(0).standard_normal((size, HEAD_DIM)))
         keys = [(layer, head) for layer in range(NUM_LAYERS) for head in range(NUM_HEADS)]
         return fitted_maps.load_maps(path, substitution.make, keys, placeholder)
     maps, seconds = _fit_all(substitution, windows)
-    fitted_maps.save_maps(path, maps, _map_config(substitution, windows), seconds)
+    fitted_maps.store_maps(substitution.estimator, _map_config(substitution, windows), maps, seconds, cache_dir)
     return maps
 
 
@@ -612,8 +613,8 @@ def _map_config(substitution, windows) -> dict:
 
 def map_provenance(substitution: Substitution, windows: Windows = Windows(), cache_dir=None) -> dict | None:
     """The ``__provenance__`` record of the cached maps of this configuration (``None`` when not cached)."""
-    return fitted_maps.read_provenance(fitted_maps.maps_path(substitution.estimator,
-                                                             _map_config(substitution, windows), cache_dir))
+    path = fitted_maps.find_maps(substitution.estimator, _map_config(substitution, windows), cache_dir)
+    return None if path is None else fitted_maps.read_provenance(path)
 
 
 @torch.no_grad()

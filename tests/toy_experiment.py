@@ -67,8 +67,8 @@ if __name__ == "__main__":
 
 
 def leave_partial_progress(out, monkeypatch):
-    """Run the smoke grid with family ``b`` failing, so that the 16 family-``a`` cells stay in the progress store
-    of ``out``; returns their cell files, sorted."""
+    """Run the smoke grid with family ``b`` failing, so that the 16 family-``a`` cells stay in the result store;
+    returns their cell files, sorted."""
     import pytest
 
     from kernapprox.sweep import CellError, run
@@ -77,6 +77,13 @@ def leave_partial_progress(out, monkeypatch):
     with pytest.raises(CellError):
         run(EXPERIMENT, preset="smoke", out=out, device="cpu", progress=False)
     monkeypatch.delenv("TOY_FAIL_FAMILY")
-    cells = sorted((out.with_name(out.name + ".partial") / "cells").glob("*.npz"))
+    cells = stored_cells()
     assert len(cells) == 16
     return cells
+
+
+def stored_cells(experiment: str = "toy"):
+    """The cell files of ``experiment`` in the result store of the current cache root, sorted."""
+    from kernapprox.cache import cache_root
+
+    return sorted((cache_root() / "store" / "cells" / experiment).glob("*.npz"))

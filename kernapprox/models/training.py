@@ -17,21 +17,19 @@ costs on a quiet core, while the wall time grows with whatever else shares the m
 
 Cache
 -----
-:func:`load_or_train` keeps every trained model under ``<cache>/trained_models/``, where ``<cache>`` is the one
-cache root of :mod:`kernapprox.cache` (``$KERNAPPROX_CACHE_DIR``, else the user cache directory
-``~/.cache/kernapprox``) unless a ``cache_dir`` is given, keyed by :func:`config_key`: a SHA-256 over the JSON of
-the model configuration, the task configuration, the training configuration (every hyperparameter, the seed, the
-threads, the device), the numpy and torch versions and :func:`code_version`. Each entry is two files written
-atomically and fsynced (:func:`kernapprox.io.atomic_write`): ``<key>.pt`` (``torch.save(state_dict)``, loaded with
-``torch.load(..., weights_only=True)``) and ``<key>.nc``, the training curve with the provenance as attributes
-(the configuration, the key, versions, git revision, threads, device, training seconds, date). A hit rebuilds the
-model from its configuration and loads the state dict: bitwise the model that was trained.
+:func:`load_or_train` keeps every trained model in the result store (:mod:`kernapprox.store`, below the cache root
+of :mod:`kernapprox.cache` unless a ``cache_dir`` is given) under :func:`config_key`, a SHA-256 over the JSON of the
+model configuration, the task configuration and the training configuration (every hyperparameter, the seed, the
+threads, the device). An entry is a folder of two files, renamed into place whole: ``weights.pt``
+(``torch.save(state_dict)``, loaded with ``torch.load(..., weights_only=True)``) and ``curve.nc``, the training curve
+with the provenance as attributes (the configuration, the key, versions, git revision, threads, device, training
+seconds, date). A hit rebuilds the model from its configuration and loads the state dict: bitwise the model that
+was trained.
 
-:func:`code_version` is :func:`kernapprox.provenance.code_digest` of this module: the code (syntax trees without
-docstrings, hashed independently of file paths) of this module and of every module of the package it imports, at
-any depth, which is exactly the code that builds, trains and runs a model (the transformer, the tasks, the
-attention and every registered estimator). Moving a file keeps the key; a change of that code is a miss; a change
-of code the training never imports (plotting, the sweep engine, the studies) is not.
+The entry carries the dependency record of the training process (the store's one rule): the digests of the code of
+every library module it had loaded (syntax trees without docstrings and comments) and the package versions. While
+they are today's the entry is used; a change of that code is a miss; a change of code the training process never
+loaded (a trainable map's module, plotting, the sweep engine, the studies) is not.
 
 Schedule
 --------
@@ -59,15 +57,12 @@ import numpy as np
 import torch
 import xarray as xr
 
-from ..cache import cache_dir as _cache_folder
-from ..io import atomic_write
-from ..provenance import code_digest, git_revision
+from ..provenance import git_revision
 from ..tasks import TASKS
 from ..validation import check_choice, check_positive_float, check_positive_int
 from .transformer import CausalTransformer, ModelConfig
 
-__all__ = ["TrainConfig", "TrainedModel", "train", "load_or_train", "build_model", "config_key", "code_version",
-           "cache_paths", "evaluate"]
+__all__ = ["TrainConfig", "TrainedModel", "train", "load_or_train", "build_model", "config_key", "evaluate"]
 
 SCHEDULES = ("one_cycle", "constant")
 
@@ -170,14 +165,6 @@ class TrainedModel(NamedTuple):
 
 
 # ---------------------------------------------------------------------------------------- configuration
-def code_version() -> str:
-    """SHA-256 (16 hex digits) of the code that builds, trains and runs a model.
-
-    :func:`kernapprox.provenance.code_digest` of this module and everything of the package it imports (see the
-    module docstring)."""
-    return code_digest(__name__)
-
-
 def _payload(model_config: ModelConfig, task, train_config: TrainConfig) -> dict:
     if not isinstance(model_config, ModelConfig):
         raise TypeError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
@@ -186,22 +173,15 @@ def _payload(model_config: ModelConfig, task, train_config: TrainConfig) -> dict
     if type(task) not in TASKS.values():
         raise TypeError(f"task must be one of {', '.join(t.__name__ for t in TASKS.values())}, got "
                         f"{type(task).__name__}")
-    return {"model": model_config.to_dict(), "task": task.to_dict(), "train": train_config.to_dict(),
-            "code_version": code_version(), "torch": str(torch.__version__), "numpy": str(np.__version__)}
+    return {"model": model_config.to_dict(), "task": task.to_dict(), "train": train_config.to_dict()}
 
 
 def config_key(model_config: ModelConfig, task, train_config: TrainConfig) -> str:
-    """The cache key: SHA-256 (24 hex digits) of the canonical JSON of the full configuration."""
+    """The store key: SHA-256 (24 hex digits) of the canonical JSON of the full configuration (the model, the task,
+    every training hyperparameter, the seed, the threads and the device). The code and the package versions are
+    the entry's dependency record (:mod:`kernapprox.store`), not part of the key."""
     text = json.dumps(_payload(model_config, task, train_config), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:24]
-
-
-def cache_paths(model_config, task, train_config, cache_dir=None) -> tuple[Path, Path]:
-    """``(weights .pt, curve .nc)`` of a configuration's cache entry, in ``<cache_dir>/trained_models`` (created;
-    ``cache_dir`` defaults to :func:`kernapprox.cache.cache_root`)."""
-    key = config_key(model_config, task, train_config)
-    folder = _cache_folder("trained_models", root=cache_dir)
-    return folder / f"{task.name}_{key}.pt", folder / f"{task.name}_{key}.nc"
 
 
 # ------------------------------------------------------------------------------------------------ training
@@ -305,22 +285,35 @@ def _curve(rows, model_config, task, train_config, key, seconds) -> xr.Dataset:
 
 # ----------------------------------------------------------------------------------------------------- cache
 def load_or_train(model_config: ModelConfig, task, train_config: TrainConfig, *, cache_dir=None) -> TrainedModel:
-    """The trained model of a configuration: from the cache when present, else trained and cached.
+    """The trained model of a configuration: from the result store when a valid entry is there, else trained and
+    stored.
 
-    A hit rebuilds the model and loads ``<key>.pt`` with ``torch.load(weights_only=True)`` on
-    ``train_config.device``; a miss trains (:func:`train`) and writes the entry atomically.
+    The entry is ``objects/trained_models/<task>_<key>.<record>/`` of :mod:`kernapprox.store` (below
+    ``<cache_dir>/store``, default the cache root's): ``weights.pt`` and ``curve.nc``. It is valid while the code of
+    every library module the training process had loaded is unchanged (and the package versions); a hit rebuilds
+    the model and loads the weights with ``torch.load(weights_only=True)`` on ``train_config.device``.
     """
-    weights, curve_path = cache_paths(model_config, task, train_config, cache_dir)
-    key = weights.stem.split("_", 1)[1]
-    if weights.exists() and curve_path.exists():
+    from ..store import Store, default_store
+
+    store = Store(Path(cache_dir) / "store") if cache_dir is not None else default_store()
+    key = config_key(model_config, task, train_config)
+    name = f"{task.name}_{key}"
+    entry = store.find(NAMESPACE, name)
+    if entry is not None:
         model = build_model(model_config, task, train_config.seed).to(train_config.device)
-        state = torch.load(weights, map_location=train_config.device, weights_only=True)
+        state = torch.load(entry / "weights.pt", map_location=train_config.device, weights_only=True)
         model.load_state_dict(state)
-        with xr.open_dataset(curve_path, engine="h5netcdf") as ds:
+        with xr.open_dataset(entry / "curve.nc", engine="h5netcdf") as ds:
             curve = ds.load()
         return TrainedModel(model.eval(), curve, key, True)
     trained = train(model_config, task, train_config)
-    # the weights first: an entry counts only when both files exist, and the curve is the last to appear
-    atomic_write(weights, lambda tmp: torch.save(trained.model.state_dict(), tmp))
-    atomic_write(curve_path, lambda tmp: trained.curve.to_netcdf(tmp, engine="h5netcdf"))
+
+    def write(folder: Path) -> None:
+        torch.save(trained.model.state_dict(), folder / "weights.pt")
+        trained.curve.to_netcdf(folder / "curve.nc", engine="h5netcdf")
+
+    store.put(NAMESPACE, name, write)
     return trained
+
+
+NAMESPACE = "trained_models"

@@ -1,12 +1,13 @@
-"""The fitted-maps cache: per-``(layer, head)`` fitted estimators (learned maps distilled on calibration text,
-calibrated data-dependent maps) stored once, without pickles, under the cache root.
+"""The fitted maps: per-``(layer, head)`` fitted estimators (learned maps distilled on calibration text,
+calibrated data-dependent maps) stored once, without pickles, in the result store (:mod:`kernapprox.store`).
 
-A cache entry is one ``.npz`` file in ``kernapprox.cache.cache_dir("maps")`` (or a given folder), named by the
-estimator and a hash of the configuration that produced it (estimator, ``r``, options, seed, calibration data and
-its text hash, model): each map's ``fitted_state()`` arrays under ``L<layer>H<head>/<name>``, and a
-``__provenance__`` entry (JSON) with that configuration, the package versions, the creation date and the fitting
-seconds. Loading uses ``allow_pickle=False`` and rebuilds each map with ``load_fitted_state`` after a fit on
-placeholder points that only builds its structure.
+An entry is the store object ``maps/<estimator>_<hash>`` (:func:`find_maps`, :func:`store_maps`), ``<hash>`` a hash of
+the configuration that produced it (estimator, ``r``, options, seed, calibration data and its text hash, model),
+valid while the code the fitting process loaded is unchanged (the store's rule). It holds one file, ``maps.npz``:
+each map's ``fitted_state()`` arrays under ``L<layer>H<head>/<name>``, and a ``__provenance__`` entry (JSON) with
+that configuration, the package versions, the creation date and the fitting seconds. Loading uses
+``allow_pickle=False`` and rebuilds each map with ``load_fitted_state`` after a fit on placeholder points that only
+builds its structure.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache import cache_dir
 from ..io import atomic_write
 
-__all__ = ["config_hash", "maps_path", "save_maps", "load_maps", "read_provenance"]
+__all__ = ["config_hash", "find_maps", "store_maps", "save_maps", "load_maps", "read_provenance"]
 
 
 def config_hash(config: Mapping) -> str:
@@ -32,11 +32,28 @@ def config_hash(config: Mapping) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def maps_path(estimator: str, config: Mapping, folder=None) -> Path:
-    """Where the maps of ``config`` are cached: ``<folder>/maps_<estimator>_<hash>.npz``; ``folder`` defaults to
-    ``kernapprox.cache.cache_dir("maps")``."""
-    folder = cache_dir("maps") if folder is None else Path(folder)
-    return folder / f"maps_{estimator}_{config_hash(config)}.npz"
+NAMESPACE = "maps"
+
+
+def _store(folder):
+    from ..store import Store, default_store
+
+    return default_store() if folder is None else Store(Path(folder) / "store")
+
+
+def find_maps(estimator: str, config: Mapping, folder=None) -> Path | None:
+    """The ``maps.npz`` of the valid store entry of ``config`` (``None``: fit them); ``folder`` is a cache root
+    (default: :func:`kernapprox.cache.cache_root`)."""
+    entry = _store(folder).find(NAMESPACE, f"{estimator}_{config_hash(config)}")
+    return None if entry is None else entry / "maps.npz"
+
+
+def store_maps(estimator: str, config: Mapping, maps: Mapping[tuple[int, int], object], seconds: float,
+               folder=None) -> Path:
+    """Store fitted maps under ``config`` (:func:`save_maps` into a new store entry); returns their file."""
+    entry = _store(folder).put(NAMESPACE, f"{estimator}_{config_hash(config)}",
+                               lambda tmp: save_maps(tmp / "maps.npz", maps, config, seconds))
+    return entry / "maps.npz"
 
 
 def save_maps(path: Path, maps: Mapping[tuple[int, int], object], config: Mapping, seconds: float) -> None:

@@ -18,7 +18,10 @@ Guarantees: each cell's randomness comes from ``SeedSequence(root_seed, spawn_ke
 and the cell's coordinate values (:func:`cell_seed_sequence`), so grids can grow and single cells can be rerun
 without changing stored numbers (``Experiment(data_axes=...)`` adds a data stream shared by the cells that agree
 on those axes, for paired comparisons); finished cells are persisted one file each, so a killed run resumes and
-ends with the same dataset; the dataset is written atomically with provenance attributes; an output path holding
+ends with the same dataset; every finished cell is kept in the result store (:mod:`kernapprox.store`) under the key of
+its inputs with the record of the code it ran, so a preset that shares cells with another, or a rerun after an edit
+that its code does not depend on, computes nothing again; the dataset is written atomically with provenance
+attributes (the merged dependency record of its cells among them); an output path holding
 anything but an earlier result of the same experiment is never overwritten.
 """
 
@@ -41,10 +44,11 @@ from ._figures import (
     figure_status,
     findings_body,
     findings_text,
+    provenance_path,
     read_code_digest,
     read_digest,
+    read_provenance,
 )
-from ._provenance import study_code_digest
 from ._run import SweepError, default_output, resolve_device, resolve_grid, run, summarise_dataset
 from ._store import MARKER, OutputPathError, load
 from ._worker import CellError, not_applicable
@@ -52,6 +56,6 @@ from ._worker import CellError, not_applicable
 __all__ = ["Experiment", "Metric", "Parameter", "Reference", "AXIS_ATTRS", "run", "run_cli", "load",
            "cell_seed_sequence", "data_seed_sequence", "cell_key", "iter_cells", "resolve_grid",
            "summarise_dataset", "draw", "findings_body", "findings_text", "dataset_digest", "read_digest",
-           "read_code_digest", "figure_status", "FigureStatus", "study_code_digest",
+           "read_code_digest", "figure_status", "FigureStatus", "provenance_path", "read_provenance",
            "build_parser", "default_output", "resolve_device", "SweepError", "CellError", "OutputPathError",
            "MARKER", "not_applicable"]

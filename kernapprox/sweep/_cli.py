@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ._experiment import Experiment, axis_type, grid_size, parse_text, parse_value
 from ._figures import draw
-from ._run import default_output, run, summarise_dataset
+from ._run import default_figure, default_output, run, summarise_dataset
 from ._store import load
 from ._worker import CellError
 
@@ -46,11 +46,11 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"python -m {experiment.module}",
         description=f"{experiment.title}\n\n{textwrap.fill(experiment.description, 100)}",
-        epilog=_describe_presets(experiment) + textwrap.dedent(f"""
+        epilog=_describe_presets(experiment) + textwrap.dedent("""
 
             Each cell's randomness comes from the experiment name, the cell's coordinate values and --root-seed,
             so one cell run alone (--only axis=value ...) reproduces its stored numbers. An interrupted run
-            resumes from {default_output(experiment)}.partial/ (--force starts over); rerunning a finished
+            resumes from the result store (kernapprox.store; --force recomputes); rerunning a finished
             command reuses its dataset unless the code, grid, parameters, seed or device changed (--force).
             A run whose grid or parameters differ from the preset is stored with preset = "custom" and the
             grid it ran."""),
@@ -60,7 +60,8 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
                         help=f"grid preset (default: {default_preset})")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:N")
     parser.add_argument("--seeds", type=int, metavar="N", help="replace the seed axis by 0..N-1")
-    parser.add_argument("--out", type=Path, help=f"dataset path (default {default_output(experiment)}; "
+    parser.add_argument("--out", type=Path, help=f"dataset path (default {default_output(experiment)}, or "
+                                                  f"results/{experiment.name}_<preset>.nc for another preset; "
                                                   f"with --only {default_output(experiment, True)})")
     parser.add_argument("--only", nargs="+", action="extend", metavar="AXIS=VALUE", default=[],
                         help="run only these values of an axis (repeat for several values or axes)")
@@ -81,8 +82,10 @@ def build_parser(experiment: Experiment) -> argparse.ArgumentParser:
                         help="resubmissions of a cell lost with its worker (default 2)")
     parser.add_argument("--plot-only", action="store_true", help="only redraw the figure from the dataset at --out")
     parser.add_argument("--figure", type=Path,
-                        help=f"figure path (default figures/{experiment.name}.png; a slice or custom run draws none "
-                             "unless given); the findings go beside it (.md)")
+                        help=f"figure path (default figures/{experiment.name}.png, or figures/{experiment.name}_"
+                             "<preset>.png for another preset: no preset writes over another's figure; a slice or "
+                             "custom run draws none unless given); the findings go beside it (.md), and the "
+                             "provenance record (.deps.json)")
     parser.add_argument("--no-figure", dest="draw", action="store_false", help="write the dataset only")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -133,9 +136,10 @@ def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
     only = _parse_only(experiment, args.only, parser)
     set_axes, set_parameters = _parse_set(experiment, args.set, parser)
     custom = bool(set_axes or set_parameters)
-    out = args.out or default_output(experiment, only, custom)
-    figure = args.figure or (None if only or custom else Path("figures") / f"{experiment.name}.png")
+    out = args.out or default_output(experiment, only, custom, args.preset)
+    figure = args.figure or (None if only or custom else default_figure(experiment, args.preset))
     raw = sys.argv[1:] if argv is None else argv
+    drawing = False
     try:
         if args.plot_only:
             if figure is None:
@@ -150,6 +154,7 @@ def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
                      progress=False if args.quiet else None, set_values=set_axes or None,
                      parameters=set_parameters or None,
                      history=f"python -m {experiment.module} " + " ".join(raw))
+        drawing = True
         if figure is not None and (args.plot_only or args.draw):
             written = draw(experiment, ds, figure, source=str(out))
             print(f"{experiment.name}: {' and '.join(map(str, written))}", file=sys.stderr)
@@ -157,5 +162,8 @@ def run_cli(experiment: Experiment, argv: list[str] | None = None) -> int:
         print(f"error: {experiment.name}: {exc}", file=sys.stderr)
         raise SystemExit(2 if isinstance(exc, ValueError | TypeError | FileNotFoundError) else 1) from None
     except KeyboardInterrupt:          # run() has said how many cells are saved and how to resume
+        if drawing:
+            print(f"\n{experiment.name}: interrupted while drawing; the dataset {out} is written (--plot-only "
+                  "draws the figure from it)", file=sys.stderr)
         raise SystemExit(130) from None
     return 0

@@ -10,6 +10,7 @@ dataset (the same dataset gives byte-identical text).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from pathlib import Path
 from typing import NamedTuple
@@ -87,54 +88,115 @@ def read_code_digest(markdown: str) -> str | None:
 
 
 class FigureStatus(NamedTuple):
-    """One committed findings file against the code now: ``status`` is ``"current"`` (its data was made by code
-    with today's digest), ``"stale"`` (by other code), or ``"unknown"`` (the file names no code digest, or its
-    module's digest cannot be computed)."""
+    """One committed figure against the code now. ``status`` is ``"current"`` (nothing its numbers depend on has
+    changed, nor the code that draws it), ``"stale"`` (``reasons`` says what changed: a library module, the study's
+    compute or report code, a package version) or ``"unknown"`` (no provenance record beside it)."""
 
     path: Path
     module: str
     recorded: str | None
-    current: str | None
     status: str
+    reasons: tuple[str, ...] = ()
 
 
-def figure_status(folder="figures") -> list[FigureStatus]:
-    """Whether each findings file in ``folder`` (``*.md`` with the engine's last line) was made by today's code:
-    its recorded code digest against :func:`~kernapprox.sweep.study_code_digest` of its module now. A figure made
-    by other code may still show the same numbers (a change elsewhere in the library); rerunning it settles it
-    (``make figures`` reruns what is stale and the data digest says whether the numbers moved)."""
-    from ._provenance import study_code_digest
+def provenance_path(figure) -> Path:
+    """The provenance record of a figure: ``<figure>.deps.json`` beside ``<figure>.png`` and ``.md``."""
+    figure = Path(figure)
+    return figure.with_name(figure.stem + ".deps.json")
+
+
+def read_provenance(figure) -> dict | None:
+    """The provenance record beside ``figure`` (``None`` when there is none or it is unreadable)."""
+    try:
+        return json.loads(provenance_path(figure).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def figure_status(folder="figures", *, root=None) -> list[FigureStatus]:
+    """Whether each figure in ``folder`` (a findings file ``*.md`` with the engine's last line, or a ``*.png``
+    with a provenance record) is current: its record (:func:`provenance_path`) against the code under ``root``
+    (default: this checkout): every library module its cells loaded, the study's compute slice and the package
+    versions (:func:`kernapprox.provenance.changes`), and the study's report code
+    (:func:`kernapprox.provenance.report_digest`). Nothing is imported or run."""
+    from ..provenance import changes, report_digest
 
     folder = Path(folder)
     if not folder.is_dir():
         raise ValueError(f"folder {str(folder)!r} is not a directory")
-    rows, current = [], {}
-    for path in sorted(folder.glob("*.md")):
-        match = _DIGEST_LINE.search(path.read_text(encoding="utf-8"))
-        if match is None:
+    rows, reports = [], {}
+    stems = sorted({p.stem for p in folder.glob("*.md")} | {p.name[:-len(".deps.json")]
+                                                            for p in folder.glob("*.deps.json")})
+    for stem in stems:
+        md = folder / f"{stem}.md"
+        record = read_provenance(folder / f"{stem}.png")
+        match = _DIGEST_LINE.search(md.read_text(encoding="utf-8")) if md.is_file() else None
+        if record is None and match is None:
             continue
-        module = match["module"]
-        if module not in current:
-            current[module] = study_code_digest(module)
-        now, recorded = current[module], match["code"]
-        status = "unknown" if recorded is None or now is None else ("current" if recorded == now else "stale")
-        rows.append(FigureStatus(path, module, recorded, now, status))
+        module = (record or {}).get("study") or (match["module"] if match else "?")
+        if record is None or not record.get("code"):
+            rows.append(FigureStatus(md, module, None, "unknown", ("no provenance record",)))
+            continue
+        reasons = list(changes(record["code"], root=root))
+        if module not in reports:
+            try:
+                reports[module] = report_digest(module, root=root)
+            except ValueError:
+                reports[module] = None
+        if reports[module] != record.get("report"):
+            reasons.append(f"{module} (report) changed")
+        rows.append(FigureStatus(md, module, record.get("code_digest"), "stale" if reasons else "current",
+                                 tuple(reasons)))
     return rows
 
 
+def _body(markdown: str) -> str:
+    """A findings text without its last line (the data's digest and source), which a rerun may change while every
+    printed number stays the same."""
+    return _DIGEST_LINE.sub("", markdown).rstrip()
+
+
 def draw(experiment, ds: xr.Dataset, figure, *, source: str = "the dataset") -> list[Path]:
-    """Write the figure (and the findings beside it, ``.md``); returns the paths written."""
+    """Write the figure, the findings beside it (``.md``) and its provenance record (``.deps.json``: what the
+    numbers depend on, :mod:`kernapprox.store`; the report code's digest; the data digest); returns the paths
+    written.
+
+    A figure whose findings would read the same (every printed number equal: the data are unchanged at the
+    precision the findings print) and whose report code is unchanged is *re-stamped*, not redrawn: its PNG and
+    findings stay as they are and only the record is rewritten, naming the new data digest beside the one the
+    figure was drawn from. So a rerun on another machine, whose last bits differ, certifies a figure instead of
+    rewriting it."""
     from .. import plotting
+    from ..provenance import record_id, report_digest
 
     figure = Path(figure)
     figure.parent.mkdir(parents=True, exist_ok=True)
     digest = dataset_digest(ds)
-    with plotting.figure_source(f"{source}; data digest {digest}"):
-        experiment.plot(ds, figure)
-    written = [figure]
-    if experiment.findings is not None:
-        text = findings_text(experiment, ds, source)
-        path = figure.with_suffix(".md")
-        atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+    try:
+        report = report_digest(experiment.module)
+    except ValueError:                                  # a study outside the project's package: no record
+        report = None
+    text = findings_text(experiment, ds, source) if experiment.findings is not None else None
+    md = figure.with_suffix(".md")
+    old = read_provenance(figure)
+    keep = (report is not None and old is not None and old.get("report") == report and figure.is_file()
+            and (text is None or (md.is_file() and _body(md.read_text(encoding="utf-8")) == _body(text))))
+    written = []
+    if not keep:
+        with plotting.figure_source(f"{source}; data digest {digest}"):
+            experiment.plot(ds, figure)
+        written.append(figure)
+        if text is not None:
+            atomic_write(md, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+            written.append(md)
+    code = json.loads(ds.attrs["dependencies"]) if ds.attrs.get("dependencies") else None
+    if report is not None:
+        record = {"study": experiment.module, "preset": ds.attrs.get("preset"),
+                  "code_digest": record_id(code) if code else None, "code": code, "report": report,
+                  "data_digest": digest, "drawn_from": old.get("drawn_from", digest) if keep else digest,
+                  "git_revision": ds.attrs.get("git_revision")}
+        path = provenance_path(figure)
+        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
+                                                      encoding="utf-8"))
         written.append(path)
     return written

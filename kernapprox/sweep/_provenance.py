@@ -1,10 +1,8 @@
-"""Provenance of a result: code revision and fingerprint, package versions, device, threads, command line."""
+"""Provenance of a result: code revision and dependency record, package versions, device, threads, command line."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import json
 import os
 import platform
@@ -13,7 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from ..provenance import code_digest, git_revision
+from ..provenance import git_revision
 
 PACKAGES = {"numpy": "numpy", "scipy": "scipy", "torch": "torch", "xarray": "xarray", "sklearn": "scikit-learn",
             "h5netcdf": "h5netcdf", "dask": "dask", "distributed": "distributed", "matplotlib": "matplotlib",
@@ -27,48 +25,6 @@ def _module_dir(module: str) -> Path | None:
         return None
     file = getattr(mod, "__file__", None)
     return Path(file).resolve().parent if file else None
-
-
-def code_fingerprint(experiment_module: str) -> str:
-    """SHA-256 over the sources of the ``kernapprox`` package and the experiment's module.
-
-    Progress saved by other code is not reused: a resumed run must end as an uninterrupted one would.
-    """
-    digest = hashlib.sha256()
-    files = sorted(Path(__file__).resolve().parents[1].rglob("*.py"))
-    mod = sys.modules.get(experiment_module)
-    mod_file = getattr(mod, "__file__", None) if mod else None
-    if mod_file is None:
-        try:
-            spec = importlib.util.find_spec(experiment_module)
-            mod_file = spec.origin if spec else None
-        except (ImportError, ValueError):
-            mod_file = None
-    if mod_file:
-        module_path = Path(mod_file).resolve()
-        # the experiment and the private helper modules beside it (e.g. experiments/_icl.py)
-        files.append(module_path)
-        files.extend(sorted(p for p in module_path.parent.glob("_*.py") if p != module_path))
-    for path in files:
-        digest.update(str(path.name).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def study_code_digest(experiment_module: str) -> str | None:
-    """A digest of the code that computes a study's numbers, for telling whether a committed figure is current:
-    SHA-256 (16 hex digits) of :func:`kernapprox.provenance.code_digest` of the experiment module with every module
-    of its own package that it imports (``experiments._icl``, ...), and of the whole ``kernapprox`` package (every
-    module of the library, as ``make``'s rule for a dataset depends on the whole library). Docstrings, comments,
-    formatting and file moves do not enter; any change of a statement does. ``None`` for a module that is not a
-    file of an importable package (an experiment defined in ``__main__`` or a notebook): nothing to compare."""
-    package = experiment_module.split(".")[0]
-    try:
-        own = code_digest(experiment_module, package=package)
-        library = own if package == "kernapprox" else code_digest("kernapprox")
-    except ValueError:
-        return None
-    return hashlib.sha256(f"{own}\n{library}".encode()).hexdigest()[:16]
 
 
 def package_versions() -> dict[str, str]:
@@ -107,7 +63,7 @@ def command_line(argv: list[str] | None = None) -> str:
 
 
 def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device, executor: str,
-                     precision: dict, history: str, fingerprint: str, cell_threads: int | None = None,
+                     precision: dict, history: str, code: str, cell_threads: int | None = None,
                      parameters: dict | None = None, changes: dict | None = None) -> dict:
     """Global attributes of a result dataset (strings and numbers; JSON for structures).
 
@@ -129,8 +85,7 @@ def provenance_attrs(experiment, preset: str, grid: dict, root_seed: int, device
         "parameters": json.dumps(parameters or {}),
         "root_seed": int(root_seed),
         "git_revision": git_revision(where),
-        "code_fingerprint": fingerprint,
-        "code_digest": study_code_digest(experiment.module) or "",
+        "code_digest": code,
         "package_versions": json.dumps(package_versions()),
         "device": device_description(device),
         "executor": executor,

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import xarray as xr
 
+from ..provenance import merge_records, record_id
+from ..store import default_store, input_key, interrupts_deferred
 from ._experiment import (
     Experiment,
     cell_key,
@@ -39,8 +41,8 @@ from ._experiment import (
     replace_values,
     select,
 )
-from ._provenance import code_fingerprint, command_line, provenance_attrs
-from ._store import REFERENCE_MARK, ProgressStore, assemble, check_output_path, load, reference_key, write
+from ._provenance import command_line, provenance_attrs
+from ._store import REFERENCE_MARK, assemble, check_output_path, reference_key, write
 from ._worker import CellError, CellTask, execute_batch, execute_cell, init_pool_worker, precision_settings
 
 
@@ -69,12 +71,26 @@ def resolve_device(device) -> torch.device:
     return dev
 
 
-def default_output(experiment: Experiment, only=None, custom: bool = False) -> Path:
-    """``results/<name>.nc``; a slice run (``only``) goes to ``results/<name>.only.nc`` and a run with a changed
-    grid or parameters (``custom``) to ``results/<name>.custom.nc``, so neither replaces the preset's result."""
+def default_output(experiment: Experiment, only=None, custom: bool = False, preset: str = "default") -> Path:
+    """``results/<name>.nc`` for the default preset and ``results/<name>_<preset>.nc`` for another, so that no preset
+    writes over another's result; a slice run (``only``) goes to ``results/<name>.only.nc`` and a run with a changed
+    grid or parameters (``custom``) to ``results/<name>.custom.nc``, so neither replaces a preset's result."""
     if only:
         return Path("results") / f"{experiment.name}.only.nc"
-    return Path("results") / (f"{experiment.name}.custom.nc" if custom else f"{experiment.name}.nc")
+    if custom:
+        return Path("results") / f"{experiment.name}.custom.nc"
+    return Path("results") / f"{experiment.name}{preset_suffix(preset)}.nc"
+
+
+def preset_suffix(preset: str) -> str:
+    """``""`` for the default preset, ``"_<preset>"`` for any other: the suffix of its dataset and figure names
+    (as the Makefile names them)."""
+    return "" if preset == "default" else f"_{preset}"
+
+
+def default_figure(experiment: Experiment, preset: str = "default") -> Path:
+    """``figures/<name>.png`` for the default preset, ``figures/<name>_<preset>.png`` for another."""
+    return Path("figures") / f"{experiment.name}{preset_suffix(preset)}.png"
 
 
 def resolve_grid(experiment: Experiment, preset: str, *, seeds: int | None = None, only=None, set_values=None,
@@ -282,10 +298,11 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         0 runs cells in this process; ``N`` > 0 uses a spawn process pool of N workers (or, with ``dask``, a
         dask ``LocalCluster`` of N worker processes).
     resume : bool
-        Reuse cells finished by an interrupted run with the same code, seed and device type; and return the
-        dataset at ``out`` unchanged, running nothing, when a finished run of the same code, grid, parameters,
-        root seed and device type wrote it (its ``run_key`` attribute). ``False`` (``--force``) recomputes every
-        cell. Interrupted (Ctrl-C), the run says how many cells are saved and how to resume.
+        Reuse every cell the result store (:mod:`kernapprox.store`) holds with the same inputs (experiment,
+        coordinates, fixed parameters, root seed, device type) made by today's code: the cells of an interrupted
+        run, of another preset, of an earlier run whose code has not changed since (a library edit reruns only
+        the cells whose processes loaded the edited module). ``False`` (``--force``) recomputes every cell.
+        Interrupted (Ctrl-C), the run says how many cells are saved and how to resume.
     seeds : int, optional
         Replace the ``seed`` axis by ``0 .. seeds-1``.
     root_seed : int
@@ -318,7 +335,7 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
         raise TypeError(f"resume must be a bool, got {resume!r}")
     grid, values, changes = resolve_grid(experiment, preset, seeds=seeds, only=only, set_values=set_values,
                                          parameters=parameters)
-    out = Path(out) if out is not None else default_output(experiment, only, bool(changes))
+    out = Path(out) if out is not None else default_output(experiment, only, bool(changes), preset)
     dev = resolve_device(device)
     root_seed = check_root_seed(root_seed)
     check_output_path(out, experiment.name)
@@ -327,28 +344,29 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
     started = datetime.now(UTC)
     clock = time.perf_counter()
     cpu_clock = _cpu_seconds()
-    fingerprint = code_fingerprint(experiment.module)
-    manifest = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
-                "code_fingerprint": fingerprint, "allow_tf32": experiment.allow_tf32,
-                "parameters": json.dumps(values, sort_keys=True)}
-    run_key = json.dumps({**manifest, "grid": grid}, sort_keys=True)
-    if resume:
-        done = _finished_run(out, run_key)
-        if done is not None:
-            print(f"{experiment.name} [{done.attrs.get('preset')}]: {out} is up to date (same code, grid, "
-                  f"parameters, root seed and device type): {done.attrs.get('cells_total')} cells reused, 0 run "
-                  "(--force recomputes)", file=sys.stderr)
-            return done
-    store = ProgressStore(out)
+    store = default_store()
+    inputs = {"experiment": experiment.name, "root_seed": root_seed, "device_type": dev.type,
+              "allow_tf32": experiment.allow_tf32, "parameters": values}
+    cells = [(params, False) for _, params in iter_cells(grid)]
+    ref_grid = {a: grid[a] for a in experiment.reference_axes}
+    cells += [(params, True) for _, params in iter_cells(ref_grid)] if ref_grid else []
+    keys = [reference_key(p) if ref else cell_key(p) for p, ref in cells]
+    store_keys = {key: cell_input_key(inputs, p, ref) for (p, ref), key in zip(cells, keys)}
+    finished: dict[str, dict] = {}
     driver_threads = torch.get_num_threads()  # in-process cells may change it; put it back afterwards
     try:
-        finished, note = store.open(manifest, resume)
-        if note:
-            print(f"{experiment.name}: {note}", file=sys.stderr)
-        cells = [(params, False) for _, params in iter_cells(grid)]
-        ref_grid = {a: grid[a] for a in experiment.reference_axes}
-        cells += [(params, True) for _, params in iter_cells(ref_grid)] if ref_grid else []
-        keys = [reference_key(p) if ref else cell_key(p) for p, ref in cells]
+        if resume:
+            stored = store.valid_cells(experiment.name)
+            for key in keys:
+                hit = stored.get(store_keys[key])
+                if hit is None:
+                    continue
+                cell = store.read_cell(hit[1])
+                if cell is None:
+                    print(f"warning: unreadable cell file {hit[1]} is ignored; its cell runs again", file=sys.stderr)
+                    hit[1].unlink(missing_ok=True)
+                else:
+                    finished[key] = {**cell, "record": hit[0]}
         todo = [(p, ref) for (p, ref), k in zip(cells, keys) if k not in finished]
         reused = len(cells) - len(todo)
         plan = (_make_plan(workers, dask, scheduler, executor, threads) if todo
@@ -372,8 +390,10 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                 if key in finished:  # a resubmitted duplicate: the first result stands
                     return
                 stored = {**task.params, REFERENCE_MARK: True} if task.reference else task.params
-                store.put(key, stored, outcome.metrics, outcome.seconds)
-                finished[key] = {"params": stored, "metrics": outcome.metrics, "seconds": outcome.seconds}
+                rid = store.current_record(outcome.modules or None, study=experiment.module)
+                store.put_cell(experiment.name, store_keys[key], rid, stored, outcome.metrics, outcome.seconds)
+                finished[key] = {"params": stored, "metrics": outcome.metrics, "seconds": outcome.seconds,
+                                 "record": rid}
                 bar.update(1)
 
             ok = False
@@ -382,52 +402,47 @@ def run(experiment: Experiment, preset: str = "smoke", out=None, device="cpu", o
                 with blas_threads(plan.num_threads):
                     _execute(_batched(tasks) if batched else tasks, plan, max_retries, on_done)
                 ok = True
-            except KeyboardInterrupt:
-                saved = sum(k in finished for k in keys)
-                print(f"\n{experiment.name}: interrupted: {saved} of {len(cells)} cells saved in {store.root}; "
-                      "rerun the same command to resume", file=sys.stderr)
-                raise
             finally:
                 plan.close(cancel=not ok)
         ended = datetime.now(UTC)
         wall = time.perf_counter() - clock
         cpu = _cpu_seconds() - cpu_clock
+        records = [store.record(finished[k]["record"]) for k in dict.fromkeys(keys)]
+        dependencies = merge_records(r for r in records if r is not None)
         attrs = provenance_attrs(experiment, preset, grid, root_seed, dev, plan.description,
                                  precision_settings(experiment.allow_tf32),
-                                 history if history is not None else command_line(), fingerprint,
+                                 history if history is not None else command_line(), record_id(dependencies),
                                  plan.num_threads, values, changes)
         attrs.update({"time_start": started.isoformat(timespec="seconds"),
                       "time_end": ended.isoformat(timespec="seconds"), "wall_seconds": round(wall, 3),
                       "cpu_seconds": round(cpu, 3),
                       "cells_total": len(cells), "cells_run": len(tasks), "cells_reused": reused,
-                      "run_key": run_key,
+                      "dependencies": json.dumps(dependencies, sort_keys=True),
                       "timings": json.dumps({"start": started.isoformat(), "end": ended.isoformat(),
                                              "wall_seconds": wall, "cpu_seconds": cpu, "cells_run": len(tasks),
                                              "cells_reused": reused})})
         ds = assemble(experiment, grid, {k: finished[k] for k in keys}, attrs, values)
         ds = summarise_dataset(experiment, ds)
-        write(ds, out)
+        with interrupts_deferred():
+            write(ds, out)
+    except KeyboardInterrupt:
+        saved = sum(k in finished for k in keys)
+        print(f"\n{experiment.name}: interrupted: {saved} of {len(cells)} cells saved in the store "
+              f"({store.root}); rerun the same command to resume", file=sys.stderr)
+        raise
     finally:
-        store.release()
         if torch.get_num_threads() != driver_threads:
             torch.set_num_threads(driver_threads)
-    store.remove()
     print(f"{experiment.name} [{ds.attrs['preset']}]: {len(tasks)} cells run, {reused} reused, "
           f"{time.perf_counter() - clock:.1f} s on {dev}, {_cpu_seconds() - cpu_clock:.1f} CPU-s "
           f"({plan.description}) -> {out}", file=sys.stderr)
     return ds
 
 
-def _finished_run(out: Path, run_key: str) -> xr.Dataset | None:
-    """The dataset at ``out`` if a finished run of the same code, grid, parameters, root seed and device type
-    wrote it (its ``run_key`` attribute), else None: rerunning a finished command recomputes nothing."""
-    if not out.is_file():
-        return None
-    try:
-        ds = load(out)
-    except (OSError, ValueError):
-        return None
-    return ds if ds.attrs.get("run_key") == run_key else None
+def cell_input_key(inputs: dict, params: dict, reference: bool) -> str:
+    """The store key of a cell: its experiment, coordinates (a reference cell marked), fixed parameters, root seed,
+    device type and TF32 switch (:func:`kernapprox.store.input_key`)."""
+    return input_key({**inputs, "params": params, "reference": bool(reference)})
 
 
 def blas_threads(num_threads: int | None):

@@ -1,12 +1,6 @@
-"""Where results live: the resumable per-cell store, the assembled dataset and its atomic write.
+"""Where results live: the assembled dataset and its atomic write (the cells themselves live in the result store,
+:mod:`kernapprox.store`, one file each, kept across runs, presets and studies).
 
-Progress store
-    ``<out>.partial/`` beside the output: ``manifest.json`` (experiment, root seed, device type and a fingerprint
-    of the code) and ``cells/<key>.npz``, one small file per finished cell, each written to a temporary name
-    and renamed, so a killed process leaves only whole cells (a file damaged by a crash of the machine fails
-    to load and its cell runs again). A run that finds a store with the
-    same manifest reuses its cells; a store from other code, seed or device is discarded (and says so). The
-    store is removed once the dataset is written.
 Dataset
     dims = grid axes (then each array metric's extra dims); variables = metrics (float64, NaN where a cell has
     not run) and ``cell_seconds``; the reference's metrics (if the experiment has one) over the reference axes
@@ -19,11 +13,6 @@ Dataset
 
 from __future__ import annotations
 
-import glob
-import io
-import json
-import shutil
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -40,105 +29,6 @@ NETCDF_ENGINE = "h5netcdf"
 
 class OutputPathError(ValueError):
     """The output path holds something that is not a result of this experiment: refuse to overwrite it."""
-
-
-# ------------------------------------------------------------------------------------------ progress store
-class ProgressStore:
-    """The ``<out>.partial`` folder of one output path: finished cells, one file each."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-        self.root = self.out.with_name(self.out.name + ".partial")
-        self.cells = self.root / "cells"
-        self._lock = None
-
-    def open(self, manifest: dict, resume: bool) -> tuple[dict[str, dict], str]:
-        """Lock the store and return ``(finished cells by key, a note on what was reused or discarded)``."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        self._acquire_lock()
-        note = ""
-        old = self._read_manifest()
-        if not resume:
-            note = "--no-resume: previous progress discarded" if self._has_cells() else ""
-            self._clear()
-        elif old is not None and old != manifest:
-            changed = sorted(k for k in set(old) | set(manifest) if old.get(k) != manifest.get(k))
-            note = f"partial results made with a different {', '.join(changed)} discarded"
-            self._clear()
-        elif old is None and self._has_cells():
-            note = "partial results without a manifest discarded"
-            self._clear()
-        self.cells.mkdir(parents=True, exist_ok=True)
-        # temporaries of a killed run (we hold the lock, so no live run is writing them)
-        for stale in [*self.cells.glob("*.tmp-*"), *self.out.parent.glob(f"{glob.escape(self.out.name)}.tmp-*")]:
-            stale.unlink(missing_ok=True)
-        atomic_write(self.root / "manifest.json", lambda p: p.write_text(json.dumps(manifest, indent=1)))
-        finished = {}
-        for path in sorted(self.cells.glob("*.npz")):
-            cell = self._read_cell(path)
-            if cell is None or cell_key(cell["params"]) != path.stem:   # damaged, or another cell's file
-                print(f"warning: unreadable progress file {path} is ignored; its cell runs again", file=sys.stderr)
-                path.unlink(missing_ok=True)
-            else:
-                finished[path.stem] = cell
-        return finished, note
-
-    def put(self, key: str, params: dict, metrics: dict[str, np.ndarray], seconds: float) -> None:
-        def write(tmp):
-            buffer = io.BytesIO()
-            np.savez(buffer, __params__=np.array(json.dumps(params)), __seconds__=np.array(float(seconds)),
-                     **metrics)
-            tmp.write_bytes(buffer.getvalue())
-
-        atomic_write(self.cells / f"{key}.npz", write, durable=False)
-
-    def remove(self) -> None:
-        self.release()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def release(self) -> None:
-        if self._lock is not None:
-            self._lock.close()
-            self._lock = None
-
-    # ------------------------------------------------------------------------------------------------ private
-    def _acquire_lock(self):
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - non-POSIX: no protection against concurrent runs
-            return
-        handle = open(self.root / "lock", "a")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
-            raise RuntimeError(f"another run is writing {self.out} (its progress store {self.root} is locked)") \
-                from None
-        self._lock = handle
-
-    def _read_manifest(self):
-        try:
-            return json.loads((self.root / "manifest.json").read_text())
-        except (OSError, ValueError):
-            return None
-
-    def _has_cells(self) -> bool:
-        return self.cells.is_dir() and any(self.cells.iterdir())
-
-    def _clear(self):
-        shutil.rmtree(self.cells, ignore_errors=True)
-        (self.root / "manifest.json").unlink(missing_ok=True)
-
-    @staticmethod
-    def _read_cell(path: Path):
-        try:
-            with np.load(path, allow_pickle=False) as data:
-                arrays = {name: data[name] for name in data.files}
-            params = json.loads(str(arrays.pop("__params__")))
-            seconds = float(arrays.pop("__seconds__"))
-        except Exception:  # noqa: BLE001 - any damage means: run the cell again
-            return None
-        return {"params": params, "metrics": arrays, "seconds": seconds}
 
 
 # --------------------------------------------------------------------------------------------- the dataset

@@ -60,6 +60,20 @@ class CellOutcome:
     params: dict
     metrics: dict[str, np.ndarray]
     seconds: float
+    modules: tuple[str, ...] = ()        # the library modules loaded where the cell ran, when it finished
+
+
+_LOADED: list = [0, ()]
+
+
+def loaded_library() -> tuple[str, ...]:
+    """The names of the ``kernapprox`` modules loaded in this process (what a finished cell may have run: its
+    dependency record, :mod:`kernapprox.store`); recomputed only when ``sys.modules`` grew."""
+    if _LOADED[0] != len(sys.modules):
+        from ..provenance import loaded_modules
+
+        _LOADED[:] = [len(sys.modules), loaded_modules(("kernapprox",))]
+    return _LOADED[1]
 
 
 _EXPERIMENTS: dict[tuple[str, str], Experiment] = {}
@@ -205,7 +219,8 @@ def execute_cell(task: CellTask) -> CellOutcome:
             seconds = time.perf_counter() - start
         finally:
             restore_precision(previous)
-        return CellOutcome(dict(task.params), normalise_metrics(experiment, result, task.reference), seconds)
+        return CellOutcome(dict(task.params), normalise_metrics(experiment, result, task.reference), seconds,
+                           loaded_library())
     except CellError:
         raise
     except BaseException as exc:  # noqa: BLE001 - every failure of the cell itself is reported, not retried

@@ -21,7 +21,6 @@ import xarray as xr
 import kernapprox.sweep as sweep
 from kernapprox.sweep import Experiment, Metric
 from kernapprox.sweep._experiment import cell_spawn_key, check_values
-from kernapprox.sweep._store import ProgressStore
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
@@ -215,14 +214,13 @@ def test_resume_after_sigkill_computes_only_missing_cells(tmp_path, reference):
     killed = toy_subprocess(["--preset", "smoke", "--out", "r/toy.nc"], tmp_path, TOY_KILL_AT_CELL="10")
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     assert not (tmp_path / "r" / "toy.nc").exists()                    # nothing half-written at the final path
-    assert len(list((tmp_path / "r" / "toy.nc.partial" / "cells").glob("*.npz"))) == 9
-    (tmp_path / "r" / "toy.nc.tmp-killedwrite").write_bytes(b"half a dataset")  # as a kill mid-write leaves
+    assert len(toy_experiment.stored_cells()) == 9                     # every finished cell is in the store
     resumed = toy_subprocess(["--preset", "smoke", "--out", "r/toy.nc"], tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     ds = sweep.load(tmp_path / "r" / "toy.nc")
     assert (ds.attrs["cells_run"], ds.attrs["cells_reused"]) == (23, 9)
     assert_same_metrics(ds, reference)
-    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["toy.nc"]     # no store, no temporaries
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["toy.nc"]     # no temporaries beside it
 
 
 def test_failing_cell_fails_loudly_keeps_progress_and_no_resume_starts_over(tmp_path, reference, monkeypatch):
@@ -237,7 +235,8 @@ def test_failing_cell_fails_loudly_keeps_progress_and_no_resume_starts_over(tmp_
     assert_same_metrics(ds, reference)
     monkeypatch.setenv("TOY_FAIL_FAMILY", "b")
     again = run_toy(tmp_path)                       # a finished run of the same command: nothing runs
-    assert again.attrs["time_start"] == ds.attrs["time_start"] and again.attrs["run_key"] == ds.attrs["run_key"]
+    assert (again.attrs["cells_run"], again.attrs["cells_reused"]) == (0, 32)
+    assert_same_metrics(again, reference)
     with pytest.raises(sweep.CellError):
         run_toy(tmp_path, resume=False)             # --force recomputes every cell
     monkeypatch.delenv("TOY_FAIL_FAMILY")
@@ -259,18 +258,22 @@ def test_ctrl_c_says_what_was_saved_and_the_rerun_resumes(tmp_path, reference):
 
 
 def test_a_finished_command_reruns_nothing_unless_forced(tmp_path, reference):
+    """Every cell is kept in the result store under its inputs: the same command computes nothing; another root
+    seed computes every cell; a grid that extends the run (more seeds) computes only the new cells; --force
+    computes every cell again."""
     first = run_toy(tmp_path)
-    before = (tmp_path / "toy.nc").read_bytes()
     again = run_toy(tmp_path)
-    assert (tmp_path / "toy.nc").read_bytes() == before              # not rewritten
-    assert again.attrs["run_key"] == first.attrs["run_key"] and again.attrs["cells_run"] == 32
+    assert (again.attrs["cells_run"], again.attrs["cells_reused"]) == (0, 32)
+    assert again.attrs["code_digest"] == first.attrs["code_digest"]
+    assert_same_metrics(again, first)
     assert run_toy(tmp_path, root_seed=1).attrs["cells_run"] == 32      # another seed: recomputed
-    assert run_toy(tmp_path, seeds=3).attrs["cells_run"] == 48          # another grid: recomputed
+    extended = run_toy(tmp_path, seeds=3)                                # seeds 0, 1 are stored; 2 is new
+    assert (extended.attrs["cells_run"], extended.attrs["cells_reused"]) == (16, 32)
     forced = run_toy(tmp_path, seeds=3, resume=False)
     assert forced.attrs["cells_run"] == 48 and forced.attrs["time_start"] >= first.attrs["time_start"]
+    toy_subprocess(["--preset", "smoke", "--out", "again.nc"], tmp_path)
     out = toy_subprocess(["--preset", "smoke", "--out", "again.nc"], tmp_path)
-    out = toy_subprocess(["--preset", "smoke", "--out", "again.nc"], tmp_path)
-    assert out.returncode == 0 and "is up to date" in out.stderr and "--force recomputes" in out.stderr
+    assert out.returncode == 0 and "0 cells run, 32 reused" in out.stderr, out.stderr
 
 
 def test_set_values_are_checked_before_any_cell_runs(tmp_path):
@@ -313,14 +316,20 @@ def test_progress_from_another_root_seed_is_not_reused(tmp_path, monkeypatch):
     assert ds.attrs["cells_reused"] == 0 and ds.attrs["root_seed"] == 6
 
 
-def test_a_locked_store_refuses_a_second_run(tmp_path):
-    store = ProgressStore(tmp_path / "toy.nc")
-    store.open({"experiment": "toy"}, resume=True)
-    try:
-        with pytest.raises(RuntimeError, match="another run"):
-            run_toy(tmp_path)
-    finally:
-        store.release()
+def test_two_concurrent_runs_of_one_study_both_finish_with_the_same_numbers(tmp_path, reference):
+    """Concurrent writers share the store: each cell file is whole (written under a temporary name and renamed),
+    two writers of one cell write the same name, and both runs end with the uninterrupted run's numbers."""
+    args = ["--preset", "smoke"]
+    procs = [subprocess.Popen([sys.executable, "-m", "toy_experiment", "--quiet", "--no-figure", *args, "--out",
+                               f"c{i}.nc"], cwd=tmp_path, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TOY_SLEEP": "0.01",
+                                   "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])})
+             for i in range(2)]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    for i in range(2):
+        assert_same_metrics(sweep.load(tmp_path / f"c{i}.nc"), reference)
+    assert len(toy_experiment.stored_cells()) >= 32
 
 
 # -------------------------------------------------------------------------------------------- output path
@@ -459,54 +468,102 @@ def _study_package(root, name, body):
     (pkg / "study.py").write_text(body)
 
 
-def test_the_study_code_digest_follows_statements_not_prose(tmp_path, monkeypatch):
-    """The code digest of a study: its module, the helpers of its own package it imports, and the library; a
-    docstring or a comment leaves it, a changed statement in the study or in a helper it imports moves it."""
-    import importlib
+def test_the_study_slice_follows_compute_statements_not_prose_nor_report(tmp_path, monkeypatch):
+    """A study's compute digest is the slice of its module (and of its package's helpers) that run_cell reaches:
+    a docstring or a comment leaves it, a changed statement in run_cell or in a helper it uses moves it; the
+    findings and a helper only they use move the report digest and never the compute one."""
+    from kernapprox import provenance
 
     monkeypatch.syspath_prepend(str(tmp_path))
-    body = '"""A study."""\nfrom studypkg import _helper\nimport kernapprox\n\n\ndef cell():\n    return 2\n'
+    body = ('"""A study."""\nfrom studypkg._helper import helper, phrase\n\n\n'
+            'def run_cell(params, rng, device):\n    return {"m": helper()}\n\n\n'
+            'def findings(ds):\n    return [phrase("a sentence")]\n')
     _study_package(tmp_path, "studypkg", body)
-    importlib.invalidate_caches()
-    first = sweep.study_code_digest("studypkg.study")
-    assert first is not None and len(first) == 16 and int(first, 16) >= 0
+    (tmp_path / "studypkg" / "_helper.py").write_text("def helper():\n    return 1\n\n\n"
+                                                      "def phrase(text):\n    return text\n")
+
+    def digests():
+        return (provenance.study_digest("studypkg.study", root=tmp_path),
+                provenance.study_digest("studypkg.study", provenance.REPORT_ROOTS, root=tmp_path))
+
+    compute, report = digests()
+    assert len(compute) == 16 and int(compute, 16) >= 0
     (tmp_path / "studypkg" / "study.py").write_text(body.replace('"""A study."""', '"""Prose."""  # a comment'))
-    assert sweep.study_code_digest("studypkg.study") == first
-    (tmp_path / "studypkg" / "study.py").write_text(body.replace("return 2", "return 3"))
-    changed = sweep.study_code_digest("studypkg.study")
-    assert changed != first
-    (tmp_path / "studypkg" / "_helper.py").write_text("def helper():\n    return 4\n")
-    assert sweep.study_code_digest("studypkg.study") not in (first, changed)
-    assert sweep.study_code_digest("no_such_module_anywhere.study") is None
+    assert digests() == (compute, report)
+    (tmp_path / "studypkg" / "study.py").write_text(body.replace("a sentence", "another sentence"))
+    assert digests()[0] == compute and digests()[1] != report                  # the report only
+    (tmp_path / "studypkg" / "study.py").write_text(body)
+    (tmp_path / "studypkg" / "_helper.py").write_text("def helper():\n    return 1\n\n\n"
+                                                      "def phrase(text):\n    return text + '.'\n")
+    assert digests()[0] == compute                                             # a helper of the report only
+    (tmp_path / "studypkg" / "_helper.py").write_text("def helper():\n    return 2\n\n\n"
+                                                      "def phrase(text):\n    return text + '.'\n")
+    assert digests()[0] != compute                                             # a helper run_cell uses
+    (tmp_path / "studypkg" / "study.py").write_text(body.replace('{"m": helper()}', '{"m": helper() + 0}'))
+    changed = digests()[0]
+    assert changed not in (compute,)
+    with pytest.raises(ValueError, match="not a module"):
+        provenance.study_digest("no_such_module_anywhere.study", root=tmp_path)
 
 
-def test_a_findings_file_names_the_code_of_its_data_and_stale_ones_are_reported(tmp_path):
-    """The findings' last line carries the dataset's code digest; figure_status compares it with today's code:
-    current, stale (other code) or unknown (no digest); the command exits 1 with --strict when any is not current."""
+def test_a_figure_carries_its_provenance_and_status_reports_what_changed(tmp_path, monkeypatch):
+    """draw() writes the figure, its findings and a provenance record (the cells' merged dependency record, the
+    report digest, the data digest); figure_status is current for it, stale when a module of its record or its
+    report code changes, unknown without a record; --strict exits 1 unless every figure is current. A rerun whose
+    findings read the same re-stamps the record without redrawing."""
+    import shutil
+
     import toy_paired
 
+    from kernapprox import provenance
     from kernapprox.sweep.__main__ import main
 
     ds = sweep.run(toy_paired.EXPERIMENT, out=tmp_path / "p.nc", device="cpu", progress=False)
-    now = sweep.study_code_digest("experiments.spectrum")
-    ds.attrs["code_digest"] = now
-    text = sweep.findings_text(toy_paired.EXPERIMENT, ds, "results/p.nc")
-    assert sweep.read_code_digest(text) == now and sweep.read_digest(text) == sweep.dataset_digest(ds)
     folder = tmp_path / "figures"
-    folder.mkdir()
-    line = "- x\n\n<!-- findings of results/{0}.nc (experiments.spectrum); data digest 0123456789abcdef{1} -->\n"
-    (folder / "a.md").write_text(line.format("a", f"; code {now}"))
-    (folder / "b.md").write_text(line.format("b", "; code 00000000000000ff"))
-    (folder / "c.md").write_text(line.format("c", ""))
-    (folder / "notes.md").write_text("no findings line\n")
+    written = sweep.draw(toy_paired.EXPERIMENT, ds, folder / "p.png", source="results/p.nc")
+    assert sorted(p.name for p in written) == ["p.deps.json", "p.md", "p.png"]
+    record = sweep.read_provenance(folder / "p.png")
+    assert record["study"] == "toy_paired" and record["data_digest"] == sweep.dataset_digest(ds)
+    assert "kernapprox.stats" in record["code"]["library"] or record["code"]["library"]
+    assert record["code"]["study"] == {"toy_paired": provenance.study_digest("toy_paired")}
+    assert [(r.path.name, r.status) for r in sweep.figure_status(folder)] == [("p.md", "current")]
+    # a rerun with the same numbers: the record is rewritten, the figure and findings are not
+    png, md = (folder / "p.png").stat().st_mtime_ns, (folder / "p.md").read_text()
+    again = sweep.run(toy_paired.EXPERIMENT, out=tmp_path / "p.nc", device="cpu", progress=False)
+    assert sweep.draw(toy_paired.EXPERIMENT, again, folder / "p.png", source="results/p.nc") == [
+        folder / "p.deps.json"]
+    assert (folder / "p.png").stat().st_mtime_ns == png and (folder / "p.md").read_text() == md
+    # a copy of the project in which one module of the record changes by a statement: stale, naming it
+    root = tmp_path / "clone"
+    shutil.copytree(provenance.project_root() / "kernapprox", root / "kernapprox",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    module = sorted(record["code"]["library"])[-1]
+    path = root / (module.replace(".", "/") + ".py")
+    path = path if path.is_file() else root / module.replace(".", "/") / "__init__.py"
+    path.write_text(path.read_text() + "\n# a comment\n")
+    # toy_paired lives outside the clone: it is found where Python finds it
+    assert [r.status for r in sweep.figure_status(folder, root=root)] == ["current"]
+    path.write_text(path.read_text() + "\n_EDITED = 1\n")
+    (row,) = sweep.figure_status(folder, root=root)
+    assert row.status == "stale" and f"{module} changed" in row.reasons
+    (folder / "q.md").write_text("- x\n\n<!-- findings of results/q.nc (experiments.spectrum); data digest "
+                                 "0123456789abcdef -->\n")
     status = {row.path.name: row.status for row in sweep.figure_status(folder)}
-    assert status == {"a.md": "current", "b.md": "stale", "c.md": "unknown"}
+    assert status == {"p.md": "current", "q.md": "unknown"}
     assert main(["status", str(folder)]) == 0 and main(["status", str(folder), "--strict"]) == 1
-    (folder / "b.md").unlink()
-    (folder / "c.md").unlink()
+    (folder / "q.md").unlink()
     assert main(["status", str(folder), "--strict"]) == 0
     with pytest.raises(ValueError, match="folder"):
         sweep.figure_status(tmp_path / "missing")
+
+
+def test_the_cli_names_every_preset_but_the_default_apart(tmp_path, monkeypatch):
+    """A preset other than the default writes results/<name>_<preset>.nc and figures/<name>_<preset>.png, as the
+    Makefile names them: a smoke run never writes over the default's figure."""
+    monkeypatch.chdir(tmp_path)
+    assert sweep.run_cli(TOY, ["--preset", "smoke", "--quiet"]) == 0
+    assert (tmp_path / "results" / "toy_smoke.nc").is_file() and (tmp_path / "figures" / "toy_smoke.png").is_file()
+    assert not (tmp_path / "figures" / "toy.png").exists() and not (tmp_path / "results" / "toy.nc").exists()
 
 
 def _study_module(name="my_study", **attrs):
