@@ -79,7 +79,8 @@ import xarray as xr
 from kernapprox import backends
 from kernapprox.attention import native
 from kernapprox.models import AttentionSpec, ModelConfig, build_model, presets
-from kernapprox.sweep import study_code_digest
+from kernapprox.provenance import dependency_record, record_id, report_digest
+from kernapprox.sweep import write_provenance
 from kernapprox.tasks import NextStep
 from kernapprox.tasks.sequence import unavailable_reason
 from kernapprox.timing import provenance
@@ -520,12 +521,24 @@ def plot(ds: xr.Dataset, path: str) -> None:
         save_figure(fig, path, caption, title="Training from scratch: loss against wall-clock")
 
 
+COMPUTE = ("train_for", "to_dataset", "_seed_data", "_warm_up", "MAPS", "SOURCE")
+
+
+def _record() -> dict:
+    """What the curve depends on (kernapprox.store's rule): the library modules loaded, the benchmark's training
+    code (its functions that train and measure, not its findings or plot) and the package versions."""
+    return dependency_record(study=__name__ if __name__ != "__main__" else "benchmarks.training_curve",
+                             roots=COMPUTE)
+
+
 def write_outputs(ds: xr.Dataset, figure: str, findings_path: str) -> None:
-    """The findings page and the figure of ``ds``."""
+    """The findings page, the figure of ``ds`` and its provenance record (``<figure>.deps.json``)."""
     Path(findings_path).parent.mkdir(parents=True, exist_ok=True)
     Path(findings_path).write_text(findings(ds))
     Path(figure).parent.mkdir(parents=True, exist_ok=True)
     plot(ds, figure)
+    module = "benchmarks.training_curve"
+    write_provenance(figure, ds, module, report_digest(module))
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -591,11 +604,12 @@ def main(argv: list[str] | None = None) -> xr.Dataset:
                       f"{run.cpu_utilisation:.2f} ({time.perf_counter() - t_start:.0f} s)", flush=True)
     load_end = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     attrs.update({"load_average_1min_at_end": float(load_end), "native_status": native.status(),
-                  "code_digest": study_code_digest("benchmarks.training_curve") or "",
+                  "dependencies": json.dumps(_record(), sort_keys=True),
                   "wall_time_s": time.perf_counter() - t_start,
                   "history": " ".join([os.path.basename(sys.executable), "-m", "benchmarks.training_curve",
                                        *(argv if argv is not None else sys.argv[1:])]),
                   "models": json.dumps({m: [MAPS[m][0], MAPS[m][1]] for m in labels})})
+    attrs["code_digest"] = record_id(json.loads(attrs["dependencies"]))
     ds = to_dataset(runs, labels, lengths, seeds, unigram, budget, attrs)
     write_dataset(ds, args.out)
     write_outputs(ds, args.figure, args.findings)

@@ -411,7 +411,8 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def dependency_record(modules=None, *, study: str | None = None, root: str | Path | None = None) -> dict:
+def dependency_record(modules=None, *, study: str | None = None, root: str | Path | None = None,
+                      roots=COMPUTE_ROOTS) -> dict:
     """What a result computed now depends on: ``{"library": {module: digest}, "study": {module: digest},
     "packages": {distribution: version}, "python": "3.x"}`` for the library ``modules`` (default: those loaded
     now, :func:`loaded_modules`, less :data:`REPORT_MODULES`) and the compute slice of ``study``
@@ -433,7 +434,9 @@ def dependency_record(modules=None, *, study: str | None = None, root: str | Pat
     record = {"library": library, "study": {}, "packages": package_versions_of(names),
               "python": ".".join(map(str, sys.version_info[:2]))}
     if study is not None:
-        record["study"][study] = study_digest(study, root=base)
+        record["study"][study] = study_digest(study, tuple(roots), root=base)
+        if tuple(roots) != COMPUTE_ROOTS:               # a program that is not a sweep study names its own
+            record["roots"] = {study: list(roots)}
     return record
 
 
@@ -446,6 +449,8 @@ def merge_records(records) -> dict:
     """The union of dependency records (the code of a dataset whose cells were made by several runs)."""
     out = {"library": {}, "study": {}, "packages": {}, "python": ""}
     for record in records:
+        if record.get("roots"):
+            out.setdefault("roots", {}).update(record["roots"])
         for part in ("library", "study", "packages"):
             out[part].update(record.get(part, {}))
         out["python"] = record.get("python", out["python"])
@@ -461,9 +466,10 @@ def changes(record: dict, *, root: str | Path | None = None) -> list[str]:
         now = module_digest(name, root=base)
         if now != digest:
             out.append(f"{name} {'removed' if now is None else 'changed'}")
+    roots = record.get("roots", {})
     for name, digest in sorted(record.get("study", {}).items()):
         try:
-            now = study_digest(name, root=base)
+            now = study_digest(name, tuple(roots.get(name, COMPUTE_ROOTS)), root=base)
         except ValueError:
             now = None
         if now != digest:

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import provenance
 from .cache import cache_root
-from .io import atomic_write
+from .io import _fsync_dir, atomic_write
 
 __all__ = ["Store", "default_store", "interrupts_deferred", "input_key"]
 
@@ -215,6 +215,10 @@ class Store:
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=parent))
         try:
             write(tmp)
+            for path in tmp.rglob("*"):                     # durable before it becomes visible
+                if path.is_file():
+                    with open(path, "rb+") as f:
+                        os.fsync(f.fileno())
             with interrupts_deferred():
                 try:
                     os.replace(tmp, final)
@@ -223,6 +227,7 @@ class Store:
                         raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        _fsync_dir(parent)
         return final
 
     # --------------------------------------------------------------------------------------- maintenance

@@ -69,10 +69,12 @@ def test_results_are_netcdf4_read_with_h5netcdf(tmp_path, engines):
     assert ds.attrs[sweep.MARKER] == "toy"
 
 
-def test_progress_files_are_npz_without_objects_and_a_json_manifest(tmp_path, monkeypatch):
+def test_stored_cells_are_npz_without_objects_and_records_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path / "cache"))        # a store of this test's own
     out = tmp_path / "toy.nc"
     cells = toy_experiment.leave_partial_progress(out, monkeypatch)
-    json.loads((out.with_name(out.name + ".partial") / "manifest.json").read_text())
+    records = list((tmp_path / "cache" / "store" / "records").glob("*.json"))
+    assert records and all(json.loads(r.read_text())["library"] for r in records)
     for path in cells:
         assert zipfile.is_zipfile(path)
         with np.load(path, allow_pickle=False) as data:
@@ -80,6 +82,7 @@ def test_progress_files_are_npz_without_objects_and_a_json_manifest(tmp_path, mo
 
 
 def test_a_pickle_bearing_cell_file_is_rejected_without_running_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path / "cache"))        # a store of this test's own
     out = tmp_path / "toy.nc"
     cells = toy_experiment.leave_partial_progress(out, monkeypatch)
     with np.load(cells[0], allow_pickle=False) as data:
@@ -87,7 +90,8 @@ def test_a_pickle_bearing_cell_file_is_rejected_without_running_it(tmp_path, mon
     ran = tmp_path / "payload-ran"
     payload = np.empty(1, dtype=object)
     payload[0] = CreatesFileWhenUnpickled(ran)
-    np.savez(cells[0], **{**arrays, "mean": payload})              # same cell, same params, a booby-trapped metric
+    with open(cells[0], "wb") as f:                                 # same cell, same params, a booby-trapped metric
+        np.savez(f, **{**arrays, "mean": payload})
     with np.load(cells[0], allow_pickle=False) as data:
         with pytest.raises(ValueError, match="allow_pickle"):
             data["mean"]

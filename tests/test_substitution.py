@@ -354,7 +354,7 @@ def test_fitted_maps_are_cached_without_pickles_and_reload_exactly(tmp_path, mon
     q, k, _ = windows.qkv(2, 3)
     assert q.shape == (16, 32, 32) and k.shape == (16, 64, 32) and q.dtype == torch.float32
     fitted = sub.fit_maps(s, windows, cache=True, cache_dir=tmp_path)
-    files = list(tmp_path.glob("maps_hedgehog_*.npz"))
+    files = list((tmp_path / "store" / "objects" / "maps").glob("hedgehog_*/maps.npz"))
     assert len(files) == 1 and set(fitted) == {(layer, head) for layer in range(6) for head in range(12)}
     with np.load(files[0], allow_pickle=False) as stored:              # plain arrays only
         assert "L5H11/query_weight_" in stored.files

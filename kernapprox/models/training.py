@@ -275,7 +275,7 @@ def _curve(rows, model_config, task, train_config, key, seconds) -> xr.Dataset:
                         {"long_name": "curriculum difficulty (MQAR pairs / regression points)", "units": "1"})},
         coords={"step": ("step", np.asarray(rows["step"], dtype=np.int64))},
         attrs={"title": f"training curve of a {task.name} model", "config": json.dumps(payload, sort_keys=True),
-               "config_key": key, "code_version": payload["code_version"], "torch_version": str(torch.__version__),
+               "config_key": key, "torch_version": str(torch.__version__),
                "numpy_version": np.__version__, "git_revision": git_revision(), "threads": train_config.threads,
                "device": train_config.device, "train_seconds": float(seconds[0]),
                "train_cpu_seconds": float(seconds[1]),

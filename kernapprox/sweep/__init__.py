@@ -48,6 +48,7 @@ from ._figures import (
     read_code_digest,
     read_digest,
     read_provenance,
+    write_provenance,
 )
 from ._run import SweepError, default_output, resolve_device, resolve_grid, run, summarise_dataset
 from ._store import MARKER, OutputPathError, load
@@ -57,5 +58,6 @@ __all__ = ["Experiment", "Metric", "Parameter", "Reference", "AXIS_ATTRS", "run"
            "cell_seed_sequence", "data_seed_sequence", "cell_key", "iter_cells", "resolve_grid",
            "summarise_dataset", "draw", "findings_body", "findings_text", "dataset_digest", "read_digest",
            "read_code_digest", "figure_status", "FigureStatus", "provenance_path", "read_provenance",
+           "write_provenance",
            "build_parser", "default_output", "resolve_device", "SweepError", "CellError", "OutputPathError",
            "MARKER", "not_applicable"]

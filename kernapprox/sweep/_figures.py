@@ -167,7 +167,7 @@ def draw(experiment, ds: xr.Dataset, figure, *, source: str = "the dataset") -> 
     figure was drawn from. So a rerun on another machine, whose last bits differ, certifies a figure instead of
     rewriting it."""
     from .. import plotting
-    from ..provenance import record_id, report_digest
+    from ..provenance import report_digest
 
     figure = Path(figure)
     figure.parent.mkdir(parents=True, exist_ok=True)
@@ -189,14 +189,25 @@ def draw(experiment, ds: xr.Dataset, figure, *, source: str = "the dataset") -> 
         if text is not None:
             atomic_write(md, lambda tmp: tmp.write_text(text, encoding="utf-8"))
             written.append(md)
-    code = json.loads(ds.attrs["dependencies"]) if ds.attrs.get("dependencies") else None
     if report is not None:
-        record = {"study": experiment.module, "preset": ds.attrs.get("preset"),
-                  "code_digest": record_id(code) if code else None, "code": code, "report": report,
-                  "data_digest": digest, "drawn_from": old.get("drawn_from", digest) if keep else digest,
-                  "git_revision": ds.attrs.get("git_revision")}
-        path = provenance_path(figure)
-        atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
-                                                      encoding="utf-8"))
-        written.append(path)
+        written.insert(0, write_provenance(figure, ds, experiment.module, report, keep=keep))
     return written
+
+
+def write_provenance(figure, ds: xr.Dataset, module: str, report: str, *, keep: bool = False) -> Path:
+    """Write ``<figure>.deps.json``: the dataset's merged dependency record (its ``dependencies`` attribute), the
+    study and its preset, the report digest, the data digest, and the digest the figure was drawn from (the same
+    unless the figure was kept: ``keep``)."""
+    from ..provenance import record_id
+
+    digest = dataset_digest(ds)
+    old = read_provenance(figure) or {}
+    code = json.loads(ds.attrs["dependencies"]) if ds.attrs.get("dependencies") else None
+    record = {"study": module, "preset": ds.attrs.get("preset"), "code_digest": record_id(code) if code else None,
+              "code": code, "report": report, "data_digest": digest,
+              "drawn_from": old.get("drawn_from", digest) if keep else digest,
+              "git_revision": ds.attrs.get("git_revision")}
+    path = provenance_path(figure)
+    atomic_write(path, lambda tmp: tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n",
+                                                  encoding="utf-8"))
+    return path

@@ -64,8 +64,11 @@ def test_findings_and_figure_from_the_dataset(tiny):
     assert "KV cache" in text and "unigram baseline" in text
     last = text.strip().splitlines()[-1]          # the studies' digest line: data and the code that made it
     assert sweep.read_digest(last) == sweep.dataset_digest(ds)
-    assert sweep.read_code_digest(last) == ds.attrs["code_digest"] == sweep.study_code_digest(
-        "benchmarks.training_curve")
+    assert sweep.read_code_digest(last) == ds.attrs["code_digest"]
+    record = sweep.read_provenance(paths["figure"])
+    assert record["study"] == "benchmarks.training_curve" and record["code_digest"] == ds.attrs["code_digest"]
+    assert [row.status for row in sweep.figure_status(paths["figure"].parent)
+            if row.path.stem == paths["figure"].stem] == ["current"]
     assert paths["figure"].stat().st_size > 10_000
     again = tc.main(["--replot", f"--out={paths['out']}", f"--figure={paths['figure']}",
                      f"--findings={paths['findings']}"])

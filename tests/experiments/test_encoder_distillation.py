@@ -63,7 +63,7 @@ def test_smoke_preset_scores_every_student_on_the_teachers_windows(tmp_path):
     md = written[-1].read_text(encoding="utf-8")
     assert md.startswith("- At r = 16 features per head") and sweep.read_digest(md) == sweep.dataset_digest(ds)
     assert sum(line.startswith("- Stage 2 (") for line in md.splitlines()) == 2      # Hedgehog's and T2R's
-    assert sweep.read_code_digest(md) == sweep.study_code_digest("experiments.encoder_distillation")
+    assert sweep.read_code_digest(md) == ds.attrs["code_digest"]
 
 
 def test_bad_cells_are_refused():

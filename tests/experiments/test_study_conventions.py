@@ -15,7 +15,7 @@ import xarray as xr
 from PIL import Image
 
 import kernapprox.sweep as sweep
-from kernapprox import stats
+from kernapprox import provenance, stats
 from kernapprox.sweep import Experiment, Metric, Reference
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,7 +153,10 @@ def test_findings_are_computed_from_the_dataset_and_tied_to_the_figure(name, smo
     digest = sweep.read_digest(md)
     assert digest == sweep.dataset_digest(ds)
     assert digest in Image.open(tmp_path / f"{name}.png").info["Source"]
-    assert sweep.read_code_digest(md) == ds.attrs["code_digest"] == sweep.study_code_digest(f"experiments.{name}")
+    assert sweep.read_code_digest(md) == ds.attrs["code_digest"]
+    record = sweep.read_provenance(tmp_path / f"{name}.png")        # what the numbers depend on, beside them
+    assert record["study"] == f"experiments.{name}" and record["code_digest"] == ds.attrs["code_digest"]
+    assert record["code"]["study"] == {f"experiments.{name}": provenance.study_digest(f"experiments.{name}")}
 
 
 def test_findings_of_two_runs_are_identical(smoke_run, tmp_path):

@@ -162,8 +162,8 @@ def test_learning_rate_schedule():
 def test_checkpoint_cache_hit_and_miss(tmp_path):
     first = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN, cache_dir=tmp_path)
     assert not first.cached
-    files = sorted(p.suffix for p in (tmp_path / "trained_models").iterdir())
-    assert files == [".nc", ".pt"]
+    (entry,) = (tmp_path / "store" / "objects" / "trained_models").iterdir()
+    assert sorted(p.name for p in entry.iterdir()) == ["curve.nc", "weights.pt"]
     again = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN, cache_dir=tmp_path)
     assert again.cached and again.key == first.key
     assert_same_state(first.model, again.model)
@@ -183,11 +183,11 @@ def test_checkpoint_cache_hit_and_miss(tmp_path):
 
 
 def test_checkpoints_go_to_the_cache_root_fsynced(tmp_path, monkeypatch):
-    """Without ``cache_dir`` the entry lands in ``$KERNAPPROX_CACHE_DIR/trained_models`` (never the working
-    directory), and both of its files are fsynced before they are renamed into place."""
+    """Without ``cache_dir`` the entry lands in the result store below ``$KERNAPPROX_CACHE_DIR`` (never the working
+    directory), and both of its files are fsynced before their folder is renamed into place."""
     import os
 
-    from kernapprox import io
+    from kernapprox import store as store_module
 
     monkeypatch.setenv("KERNAPPROX_CACHE_DIR", str(tmp_path / "root"))
     monkeypatch.chdir(tmp_path)
@@ -198,13 +198,14 @@ def test_checkpoints_go_to_the_cache_root_fsynced(tmp_path, monkeypatch):
         synced.append(os.readlink(f"/proc/self/fd/{fd}") if os.path.exists(f"/proc/self/fd/{fd}") else fd)
         real_fsync(fd)
 
-    monkeypatch.setattr(io.os, "fsync", fsync)
+    monkeypatch.setattr(store_module.os, "fsync", fsync)
     trained = load_or_train(TINY_MODEL, TINY_MQAR, TINY_TRAIN)
-    entry = sorted((tmp_path / "root" / "trained_models").iterdir())
-    assert [p.name for p in entry] == [f"{TINY_MQAR.name}_{trained.key}.nc", f"{TINY_MQAR.name}_{trained.key}.pt"]
+    (entry,) = (tmp_path / "root" / "store" / "objects" / "trained_models").iterdir()
+    assert entry.name.startswith(f"{TINY_MQAR.name}_{trained.key}.")
+    assert sorted(p.name for p in entry.iterdir()) == ["curve.nc", "weights.pt"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]                # nothing in the working directory
     files = [str(s) for s in synced if ".tmp-" in str(s)]
-    assert sum(".pt.tmp-" in s for s in files) == 1 and sum(".nc.tmp-" in s for s in files) == 1
+    assert sum(s.endswith("weights.pt") for s in files) == 1 and sum(s.endswith("curve.nc") for s in files) == 1
 
 
 def test_the_paired_regression_preset_flags_its_queries():
@@ -263,7 +264,7 @@ def test_trained_icl_smoke_preset_runs_as_a_script(tmp_path):
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert fig.stat().st_size > 10_000
-    assert len(list((tmp_path / "cache" / "trained_models").glob("*.pt"))) == 5      # 2 references, 3 trained
+    assert len(list((tmp_path / "cache" / "store" / "objects" / "trained_models").glob("*/weights.pt"))) == 5
     with xr.open_dataset(out, engine="h5netcdf") as ds:
         ds = ds.load()
     exact = ds.sel(estimator="exact", num_features=trained_icl.FIXED_SLOT)
