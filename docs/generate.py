@@ -35,7 +35,7 @@ GALLERY_START, GALLERY_END = "<!-- gallery:start -->", "<!-- gallery:end -->"
 ORDER = ("kernel_error", "variance_theory", "attention_error", "icl_recall", "icl_regression", "icl_classification",
          "in_context_vs_in_weight", "rank_summary", "query_distribution", "spectrum", "modality_spectrum", "modes",
          "model_substitution",
-         "causal_lm", "causal_lm_long", "distillation")
+         "causal_lm", "distillation")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z(])")
 
 
