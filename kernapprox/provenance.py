@@ -227,7 +227,7 @@ COMPUTE_PACKAGES = {"numpy": "numpy", "scipy": "scipy", "torch": "torch", "sklea
                     "safetensors": "safetensors", "threadpoolctl": "threadpoolctl"}
 COMPUTE_ROOTS = ("run_cell", "draw", "run_reference", "DATA_AXES")
 REPORT_ROOTS = ("plot", "findings", "summarise", "check_params", "GRIDS", "PARAMETERS", "METRICS", "AXIS_ATTRS",
-                "REFERENCE_METRICS", "REFERENCE_AXES")
+                "REFERENCE_METRICS", "REFERENCE_AXES", "EXPERIMENT")
 _STARTED_NS = time.time_ns()            # a source file changed after this moment is not the code this process runs
 
 
@@ -434,10 +434,27 @@ def dependency_record(modules=None, *, study: str | None = None, root: str | Pat
     record = {"library": library, "study": {}, "packages": package_versions_of(names),
               "python": ".".join(map(str, sys.version_info[:2]))}
     if study is not None:
-        record["study"][study] = study_digest(study, tuple(roots), root=base)
+        record["study"][study] = (_running_study_digest(study, tuple(roots)) if root is None
+                                  else study_digest(study, tuple(roots), root=base))
         if tuple(roots) != COMPUTE_ROOTS:               # a program that is not a sweep study names its own
             record["roots"] = {study: list(roots)}
     return record
+
+
+_RUNNING: dict = {}
+
+
+def _running_study_digest(study: str, roots: tuple) -> str:
+    """The compute digest of the study this process runs, computed once (at its first record) from a source that
+    has not changed since the process started: :class:`SourceChangedError` otherwise."""
+    key = (study, roots)
+    if key not in _RUNNING:
+        path = _find_module(study, project_root())
+        if path is not None and path.stat().st_mtime_ns > _STARTED_NS:
+            raise SourceChangedError(f"{path} changed while this process ran its code; rerun (the result would be "
+                                     "recorded against code that did not make it)")
+        _RUNNING[key] = study_digest(study, roots)
+    return _RUNNING[key]
 
 
 def record_id(record: dict) -> str:

@@ -122,8 +122,8 @@ def completed_with_progress_reused(ds, log: str) -> bool:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     folder = tmp_path_factory.mktemp("reference")
-    return {preset: sweep.run(TOY, preset=preset, out=folder / f"{preset}.nc", device="cpu", progress=False)
-            for preset in ("smoke", "wide")}
+    return {preset: sweep.run(TOY, preset=preset, out=folder / f"{preset}.nc", device="cpu", progress=False,
+                              resume=False) for preset in ("smoke", "wide")}
 
 
 # --------------------------------------------------------------------------------- kills at random moments

@@ -54,8 +54,9 @@ def toy_subprocess(args, tmp_path, **env):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The toy smoke grid run once, uninterrupted, in this process."""
-    return run_toy(tmp_path_factory.mktemp("ref"))
+    """The toy smoke grid run once, uninterrupted, in this process (every cell computed: a module-scoped fixture
+    is made before a test's own store is set, so it must not count on an empty one)."""
+    return run_toy(tmp_path_factory.mktemp("ref"), resume=False)
 
 
 # ---------------------------------------------------------------------------------------------- definitions
