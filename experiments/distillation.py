@@ -965,7 +965,9 @@ def _seed_findings(ds: xr.Dataset) -> list[str]:
 
 EXPERIMENT = Experiment.from_module(
     __name__, title="Distilling a pretrained LM's softmax attention into fixed-state students",
-    replicates=_lm.REPLICATES)
+    replicates=f"{_lm.REPLICATES}; each interval is conditional on the students trained with the preset's training "
+               "seeds (a student trained again elsewhere, with other floating-point reductions, can move a number "
+               "beyond it: the seeds preset's spread over training seeds is the interval that covers that)")
 
 if __name__ == "__main__":
     run_cli(EXPERIMENT)

@@ -394,7 +394,9 @@ EXPERIMENT = Experiment.from_module(
     __name__, title="Trained Transformers: post-hoc substitution, trained fixed-state models, proxy",
     plot=report.plot, findings=report.findings,
     replicates="the seeds (cluster bootstrap: each seed with its prompts, which share its feature draw or landmark "
-               "fit)",
+               "fit); conditional on the one softmax reference model trained per task and the fixed-state models "
+               "trained once per configuration (trained again elsewhere, with other floating-point reductions, they "
+               "can move a number beyond these intervals)",
     description="Does the training-free picture predict in-context learning in trained models? Softmax references "
                 "trained on MQAR and in-context linear regression; their attention replaced post hoc by each "
                 "estimator at rank r (every layer or one); fixed-state models trained from scratch at feature "
