@@ -127,7 +127,8 @@ class Store:
         return self._records[rid]
 
     def valid(self, rid: str) -> bool:
-        """Whether the code, study and packages of record ``rid`` are today's (:func:`provenance.changes`)."""
+        """Whether the code, study and packages of record ``rid`` are today's
+        (:func:`kernapprox.provenance.changes`)."""
         if rid not in self._valid:
             record = self.record(rid)
             self._valid[rid] = record is not None and not provenance.changes(record, root=self.project)
