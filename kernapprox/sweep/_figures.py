@@ -81,8 +81,8 @@ def read_digest(markdown: str) -> str | None:
 
 
 def read_code_digest(markdown: str) -> str | None:
-    """The code digest (:func:`kernapprox.sweep.study_code_digest` of the code that made the data) named by a
-    findings file's last line (``None`` if it names none)."""
+    """The code digest (the id of the dataset's merged dependency record, :func:`kernapprox.provenance.record_id`)
+    named by a findings file's last line (``None`` if it names none)."""
     match = _DIGEST_LINE.search(markdown)
     return match["code"] if match else None
 
